@@ -1,0 +1,47 @@
+"""Who may do what. Every write service calls one of these before it acts."""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+from forgeboard.accounts.models import ApiToken, Membership, Project, Role, TokenScope, User
+from forgeboard.errors import PermissionDenied
+
+Actor: TypeAlias = User | ApiToken
+
+
+def project_role(*, actor: Actor, project: Project) -> Role | None:
+    """The actor's role in the project; an API token acts as a member (write) or viewer (read) of its own project."""
+    if isinstance(actor, ApiToken):
+        if actor.project_id != project.pk or actor.revoked_at is not None:
+            return None
+        return Role.MEMBER if actor.scope == TokenScope.WRITE else Role.VIEWER
+    if not actor.is_active:
+        return None
+    if actor.is_superuser:
+        return Role.OWNER
+    role = Membership.objects.filter(project=project, user=actor).values_list("role", flat=True).first()
+    return Role(role) if role else None
+
+
+def require_project_role(*, actor: Actor, project: Project, minimum: Role, action: str) -> Role:
+    role = project_role(actor=actor, project=project)
+    if role is None:
+        # Outsiders learn nothing about the project beyond the refusal.
+        raise PermissionDenied(f"you are not a member of project {project.slug!r}")
+    if role.rank < minimum.rank:
+        raise PermissionDenied(f"{action} needs the {minimum.label.lower()} role; you are a {role.label.lower()}")
+    return role
+
+
+def require_operator(*, actor: Actor, action: str) -> None:
+    if isinstance(actor, ApiToken) or not (actor.is_active and (actor.is_operator or actor.is_superuser)):
+        raise PermissionDenied(f"{action} needs the platform operator role")
+
+
+def actor_user(actor: Actor) -> User | None:
+    return actor.created_by if isinstance(actor, ApiToken) else actor
+
+
+def actor_label(actor: Actor) -> str:
+    return f"token:{actor.prefix}" if isinstance(actor, ApiToken) else f"user:{actor.username}"

@@ -1,0 +1,158 @@
+"""Writes for projects, memberships and API tokens. Each checks permission and leaves an audit entry."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from datetime import datetime, timedelta
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from forgeboard.accounts.models import ApiToken, Membership, Project, Role, TokenScope, User, slug_validator
+from forgeboard.accounts.permissions import Actor, require_project_role
+from forgeboard.audit.services import audit_record
+from forgeboard.errors import Conflict, PermissionDenied, ValidationFailed
+
+TOKEN_PREFIX_BYTES = 6
+TOKEN_SECRET_BYTES = 24
+TOKEN_LAST_USED_RESOLUTION = timedelta(minutes=1)
+
+
+def _clean_text(*, field: str, value: str, max_length: int, required: bool = True) -> str:
+    if not isinstance(value, str):
+        raise ValidationFailed.on(field, "must be text")
+    cleaned = value.strip()
+    if required and not cleaned:
+        raise ValidationFailed.on(field, "must not be empty")
+    if len(cleaned) > max_length:
+        raise ValidationFailed.on(field, f"must be at most {max_length} characters, got {len(cleaned)}")
+    return cleaned
+
+
+def project_create(*, actor: User, slug: str, name: str, description: str = "") -> Project:
+    if not actor.is_active or not actor.is_authenticated:
+        raise PermissionDenied("creating a project needs an active account")
+    try:
+        slug_validator(slug)
+    except DjangoValidationError:
+        raise ValidationFailed.on("slug", "use lowercase letters, digits and dashes, 1-63 characters") from None
+    name = _clean_text(field="name", value=name, max_length=200)
+    description = _clean_text(field="description", value=description, max_length=10_000, required=False)
+    try:
+        with transaction.atomic():
+            project = Project.objects.create(slug=slug, name=name, description=description)
+            Membership.objects.create(project=project, user=actor, role=Role.OWNER)
+            audit_record(actor=actor, action="project.create", target=project, project=project, payload={"slug": slug})
+    except IntegrityError:
+        raise ValidationFailed.on("slug", f"a project with slug {slug!r} already exists") from None
+    return project
+
+
+def _owner_count(project: Project) -> int:
+    return Membership.objects.filter(project=project, role=Role.OWNER).count()
+
+
+@transaction.atomic
+def membership_set(*, actor: Actor, project: Project, user: User, role: Role | str) -> Membership:
+    require_project_role(actor=actor, project=project, minimum=Role.OWNER, action="changing members")
+    if role not in Role.values:
+        raise ValidationFailed.on("role", f"unknown role {role!r}: choose one of {', '.join(Role.values)}")
+    role = Role(role)
+    # Lock the project's memberships so two owners demoting each other cannot leave it ownerless.
+    list(Membership.objects.select_for_update().filter(project=project))
+    membership = Membership.objects.filter(project=project, user=user).first()
+    if membership and membership.role == Role.OWNER and role != Role.OWNER and _owner_count(project) == 1:
+        raise Conflict("a project needs at least one owner", problems=[])
+    if membership is None:
+        membership = Membership.objects.create(project=project, user=user, role=role)
+    else:
+        membership.role = role
+        membership.save(update_fields=["role"])
+    audit_record(
+        actor=actor, action="membership.set", target=membership, project=project,
+        payload={"user": user.username, "role": role.value},
+    )
+    return membership
+
+
+@transaction.atomic
+def membership_remove(*, actor: Actor, project: Project, user: User) -> None:
+    require_project_role(actor=actor, project=project, minimum=Role.OWNER, action="removing members")
+    list(Membership.objects.select_for_update().filter(project=project))
+    membership = Membership.objects.filter(project=project, user=user).first()
+    if membership is None:
+        raise ValidationFailed.on("user", f"{user.username} is not a member of {project.slug}")
+    if membership.role == Role.OWNER and _owner_count(project) == 1:
+        raise Conflict("a project needs at least one owner")
+    audit_record(actor=actor, action="membership.remove", target=membership, project=project,
+                 payload={"user": user.username})
+    membership.delete()
+
+
+def _hash_token(raw: str) -> str:
+    return hashlib.sha256(raw.encode("utf-8")).hexdigest()
+
+
+def api_token_create(
+    *, actor: User, project: Project, name: str, scope: TokenScope | str, expires_at: datetime | None = None
+) -> tuple[ApiToken, str]:
+    """Create a token; the plaintext is returned once and never stored."""
+    require_project_role(actor=actor, project=project, minimum=Role.MEMBER, action="creating API tokens")
+    name = _clean_text(field="name", value=name, max_length=100)
+    if scope not in TokenScope.values:
+        raise ValidationFailed.on("scope", f"unknown scope {scope!r}: choose read or write")
+    if expires_at is not None and expires_at <= timezone.now():
+        raise ValidationFailed.on("expires_at", "must be in the future")
+    prefix = secrets.token_hex(TOKEN_PREFIX_BYTES)
+    raw = f"fb_{prefix}_{secrets.token_urlsafe(TOKEN_SECRET_BYTES)}"
+    try:
+        with transaction.atomic():
+            token = ApiToken.objects.create(
+                project=project, name=name, prefix=prefix, token_hash=_hash_token(raw), scope=scope,
+                created_by=actor, expires_at=expires_at,
+            )
+            audit_record(actor=actor, action="api_token.create", target=token, project=project,
+                         payload={"name": name, "scope": scope, "prefix": prefix})
+    except IntegrityError:
+        raise ValidationFailed.on("name", f"a token named {name!r} already exists in {project.slug}") from None
+    return token, raw
+
+
+def api_token_revoke(*, actor: User, token: ApiToken) -> ApiToken:
+    role = require_project_role(actor=actor, project=token.project, minimum=Role.MEMBER, action="revoking tokens")
+    if role != Role.OWNER and token.created_by_id != actor.pk:
+        raise PermissionDenied("only an owner or the token's creator may revoke it")
+    if token.revoked_at is None:
+        token.revoked_at = timezone.now()
+        token.save(update_fields=["revoked_at"])
+        audit_record(actor=actor, action="api_token.revoke", target=token, project=token.project,
+                     payload={"prefix": token.prefix})
+    return token
+
+
+def api_token_authenticate(*, raw: str) -> ApiToken | None:
+    """The live token for a bearer string, or None. Constant-time on the secret part."""
+    parts = raw.split("_") if isinstance(raw, str) else []
+    if len(parts) < 3 or parts[0] != "fb" or len(parts[1]) != 2 * TOKEN_PREFIX_BYTES:
+        return None
+    token = ApiToken.objects.select_related("project", "created_by").filter(prefix=parts[1]).first()
+    if token is None or not hmac.compare_digest(token.token_hash, _hash_token(raw)):
+        return None
+    now = timezone.now()
+    if token.revoked_at is not None or (token.expires_at is not None and token.expires_at <= now):
+        return None
+    if token.last_used_at is None or now - token.last_used_at > TOKEN_LAST_USED_RESOLUTION:
+        ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
+    return token
+
+
+def user_set_operator(*, actor: User, user: User, is_operator: bool) -> User:
+    if not (actor.is_active and actor.is_superuser):
+        raise PermissionDenied("granting the operator role needs an administrator")
+    user.is_operator = is_operator
+    user.save(update_fields=["is_operator"])
+    audit_record(actor=actor, action="user.set_operator", target=user, payload={"is_operator": is_operator})
+    return user

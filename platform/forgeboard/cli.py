@@ -1,0 +1,106 @@
+"""The `forgeboard` command. Imports Django only in the subcommands that need it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_DIR = Path(__file__).resolve().parents[2]
+
+
+def _django_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("DJANGO_SETTINGS_MODULE", "forgeboard.settings")
+    paths = [str(REPO_DIR / "platform"), str(REPO_DIR)]
+    env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def _manage(*args: str) -> None:
+    subprocess.run([sys.executable, str(REPO_DIR / "manage.py"), *args], env=_django_env(), check=True)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Migrate, seed the demo, then run the web server and a Celery worker until interrupted."""
+    _manage("migrate", "--noinput")
+    if "channels" in _database_aliases():
+        _manage("migrate", "--noinput", "--database", "channels")
+    if args.demo:
+        _manage("seed_demo")
+    env = _django_env()
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "workers.celery", "worker", "--loglevel", "info",
+         "--concurrency", str(args.worker_concurrency), "--queues", "default,launch"],
+        env=env, cwd=REPO_DIR, start_new_session=True,
+    )
+    web = subprocess.Popen(
+        [sys.executable, "-m", "daphne", "-b", args.host, "-p", str(args.port), "forgeboard.asgi:application"],
+        env=env, cwd=REPO_DIR, start_new_session=True,
+    )
+    print(f"Forgeboard on http://{args.host}:{args.port}/ (log in as demo / forgeboard-demo); Ctrl-C stops it",
+          flush=True)
+
+    def stop(*_: object) -> None:
+        for proc in (web, worker):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, lambda *_: (stop(), sys.exit(0)))
+    try:
+        while web.poll() is None and worker.poll() is None:
+            try:
+                web.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop()
+        for proc in (web, worker):
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return web.returncode or worker.returncode or 0
+
+
+def _database_aliases() -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", "from django.conf import settings; import django; django.setup(); "
+         "print(' '.join(settings.DATABASES))"],
+        env=_django_env(), capture_output=True, text=True, check=True,
+    )
+    return out.stdout.split()
+
+
+def cmd_manage(args: argparse.Namespace) -> int:
+    _manage(*args.rest)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="forgeboard", description="Forgeboard control plane and tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="migrate, then run the web server and a Celery worker")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=int(os.environ.get("FORGEBOARD_PORT", "8000")))
+    serve.add_argument("--worker-concurrency", type=int, default=2)
+    serve.add_argument("--demo", action="store_true", help="seed the demo user, project and experiments")
+    serve.set_defaults(func=cmd_serve)
+    manage = sub.add_parser("manage", help="run a Django management command")
+    manage.add_argument("rest", nargs=argparse.REMAINDER)
+    manage.set_defaults(func=cmd_manage)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

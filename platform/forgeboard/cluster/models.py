@@ -1,0 +1,71 @@
+"""The cluster inventory: hosts and their devices, as node agents report them."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class HostState(models.TextChoices):
+    UP = "up", "Up"
+    DRAINING = "draining", "Draining"
+    CORDONED = "cordoned", "Cordoned"
+    DOWN = "down", "Down"
+
+
+class Health(models.TextChoices):
+    HEALTHY = "healthy", "Healthy"
+    DEGRADED = "degraded", "Degraded"
+    UNHEALTHY = "unhealthy", "Unhealthy"
+    UNKNOWN = "unknown", "Unknown"
+
+
+class Host(models.Model):
+    hostname = models.CharField(max_length=255, unique=True)
+    pool = models.CharField(max_length=100, default="default", help_text="Node pool; each has its Celery queue")
+    labels = models.JSONField(default=dict, blank=True)
+    state = models.CharField(max_length=16, choices=HostState.choices, default=HostState.UP)
+    health = models.CharField(max_length=16, choices=Health.choices, default=Health.UNKNOWN)
+    cpu_count = models.PositiveIntegerField(default=0)
+    memory_bytes = models.BigIntegerField(default=0)
+    cpu_utilization = models.FloatField(null=True, blank=True)
+    memory_utilization = models.FloatField(null=True, blank=True)
+    agent_version = models.CharField(max_length=50, blank=True)
+    registered_at = models.DateTimeField(auto_now_add=True)
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["hostname"]
+        constraints = [
+            models.CheckConstraint(condition=models.Q(state__in=HostState.values), name="host_state_valid"),
+            models.CheckConstraint(condition=models.Q(health__in=Health.values), name="host_health_valid"),
+        ]
+
+    def __str__(self) -> str:
+        return self.hostname
+
+
+class DeviceKind(models.TextChoices):
+    GPU = "gpu", "GPU"
+    CPU = "cpu", "CPU"
+
+
+class Device(models.Model):
+    host = models.ForeignKey(Host, on_delete=models.CASCADE, related_name="devices")
+    kind = models.CharField(max_length=8, choices=DeviceKind.choices)
+    index = models.PositiveIntegerField()
+    model = models.CharField(max_length=200)
+    memory_bytes = models.BigIntegerField(default=0)
+    uuid = models.CharField(max_length=100, blank=True)
+    health = models.CharField(max_length=16, choices=Health.choices, default=Health.UNKNOWN)
+    utilization = models.FloatField(null=True, blank=True)
+    memory_used_bytes = models.BigIntegerField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["host", "kind", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["host", "kind", "index"], name="device_unique_index"),
+            models.CheckConstraint(condition=models.Q(kind__in=DeviceKind.values), name="device_kind_valid"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.kind}{self.index} {self.model}"

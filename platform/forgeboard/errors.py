@@ -1,0 +1,52 @@
+"""Errors that services raise for problems a user can cause. Views and APIs turn them into 4xx."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FieldProblem:
+    field: str
+    message: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"field": self.field, "message": self.message}
+
+
+class ServiceError(Exception):
+    status = 400
+    code = "invalid"
+
+    def __init__(self, message: str, *, problems: Sequence[FieldProblem] = ()):
+        super().__init__(message)
+        self.message = message
+        self.problems = list(problems)
+
+    def as_dict(self) -> dict:
+        return {"code": self.code, "message": self.message, "errors": [p.as_dict() for p in self.problems]}
+
+
+class ValidationFailed(ServiceError):
+    status = 400
+    code = "validation_failed"
+
+    @classmethod
+    def on(cls, field: str, message: str) -> ValidationFailed:
+        return cls(f"{field}: {message}" if field else message, problems=[FieldProblem(field, message)])
+
+
+class PermissionDenied(ServiceError):
+    status = 403
+    code = "permission_denied"
+
+
+class NotFound(ServiceError):
+    status = 404
+    code = "not_found"
+
+
+class Conflict(ServiceError):
+    status = 409
+    code = "conflict"

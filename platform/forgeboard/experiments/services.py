@@ -1,0 +1,123 @@
+"""Experiments and config snapshots. Configs are validated by the engine's own schema."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+from django.db import IntegrityError, transaction
+
+from forgeboard.accounts.models import Project, Role
+from forgeboard.accounts.permissions import Actor, actor_user, require_project_role
+from forgeboard.audit.services import audit_record
+from forgeboard.errors import FieldProblem, ValidationFailed
+from forgeboard.experiments.models import ConfigSnapshot, Experiment, Recipe
+from workers.engine.config import ConfigError, RunConfig, load_config
+
+MAX_TAGS = 20
+MAX_TAG_LENGTH = 50
+MAX_OVERRIDES = 100
+
+
+def _clean_name(name: str) -> str:
+    if not isinstance(name, str) or not name.strip():
+        raise ValidationFailed.on("name", "must not be empty")
+    name = name.strip()
+    if len(name) > 200:
+        raise ValidationFailed.on("name", f"must be at most 200 characters, got {len(name)}")
+    return name
+
+
+def _clean_recipe(recipe: str) -> Recipe:
+    if recipe not in Recipe.values:
+        raise ValidationFailed.on("recipe", f"unknown recipe {recipe!r}: choose one of {', '.join(Recipe.values)}")
+    return Recipe(recipe)
+
+
+def _clean_tags(tags: Sequence[str]) -> list[str]:
+    if isinstance(tags, str) or not all(isinstance(tag, str) for tag in tags):
+        raise ValidationFailed.on("tags", "must be a list of text tags")
+    cleaned = sorted({tag.strip() for tag in tags if tag.strip()})
+    if len(cleaned) > MAX_TAGS:
+        raise ValidationFailed.on("tags", f"at most {MAX_TAGS} tags, got {len(cleaned)}")
+    too_long = [tag for tag in cleaned if len(tag) > MAX_TAG_LENGTH]
+    if too_long:
+        raise ValidationFailed.on("tags", f"tag {too_long[0][:20]!r}… is over {MAX_TAG_LENGTH} characters")
+    return cleaned
+
+
+def experiment_create(
+    *, actor: Actor, project: Project, name: str, recipe: str, description: str = "", tags: Sequence[str] = ()
+) -> Experiment:
+    require_project_role(actor=actor, project=project, minimum=Role.MEMBER, action="creating experiments")
+    name, recipe, tags = _clean_name(name), _clean_recipe(recipe), _clean_tags(tags)
+    if not isinstance(description, str) or len(description) > 10_000:
+        raise ValidationFailed.on("description", "must be text of at most 10000 characters")
+    try:
+        with transaction.atomic():
+            experiment = Experiment.objects.create(
+                project=project, name=name, recipe=recipe, description=description, tags=tags,
+                created_by=actor_user(actor),
+            )
+            audit_record(actor=actor, action="experiment.create", target=experiment, project=project,
+                         payload={"name": name, "recipe": recipe})
+    except IntegrityError:
+        raise ValidationFailed.on("name", f"an experiment named {name!r} already exists in {project.slug}") from None
+    return experiment
+
+
+def experiment_update(
+    *, actor: Actor, experiment: Experiment, description: str | None = None, tags: Sequence[str] | None = None
+) -> Experiment:
+    require_project_role(actor=actor, project=experiment.project, minimum=Role.MEMBER, action="editing experiments")
+    changes: dict[str, object] = {}
+    if description is not None:
+        if not isinstance(description, str) or len(description) > 10_000:
+            raise ValidationFailed.on("description", "must be text of at most 10000 characters")
+        changes["description"] = description
+    if tags is not None:
+        changes["tags"] = _clean_tags(tags)
+    for field, value in changes.items():
+        setattr(experiment, field, value)
+    with transaction.atomic():
+        experiment.save(update_fields=list(changes))
+        audit_record(actor=actor, action="experiment.update", target=experiment, project=experiment.project,
+                     payload=changes)
+    return experiment
+
+
+def validate_run_config(*, yaml_text: str, overrides: Sequence[str] = (), recipe: str) -> RunConfig:
+    """The engine's validation plus the experiment's recipe; field-level ValidationFailed on any problem."""
+    if not isinstance(yaml_text, str):
+        raise ValidationFailed.on("config", "must be YAML text")
+    if len(overrides) > MAX_OVERRIDES:
+        raise ValidationFailed.on("overrides", f"at most {MAX_OVERRIDES} overrides, got {len(overrides)}")
+    try:
+        config = load_config(yaml_text, overrides=list(overrides))
+    except ConfigError as exc:
+        problems = [FieldProblem(f"config.{e.field}" if e.field else "config", e.message) for e in exc.errors]
+        raise ValidationFailed("invalid config: " + "; ".join(str(e) for e in exc.errors), problems=problems) from None
+    recipe = Recipe(recipe).value
+    if config.recipe != recipe:
+        raise ValidationFailed.on(
+            "config.recipe", f"is {config.recipe!r} but the experiment's recipe is {recipe!r}"
+        )
+    return config
+
+
+def config_snapshot_create(*, yaml_text: str, overrides: Sequence[str] = (), recipe: str) -> ConfigSnapshot:
+    """Validate and store a config; the same text and overrides give back the same snapshot."""
+    config = validate_run_config(yaml_text=yaml_text, overrides=overrides, recipe=recipe)
+    digest = hashlib.sha256(json.dumps([yaml_text, list(overrides)]).encode("utf-8")).hexdigest()
+    existing = ConfigSnapshot.objects.filter(content_hash=digest).first()
+    if existing is not None:
+        return existing
+    try:
+        with transaction.atomic():
+            return ConfigSnapshot.objects.create(
+                content_hash=digest, yaml_text=yaml_text, overrides=list(overrides),
+                parsed=json.loads(config.model_dump_json()), recipe=recipe,
+            )
+    except IntegrityError:
+        return ConfigSnapshot.objects.get(content_hash=digest)

@@ -1,0 +1,99 @@
+"""Runs and the operator commands sent to them."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+
+from forgeboard.experiments.models import ConfigSnapshot, Experiment
+from forgeboard.runs.states import RunState
+
+
+class LaunchBackend(models.TextChoices):
+    LOCAL = "local", "Local subprocess"
+    MONARCH = "monarch", "Monarch multi-host"
+    SLURM = "slurm", "SLURM"
+    KUBERNETES = "kubernetes", "Kubernetes"
+
+
+class Run(models.Model):
+    experiment = models.ForeignKey(Experiment, on_delete=models.CASCADE, related_name="runs")
+    number = models.PositiveIntegerField(help_text="1, 2, 3… within the experiment")
+    config = models.ForeignKey(ConfigSnapshot, on_delete=models.PROTECT, related_name="runs")
+    state = models.CharField(max_length=16, choices=RunState.choices, default=RunState.QUEUED)
+    placement_plan = models.JSONField(default=dict, blank=True)
+    priority = models.SmallIntegerField(default=0)
+    launched_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
+    parent = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="children",
+        help_text="The run this one was cloned or resumed from",
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    state_changed_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    restart_count = models.PositiveIntegerField(default=0)
+    max_restarts = models.PositiveIntegerField(default=0)
+    exit_reason = models.TextField(blank=True)
+    backend = models.CharField(max_length=16, choices=LaunchBackend.choices, default=LaunchBackend.LOCAL)
+    host = models.CharField(max_length=255, blank=True)
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    job_id = models.CharField(max_length=255, blank=True)
+    log_path = models.CharField(max_length=1024, blank=True)
+    last_event_seq = models.BigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(fields=["experiment", "number"], name="run_unique_number"),
+            models.CheckConstraint(condition=models.Q(state__in=RunState.values), name="run_state_valid"),
+        ]
+        indexes = [models.Index(fields=["state", "priority", "created_at"], name="run_queue_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.experiment}#{self.number}"
+
+
+class CommandKind(models.TextChoices):
+    CANCEL = "cancel", "Cancel"
+    PAUSE = "pause", "Pause"
+    RESUME = "resume", "Resume"
+    PLACEMENT_CHANGE = "placement_change", "Placement change"
+    FAULT_DRILL = "fault_drill", "Fault drill"
+    LOAD_REDIRECT = "load_redirect", "Load redirect"
+    CHECKPOINT = "checkpoint", "Checkpoint now"
+
+
+class CommandState(models.TextChoices):
+    PENDING = "pending", "Pending"
+    DELIVERED = "delivered", "Delivered"
+    SUCCEEDED = "succeeded", "Succeeded"
+    FAILED = "failed", "Failed"
+    EXPIRED = "expired", "Expired"
+
+
+class Command(models.Model):
+    """An operator command. The controller pulls it by id, acknowledges it, and reports its result."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="commands")
+    kind = models.CharField(max_length=32, choices=CommandKind.choices)
+    payload = models.JSONField(default=dict, blank=True)
+    state = models.CharField(max_length=16, choices=CommandState.choices, default=CommandState.PENDING)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    delivery_count = models.PositiveIntegerField(default=0)
+    acknowledged_at = models.DateTimeField(null=True, blank=True)
+    result = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["id"]
+        constraints = [
+            models.CheckConstraint(condition=models.Q(kind__in=CommandKind.values), name="command_kind_valid"),
+            models.CheckConstraint(condition=models.Q(state__in=CommandState.values), name="command_state_valid"),
+        ]
+        indexes = [models.Index(fields=["run", "state", "id"], name="command_pending_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.kind} for {self.run} ({self.state})"

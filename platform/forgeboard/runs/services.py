@@ -1,0 +1,154 @@
+"""Where a run is launched, moved between states, cancelled, and sent commands."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Max
+from django.utils import timezone
+
+from forgeboard.accounts.models import Role
+from forgeboard.accounts.permissions import Actor, actor_user, require_project_role
+from forgeboard.audit.services import audit_record
+from forgeboard.errors import Conflict, NotFound, ValidationFailed
+from forgeboard.experiments.models import Experiment
+from forgeboard.experiments.services import config_snapshot_create
+from forgeboard.runs.models import Command, CommandKind, CommandState, Run
+from forgeboard.runs.states import ACTIVE_STATES, TERMINAL_STATES, TRANSITIONS, RunState
+from forgeboard.telemetry.models import EventKind
+from forgeboard.telemetry.services import event_append
+
+logger = logging.getLogger(__name__)
+
+MAX_COMMAND_PAYLOAD_BYTES = 64 * 1024
+
+
+class IllegalTransition(Conflict):
+    code = "illegal_transition"
+
+
+def _enqueue_launch(run_id: int) -> None:
+    from workers.celery import app  # the Celery app lives in the data plane package
+
+    app.send_task("runs.launch", args=[run_id])
+
+
+def run_launch(
+    *,
+    actor: Actor,
+    experiment: Experiment,
+    config_yaml: str,
+    overrides: Sequence[str] = (),
+    priority: int = 0,
+    parent: Run | None = None,
+) -> Run:
+    """Validate and snapshot the config, create the run as queued, and enqueue its launch once committed."""
+    require_project_role(actor=actor, project=experiment.project, minimum=Role.MEMBER, action="launching runs")
+    if not isinstance(priority, int) or isinstance(priority, bool) or not -100 <= priority <= 100:
+        raise ValidationFailed.on("priority", "must be an integer from -100 to 100")
+    with transaction.atomic():
+        snapshot = config_snapshot_create(yaml_text=config_yaml, overrides=overrides, recipe=experiment.recipe)
+        # Lock the experiment row so concurrent launches get distinct run numbers.
+        Experiment.objects.select_for_update().filter(pk=experiment.pk).first()
+        number = (Run.objects.filter(experiment=experiment).aggregate(n=Max("number"))["n"] or 0) + 1
+        run = Run.objects.create(
+            experiment=experiment, number=number, config=snapshot, state=RunState.QUEUED, priority=priority,
+            launched_by=actor_user(actor), parent=parent, max_restarts=snapshot.parsed.get("max_restarts", 0),
+            placement_plan=snapshot.parsed.get("placement", {}),
+        )
+        event_append(run=run, kind=EventKind.STATE_CHANGED, payload={"from": None, "to": RunState.QUEUED})
+        audit_record(actor=actor, action="run.launch", target=run, project=experiment.project,
+                     payload={"config": snapshot.content_hash, "overrides": list(overrides)})
+        transaction.on_commit(lambda: _enqueue_launch(run.pk))
+    logger.info("run %s queued", run.pk, extra={"run_id": run.pk})
+    return run
+
+
+def run_transition(
+    *, run_id: int, from_state: RunState, to_state: RunState, reason: str = "", **fields: Any
+) -> Run:
+    """Move a run from one state to another, claimed atomically: exactly one caller wins a race."""
+    if to_state not in TRANSITIONS[RunState(from_state)]:
+        raise IllegalTransition(f"a run cannot go from {from_state} to {to_state}")
+    now = timezone.now()
+    values: dict[str, Any] = {"state": to_state, "state_changed_at": now, **fields}
+    if to_state == RunState.RUNNING and from_state == RunState.LAUNCHING:
+        values.setdefault("started_at", now)
+    if to_state in TERMINAL_STATES:
+        values.setdefault("finished_at", now)
+        if reason:
+            values["exit_reason"] = reason
+    with transaction.atomic():
+        claimed = Run.objects.filter(pk=run_id, state=from_state).update(**values)
+        if claimed != 1:
+            current = Run.objects.filter(pk=run_id).values_list("state", flat=True).first()
+            if current is None:
+                raise NotFound(f"no run {run_id}")
+            raise IllegalTransition(f"run {run_id} is {current}, not {from_state}: it cannot go to {to_state}")
+        run = Run.objects.get(pk=run_id)
+        payload = {"from": from_state, "to": to_state} | ({"reason": reason} if reason else {})
+        event_append(run=run, kind=EventKind.STATE_CHANGED, payload=payload)
+    return run
+
+
+def run_cancel(*, actor: Actor, run: Run) -> Run:
+    require_project_role(actor=actor, project=run.experiment.project, minimum=Role.MEMBER, action="cancelling runs")
+    run.refresh_from_db()
+    if run.state in TERMINAL_STATES:
+        raise Conflict(f"run {run.pk} already ended ({run.state})")
+    with transaction.atomic():
+        if run.state == RunState.QUEUED:
+            run = run_transition(run_id=run.pk, from_state=RunState.QUEUED, to_state=RunState.CANCELLED,
+                                 reason="cancelled before launch")
+        elif run.state != RunState.CANCELLING:
+            run = run_transition(run_id=run.pk, from_state=RunState(run.state), to_state=RunState.CANCELLING)
+            _command_insert(actor=actor, run=run, kind=CommandKind.CANCEL, payload={})
+        audit_record(actor=actor, action="run.cancel", target=run, project=run.experiment.project)
+    return run
+
+
+def _command_insert(*, actor: Actor, run: Run, kind: CommandKind, payload: dict[str, Any]) -> Command:
+    command = Command.objects.create(run=run, kind=kind, payload=payload, created_by=actor_user(actor))
+    event_append(run=run, kind=EventKind.COMMAND_ISSUED, payload={"command": command.pk, "kind": kind})
+    return command
+
+
+def command_create(*, actor: Actor, run: Run, kind: str, payload: dict[str, Any] | None = None) -> Command:
+    """Queue an operator command for a live run; the controller pulls, acknowledges and executes it once."""
+    require_project_role(actor=actor, project=run.experiment.project, minimum=Role.MEMBER, action="sending commands")
+    if kind not in CommandKind.values:
+        raise ValidationFailed.on("kind", f"unknown command {kind!r}: choose one of {', '.join(CommandKind.values)}")
+    if kind == CommandKind.CANCEL:
+        raise ValidationFailed.on("kind", "cancel a run with the cancel action, which also handles queued runs")
+    payload = payload or {}
+    if not isinstance(payload, dict):
+        raise ValidationFailed.on("payload", "must be an object")
+    if len(json.dumps(payload)) > MAX_COMMAND_PAYLOAD_BYTES:
+        raise ValidationFailed.on("payload", f"over {MAX_COMMAND_PAYLOAD_BYTES} bytes")
+    run.refresh_from_db()
+    if run.state not in ACTIVE_STATES or run.state == RunState.CANCELLING:
+        raise Conflict(f"run {run.pk} is {run.state}: commands go to launching, running or paused runs")
+    with transaction.atomic():
+        command = _command_insert(actor=actor, run=run, kind=CommandKind(kind), payload=payload)
+        audit_record(actor=actor, action=f"command.{kind}", target=command, project=run.experiment.project,
+                     payload=payload)
+    return command
+
+
+def command_acknowledge(*, run: Run, command_id: int) -> Command:
+    """Mark a command delivered to the controller. Repeating it is harmless (at-least-once delivery)."""
+    now = timezone.now()
+    with transaction.atomic():
+        command = Command.objects.select_for_update().filter(pk=command_id, run=run).first()
+        if command is None:
+            raise NotFound(f"run {run.pk} has no command {command_id}")
+        command.delivery_count += 1
+        if command.state == CommandState.PENDING:
+            command.state, command.delivered_at, command.acknowledged_at = CommandState.DELIVERED, now, now
+            event_append(run=run, kind=EventKind.COMMAND_ACKNOWLEDGED, payload={"command": command.pk})
+        command.save()
+    return command

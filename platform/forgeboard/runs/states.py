@@ -1,0 +1,38 @@
+"""Run states and the only transitions allowed between them."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class RunState(models.TextChoices):
+    QUEUED = "queued", "Queued"
+    LAUNCHING = "launching", "Launching"
+    RUNNING = "running", "Running"
+    PAUSED = "paused", "Paused"
+    CANCELLING = "cancelling", "Cancelling"
+    SUCCEEDED = "succeeded", "Succeeded"
+    FAILED = "failed", "Failed"
+    CANCELLED = "cancelled", "Cancelled"
+    LOST = "lost", "Lost"
+
+
+S = RunState
+TRANSITIONS: dict[RunState, frozenset[RunState]] = {
+    S.QUEUED: frozenset({S.LAUNCHING, S.CANCELLED}),
+    S.LAUNCHING: frozenset({S.RUNNING, S.FAILED, S.CANCELLING, S.LOST}),
+    S.RUNNING: frozenset({S.PAUSED, S.CANCELLING, S.SUCCEEDED, S.FAILED, S.LOST}),
+    S.PAUSED: frozenset({S.RUNNING, S.CANCELLING, S.FAILED, S.LOST}),
+    S.CANCELLING: frozenset({S.CANCELLED, S.FAILED, S.LOST}),
+    # A lost run is restarted from its last checkpoint (back to queued) or given up on.
+    S.LOST: frozenset({S.QUEUED, S.FAILED}),
+    S.SUCCEEDED: frozenset(),
+    S.FAILED: frozenset(),
+    S.CANCELLED: frozenset(),
+}
+TERMINAL_STATES = frozenset(state for state, targets in TRANSITIONS.items() if not targets)
+ACTIVE_STATES = frozenset({S.LAUNCHING, S.RUNNING, S.PAUSED, S.CANCELLING})
+
+
+def sources_of(target: RunState) -> frozenset[RunState]:
+    return frozenset(source for source, targets in TRANSITIONS.items() if target in targets)

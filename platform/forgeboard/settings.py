@@ -1,0 +1,210 @@
+"""Forgeboard settings: everything that varies comes from the environment, read here only.
+
+infra/README.md lists every variable. Unset DATABASE_URL and REDIS_URL give the
+embedded default: SQLite, a filesystem Celery broker and a SQLite channel layer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from django.core.exceptions import ImproperlyConfigured
+
+from forgeboard.env import Env, database_from_url
+
+env = Env()
+
+REPO_DIR = Path(__file__).resolve().parents[2]
+FORGEBOARD_ENV = env.choice("FORGEBOARD_ENV", ("development", "production", "test"), "development")
+PRODUCTION = FORGEBOARD_ENV == "production"
+DATA_DIR = Path(env.str("FORGEBOARD_DATA_DIR", str(REPO_DIR / "var"))).resolve()
+
+DEBUG = False if PRODUCTION else env.bool("FORGEBOARD_DEBUG", FORGEBOARD_ENV == "development")
+SECRET_KEY = env.secret("FORGEBOARD_SECRET_KEY", required=PRODUCTION) or "dev-only-insecure-key-not-for-production"
+if PRODUCTION and len(SECRET_KEY) < 50:
+    raise ImproperlyConfigured("FORGEBOARD_SECRET_KEY: must be at least 50 characters in production")
+ALLOWED_HOSTS = env.list("FORGEBOARD_ALLOWED_HOSTS", [] if PRODUCTION else ["127.0.0.1", "localhost", "testserver"])
+if PRODUCTION and not ALLOWED_HOSTS:
+    raise ImproperlyConfigured("FORGEBOARD_ALLOWED_HOSTS is required in production")
+CSRF_TRUSTED_ORIGINS = env.list("FORGEBOARD_CSRF_TRUSTED_ORIGINS")
+PUBLIC_URL = env.url("FORGEBOARD_PUBLIC_URL", ("http", "https")) or "http://127.0.0.1:8000"
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "forgeboard.accounts",
+    "forgeboard.experiments",
+    "forgeboard.runs",
+    "forgeboard.telemetry",
+    "forgeboard.cluster",
+    "forgeboard.audit",
+    "forgeboard.web",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "forgeboard.logs.RequestContextMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "forgeboard.urls"
+WSGI_APPLICATION = "forgeboard.wsgi.application"
+ASGI_APPLICATION = "forgeboard.asgi.application"
+AUTH_USER_MODEL = "accounts.User"
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "home"
+LOGOUT_REDIRECT_URL = "login"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [REPO_DIR / "frontend" / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- database -----------------------------------------------------------------------------
+DATABASE_URL = env.url("DATABASE_URL", ("postgres", "postgresql"), secret=True)
+CONN_MAX_AGE = env.int("FORGEBOARD_DB_CONN_MAX_AGE", 60, minimum=0)
+_SQLITE_OPTIONS = {
+    "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA busy_timeout=10000;",
+    "transaction_mode": "IMMEDIATE",
+    "timeout": 20,
+}
+if DATABASE_URL:
+    DATABASES = {"default": database_from_url(DATABASE_URL, conn_max_age=CONN_MAX_AGE)}
+else:
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": DATA_DIR / "forgeboard.sqlite3",
+            "OPTIONS": _SQLITE_OPTIONS,
+            "TEST": {"NAME": DATA_DIR / "test-forgeboard.sqlite3"},
+        }
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- broker and channel layer ---------------------------------------------------------------
+REDIS_URL = env.url("REDIS_URL", ("redis", "rediss"), secret=True)
+BROKER_DIR = DATA_DIR / "broker"
+if REDIS_URL:
+    CELERY_BROKER_URL = REDIS_URL
+    CELERY_BROKER_TRANSPORT_OPTIONS: dict = {}
+    CHANNEL_LAYERS = {
+        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}
+    }
+else:
+    # Embedded default: one folder for the broker's in and out works across processes.
+    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(BROKER_DIR / "messages"),
+        "data_folder_out": str(BROKER_DIR / "messages"),
+        "control_folder": str(BROKER_DIR / "control"),
+        "processed_folder": str(BROKER_DIR / "processed"),
+        "store_processed": False,
+    }
+    for _folder in ("messages", "control", "processed"):
+        (BROKER_DIR / _folder).mkdir(parents=True, exist_ok=True)
+    INSTALLED_APPS.append("channels_lite")
+    DATABASES["channels"] = {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": DATA_DIR / "channels.sqlite3",
+        "OPTIONS": _SQLITE_OPTIONS,
+        "TEST": {"NAME": DATA_DIR / "test-channels.sqlite3"},
+    }
+    DATABASE_ROUTERS = ["forgeboard.db_routers.EmbeddedChannelsRouter"]
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_lite.layers.core.SQLiteChannelLayer",
+            "CONFIG": {"database": "channels", "expiry": 60},
+        }
+    }
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ACKS_LATE = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_DEFAULT_QUEUE = "default"
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+# --- security -------------------------------------------------------------------------------
+SESSION_COOKIE_HTTPONLY = True
+CSRF_COOKIE_HTTPONLY = True
+X_FRAME_OPTIONS = "DENY"
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+if PRODUCTION:
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_SSL_REDIRECT = env.bool("FORGEBOARD_SECURE_SSL_REDIRECT", True)
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_HSTS_SECONDS = env.int("FORGEBOARD_HSTS_SECONDS", 31_536_000, minimum=0)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = True
+
+if FORGEBOARD_ENV == "test":
+    # Hashing cost is irrelevant to what the tests check and would dominate their run time.
+    PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 8}},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+
+# --- static files ---------------------------------------------------------------------------
+STATIC_URL = "/static/"
+STATIC_ROOT = REPO_DIR / "staticfiles"
+STATICFILES_DIRS = [REPO_DIR / "frontend" / "static"]
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {
+        "BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"
+        if PRODUCTION
+        else "django.contrib.staticfiles.storage.StaticFilesStorage"
+    },
+}
+WHITENOISE_USE_FINDERS = not PRODUCTION
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+# --- logging --------------------------------------------------------------------------------
+LOG_LEVEL = env.choice("FORGEBOARD_LOG_LEVEL", ("DEBUG", "INFO", "WARNING", "ERROR"), "INFO")
+LOG_FORMAT = env.choice("FORGEBOARD_LOG_FORMAT", ("json", "text"), "json" if PRODUCTION else "text")
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "filters": {"context": {"()": "forgeboard.logs.ContextFilter"}},
+    "formatters": {
+        "json": {"()": "forgeboard.logs.JsonFormatter"},
+        "text": {"format": "%(asctime)s %(levelname)s %(name)s [req=%(request_id)s run=%(run_id)s] %(message)s"},
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT, "filters": ["context"]},
+    },
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}
+
+# --- limits ---------------------------------------------------------------------------------
+DATA_UPLOAD_MAX_MEMORY_SIZE = 5 * 1024 * 1024

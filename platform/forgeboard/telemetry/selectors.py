@@ -1,0 +1,58 @@
+"""Reads of metrics and events: ranges, downsampled series, and events after a cursor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.db.models import Avg, Count, ExpressionWrapper, F, IntegerField, Max, Min, QuerySet
+
+from forgeboard.runs.models import Run
+from forgeboard.telemetry.models import MetricPoint, MetricSeries, RunEvent
+
+
+def metric_keys(*, run: Run) -> QuerySet[MetricSeries]:
+    return MetricSeries.objects.filter(run=run).order_by("key")
+
+
+def metric_range(
+    *, run: Run, key: str, start_step: int | None = None, end_step: int | None = None, limit: int = 10_000
+) -> list[tuple[int, float, float]]:
+    points = MetricPoint.objects.filter(series__run=run, series__key=key)
+    if start_step is not None:
+        points = points.filter(step__gte=start_step)
+    if end_step is not None:
+        points = points.filter(step__lte=end_step)
+    return list(points.order_by("step").values_list("step", "value", "wall_time")[:limit])
+
+
+@dataclass(frozen=True)
+class Bucket:
+    step: int
+    mean: float
+    low: float
+    high: float
+    count: int
+
+
+def metric_downsampled(
+    *, run: Run, key: str, buckets: int, start_step: int | None = None, end_step: int | None = None
+) -> list[Bucket]:
+    """At most `buckets` points over the step range, each the mean, min and max of its slice of steps."""
+    series = MetricSeries.objects.filter(run=run, key=key).first()
+    if series is None or series.first_step is None:
+        return []
+    lo = series.first_step if start_step is None else start_step
+    hi = series.last_step if end_step is None else end_step
+    width = max(1, -(-(hi - lo + 1) // max(1, buckets)))
+    rows = (
+        MetricPoint.objects.filter(series=series, step__gte=lo, step__lte=hi)
+        .annotate(bucket=ExpressionWrapper((F("step") - lo) / width, output_field=IntegerField()))
+        .values("bucket")
+        .annotate(step=Max("step"), mean=Avg("value"), low=Min("value"), high=Max("value"), count=Count("step"))
+        .order_by("bucket")
+    )
+    return [Bucket(step=r["step"], mean=r["mean"], low=r["low"], high=r["high"], count=r["count"]) for r in rows]
+
+
+def events_after(*, run: Run, after_seq: int = 0, limit: int = 1000) -> QuerySet[RunEvent]:
+    return RunEvent.objects.filter(run=run, seq__gt=after_seq).order_by("seq")[:limit]

@@ -1,0 +1,57 @@
+"""One set of actors for every permission test: owner, member, viewer, outsider, operator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from forgeboard.accounts.models import Project, Role, User
+from forgeboard.accounts.services import membership_set, project_create
+from forgeboard.experiments.models import Experiment
+from forgeboard.experiments.services import experiment_create
+
+TINY_GRPO_YAML = """\
+recipe: grpo
+model:
+  family: qwen3
+  path: /models/tiny-qwen3
+trainer:
+  steps: 5
+  batch_size: 2
+grpo:
+  group_size: 4
+"""
+
+
+@dataclass
+class Team:
+    owner: User
+    member: User
+    viewer: User
+    outsider: User
+    operator: User
+    project: Project
+    experiment: Experiment
+
+    def by_role(self, name: str) -> User:
+        return getattr(self, name)
+
+
+@pytest.fixture
+def team(db) -> Team:
+    owner = User.objects.create_user("olivia", password="pw-olivia-1")
+    member = User.objects.create_user("mateo", password="pw-mateo-1")
+    viewer = User.objects.create_user("vera", password="pw-vera-1")
+    outsider = User.objects.create_user("oscar", password="pw-oscar-1")
+    operator = User.objects.create_user("opal", password="pw-opal-1", is_operator=True)
+    project = project_create(actor=owner, slug="alpha", name="Alpha")
+    membership_set(actor=owner, project=project, user=member, role=Role.MEMBER)
+    membership_set(actor=owner, project=project, user=viewer, role=Role.VIEWER)
+    experiment = experiment_create(actor=owner, project=project, name="math", recipe="grpo")
+    return Team(owner, member, viewer, outsider, operator, project, experiment)
+
+
+@pytest.fixture
+def grpo_yaml() -> str:
+    return TINY_GRPO_YAML

@@ -1,0 +1,81 @@
+"""Run states: only the transitions in the table are allowed, and a claim is won by exactly one caller."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from django.db import connection
+
+from forgeboard.runs.models import Run
+from forgeboard.runs.services import IllegalTransition, run_launch, run_transition
+from forgeboard.runs.states import TERMINAL_STATES, TRANSITIONS, RunState
+from forgeboard.telemetry.models import RunEvent
+
+ALL_PAIRS = [(a, b) for a in RunState for b in RunState]
+
+
+def _run_in_state(team, grpo_yaml, state: RunState) -> Run:
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    Run.objects.filter(pk=run.pk).update(state=state)
+    return run
+
+
+@pytest.mark.parametrize(("source", "target"), ALL_PAIRS, ids=[f"{a}->{b}" for a, b in ALL_PAIRS])
+def test_transition_table_is_enforced(team, grpo_yaml, source, target):
+    run = _run_in_state(team, grpo_yaml, source)
+    if target in TRANSITIONS[source]:
+        moved = run_transition(run_id=run.pk, from_state=source, to_state=target)
+        assert moved.state == target
+        last = RunEvent.objects.filter(run=run).order_by("-seq").first()
+        assert last.payload == {"from": source, "to": target}
+        if target in TERMINAL_STATES:
+            assert moved.finished_at is not None
+    else:
+        with pytest.raises(IllegalTransition, match=f"from {source} to {target}"):
+            run_transition(run_id=run.pk, from_state=source, to_state=target)
+        assert Run.objects.get(pk=run.pk).state == source
+
+
+def test_claim_from_a_stale_state_is_refused(team, grpo_yaml):
+    run = _run_in_state(team, grpo_yaml, RunState.RUNNING)
+    with pytest.raises(IllegalTransition, match="is running, not queued"):
+        run_transition(run_id=run.pk, from_state=RunState.QUEUED, to_state=RunState.LAUNCHING)
+    assert Run.objects.get(pk=run.pk).state == RunState.RUNNING
+
+
+def test_terminal_states_have_no_way_out():
+    assert TERMINAL_STATES == {RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED}
+    for state in RunState:
+        assert state in TRANSITIONS, f"{state} missing from the transition table"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_claims_of_one_queued_run_have_exactly_one_winner(team, grpo_yaml):
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    contenders = 8
+    barrier = threading.Barrier(contenders)
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def claim() -> None:
+        try:
+            barrier.wait()
+            run_transition(run_id=run.pk, from_state=RunState.QUEUED, to_state=RunState.LAUNCHING)
+            result = "won"
+        except IllegalTransition:
+            result = "lost"
+        finally:
+            connection.close()
+        with lock:
+            outcomes.append(result)
+
+    threads = [threading.Thread(target=claim) for _ in range(contenders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(outcomes) == ["lost"] * (contenders - 1) + ["won"]
+    assert Run.objects.get(pk=run.pk).state == RunState.LAUNCHING
+    claims = RunEvent.objects.filter(run=run, kind="state_changed", payload__to=RunState.LAUNCHING)
+    assert claims.count() == 1

@@ -1,0 +1,1 @@
+"""Forgeboard's training engine. Django-free: runs on GPU nodes, standalone from its CLI."""

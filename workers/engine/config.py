@@ -1,0 +1,270 @@
+"""The run configuration: one typed schema, one place that validates it.
+
+Loaded from YAML with `key=value` overrides. Unknown keys are errors. Importing
+this module must not import torch: the web process validates configs with it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from workers.engine.yaml_safe import MAX_CONFIG_BYTES, YamlProblem, load_yaml_mapping
+
+
+class Recipe(StrEnum):
+    GRPO = "grpo"
+    SFT = "sft"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=True)
+
+
+PositiveInt = Annotated[int, Field(ge=1, le=2**31 - 1)]
+NonNegativeInt = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class ModelConfig(_Section):
+    family: Literal["qwen3", "llama3"] = "qwen3"
+    path: str = Field(description="Local Hugging Face folder: config.json, *.safetensors, tokenizer.json")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class DataConfig(_Section):
+    source: Literal["arithmetic", "jsonl"] = "arithmetic"
+    path: str | None = Field(default=None, description="JSONL file, required when source is jsonl")
+    max_operand: PositiveInt = Field(default=20, description="arithmetic: largest operand of a+b")
+    train_size: PositiveInt = 2000
+    eval_size: PositiveInt = 64
+    max_prompt_tokens: PositiveInt = 64
+    packing: bool = Field(default=True, description="SFT: pack several examples into one sequence")
+    seq_len: PositiveInt = 256
+
+    @model_validator(mode="after")
+    def _jsonl_needs_path(self) -> DataConfig:
+        if self.source == "jsonl" and not self.path:
+            raise ValueError("path is required when source is 'jsonl'")
+        return self
+
+
+class GeneratorConfig(_Section):
+    backend: Literal["torch", "vllm"] = "torch"
+    replicas: PositiveInt = 1
+    max_new_tokens: PositiveInt = 16
+    temperature: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    routing: Literal["round_robin", "least_loaded", "sticky"] = "least_loaded"
+
+
+class OptimizerConfig(_Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: Annotated[float, Field(gt=0.0, le=1.0)] = 1e-4
+    weight_decay: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    warmup_steps: NonNegativeInt = 0
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    grad_clip: Annotated[float, Field(gt=0.0)] | None = 1.0
+
+
+class TrainerConfig(_Section):
+    steps: PositiveInt = 100
+    batch_size: PositiveInt = Field(default=8, description="prompts per step (GRPO) or sequences per step (SFT)")
+    micro_batch_size: PositiveInt = Field(default=8, description="sequences (rows) per forward/backward; gradients accumulate over a step")
+    ranks: PositiveInt = Field(default=1, description="data-parallel trainer processes")
+    threads_per_process: PositiveInt = 1
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when available, else cpu")
+    optimizer: OptimizerConfig = OptimizerConfig()
+    seed: NonNegativeInt = 0
+    peak_flops_per_second: Annotated[float, Field(gt=0.0, le=1e18)] = Field(
+        default=1e12,
+        description="peak FLOP/s of one trainer device, for the MFU estimate (6 * params * tokens / time / peak)",
+    )
+
+
+class GrpoConfig(_Section):
+    group_size: Annotated[int, Field(ge=2, le=1024)] = 8
+    clip_epsilon: Annotated[float, Field(gt=0.0, le=1.0)] = 0.2
+    kl_coef: Annotated[float, Field(ge=0.0, le=10.0)] = 0.0
+    loss_aggregation: Literal["token", "sequence"] = "token"
+    mode: Literal["sync", "async", "pipelined"] = "sync"
+    max_policy_age: NonNegativeInt = Field(default=0, description="0: fully on-policy")
+
+
+class ReferenceConfig(_Section):
+    enabled: bool = False
+    replicas: PositiveInt = 1
+
+
+class RewardConfig(_Section):
+    functions: list[Literal["exact_math", "format"]] = Field(default_factory=lambda: ["exact_math"], min_length=1)
+    weights: list[float] | None = None
+
+    @model_validator(mode="after")
+    def _weights_match(self) -> RewardConfig:
+        if self.weights is not None and len(self.weights) != len(self.functions):
+            raise ValueError(f"weights has {len(self.weights)} entries for {len(self.functions)} functions")
+        return self
+
+
+class ReplayBufferConfig(_Section):
+    capacity: PositiveInt = 1024
+
+
+class RolePlacement(_Section):
+    hosts: list[str] = Field(default_factory=list, description="host names; empty: any host")
+    procs_per_host: PositiveInt = 1
+    gpus_per_proc: NonNegativeInt = 0
+    colocate_with: Literal["trainer", "generator", "reference"] | None = None
+
+
+class PlacementConfig(_Section):
+    backend: Literal["local", "monarch", "slurm", "kubernetes"] = "local"
+    trainer: RolePlacement = RolePlacement()
+    generator: RolePlacement = RolePlacement()
+    reference: RolePlacement = RolePlacement()
+    reward: RolePlacement = RolePlacement()
+    replay_buffer: RolePlacement = RolePlacement()
+
+
+class CheckpointConfig(_Section):
+    folder: str = Field(default="checkpoints", description="where step_NNNNNN checkpoint folders are written")
+    every_steps: NonNegativeInt = Field(default=0, description="0: only at the end")
+    keep_last: PositiveInt = 3
+    resume_from: str | None = None
+
+
+class EvalConfig(_Section):
+    every_steps: NonNegativeInt = 10
+    rollout_samples: NonNegativeInt = Field(default=4, description="rollouts recorded per step for the dashboard")
+
+
+class TelemetryConfig(_Section):
+    console: bool = True
+    jsonl_path: str | None = None
+    flush_seconds: Annotated[float, Field(gt=0.0, le=60.0)] = 1.0
+
+
+class RunConfig(_Section):
+    recipe: Recipe
+    model: ModelConfig
+    data: DataConfig = DataConfig()
+    generator: GeneratorConfig = GeneratorConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    grpo: GrpoConfig = GrpoConfig()
+    reference: ReferenceConfig = ReferenceConfig()
+    reward: RewardConfig = RewardConfig()
+    replay_buffer: ReplayBufferConfig = ReplayBufferConfig()
+    placement: PlacementConfig = PlacementConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+    max_restarts: NonNegativeInt = 0
+
+
+@dataclass(frozen=True)
+class FieldError:
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; `errors` names each field and why."""
+
+    def __init__(self, errors: Sequence[FieldError]):
+        self.errors = list(errors)
+        super().__init__("; ".join(str(e) for e in self.errors))
+
+
+def _apply_override(data: dict, override: str) -> None:
+    key, sep, raw = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError([FieldError(override, "override must look like section.key=value")])
+    path = key.strip().split(".")
+    node = data
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError([FieldError(key, f"{part!r} is not a section")])
+        node = child
+    try:
+        node[path[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        node[path[-1]] = raw
+
+
+def _field_errors(exc: ValidationError) -> list[FieldError]:
+    errors = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        message = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        errors.append(FieldError(loc, message))
+    return errors
+
+
+def _cross_field_errors(config: RunConfig) -> list[FieldError]:
+    """Rules that involve two sections, reported against the field a user would change."""
+    errors = []
+    if config.grpo.kl_coef > 0.0 and not config.reference.enabled:
+        errors.append(FieldError("grpo.kl_coef", "a KL penalty needs a reference model: set reference.enabled: true"))
+    return errors
+
+
+def parse_config_mapping(data: dict[str, Any]) -> RunConfig:
+    try:
+        config = RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_field_errors(exc)) from None
+    errors = _cross_field_errors(config)
+    if errors:
+        raise ConfigError(errors)
+    return config
+
+
+def load_config(text: str, *, overrides: Sequence[str] = ()) -> RunConfig:
+    """Parse YAML text plus `section.key=value` overrides into a validated RunConfig."""
+    try:
+        data = load_yaml_mapping(text, max_bytes=MAX_CONFIG_BYTES)
+    except YamlProblem as exc:
+        raise ConfigError([FieldError("", str(exc))]) from None
+    for override in overrides:
+        _apply_override(data, override)
+    return parse_config_mapping(data)
+
+
+def load_config_file(path: str | Path, *, overrides: Sequence[str] = ()) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([FieldError("", f"config file {path} does not exist")])
+    return load_config(path.read_text(encoding="utf-8"), overrides=overrides)
+
+
+def check_model_folder(config: RunConfig) -> None:
+    """Field-level error for a model folder that is missing or incomplete, before any process starts."""
+    folder = Path(config.model.path)
+    if not folder.is_dir():
+        raise ConfigError([FieldError("model.path", f"folder {folder} does not exist")])
+    missing = [name for name in ("config.json", "tokenizer.json") if not (folder / name).is_file()]
+    if not any(folder.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if missing:
+        raise ConfigError([FieldError("model.path", f"folder {folder} lacks {', '.join(missing)}")])
+
+
+def config_json_schema() -> dict[str, Any]:
+    """JSON Schema of RunConfig, for the dashboard's config editor."""
+    return RunConfig.model_json_schema()
+
+
+def config_to_yaml(config: RunConfig) -> str:
+    return yaml.safe_dump(json.loads(config.model_dump_json()), sort_keys=False)
