@@ -6,6 +6,7 @@ import logging
 
 from celery import shared_task
 
+from forgeboard.errors import NotFound
 from forgeboard.logs import run_log_context
 from forgeboard.runs.services import IllegalTransition, run_transition
 from forgeboard.runs.states import RunState
@@ -19,10 +20,10 @@ def launch_run(run_id: int) -> str:
     with run_log_context(run_id):
         try:
             run_transition(run_id=run_id, from_state=RunState.QUEUED, to_state=RunState.LAUNCHING)
-        except IllegalTransition as exc:
+        except (IllegalTransition, NotFound) as exc:
             logger.info("launch skipped: %s", exc)
             return "skipped"
-        from workers.launch import start_run
+        from workers.launch.backends import start_run
 
         start_run(run_id=run_id)
         return "launched"

@@ -7,6 +7,7 @@ embedded default: SQLite, a filesystem Celery broker and a SQLite channel layer.
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -83,21 +84,22 @@ TEMPLATES = [
 ]
 
 # --- database -----------------------------------------------------------------------------
-DATABASE_URL = env.url("DATABASE_URL", ("postgres", "postgresql"), secret=True)
+DATABASE_URL = env.url("DATABASE_URL", ("postgres", "postgresql", "sqlite"), secret=True)
 CONN_MAX_AGE = env.int("FORGEBOARD_DB_CONN_MAX_AGE", 60, minimum=0)
 _SQLITE_OPTIONS = {
     "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA busy_timeout=10000;",
     "transaction_mode": "IMMEDIATE",
     "timeout": 20,
 }
-if DATABASE_URL:
+if DATABASE_URL and not DATABASE_URL.startswith("sqlite"):
     DATABASES = {"default": database_from_url(DATABASE_URL, conn_max_age=CONN_MAX_AGE)}
 else:
     DATA_DIR.mkdir(parents=True, exist_ok=True)
+    _sqlite_path = Path(urlsplit(DATABASE_URL).path) if DATABASE_URL else DATA_DIR / "forgeboard.sqlite3"
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.sqlite3",
-            "NAME": DATA_DIR / "forgeboard.sqlite3",
+            "NAME": _sqlite_path,
             "OPTIONS": _SQLITE_OPTIONS,
             "TEST": {"NAME": DATA_DIR / "test-forgeboard.sqlite3"},
         }

@@ -135,7 +135,7 @@ def api_token_revoke(*, actor: User, token: ApiToken) -> ApiToken:
 
 def api_token_authenticate(*, raw: str) -> ApiToken | None:
     """The live token for a bearer string, or None. Constant-time on the secret part."""
-    parts = raw.split("_") if isinstance(raw, str) else []
+    parts = raw.split("_", 2) if isinstance(raw, str) else []
     if len(parts) < 3 or parts[0] != "fb" or len(parts[1]) != 2 * TOKEN_PREFIX_BYTES:
         return None
     token = ApiToken.objects.select_related("project", "created_by").filter(prefix=parts[1]).first()
@@ -146,6 +146,7 @@ def api_token_authenticate(*, raw: str) -> ApiToken | None:
         return None
     if token.last_used_at is None or now - token.last_used_at > TOKEN_LAST_USED_RESOLUTION:
         ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
+        token.last_used_at = now
     return token
 
 

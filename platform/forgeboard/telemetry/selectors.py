@@ -48,10 +48,10 @@ def metric_downsampled(
         MetricPoint.objects.filter(series=series, step__gte=lo, step__lte=hi)
         .annotate(bucket=ExpressionWrapper((F("step") - lo) / width, output_field=IntegerField()))
         .values("bucket")
-        .annotate(step=Max("step"), mean=Avg("value"), low=Min("value"), high=Max("value"), count=Count("step"))
+        .annotate(last_step=Max("step"), mean=Avg("value"), low=Min("value"), high=Max("value"), count=Count("step"))
         .order_by("bucket")
     )
-    return [Bucket(step=r["step"], mean=r["mean"], low=r["low"], high=r["high"], count=r["count"]) for r in rows]
+    return [Bucket(step=r["last_step"], mean=r["mean"], low=r["low"], high=r["high"], count=r["count"]) for r in rows]
 
 
 def events_after(*, run: Run, after_seq: int = 0, limit: int = 1000) -> QuerySet[RunEvent]:

@@ -1,0 +1,93 @@
+"""Events get per-run sequence numbers; metric points are stored once and read by range or downsampled."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from django.db import connection
+
+from forgeboard.errors import ValidationFailed
+from forgeboard.runs.services import run_launch
+from forgeboard.telemetry.models import MetricPoint, MetricSeries, RunEvent
+from forgeboard.telemetry.selectors import events_after, metric_downsampled, metric_range
+from forgeboard.telemetry.services import Point, event_append, metrics_record
+
+
+@pytest.fixture
+def run(team, grpo_yaml):
+    return run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+
+
+def test_event_sequence_numbers_are_dense_and_per_run(run, team, grpo_yaml):
+    other = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    for i in range(3):
+        event_append(run=run, kind="message", payload={"i": i})
+    event_append(run=other, kind="message")
+    assert list(RunEvent.objects.filter(run=run).values_list("seq", flat=True)) == [1, 2, 3, 4]
+    assert list(RunEvent.objects.filter(run=other).values_list("seq", flat=True)) == [1, 2]
+    assert [e.seq for e in events_after(run=run, after_seq=2)] == [3, 4]
+
+
+def test_unknown_event_kind_is_refused(run):
+    with pytest.raises(ValidationFailed, match="unknown event kind"):
+        event_append(run=run, kind="explosion")
+    assert RunEvent.objects.filter(run=run).count() == 1  # just the launch's state change
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_appends_get_distinct_sequence_numbers(team, grpo_yaml):
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    errors: list[BaseException] = []
+
+    def append_many() -> None:
+        try:
+            for _ in range(10):
+                event_append(run=run, kind="message")
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=append_many) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert errors == []
+    seqs = list(RunEvent.objects.filter(run=run).order_by("seq").values_list("seq", flat=True))
+    assert seqs == list(range(1, 42))
+
+
+def test_points_are_stored_once_and_summarised(run):
+    batch = [Point("loss", step, 1.0 / (step + 1), 1000.0 + step) for step in range(10)]
+    assert metrics_record(run=run, points=batch) == 10
+    assert metrics_record(run=run, points=batch[5:] + [Point("loss", 10, 0.05, 1011.0)]) == 1
+    series = MetricSeries.objects.get(run=run, key="loss")
+    assert (series.point_count, series.first_step, series.last_step) == (11, 0, 10)
+    assert series.last_value == 0.05 and series.max_value == 1.0 and series.min_value == 0.05
+    assert MetricPoint.objects.filter(series=series).count() == 11
+    assert [p[0] for p in metric_range(run=run, key="loss", start_step=3, end_step=5)] == [3, 4, 5]
+
+
+def test_downsampling_keeps_the_envelope(run):
+    points = [Point("reward", step, float(step % 10), float(step)) for step in range(1000)]
+    metrics_record(run=run, points=points)
+    buckets = metric_downsampled(run=run, key="reward", buckets=10)
+    assert len(buckets) == 10
+    assert all(b.count == 100 and b.low == 0.0 and b.high == 9.0 for b in buckets)
+    assert buckets[0].mean == pytest.approx(4.5)
+    assert buckets[-1].step == 999
+    assert metric_downsampled(run=run, key="absent", buckets=10) == []
+
+
+@pytest.mark.parametrize(
+    ("point", "field"),
+    [(Point("", 0, 1.0, 0.0), "key"), (Point("k", -1, 1.0, 0.0), "step"), (Point("k", 2**63, 1.0, 0.0), "step"),
+     (Point("k", 0, 1.0, float("nan")), "wall_time"), (Point("k" * 201, 0, 1.0, 0.0), "key")],
+)
+def test_bad_points_are_refused_and_nothing_of_the_batch_is_stored(run, point, field):
+    with pytest.raises(ValidationFailed) as caught:
+        metrics_record(run=run, points=[Point("good", 0, 1.0, 0.0), point])
+    assert caught.value.problems[0].field == field
+    assert MetricPoint.objects.count() == 0

@@ -1,0 +1,35 @@
+"""The local backend: the engine runs as a subprocess on the worker's host, watched by a supervisor process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from django.conf import settings
+
+from forgeboard.runs.models import Run
+
+REPO_DIR = Path(__file__).resolve().parents[2]
+
+
+def run_dir(run_id: int) -> Path:
+    return Path(settings.DATA_DIR) / "runs" / str(run_id)
+
+
+def start_local(*, run: Run) -> int:
+    """Write the run's resolved config and start its supervisor, detached; returns the supervisor's pid."""
+    folder = run_dir(run.pk)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(run.config.parsed, sort_keys=False), encoding="utf-8")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_DIR / "platform"), str(REPO_DIR)])
+    with open(folder / "supervisor.log", "ab") as log:
+        supervisor = subprocess.Popen(
+            [sys.executable, "-m", "workers.launch.local_supervisor", str(run.pk)],
+            cwd=REPO_DIR, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    return supervisor.pid
