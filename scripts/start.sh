@@ -5,4 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV="${FORGEBOARD_VENV:-.venv}"
-exec "$VENV/bin/forgeboard" serve --demo --port "${FORGEBOARD_PORT:-8000}"
+# This checkout's code, whatever checkout the venv was first installed from.
+export PYTHONPATH="$PWD/platform:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+exec "$VENV/bin/python" -m forgeboard.cli serve --demo --port "${FORGEBOARD_PORT:-8000}"
