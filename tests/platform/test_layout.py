@@ -69,3 +69,16 @@ def test_config_schema_loads_without_torch():
 
 def test_workers_package_init_is_empty():
     assert (REPO_DIR / "workers" / "__init__.py").read_text().strip() == ""
+
+
+def test_forgeboard_command_runs_without_importing_django():
+    code = (
+        "import sys\nfrom forgeboard.cli import build_parser\n"
+        "args = build_parser().parse_args(['serve', '--port', '9000', '--demo'])\n"
+        "assert args.port == 9000 and args.demo\n"
+        "assert 'django' not in sys.modules\n"
+    )
+    assert _python(code).returncode == 0
+    result = subprocess.run([sys.executable, "-m", "forgeboard.cli", "--help"], cwd=REPO_DIR, env=platform_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "serve" in result.stdout and "manage" in result.stdout
