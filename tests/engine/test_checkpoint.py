@@ -1,0 +1,69 @@
+"""Checkpoint/resume: a resumed run's next losses equal an uninterrupted run's; export starts new runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.engine.conftest import ARITHMETIC
+from workers.engine.checkpoint import export_hf, list_checkpoints, resolve_checkpoint
+from workers.engine.metrics import MemorySink, Recorder
+from workers.engine.models.hf_folder import load_pretrained
+from workers.engine.recipes.grpo import train_grpo
+from workers.engine.recipes.sft import train_sft
+
+# Same process, same kernels: resumed losses should match bit for bit; allow float noise.
+LOSS_TOLERANCE = 1e-6
+
+
+def test_sft_resume_matches_uninterrupted_run(tiny_trainable_qwen3: Path, make_config, tmp_path: Path) -> None:
+    common = (*ARITHMETIC, "trainer.steps=6", "trainer.batch_size=8", "trainer.micro_batch_size=4",
+              "trainer.optimizer.schedule=cosine", "trainer.optimizer.warmup_steps=2", "eval.every_steps=0")
+    whole_sink = MemorySink()
+    whole = train_sft(make_config("sft", tiny_trainable_qwen3, *common,
+                                  f"checkpoint.folder={tmp_path / 'a'}", "checkpoint.every_steps=3"), Recorder([whole_sink]))
+    assert [p.name for p in list_checkpoints(tmp_path / "a")] == ["step_000003", "step_000006"]
+
+    sink = MemorySink()
+    resumed = train_sft(make_config("sft", tiny_trainable_qwen3, *common, f"checkpoint.folder={tmp_path / 'b'}",
+                                    f"checkpoint.resume_from={tmp_path / 'a' / 'step_000003'}"), Recorder([sink]))
+    assert len(resumed.losses) == 3
+    assert resumed.losses == pytest.approx(whole.losses[3:], abs=LOSS_TOLERANCE)
+    assert sink.series("lr") == whole_sink.series("lr")[3:]  # the schedule continues where it stopped
+    assert [step for step, _ in sink.series("lr")] == [4, 5, 6]
+
+
+def test_grpo_async_resume_matches_uninterrupted_run(sft_warm_start: tuple[Path, float], make_config, tmp_path: Path) -> None:
+    folder, _ = sft_warm_start
+    common = (*ARITHMETIC, "trainer.steps=5", "trainer.batch_size=4", "trainer.micro_batch_size=16", "grpo.group_size=4",
+              "grpo.mode=async", "grpo.max_policy_age=1", "trainer.optimizer.lr=2e-3", "eval.every_steps=0")
+    whole = train_grpo(make_config("grpo", folder, *common, f"checkpoint.folder={tmp_path / 'a'}",
+                                   "checkpoint.every_steps=2"), Recorder())
+    resumed = train_grpo(make_config("grpo", folder, *common, f"checkpoint.folder={tmp_path / 'b'}",
+                                     f"checkpoint.resume_from={tmp_path / 'a'}/step_000002"), Recorder())
+    assert resumed.losses == pytest.approx(whole.losses[2:], abs=LOSS_TOLERANCE)
+    assert [m["policy_version"] for m in resumed.metrics] == [3, 4, 5]
+    assert [m["staleness/policy_age"] for m in resumed.metrics] == [m["staleness/policy_age"] for m in whole.metrics[2:]]
+
+
+def test_export_is_an_hf_folder_that_starts_a_new_run(tiny_trainable_qwen3: Path, make_config, tmp_path: Path) -> None:
+    result = train_sft(make_config("sft", tiny_trainable_qwen3, *ARITHMETIC, "trainer.steps=2", "trainer.batch_size=4",
+                                   "eval.every_steps=0"), Recorder())
+    assert result.checkpoint is not None
+    exported = export_hf(tmp_path / "checkpoints", tmp_path / "exported")  # the newest checkpoint in the folder
+    assert resolve_checkpoint(tmp_path / "checkpoints") == result.checkpoint
+
+    ours = load_pretrained(exported)
+    start = load_pretrained(tiny_trainable_qwen3)
+    reference = AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32)
+    ids = torch.randint(0, 259, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (reference(input_ids=ids).logits - ours.model(ids)).abs().max() < 1e-5
+        assert (ours.model(ids) - start.model(ids)).abs().max() > 1e-3  # the trained weights, not the start
+
+    again = train_sft(make_config("sft", exported, *ARITHMETIC, "trainer.steps=1", "trainer.batch_size=4",
+                                  "eval.every_steps=0", f"checkpoint.folder={tmp_path / 'again'}"), Recorder())
+    assert again.losses[0] < result.losses[0]  # continues from the trained weights

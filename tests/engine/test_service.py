@@ -1,0 +1,34 @@
+"""Routing of requests over service replicas (pure Python, no monarch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.engine.actors.service import Service
+
+
+def test_round_robin_cycles() -> None:
+    service = Service(["a", "b", "c"], routing="round_robin")
+    picked = [service.submit(lambda r: r)[1] for _ in range(5)]
+    assert picked == ["a", "b", "c", "a", "b"]
+    assert service.served == [2, 2, 1]
+
+
+def test_least_loaded_prefers_idle_replicas() -> None:
+    service = Service(["a", "b", "c"], routing="least_loaded")
+    first, _ = service.submit(lambda r: r)
+    second, _ = service.submit(lambda r: r)
+    assert (first, second) == (0, 1)
+    service.done(first)  # a is idle again, b still busy
+    assert service.submit(lambda r: r)[1] == "a"
+    assert service.submit(lambda r: r)[1] == "c"
+    assert service.in_flight == [1, 1, 1]
+
+
+def test_sticky_keeps_a_key_on_one_replica() -> None:
+    service = Service(["a", "b", "c", "d"], routing="sticky")
+    homes = {key: service.submit(lambda r: r, key=key)[1] for key in ("1+2=", "3+4=", "5+6=", "7+8=", "9+9=")}
+    assert all(service.submit(lambda r: r, key=key)[1] == home for key, home in homes.items())
+    assert len(set(homes.values())) > 1
+    with pytest.raises(ValueError, match="key"):
+        service.submit(lambda r: r)

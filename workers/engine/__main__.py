@@ -1,0 +1,5 @@
+import sys
+
+from workers.engine.cli import main
+
+sys.exit(main())

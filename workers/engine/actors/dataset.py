@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+from typing import Any
+
+from monarch.actor import Actor, endpoint
+
+from workers.engine.config import DataConfig
+from workers.engine.tasks import Problem, build_task
+from workers.engine.tasks.stream import ProblemStream
+
+
+class DatasetActor(Actor):
+    """Serves training problems in a seeded, resumable order, and the held-out set."""
+
+    def __init__(self, data: DataConfig, seed: int):
+        self.task = build_task(data, seed=seed)
+        self.stream = ProblemStream(self.task.train, seed=seed)
+
+    @endpoint
+    def take(self, n: int) -> list[Problem]:
+        return self.stream.take(n)
+
+    @endpoint
+    def held_out(self) -> list[Problem]:
+        return self.task.held_out
+
+    @endpoint
+    def state_dict(self) -> dict[str, Any]:
+        return self.stream.state_dict()
+
+    @endpoint
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stream.load_state_dict(state)

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import time
+
+from monarch.actor import Actor, endpoint
+
+from workers.engine.actors.procs import set_proc_threads
+from workers.engine.models.hf_folder import load_pretrained
+from workers.engine.sampler import Completion, SamplingParams, TorchSampler
+
+
+class GeneratorActor(Actor):
+    """One generator replica: the torch KV-cache sampler on its own copy of the weights."""
+
+    def __init__(self, model_folder: str, dtype: str, device: str):
+        set_proc_threads()
+        loaded = load_pretrained(model_folder, dtype=dtype, device=device)
+        loaded.model.eval().requires_grad_(False)
+        self.sampler = TorchSampler(loaded.model, eos_token_ids=loaded.tokenizer.eos_token_ids,
+                                    pad_id=loaded.tokenizer.pad_id, policy_version=0)
+
+    @endpoint
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> tuple[list[Completion], float]:
+        """(completions, seconds this replica spent generating them)."""
+        start = time.perf_counter()
+        completions = self.sampler.generate(prompts, params, seed=seed)
+        return completions, time.perf_counter() - start
+
+    @endpoint
+    def load_weights(self, state_dict: dict, version: int) -> float:
+        start = time.perf_counter()
+        self.sampler.load_weights(state_dict, version)
+        return time.perf_counter() - start
+
+    @endpoint
+    def policy_version(self) -> int:
+        return self.sampler.policy_version

@@ -1,0 +1,42 @@
+"""Spawning process meshes with the environment the engine's procs need.
+
+Monarch procs inherit the client's environment at spawn time (later changes do not reach
+them), so everything is set here, before `spawn_procs`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import workers
+
+REPO_ROOT = str(Path(workers.__file__).resolve().parent.parent)
+
+
+def prepare_proc_env(*, threads: int) -> None:
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if REPO_ROOT not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, *paths])
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["ENGINE_TORCH_THREADS"] = str(threads)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    # notice a dead proc within ~1 s instead of ~10 s
+    os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
+
+
+def spawn_procs(count: int, *, threads: int) -> Any:
+    from monarch.actor import this_host
+
+    prepare_proc_env(threads=threads)
+    procs = this_host().spawn_procs(per_host={"procs": count})
+    procs.initialized.get()
+    return procs
+
+
+def set_proc_threads() -> None:
+    """Called in every actor's __init__: the procs of a run share the machine's cores."""
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("ENGINE_TORCH_THREADS", "1")))

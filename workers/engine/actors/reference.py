@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import torch
+from monarch.actor import Actor, endpoint
+
+from workers.engine.actors.procs import set_proc_threads
+from workers.engine.batching import collate_rollouts
+from workers.engine.models.hf_folder import load_pretrained
+from workers.engine.recipes.grpo import reference_logprobs
+from workers.engine.replay_buffer import RolloutBatchRecord
+
+
+class ReferenceActor(Actor):
+    """The frozen starting model: tempered log-probs of rollout tokens, for the KL penalty."""
+
+    def __init__(self, model_folder: str, dtype: str, device: str):
+        set_proc_threads()
+        loaded = load_pretrained(model_folder, dtype=dtype, device=device)
+        self.model = loaded.model.eval().requires_grad_(False)
+        self.pad_id = loaded.tokenizer.pad_id
+
+    @endpoint
+    def logprobs(self, record: RolloutBatchRecord, micro_batch_size: int, temperature: float) -> torch.Tensor:
+        """[B, L-1] for the batch as `collate_rollouts` pads it."""
+        batch = collate_rollouts(record.prompts, record.responses, record.logprobs, record.advantages, pad_id=self.pad_id)
+        device = next(self.model.parameters()).device
+        parts = reference_logprobs(self.model, batch.to(device), micro_batch_size=micro_batch_size, temperature=temperature)
+        return torch.cat(parts).cpu()

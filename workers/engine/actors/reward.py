@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+from monarch.actor import Actor, endpoint
+
+from workers.engine.actors.procs import set_proc_threads
+from workers.engine.models.tokenizer import ChatTokenizer
+from workers.engine.recipes.grpo import score_rollouts
+from workers.engine.replay_buffer import RolloutBatchRecord
+from workers.engine.rewards import CombinedReward
+from workers.engine.sampler import Completion
+from workers.engine.tasks import Problem
+
+
+class RewardActor(Actor):
+    """Decodes completions, scores them, and normalises advantages per group."""
+
+    def __init__(self, model_folder: str, functions: list[str], weights: list[float] | None):
+        set_proc_threads()
+        self.tokenizer = ChatTokenizer(model_folder)
+        self.reward = CombinedReward(functions, weights)
+
+    @endpoint
+    def score(self, problems: list[Problem], prompts: list[list[int]], completions: list[Completion],
+              group_size: int) -> RolloutBatchRecord:
+        return score_rollouts(problems, prompts, completions, self.reward, self.tokenizer, group_size=group_size)

@@ -1,0 +1,113 @@
+"""The data-parallel GRPO trainer: one actor per rank, gradients summed over gloo (CPU) or NCCL.
+
+Every rank receives the whole step's rollout batch, pads it identically, and trains on its
+contiguous slice of rows. The loss normaliser counts the whole batch, so the sum of the
+ranks' gradients is exactly the single-process gradient; every rank then clips and steps
+the same way and the replicas stay identical.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from monarch.actor import Actor, endpoint
+from torch import nn
+
+from workers.engine.actors.procs import set_proc_threads
+from workers.engine.batching import collate_rollouts
+from workers.engine.checkpoint import load_checkpoint, save_checkpoint
+from workers.engine.config import RunConfig
+from workers.engine.models.hf_folder import load_pretrained
+from workers.engine.models.titan import count_parameters
+from workers.engine.recipes.grpo import loss_normalizer, policy_update
+from workers.engine.replay_buffer import RolloutBatchRecord
+from workers.engine.rewards import CombinedReward
+from workers.engine.sampler import TorchSampler
+from workers.engine.tasks import Problem
+from workers.engine.training import EvalResult, build_optimizer, build_scheduler, evaluate, resolve_device, setup_process
+
+
+def all_reduce_gradients(model: nn.Module) -> None:
+    for param in model.parameters():
+        if param.grad is None:  # a rank with no rows this step still joins the collective
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+
+
+class TrainerActor(Actor):
+    def __init__(self, config: RunConfig):
+        set_proc_threads()
+        self.config = config
+        self.device = resolve_device(config.trainer.device)
+
+    @endpoint
+    def setup(self) -> dict[str, int]:
+        """Join the process group (env from monarch's setup_torch_elastic_env), then build the model."""
+        cfg = self.config
+        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        setup_process(threads=torch.get_num_threads(), seed=cfg.trainer.seed)
+        loaded = load_pretrained(cfg.model.path, family=cfg.model.family, dtype=cfg.model.dtype, device=self.device)
+        self.model, self.tokenizer = loaded.model.train(), loaded.tokenizer
+        self.optimizer = build_optimizer(self.model, cfg.trainer.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.trainer.optimizer, cfg.trainer.steps)
+        return {"rank": self.rank, "world": self.world, "n_params": count_parameters(self.model)}
+
+    @endpoint
+    def train_step(self, record: RolloutBatchRecord, ref_logprobs: torch.Tensor | None) -> dict[str, Any]:
+        cfg = self.config
+        batch = collate_rollouts(record.prompts, record.responses, record.logprobs, record.advantages,
+                                 pad_id=self.tokenizer.pad_id).to(self.device)
+        normalizer = loss_normalizer(batch, cfg.grpo.loss_aggregation)
+        per_rank = math.ceil(len(batch) / self.world)
+        lo, hi = min(len(batch), self.rank * per_rank), min(len(batch), (self.rank + 1) * per_rank)
+        shard = batch.rows(lo, hi)
+        mb = cfg.trainer.micro_batch_size
+        ref = None
+        if ref_logprobs is not None:
+            mine = ref_logprobs[lo:hi].to(self.device)
+            ref = [mine[start:start + mb] for start in range(0, hi - lo, mb)]
+        update = policy_update(
+            self.model, self.optimizer, self.scheduler, shard, grpo=cfg.grpo, temperature=cfg.generator.temperature,
+            micro_batch_size=mb, grad_clip=cfg.trainer.optimizer.grad_clip, normalizer=normalizer,
+            ref_logprobs=ref, reduce_gradients=all_reduce_gradients if self.world > 1 else None,
+        )
+        return {"loss": update.loss, "parts": update.parts, "grad_norm": update.grad_norm, "lr": update.lr,
+                "train_tokens": int(shard.inputs.numel())}
+
+    @endpoint
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    @endpoint
+    def evaluate(self, problems: list[Problem], keep_samples: int) -> EvalResult:
+        cfg = self.config
+        sampler = TorchSampler(self.model, eos_token_ids=self.tokenizer.eos_token_ids, pad_id=self.tokenizer.pad_id)
+        self.model.eval()
+        result = evaluate(sampler, self.tokenizer, problems, CombinedReward(cfg.reward.functions, cfg.reward.weights),
+                          max_new_tokens=cfg.generator.max_new_tokens, keep_samples=keep_samples)
+        self.model.train()
+        return result
+
+    @endpoint
+    def save(self, step: int, progress: dict[str, Any]) -> str | None:
+        if self.rank != 0:
+            return None
+        cfg = self.config.checkpoint
+        path = save_checkpoint(cfg.folder, step=step, model=self.model, optimizer=self.optimizer,
+                               scheduler=self.scheduler, progress=progress, model_folder=self.config.model.path,
+                               keep_last=cfg.keep_last)
+        return str(path)
+
+    @endpoint
+    def load(self, path: str) -> dict[str, Any]:
+        return load_checkpoint(Path(path), model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+
+    @endpoint
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

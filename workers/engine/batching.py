@@ -1,0 +1,120 @@
+"""Turning rollouts and SFT examples into tensors the trainer consumes.
+
+Rollout batches: one sequence per row, prompt + response, right-padded, positions 0..L-1,
+plain causal attention (padding sits after every real token, so it never leaks in).
+
+SFT batches: with packing, examples are laid end to end in rows of seq_len; positions
+restart at 0 for each example and a document-causal mask stops attention across
+examples, so a packed example gets the same logits as alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.models.attention import document_causal_mask
+
+
+@dataclass
+class RolloutBatch:
+    inputs: torch.Tensor  # [B, L-1] token ids fed to the model
+    targets: torch.Tensor  # [B, L-1] next tokens
+    response_mask: torch.Tensor  # [B, L-1] True where the target is a generated token
+    behaviour_logprobs: torch.Tensor  # [B, L-1] generator's log-prob of each target (0 off-response)
+    advantages: torch.Tensor  # [B]
+
+    def __len__(self) -> int:
+        return self.inputs.shape[0]
+
+    def to(self, device: torch.device) -> RolloutBatch:
+        return RolloutBatch(self.inputs.to(device), self.targets.to(device), self.response_mask.to(device),
+                            self.behaviour_logprobs.to(device), self.advantages.to(device))
+
+    def rows(self, start: int, stop: int) -> RolloutBatch:
+        return RolloutBatch(
+            self.inputs[start:stop], self.targets[start:stop], self.response_mask[start:stop],
+            self.behaviour_logprobs[start:stop], self.advantages[start:stop],
+        )
+
+
+def collate_rollouts(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    logprobs: list[list[float]],
+    advantages: list[float],
+    *,
+    pad_id: int,
+) -> RolloutBatch:
+    length = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    batch = len(prompts)
+    tokens = torch.full((batch, length), pad_id, dtype=torch.long)
+    mask = torch.zeros(batch, length - 1, dtype=torch.bool)
+    behaviour = torch.zeros(batch, length - 1)
+    for row, (prompt, response, lps) in enumerate(zip(prompts, responses, logprobs)):
+        seq = prompt + response
+        tokens[row, : len(seq)] = torch.tensor(seq)
+        # target index t predicts token t+1: the response occupies targets len(p)-1 .. len(seq)-2
+        start = len(prompt) - 1
+        mask[row, start: start + len(response)] = True
+        behaviour[row, start: start + len(response)] = torch.tensor(lps, dtype=torch.float32)
+    return RolloutBatch(tokens[:, :-1], tokens[:, 1:], mask, behaviour, torch.tensor(advantages, dtype=torch.float32))
+
+
+@dataclass
+class SftBatch:
+    inputs: torch.Tensor  # [B, L]
+    targets: torch.Tensor  # [B, L]
+    loss_mask: torch.Tensor  # [B, L] True where the target is a response token
+    positions: torch.Tensor  # [B, L], restarting at 0 for each packed example
+    attention_mask: torch.Tensor | None  # [B, 1, L, L] document-causal, None for one example per row
+
+    def __len__(self) -> int:
+        return self.inputs.shape[0]
+
+    def to(self, device: torch.device) -> SftBatch:
+        mask = None if self.attention_mask is None else self.attention_mask.to(device)
+        return SftBatch(self.inputs.to(device), self.targets.to(device), self.loss_mask.to(device), self.positions.to(device), mask)
+
+    def rows(self, start: int, stop: int) -> SftBatch:
+        mask = None if self.attention_mask is None else self.attention_mask[start:stop]
+        return SftBatch(self.inputs[start:stop], self.targets[start:stop], self.loss_mask[start:stop], self.positions[start:stop], mask)
+
+
+def _example_tensors(prompt: list[int], response: list[int], seq_len: int) -> tuple[list[int], list[int], list[bool]]:
+    """(inputs, targets, loss mask) of one example, truncated to seq_len predictions."""
+    seq = (prompt + response)[: seq_len + 1]
+    inputs, targets = seq[:-1], seq[1:]
+    loss = [i >= len(prompt) - 1 for i in range(len(targets))]
+    return inputs, targets, loss
+
+
+def collate_sft(examples: list[tuple[list[int], list[int]]], *, seq_len: int, pad_id: int, packing: bool) -> SftBatch:
+    """Rows of at most seq_len tokens. packing=True fills rows greedily with whole examples."""
+    rows: list[list[tuple[list[int], list[int], list[bool]]]] = []
+    for prompt, response in examples:
+        piece = _example_tensors(prompt, response, seq_len)
+        if packing and rows and sum(len(p[0]) for p in rows[-1]) + len(piece[0]) <= seq_len:
+            rows[-1].append(piece)
+        else:
+            rows.append([piece])
+    length = max(sum(len(p[0]) for p in row) for row in rows)
+    inputs = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    targets = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), length, dtype=torch.bool)
+    positions = torch.zeros(len(rows), length, dtype=torch.long)
+    for r, row in enumerate(rows):
+        at = 0
+        for piece_inputs, piece_targets, piece_loss in row:
+            n = len(piece_inputs)
+            inputs[r, at: at + n] = torch.tensor(piece_inputs)
+            targets[r, at: at + n] = torch.tensor(piece_targets)
+            loss_mask[r, at: at + n] = torch.tensor(piece_loss)
+            positions[r, at: at + n] = torch.arange(n)
+            at += n
+        # trailing padding continues the last document's positions: it is never a target
+        if at < length:
+            positions[r, at:] = torch.arange(positions[r, at - 1] + 1, positions[r, at - 1] + 1 + length - at)
+    attention_mask = document_causal_mask(positions) if packing else None
+    return SftBatch(inputs, targets, loss_mask, positions, attention_mask)

@@ -1,0 +1,121 @@
+"""Checkpoints: everything a run needs to continue exactly, and export as an HF folder.
+
+A checkpoint is a folder `<checkpoint.folder>/step_NNNNNN/` holding
+  trainer.pt   model (torchtitan names), optimizer, scheduler, RNG states, and the
+               recipe's own progress (step, data position, policy version, buffer, ...)
+  config.json  + tokenizer files: the HF description of the model, so the folder can be
+               exported (or read by `export_hf`) without the original model folder.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.engine.models.hf_folder import read_hf_config, save_pretrained
+from workers.engine.models.titan import build_decoder
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json", "config.json")
+STATE_FILE = "trainer.pt"
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "torch": torch.get_rng_state()}
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+
+
+def save_checkpoint(
+    folder: str | Path,
+    *,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    progress: dict[str, Any],
+    model_folder: str | Path,
+    keep_last: int,
+) -> Path:
+    """Write step_NNNNNN atomically (temp folder, then rename) and prune to the newest keep_last."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"step_{step:06d}"
+    tmp = folder / f".tmp_step_{step:06d}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": rng_state(),
+            "progress": progress,
+        },
+        tmp / STATE_FILE,
+    )
+    for name in _TOKENIZER_FILES:
+        source = Path(model_folder) / name
+        if source.is_file():
+            shutil.copyfile(source, tmp / name)
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    for old in list_checkpoints(folder)[:-keep_last]:
+        shutil.rmtree(old)
+    return final
+
+
+def list_checkpoints(folder: str | Path) -> list[Path]:
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.glob("step_*") if (p / STATE_FILE).is_file())
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step_* folder as given, or the newest one inside a checkpoints folder."""
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        return path
+    found = list_checkpoints(path)
+    if not found:
+        raise FileNotFoundError(f"no checkpoint in {path}")
+    return found[-1]
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Load states into the given objects; return the recipe's progress dict."""
+    state = torch.load(resolve_checkpoint(path) / STATE_FILE, map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if restore_rng:
+        restore_rng_state(state["rng"])
+    return state["progress"]
+
+
+def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
+    """Write the checkpoint's model as an HF folder that a new run can start from."""
+    checkpoint = resolve_checkpoint(checkpoint)
+    hf_config = read_hf_config(checkpoint)
+    model = build_decoder(hf_config)
+    load_checkpoint(checkpoint, model=model, restore_rng=False)
+    return save_pretrained(model, hf_config, checkpoint, out)

@@ -1,0 +1,129 @@
+"""Command line: `python -m workers.engine COMMAND ...`.
+
+  train --config FILE [section.key=value ...]   validate, preflight, then run the recipe
+  make-tiny-model --family qwen3 --out DIR      a tiny random model + byte tokenizer (HF folder)
+  export --checkpoint PATH --out DIR            a checkpoint as an HF folder a new run can start from
+  schema                                        the config's JSON Schema
+
+Config and preflight problems print one `field: message` line each and exit with code 2
+before any model is loaded or process started. torch is imported only after that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from workers.engine.config import ConfigError, RunConfig, config_json_schema, load_config_file
+from workers.engine.preflight import preflight
+
+EXIT_CONFIG_ERROR = 2
+
+
+def _print_config_error(exc: ConfigError) -> None:
+    print("invalid config:", file=sys.stderr)
+    for error in exc.errors:
+        print(f"  {error}", file=sys.stderr)
+
+
+def load_and_check(path: str, overrides: Sequence[str]) -> RunConfig:
+    config = load_config_file(path, overrides=overrides)
+    preflight(config)
+    return config
+
+
+def _train(args: argparse.Namespace) -> int:
+    try:
+        config = load_and_check(args.config, args.overrides)
+    except ConfigError as exc:
+        _print_config_error(exc)
+        return EXIT_CONFIG_ERROR
+
+    from workers.engine.metrics import ConsoleSink, JsonlSink, Recorder, Sink
+
+    sinks: list[Sink] = []
+    if config.telemetry.console:
+        sinks.append(ConsoleSink(total_steps=config.trainer.steps, desc=config.recipe))
+    if config.telemetry.jsonl_path:
+        sinks.append(JsonlSink(config.telemetry.jsonl_path, flush_seconds=config.telemetry.flush_seconds))
+    recorder = Recorder(sinks)
+    try:
+        if config.recipe == "sft":
+            from workers.engine.recipes.sft import train_sft
+
+            result = train_sft(config, recorder)
+        elif config.placement.backend == "monarch":
+            from workers.engine.recipes.grpo_monarch import train_grpo_monarch
+
+            result = train_grpo_monarch(config, recorder)
+        else:
+            from workers.engine.recipes.grpo import train_grpo
+
+            result = train_grpo(config, recorder)
+    finally:
+        recorder.close()
+    summary = {
+        "recipe": config.recipe,
+        "steps": result.step,
+        "final_loss": result.losses[-1] if result.losses else None,
+        "eval_accuracy": result.eval.accuracy if result.eval else None,
+        "eval_reward_mean": result.eval.reward_mean if result.eval else None,
+        "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from workers.engine.models.tiny import make_tiny_model
+
+    out = make_tiny_model(args.out, family=args.family, hidden_size=args.hidden_size, num_layers=args.layers,
+                          intermediate_size=2 * args.hidden_size, seed=args.seed)
+    print(out)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from workers.engine.checkpoint import export_hf
+
+    print(export_hf(args.checkpoint, args.out))
+    return 0
+
+
+def _schema(args: argparse.Namespace) -> int:
+    print(json.dumps(config_json_schema(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m workers.engine", description="Forgeboard training engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="run a GRPO or SFT config")
+    train.add_argument("--config", required=True, help="YAML run config")
+    train.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    train.set_defaults(run=_train)
+
+    tiny = commands.add_parser("make-tiny-model", help="write a tiny random model as an HF folder")
+    tiny.add_argument("--family", choices=["qwen3", "llama3"], default="qwen3")
+    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--hidden-size", type=int, default=64)
+    tiny.add_argument("--layers", type=int, default=2)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(run=_make_tiny_model)
+
+    export = commands.add_parser("export", help="export a checkpoint as an HF folder")
+    export.add_argument("--checkpoint", required=True, help="a step_* folder or a checkpoints folder (newest)")
+    export.add_argument("--out", required=True)
+    export.set_defaults(run=_export)
+
+    schema = commands.add_parser("schema", help="print the config JSON Schema")
+    schema.set_defaults(run=_schema)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args))

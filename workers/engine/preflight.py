@@ -1,0 +1,72 @@
+"""Checks that a valid config can run here, before anything is loaded or spawned.
+
+Field-level, like schema errors: the model folder exists and holds the family the config
+names, the data file exists, and the config asks only for what this runner implements.
+Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from workers.engine.config import ConfigError, FieldError, RunConfig, check_model_folder
+
+_MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama3"}
+
+
+def _unsupported(config: RunConfig) -> list[FieldError]:
+    """Options this build does not implement yet: refused, never silently ignored."""
+    errors = []
+    monarch = config.placement.backend == "monarch"
+    if config.placement.backend not in ("local", "monarch"):
+        errors.append(FieldError("placement.backend", f"{config.placement.backend!r} is not available yet; use 'local' or 'monarch'"))
+    if monarch and config.recipe != "grpo":
+        errors.append(FieldError("placement.backend", "the monarch backend runs GRPO; SFT runs with 'local'"))
+    if config.trainer.ranks != 1 and not monarch:
+        errors.append(FieldError("trainer.ranks", "data parallelism needs placement.backend: monarch"))
+    if config.generator.replicas != 1 and not monarch:
+        errors.append(FieldError("generator.replicas", "generator replicas need placement.backend: monarch"))
+    if config.generator.backend != "torch":
+        errors.append(FieldError("generator.backend", "only the torch sampler is wired in this build; vLLM is not"))
+    if config.reference.replicas != 1:
+        errors.append(FieldError("reference.replicas", "one reference model is supported"))
+    if config.grpo.mode == "pipelined":
+        errors.append(FieldError("grpo.mode", "'pipelined' is not implemented; use 'sync' or 'async' with max_policy_age"))
+    if config.max_restarts != 0:
+        errors.append(FieldError("max_restarts", "restarts are the control plane's job; the engine runs once"))
+    if monarch and any(getattr(config.placement, role).hosts for role in ("trainer", "generator", "reference", "reward", "replay_buffer")):
+        errors.append(FieldError("placement", "the monarch backend runs on this host only; leave hosts empty"))
+    return errors
+
+
+def preflight_errors(config: RunConfig) -> list[FieldError]:
+    errors: list[FieldError] = []
+    try:
+        check_model_folder(config)
+    except ConfigError as exc:
+        errors.extend(exc.errors)
+    else:
+        config_json = Path(config.model.path) / "config.json"
+        try:
+            model_type = json.loads(config_json.read_text()).get("model_type")
+        except (OSError, ValueError) as exc:
+            errors.append(FieldError("model.path", f"cannot read {config_json}: {exc}"))
+        else:
+            family = _MODEL_TYPES.get(model_type)
+            if family is None:
+                errors.append(FieldError("model.path", f"model_type {model_type!r} is not supported (qwen3, llama)"))
+            elif family != config.model.family:
+                errors.append(FieldError("model.family", f"the folder holds a {family} model, not {config.model.family}"))
+    if config.data.source == "jsonl" and config.data.path and not Path(config.data.path).is_file():
+        errors.append(FieldError("data.path", f"file {config.data.path} does not exist"))
+    if config.checkpoint.resume_from and not Path(config.checkpoint.resume_from).exists():
+        errors.append(FieldError("checkpoint.resume_from", f"{config.checkpoint.resume_from} does not exist"))
+    errors.extend(_unsupported(config))
+    return errors
+
+
+def preflight(config: RunConfig) -> None:
+    errors = preflight_errors(config)
+    if errors:
+        raise ConfigError(errors)

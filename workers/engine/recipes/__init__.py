@@ -1,0 +1,1 @@
+"""Training recipes: single-controller loops, readable top to bottom."""

@@ -1,0 +1,130 @@
+"""Supervised fine-tuning on chat data, loss on the assistant's reply only. Single controller.
+
+Read `train_sft` top to bottom: setup, then each step takes a batch of examples, packs
+them into rows, accumulates gradients over micro-batches, clips, steps, records, and
+now and then evaluates and checkpoints.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workers.engine.batching import collate_sft
+from workers.engine.checkpoint import load_checkpoint, save_checkpoint
+from workers.engine.config import RunConfig
+from workers.engine.losses import sft_loss
+from workers.engine.metrics import Recorder
+from workers.engine.models.hf_folder import load_pretrained
+from workers.engine.models.titan import count_parameters
+from workers.engine.rewards import CombinedReward
+from workers.engine.sampler import TorchSampler
+from workers.engine.tasks import build_task
+from workers.engine.tasks.stream import ProblemStream
+from workers.engine.training import (
+    EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, grad_norm_and_clip, mfu, resolve_device,
+    setup_process,
+)
+
+
+@dataclass
+class SftResult:
+    step: int
+    losses: list[float]  # one per step run by this call
+    eval: EvalResult | None
+    checkpoint: Path | None
+
+
+def train_sft(config: RunConfig, recorder: Recorder) -> SftResult:
+    cfg, trainer_cfg = config, config.trainer
+    setup_process(threads=trainer_cfg.threads_per_process, seed=trainer_cfg.seed)
+
+    device = resolve_device(trainer_cfg.device)
+    loaded = load_pretrained(cfg.model.path, family=cfg.model.family, dtype=cfg.model.dtype, device=device)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    model.train()
+    n_params = count_parameters(model)
+    task = build_task(cfg.data, seed=trainer_cfg.seed)
+    stream = ProblemStream(task.train, seed=trainer_cfg.seed)
+    optimizer = build_optimizer(model, trainer_cfg.optimizer)
+    scheduler = build_scheduler(optimizer, trainer_cfg.optimizer, trainer_cfg.steps)
+    reward = CombinedReward(cfg.reward.functions, cfg.reward.weights)
+    eval_sampler = TorchSampler(model, eos_token_ids=tokenizer.eos_token_ids, pad_id=tokenizer.pad_id)
+
+    start_step = 0
+    if cfg.checkpoint.resume_from:
+        progress = load_checkpoint(cfg.checkpoint.resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
+        start_step = progress["step"]
+        stream.load_state_dict(progress["data"])
+        recorder.event("resumed", step=start_step, path=cfg.checkpoint.resume_from)
+
+    def run_eval(step: int) -> EvalResult:
+        model.eval()
+        result = evaluate(eval_sampler, tokenizer, task.held_out, reward, max_new_tokens=cfg.generator.max_new_tokens,
+                          keep_samples=cfg.eval.rollout_samples)
+        model.train()
+        recorder.log_many({"eval/accuracy": result.accuracy, "eval/reward_mean": result.reward_mean}, step)
+        for prompt, completion, score in result.samples:
+            recorder.rollout(step=step, prompt=prompt, completion=completion, reward=score, split="held_out")
+        return result
+
+    def checkpoint(step: int) -> Path:
+        path = save_checkpoint(
+            cfg.checkpoint.folder, step=step, model=model, optimizer=optimizer, scheduler=scheduler,
+            progress={"step": step, "data": stream.state_dict(), "policy_version": step},
+            model_folder=cfg.model.path, keep_last=cfg.checkpoint.keep_last,
+        )
+        recorder.event("checkpoint_saved", step=step, path=str(path))
+        return path
+
+    last_eval = run_eval(start_step) if cfg.eval.every_steps and start_step == 0 else None
+    losses: list[float] = []
+    saved: Path | None = None
+    for step in range(start_step + 1, trainer_cfg.steps + 1):
+        timer = PhaseTimer()
+        step_start = time.perf_counter()
+
+        with timer.phase("data"):
+            problems = stream.take(trainer_cfg.batch_size)
+            examples = [tokenizer.encode_exchange(p.messages, p.response) for p in problems]
+            batch = collate_sft(examples, seq_len=cfg.data.seq_len, pad_id=tokenizer.pad_id, packing=cfg.data.packing).to(device)
+        response_tokens = int(batch.loss_mask.sum())
+
+        with timer.phase("train"):
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = 0.0
+            for start in range(0, len(batch), trainer_cfg.micro_batch_size):
+                micro = batch.rows(start, start + trainer_cfg.micro_batch_size)
+                logits = model(micro.inputs, positions=micro.positions, attention_masks=micro.attention_mask)
+                loss, _ = sft_loss(logits, micro.targets, micro.loss_mask, normalizer=max(response_tokens, 1))
+                loss.backward()
+                step_loss += float(loss.detach())
+            grad_norm = grad_norm_and_clip(model, trainer_cfg.optimizer.grad_clip)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+
+        step_seconds = time.perf_counter() - step_start
+        tokens = int(batch.inputs.numel())
+        losses.append(step_loss)
+        recorder.log_many({
+            "loss": step_loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "time/step_s": step_seconds,
+            **timer.metrics(),
+            "throughput/train_tokens_per_s": tokens / max(timer.seconds["train"], 1e-9),
+            "throughput/response_tokens": response_tokens,
+            "mfu": mfu(n_params=n_params, tokens=tokens, seconds=step_seconds, peak_flops_per_second=trainer_cfg.peak_flops_per_second),
+            "data/epoch": stream.epoch,
+        }, step)
+
+        if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or step == trainer_cfg.steps):
+            last_eval = run_eval(step)
+        if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or step == trainer_cfg.steps:
+            saved = checkpoint(step)
+
+    return SftResult(step=trainer_cfg.steps, losses=losses, eval=last_eval, checkpoint=saved)

@@ -1,0 +1,124 @@
+"""A pure-torch batched generator with a KV cache.
+
+Prompts are left-padded to a common length so every row decodes its next token at the
+same cache slot; each row keeps its own positions (0 at its first real token), so a
+prompt gets the same logits here as alone in an unpadded forward.
+
+Each sampled token's log-prob is recorded under softmax(logits / temperature), the full
+tempered distribution: exactly what the trainer recomputes from its own logits, so the
+GRPO ratio's denominator matches the trainer's numerator at equal weights. With top_p < 1
+the token is drawn from the truncated distribution but the recorded log-prob is still
+the untruncated tempered one (what the trainer can recompute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from workers.engine.models.attention import KVCache
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool  # ended with an end-of-sequence token (kept as the last token)
+    policy_version: int = 0
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero every token outside the smallest set whose mass reaches top_p (rows renormalised by multinomial)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+
+
+class TorchSampler:
+    def __init__(self, model: nn.Module, *, eos_token_ids: list[int], pad_id: int, policy_version: int = 0):
+        self.model = model
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_id = pad_id
+        self.policy_version = policy_version
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Weight sync: take the trainer's (torchtitan) state dict and its policy version."""
+        self.model.load_state_dict(state_dict, strict=False)
+        self.policy_version = version
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, seed: int) -> list[Completion]:
+        model = self.model
+        device = next(model.parameters()).device
+        batch, prompt_len = len(prompts), max(len(p) for p in prompts)
+        total = prompt_len + params.max_new_tokens
+        generator = torch.Generator(device=device).manual_seed(seed)
+
+        tokens = torch.full((batch, prompt_len), self.pad_id, dtype=torch.long, device=device)
+        key_valid = torch.zeros(batch, total, dtype=torch.bool, device=device)
+        for row, prompt in enumerate(prompts):
+            tokens[row, prompt_len - len(prompt):] = torch.tensor(prompt, device=device)
+            key_valid[row, prompt_len - len(prompt):prompt_len] = True
+        positions = (key_valid[:, :prompt_len].long().cumsum(dim=1) - 1).clamp(min=0)
+
+        cache = KVCache(total)
+        causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device).tril()
+        eye = torch.eye(prompt_len, dtype=torch.bool, device=device)
+        # A left-pad query sees only itself: SDPA needs one visible key per row.
+        cache.mask = ((causal & key_valid[:, None, :prompt_len]) | eye)[:, None]
+        logits = model(tokens, positions=positions, attention_masks=cache)[:, -1]
+        cache.advance(prompt_len)
+        next_position = positions[:, -1] + 1
+
+        eos = torch.tensor(self.eos_token_ids, device=device)
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        out_tokens: list[torch.Tensor] = []
+        out_logprobs: list[torch.Tensor] = []
+        out_alive: list[torch.Tensor] = []
+        for step in range(params.max_new_tokens):
+            logprobs = torch.log_softmax(logits.float() / params.temperature, dim=-1)
+            if params.greedy:
+                token = logits.argmax(dim=-1)
+            else:
+                probs = logprobs.exp()
+                if params.top_p < 1.0:
+                    probs = _top_p_filter(probs, params.top_p)
+                token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            token = token.masked_fill(done, self.pad_id)
+            out_tokens.append(token)
+            out_logprobs.append(logprobs.gather(1, token[:, None]).squeeze(1))
+            out_alive.append(~done)
+            done = done | torch.isin(token, eos)
+            if bool(done.all()) or step == params.max_new_tokens - 1:
+                break
+            key_valid[:, prompt_len + step] = True
+            cache.mask = key_valid[:, None, None, : prompt_len + step + 1]
+            logits = model(token[:, None], positions=next_position[:, None], attention_masks=cache)[:, -1]
+            cache.advance(1)
+            next_position = next_position + 1
+
+        tokens_bt = torch.stack(out_tokens, dim=1).tolist()
+        logprobs_bt = torch.stack(out_logprobs, dim=1).tolist()
+        alive_bt = torch.stack(out_alive, dim=1).tolist()
+        eos_set = set(self.eos_token_ids)
+        completions = []
+        for row in range(batch):
+            length = sum(alive_bt[row])
+            ids = tokens_bt[row][:length]
+            completions.append(Completion(
+                prompt_ids=list(prompts[row]), token_ids=ids, logprobs=logprobs_bt[row][:length],
+                finished=bool(ids) and ids[-1] in eos_set, policy_version=self.policy_version,
+            ))
+        return completions

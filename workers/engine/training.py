@@ -1,0 +1,122 @@
+"""Pieces both recipes use: process setup, optimizer and schedule, timing, MFU, evaluation."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from workers.engine.config import OptimizerConfig
+from workers.engine.models.tokenizer import ChatTokenizer
+from workers.engine.rewards import CombinedReward, exact_math
+from workers.engine.sampler import SamplingParams, TorchSampler
+from workers.engine.tasks.problem import Problem
+
+
+def setup_process(*, threads: int, seed: int) -> None:
+    torch.set_num_threads(threads)
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device is cuda but no CUDA device is available")
+    return torch.device(name)
+
+
+def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if config.name == "adamw":
+        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+    return torch.optim.SGD(params, lr=config.lr, weight_decay=config.weight_decay)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimizerConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup, then constant / cosine / linear decay to 0 at total_steps."""
+    warmup = config.warmup_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if config.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        if config.schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0 - progress
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class PhaseTimer:
+    """Wall time per named phase of one step: `with timer.phase("generate"): ...`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{name}_s": value for name, value in self.seconds.items()}
+
+
+def mfu(*, n_params: int, tokens: int, seconds: float, peak_flops_per_second: float) -> float:
+    """Model FLOPs utilisation with the 6 * params * tokens estimate (forward + backward)."""
+    return 6.0 * n_params * tokens / max(seconds, 1e-9) / peak_flops_per_second
+
+
+def grad_norm_and_clip(model: nn.Module, max_norm: float | None) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_norm is None:
+        return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+    return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+@dataclass
+class EvalResult:
+    accuracy: float  # fraction of held-out problems whose greedy answer is exactly right
+    reward_mean: float  # mean combined reward of the greedy completions
+    samples: list[tuple[str, str, float]]  # (prompt, completion, reward) of the first few
+
+
+def evaluate(
+    sampler: TorchSampler,
+    tokenizer: ChatTokenizer,
+    problems: list[Problem],
+    reward: CombinedReward,
+    *,
+    max_new_tokens: int,
+    batch_size: int = 64,
+    keep_samples: int = 4,
+) -> EvalResult:
+    """Greedy completions of held-out problems, scored by the run's reward and by exact match."""
+    correct, total_reward, samples = 0.0, 0.0, []
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start: start + batch_size]
+        prompts = [tokenizer.encode_prompt(p.messages) for p in chunk]
+        completions = sampler.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, greedy=True), seed=0)
+        for problem, completion in zip(chunk, completions):
+            text = tokenizer.decode(completion.token_ids)
+            score = reward(problem, text, completion.finished)
+            total_reward += score.total
+            if problem.answer is not None:
+                correct += exact_math(problem, text, completion.finished)
+            if len(samples) < keep_samples:
+                samples.append((problem.messages[-1]["content"], text, score.total))
+    n = max(len(problems), 1)
+    return EvalResult(accuracy=correct / n, reward_mean=total_reward / n, samples=samples)
