@@ -85,7 +85,7 @@ TEMPLATES = [
 
 # --- database -----------------------------------------------------------------------------
 DATABASE_URL = env.url("DATABASE_URL", ("postgres", "postgresql", "sqlite"), secret=True)
-CONN_MAX_AGE = env.int("FORGEBOARD_DB_CONN_MAX_AGE", 60, minimum=0)
+CONN_MAX_AGE = env.int("FORGEBOARD_DB_CONN_MAX_AGE", 0 if FORGEBOARD_ENV == "test" else 60, minimum=0)
 _SQLITE_OPTIONS = {
     "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA busy_timeout=10000;",
     "transaction_mode": "IMMEDIATE",

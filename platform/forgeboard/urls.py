@@ -1,7 +1,10 @@
 from django.contrib import admin
 from django.urls import include, path
 
+from forgeboard.api.urls import api
+
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("api/v1/", api.urls),
     path("", include("forgeboard.web.urls")),
 ]

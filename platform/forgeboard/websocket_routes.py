@@ -1,3 +1,8 @@
-"""Websocket routes. Live run and project streams are added by the run orchestration work."""
+from django.urls import path
 
-websocket_urlpatterns: list = []
+from forgeboard.telemetry.consumers import ProjectStreamConsumer, RunStreamConsumer
+
+websocket_urlpatterns = [
+    path("ws/runs/<int:run_id>/", RunStreamConsumer.as_asgi()),
+    path("ws/projects/<slug:slug>/", ProjectStreamConsumer.as_asgi()),
+]

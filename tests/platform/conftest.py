@@ -55,3 +55,17 @@ def team(db) -> Team:
 @pytest.fixture
 def grpo_yaml() -> str:
     return TINY_GRPO_YAML
+
+
+@pytest.fixture
+def running_run(team, grpo_yaml):
+    """A run in the running state and its controller's raw token."""
+    from forgeboard.runs.models import Run
+    from forgeboard.runs.services import run_launch
+    from forgeboard.runs.states import RunState
+    from forgeboard.runs.tokens import run_token_issue
+
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING)
+    run.refresh_from_db()
+    return run, run_token_issue(run=run)

@@ -11,6 +11,7 @@ import yaml
 from django.conf import settings
 
 from forgeboard.runs.models import Run
+from forgeboard.runs.tokens import run_token_issue
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 
@@ -24,8 +25,17 @@ def start_local(*, run: Run) -> int:
     folder = run_dir(run.pk)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.yaml").write_text(yaml.safe_dump(run.config.parsed, sort_keys=False), encoding="utf-8")
+    token_file = folder / "run_token"
+    token_file.touch(mode=0o600)
+    token_file.write_text(run_token_issue(run=run))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_DIR / "platform"), str(REPO_DIR)])
+    env |= {
+        "FORGEBOARD_URL": settings.PUBLIC_URL,
+        "FORGEBOARD_RUN_ID": str(run.pk),
+        "FORGEBOARD_RUN_TOKEN_FILE": str(token_file),
+        "FORGEBOARD_SPOOL_DIR": str(folder / "spool"),
+    }
     with open(folder / "supervisor.log", "ab") as log:
         supervisor = subprocess.Popen(
             [sys.executable, "-m", "workers.launch.local_supervisor", str(run.pk)],

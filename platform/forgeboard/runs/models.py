@@ -42,6 +42,9 @@ class Run(models.Model):
     job_id = models.CharField(max_length=255, blank=True)
     log_path = models.CharField(max_length=1024, blank=True)
     last_event_seq = models.BigIntegerField(default=0)
+    telemetry_seq = models.BigIntegerField(
+        default=0, help_text="The last telemetry batch applied; the next must be this + 1 (exactly once)"
+    )
 
     class Meta:
         ordering = ["-created_at", "-id"]
@@ -97,3 +100,16 @@ class Command(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} for {self.run} ({self.state})"
+
+
+class RunToken(models.Model):
+    """The credential a run's controller uses to report telemetry and pull commands: `fbr_<prefix>_<secret>`."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="tokens")
+    prefix = models.CharField(max_length=16, unique=True)
+    token_hash = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"run token fbr_{self.prefix}_… for {self.run}"

@@ -21,4 +21,6 @@ def run_get(*, actor: Actor, run_id: int) -> Run:
 
 
 def commands_pending(*, run: Run, after_id: int = 0) -> QuerySet[Command]:
-    return Command.objects.filter(run=run, state=CommandState.PENDING, pk__gt=after_id).order_by("pk")
+    """Commands the controller has not finished: pending, or delivered without a result (at-least-once)."""
+    open_states = [CommandState.PENDING, CommandState.DELIVERED]
+    return Command.objects.filter(run=run, state__in=open_states, pk__gt=after_id).order_by("pk")

@@ -152,3 +152,24 @@ def command_acknowledge(*, run: Run, command_id: int) -> Command:
             event_append(run=run, kind=EventKind.COMMAND_ACKNOWLEDGED, payload={"command": command.pk})
         command.save()
     return command
+
+
+def command_finish(*, run: Run, command_id: int, ok: bool, result: dict[str, Any]) -> Command:
+    """Record a command's outcome once; a repeated report of a finished command changes nothing."""
+    if len(json.dumps(result)) > MAX_COMMAND_PAYLOAD_BYTES:
+        raise ValidationFailed.on("result", f"over {MAX_COMMAND_PAYLOAD_BYTES} bytes")
+    now = timezone.now()
+    with transaction.atomic():
+        command = Command.objects.select_for_update().filter(pk=command_id, run=run).first()
+        if command is None:
+            raise NotFound(f"run {run.pk} has no command {command_id}")
+        if command.state in (CommandState.SUCCEEDED, CommandState.FAILED):
+            return command
+        command.acknowledged_at = command.acknowledged_at or now
+        command.delivered_at = command.delivered_at or now
+        command.state = CommandState.SUCCEEDED if ok else CommandState.FAILED
+        command.result = result
+        command.save()
+        event_append(run=run, kind=EventKind.COMMAND_FINISHED,
+                     payload={"command": command.pk, "kind": command.kind, "ok": ok, "result": result})
+    return command

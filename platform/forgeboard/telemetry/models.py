@@ -57,6 +57,7 @@ class EventKind(models.TextChoices):
     COMMAND_FINISHED = "command_finished", "Command finished"
     RESTARTED = "restarted", "Restarted"
     EVAL = "eval", "Evaluation"
+    ROLLOUT = "rollout", "Rollout sample"
     MESSAGE = "message", "Message"
 
 
@@ -79,3 +80,17 @@ class RunEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.run} #{self.seq} {self.kind}"
+
+
+class LogLine(models.Model):
+    """A line of the run's output, kept for the dashboard's log tail."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="log_lines")
+    batch_seq = models.BigIntegerField()
+    index = models.PositiveIntegerField()
+    line = models.TextField()
+    wall_time = models.FloatField()
+
+    class Meta:
+        ordering = ["run", "batch_seq", "index"]
+        constraints = [models.UniqueConstraint(fields=["run", "batch_seq", "index"], name="logline_unique_position")]

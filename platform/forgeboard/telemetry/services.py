@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from forgeboard.errors import ValidationFailed
 from forgeboard.runs.models import Run
+from forgeboard.telemetry.streams import publish_run_update
 from forgeboard.telemetry.models import METRIC_KEY_MAX_LENGTH, EventKind, MetricPoint, MetricSeries, RunEvent
 
 MAX_EVENT_PAYLOAD_KEYS = 100
@@ -29,9 +30,16 @@ def event_append(
     Run.objects.filter(pk=run.pk).update(last_event_seq=F("last_event_seq") + 1)
     seq = Run.objects.filter(pk=run.pk).values_list("last_event_seq", flat=True).get()
     run.last_event_seq = seq
-    return RunEvent.objects.create(
+    event = RunEvent.objects.create(
         run_id=run.pk, seq=seq, kind=kind, payload=dict(payload or {}), occurred_at=occurred_at or timezone.now()
     )
+    update = {"type": "run.update", "run": run.pk, "events": [event_to_wire(event)], "metrics": {}, "logs": []}
+    transaction.on_commit(lambda: publish_run_update(run=run, update=update))
+    return event
+
+
+def event_to_wire(event: RunEvent) -> dict:
+    return {"seq": event.seq, "kind": event.kind, "payload": event.payload, "time": event.occurred_at.isoformat()}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,143 @@
+"""Websocket streams. `/ws/runs/<id>/?after_seq=N&after_step=S`: what was missed, then live updates.
+
+A client that reconnects sends the last event sequence and metric step it saw; the backlog comes
+from the database, so nothing is lost across reconnects or web processes. Authenticated by the
+session cookie, or by `?token=` with an API token of the run's project.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qs
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from forgeboard.accounts.permissions import project_role
+from forgeboard.accounts.services import api_token_authenticate
+from forgeboard.runs.models import Run
+from forgeboard.telemetry.models import LogLine, MetricSeries
+from forgeboard.telemetry.selectors import events_after, metric_downsampled
+from forgeboard.telemetry.services import event_to_wire
+from forgeboard.telemetry.streams import project_group, run_group
+
+BACKLOG_EVENTS = 5_000
+BACKLOG_POINTS_PER_KEY = 500
+BACKLOG_LOG_LINES = 200
+CLOSE_UNAUTHORIZED = 4401
+CLOSE_NOT_FOUND = 4404
+CLOSE_BAD_REQUEST = 4400
+
+
+def _int_param(query: dict[str, list[str]], name: str) -> int | None:
+    values = query.get(name)
+    if not values:
+        return 0
+    try:
+        number = int(values[0])
+    except ValueError:
+        return None
+    return number if 0 <= number < 2**63 else None
+
+
+@database_sync_to_async
+def _actor_for(scope: dict, query: dict[str, list[str]]):
+    user = scope.get("user")
+    if user is not None and user.is_authenticated:
+        return user
+    raw = query.get("token", [""])[0]
+    return api_token_authenticate(raw=raw) if raw else None
+
+
+class RunStreamConsumer(AsyncJsonWebsocketConsumer):
+    async def connect(self) -> None:
+        query = parse_qs(self.scope["query_string"].decode())
+        after_seq, after_step = _int_param(query, "after_seq"), _int_param(query, "after_step")
+        if after_seq is None or after_step is None:
+            await self.close(code=CLOSE_BAD_REQUEST)
+            return
+        actor = await _actor_for(self.scope, query)
+        if actor is None:
+            await self.close(code=CLOSE_UNAUTHORIZED)
+            return
+        self.run_id = int(self.scope["url_route"]["kwargs"]["run_id"])
+        if not await self._may_read(actor):
+            await self.close(code=CLOSE_NOT_FOUND)
+            return
+        # Join first, then read the backlog: anything published in between arrives twice and is deduplicated.
+        self.last_seq = after_seq
+        await self.channel_layer.group_add(run_group(self.run_id), self.channel_name)
+        await self.accept()
+        backlog = await self._backlog(after_seq=after_seq, after_step=after_step)
+        await self.send_json(backlog)
+        if backlog["events"]:
+            self.last_seq = backlog["events"][-1]["seq"]
+
+    async def disconnect(self, code: int) -> None:
+        if hasattr(self, "run_id"):
+            await self.channel_layer.group_discard(run_group(self.run_id), self.channel_name)
+
+    async def receive_json(self, content, **kwargs) -> None:  # noqa: ANN001
+        if isinstance(content, dict) and content.get("type") == "ping":
+            await self.send_json({"type": "pong"})
+
+    async def run_update(self, message: dict) -> None:
+        update = dict(message["update"])
+        update["events"] = [e for e in update.get("events", []) if e["seq"] > self.last_seq]
+        if update["events"]:
+            self.last_seq = update["events"][-1]["seq"]
+        elif not update.get("metrics") and not update.get("logs"):
+            return
+        await self.send_json(update)
+
+    @database_sync_to_async
+    def _may_read(self, actor) -> bool:  # noqa: ANN001
+        run = Run.objects.select_related("experiment__project").filter(pk=self.run_id).first()
+        self.project_id = run.experiment.project_id if run else None
+        return run is not None and project_role(actor=actor, project=run.experiment.project) is not None
+
+    @database_sync_to_async
+    def _backlog(self, *, after_seq: int, after_step: int) -> dict:
+        run = Run.objects.get(pk=self.run_id)
+        events = [event_to_wire(e) for e in events_after(run=run, after_seq=after_seq, limit=BACKLOG_EVENTS)]
+        metrics = {}
+        for series in MetricSeries.objects.filter(run=run, last_step__gt=after_step - 1 if after_step else -1):
+            start = after_step + 1 if after_step else None
+            buckets = metric_downsampled(run=run, key=series.key, buckets=BACKLOG_POINTS_PER_KEY, start_step=start)
+            metrics[series.key] = [[b.step, b.mean] for b in buckets]
+        logs = list(LogLine.objects.filter(run=run).order_by("-batch_seq", "-index")
+                    .values_list("line", flat=True)[:BACKLOG_LOG_LINES])[::-1]
+        return {"type": "run.backlog", "run": run.pk, "state": run.state, "events": events, "metrics": metrics,
+                "logs": logs, "telemetry_seq": run.telemetry_seq}
+
+
+class ProjectStreamConsumer(AsyncJsonWebsocketConsumer):
+    """`/ws/projects/<slug>/`: state changes of the project's runs."""
+
+    async def connect(self) -> None:
+        query = parse_qs(self.scope["query_string"].decode())
+        actor = await _actor_for(self.scope, query)
+        if actor is None:
+            await self.close(code=CLOSE_UNAUTHORIZED)
+            return
+        self.project_id = await self._project_id(actor, self.scope["url_route"]["kwargs"]["slug"])
+        if self.project_id is None:
+            await self.close(code=CLOSE_NOT_FOUND)
+            return
+        await self.channel_layer.group_add(project_group(self.project_id), self.channel_name)
+        await self.accept()
+
+    async def disconnect(self, code: int) -> None:
+        if getattr(self, "project_id", None) is not None:
+            await self.channel_layer.group_discard(project_group(self.project_id), self.channel_name)
+
+    async def project_update(self, message: dict) -> None:
+        await self.send_json(message["update"])
+
+    @database_sync_to_async
+    def _project_id(self, actor, slug: str) -> int | None:  # noqa: ANN001
+        from forgeboard.accounts.models import Project
+
+        project = Project.objects.filter(slug=slug).first()
+        if project is None or project_role(actor=actor, project=project) is None:
+            return None
+        return project.pk

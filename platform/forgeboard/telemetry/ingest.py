@@ -1,0 +1,175 @@
+"""Ingestion of a run's telemetry batches: in order, each exactly once, metrics in bulk (COPY on Postgres)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from django.db import connection, transaction
+from django.utils import timezone
+
+from forgeboard.errors import Conflict
+from forgeboard.runs.models import Run
+from forgeboard.telemetry.models import LogLine, MetricPoint, MetricSeries, RunEvent
+from forgeboard.telemetry.services import event_to_wire
+from forgeboard.telemetry.streams import publish_run_update
+from workers.engine.telemetry_wire import TelemetryBatch, WireMetric
+
+logger = logging.getLogger(__name__)
+WIRE_POINTS_PER_KEY = 50
+
+
+class SequenceGap(Conflict):
+    code = "sequence_gap"
+
+    def __init__(self, *, expected: int, got: int):
+        super().__init__(f"expected telemetry batch {expected}, got {got}: resend from {expected}")
+        self.expected = expected
+
+    def as_dict(self) -> dict:
+        return super().as_dict() | {"expected_seq": self.expected}
+
+
+@dataclass
+class IngestResult:
+    applied_seq: int
+    duplicates: int = 0
+    points: int = 0
+    events: list[RunEvent] = field(default_factory=list)
+
+
+def telemetry_ingest(*, run: Run, batches: Sequence[TelemetryBatch]) -> IngestResult:
+    """Apply batches in sequence order. A batch already applied is skipped; a gap is refused."""
+    result = IngestResult(applied_seq=run.telemetry_seq)
+    for batch in sorted(batches, key=lambda b: b.seq):
+        with transaction.atomic():
+            locked = Run.objects.select_for_update().only("pk", "telemetry_seq", "last_event_seq").get(pk=run.pk)
+            if batch.seq <= locked.telemetry_seq:
+                result.duplicates += 1
+                result.applied_seq = locked.telemetry_seq
+                continue
+            if batch.seq != locked.telemetry_seq + 1:
+                raise SequenceGap(expected=locked.telemetry_seq + 1, got=batch.seq)
+            result.points += _store_metrics(run_id=run.pk, metrics=batch.metrics)
+            events = _store_events(run=locked, batch=batch)
+            LogLine.objects.bulk_create(
+                [LogLine(run_id=run.pk, batch_seq=batch.seq, index=i, line=log.line, wall_time=log.time)
+                 for i, log in enumerate(batch.logs)]
+            )
+            Run.objects.filter(pk=run.pk).update(
+                telemetry_seq=batch.seq, last_event_seq=locked.last_event_seq, last_heartbeat_at=timezone.now()
+            )
+            result.applied_seq = batch.seq
+            result.events.extend(events)
+            update = _wire_update(run=run, batch=batch, events=events)
+            transaction.on_commit(lambda update=update: publish_run_update(run=run, update=update))
+    if not batches:
+        Run.objects.filter(pk=run.pk).update(last_heartbeat_at=timezone.now())
+    return result
+
+
+def _store_events(*, run: Run, batch: TelemetryBatch) -> list[RunEvent]:
+    events = []
+    for wire in batch.events:
+        run.last_event_seq += 1
+        events.append(RunEvent(run_id=run.pk, seq=run.last_event_seq, kind=wire.kind, payload=wire.payload,
+                               occurred_at=datetime.fromtimestamp(wire.time, UTC)))
+    return RunEvent.objects.bulk_create(events)
+
+
+def _series_ids(*, run_id: int, keys: set[str]) -> dict[str, int]:
+    existing = dict(MetricSeries.objects.filter(run_id=run_id, key__in=keys).values_list("key", "pk"))
+    missing = keys - existing.keys()
+    if missing:
+        MetricSeries.objects.bulk_create([MetricSeries(run_id=run_id, key=k) for k in missing], ignore_conflicts=True)
+        existing = dict(MetricSeries.objects.filter(run_id=run_id, key__in=keys).values_list("key", "pk"))
+    return existing
+
+
+def _store_metrics(*, run_id: int, metrics: Sequence[WireMetric]) -> int:
+    if not metrics:
+        return 0
+    series = _series_ids(run_id=run_id, keys={m.key for m in metrics})
+    unique = {(series[m.key], m.step): m for m in metrics}  # within a batch the last value for a step wins
+    rows = [(sid, step, m.value, m.time) for (sid, step), m in unique.items()]
+    inserted = _insert_points_postgres(rows) if connection.vendor == "postgresql" else _insert_points_generic(rows)
+    by_series: dict[int, list[WireMetric]] = {}
+    for (sid, _), metric in unique.items():
+        by_series.setdefault(sid, []).append(metric)
+    for sid, points in by_series.items():
+        _update_summary(series_id=sid, points=points, inserted=inserted[sid])
+    return sum(inserted.values())
+
+
+def _insert_points_postgres(rows: list[tuple[int, int, float, float]]) -> Counter:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE TEMP TABLE IF NOT EXISTS fb_points_in "
+            "(series_id bigint, step bigint, value double precision, wall_time double precision) "
+            "ON COMMIT DELETE ROWS"
+        )
+        with cursor.cursor.copy("COPY fb_points_in (series_id, step, value, wall_time) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row(row)
+        cursor.execute(
+            f"INSERT INTO {MetricPoint._meta.db_table} (series_id, step, value, wall_time) "
+            "SELECT series_id, step, value, wall_time FROM fb_points_in "
+            "ON CONFLICT (series_id, step) DO NOTHING RETURNING series_id"
+        )
+        inserted = Counter(sid for (sid,) in cursor.fetchall())
+        cursor.execute("TRUNCATE fb_points_in")
+    return inserted
+
+
+def _insert_points_generic(rows: list[tuple[int, int, float, float]]) -> Counter:
+    stored: set[tuple[int, int]] = set()
+    for sid in {r[0] for r in rows}:
+        steps = [r[1] for r in rows if r[0] == sid]
+        stored |= {(sid, s) for s in MetricPoint.objects.filter(series_id=sid, step__in=steps)
+                   .values_list("step", flat=True)}
+    fresh = [r for r in rows if (r[0], r[1]) not in stored]
+    MetricPoint.objects.bulk_create(
+        [MetricPoint(series_id=sid, step=step, value=value, wall_time=t) for sid, step, value, t in fresh],
+        ignore_conflicts=True, batch_size=5000,
+    )
+    return Counter(r[0] for r in fresh)
+
+
+def _update_summary(*, series_id: int, points: list[WireMetric], inserted: int) -> None:
+    series = MetricSeries.objects.select_for_update().get(pk=series_id)
+    latest = max(points, key=lambda p: p.step)
+    finite = [p.value for p in points if math.isfinite(p.value)]
+    series.point_count += inserted
+    steps = [p.step for p in points]
+    series.first_step = min(steps + ([series.first_step] if series.first_step is not None else []))
+    if series.last_step is None or latest.step >= series.last_step:
+        series.last_step, series.last_value = latest.step, latest.value
+    if finite:
+        series.min_value = min(finite + ([series.min_value] if series.min_value is not None else []))
+        series.max_value = max(finite + ([series.max_value] if series.max_value is not None else []))
+    series.save()
+
+
+def _wire_update(*, run: Run, batch: TelemetryBatch, events: list[RunEvent]) -> dict:
+    """What subscribers get: every event, and at most a few points per metric key (the database has all)."""
+    by_key: dict[str, list[list[float]]] = {}
+    for metric in sorted(batch.metrics, key=lambda m: m.step):
+        by_key.setdefault(metric.key, []).append([metric.step, metric.value])
+    for key, points in by_key.items():
+        if len(points) > WIRE_POINTS_PER_KEY:
+            sampled = points[:: -(-len(points) // WIRE_POINTS_PER_KEY)]
+            if sampled[-1] is not points[-1]:
+                sampled.append(points[-1])
+            by_key[key] = sampled
+    return {
+        "type": "run.update",
+        "run": run.pk,
+        "batch": batch.seq,
+        "events": [event_to_wire(e) for e in events],
+        "metrics": by_key,
+        "logs": [log.line for log in batch.logs[-50:]],
+    }

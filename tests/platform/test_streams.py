@@ -1,0 +1,120 @@
+"""Websocket streams: a backlog from the database, then live updates; a reconnect resumes without a gap."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from channels.db import database_sync_to_async as sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.conf import settings
+
+from forgeboard.accounts.services import api_token_create
+from forgeboard.asgi import application
+from forgeboard.runs.services import run_transition
+from forgeboard.runs.states import RunState
+from forgeboard.telemetry.ingest import telemetry_ingest
+from workers.engine.telemetry_wire import TelemetryBatch
+
+ALL_DATABASES = list(settings.DATABASES)
+pytestmark = [pytest.mark.django_db(transaction=True, databases=ALL_DATABASES), pytest.mark.asyncio]
+HEADERS = [(b"origin", b"http://127.0.0.1")]
+
+
+def _batch(seq: int) -> TelemetryBatch:
+    return TelemetryBatch.model_validate({
+        "seq": seq,
+        "metrics": [{"key": "loss", "step": seq, "value": 1.0 / seq, "time": 1.7e9}],
+        "events": [{"kind": "message", "payload": {"batch": seq}, "time": 1.7e9}],
+    })
+
+
+async def _ingest(run, *seqs: int) -> None:
+    await sync_to_async(telemetry_ingest)(run=run, batches=[_batch(s) for s in seqs])
+
+
+async def _connect(path: str) -> WebsocketCommunicator:
+    communicator = WebsocketCommunicator(application, path, headers=HEADERS)
+    connected, code = await communicator.connect(timeout=10)
+    assert connected, code
+    return communicator
+
+
+async def _receive_until(communicator: WebsocketCommunicator, predicate, timeout: float = 10.0) -> list[dict]:
+    seen = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not any(predicate(m) for m in seen):
+        remaining = deadline - loop.time()
+        assert remaining > 0, f"timed out; got {seen}"
+        seen.append(json.loads(await communicator.receive_from(timeout=remaining)))
+    return seen
+
+
+async def _token(team) -> str:
+    _, raw = await sync_to_async(api_token_create)(actor=team.member, project=team.project, name="ws", scope="read")
+    return raw
+
+
+async def test_backlog_then_live_then_resume(running_run, team):
+    run, _ = running_run
+    token = await _token(team)
+    await _ingest(run, 1, 2)
+    first = await _connect(f"/ws/runs/{run.pk}/?token={token}")
+    backlog = json.loads(await first.receive_from(timeout=10))
+    assert backlog["type"] == "run.backlog" and backlog["state"] == "running"
+    messages = [e["payload"]["batch"] for e in backlog["events"] if e["kind"] == "message"]
+    assert messages == [1, 2]
+    assert [p[0] for p in backlog["metrics"]["loss"]] == [1, 2]
+    last_seq = backlog["events"][-1]["seq"]
+
+    await _ingest(run, 3)
+    live = await _receive_until(first, lambda m: m.get("batch") == 3)
+    assert live[-1]["metrics"]["loss"] == [[3, pytest.approx(1 / 3)]]
+    last_seq = live[-1]["events"][-1]["seq"]
+    await first.disconnect()
+
+    await _ingest(run, 4, 5)  # missed while disconnected
+    second = await _connect(f"/ws/runs/{run.pk}/?token={token}&after_seq={last_seq}&after_step=3")
+    resumed = json.loads(await second.receive_from(timeout=10))
+    assert [e["payload"]["batch"] for e in resumed["events"]] == [4, 5]
+    assert [p[0] for p in resumed["metrics"]["loss"]] == [4, 5]
+    await _ingest(run, 6)
+    live = await _receive_until(second, lambda m: m.get("batch") == 6)
+    assert [e["payload"]["batch"] for m in live for e in m["events"]] == [6]
+    await second.disconnect()
+
+
+async def test_state_changes_reach_run_and_project_subscribers(running_run, team):
+    run, _ = running_run
+    token = await _token(team)
+    run_stream = await _connect(f"/ws/runs/{run.pk}/?token={token}")
+    await run_stream.receive_from(timeout=10)
+    project_stream = await _connect(f"/ws/projects/{team.project.slug}/?token={token}")
+    await sync_to_async(run_transition)(run_id=run.pk, from_state=RunState.RUNNING, to_state=RunState.PAUSED)
+    update = await _receive_until(run_stream, lambda m: any(e["kind"] == "state_changed" for e in m["events"]))
+    assert update[-1]["events"][-1]["payload"] == {"from": "running", "to": "paused"}
+    project = json.loads(await project_stream.receive_from(timeout=10))
+    assert project == {"type": "run.state", "run": run.pk, "state": "paused"}
+    await run_stream.disconnect()
+    await project_stream.disconnect()
+
+
+@pytest.mark.parametrize(("query", "code"), [("", 4401), ("?token=fb_nope_nope", 4401), ("?after_seq=x", 4400)])
+async def test_refused_connections(running_run, query, code):
+    run, _ = running_run
+    communicator = WebsocketCommunicator(application, f"/ws/runs/{run.pk}/{query}", headers=HEADERS)
+    connected, close_code = await communicator.connect(timeout=10)
+    assert not connected and close_code == code
+
+
+async def test_outsider_token_cannot_subscribe(running_run, team):
+    run, _ = running_run
+    from forgeboard.accounts.services import project_create
+
+    other = await sync_to_async(project_create)(actor=team.outsider, slug="beta", name="Beta")
+    _, raw = await sync_to_async(api_token_create)(actor=team.outsider, project=other, name="ws", scope="read")
+    communicator = WebsocketCommunicator(application, f"/ws/runs/{run.pk}/?token={raw}", headers=HEADERS)
+    connected, close_code = await communicator.connect(timeout=10)
+    assert not connected and close_code == 4404
