@@ -27,3 +27,30 @@ def launch_run(run_id: int) -> str:
 
         start_run(run_id=run_id)
         return "launched"
+
+
+@shared_task(name="runs.reconcile")
+def reconcile_runs() -> dict:
+    """Periodic: lost runs are restarted from their checkpoint or failed (see runs/reconcile.py)."""
+    from django.utils import timezone
+
+    from forgeboard.runs.reconcile import runs_reconcile
+
+    report = runs_reconcile(now=timezone.now())
+    if report.lost or report.restarted or report.failed:
+        logger.info("reconcile: lost %s, restarted %s, failed %s", report.lost, report.restarted, report.failed)
+    return {"lost": report.lost, "restarted": report.restarted, "failed": report.failed}
+
+
+@shared_task(name="cluster.mark_down_hosts")
+def mark_down_hosts() -> list[int]:
+    """Periodic: hosts that stopped heartbeating are marked down; returns the active runs that were on them."""
+    from django.conf import settings
+    from django.utils import timezone
+
+    from forgeboard.cluster.services import hosts_mark_down
+
+    marked = hosts_mark_down(now=timezone.now(), timeout_s=settings.HOST_HEARTBEAT_TIMEOUT_S)
+    for down in marked:
+        logger.warning("host %s is down; active runs on it: %s", down.host.hostname, down.run_ids)
+    return [run_id for down in marked for run_id in down.run_ids]

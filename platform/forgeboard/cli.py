@@ -34,7 +34,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     env = _django_env()
     worker = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "workers.celery", "worker", "--loglevel", "info",
-         "--concurrency", str(args.worker_concurrency), "--queues", "default,launch"],
+         "--concurrency", str(args.worker_concurrency), "--queues", "default,launch", "--beat"],
         env=env, cwd=REPO_DIR, start_new_session=True,
     )
     web = subprocess.Popen(

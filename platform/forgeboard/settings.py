@@ -19,6 +19,7 @@ REPO_DIR = Path(__file__).resolve().parents[2]
 FORGEBOARD_ENV = env.choice("FORGEBOARD_ENV", ("development", "production", "test"), "development")
 PRODUCTION = FORGEBOARD_ENV == "production"
 DATA_DIR = Path(env.str("FORGEBOARD_DATA_DIR", str(REPO_DIR / "var"))).resolve()
+DATA_DIR.mkdir(parents=True, exist_ok=True)
 
 DEBUG = False if PRODUCTION else env.bool("FORGEBOARD_DEBUG", FORGEBOARD_ENV == "development")
 SECRET_KEY = env.secret("FORGEBOARD_SECRET_KEY", required=PRODUCTION) or "dev-only-insecure-key-not-for-production"
@@ -94,7 +95,6 @@ _SQLITE_OPTIONS = {
 if DATABASE_URL and not DATABASE_URL.startswith("sqlite"):
     DATABASES = {"default": database_from_url(DATABASE_URL, conn_max_age=CONN_MAX_AGE)}
 else:
-    DATA_DIR.mkdir(parents=True, exist_ok=True)
     _sqlite_path = Path(urlsplit(DATABASE_URL).path) if DATABASE_URL else DATA_DIR / "forgeboard.sqlite3"
     DATABASES = {
         "default": {
@@ -146,6 +146,12 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+HOST_HEARTBEAT_TIMEOUT_S = env.int("FORGEBOARD_HOST_HEARTBEAT_TIMEOUT_S", 60, minimum=10)
+CELERY_BEAT_SCHEDULE = {
+    "reconcile-runs": {"task": "runs.reconcile", "schedule": env.int("FORGEBOARD_RECONCILE_SECONDS", 15, minimum=1)},
+    "mark-down-hosts": {"task": "cluster.mark_down_hosts", "schedule": 30.0},
+}
+CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
 
 # --- security -------------------------------------------------------------------------------
 SESSION_COOKIE_HTTPONLY = True

@@ -34,6 +34,19 @@ def load_and_check(path: str, overrides: Sequence[str]) -> RunConfig:
     return config
 
 
+def _control_plane_sink(config: RunConfig):  # noqa: ANN202 - ControlPlaneSink | None
+    """Report to the control plane when a launch backend started this process (FORGEBOARD_* variables)."""
+    import os
+
+    from workers.engine.control_plane import ControlPlaneSink, ControlPlaneTarget
+
+    target = ControlPlaneTarget.from_environment()
+    if target is None:
+        return None
+    spool = os.environ.get("FORGEBOARD_SPOOL_DIR", f".forgeboard-spool-{target.run_id}")
+    return ControlPlaneSink(target, spool_dir=spool, flush_seconds=config.telemetry.flush_seconds)
+
+
 def _train(args: argparse.Namespace) -> int:
     try:
         config = load_and_check(args.config, args.overrides)
@@ -48,6 +61,9 @@ def _train(args: argparse.Namespace) -> int:
         sinks.append(ConsoleSink(total_steps=config.trainer.steps, desc=config.recipe))
     if config.telemetry.jsonl_path:
         sinks.append(JsonlSink(config.telemetry.jsonl_path, flush_seconds=config.telemetry.flush_seconds))
+    control_plane = _control_plane_sink(config)
+    if control_plane is not None:
+        sinks.append(control_plane)
     recorder = Recorder(sinks)
     try:
         if config.recipe == "sft":

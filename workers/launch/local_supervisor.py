@@ -39,6 +39,16 @@ def _stop(process: subprocess.Popen) -> None:
         pass
 
 
+def engine_overrides(folder: Path) -> list[str]:
+    """Per-run paths; a restarted run resumes from its newest checkpoint."""
+    checkpoints = folder / "checkpoints"
+    overrides = [f"checkpoint.folder={checkpoints}", f"telemetry.jsonl_path={folder / 'metrics.jsonl'}",
+                 "telemetry.console=false"]
+    if any(checkpoints.glob("step_*/trainer.pt")):
+        overrides.append(f"checkpoint.resume_from={checkpoints}")
+    return overrides
+
+
 def supervise(run_id: int) -> int:
     from forgeboard.logs import run_log_context
     from forgeboard.runs.models import Run
@@ -51,7 +61,7 @@ def supervise(run_id: int) -> int:
     with run_log_context(run_id), open(log_path, "ab") as log:
         engine = subprocess.Popen(
             [sys.executable, "-m", "workers.engine", "train", "--config", str(folder / "config.yaml"),
-             f"telemetry.jsonl_path={folder / 'metrics.jsonl'}", "telemetry.console=false"],
+             *engine_overrides(folder)],
             cwd=REPO_DIR, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
         try:
@@ -79,6 +89,10 @@ def supervise(run_id: int) -> int:
             run_transition(run_id=run_id, from_state=state, to_state=RunState.CANCELLED, reason="cancelled by operator")
         elif engine.returncode == 0:
             run_transition(run_id=run_id, from_state=state, to_state=RunState.SUCCEEDED, reason="finished")
+        elif engine.returncode < 0:
+            # Killed by a signal (SIGKILL, OOM killer): not the run's own fault, so the reconciler may restart it.
+            reason = f"engine killed by signal {-engine.returncode}"
+            run_transition(run_id=run_id, from_state=state, to_state=RunState.LOST, reason=reason)
         else:
             reason = f"engine exited with code {engine.returncode}\n{_log_tail(log_path)}"
             run_transition(run_id=run_id, from_state=state, to_state=RunState.FAILED, reason=reason)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import models
 
 
@@ -69,3 +70,22 @@ class Device(models.Model):
 
     def __str__(self) -> str:
         return f"{self.host}:{self.kind}{self.index} {self.model}"
+
+
+class AgentToken(models.Model):
+    """A node agent's bearer token `fba_<prefix>_<secret>`; only a SHA-256 of the whole token is stored."""
+
+    name = models.CharField(max_length=100, unique=True)
+    prefix = models.CharField(max_length=16, unique=True)
+    token_hash = models.CharField(max_length=64, unique=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL,
+                                   related_name="agent_tokens")
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} (fba_{self.prefix}_…)"

@@ -1,17 +1,38 @@
-"""Inventory writes: hosts register and report; operators drain, cordon and restore them."""
+"""Inventory writes: hosts register and report; operators drain, cordon and restore them.
+
+Node agents act through an `AgentToken`. An agent is not a person: its audit entries are
+recorded as "system" with the token's prefix in the payload.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, TypeAlias
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
+from django.db.models import Q
 from django.utils import timezone
 
+from forgeboard.accounts.models import User
 from forgeboard.accounts.permissions import Actor, require_operator
 from forgeboard.audit.services import audit_record
-from forgeboard.cluster.models import Device, DeviceKind, Health, Host, HostState
-from forgeboard.errors import ValidationFailed
+from forgeboard.cluster.models import AgentToken, Device, DeviceKind, Health, Host, HostState
+from forgeboard.cluster.selectors import active_run_ids_on_host
+from forgeboard.errors import Conflict, NotFound, PermissionDenied, ValidationFailed
+
+InventoryActor: TypeAlias = Actor | AgentToken
+
+AGENT_TOKEN_PREFIX_BYTES = 6
+AGENT_TOKEN_SECRET_BYTES = 24
+AGENT_TOKEN_LAST_USED_RESOLUTION = timedelta(minutes=1)
+
+# Worst first: a host is as healthy as its least healthy device.
+_HEALTH_ORDER = (Health.UNHEALTHY, Health.DEGRADED, Health.UNKNOWN, Health.HEALTHY)
 
 
 @dataclass(frozen=True)
@@ -24,6 +45,44 @@ class DeviceReport:
     health: str = Health.HEALTHY
     utilization: float | None = None
     memory_used_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class DeviceSample:
+    """What a heartbeat says about one registered device."""
+
+    kind: str
+    index: int
+    health: str = Health.HEALTHY
+    utilization: float | None = None
+    memory_used_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class HostDown:
+    host: Host
+    run_ids: list[int]
+
+
+def _require_inventory_writer(*, actor: InventoryActor, action: str) -> None:
+    if isinstance(actor, AgentToken):
+        if actor.revoked_at is not None:
+            raise PermissionDenied(f"{action}: this agent token was revoked")
+        return
+    require_operator(actor=actor, action=action)
+
+
+def _audit(*, actor: InventoryActor, action: str, target: Host, payload: dict[str, Any]) -> None:
+    if isinstance(actor, AgentToken):
+        audit_record(actor=None, action=action, target=target, payload=payload | {"agent_token": actor.prefix})
+    else:
+        audit_record(actor=actor, action=action, target=target, payload=payload)
+
+
+def _worst_health(healths: Sequence[str]) -> str:
+    if not healths:
+        return Health.HEALTHY
+    return min(healths, key=_HEALTH_ORDER.index)
 
 
 def _check_report(*, hostname: str, labels: Mapping[str, str], devices: Sequence[DeviceReport]) -> None:
@@ -45,22 +104,27 @@ def _check_report(*, hostname: str, labels: Mapping[str, str], devices: Sequence
 @transaction.atomic
 def host_register(
     *,
-    actor: Actor,
+    actor: InventoryActor,
     hostname: str,
     pool: str = "default",
     labels: Mapping[str, str] | None = None,
     cpu_count: int = 0,
     memory_bytes: int = 0,
     devices: Sequence[DeviceReport] = (),
+    agent_version: str = "",
+    cpu_utilization: float | None = None,
+    memory_utilization: float | None = None,
 ) -> Host:
-    """Add or update a host and replace its device list."""
-    require_operator(actor=actor, action="registering hosts")
+    """Add or update a host and replace its device list. A host that was down comes back up."""
+    _require_inventory_writer(actor=actor, action="registering hosts")
     labels = dict(labels or {})
     _check_report(hostname=hostname, labels=labels, devices=devices)
     host, created = Host.objects.update_or_create(
         hostname=hostname,
         defaults={"pool": pool, "labels": labels, "cpu_count": cpu_count, "memory_bytes": memory_bytes,
-                  "last_heartbeat_at": timezone.now(), "health": Health.HEALTHY},
+                  "agent_version": agent_version, "cpu_utilization": cpu_utilization,
+                  "memory_utilization": memory_utilization, "last_heartbeat_at": timezone.now(),
+                  "health": _worst_health([d.health for d in devices])},
     )
     if not created and host.state == HostState.DOWN:
         host.state = HostState.UP
@@ -74,8 +138,57 @@ def host_register(
                       "health": report.health, "utilization": report.utilization,
                       "memory_used_bytes": report.memory_used_bytes},
         )
-    audit_record(actor=actor, action="host.register" if created else "host.update", target=host,
-                 payload={"devices": len(devices), "pool": pool})
+    _audit(actor=actor, action="host.register" if created else "host.update", target=host,
+           payload={"devices": len(devices), "pool": pool})
+    return host
+
+
+@transaction.atomic
+def host_heartbeat(
+    *,
+    actor: InventoryActor,
+    hostname: str,
+    cpu_utilization: float | None,
+    memory_utilization: float | None,
+    devices: Sequence[DeviceSample] = (),
+) -> Host:
+    """Record a heartbeat: utilization and health of the host and its registered devices.
+
+    Heartbeats are not audited (one per host every few seconds); a down host coming back is.
+    A heartbeat for an unknown host or device raises NotFound or Conflict: the agent registers again.
+    """
+    _require_inventory_writer(actor=actor, action="reporting heartbeats")
+    host = Host.objects.select_for_update().filter(hostname=hostname).first()
+    if host is None:
+        raise NotFound(f"host {hostname!r} is not registered; register it first")
+    registered = {(d.kind, d.index): d for d in host.devices.all()}
+    seen = set()
+    for i, sample in enumerate(devices):
+        key = (sample.kind, sample.index)
+        if sample.health not in Health.values:
+            raise ValidationFailed.on(f"devices[{i}].health", f"unknown health {sample.health!r}")
+        if key in seen:
+            raise ValidationFailed.on(f"devices[{i}].index", f"{sample.kind}{sample.index} reported twice")
+        if key not in registered:
+            raise Conflict(f"{sample.kind}{sample.index} is not registered on {hostname}; register the host again",
+                           problems=[])
+        seen.add(key)
+    for sample in devices:
+        device = registered[(sample.kind, sample.index)]
+        device.health = sample.health
+        device.utilization = sample.utilization
+        device.memory_used_bytes = sample.memory_used_bytes
+        device.save(update_fields=["health", "utilization", "memory_used_bytes"])
+    was_down = host.state == HostState.DOWN
+    host.cpu_utilization = cpu_utilization
+    host.memory_utilization = memory_utilization
+    host.health = _worst_health([d.health for d in registered.values()])
+    host.last_heartbeat_at = timezone.now()
+    if was_down:
+        host.state = HostState.UP
+    host.save(update_fields=["cpu_utilization", "memory_utilization", "health", "last_heartbeat_at", "state"])
+    if was_down:
+        _audit(actor=actor, action="host.up", target=host, payload={"reason": "heartbeat resumed"})
     return host
 
 
@@ -91,3 +204,83 @@ def host_set_state(*, actor: Actor, host: Host, state: HostState | str, reason: 
         audit_record(actor=actor, action="host.set_state", target=host,
                      payload={"from": previous, "to": state, "reason": reason})
     return host
+
+
+def hosts_mark_down(*, now: datetime, timeout_s: float) -> list[HostDown]:
+    """Mark hosts whose last heartbeat is older than `timeout_s` as down and unhealthy.
+
+    Returns each host marked down with the ids of the active runs placed on it, for the
+    reconciler to act on; run states are not changed here. Each host is claimed with a
+    conditional UPDATE, so a heartbeat that lands meanwhile keeps its host up.
+    """
+    if timeout_s <= 0:
+        raise ValidationFailed.on("timeout_s", "must be positive")
+    cutoff = now - timedelta(seconds=timeout_s)
+    stale = (Q(last_heartbeat_at__lt=cutoff) | Q(last_heartbeat_at__isnull=True, registered_at__lt=cutoff))
+    marked: list[HostDown] = []
+    for host in Host.objects.filter(stale).exclude(state=HostState.DOWN).order_by("hostname"):
+        with transaction.atomic():
+            claimed = (Host.objects.filter(pk=host.pk).filter(stale).exclude(state=HostState.DOWN)
+                       .update(state=HostState.DOWN, health=Health.UNHEALTHY))
+            if claimed != 1:
+                continue
+            previous = host.state
+            host.refresh_from_db()
+            run_ids = active_run_ids_on_host(hostname=host.hostname)
+            last = host.last_heartbeat_at.isoformat() if host.last_heartbeat_at else None
+            audit_record(actor=None, action="host.down", target=host,
+                         payload={"from": previous, "last_heartbeat_at": last, "timeout_s": timeout_s,
+                                  "run_ids": run_ids})
+        marked.append(HostDown(host=host, run_ids=run_ids))
+    return marked
+
+
+def _hash_agent_token(raw: str) -> str:
+    return hashlib.sha256(raw.encode("utf-8")).hexdigest()
+
+
+def agent_token_create(*, actor: User, name: str) -> tuple[AgentToken, str]:
+    """Create a node agent token; the plaintext is returned once and never stored."""
+    require_operator(actor=actor, action="creating agent tokens")
+    if not isinstance(name, str) or not name.strip():
+        raise ValidationFailed.on("name", "must not be empty")
+    name = name.strip()
+    if len(name) > 100:
+        raise ValidationFailed.on("name", f"must be at most 100 characters, got {len(name)}")
+    prefix = secrets.token_hex(AGENT_TOKEN_PREFIX_BYTES)
+    raw = f"fba_{prefix}_{secrets.token_urlsafe(AGENT_TOKEN_SECRET_BYTES)}"
+    try:
+        with transaction.atomic():
+            token = AgentToken.objects.create(name=name, prefix=prefix, token_hash=_hash_agent_token(raw),
+                                              created_by=actor)
+            audit_record(actor=actor, action="agent_token.create", target=token,
+                         payload={"name": name, "prefix": prefix})
+    except IntegrityError:
+        raise ValidationFailed.on("name", f"an agent token named {name!r} already exists") from None
+    return token, raw
+
+
+def agent_token_revoke(*, actor: User, token: AgentToken) -> AgentToken:
+    require_operator(actor=actor, action="revoking agent tokens")
+    if token.revoked_at is None:
+        token.revoked_at = timezone.now()
+        token.save(update_fields=["revoked_at"])
+        audit_record(actor=actor, action="agent_token.revoke", target=token, payload={"prefix": token.prefix})
+    return token
+
+
+def agent_token_authenticate(*, raw: str) -> AgentToken | None:
+    """The live agent token for a bearer string, or None. Constant-time on the secret part."""
+    parts = raw.split("_", 2) if isinstance(raw, str) else []
+    if len(parts) < 3 or parts[0] != "fba" or len(parts[1]) != 2 * AGENT_TOKEN_PREFIX_BYTES:
+        return None
+    token = AgentToken.objects.filter(prefix=parts[1]).first()
+    if token is None or not hmac.compare_digest(token.token_hash, _hash_agent_token(raw)):
+        return None
+    if token.revoked_at is not None:
+        return None
+    now = timezone.now()
+    if token.last_used_at is None or now - token.last_used_at > AGENT_TOKEN_LAST_USED_RESOLUTION:
+        AgentToken.objects.filter(pk=token.pk).update(last_used_at=now)
+        token.last_used_at = now
+    return token

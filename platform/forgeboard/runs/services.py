@@ -80,8 +80,8 @@ def run_transition(
         values.setdefault("started_at", now)
     if to_state in TERMINAL_STATES:
         values.setdefault("finished_at", now)
-        if reason:
-            values["exit_reason"] = reason
+    if reason:
+        values["exit_reason"] = reason
     with transaction.atomic():
         claimed = Run.objects.filter(pk=run_id, state=from_state).update(**values)
         if claimed != 1:

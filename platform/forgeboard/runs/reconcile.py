@@ -1,0 +1,84 @@
+"""The reconciler: runs whose heartbeats stopped become lost; lost runs restart or fail.
+
+Called periodically by the `runs.reconcile` Celery task. Every change goes through
+`run_transition`, so a reconciler racing a late heartbeat or another reconciler is harmless.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.db import transaction
+from django.db.models import F, Q
+
+from forgeboard.runs.models import Run
+from forgeboard.runs.services import IllegalTransition, _enqueue_launch, run_transition
+from forgeboard.runs.states import RunState
+from forgeboard.telemetry.models import EventKind
+from forgeboard.telemetry.services import event_append
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_TIMEOUT_S = 60
+LAUNCH_TIMEOUT_S = 300
+WATCHED_STATES = (RunState.RUNNING, RunState.PAUSED, RunState.CANCELLING)
+
+
+@dataclass
+class ReconcileReport:
+    lost: list[int] = field(default_factory=list)
+    restarted: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+
+
+def runs_reconcile(
+    *, now: datetime, heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S, launch_timeout_s: int = LAUNCH_TIMEOUT_S
+) -> ReconcileReport:
+    report = ReconcileReport()
+    silent_since = now - timedelta(seconds=heartbeat_timeout_s)
+    stale = Run.objects.filter(state__in=WATCHED_STATES).filter(
+        Q(last_heartbeat_at__lt=silent_since) | Q(last_heartbeat_at__isnull=True, state_changed_at__lt=silent_since)
+    )
+    stuck = Run.objects.filter(state=RunState.LAUNCHING,
+                               state_changed_at__lt=now - timedelta(seconds=launch_timeout_s))
+    for run in [*stale, *stuck]:
+        seen = run.last_heartbeat_at or run.state_changed_at
+        reason = f"no heartbeat for {int((now - seen).total_seconds())} s (timeout {heartbeat_timeout_s} s)"
+        if run.state == RunState.LAUNCHING:
+            reason = f"still launching after {launch_timeout_s} s"
+        try:
+            run_transition(run_id=run.pk, from_state=RunState(run.state), to_state=RunState.LOST, reason=reason)
+            report.lost.append(run.pk)
+        except IllegalTransition:
+            continue  # it moved on by itself meanwhile
+    for run in Run.objects.filter(state=RunState.LOST):
+        if _restart_or_fail(run=run):
+            report.restarted.append(run.pk)
+        else:
+            report.failed.append(run.pk)
+    return report
+
+
+def _restart_or_fail(*, run: Run) -> bool:
+    """Requeue a lost run (it resumes from its newest checkpoint) while restarts remain; else fail it."""
+    try:
+        if run.restart_count >= run.max_restarts:
+            run_transition(
+                run_id=run.pk, from_state=RunState.LOST, to_state=RunState.FAILED,
+                reason=f"lost ({run.exit_reason or 'no reason given'}) after {run.restart_count} of "
+                       f"{run.max_restarts} restarts",
+            )
+            return False
+        with transaction.atomic():
+            run_transition(run_id=run.pk, from_state=RunState.LOST, to_state=RunState.QUEUED,
+                           reason=f"restart {run.restart_count + 1} of {run.max_restarts}: {run.exit_reason}",
+                           restart_count=F("restart_count") + 1, pid=None)
+            event_append(run=run, kind=EventKind.RESTARTED,
+                         payload={"restart": run.restart_count + 1, "of": run.max_restarts,
+                                  "after": run.exit_reason})
+            transaction.on_commit(lambda: _enqueue_launch(run.pk))
+        return True
+    except IllegalTransition:
+        return False

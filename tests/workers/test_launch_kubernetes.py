@@ -1,0 +1,171 @@
+"""Kubernetes launch: the Job, Service and ConfigMap for a run, and Job/Pod status read as run states."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from workers.launch import kubernetes
+from workers.launch.kubernetes import KubernetesLaunchRequest, kubernetes_job_status, kubernetes_objects
+from workers.launch.slurm import LaunchSpecError
+
+RECORDED = Path(kubernetes.__file__).parent / "recorded"
+
+REQUEST = KubernetesLaunchRequest(
+    run_id=42, image="registry.example/forgeboard:1.0", config_yaml="recipe: grpo\nmodel: {path: /models/q}\n",
+    nodes=2, gpus_per_node=8, cpus_per_node=96, memory="1600Gi", namespace="forgeboard",
+    control_plane_url="https://forgeboard.example", token_secret="forgeboard-run-42-token",
+    environment={"NCCL_DEBUG": "WARN"}, overrides=("trainer.steps=200",),
+)
+
+
+def _job() -> dict:
+    config_map, service, job = kubernetes_objects(REQUEST)
+    assert (config_map["kind"], service["kind"], job["kind"]) == ("ConfigMap", "Service", "Job")
+    return job
+
+
+def _container(job: dict) -> dict:
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_job_runs_once_one_pod_per_node():
+    job = _job()
+    assert job["apiVersion"] == "batch/v1" and job["metadata"]["namespace"] == "forgeboard"
+    spec = job["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == (
+        "Indexed", 2, 2, 0)
+    assert spec["successPolicy"] == {"rules": [{"succeededIndexes": "0"}]}
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] == "Never" and pod["subdomain"] == "forgeboard-run-42"
+    assert job["metadata"]["labels"]["forgeboard.run-id"] == "42"
+    assert spec["template"]["metadata"]["labels"]["forgeboard.run-id"] == "42"
+
+
+def test_pod_requests_gpus_cpus_and_memory():
+    container = _container(_job())
+    assert container["resources"] == {
+        "requests": {"cpu": "96", "memory": "1600Gi", "nvidia.com/gpu": "8"},
+        "limits": {"memory": "1600Gi", "nvidia.com/gpu": "8"},
+    }
+    assert _job()["spec"]["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+
+def test_pod_gets_the_run_environment_and_worker_addresses():
+    env = {e["name"]: e["value"] for e in _container(_job())["env"]}
+    assert env == {
+        "FORGEBOARD_RUN_ID": "42", "FORGEBOARD_URL": "https://forgeboard.example",
+        "FORGEBOARD_TOKEN_FILE": "/var/run/secrets/forgeboard/token", "NCCL_DEBUG": "WARN",
+        "FORGEBOARD_MONARCH_WORKERS": ("tcp://forgeboard-run-42-0.forgeboard-run-42:26600,"
+                                       "tcp://forgeboard-run-42-1.forgeboard-run-42:26600"),
+    }
+
+
+def test_token_comes_from_a_secret_volume_and_config_from_a_config_map():
+    job = _job()
+    volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["run-token"]["secret"]["secretName"] == "forgeboard-run-42-token"
+    assert volumes["run-token"]["secret"]["items"] == [{"key": "token", "path": "token"}]
+    assert volumes["run-config"]["configMap"]["name"] == "forgeboard-run-42"
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
+    mounts = {m["name"]: m for m in _container(job)["volumeMounts"]}
+    assert mounts["run-token"] == {"name": "run-token", "mountPath": "/var/run/secrets/forgeboard", "readOnly": True}
+    config_map = kubernetes_objects(REQUEST)[0]
+    assert config_map["data"] == {"config.yaml": REQUEST.config_yaml}
+
+
+def test_pod_zero_runs_the_controller_and_every_pod_a_worker():
+    command = _container(_job())["command"]
+    assert command[:2] == ["/bin/sh", "-c"]
+    script = command[2].splitlines()
+    assert script[1] == 'if [ "$JOB_COMPLETION_INDEX" = "0" ]; then'
+    assert script[2].endswith(" &") and "run_worker_loop_forever" in script[2]
+    assert script[3] == ("  exec python -m workers.engine train --config /etc/forgeboard/run/config.yaml "
+                         "trainer.steps=200")
+    assert script[-1].startswith("exec python -c ") and '".forgeboard-run-42:26600@tcp://0.0.0.0:26600"' in script[-1]
+
+
+def test_headless_service_names_the_pods():
+    service = kubernetes_objects(REQUEST)[1]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {"forgeboard.run-id": "42"}
+    assert service["metadata"]["name"] == _job()["spec"]["template"]["spec"]["subdomain"]
+
+
+def test_cpu_only_runs_request_no_gpus():
+    job = kubernetes_objects(replace(REQUEST, gpus_per_node=0, node_selector={"pool": "cpu"}))[2]
+    container = _container(job)
+    assert "nvidia.com/gpu" not in container["resources"]["requests"]
+    assert "tolerations" not in job["spec"]["template"]["spec"]
+    assert job["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "cpu"}
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"namespace": "Forge Board"}, "namespace"),
+        ({"image": ""}, "image"),
+        ({"memory": "1.5TB"}, "memory"),
+        ({"nodes": 0}, "nodes"),
+        ({"config_yaml": "  "}, "config_yaml"),
+        ({"token_secret": "Bad_Secret"}, "token_secret"),
+        ({"environment": {"FORGEBOARD_TOKEN_FILE": "/tmp/x"}}, "environment.FORGEBOARD_TOKEN_FILE"),
+        ({"control_plane_url": "forgeboard.example"}, "control_plane_url"),
+    ],
+)
+def test_bad_requests_name_the_field(change, field):
+    with pytest.raises(LaunchSpecError) as caught:
+        kubernetes_objects(replace(REQUEST, **change))
+    assert caught.value.field == field
+
+
+# --- Job and Pod status --------------------------------------------------------------------------
+
+def _status(name: str):
+    recorded = json.loads((RECORDED / name).read_text())
+    return kubernetes_job_status(recorded["job"], recorded["pods"]["items"])
+
+
+@pytest.mark.parametrize(
+    ("fixture", "state", "reason_has"),
+    [
+        ("k8s_pending_unschedulable.json", "queued", "8 Insufficient nvidia.com/gpu"),
+        ("k8s_suspended_kueue.json", "queued", "suspended"),
+        ("k8s_launching_container_creating.json", "launching", "1 of 2 pods running"),
+        ("k8s_running.json", "running", "2 of 2 pods running"),
+        ("k8s_succeeded.json", "succeeded", "controller pod succeeded"),
+        ("k8s_failed_oomkilled.json", "failed", "forgeboard-run-42-1-q9m4d ran out of memory (OOMKilled)"),
+        ("k8s_failed_image_pull.json", "failed",
+         'ImagePullBackOff: Back-off pulling image "registry.example/forgeboard:1.1"'),
+        ("k8s_failed_exit_code.json", "failed", "pod forgeboard-run-42-0-x7k2p failed (exit code 1, Error)"),
+        ("k8s_failed_deadline.json", "failed", "active deadline"),
+        ("k8s_lost_evicted.json", "lost", "was evicted: The node was low on resource: ephemeral-storage"),
+        ("k8s_lost_preempted.json", "lost", "disrupted (PreemptionByScheduler)"),
+    ],
+)
+def test_job_and_pod_status_map_to_run_states(fixture, state, reason_has):
+    status = _status(fixture)
+    assert status.state == state
+    assert reason_has in status.reason
+    assert status.job_id == "forgeboard-run-42"
+    assert status.terminal == (state in ("succeeded", "failed", "lost"))
+
+
+def test_controller_pod_success_counts_before_the_job_says_so():
+    recorded = json.loads((RECORDED / "k8s_succeeded.json").read_text())
+    recorded["job"]["status"].pop("conditions")
+    assert kubernetes_job_status(recorded["job"], recorded["pods"]["items"]).state == "succeeded"
+
+
+def test_a_job_with_no_pods_yet_is_launching():
+    recorded = json.loads((RECORDED / "k8s_running.json").read_text())
+    assert kubernetes_job_status(recorded["job"], []).state == "launching"
+
+
+def test_not_a_job_is_refused():
+    with pytest.raises(LaunchSpecError, match="Job"):
+        kubernetes_job_status({"kind": "Pod"}, [])

@@ -1,0 +1,287 @@
+"""Kubernetes: the objects that start a run, and run states read from Job and Pod status objects.
+
+Django-free, and it does not import Monarch or the `kubernetes` client. `monarch.job.KubernetesJob`
+needs the `kubernetes` package, a live API server and the MonarchMesh operator (CRD), and creates
+its worker pods itself; it cannot return a spec offline. This builder produces plain dicts for
+`kubectl apply` or the client's `create_namespaced_*` calls:
+
+- an Indexed Job, one pod per node: every pod serves a Monarch worker; pod 0 also runs the engine
+  controller, and the Job's success policy ends the run when pod 0 succeeds;
+- a headless Service giving pod N the stable name `<job>-N.<job>`, which the controller dials;
+- a ConfigMap holding the run's config file.
+
+The run token comes from an existing Secret (key `token`), mounted read-only.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.launch.slurm import (
+    LaunchSpecError,
+    SchedulerStatus,
+    check_environment,
+    check_positive,
+    run_environment,
+    worker_loop_code,
+)
+
+__all__ = ["KubernetesLaunchRequest", "kubernetes_objects", "kubernetes_job_status", "LaunchSpecError",
+           "SchedulerStatus"]
+
+DEFAULT_MONARCH_PORT = 26600
+RUN_LABEL = "forgeboard.run-id"
+TOKEN_DIR = "/var/run/secrets/forgeboard"
+CONFIG_DIR = "/etc/forgeboard/run"
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_QUANTITY = re.compile(r"^[1-9][0-9]*(Ki|Mi|Gi|Ti)?$")
+# Waiting reasons after which a pod will not start without someone fixing the spec or the image.
+_FATAL_WAITING = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
+                  "CreateContainerError", "ErrImageNeverPull"}
+
+
+@dataclass(frozen=True)
+class KubernetesLaunchRequest:
+    run_id: int
+    image: str
+    config_yaml: str
+    nodes: int
+    gpus_per_node: int
+    cpus_per_node: int
+    memory: str  # per node, as a Kubernetes quantity: "1600Gi"
+    namespace: str
+    control_plane_url: str
+    token_secret: str  # an existing Secret with the run token under the key "token"
+    python: str = "python"  # the interpreter inside the image (a venv path, if the image has one)
+    overrides: tuple[str, ...] = ()
+    environment: Mapping[str, str] = field(default_factory=dict)
+    shared_memory: str = "64Gi"  # /dev/shm for NCCL
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    service_account: str | None = None
+    active_deadline_s: int | None = None
+    monarch_port: int = DEFAULT_MONARCH_PORT
+
+    @property
+    def name(self) -> str:
+        return f"forgeboard-run-{self.run_id}"
+
+    @property
+    def token_file(self) -> str:
+        return f"{TOKEN_DIR}/token"
+
+    @property
+    def config_path(self) -> str:
+        return f"{CONFIG_DIR}/config.yaml"
+
+    def controller_argv(self) -> list[str]:
+        return [self.python, "-m", "workers.engine", "train", "--config", self.config_path, *self.overrides]
+
+    def worker_addresses(self) -> list[str]:
+        return [f"tcp://{self.name}-{i}.{self.name}:{self.monarch_port}" for i in range(self.nodes)]
+
+    def check(self) -> None:
+        check_positive("run_id", self.run_id)
+        check_positive("nodes", self.nodes)
+        check_positive("cpus_per_node", self.cpus_per_node)
+        if not isinstance(self.gpus_per_node, int) or isinstance(self.gpus_per_node, bool) or self.gpus_per_node < 0:
+            raise LaunchSpecError("gpus_per_node", "must be an integer, 0 or more")
+        if not self.image or any(c.isspace() for c in self.image):
+            raise LaunchSpecError("image", "must be an image reference without spaces")
+        for name in ("namespace", "token_secret", "service_account"):
+            value = getattr(self, name)
+            if value is not None and not _DNS_LABEL.match(value):
+                raise LaunchSpecError(name, f"{value!r} is not a DNS label (lowercase letters, digits, dashes)")
+        for name in ("memory", "shared_memory"):
+            if not _QUANTITY.match(getattr(self, name)):
+                raise LaunchSpecError(name, f"{getattr(self, name)!r} is not a quantity such as 512Gi")
+        if not self.config_yaml.strip():
+            raise LaunchSpecError("config_yaml", "must not be empty")
+        if self.active_deadline_s is not None:
+            check_positive("active_deadline_s", self.active_deadline_s)
+        if not 1024 <= self.monarch_port <= 65535:
+            raise LaunchSpecError("monarch_port", "must be from 1024 to 65535")
+        check_environment(self.environment)
+
+
+def _container_script(request: KubernetesLaunchRequest) -> str:
+    worker = shlex.join([request.python, "-c", worker_loop_code(
+        port=request.monarch_port, host_suffix=f".{request.name}", bind_all=True)])
+    return "\n".join([
+        "set -eu",
+        'if [ "$JOB_COMPLETION_INDEX" = "0" ]; then',
+        f"  {worker} &",
+        f"  exec {shlex.join(request.controller_argv())}",
+        "fi",
+        f"exec {worker}",
+    ])
+
+
+def kubernetes_objects(request: KubernetesLaunchRequest) -> list[dict[str, Any]]:
+    """The ConfigMap, headless Service and Job for a run, in the order to create them."""
+    request.check()
+    labels = {"app.kubernetes.io/name": "forgeboard", "app.kubernetes.io/component": "engine",
+              RUN_LABEL: str(request.run_id)}
+    metadata = {"name": request.name, "namespace": request.namespace, "labels": labels}
+    environment = run_environment(run_id=request.run_id, control_plane_url=request.control_plane_url,
+                                  token_file=request.token_file, extra=request.environment)
+    environment["FORGEBOARD_MONARCH_WORKERS"] = ",".join(request.worker_addresses())
+    resources: dict[str, Any] = {
+        "requests": {"cpu": str(request.cpus_per_node), "memory": request.memory},
+        "limits": {"memory": request.memory},
+    }
+    if request.gpus_per_node:
+        resources["requests"]["nvidia.com/gpu"] = str(request.gpus_per_node)
+        resources["limits"]["nvidia.com/gpu"] = str(request.gpus_per_node)
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "subdomain": request.name,
+        "enableServiceLinks": False,
+        "containers": [{
+            "name": "engine",
+            "image": request.image,
+            "command": ["/bin/sh", "-c", _container_script(request)],
+            "env": [{"name": key, "value": value} for key, value in environment.items()],
+            "ports": [{"name": "monarch", "containerPort": request.monarch_port}],
+            "resources": resources,
+            "volumeMounts": [
+                {"name": "run-token", "mountPath": TOKEN_DIR, "readOnly": True},
+                {"name": "run-config", "mountPath": CONFIG_DIR, "readOnly": True},
+                {"name": "dshm", "mountPath": "/dev/shm"},
+            ],
+        }],
+        "volumes": [
+            # Readable by the image's user, root or not: the container is the boundary.
+            {"name": "run-token", "secret": {"secretName": request.token_secret, "defaultMode": 0o444,
+                                             "items": [{"key": "token", "path": "token"}]}},
+            {"name": "run-config", "configMap": {"name": request.name}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": request.shared_memory}},
+        ],
+    }
+    if request.gpus_per_node:
+        pod_spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    if request.node_selector:
+        pod_spec["nodeSelector"] = dict(request.node_selector)
+    if request.service_account:
+        pod_spec["serviceAccountName"] = request.service_account
+    job_spec: dict[str, Any] = {
+        "completionMode": "Indexed",
+        "completions": request.nodes,
+        "parallelism": request.nodes,
+        "backoffLimit": 0,
+        # Pod 0 runs the controller: when it succeeds the run is done and the worker pods are stopped.
+        "successPolicy": {"rules": [{"succeededIndexes": "0"}]},
+        "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+    }
+    if request.active_deadline_s:
+        job_spec["activeDeadlineSeconds"] = request.active_deadline_s
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata,
+                  "data": {"config.yaml": request.config_yaml}}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": metadata,
+               "spec": {"clusterIP": "None", "selector": {RUN_LABEL: str(request.run_id)},
+                        "publishNotReadyAddresses": True,
+                        "ports": [{"name": "monarch", "port": request.monarch_port}]}}
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": job_spec}
+    return [config_map, service, job]
+
+
+# --- run states from Job and Pod status ------------------------------------------------------------
+
+def _condition(obj: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
+    for condition in (obj.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == kind and condition.get("status") == "True":
+            return condition
+    return None
+
+
+def _pod_name(pod: Mapping[str, Any]) -> str:
+    return (pod.get("metadata") or {}).get("name", "?")
+
+
+def _containers(pod: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    status = pod.get("status") or {}
+    return [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+
+
+def _pod_failure(pod: Mapping[str, Any]) -> tuple[int, SchedulerStatus] | None:
+    """Why this pod failed or will never start, ranked: 0 a specific cause, 1 an exit code, 2 no detail."""
+    status = pod.get("status") or {}
+    name = _pod_name(pod)
+    if status.get("reason") == "Evicted":
+        return 0, SchedulerStatus("lost", f"pod {name} was evicted: {status.get('message', '').strip()}".rstrip(": "))
+    disruption = _condition(pod, "DisruptionTarget")
+    if disruption is not None:
+        return 0, SchedulerStatus("lost", f"pod {name} was disrupted ({disruption.get('reason')}): "
+                                          f"{disruption.get('message', '')}".rstrip(": "))
+    if status.get("phase") == "Unknown" or status.get("reason") == "NodeLost":
+        return 0, SchedulerStatus("lost", f"pod {name} lost contact with its node")
+    for container in _containers(pod):
+        state = container.get("state") or {}
+        waiting = state.get("waiting") or {}
+        if waiting.get("reason") in _FATAL_WAITING:
+            return 0, SchedulerStatus("failed", f"pod {name} cannot start: {waiting['reason']}: "
+                                                f"{waiting.get('message', '')}".rstrip(": "))
+        terminated = state.get("terminated") or {}
+        if terminated.get("reason") == "OOMKilled":
+            return 0, SchedulerStatus("failed", f"container {container.get('name')} in pod {name} ran out of "
+                                                "memory (OOMKilled); raise the memory limit or lower the batch size")
+        if terminated and terminated.get("exitCode", 0) != 0:
+            detail = f"exit code {terminated.get('exitCode')}"
+            if terminated.get("reason"):
+                detail += f", {terminated['reason']}"
+            return 1, SchedulerStatus("failed", f"container {container.get('name')} in pod {name} failed ({detail})")
+    if status.get("phase") == "Failed":
+        why = status.get("reason") or status.get("message") or "no reason given"
+        return 2, SchedulerStatus("failed", f"pod {name} failed: {why}")
+    return None
+
+
+def _index(pod: Mapping[str, Any]) -> str | None:
+    metadata = pod.get("metadata") or {}
+    key = "batch.kubernetes.io/job-completion-index"
+    return (metadata.get("labels") or {}).get(key) or (metadata.get("annotations") or {}).get(key)
+
+
+def _unschedulable(pod: Mapping[str, Any]) -> str | None:
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+            return condition.get("message") or condition.get("reason") or "not scheduled yet"
+    return None
+
+
+def kubernetes_job_status(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> SchedulerStatus:
+    """A run's Job and its pods (`kubectl get job,pods -l forgeboard.run-id=N -o json`) as a run state."""
+    if not isinstance(job, Mapping) or job.get("kind", "Job") != "Job":
+        raise LaunchSpecError("job", "expected a batch/v1 Job object")
+    job_id = (job.get("metadata") or {}).get("name", "")
+    ordered = sorted(pods, key=_pod_name)
+    if _condition(job, "Complete") or _condition(job, "SuccessCriteriaMet"):
+        return SchedulerStatus("succeeded", "the controller pod succeeded", job_id)
+    if any(_index(p) == "0" and (p.get("status") or {}).get("phase") == "Succeeded" for p in ordered):
+        return SchedulerStatus("succeeded", "the controller pod succeeded", job_id)
+    failed = _condition(job, "Failed") or _condition(job, "FailureTarget")
+    # A pod's own failure says more than the Job's summary (BackoffLimitExceeded); once one pod fails the
+    # others are stopped with generic exit codes, so the most specific cause wins.
+    failures = [f for f in map(_pod_failure, ordered) if f is not None]
+    if failures:
+        _rank, failure = min(failures, key=lambda f: f[0])
+        return SchedulerStatus(failure.state, failure.reason, job_id)
+    if failed is not None:
+        reason = failed.get("reason") or "Failed"
+        if reason == "DeadlineExceeded":
+            return SchedulerStatus("failed", "the job ran past its active deadline", job_id)
+        return SchedulerStatus("failed", f"the job failed ({reason}): {failed.get('message', '')}".rstrip(": "), job_id)
+    if (job.get("spec") or {}).get("suspend") or _condition(job, "Suspended"):
+        return SchedulerStatus("queued", "the job is suspended, waiting for admission", job_id)
+    for pod in ordered:
+        reason = _unschedulable(pod)
+        if reason is not None:
+            return SchedulerStatus("queued", f"pod {_pod_name(pod)} is waiting for a node: {reason}", job_id)
+    expected = (job.get("spec") or {}).get("parallelism") or len(ordered) or 1
+    running = [p for p in ordered if (p.get("status") or {}).get("phase") == "Running"]
+    if ordered and len(running) >= expected:
+        return SchedulerStatus("running", f"{len(running)} of {expected} pods running", job_id)
+    return SchedulerStatus("launching", f"{len(running)} of {expected} pods running; the rest are starting", job_id)

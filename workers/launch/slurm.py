@@ -1,0 +1,319 @@
+"""SLURM: the sbatch script that starts a run, and run states read from `squeue --json` / `sacct --json`.
+
+Django-free, and it does not import Monarch either. `monarch.job.SlurmJob` writes its sbatch script
+inside `apply()` and pipes it to `sbatch` in the same call, so it cannot produce a script without a
+cluster; its workers also wait for a client attaching from outside the allocation. This builder keeps
+SlurmJob's directives (nodes, one task per node, --gpus-per-node, --cpus-per-task, --mem, --exclusive,
+--partition, --time, --account, --qos) and its worker bootstrap (`run_worker_loop_forever` on
+`tcp://<hostname>:<port>`), and runs the engine controller inside the allocation, on the first node.
+
+The controller finds its workers in FORGEBOARD_MONARCH_WORKERS (comma-separated `tcp://host:port`).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any, Literal
+
+__all__ = ["LaunchSpecError", "SchedulerStatus", "SlurmLaunchRequest", "sbatch_script", "parse_squeue", "parse_sacct",
+           "slurm_job_status", "job_ids_for_run"]
+
+# --- shared with workers/launch/kubernetes.py ------------------------------------------------------
+
+RunStateName = Literal["queued", "launching", "running", "succeeded", "failed", "lost"]
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+RESERVED_ENVIRONMENT = frozenset({"FORGEBOARD_RUN_ID", "FORGEBOARD_URL", "FORGEBOARD_TOKEN_FILE",
+                                  "FORGEBOARD_MONARCH_WORKERS"})
+
+
+class LaunchSpecError(ValueError):
+    """A launch request or a scheduler document that cannot be used, naming the field and the reason."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class SchedulerStatus:
+    """What the scheduler says about a run's job, as one of our run states (RunState values) and a reason."""
+
+    state: RunStateName
+    reason: str
+    job_id: str = ""
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in ("succeeded", "failed", "lost")
+
+
+def check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise LaunchSpecError(name, f"must be a positive integer, got {value!r}")
+
+
+def check_environment(environment: Mapping[str, str]) -> None:
+    for key, value in environment.items():
+        if not isinstance(key, str) or not _ENV_NAME.match(key):
+            raise LaunchSpecError(f"environment.{key}", "is not a valid variable name")
+        if key in RESERVED_ENVIRONMENT:
+            raise LaunchSpecError(f"environment.{key}", "is set by Forgeboard itself")
+        if not isinstance(value, str):
+            raise LaunchSpecError(f"environment.{key}", "must be text")
+
+
+def run_environment(*, run_id: int, control_plane_url: str, token_file: str,
+                    extra: Mapping[str, str]) -> dict[str, str]:
+    """The variables every process of a run gets: who it is, where to report, and its credential."""
+    if not control_plane_url.startswith(("http://", "https://")):
+        raise LaunchSpecError("control_plane_url", f"must be an http(s) URL, got {control_plane_url!r}")
+    return {"FORGEBOARD_RUN_ID": str(run_id), "FORGEBOARD_URL": control_plane_url,
+            "FORGEBOARD_TOKEN_FILE": token_file, **extra}
+
+
+def worker_loop_code(*, port: int, host_suffix: str = "", bind_all: bool = False) -> str:
+    """Python source (for `python -c`) serving one Monarch worker at tcp://<hostname><host_suffix>:<port>.
+
+    The worker runs until its host mesh shuts it down (`run_worker_loop_forever`, as in monarch.job).
+    """
+    if not re.fullmatch(r"[A-Za-z0-9.-]*", host_suffix):
+        raise LaunchSpecError("host_suffix", f"{host_suffix!r} is not part of a host name")
+    bind = f"@tcp://0.0.0.0:{port}" if bind_all else ""
+    return ("import socket; from monarch.actor import run_worker_loop_forever; "
+            f'run_worker_loop_forever(address="tcp://" + socket.gethostname() + "{host_suffix}:{port}{bind}", '
+            'ca="trust_all_connections")')
+
+
+DEFAULT_MONARCH_PORT = 22222
+_SLURM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_SLURM_MEMORY = re.compile(r"^[1-9][0-9]*[KMGT]?$")
+_SLURM_TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
+
+
+@dataclass(frozen=True)
+class SlurmLaunchRequest:
+    run_id: int
+    config_path: str  # on a filesystem every node sees
+    nodes: int
+    gpus_per_node: int
+    cpus_per_node: int
+    memory: str  # per node, in sbatch's --mem units: "1600G"
+    partition: str
+    control_plane_url: str
+    token_file: str  # the run token, readable by the job's user on every node
+    log_dir: str
+    venv: str | None = None  # a virtualenv every node sees, or:
+    image: str | None = None  # a container image, run through pyxis (srun --container-image)
+    overrides: tuple[str, ...] = ()  # section.key=value, passed to the engine
+    environment: Mapping[str, str] = field(default_factory=dict)
+    time_limit: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    monarch_port: int = DEFAULT_MONARCH_PORT
+
+    @property
+    def job_name(self) -> str:
+        return f"forgeboard-run-{self.run_id}"
+
+    @property
+    def python(self) -> str:
+        return str(PurePosixPath(self.venv) / "bin" / "python") if self.venv else "python"
+
+    def controller_argv(self) -> list[str]:
+        return [self.python, "-m", "workers.engine", "train", "--config", self.config_path, *self.overrides]
+
+    def check(self) -> None:
+        check_positive("run_id", self.run_id)
+        check_positive("nodes", self.nodes)
+        check_positive("cpus_per_node", self.cpus_per_node)
+        if not isinstance(self.gpus_per_node, int) or isinstance(self.gpus_per_node, bool) or self.gpus_per_node < 0:
+            raise LaunchSpecError("gpus_per_node", "must be an integer, 0 or more")
+        if (self.venv is None) == (self.image is None):
+            raise LaunchSpecError("venv", "give exactly one of venv and image")
+        if not _SLURM_MEMORY.match(self.memory):
+            raise LaunchSpecError("memory", f"{self.memory!r} is not an sbatch size such as 512G")
+        for name in ("partition", "account", "qos"):
+            value = getattr(self, name)
+            if value is not None and not _SLURM_NAME.match(value):
+                raise LaunchSpecError(name, f"{value!r} is not a SLURM name")
+        if self.time_limit is not None and not _SLURM_TIME.match(self.time_limit):
+            raise LaunchSpecError("time_limit", f"{self.time_limit!r} is not a SLURM time such as 1-00:00:00")
+        for name in ("config_path", "token_file", "log_dir", "venv"):
+            value = getattr(self, name)
+            if value is not None and not PurePosixPath(value).is_absolute():
+                raise LaunchSpecError(name, f"must be an absolute path, got {value!r}")
+        if self.image is not None and (not self.image or any(c.isspace() for c in self.image)):
+            raise LaunchSpecError("image", "must be an image reference without spaces")
+        if not 1024 <= self.monarch_port <= 65535:
+            raise LaunchSpecError("monarch_port", "must be from 1024 to 65535")
+        check_environment(self.environment)
+
+
+def _srun(request: SlurmLaunchRequest, *options: str) -> list[str]:
+    argv = ["srun", *options]
+    if request.image is not None:
+        mounts = sorted({str(PurePosixPath(request.token_file).parent), str(PurePosixPath(request.config_path).parent)})
+        argv += [f"--container-image={request.image}", f"--container-mounts={','.join(f'{m}:{m}:ro' for m in mounts)}"]
+    return argv
+
+
+def sbatch_script(request: SlurmLaunchRequest) -> str:
+    """The batch script: a Monarch worker on every node, the engine controller on the first."""
+    request.check()
+    log = PurePosixPath(request.log_dir) / f"{request.job_name}-%j.out"
+    directives = [
+        f"--job-name={request.job_name}",
+        f"--nodes={request.nodes}",
+        "--ntasks-per-node=1",
+        f"--cpus-per-task={request.cpus_per_node}",
+        f"--mem={request.memory}",
+        f"--partition={request.partition}",
+        "--exclusive",
+        f"--output={log}",
+        f"--comment=forgeboard-run-id={request.run_id}",
+    ]
+    if request.gpus_per_node:
+        directives.insert(3, f"--gpus-per-node={request.gpus_per_node}")
+    directives += [f"--{name.replace('_', '-')}={value}" for name, value in
+                   (("time", request.time_limit), ("account", request.account), ("qos", request.qos)) if value]
+    environment = run_environment(run_id=request.run_id, control_plane_url=request.control_plane_url,
+                                  token_file=request.token_file, extra=request.environment)
+    worker = _srun(request, f"--nodes={request.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1") + [
+        request.python, "-c", worker_loop_code(port=request.monarch_port)]
+    controller = _srun(request, "--overlap", "--nodes=1", "--ntasks=1") + request.controller_argv()
+    lines = [
+        "#!/bin/bash",
+        *(f"#SBATCH {d}" for d in directives),
+        "set -euo pipefail",
+        "",
+        *(f"export {key}={shlex.quote(value)}" for key, value in environment.items()),
+        'mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        "workers=()",
+        f'for node in "${{nodes[@]}}"; do workers+=("tcp://${{node}}:{request.monarch_port}"); done',
+        'export FORGEBOARD_MONARCH_WORKERS="$(IFS=,; echo "${workers[*]}")"',
+        "",
+        "# One Monarch worker per node, for as long as the controller runs.",
+        f"{shlex.join(worker)} &",
+        "workers_pid=$!",
+        "trap 'kill \"$workers_pid\" 2>/dev/null || true' EXIT",
+        "",
+        "# The engine controller on the first node; its exit status is the job's.",
+        f'{shlex.join(controller[:4])} --nodelist="${{nodes[0]}}" {shlex.join(controller[4:])}',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# --- run states from SLURM's JSON ----------------------------------------------------------------
+
+_BASE_STATES = ("PENDING", "RUNNING", "SUSPENDED", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL",
+                "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY")
+
+
+def _states(value: Any) -> list[str]:
+    # Slurm 23.02+ gives a list of state and flags; older releases a single string such as "CANCELLED by 1000".
+    if isinstance(value, str):
+        return value.split()[:1]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    raise LaunchSpecError("job_state", f"unreadable SLURM state {value!r}")
+
+
+def _number(value: Any) -> int | None:
+    # Slurm 23.02+ wraps numbers as {"set": bool, "infinite": bool, "number": int}.
+    if isinstance(value, dict):
+        return value.get("number") if value.get("set", True) and not value.get("infinite", False) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _exit(record: Mapping[str, Any]) -> tuple[int | None, str | None]:
+    exit_code = record.get("exit_code")
+    if not isinstance(exit_code, dict):
+        return _number(exit_code), None
+    signal = exit_code.get("signal") or {}
+    signal_name = signal.get("name") if isinstance(signal, dict) else None
+    return _number(exit_code.get("return_code")), signal_name or None
+
+
+def slurm_job_status(record: Mapping[str, Any]) -> SchedulerStatus:
+    """One job record of `squeue --json` or `sacct --json` as a run state with a reason a person can read."""
+    state = record.get("state")
+    states = _states(state.get("current") if isinstance(state, dict) else record.get("job_state"))
+    base = next((s for s in states if s in _BASE_STATES), None)
+    flags = set(states) - {base}
+    reason = state.get("reason", "") if isinstance(state, dict) else record.get("state_reason", "")
+    reason = "" if reason in (None, "None") else str(reason)
+    code, signal = _exit(record)
+    job_id = str(record.get("job_id", ""))
+    nodes = record.get("nodes") or ""
+    if base == "PENDING" or (base is None and "REQUEUED" in flags):
+        why = "requeued" if "REQUEUED" in flags else "waiting in the SLURM queue"
+        return SchedulerStatus("queued", f"{why} ({reason})" if reason else why, job_id)
+    if base == "RUNNING":
+        if "CONFIGURING" in flags:
+            return SchedulerStatus("launching", f"SLURM is booting nodes {nodes}".strip(), job_id)
+        return SchedulerStatus("running", f"running on {nodes}" if nodes else "running", job_id)
+    if base == "SUSPENDED":
+        return SchedulerStatus("running", "suspended by SLURM; it resumes where it stopped", job_id)
+    if base == "COMPLETED":
+        return SchedulerStatus("succeeded", "the job completed with exit code 0", job_id)
+    if base == "FAILED":
+        detail = f"signal {signal}" if signal else f"exit code {code}"
+        return SchedulerStatus("failed", f"the job failed with {detail}" + (f" ({reason})" if reason else ""), job_id)
+    if base == "CANCELLED":
+        return SchedulerStatus("failed", "the SLURM job was cancelled" + (f" ({reason})" if reason else ""), job_id)
+    if base == "TIMEOUT":
+        time = record.get("time")
+        limit = _number(time.get("limit") if isinstance(time, dict) else record.get("time_limit"))
+        of_limit = f" of {limit} minutes" if limit else ""
+        return SchedulerStatus("failed", f"the job hit its time limit{of_limit}", job_id)
+    if base == "DEADLINE":
+        return SchedulerStatus("failed", "the job missed its deadline", job_id)
+    if base == "OUT_OF_MEMORY":
+        return SchedulerStatus("failed", "the job ran out of host memory (OUT_OF_MEMORY)", job_id)
+    if base == "NODE_FAIL":
+        return SchedulerStatus("lost", f"a node of the job failed ({nodes}); restart from the last checkpoint"
+                               if nodes else "a node of the job failed; restart from the last checkpoint", job_id)
+    if base == "PREEMPTED":
+        return SchedulerStatus("lost", "preempted by a higher-priority job; restart from the last checkpoint", job_id)
+    if base == "BOOT_FAIL":
+        return SchedulerStatus("lost", "SLURM could not boot the job's nodes", job_id)
+    raise LaunchSpecError("job_state", f"unknown SLURM job state {states!r}")
+
+
+def _jobs(document: Mapping[str, Any], source: str) -> list[Mapping[str, Any]]:
+    errors = document.get("errors") or []
+    if errors:
+        messages = "; ".join(str(e.get("description") or e.get("error") or e) for e in errors)
+        raise LaunchSpecError(source, f"SLURM reported errors: {messages}")
+    jobs = document.get("jobs")
+    if not isinstance(jobs, list):
+        raise LaunchSpecError(source, "no 'jobs' list in the document")
+    return jobs
+
+
+def parse_squeue(document: Mapping[str, Any]) -> dict[str, SchedulerStatus]:
+    """`squeue --json`: the status of each listed job, by job id. A job missing here has left the queue."""
+    return {str(job["job_id"]): slurm_job_status(job) for job in _jobs(document, "squeue")}
+
+
+def parse_sacct(document: Mapping[str, Any]) -> dict[str, SchedulerStatus]:
+    """`sacct --json`: the status of each job, by job id; for a requeued job, its latest record."""
+    return {str(job["job_id"]): slurm_job_status(job) for job in _jobs(document, "sacct")}
+
+
+def job_ids_for_run(document: Mapping[str, Any], run_id: int) -> Sequence[str]:
+    """The SLURM jobs whose comment names this run (set by `sbatch_script`)."""
+    tag = f"forgeboard-run-id={run_id}"
+    found = []
+    for job in _jobs(document, "squeue"):
+        comment = job.get("comment")
+        text = comment.get("job", "") if isinstance(comment, dict) else (comment or "")
+        if text == tag:
+            found.append(str(job["job_id"]))
+    return found
