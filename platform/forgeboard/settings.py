@@ -112,8 +112,13 @@ BROKER_DIR = DATA_DIR / "broker"
 if REDIS_URL:
     CELERY_BROKER_URL = REDIS_URL
     CELERY_BROKER_TRANSPORT_OPTIONS: dict = {}
+    # redis-py 8 times out socket reads after 5 s by default: exactly the channel layer's blocking
+    # receive (BZPOPMIN, 5 s), which then fails every idle websocket. Reads may block for longer.
     CHANNEL_LAYERS = {
-        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}]},
+        }
     }
 else:
     # Embedded default: one folder for the broker's in and out works across processes.

@@ -53,12 +53,12 @@ def stop_group(process: subprocess.Popen, timeout: float = 15) -> None:
 
 
 @contextmanager
-def celery_worker(log_path: Path, *, ready_timeout: float = 60) -> Iterator[subprocess.Popen]:
+def celery_worker(log_path: Path, *, ready_timeout: float = 60, **env: str) -> Iterator[subprocess.Popen]:
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "workers.celery", "worker", "--pool", "solo",
              "--queues", "default,launch", "--purge", "--loglevel", "info", "--without-mingle", "--without-gossip"],
-            cwd=REPO_DIR, env=platform_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=REPO_DIR, env=platform_env(**env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:
         deadline = time.monotonic() + ready_timeout
@@ -80,3 +80,34 @@ def wait_for(predicate, *, timeout: float, interval: float = 0.2, what: str = "c
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+@contextmanager
+def web_server(log_path: Path, *, port: int, ready_timeout: float = 60, **env: str) -> Iterator[subprocess.Popen]:
+    """daphne serving the platform (HTTP and websockets) on 127.0.0.1:port."""
+    process = start_web_server(log_path, port=port, ready_timeout=ready_timeout, **env)
+    try:
+        yield process
+    finally:
+        stop_group(process)
+
+
+def start_web_server(log_path: Path, *, port: int, ready_timeout: float = 60, **env: str) -> subprocess.Popen:
+    import httpx
+
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "forgeboard.asgi:application"],
+            cwd=REPO_DIR, env=platform_env(**env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    deadline = time.monotonic() + ready_timeout
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop_group(process)
+            raise RuntimeError(f"web server did not start:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.2)

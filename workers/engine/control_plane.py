@@ -152,10 +152,7 @@ class ControlPlaneSink:
             logger.warning("control plane unreachable (%s); %d batches spooled", exc, len(self._spooled()))
             return False
         if response.status_code == 409 and response.json().get("code") == "sequence_gap":
-            expected = int(response.json()["expected_seq"])
-            for path in files:
-                if int(path.stem.split("-")[1]) < expected:
-                    path.unlink(missing_ok=True)  # already applied
+            self._realign(files, expected=int(response.json()["expected_seq"]))
             return True
         if response.status_code != 200:
             logger.error("control plane refused telemetry: %s %s", response.status_code, response.text[:500])
@@ -166,6 +163,24 @@ class ControlPlaneSink:
             if int(path.stem.split("-")[1]) <= result.applied_seq:
                 path.unlink(missing_ok=True)
         return True
+
+    def _realign(self, files: list[Path], *, expected: int) -> None:
+        """Drop batches the control plane already has; renumber if it lacks batches we no longer hold."""
+        for path in files:
+            if int(path.stem.split("-")[1]) < expected:
+                path.unlink(missing_ok=True)
+        remaining = self._spooled()
+        if remaining and int(remaining[0].stem.split("-")[1]) > expected:
+            logger.error("control plane expects batch %d but the spool starts later; renumbering", expected)
+            with self._lock:
+                for offset, path in enumerate(remaining):
+                    batch = json.loads(path.read_text())
+                    batch["seq"] = expected + offset
+                    path.unlink()
+                    target = self.spool / f"batch-{batch['seq']:0{BATCH_FILE_DIGITS}d}.json"
+                    target.write_text(json.dumps(batch))
+                self._next_seq = expected + len(remaining)
+                (self.spool / "last_seq").write_text(str(self._next_seq - 1))
 
     def _heartbeat(self) -> bool:
         try:

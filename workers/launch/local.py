@@ -16,15 +16,17 @@ from forgeboard.runs.tokens import run_token_issue
 REPO_DIR = Path(__file__).resolve().parents[2]
 
 
-def run_dir(run_id: int) -> Path:
-    return Path(settings.DATA_DIR) / "runs" / str(run_id)
+def run_dir(run: Run) -> Path:
+    return Path(settings.DATA_DIR) / "runs" / f"{run.pk}-{run.uid.hex[:12]}"
 
 
 def start_local(*, run: Run) -> int:
     """Write the run's resolved config and start its supervisor, detached; returns the supervisor's pid."""
-    folder = run_dir(run.pk)
+    folder = run_dir(run)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.yaml").write_text(yaml.safe_dump(run.config.parsed, sort_keys=False), encoding="utf-8")
+    # Restarts are the control plane's job (the reconciler); the engine itself runs once.
+    engine_config = run.config.parsed | {"max_restarts": 0}
+    (folder / "config.yaml").write_text(yaml.safe_dump(engine_config, sort_keys=False), encoding="utf-8")
     token_file = folder / "run_token"
     token_file.touch(mode=0o600)
     token_file.write_text(run_token_issue(run=run))

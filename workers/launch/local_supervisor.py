@@ -56,7 +56,7 @@ def supervise(run_id: int) -> int:
     from forgeboard.runs.states import RunState
     from workers.launch.local import REPO_DIR, run_dir
 
-    folder = run_dir(run_id)
+    folder = run_dir(Run.objects.get(pk=run_id))
     log_path = folder / "engine.log"
     with run_log_context(run_id), open(log_path, "ab") as log:
         engine = subprocess.Popen(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 from django.conf import settings
 from django.db import models
 
@@ -17,6 +19,7 @@ class LaunchBackend(models.TextChoices):
 
 
 class Run(models.Model):
+    uid = models.UUIDField(default=uuid.uuid4, unique=True, editable=False, help_text="Names its files and jobs")
     experiment = models.ForeignKey(Experiment, on_delete=models.CASCADE, related_name="runs")
     number = models.PositiveIntegerField(help_text="1, 2, 3… within the experiment")
     config = models.ForeignKey(ConfigSnapshot, on_delete=models.PROTECT, related_name="runs")
