@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import secrets
 from datetime import datetime, timedelta
 
 from django.core.exceptions import ValidationError as DjangoValidationError
@@ -14,10 +11,9 @@ from django.utils import timezone
 from forgeboard.accounts.models import ApiToken, Membership, Project, Role, TokenScope, User, slug_validator
 from forgeboard.accounts.permissions import Actor, require_project_role
 from forgeboard.audit.services import audit_record
+from forgeboard.bearer import mint_token, token_matches, token_prefix
 from forgeboard.errors import Conflict, PermissionDenied, ValidationFailed
 
-TOKEN_PREFIX_BYTES = 6
-TOKEN_SECRET_BYTES = 24
 TOKEN_LAST_USED_RESOLUTION = timedelta(minutes=1)
 
 
@@ -92,10 +88,6 @@ def membership_remove(*, actor: Actor, project: Project, user: User) -> None:
     membership.delete()
 
 
-def _hash_token(raw: str) -> str:
-    return hashlib.sha256(raw.encode("utf-8")).hexdigest()
-
-
 def api_token_create(
     *, actor: User, project: Project, name: str, scope: TokenScope | str, expires_at: datetime | None = None
 ) -> tuple[ApiToken, str]:
@@ -106,12 +98,12 @@ def api_token_create(
         raise ValidationFailed.on("scope", f"unknown scope {scope!r}: choose read or write")
     if expires_at is not None and expires_at <= timezone.now():
         raise ValidationFailed.on("expires_at", "must be in the future")
-    prefix = secrets.token_hex(TOKEN_PREFIX_BYTES)
-    raw = f"fb_{prefix}_{secrets.token_urlsafe(TOKEN_SECRET_BYTES)}"
+    minted = mint_token("fb")
+    prefix, raw = minted.prefix, minted.raw
     try:
         with transaction.atomic():
             token = ApiToken.objects.create(
-                project=project, name=name, prefix=prefix, token_hash=_hash_token(raw), scope=scope,
+                project=project, name=name, prefix=prefix, token_hash=minted.token_hash, scope=scope,
                 created_by=actor, expires_at=expires_at,
             )
             audit_record(actor=actor, action="api_token.create", target=token, project=project,
@@ -135,11 +127,11 @@ def api_token_revoke(*, actor: User, token: ApiToken) -> ApiToken:
 
 def api_token_authenticate(*, raw: str) -> ApiToken | None:
     """The live token for a bearer string, or None. Constant-time on the secret part."""
-    parts = raw.split("_", 2) if isinstance(raw, str) else []
-    if len(parts) < 3 or parts[0] != "fb" or len(parts[1]) != 2 * TOKEN_PREFIX_BYTES:
+    prefix = token_prefix(raw, "fb")
+    if prefix is None:
         return None
-    token = ApiToken.objects.select_related("project", "created_by").filter(prefix=parts[1]).first()
-    if token is None or not hmac.compare_digest(token.token_hash, _hash_token(raw)):
+    token = ApiToken.objects.select_related("project", "created_by").filter(prefix=prefix).first()
+    if token is None or not token_matches(raw, token.token_hash):
         return None
     now = timezone.now()
     if token.revoked_at is not None or (token.expires_at is not None and token.expires_at <= now):

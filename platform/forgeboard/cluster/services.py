@@ -6,9 +6,6 @@ recorded as "system" with the token's prefix in the payload.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -21,14 +18,13 @@ from django.utils import timezone
 from forgeboard.accounts.models import User
 from forgeboard.accounts.permissions import Actor, require_operator
 from forgeboard.audit.services import audit_record
+from forgeboard.bearer import mint_token, token_matches, token_prefix
 from forgeboard.cluster.models import AgentToken, Device, DeviceKind, Health, Host, HostState
 from forgeboard.cluster.selectors import active_run_ids_on_host
 from forgeboard.errors import Conflict, NotFound, PermissionDenied, ValidationFailed
 
 InventoryActor: TypeAlias = Actor | AgentToken
 
-AGENT_TOKEN_PREFIX_BYTES = 6
-AGENT_TOKEN_SECRET_BYTES = 24
 AGENT_TOKEN_LAST_USED_RESOLUTION = timedelta(minutes=1)
 
 # Worst first: a host is as healthy as its least healthy device.
@@ -235,10 +231,6 @@ def hosts_mark_down(*, now: datetime, timeout_s: float) -> list[HostDown]:
     return marked
 
 
-def _hash_agent_token(raw: str) -> str:
-    return hashlib.sha256(raw.encode("utf-8")).hexdigest()
-
-
 def agent_token_create(*, actor: User, name: str) -> tuple[AgentToken, str]:
     """Create a node agent token; the plaintext is returned once and never stored."""
     require_operator(actor=actor, action="creating agent tokens")
@@ -247,11 +239,11 @@ def agent_token_create(*, actor: User, name: str) -> tuple[AgentToken, str]:
     name = name.strip()
     if len(name) > 100:
         raise ValidationFailed.on("name", f"must be at most 100 characters, got {len(name)}")
-    prefix = secrets.token_hex(AGENT_TOKEN_PREFIX_BYTES)
-    raw = f"fba_{prefix}_{secrets.token_urlsafe(AGENT_TOKEN_SECRET_BYTES)}"
+    minted = mint_token("fba")
+    prefix, raw = minted.prefix, minted.raw
     try:
         with transaction.atomic():
-            token = AgentToken.objects.create(name=name, prefix=prefix, token_hash=_hash_agent_token(raw),
+            token = AgentToken.objects.create(name=name, prefix=prefix, token_hash=minted.token_hash,
                                               created_by=actor)
             audit_record(actor=actor, action="agent_token.create", target=token,
                          payload={"name": name, "prefix": prefix})
@@ -271,11 +263,11 @@ def agent_token_revoke(*, actor: User, token: AgentToken) -> AgentToken:
 
 def agent_token_authenticate(*, raw: str) -> AgentToken | None:
     """The live agent token for a bearer string, or None. Constant-time on the secret part."""
-    parts = raw.split("_", 2) if isinstance(raw, str) else []
-    if len(parts) < 3 or parts[0] != "fba" or len(parts[1]) != 2 * AGENT_TOKEN_PREFIX_BYTES:
+    prefix = token_prefix(raw, "fba")
+    if prefix is None:
         return None
-    token = AgentToken.objects.filter(prefix=parts[1]).first()
-    if token is None or not hmac.compare_digest(token.token_hash, _hash_agent_token(raw)):
+    token = AgentToken.objects.filter(prefix=prefix).first()
+    if token is None or not token_matches(raw, token.token_hash):
         return None
     if token.revoked_at is not None:
         return None

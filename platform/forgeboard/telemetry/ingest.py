@@ -116,11 +116,12 @@ def _insert_points_postgres(rows: list[tuple[int, int, float, float]]) -> Counte
             for row in rows:
                 copy.write_row(row)
         cursor.execute(
-            f"INSERT INTO {MetricPoint._meta.db_table} (series_id, step, value, wall_time) "
+            f"WITH inserted AS (INSERT INTO {MetricPoint._meta.db_table} (series_id, step, value, wall_time) "
             "SELECT series_id, step, value, wall_time FROM fb_points_in "
-            "ON CONFLICT (series_id, step) DO NOTHING RETURNING series_id"
+            "ON CONFLICT (series_id, step) DO NOTHING RETURNING series_id) "
+            "SELECT series_id, count(*) FROM inserted GROUP BY series_id"
         )
-        inserted = Counter(sid for (sid,) in cursor.fetchall())
+        inserted = Counter(dict(cursor.fetchall()))
         cursor.execute("TRUNCATE fb_points_in")
     return inserted
 
