@@ -26,7 +26,7 @@ from forgeboard.runs.states import RunState
 from tests.support.processes import REPO_DIR, celery_worker, free_port, wait_for, web_server
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=list(settings.DATABASES))
-MESSAGES = 100
+MESSAGES = int(__import__("os").environ.get("BENCH_MESSAGES", "100"))
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -56,7 +56,8 @@ async def _subscribers(url: str, origin: str, count: int, latencies: list[float]
 def _measure(port: int, run, run_token: str, read_token: str, subscribers: int, first_seq: int) -> list[float]:
     latencies: list[float] = []
     ready = threading.Event()
-    url = f"ws://127.0.0.1:{port}/ws/runs/{run.pk}/?token={read_token}&after_seq=999999999"
+    run.refresh_from_db()
+    url = f"ws://127.0.0.1:{port}/ws/runs/{run.pk}/?token={read_token}&after_seq={run.last_event_seq}"
     listener = threading.Thread(
         target=lambda: asyncio.run(_subscribers(url, f"http://127.0.0.1:{port}", subscribers, latencies, ready)))
     listener.start()

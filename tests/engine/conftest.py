@@ -68,9 +68,9 @@ def sft_warm_start(tiny_trainable_qwen3: Path, tmp_path_factory: pytest.TempPath
     config = load_config(
         f"recipe: sft\nmodel: {{path: '{tiny_trainable_qwen3}'}}\n",
         overrides=[
-            *ARITHMETIC, "data.seq_len=256", "trainer.steps=200", "trainer.batch_size=32", "trainer.micro_batch_size=8",
+            *ARITHMETIC, "data.seq_len=256", "trainer.steps=240", "trainer.batch_size=32", "trainer.micro_batch_size=8",
             "trainer.optimizer.lr=3e-3", "trainer.optimizer.warmup_steps=10", "trainer.threads_per_process=1",
-            "eval.every_steps=200", f"checkpoint.folder={root / 'checkpoints'}", "telemetry.console=false",
+            "eval.every_steps=240", f"checkpoint.folder={root / 'checkpoints'}", "telemetry.console=false",
         ],
     )
     result = train_sft(config, Recorder())

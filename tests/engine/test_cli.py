@@ -54,15 +54,19 @@ def test_preflight_refuses_what_it_cannot_run(tiny_llama3: Path, tmp_path: Path,
     err = capsys.readouterr().err
     assert "grpo.kl_coef: a KL penalty needs a reference model" in err  # schema-level cross check first
     code = main(["train", "--config", str(config), "generator.backend=vllm", "trainer.ranks=2",
-                 f"checkpoint.resume_from={tmp_path / 'none'}"])
+                 "trainer.recover_failures=1", f"checkpoint.resume_from={tmp_path / 'none'}"])
     assert code == 2
     err = capsys.readouterr().err
-    for field in ("model.family: the folder holds a llama3 model", "generator.backend:", "trainer.ranks:", "checkpoint.resume_from:"):
+    for field in ("model.family: the folder holds a llama3 model", "generator.backend:", "trainer.ranks:",
+                  "trainer.recover_failures:", "checkpoint.resume_from:"):
         assert field in err
     sft = _write(tmp_path / "sft.yaml", f"recipe: sft\nmodel: {{family: llama3, path: '{tiny_llama3}'}}\n")
-    assert main(["train", "--config", str(sft), "placement.backend=monarch", "placement.trainer.hosts=[a, b]"]) == 2
+    assert main(["train", "--config", str(sft), "placement.backend=monarch", "placement.trainer.hosts=[a, b]",
+                 "placement.generator.colocate_with=trainer"]) == 2
     err = capsys.readouterr().err
-    assert "placement.backend: the monarch backend runs GRPO" in err and "placement: the monarch backend runs on this host" in err
+    for line in ("placement.backend: the monarch backend runs GRPO", "placement.trainer.hosts: processes run on this host",
+                 "placement.generator.colocate_with: not used yet"):
+        assert line in err
 
 
 def test_make_tiny_model_and_train_end_to_end(tmp_path: Path) -> None:
@@ -83,6 +87,7 @@ def test_make_tiny_model_and_train_end_to_end(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["recipe"] == "grpo" and summary["steps"] == 2 and summary["checkpoint"].endswith("step_000002")
+    assert summary["steps_per_s"] > 0 and 0.0 <= summary["eval_reward_mean_start"] <= 1.0
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     keys = {r["key"] for r in records if r["kind"] == "metric"}
     assert {"loss", "reward/mean", "time/generate_s", "time/train_s", "eval/accuracy", "mfu"} <= keys

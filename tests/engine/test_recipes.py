@@ -120,3 +120,26 @@ def test_grpo_raises_held_out_reward(sft_warm_start: tuple[Path, float], make_co
     print(f"held-out reward {start:.3f} -> {end:.3f}")
     assert 0.2 <= start <= 0.7
     assert end >= start + 0.1
+
+
+def test_sft_on_jsonl_chat_without_answers(tiny_trainable_qwen3: Path, make_config, tmp_path: Path) -> None:
+    import json
+
+    data = tmp_path / "chat.jsonl"
+    lines = [{"messages": [{"role": "system", "content": "echo"}, {"role": "user", "content": f"say {w}"},
+                           {"role": "assistant", "content": w}]} for w in ("red", "green", "blue", "cyan", "pink", "gold")]
+    data.write_text("\n".join(json.dumps(line) for line in lines))
+    sink = MemorySink()
+    config = make_config("sft", tiny_trainable_qwen3, "data.source=jsonl", f"data.path={data}", "data.eval_size=2",
+                         "trainer.steps=10", "trainer.batch_size=4", "trainer.optimizer.lr=3e-3", "eval.every_steps=5")
+    result = train_sft(config, Recorder([sink]))
+    nll = sink.series("eval/nll")
+    assert [step for step, _ in nll] == [0, 5, 10] and nll[-1][1] < nll[0][1]
+    assert sink.series("eval/accuracy") == [] and result.eval is None  # nothing to check answers against
+
+
+def test_grpo_refuses_prompts_over_the_limit(tiny_qwen3: Path, make_config) -> None:
+    config = make_config("grpo", tiny_qwen3, "data.max_prompt_tokens=8", "trainer.steps=1", "grpo.group_size=2",
+                         "eval.every_steps=0")
+    with pytest.raises(ValueError, match="more than data.max_prompt_tokens"):
+        train_grpo(config, Recorder())

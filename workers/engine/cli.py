@@ -83,9 +83,11 @@ def _train(args: argparse.Namespace) -> int:
     summary = {
         "recipe": config.recipe,
         "steps": result.step,
+        "steps_per_s": round(len(result.losses) / result.seconds, 3) if result.seconds else None,
         "final_loss": result.losses[-1] if result.losses else None,
-        "eval_accuracy": result.eval.accuracy if result.eval else None,
+        "eval_reward_mean_start": result.first_eval.reward_mean if result.first_eval else None,
         "eval_reward_mean": result.eval.reward_mean if result.eval else None,
+        "eval_accuracy": result.eval.accuracy if result.eval else None,
         "checkpoint": str(result.checkpoint) if result.checkpoint else None,
     }
     print(json.dumps(summary))

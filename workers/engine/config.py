@@ -45,7 +45,7 @@ class DataConfig(_Section):
     max_operand: PositiveInt = Field(default=20, description="arithmetic: largest operand of a+b")
     train_size: PositiveInt = 2000
     eval_size: PositiveInt = 64
-    max_prompt_tokens: PositiveInt = 64
+    max_prompt_tokens: PositiveInt = Field(default=64, description="GRPO: longest prompt in tokens; a longer one stops the run with an error")
     packing: bool = Field(default=True, description="SFT: pack several examples into one sequence")
     seq_len: PositiveInt = 256
 
@@ -81,6 +81,10 @@ class TrainerConfig(_Section):
     ranks: PositiveInt = Field(default=1, description="data-parallel trainer processes")
     threads_per_process: PositiveInt = 1
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when available, else cpu")
+    recover_failures: NonNegativeInt = Field(
+        default=0,
+        description="monarch backend: respawn a failed trainer mesh and resume from the last checkpoint, up to this many times",
+    )
     optimizer: OptimizerConfig = OptimizerConfig()
     seed: NonNegativeInt = 0
     peak_flops_per_second: Annotated[float, Field(gt=0.0, le=1e18)] = Field(

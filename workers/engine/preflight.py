@@ -25,18 +25,32 @@ def _unsupported(config: RunConfig) -> list[FieldError]:
         errors.append(FieldError("placement.backend", "the monarch backend runs GRPO; SFT runs with 'local'"))
     if config.trainer.ranks != 1 and not monarch:
         errors.append(FieldError("trainer.ranks", "data parallelism needs placement.backend: monarch"))
+    if config.trainer.recover_failures and not monarch:
+        errors.append(FieldError("trainer.recover_failures", "in-run trainer recovery needs placement.backend: monarch"))
     if config.generator.replicas != 1 and not monarch:
         errors.append(FieldError("generator.replicas", "generator replicas need placement.backend: monarch"))
-    if config.generator.backend != "torch":
-        errors.append(FieldError("generator.backend", "only the torch sampler is wired in this build; vLLM is not"))
+    if config.generator.backend == "vllm" and not monarch:
+        errors.append(FieldError("generator.backend", "vLLM generators run in their own procs: set placement.backend: monarch"))
+    if config.generator.backend == "vllm" and config.generator.top_p < 1.0:
+        errors.append(FieldError("generator.top_p", "with vLLM, top_p must be 1: its recorded log-probs would be of the "
+                                                    "truncated distribution, which the trainer does not recompute"))
     if config.reference.replicas != 1:
         errors.append(FieldError("reference.replicas", "one reference model is supported"))
     if config.grpo.mode == "pipelined":
         errors.append(FieldError("grpo.mode", "'pipelined' is not implemented; use 'sync' or 'async' with max_policy_age"))
     if config.max_restarts != 0:
         errors.append(FieldError("max_restarts", "restarts are the control plane's job; the engine runs once"))
-    if monarch and any(getattr(config.placement, role).hosts for role in ("trainer", "generator", "reference", "reward", "replay_buffer")):
-        errors.append(FieldError("placement", "the monarch backend runs on this host only; leave hosts empty"))
+    for role in ("trainer", "generator", "reference", "reward", "replay_buffer"):
+        placement = getattr(config.placement, role)
+        if placement.hosts:
+            errors.append(FieldError(f"placement.{role}.hosts", "processes run on this host only in this build; leave hosts empty"))
+        if placement.procs_per_host != 1:
+            errors.append(FieldError(f"placement.{role}.procs_per_host",
+                                     "not used yet: trainer.ranks and generator.replicas set the process counts"))
+        if placement.gpus_per_proc != 0:
+            errors.append(FieldError(f"placement.{role}.gpus_per_proc", "not used yet: set trainer.device"))
+        if placement.colocate_with is not None:
+            errors.append(FieldError(f"placement.{role}.colocate_with", "not used yet: each role has its own processes"))
     return errors
 
 

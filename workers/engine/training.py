@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from workers.engine.batching import collate_sft
 from workers.engine.config import OptimizerConfig
+from workers.engine.losses import sft_loss
 from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.rewards import CombinedReward, exact_math
 from workers.engine.sampler import SamplingParams, TorchSampler
@@ -85,6 +87,20 @@ def grad_norm_and_clip(model: nn.Module, max_norm: float | None) -> float:
     if max_norm is None:
         return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
     return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+@torch.no_grad()
+def held_out_nll(model: nn.Module, tokenizer: ChatTokenizer, problems: list[Problem], *, seq_len: int, batch_size: int = 32) -> float:
+    """Mean negative log-likelihood per reference-response token (SFT eval; needs no answers)."""
+    device = next(model.parameters()).device
+    total, tokens = 0.0, 0.0
+    for start in range(0, len(problems), batch_size):
+        examples = [tokenizer.encode_exchange(p.messages, p.response) for p in problems[start: start + batch_size]]
+        batch = collate_sft(examples, seq_len=seq_len, pad_id=tokenizer.pad_id, packing=False).to(device)
+        _, metrics = sft_loss(model(batch.inputs, positions=batch.positions), batch.targets, batch.loss_mask)
+        total += metrics["nll"] * metrics["tokens"]
+        tokens += metrics["tokens"]
+    return total / max(tokens, 1.0)
 
 
 @dataclass

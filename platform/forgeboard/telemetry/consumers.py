@@ -81,7 +81,13 @@ class RunStreamConsumer(AsyncJsonWebsocketConsumer):
             await self.send_json({"type": "pong"})
 
     async def run_update(self, message: dict) -> None:
-        update = dict(message["update"])
+        update = message["update"]
+        if message.get("text") and (message.get("min_seq") is None or message["min_seq"] > self.last_seq):
+            if update.get("events"):
+                self.last_seq = update["events"][-1]["seq"]
+            await self.send(text_data=message["text"])
+            return
+        update = dict(update)
         update["events"] = [e for e in update.get("events", []) if e["seq"] > self.last_seq]
         if update["events"]:
             self.last_seq = update["events"][-1]["seq"]

@@ -7,6 +7,7 @@ that reconnects reads what it missed from there.
 
 from __future__ import annotations
 
+import json
 import logging
 
 from asgiref.sync import async_to_sync
@@ -28,7 +29,11 @@ def publish_run_update(*, run, update: dict) -> None:  # noqa: ANN001 - a Run; i
     if layer is None:
         return
     try:
-        async_to_sync(layer.group_send)(run_group(run.pk), {"type": "run.update", "update": update})
+        seqs = [e["seq"] for e in update.get("events", [])]
+        # Encoded once here rather than once per subscriber: fan-out to many clients stays cheap.
+        message = {"type": "run.update", "update": update, "text": json.dumps(update),
+                   "min_seq": min(seqs, default=None)}
+        async_to_sync(layer.group_send)(run_group(run.pk), message)
         state_changes = [e for e in update.get("events", []) if e["kind"] == "state_changed"]
         if state_changes:
             project_id = run.experiment.project_id

@@ -20,6 +20,10 @@ class ReferenceActor(Actor):
         self.pad_id = loaded.tokenizer.pad_id
 
     @endpoint
+    def ping(self) -> bool:
+        return True
+
+    @endpoint
     def logprobs(self, record: RolloutBatchRecord, micro_batch_size: int, temperature: float) -> torch.Tensor:
         """[B, L-1] for the batch as `collate_rollouts` pads it."""
         batch = collate_rollouts(record.prompts, record.responses, record.logprobs, record.advantages, pad_id=self.pad_id)

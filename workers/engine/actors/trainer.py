@@ -9,6 +9,8 @@ the same way and the replicas stay identical.
 from __future__ import annotations
 
 import math
+import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +50,8 @@ class TrainerActor(Actor):
     def setup(self) -> dict[str, int]:
         """Join the process group (env from monarch's setup_torch_elastic_env), then build the model."""
         cfg = self.config
-        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        # bounded: a rank whose peer died must not wait in a collective for the default 30 min
+        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", timeout=timedelta(minutes=5))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         setup_process(threads=torch.get_num_threads(), seed=cfg.trainer.seed)
         loaded = load_pretrained(cfg.model.path, family=cfg.model.family, dtype=cfg.model.dtype, device=self.device)
@@ -78,6 +81,10 @@ class TrainerActor(Actor):
         )
         return {"loss": update.loss, "parts": update.parts, "grad_norm": update.grad_norm, "lr": update.lr,
                 "train_tokens": int(shard.inputs.numel())}
+
+    @endpoint
+    def pids(self) -> int:
+        return os.getpid()
 
     @endpoint
     def state_dict(self) -> dict[str, torch.Tensor]:

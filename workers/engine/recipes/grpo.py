@@ -13,6 +13,9 @@ sync mode generates the batch it trains on right away (policy age 0). async mode
 generator run max_policy_age batches ahead, so the trainer learns from rollouts made by
 weights up to max_policy_age updates old; the ratio corrects for that, and the buffer
 drops anything older. max_policy_age = 0 is the on-policy case of the same loop.
+
+The helpers above `train_grpo` (scoring, the policy update, metrics) are shared with the
+Monarch controller (`recipes/grpo_monarch.py`) and its actors.
 """
 
 from __future__ import annotations
@@ -20,10 +23,9 @@ from __future__ import annotations
 import copy
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -55,6 +57,7 @@ class GrpoResult:
     eval: EvalResult | None
     checkpoint: Path | None
     metrics: list[dict[str, float]]  # per step run by this call
+    seconds: float = 0.0  # wall time of the training loop (evaluations and checkpoints included)
 
 
 def _weighted_mean(parts: list[dict[str, float]], key: str) -> float:
@@ -77,6 +80,12 @@ def score_rollouts(
         prompt_texts=[problems[i // group_size].messages[-1]["content"] for i in range(len(prompts))],
         response_texts=texts, reward_parts={name: [s.parts[name] for s in scores] for name in reward.names},
     )
+
+
+def check_prompt_lengths(prompts: list[list[int]], limit: int) -> None:
+    longest = max(len(p) for p in prompts)
+    if longest > limit:
+        raise ValueError(f"a prompt has {longest} tokens, more than data.max_prompt_tokens ({limit})")
 
 
 def loss_normalizer(batch: RolloutBatch, aggregation: str) -> float:
@@ -220,6 +229,7 @@ def train_grpo(config: RunConfig, recorder: Recorder) -> GrpoResult:
         problems = stream.take(trainer_cfg.batch_size)
         with timer.phase("generate"):
             prompts = [tokenizer.encode_prompt(p.messages) for p in problems for _ in range(grpo.group_size)]
+            check_prompt_lengths(prompts, cfg.data.max_prompt_tokens)
             completions = generator.generate(prompts, sampling, seed=trainer_cfg.seed * 1_000_003 + generations)
         generations += 1
         with timer.phase("reward"):
@@ -247,6 +257,7 @@ def train_grpo(config: RunConfig, recorder: Recorder) -> GrpoResult:
         return path
 
     first_eval = last_eval = run_eval(start_step) if cfg.eval.every_steps and start_step == 0 else None
+    loop_start = time.perf_counter()
     losses: list[float] = []
     step_metrics: list[dict[str, float]] = []
     saved: Path | None = None
@@ -318,4 +329,4 @@ def train_grpo(config: RunConfig, recorder: Recorder) -> GrpoResult:
 
     recorder.event("staleness_histogram", step=trainer_cfg.steps, counts={str(k): v for k, v in sorted(staleness.items())})
     return GrpoResult(step=trainer_cfg.steps, losses=losses, first_eval=first_eval, eval=last_eval,
-                      checkpoint=saved, metrics=step_metrics)
+                      checkpoint=saved, metrics=step_metrics, seconds=time.perf_counter() - loop_start)

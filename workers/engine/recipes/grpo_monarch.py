@@ -2,7 +2,7 @@
 
 The same algorithm as `recipes/grpo.py`, with each role in its own processes:
   trainer    `trainer.ranks` procs, data parallel (gloo on CPU, NCCL on GPUs)
-  generator  `generator.replicas` procs behind a routed Service
+  generator  `generator.replicas` procs behind a routed Service (torch sampler or vLLM)
   reference  one proc (when enabled)
   dataset, reward, replay buffer   actors sharing one small "control" proc
 
@@ -15,14 +15,22 @@ Each step, top to bottom:
   3. buffer    the trainer's batch comes out of the replay buffer within the age bound.
   4. reference (optional) reference log-probs for the KL penalty.
   5. train     every trainer rank takes its rows; gradients are summed across ranks.
+
+Trainer fault tolerance: when a trainer proc dies (`FaultDrill` kills one on purpose), the
+controller respawns the trainer mesh, restores the last checkpoint (model, optimizer,
+scheduler, data position, replay buffer, policy version), drops generations launched with
+newer weights, and carries on, up to `trainer.recover_failures` times.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import signal
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +48,7 @@ from workers.engine.actors.trainer import TrainerActor
 from workers.engine.config import RunConfig
 from workers.engine.metrics import Recorder
 from workers.engine.models.tokenizer import ChatTokenizer
-from workers.engine.recipes.grpo import GrpoResult, rollout_metrics, update_metrics
+from workers.engine.recipes.grpo import GrpoResult, check_prompt_lengths, rollout_metrics, update_metrics
 from workers.engine.sampler import SamplingParams
 from workers.engine.tasks import Problem
 from workers.engine.training import EvalResult, PhaseTimer, mfu
@@ -51,42 +59,66 @@ class PendingGeneration:
     problems: list[Problem]
     prompts: list[list[int]]
     calls: list[tuple[int, Any]]  # (replica index, future of its completions), in prompt order
-    started: float = field(default_factory=time.perf_counter)
+    data_state: dict[str, Any]  # the dataset's position before these problems were taken
+    generation: int  # index of this generation (its sampling seeds derive from it)
 
 
 class ProcFailure(RuntimeError):
     pass
 
 
-def train_grpo_monarch(config: RunConfig, recorder: Recorder) -> GrpoResult:
+@dataclass(frozen=True)
+class FaultDrill:
+    """Kill one trainer proc right before the given step trains (operator drills, tests)."""
+
+    step: int
+    rank: int = 0
+
+
+def _stop_quietly(mesh: Any) -> None:
+    try:
+        mesh.stop().get(timeout=15)
+    except Exception:  # a damaged mesh may refuse to stop cleanly; its procs are gone or get reaped
+        pass
+
+
+def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, drills: Sequence[FaultDrill] = ()) -> GrpoResult:
     cfg, trainer_cfg, grpo = config, config.trainer, config.grpo
     threads = trainer_cfg.threads_per_process
     failures: list[Any] = []
     # A proc that dies must not kill this controller (monarch's default exits the client):
-    # remember it, and fail the run with a clear error at the next check.
+    # remember it; `check_failures` decides whether the run can go on.
     monarch.actor.unhandled_fault_hook = failures.append
-
-    def check_failures() -> None:
-        if failures:
-            raise ProcFailure(f"a process of the run failed: {str(failures[0])[:500]}")
 
     device = trainer_cfg.device if trainer_cfg.device != "auto" else "cpu"
     meshes: list[Any] = []
-    trainer = None
+    trainer_procs: Any = None
     try:
         # --- setup: process meshes and actors ------------------------------------------
         setup_start = time.perf_counter()
-        trainer_procs = spawn_procs(trainer_cfg.ranks, threads=threads)
-        meshes.append(trainer_procs)
-        setup_torch_elastic_env(trainer_procs)
-        trainer = trainer_procs.spawn("trainer", TrainerActor, cfg)
-        trainer_info = list(trainer.setup.call().get().values())
-        n_params = trainer_info[0]["n_params"]
+
+        def start_trainer() -> tuple[Any, Any, int]:
+            procs = spawn_procs(trainer_cfg.ranks, threads=threads)
+            setup_torch_elastic_env(procs)
+            actors = procs.spawn("trainer", TrainerActor, cfg)
+            info = list(actors.setup.call().get().values())
+            return procs, actors, info[0]["n_params"]
+
+        trainer_procs, trainer, n_params = start_trainer()
         trainer0 = trainer.slice(procs=0)
 
-        generator_procs = spawn_procs(cfg.generator.replicas, threads=threads)
+        if cfg.generator.backend == "vllm":
+            from workers.engine.actors.vllm_generator import VllmGeneratorActor, vllm_proc_env
+
+            vllm_proc_env()
+            generator_procs = spawn_procs(cfg.generator.replicas, threads=threads)
+            max_len = cfg.data.max_prompt_tokens + cfg.generator.max_new_tokens
+            generators = generator_procs.spawn("generator", VllmGeneratorActor, cfg.model.path, cfg.model.dtype,
+                                               max_len, trainer_cfg.seed)
+        else:
+            generator_procs = spawn_procs(cfg.generator.replicas, threads=threads)
+            generators = generator_procs.spawn("generator", GeneratorActor, cfg.model.path, cfg.model.dtype, device)
         meshes.append(generator_procs)
-        generators = generator_procs.spawn("generator", GeneratorActor, cfg.model.path, cfg.model.dtype, device)
         service = Service([generators.slice(procs=i) for i in range(cfg.generator.replicas)], routing=cfg.generator.routing)
 
         control_procs = spawn_procs(1, threads=threads)
@@ -109,17 +141,63 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder) -> GrpoResult:
 
         sampling = SamplingParams(max_new_tokens=cfg.generator.max_new_tokens, temperature=cfg.generator.temperature,
                                   top_p=cfg.generator.top_p)
-        start_step, policy_version, generations = 0, 0, 0
+        step, policy_version, generations = 0, 0, 0
         generator_version = 0
         staleness: Counter[int] = Counter()
-        if cfg.checkpoint.resume_from:
-            progress = list(trainer.load.call(cfg.checkpoint.resume_from).get().values())[0]
-            start_step, policy_version, generations = progress["step"], progress["policy_version"], progress["generations"]
+        pending: deque[PendingGeneration] = deque()
+        initial_progress = {"step": 0, "policy_version": 0, "generations": 0, "staleness": {},
+                            "data": dataset.state_dict.call_one().get(), "buffer": buffer.state_dict.call_one().get()}
+        last_checkpoint: str | None = None
+
+        def restore(path: str | None) -> None:
+            """Put every stateful actor back to a checkpoint (or to the run's start)."""
+            nonlocal step, policy_version, generations, generator_version
+            progress = list(trainer.load.call(path).get().values())[0] if path else initial_progress
+            step, policy_version, generations = progress["step"], progress["policy_version"], progress["generations"]
             dataset.load_state_dict.call_one(progress["data"]).get()
             buffer.load_state_dict.call_one(progress["buffer"]).get()
+            staleness.clear()
             staleness.update({int(k): v for k, v in progress["staleness"].items()})
-            generator_version = -1
-            recorder.event("resumed", step=start_step, path=cfg.checkpoint.resume_from, policy_version=policy_version)
+            while pending:  # launched from later states: finish them and throw them away
+                for index, future in pending.popleft().calls:
+                    future.get()
+                    service.done(index)
+            generator_version = -1  # the generators hold newer weights: sync before generating
+
+        if cfg.checkpoint.resume_from:
+            restore(cfg.checkpoint.resume_from)
+            last_checkpoint = cfg.checkpoint.resume_from
+            recorder.event("resumed", step=step, path=cfg.checkpoint.resume_from, policy_version=policy_version)
+
+        def check_failures() -> None:
+            """A failure report whose mesh still answers came from a mesh already replaced."""
+            if not failures:
+                return
+            try:
+                generators.policy_version.call().get(timeout=30)
+                buffer.stats.call_one().get(timeout=30)
+                trainer.pids.call().get(timeout=30)
+                if reference is not None:
+                    reference.ping.call().get(timeout=30)
+            except Exception:
+                raise ProcFailure(f"a process of the run failed: {str(failures[0])[:500]}") from None
+            failures.clear()
+
+        recoveries = 0
+
+        def recover(error: Exception) -> None:
+            nonlocal trainer_procs, trainer, trainer0, recoveries
+            recoveries += 1
+            recorder.event("trainer_failed", step=step + 1, error=str(error)[:300], recovery=recoveries)
+            if recoveries > trainer_cfg.recover_failures:
+                raise ProcFailure(f"trainer failed at step {step + 1} ({recoveries - 1} recoveries allowed): {str(error)[:300]}")
+            _stop_quietly(trainer_procs)
+            started = time.perf_counter()
+            trainer_procs, trainer, _ = start_trainer()
+            trainer0 = trainer.slice(procs=0)
+            restore(last_checkpoint)
+            recorder.event("trainer_recovered", step=step, path=last_checkpoint, policy_version=policy_version,
+                           seconds=round(time.perf_counter() - started, 2))
 
         def sync_weights(timer: PhaseTimer) -> None:
             nonlocal generator_version
@@ -132,8 +210,10 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder) -> GrpoResult:
             nonlocal generations
             if generator_version != policy_version:
                 sync_weights(timer)
+            data_state = dataset.state_dict.call_one().get()
             problems = dataset.take.call_one(trainer_cfg.batch_size).get()
             prompts = [tokenizer.encode_prompt(p.messages) for p in problems for _ in range(grpo.group_size)]
+            check_prompt_lengths(prompts, cfg.data.max_prompt_tokens)
             # whole groups per request, one request per replica
             groups_per_call = math.ceil(len(problems) / len(service.replicas))
             calls = []
@@ -143,7 +223,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder) -> GrpoResult:
                 calls.append(service.submit(lambda replica, chunk=chunk, seed=seed: replica.generate.call_one(chunk, sampling, seed),
                                             key=problems[first].messages[-1]["content"]))
             generations += 1
-            return PendingGeneration(problems, prompts, calls)
+            return PendingGeneration(problems, prompts, calls, data_state, generations - 1)
 
         def finish_generation(pending: PendingGeneration, timer: PhaseTimer) -> tuple[int, float]:
             """Await a launched generation, score and buffer it; return (tokens, slowest replica's seconds)."""
@@ -167,19 +247,25 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder) -> GrpoResult:
             return result
 
         def checkpoint(step: int) -> Path:
-            progress = {"step": step, "policy_version": policy_version, "generations": generations,
-                        "data": dataset.state_dict.call_one().get(), "buffer": buffer.state_dict.call_one().get(),
-                        "staleness": dict(staleness)}
+            nonlocal last_checkpoint
+            # generations in flight are not saved: the position before the oldest one is, so a
+            # restore generates those problems again with the same seeds
+            progress = {"step": step, "policy_version": policy_version,
+                        "generations": pending[0].generation if pending else generations,
+                        "data": pending[0].data_state if pending else dataset.state_dict.call_one().get(),
+                        "buffer": buffer.state_dict.call_one().get(), "staleness": dict(staleness)}
             path = Path(trainer0.save.call_one(step, progress).get())
+            last_checkpoint = str(path)
             recorder.event("checkpoint_saved", step=step, path=str(path), policy_version=policy_version)
             return path
 
-        first_eval = last_eval = run_eval(start_step) if cfg.eval.every_steps and start_step == 0 else None
-        pending: deque[PendingGeneration] = deque()
+        first_eval = last_eval = run_eval(step) if cfg.eval.every_steps and step == 0 else None
+        loop_start = time.perf_counter()
+        drills_left = list(drills)
         losses: list[float] = []
         step_metrics: list[dict[str, float]] = []
         saved: Path | None = None
-        for step in range(start_step + 1, trainer_cfg.steps + 1):
+        while step < trainer_cfg.steps:
             check_failures()
             timer = PhaseTimer()
             timer.seconds["weight_sync"] = 0.0
@@ -208,9 +294,19 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder) -> GrpoResult:
                                                                cfg.generator.temperature).get()
 
             # 5. train on every rank
-            with timer.phase("train"):
-                results = list(trainer.train_step.call(record, ref_logprobs).get().values())
-                policy_version += 1
+            for drill in [d for d in drills_left if d.step == step + 1]:
+                drills_left.remove(drill)
+                pid = list(trainer.pids.call().get().values())[drill.rank]
+                os.kill(pid, signal.SIGKILL)
+                recorder.event("fault_drill", step=step + 1, role="trainer", rank=drill.rank, pid=pid)
+            try:
+                with timer.phase("train"):
+                    results = list(trainer.train_step.call(record, ref_logprobs).get().values())
+            except Exception as error:  # a trainer proc died: the step did not happen
+                recover(error)
+                continue
+            policy_version += 1
+            step += 1
 
             step_seconds = time.perf_counter() - step_start
             parts = [p for r in results for p in r["parts"]]
@@ -256,13 +352,10 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder) -> GrpoResult:
                 service.done(index)
         recorder.event("staleness_histogram", step=trainer_cfg.steps, counts={str(k): v for k, v in sorted(staleness.items())})
         check_failures()
+        trainer.shutdown.call().get()
         return GrpoResult(step=trainer_cfg.steps, losses=losses, first_eval=first_eval, eval=last_eval,
-                          checkpoint=saved, metrics=step_metrics)
+                          checkpoint=saved, metrics=step_metrics, seconds=time.perf_counter() - loop_start)
     finally:
-        if trainer is not None and not failures:
-            trainer.shutdown.call().get()
-        for mesh in meshes:
-            try:
-                mesh.stop().get(timeout=30)
-            except Exception:  # a damaged mesh may refuse to stop cleanly; its procs are gone anyway
-                pass
+        for mesh in [trainer_procs, *meshes]:
+            if mesh is not None:
+                _stop_quietly(mesh)

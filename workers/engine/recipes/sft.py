@@ -11,8 +11,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from workers.engine.batching import collate_sft
 from workers.engine.checkpoint import load_checkpoint, save_checkpoint
 from workers.engine.config import RunConfig
@@ -25,8 +23,8 @@ from workers.engine.sampler import TorchSampler
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
 from workers.engine.training import (
-    EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, grad_norm_and_clip, mfu, resolve_device,
-    setup_process,
+    EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, grad_norm_and_clip, held_out_nll, mfu,
+    resolve_device, setup_process,
 )
 
 
@@ -36,6 +34,8 @@ class SftResult:
     losses: list[float]  # one per step run by this call
     eval: EvalResult | None
     checkpoint: Path | None
+    first_eval: EvalResult | None = None
+    seconds: float = 0.0  # wall time of the training loop (evaluations and checkpoints included)
 
 
 def train_sft(config: RunConfig, recorder: Recorder) -> SftResult:
@@ -61,14 +61,20 @@ def train_sft(config: RunConfig, recorder: Recorder) -> SftResult:
         stream.load_state_dict(progress["data"])
         recorder.event("resumed", step=start_step, path=cfg.checkpoint.resume_from)
 
-    def run_eval(step: int) -> EvalResult:
+    verifiable = all(p.answer is not None for p in task.held_out)
+
+    def run_eval(step: int) -> EvalResult | None:
+        """Held-out NLL of the reference replies; greedy accuracy and reward when problems carry answers."""
         model.eval()
-        result = evaluate(eval_sampler, tokenizer, task.held_out, reward, max_new_tokens=cfg.generator.max_new_tokens,
-                          keep_samples=cfg.eval.rollout_samples)
+        recorder.log("eval/nll", held_out_nll(model, tokenizer, task.held_out, seq_len=cfg.data.seq_len), step)
+        result = None
+        if verifiable:
+            result = evaluate(eval_sampler, tokenizer, task.held_out, reward, max_new_tokens=cfg.generator.max_new_tokens,
+                              keep_samples=cfg.eval.rollout_samples)
+            recorder.log_many({"eval/accuracy": result.accuracy, "eval/reward_mean": result.reward_mean}, step)
+            for prompt, completion, score in result.samples:
+                recorder.rollout(step=step, prompt=prompt, completion=completion, reward=score, split="held_out")
         model.train()
-        recorder.log_many({"eval/accuracy": result.accuracy, "eval/reward_mean": result.reward_mean}, step)
-        for prompt, completion, score in result.samples:
-            recorder.rollout(step=step, prompt=prompt, completion=completion, reward=score, split="held_out")
         return result
 
     def checkpoint(step: int) -> Path:
@@ -80,7 +86,8 @@ def train_sft(config: RunConfig, recorder: Recorder) -> SftResult:
         recorder.event("checkpoint_saved", step=step, path=str(path))
         return path
 
-    last_eval = run_eval(start_step) if cfg.eval.every_steps and start_step == 0 else None
+    first_eval = last_eval = run_eval(start_step) if cfg.eval.every_steps and start_step == 0 else None
+    loop_start = time.perf_counter()
     losses: list[float] = []
     saved: Path | None = None
     for step in range(start_step + 1, trainer_cfg.steps + 1):
@@ -117,7 +124,7 @@ def train_sft(config: RunConfig, recorder: Recorder) -> SftResult:
             "time/step_s": step_seconds,
             **timer.metrics(),
             "throughput/train_tokens_per_s": tokens / max(timer.seconds["train"], 1e-9),
-            "throughput/response_tokens": response_tokens,
+            "data/response_tokens": response_tokens,
             "mfu": mfu(n_params=n_params, tokens=tokens, seconds=step_seconds, peak_flops_per_second=trainer_cfg.peak_flops_per_second),
             "data/epoch": stream.epoch,
         }, step)
@@ -127,4 +134,5 @@ def train_sft(config: RunConfig, recorder: Recorder) -> SftResult:
         if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or step == trainer_cfg.steps:
             saved = checkpoint(step)
 
-    return SftResult(step=trainer_cfg.steps, losses=losses, eval=last_eval, checkpoint=saved)
+    return SftResult(step=trainer_cfg.steps, losses=losses, eval=last_eval, checkpoint=saved, first_eval=first_eval,
+                     seconds=time.perf_counter() - loop_start)
