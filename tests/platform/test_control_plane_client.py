@@ -99,3 +99,16 @@ def test_a_failing_command_reports_its_error(live_server, running_run, team, tmp
     assert CommandChannel(target, ledger=tmp_path / "c.json").poll(handler) == 1
     command.refresh_from_db()
     assert command.state == "failed" and command.result == {"error": "unknown role 'nope'"}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_records_of_a_killed_controller_are_sent_by_the_next_one(live_server, running_run, tmp_path):
+    run, token = running_run
+    down = ControlPlaneTarget(url=f"http://127.0.0.1:{free_port()}", run_id=run.pk, token=token)
+    killed = ControlPlaneSink(down, spool_dir=tmp_path / "spool", flush_seconds=3600)
+    Recorder([killed]).log_many({"loss": 0.5, "reward/mean": 0.1}, step=1)
+    # No close(): the process dies here. Only the journal on disk remains.
+    assert (tmp_path / "spool" / "open.jsonl").read_text().count("\n") == 2
+    up = ControlPlaneTarget(url=live_server.url, run_id=run.pk, token=token)
+    assert ControlPlaneSink(up, spool_dir=tmp_path / "spool", flush_seconds=0.05).close(timeout_s=30) is True
+    assert MetricPoint.objects.filter(series__run=run).count() == 2

@@ -23,9 +23,9 @@ from django.utils import timezone
 from websockets.sync.client import connect
 
 from forgeboard.accounts.services import api_token_create
-from forgeboard.runs.models import Run
+from forgeboard.runs.models import Command, Run
 from forgeboard.runs.reconcile import runs_reconcile
-from forgeboard.runs.services import run_cancel, run_launch
+from forgeboard.runs.services import command_create, run_cancel, run_launch
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import MetricPoint, MetricSeries, RunEvent
 from tests.support.processes import (
@@ -121,16 +121,33 @@ def test_run_reports_every_metric_once_and_streams_them(platform, team, tiny_mod
     assert run.telemetry_seq > 0 and run.last_heartbeat_at is not None
 
 
-def test_cancel_stops_the_engine_and_leaves_no_process(platform, team, tiny_model):
+def test_pause_resume_and_cancel_reach_the_engine(platform, team, tiny_model):
     run = _launch(team, tiny_model, steps=100_000)
     wait_for(lambda: _loss_points(run) > 0, timeout=120, what="first metrics")
     pid = Run.objects.get(pk=run.pk).pid
     assert pid and psutil.pid_exists(pid)
+
+    pause = command_create(actor=team.member, run=Run.objects.get(pk=run.pk), kind="pause")
+    wait_for(lambda: _state(run) == RunState.PAUSED, timeout=30, what="the engine to pause")
+    time.sleep(1.5)  # let what was recorded before the pause arrive
+    held = _loss_points(run)
+    time.sleep(2.0)
+    assert _loss_points(run) == held, "a paused engine trains no further"
+    command_create(actor=team.member, run=Run.objects.get(pk=run.pk), kind="resume")
+    wait_for(lambda: _state(run) == RunState.RUNNING and _loss_points(run) > held, timeout=30,
+             what="training to go on after resume")
+
     run_cancel(actor=team.member, run=Run.objects.get(pk=run.pk))
     assert _until_ended(run, timeout=60) == RunState.CANCELLED
     wait_for(lambda: not _alive(pid), timeout=20, what="the engine to exit")
-    leftovers = [p for p in psutil.process_iter(["cmdline"]) if f"runs/{run.pk}/config.yaml" in " ".join(p.info["cmdline"] or [])]
+    leftovers = [p for p in psutil.process_iter(["cmdline"])
+                 if f"runs/{run.pk}-" in " ".join(p.info["cmdline"] or [])]
     assert leftovers == []
+    commands = {c.kind: c for c in Command.objects.filter(run=run)}
+    assert commands["pause"].state == "succeeded" and commands["pause"].pk == pause.pk
+    assert commands["resume"].state == "succeeded"
+    assert commands["cancel"].state == "succeeded", "the engine stopped by itself, after a final checkpoint"
+    assert commands["cancel"].result["path"].endswith(f"step_{commands['cancel'].result['step']:06d}")
 
 
 def _alive(pid: int) -> bool:

@@ -47,6 +47,14 @@ def _control_plane_sink(config: RunConfig):  # noqa: ANN202 - ControlPlaneSink |
     return ControlPlaneSink(target, spool_dir=spool, flush_seconds=config.telemetry.flush_seconds)
 
 
+def _run_control(sink):  # noqa: ANN001, ANN202 - ControlPlaneSink -> RunControl
+    """Operator commands for this run, pulled between steps; executed once (ledger beside the spool)."""
+    from workers.engine.control_plane import CommandChannel
+    from workers.engine.run_control import RunControl
+
+    return RunControl(CommandChannel(sink.target, ledger=sink.spool / "commands.json"))
+
+
 def _train(args: argparse.Namespace) -> int:
     try:
         config = load_and_check(args.config, args.overrides)
@@ -62,14 +70,16 @@ def _train(args: argparse.Namespace) -> int:
     if config.telemetry.jsonl_path:
         sinks.append(JsonlSink(config.telemetry.jsonl_path, flush_seconds=config.telemetry.flush_seconds))
     control_plane = _control_plane_sink(config)
+    control = None
     if control_plane is not None:
         sinks.append(control_plane)
+        control = _run_control(control_plane)
     recorder = Recorder(sinks)
     try:
         if config.recipe == "sft":
             from workers.engine.recipes.sft import train_sft
 
-            result = train_sft(config, recorder)
+            result = train_sft(config, recorder, control=control)
         elif config.placement.backend == "monarch":
             from workers.engine.recipes.grpo_monarch import train_grpo_monarch
 
@@ -77,7 +87,7 @@ def _train(args: argparse.Namespace) -> int:
         else:
             from workers.engine.recipes.grpo import train_grpo
 
-            result = train_grpo(config, recorder)
+            result = train_grpo(config, recorder, control=control)
     finally:
         recorder.close()
     summary = {

@@ -78,11 +78,16 @@ class ControlPlaneSink:
         self.flush_seconds = flush_seconds
         self.max_backoff_s = max_backoff_s
         self.pending_commands: list[int] = []
-        self._buffer: dict[str, list[dict]] = {"metrics": [], "events": [], "logs": []}
+        # Every record is appended to an open journal as it is written, so a controller killed mid-batch
+        # loses nothing: the journal is in the OS's hands, and the next controller seals it first.
+        self._journal_path = self.spool / "open.jsonl"
+        self._journal = open(self._journal_path, "a", encoding="utf-8")
+        self._journal_metrics = 0
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._next_seq = self._highest_spooled_seq() + 1
+        self._seal_batch()  # what a previous controller recorded but did not seal
         self._client = httpx.Client(
             base_url=target.url, timeout=timeout_s, transport=transport,
             headers={"Authorization": f"Bearer {target.token}"},
@@ -92,16 +97,19 @@ class ControlPlaneSink:
 
     # --- the Sink protocol -------------------------------------------------------------------
     def write(self, record: Record) -> None:
-        section, item = record_to_wire(record)
-        with self._lock:
-            self._buffer[section].append(item)
-            full = len(self._buffer["metrics"]) >= MAX_METRICS_PER_BATCH
-        if full:
-            self._wake.set()
+        self._append(*record_to_wire(record))
 
     def log_line(self, line: str) -> None:
+        self._append("logs", {"line": line[:8192], "time": time.time()})
+
+    def _append(self, section: str, item: dict) -> None:
         with self._lock:
-            self._buffer["logs"].append({"line": line[:8192], "time": time.time()})
+            self._journal.write(json.dumps([section, item]) + "\n")
+            self._journal.flush()
+            self._journal_metrics += section == "metrics"
+            full = self._journal_metrics >= MAX_METRICS_PER_BATCH
+        if full:
+            self._wake.set()
 
     def close(self, *, timeout_s: float = 30.0) -> bool:
         """Flush and send what is left; True when nothing is left in the spool."""
@@ -114,6 +122,7 @@ class ControlPlaneSink:
             if not self._send_spooled():
                 time.sleep(0.5)
         self._client.close()
+        self._journal.close()
         return not self._spooled()
 
     # --- spool ---------------------------------------------------------------------------------
@@ -128,17 +137,25 @@ class ControlPlaneSink:
         return max(seqs, default=0)
 
     def _seal_batch(self) -> None:
-        """Move the buffer into the next numbered batch file (written atomically)."""
+        """Turn the open journal into the next numbered batch file (written atomically)."""
         with self._lock:
-            if not any(self._buffer.values()):
-                return
-            batch, self._buffer = {"seq": self._next_seq, **self._buffer}, {"metrics": [], "events": [], "logs": []}
-            self._next_seq += 1
-        path = self.spool / f"batch-{batch['seq']:0{BATCH_FILE_DIGITS}d}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(batch))
-        os.replace(tmp, path)
-        (self.spool / "last_seq").write_text(str(batch["seq"]))
+            self._journal.close()
+            batch: dict = {"seq": self._next_seq, "metrics": [], "events": [], "logs": []}
+            for line in self._journal_path.read_text(encoding="utf-8").splitlines():
+                try:
+                    section, item = json.loads(line)
+                except ValueError:
+                    continue  # a line cut short by a kill
+                batch[section].append(item)
+            if any(batch[k] for k in ("metrics", "events", "logs")):
+                path = self.spool / f"batch-{batch['seq']:0{BATCH_FILE_DIGITS}d}.json"
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(batch))
+                os.replace(tmp, path)
+                (self.spool / "last_seq").write_text(str(batch["seq"]))
+                self._next_seq += 1
+            self._journal = open(self._journal_path, "w", encoding="utf-8")
+            self._journal_metrics = 0
 
     def _send_spooled(self) -> bool:
         """Send spooled batches in order (a few per request). False on a failure worth a retry later."""

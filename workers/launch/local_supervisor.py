@@ -17,6 +17,7 @@ from pathlib import Path
 
 POLL_SECONDS = 1.0
 STOP_GRACE_SECONDS = 10.0
+CANCEL_GRACE_SECONDS = 20.0
 LOG_TAIL_LINES = 20
 
 
@@ -78,7 +79,11 @@ def supervise(run_id: int) -> int:
             time.sleep(POLL_SECONDS)
             state = Run.objects.filter(pk=run_id).values_list("state", flat=True).first()
             if state == RunState.CANCELLING:
-                _stop(engine)
+                # The controller gets the cancel command too: let it checkpoint and exit on its own first.
+                try:
+                    engine.wait(timeout=CANCEL_GRACE_SECONDS)
+                except subprocess.TimeoutExpired:
+                    _stop(engine)
                 run_transition(run_id=run_id, from_state=RunState.CANCELLING, to_state=RunState.CANCELLED,
                                reason="cancelled by operator")
                 return 0

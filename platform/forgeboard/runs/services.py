@@ -172,4 +172,17 @@ def command_finish(*, run: Run, command_id: int, ok: bool, result: dict[str, Any
         command.save()
         event_append(run=run, kind=EventKind.COMMAND_FINISHED,
                      payload={"command": command.pk, "kind": command.kind, "ok": ok, "result": result})
+        if ok and command.kind in PAUSE_RESUME:
+            source, target = PAUSE_RESUME[command.kind]
+            try:
+                run_transition(run_id=run.pk, from_state=source, to_state=target)
+            except IllegalTransition:
+                pass  # cancelled or ended meanwhile: the newer state stands
     return command
+
+
+# A pause or resume takes effect when the controller reports it done, not when it is asked for.
+PAUSE_RESUME = {
+    CommandKind.PAUSE: (RunState.RUNNING, RunState.PAUSED),
+    CommandKind.RESUME: (RunState.PAUSED, RunState.RUNNING),
+}

@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -47,6 +48,10 @@ from workers.engine.training import (
     EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, grad_norm_and_clip, mfu, resolve_device,
     setup_process,
 )
+
+
+if TYPE_CHECKING:
+    from workers.engine.run_control import RunControl
 
 
 @dataclass
@@ -176,7 +181,7 @@ def update_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     return metrics
 
 
-def train_grpo(config: RunConfig, recorder: Recorder) -> GrpoResult:
+def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | None = None) -> GrpoResult:
     cfg, trainer_cfg, grpo = config, config.trainer, config.grpo
     setup_process(threads=trainer_cfg.threads_per_process, seed=trainer_cfg.seed)
 
@@ -261,6 +266,7 @@ def train_grpo(config: RunConfig, recorder: Recorder) -> GrpoResult:
     losses: list[float] = []
     step_metrics: list[dict[str, float]] = []
     saved: Path | None = None
+    step = start_step
     for step in range(start_step + 1, trainer_cfg.steps + 1):
         timer = PhaseTimer()
         step_start = time.perf_counter()
@@ -326,7 +332,9 @@ def train_grpo(config: RunConfig, recorder: Recorder) -> GrpoResult:
             last_eval = run_eval(step)
         if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or step == trainer_cfg.steps:
             saved = checkpoint(step)
+        if control is not None and not control.between_steps(step=step, checkpoint=lambda: checkpoint(step)):
+            break
 
     recorder.event("staleness_histogram", step=trainer_cfg.steps, counts={str(k): v for k, v in sorted(staleness.items())})
-    return GrpoResult(step=trainer_cfg.steps, losses=losses, first_eval=first_eval, eval=last_eval,
+    return GrpoResult(step=step, losses=losses, first_eval=first_eval, eval=last_eval,
                       checkpoint=saved, metrics=step_metrics, seconds=time.perf_counter() - loop_start)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from workers.engine.batching import collate_sft
 from workers.engine.checkpoint import load_checkpoint, save_checkpoint
@@ -28,6 +29,10 @@ from workers.engine.training import (
 )
 
 
+if TYPE_CHECKING:
+    from workers.engine.run_control import RunControl
+
+
 @dataclass
 class SftResult:
     step: int
@@ -38,7 +43,7 @@ class SftResult:
     seconds: float = 0.0  # wall time of the training loop (evaluations and checkpoints included)
 
 
-def train_sft(config: RunConfig, recorder: Recorder) -> SftResult:
+def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | None = None) -> SftResult:
     cfg, trainer_cfg = config, config.trainer
     setup_process(threads=trainer_cfg.threads_per_process, seed=trainer_cfg.seed)
 
@@ -90,6 +95,7 @@ def train_sft(config: RunConfig, recorder: Recorder) -> SftResult:
     loop_start = time.perf_counter()
     losses: list[float] = []
     saved: Path | None = None
+    step = start_step
     for step in range(start_step + 1, trainer_cfg.steps + 1):
         timer = PhaseTimer()
         step_start = time.perf_counter()
@@ -133,6 +139,8 @@ def train_sft(config: RunConfig, recorder: Recorder) -> SftResult:
             last_eval = run_eval(step)
         if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or step == trainer_cfg.steps:
             saved = checkpoint(step)
+        if control is not None and not control.between_steps(step=step, checkpoint=lambda: checkpoint(step)):
+            break
 
-    return SftResult(step=trainer_cfg.steps, losses=losses, eval=last_eval, checkpoint=saved, first_eval=first_eval,
+    return SftResult(step=step, losses=losses, eval=last_eval, checkpoint=saved, first_eval=first_eval,
                      seconds=time.perf_counter() - loop_start)

@@ -1,0 +1,63 @@
+"""Operator commands, as the training loop sees them: checked between steps.
+
+The loop calls `between_steps` after each step. Pending commands are pulled through the
+control plane's CommandChannel (at least once, executed once). `pause` holds the loop until a
+`resume` arrives; `checkpoint` saves now; `cancel` ends the run after a final checkpoint.
+Placement changes, drills and redirects need the multi-process recipe: here they fail with a reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.engine.control_plane import CommandChannel
+
+logger = logging.getLogger(__name__)
+
+
+class StopRun(Exception):
+    """Raised by a handler when the run must end (cancel)."""
+
+
+class RunControl:
+    def __init__(self, channel: CommandChannel, *, poll_seconds: float = 1.0, pause_poll_seconds: float = 0.5):
+        self.channel = channel
+        self.poll_seconds = poll_seconds
+        self.pause_poll_seconds = pause_poll_seconds
+        self.paused = False
+        self.stop_requested = False
+        self._last_poll = 0.0
+        self._checkpoint: Callable[[], Path] | None = None
+        self._step = 0
+
+    def between_steps(self, *, step: int, checkpoint: Callable[[], Path]) -> bool:
+        """Run pending commands; False when the loop must stop (a final checkpoint has been written)."""
+        now = time.monotonic()
+        if now - self._last_poll < self.poll_seconds:
+            return True
+        self._last_poll = now
+        self._checkpoint, self._step = checkpoint, step
+        self.channel.poll(self._handle)
+        while self.paused and not self.stop_requested:
+            time.sleep(self.pause_poll_seconds)
+            self.channel.poll(self._handle)
+        return not self.stop_requested
+
+    def _handle(self, kind: str, payload: dict) -> dict:
+        if kind == "pause":
+            self.paused = True
+            return {"paused_at_step": self._step}
+        if kind == "resume":
+            self.paused = False
+            return {"resumed_at_step": self._step}
+        if kind == "checkpoint":
+            return {"step": self._step, "path": str(self._checkpoint())}
+        if kind == "cancel":
+            self.stop_requested = True
+            return {"step": self._step, "path": str(self._checkpoint())}
+        raise ValueError(f"{kind} needs the multi-process (Monarch) recipe; this run is single-process")
