@@ -18,7 +18,9 @@ env = Env()
 REPO_DIR = Path(__file__).resolve().parents[2]
 FORGEBOARD_ENV = env.choice("FORGEBOARD_ENV", ("development", "production", "test"), "development")
 PRODUCTION = FORGEBOARD_ENV == "production"
-DATA_DIR = Path(env.str("FORGEBOARD_DATA_DIR", str(REPO_DIR / "var"))).resolve()
+# Tests keep their files apart, so they never touch a development server's database or channel layer.
+DATA_DIR = Path(env.str("FORGEBOARD_DATA_DIR", str(REPO_DIR / ("var/test" if FORGEBOARD_ENV == "test" else "var"))))
+DATA_DIR = DATA_DIR.resolve()
 DATA_DIR.mkdir(parents=True, exist_ok=True)
 
 DEBUG = False if PRODUCTION else env.bool("FORGEBOARD_DEBUG", FORGEBOARD_ENV == "development")
@@ -137,7 +139,8 @@ else:
         "ENGINE": "django.db.backends.sqlite3",
         "NAME": DATA_DIR / "channels.sqlite3",
         "OPTIONS": _SQLITE_OPTIONS,
-        "TEST": {"NAME": DATA_DIR / "test-channels.sqlite3"},
+        # Tests use the same file, so a web or worker process they start shares the test's channel layer.
+        "TEST": {"NAME": DATA_DIR / "channels.sqlite3"},
     }
     DATABASE_ROUTERS = ["forgeboard.db_routers.EmbeddedChannelsRouter"]
     CHANNEL_LAYERS = {
