@@ -80,6 +80,21 @@ def test_empty_request_is_a_heartbeat_that_lists_pending_commands(client, runnin
         ({"batches": [batch(1) | {"extra": 1}]}, "batches.0.extra"),
         ({"batches": [batch(1) | {"logs": [{"line": "x" * 9000, "time": 1.0}]}]}, "batches.0.logs.0.line"),
         ({"batches": "nope"}, "batches"),
+        ({"batches": [batch(1) | {"metrics": [{"key": "k" * 201, "step": 1, "value": 1.0, "time": 1.0}]}]},
+         "batches.0.metrics.0.key"),
+        ({"batches": [batch(1) | {"metrics": [{"key": "", "step": 1, "value": 1.0, "time": 1.0}]}]},
+         "batches.0.metrics.0.key"),
+        ({"batches": [batch(1) | {"metrics": [{"key": "k", "step": 2**63, "value": 1.0, "time": 1.0}]}]},
+         "batches.0.metrics.0.step"),
+        ('{"batches": [{"seq": 1, "metrics": [{"key": "k", "step": 1, "value": 1.0, "time": NaN}]}]}',
+         "batches.0.metrics.0.time"),
+        ({"batches": [batch(1) | {"metrics": [{"key": "k", "step": True, "value": 1.0, "time": 1.0}]}]},
+         "batches.0.metrics.0.step"),
+        ({"batches": [batch(1) | {"metrics": [{"key": "k", "step": 1, "value": "2", "time": 1.0}]}]},
+         "batches.0.metrics.0.value"),
+        ({"batches": [batch(1) | {"metrics": [{"key": "k", "step": 1, "value": False, "time": 1.0}]}]},
+         "batches.0.metrics.0.value"),
+        ({"batches": [batch(1) | {"seq": "1"}]}, "batches.0.seq"),
     ],
 )
 def test_malformed_batches_are_refused_and_nothing_is_stored(client, running_run, body, field):
@@ -137,3 +152,14 @@ def test_commands_are_pulled_acknowledged_and_finished_once(client, running_run,
     missing = client.post(f"/api/v1/runs/{run.pk}/commands/999999/ack", **auth)
     assert missing.status_code == 404 and missing.json()["code"] == "not_found"
     assert Command.objects.count() == 1
+
+
+def test_non_finite_values_are_stored_as_reported(client, running_run):
+    run, token = running_run
+    metrics = [{"key": "loss", "step": 1, "value": float("nan"), "time": 1.7e9},
+               {"key": "loss", "step": 2, "value": float("-inf"), "time": 1.7e9},
+               {"key": "loss", "step": 3, "value": 1e-310, "time": 1.7e9}]
+    assert post(client, run, token, {"batches": [{"seq": 1, "metrics": metrics}]}).status_code == 200
+    values = list(MetricPoint.objects.filter(series__run=run).order_by("step").values_list("value", flat=True))
+    assert values[0] is None, "NaN is kept as null (SQLite cannot store NaN; JSON has no NaN)"
+    assert values[1] == float("-inf") and values[2] == 1e-310

@@ -11,7 +11,9 @@ from forgeboard.errors import ValidationFailed
 from forgeboard.runs.services import run_launch
 from forgeboard.telemetry.models import MetricPoint, MetricSeries, RunEvent
 from forgeboard.telemetry.selectors import events_after, metric_downsampled, metric_range
-from forgeboard.telemetry.services import Point, event_append, metrics_record
+from forgeboard.telemetry.ingest import telemetry_ingest
+from forgeboard.telemetry.services import event_append
+from workers.engine.telemetry_wire import TelemetryBatch
 
 
 @pytest.fixture
@@ -59,10 +61,15 @@ def test_concurrent_appends_get_distinct_sequence_numbers(team, grpo_yaml):
     assert seqs == list(range(1, 42))
 
 
+def _ingest(run, seq: int, points: list[tuple[str, int, float]]) -> int:
+    metrics = [{"key": k, "step": step, "value": value, "time": 1000.0 + step} for k, step, value in points]
+    return telemetry_ingest(run=run, batches=[TelemetryBatch(seq=seq, metrics=metrics)]).points
+
+
 def test_points_are_stored_once_and_summarised(run):
-    batch = [Point("loss", step, 1.0 / (step + 1), 1000.0 + step) for step in range(10)]
-    assert metrics_record(run=run, points=batch) == 10
-    assert metrics_record(run=run, points=batch[5:] + [Point("loss", 10, 0.05, 1011.0)]) == 1
+    batch = [("loss", step, 1.0 / (step + 1)) for step in range(10)]
+    assert _ingest(run, 1, batch) == 10
+    assert _ingest(run, 2, batch[5:] + [("loss", 10, 0.05)]) == 1
     series = MetricSeries.objects.get(run=run, key="loss")
     assert (series.point_count, series.first_step, series.last_step) == (11, 0, 10)
     assert series.last_value == 0.05 and series.max_value == 1.0 and series.min_value == 0.05
@@ -71,23 +78,10 @@ def test_points_are_stored_once_and_summarised(run):
 
 
 def test_downsampling_keeps_the_envelope(run):
-    points = [Point("reward", step, float(step % 10), float(step)) for step in range(1000)]
-    metrics_record(run=run, points=points)
+    _ingest(run, 1, [("reward", step, float(step % 10)) for step in range(1000)])
     buckets = metric_downsampled(run=run, key="reward", buckets=10)
     assert len(buckets) == 10
     assert all(b.count == 100 and b.low == 0.0 and b.high == 9.0 for b in buckets)
     assert buckets[0].mean == pytest.approx(4.5)
     assert buckets[-1].step == 999
     assert metric_downsampled(run=run, key="absent", buckets=10) == []
-
-
-@pytest.mark.parametrize(
-    ("point", "field"),
-    [(Point("", 0, 1.0, 0.0), "key"), (Point("k", -1, 1.0, 0.0), "step"), (Point("k", 2**63, 1.0, 0.0), "step"),
-     (Point("k", 0, 1.0, float("nan")), "wall_time"), (Point("k" * 201, 0, 1.0, 0.0), "key")],
-)
-def test_bad_points_are_refused_and_nothing_of_the_batch_is_stored(run, point, field):
-    with pytest.raises(ValidationFailed) as caught:
-        metrics_record(run=run, points=[Point("good", 0, 1.0, 0.0), point])
-    assert caught.value.problems[0].field == field
-    assert MetricPoint.objects.count() == 0

@@ -22,8 +22,9 @@ EventKindName = Literal[
     "recovered", "redirect_started", "redirect_finished", "checkpoint_saved", "command_finished",
     "restarted", "eval", "rollout", "message",
 ]
-Step = Annotated[int, Field(ge=0, le=2**63 - 1)]
-WallTime = Annotated[float, Field(ge=0.0, le=1e11, allow_inf_nan=False)]
+Step = Annotated[int, Field(ge=0, le=2**63 - 1, strict=True)]
+WallTime = Annotated[float, Field(ge=0.0, le=1e11, allow_inf_nan=False, strict=True)]
+Number = Annotated[float, Field(strict=True)]  # ints are fine; booleans and numeric strings are not
 
 
 class _Wire(BaseModel):
@@ -33,7 +34,7 @@ class _Wire(BaseModel):
 class WireMetric(_Wire):
     key: Annotated[str, Field(min_length=1, max_length=200)]
     step: Step
-    value: float
+    value: Number
     time: WallTime
 
 
@@ -49,7 +50,7 @@ class WireLog(_Wire):
 
 
 class TelemetryBatch(_Wire):
-    seq: Annotated[int, Field(ge=1, le=2**63 - 1)]
+    seq: Annotated[int, Field(ge=1, le=2**63 - 1, strict=True)]
     metrics: Annotated[list[WireMetric], Field(max_length=MAX_METRICS_PER_BATCH)] = Field(default_factory=list)
     events: Annotated[list[WireEvent], Field(max_length=MAX_EVENTS_PER_BATCH)] = Field(default_factory=list)
     logs: Annotated[list[WireLog], Field(max_length=MAX_LOGS_PER_BATCH)] = Field(default_factory=list)

@@ -15,6 +15,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from forgeboard.accounts.permissions import project_role
 from forgeboard.accounts.services import api_token_authenticate
 from forgeboard.runs.models import Run
+from forgeboard.telemetry.ingest import wire_number
 from forgeboard.telemetry.models import LogLine, MetricSeries
 from forgeboard.telemetry.selectors import events_after, metric_downsampled
 from forgeboard.telemetry.services import event_to_wire
@@ -109,7 +110,7 @@ class RunStreamConsumer(AsyncJsonWebsocketConsumer):
         for series in MetricSeries.objects.filter(run=run, last_step__gt=after_step - 1 if after_step else -1):
             start = after_step + 1 if after_step else None
             buckets = metric_downsampled(run=run, key=series.key, buckets=BACKLOG_POINTS_PER_KEY, start_step=start)
-            metrics[series.key] = [[b.step, b.mean] for b in buckets]
+            metrics[series.key] = [[b.step, wire_number(b.mean)] for b in buckets]
         logs = list(LogLine.objects.filter(run=run).order_by("-batch_seq", "-index")
                     .values_list("line", flat=True)[:BACKLOG_LOG_LINES])[::-1]
         return {"type": "run.backlog", "run": run.pk, "state": run.state, "events": events, "metrics": metrics,

@@ -95,7 +95,7 @@ def _store_metrics(*, run_id: int, metrics: Sequence[WireMetric]) -> int:
         return 0
     series = _series_ids(run_id=run_id, keys={m.key for m in metrics})
     unique = {(series[m.key], m.step): m for m in metrics}  # within a batch the last value for a step wins
-    rows = [(sid, step, m.value, m.time) for (sid, step), m in unique.items()]
+    rows = [(sid, step, None if math.isnan(m.value) else m.value, m.time) for (sid, step), m in unique.items()]
     inserted = _insert_points_postgres(rows) if connection.vendor == "postgresql" else _insert_points_generic(rows)
     by_series: dict[int, list[WireMetric]] = {}
     for (sid, _), metric in unique.items():
@@ -112,9 +112,12 @@ def _insert_points_postgres(rows: list[tuple[int, int, float, float]]) -> Counte
             "(series_id bigint, step bigint, value double precision, wall_time double precision) "
             "ON COMMIT DELETE ROWS"
         )
+        # One text buffer rather than a write per row: this loop is the hot path of ingestion.
+        null = "\\N"
+        text = "".join(f"{sid}\t{step}\t{null if value is None else repr(value)}\t{wall!r}\n"
+                       for sid, step, value, wall in rows)
         with cursor.cursor.copy("COPY fb_points_in (series_id, step, value, wall_time) FROM STDIN") as copy:
-            for row in rows:
-                copy.write_row(row)
+            copy.write(text)
         cursor.execute(
             f"WITH inserted AS (INSERT INTO {MetricPoint._meta.db_table} (series_id, step, value, wall_time) "
             "SELECT series_id, step, value, wall_time FROM fb_points_in "
@@ -155,11 +158,16 @@ def _update_summary(*, series_id: int, points: list[WireMetric], inserted: int) 
     series.save()
 
 
+def wire_number(value: float | None) -> float | None:
+    """JSON has no NaN or infinity: browsers get null for them."""
+    return value if value is not None and math.isfinite(value) else None
+
+
 def _wire_update(*, run: Run, batch: TelemetryBatch, events: list[RunEvent]) -> dict:
     """What subscribers get: every event, and at most a few points per metric key (the database has all)."""
     by_key: dict[str, list[list[float]]] = {}
     for metric in sorted(batch.metrics, key=lambda m: m.step):
-        by_key.setdefault(metric.key, []).append([metric.step, metric.value])
+        by_key.setdefault(metric.key, []).append([metric.step, wire_number(metric.value)])
     for key, points in by_key.items():
         if len(points) > WIRE_POINTS_PER_KEY:
             sampled = points[:: -(-len(points) // WIRE_POINTS_PER_KEY)]

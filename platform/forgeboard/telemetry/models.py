@@ -37,7 +37,7 @@ class MetricPoint(models.Model):
     pk = models.CompositePrimaryKey("series", "step")
     series = models.ForeignKey(MetricSeries, on_delete=models.CASCADE, related_name="points")
     step = models.BigIntegerField()
-    value = models.FloatField()
+    value = models.FloatField(null=True, help_text="null when the engine reported NaN (SQLite cannot store NaN)")
     wall_time = models.FloatField(help_text="Unix seconds when the engine recorded the point")
 
 
