@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -15,9 +13,8 @@ from django.utils import timezone
 from forgeboard.errors import ValidationFailed
 from forgeboard.runs.models import Run
 from forgeboard.telemetry.streams import publish_run_update
-from forgeboard.telemetry.models import METRIC_KEY_MAX_LENGTH, EventKind, MetricPoint, MetricSeries, RunEvent
+from forgeboard.telemetry.models import EventKind, RunEvent
 
-MAX_EVENT_PAYLOAD_KEYS = 100
 
 
 @transaction.atomic
