@@ -12,9 +12,8 @@ from django.utils import timezone
 
 from forgeboard.errors import ValidationFailed
 from forgeboard.runs.models import Run
-from forgeboard.telemetry.streams import publish_run_update
 from forgeboard.telemetry.models import EventKind, RunEvent
-
+from forgeboard.telemetry.streams import publish_run_update
 
 
 @transaction.atomic
