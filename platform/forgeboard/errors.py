@@ -50,3 +50,11 @@ class NotFound(ServiceError):
 class Conflict(ServiceError):
     status = 409
     code = "conflict"
+
+
+MAX_DB_ID = 2**63 - 1
+
+
+def is_db_id(value: int) -> bool:
+    """Whether an id from a URL can name a row at all (larger ones would overflow the database's bigint)."""
+    return isinstance(value, int) and 0 < value <= MAX_DB_ID

@@ -67,7 +67,7 @@ def _measure(port: int, run, run_token: str, read_token: str, subscribers: int, 
         for i in range(MESSAGES):
             body = {"batches": [{"seq": first_seq + i, "events": [
                 {"kind": "message", "payload": {"emitted": time.time()}, "time": time.time()}]}]}
-            assert c.post(f"/api/v1/runs/{run.pk}/telemetry", json=body).status_code == 200
+            assert c.post(f"/api/v1/controller/runs/{run.pk}/telemetry", json=body).status_code == 200
             time.sleep(0.02)
     listener.join(timeout=300)
     assert len(latencies) == MESSAGES * subscribers

@@ -27,7 +27,7 @@ def batch(seq: int, *, points: int = 3, events: int = 1) -> dict:
 
 def post(client, run, token, body, **extra):
     data = body if isinstance(body, (str, bytes)) else json.dumps(body)
-    return client.post(f"/api/v1/runs/{run.pk}/telemetry", data=data, content_type="application/json",
+    return client.post(f"/api/v1/controller/runs/{run.pk}/telemetry", data=data, content_type="application/json",
                        HTTP_AUTHORIZATION=f"Bearer {token}", **extra)
 
 
@@ -121,7 +121,7 @@ def test_wrong_tokens_are_refused(client, running_run, team, grpo_yaml):
     assert post(client, run, "fbr_000000000000_nope", {"batches": [batch(1)]}).status_code == 401
     _, api_token = api_token_create(actor=team.member, project=team.project, name="ci", scope="write")
     assert post(client, run, api_token, {"batches": [batch(1)]}).status_code == 401
-    assert client.post(f"/api/v1/runs/{run.pk}/telemetry", data="{}", content_type="application/json").status_code == 401
+    assert client.post(f"/api/v1/controller/runs/{run.pk}/telemetry", data="{}", content_type="application/json").status_code == 401
     fresh = run_token_issue(run=run)  # a restarted controller gets a new token; the old one stops working
     assert post(client, run, token, {"batches": [batch(1)]}).status_code == 401
     assert post(client, run, fresh, {"batches": [batch(1)]}).status_code == 200
@@ -134,22 +134,22 @@ def test_commands_are_pulled_acknowledged_and_finished_once(client, running_run,
     run, token = running_run
     command = command_create(actor=team.member, run=run, kind="fault_drill", payload={"kind": "kill"})
     auth = {"HTTP_AUTHORIZATION": f"Bearer {token}"}
-    pulled = client.get(f"/api/v1/runs/{run.pk}/commands", **auth).json()
+    pulled = client.get(f"/api/v1/controller/runs/{run.pk}/commands", **auth).json()
     assert [(c["id"], c["kind"], c["payload"]) for c in pulled] == [(command.pk, "fault_drill", {"kind": "kill"})]
     for _ in range(2):
-        assert client.post(f"/api/v1/runs/{run.pk}/commands/{command.pk}/ack", **auth).json()["state"] == "delivered"
-    assert client.get(f"/api/v1/runs/{run.pk}/commands", **auth).json()[0]["state"] == "delivered"
+        assert client.post(f"/api/v1/controller/runs/{run.pk}/commands/{command.pk}/ack", **auth).json()["state"] == "delivered"
+    assert client.get(f"/api/v1/controller/runs/{run.pk}/commands", **auth).json()[0]["state"] == "delivered"
     result = {"ok": True, "result": {"recovered_s": 2.5}}
     for _ in range(2):
-        done = client.post(f"/api/v1/runs/{run.pk}/commands/{command.pk}/result", data=json.dumps(result),
+        done = client.post(f"/api/v1/controller/runs/{run.pk}/commands/{command.pk}/result", data=json.dumps(result),
                            content_type="application/json", **auth)
         assert done.status_code == 200 and done.json()["state"] == "succeeded"
-    assert client.get(f"/api/v1/runs/{run.pk}/commands", **auth).json() == []
+    assert client.get(f"/api/v1/controller/runs/{run.pk}/commands", **auth).json() == []
     command.refresh_from_db()
     assert command.delivery_count == 2 and command.result == {"recovered_s": 2.5}
     kinds = list(RunEvent.objects.filter(run=run).values_list("kind", flat=True))
     assert kinds.count("command_acknowledged") == 1 and kinds.count("command_finished") == 1
-    missing = client.post(f"/api/v1/runs/{run.pk}/commands/999999/ack", **auth)
+    missing = client.post(f"/api/v1/controller/runs/{run.pk}/commands/999999/ack", **auth)
     assert missing.status_code == 404 and missing.json()["code"] == "not_found"
     assert Command.objects.count() == 1
 

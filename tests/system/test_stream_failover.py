@@ -23,7 +23,7 @@ BATCHES = 30
 def _post(port: int, run, token: str, seq: int) -> None:
     body = {"batches": [{"seq": seq, "metrics": [{"key": "loss", "step": seq, "value": 1.0 / seq, "time": 1.7e9}],
                          "events": [{"kind": "message", "payload": {"batch": seq}, "time": 1.7e9}]}]}
-    response = httpx.post(f"http://127.0.0.1:{port}/api/v1/runs/{run.pk}/telemetry", json=body,
+    response = httpx.post(f"http://127.0.0.1:{port}/api/v1/controller/runs/{run.pk}/telemetry", json=body,
                           headers={"Authorization": f"Bearer {token}"}, timeout=10)
     assert response.status_code == 200, response.text
 

@@ -164,7 +164,7 @@ class ControlPlaneSink:
             return self._heartbeat()
         batches = [json.loads(p.read_text()) for p in files]
         try:
-            response = self._client.post(f"/api/v1/runs/{self.target.run_id}/telemetry", json={"batches": batches})
+            response = self._client.post(f"/api/v1/controller/runs/{self.target.run_id}/telemetry", json={"batches": batches})
         except httpx.HTTPError as exc:
             logger.warning("control plane unreachable (%s); %d batches spooled", exc, len(self._spooled()))
             return False
@@ -201,7 +201,7 @@ class ControlPlaneSink:
 
     def _heartbeat(self) -> bool:
         try:
-            response = self._client.post(f"/api/v1/runs/{self.target.run_id}/telemetry", json={"batches": []})
+            response = self._client.post(f"/api/v1/controller/runs/{self.target.run_id}/telemetry", json={"batches": []})
         except httpx.HTTPError:
             return False
         if response.status_code == 200:
@@ -250,7 +250,7 @@ class CommandChannel:
 
     def poll(self, handler) -> int:  # noqa: ANN001 - handler(kind, payload) -> dict, raises on failure
         """Run every open command through `handler`; returns how many were executed now."""
-        base = f"/api/v1/runs/{self.target.run_id}/commands"
+        base = f"/api/v1/controller/runs/{self.target.run_id}/commands"
         try:
             response = self._client.get(base)
             response.raise_for_status()

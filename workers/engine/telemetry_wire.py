@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 MAX_METRICS_PER_BATCH = 20_000
 MAX_EVENTS_PER_BATCH = 1_000
@@ -22,9 +22,22 @@ EventKindName = Literal[
     "recovered", "redirect_started", "redirect_finished", "checkpoint_saved", "command_finished",
     "restarted", "eval", "rollout", "message",
 ]
-Step = Annotated[int, Field(ge=0, le=2**63 - 1, strict=True)]
-WallTime = Annotated[float, Field(ge=0.0, le=1e11, allow_inf_nan=False, strict=True)]
-Number = Annotated[float, Field(strict=True)]  # ints are fine; booleans and numeric strings are not
+
+
+def _no_text_or_bool(value: Any) -> Any:
+    """JSON numbers only: a boolean or a numeric string is refused; 3.0 is the integer 3."""
+    if isinstance(value, (bool, str)):
+        raise ValueError("must be a JSON number, not a boolean or text")
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    return value
+
+
+# Field bounds go before the validator, or they drop out of the OpenAPI document.
+WholeNumber = BeforeValidator(_no_text_or_bool)
+Step = Annotated[int, Field(ge=0, le=2**63 - 1), WholeNumber]
+WallTime = Annotated[float, Field(ge=0.0, le=1e11, allow_inf_nan=False), WholeNumber]
+Number = Annotated[float, WholeNumber]
 
 
 class _Wire(BaseModel):
@@ -50,7 +63,7 @@ class WireLog(_Wire):
 
 
 class TelemetryBatch(_Wire):
-    seq: Annotated[int, Field(ge=1, le=2**63 - 1, strict=True)]
+    seq: Annotated[int, Field(ge=1, le=2**63 - 1), WholeNumber]
     metrics: Annotated[list[WireMetric], Field(max_length=MAX_METRICS_PER_BATCH)] = Field(default_factory=list)
     events: Annotated[list[WireEvent], Field(max_length=MAX_EVENTS_PER_BATCH)] = Field(default_factory=list)
     logs: Annotated[list[WireLog], Field(max_length=MAX_LOGS_PER_BATCH)] = Field(default_factory=list)

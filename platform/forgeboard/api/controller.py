@@ -8,14 +8,17 @@ from django.http import HttpRequest
 from ninja import Router, Schema
 from pydantic import ValidationError
 
-from forgeboard.errors import FieldProblem, NotFound, PermissionDenied, ServiceError, ValidationFailed
-from forgeboard.runs.models import Command, Run, RunToken
+from forgeboard.errors import FieldProblem, PermissionDenied, ServiceError, ValidationFailed
+from forgeboard.runs.models import Run, RunToken
 from forgeboard.runs.selectors import commands_pending
 from forgeboard.runs.services import command_acknowledge, command_finish
 from forgeboard.telemetry.ingest import telemetry_ingest
 from workers.engine.telemetry_wire import MAX_REQUEST_BYTES, TelemetryRequest, TelemetryResponse
 
 from forgeboard.api.base import RunTokenAuth
+from forgeboard.api.schemas import ERRORS, ErrorOut
+
+CONTROLLER_ERRORS = ERRORS | {413: ErrorOut}
 
 router = Router(tags=["controller"], auth=RunTokenAuth())
 
@@ -47,7 +50,7 @@ def _parse_body(request: HttpRequest, model: type) -> object:
         raise ValidationFailed("; ".join(f"{p.field}: {p.message}" for p in problems[:5]), problems=problems) from None
 
 
-@router.post("/runs/{run_id}/telemetry", response=TelemetryResponse, summary="Report telemetry batches")
+@router.post("/controller/runs/{run_id}/telemetry", response={200: TelemetryResponse, **CONTROLLER_ERRORS}, summary="Report telemetry batches")
 def post_telemetry(request: HttpRequest, run_id: int):  # noqa: ANN201
     """Batches are applied in order, each exactly once; an empty list is a heartbeat."""
     run = _run_of(request, run_id)
@@ -64,13 +67,13 @@ class CommandOut(Schema):
     state: str
 
 
-@router.get("/runs/{run_id}/commands", response=list[CommandOut], summary="Commands not yet finished")
+@router.get("/controller/runs/{run_id}/commands", response={200: list[CommandOut], **CONTROLLER_ERRORS}, summary="Commands not yet finished")
 def get_commands(request: HttpRequest, run_id: int, after: int = 0):  # noqa: ANN201
     run = _run_of(request, run_id)
     return list(commands_pending(run=run, after_id=after)[:100])
 
 
-@router.post("/runs/{run_id}/commands/{command_id}/ack", response=CommandOut, summary="Acknowledge a command")
+@router.post("/controller/runs/{run_id}/commands/{command_id}/ack", response={200: CommandOut, **CONTROLLER_ERRORS}, summary="Acknowledge a command")
 def ack_command(request: HttpRequest, run_id: int, command_id: int):  # noqa: ANN201
     return command_acknowledge(run=_run_of(request, run_id), command_id=command_id)
 
@@ -80,9 +83,7 @@ class CommandResultIn(Schema):
     result: dict = {}
 
 
-@router.post("/runs/{run_id}/commands/{command_id}/result", response=CommandOut, summary="Report a result")
+@router.post("/controller/runs/{run_id}/commands/{command_id}/result", response={200: CommandOut, **CONTROLLER_ERRORS}, summary="Report a result")
 def finish_command(request: HttpRequest, run_id: int, command_id: int, body: CommandResultIn):  # noqa: ANN201
     run = _run_of(request, run_id)
-    if not Command.objects.filter(pk=command_id, run=run).exists():
-        raise NotFound(f"run {run.pk} has no command {command_id}")
     return command_finish(run=run, command_id=command_id, ok=body.ok, result=body.result)

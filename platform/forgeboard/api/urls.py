@@ -1,5 +1,7 @@
 from forgeboard.api.base import api
 from forgeboard.api.controller import router as controller_router
+from forgeboard.api.public import router as public_router
 
 api.add_router("/", controller_router)
+api.add_router("/", public_router)
 urlpatterns = api.urls

@@ -4,7 +4,7 @@ from django.db.models import Count, QuerySet
 
 from forgeboard.accounts.models import Project
 from forgeboard.accounts.permissions import Actor, project_role
-from forgeboard.errors import NotFound
+from forgeboard.errors import NotFound, is_db_id
 from forgeboard.experiments.models import Experiment
 
 
@@ -13,7 +13,8 @@ def experiments_for_project(*, project: Project) -> QuerySet[Experiment]:
 
 
 def experiment_get(*, actor: Actor, experiment_id: int) -> Experiment:
-    experiment = Experiment.objects.select_related("project").filter(pk=experiment_id).first()
+    experiment = (Experiment.objects.select_related("project").filter(pk=experiment_id).first()
+                  if is_db_id(experiment_id) else None)
     if experiment is None or project_role(actor=actor, project=experiment.project) is None:
         raise NotFound(f"no experiment {experiment_id}")
     return experiment

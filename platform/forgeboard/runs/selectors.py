@@ -4,7 +4,7 @@ from django.db.models import QuerySet
 
 from forgeboard.accounts.models import Project
 from forgeboard.accounts.permissions import Actor, project_role
-from forgeboard.errors import NotFound
+from forgeboard.errors import NotFound, is_db_id
 from forgeboard.runs.models import Command, CommandState, Run
 
 
@@ -14,7 +14,7 @@ def runs_for_project(*, project: Project, state: str | None = None) -> QuerySet[
 
 
 def run_get(*, actor: Actor, run_id: int) -> Run:
-    run = Run.objects.select_related("experiment__project", "config").filter(pk=run_id).first()
+    run = Run.objects.select_related("experiment__project", "config").filter(pk=run_id).first() if is_db_id(run_id) else None
     if run is None or project_role(actor=actor, project=run.experiment.project) is None:
         raise NotFound(f"no run {run_id}")
     return run

@@ -14,7 +14,7 @@ from django.utils import timezone
 from forgeboard.accounts.models import Role
 from forgeboard.accounts.permissions import Actor, actor_user, require_project_role
 from forgeboard.audit.services import audit_record
-from forgeboard.errors import Conflict, NotFound, ValidationFailed
+from forgeboard.errors import Conflict, NotFound, ValidationFailed, is_db_id
 from forgeboard.experiments.models import Experiment
 from forgeboard.experiments.services import config_snapshot_create
 from forgeboard.runs.models import Command, CommandKind, CommandState, Run
@@ -143,7 +143,7 @@ def command_acknowledge(*, run: Run, command_id: int) -> Command:
     """Mark a command delivered to the controller. Repeating it is harmless (at-least-once delivery)."""
     now = timezone.now()
     with transaction.atomic():
-        command = Command.objects.select_for_update().filter(pk=command_id, run=run).first()
+        command = Command.objects.select_for_update().filter(pk=command_id, run=run).first() if is_db_id(command_id) else None
         if command is None:
             raise NotFound(f"run {run.pk} has no command {command_id}")
         command.delivery_count += 1
@@ -160,7 +160,7 @@ def command_finish(*, run: Run, command_id: int, ok: bool, result: dict[str, Any
         raise ValidationFailed.on("result", f"over {MAX_COMMAND_PAYLOAD_BYTES} bytes")
     now = timezone.now()
     with transaction.atomic():
-        command = Command.objects.select_for_update().filter(pk=command_id, run=run).first()
+        command = Command.objects.select_for_update().filter(pk=command_id, run=run).first() if is_db_id(command_id) else None
         if command is None:
             raise NotFound(f"run {run.pk} has no command {command_id}")
         if command.state in (CommandState.SUCCEEDED, CommandState.FAILED):

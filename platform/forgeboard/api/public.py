@@ -1,0 +1,166 @@
+"""/api/v1 for people and CI: projects, experiments, runs, commands, metrics, events, inventory.
+
+Thin: every read goes through a selector, every write through a service (which checks permission
+and audits). A read-only token may read; writes need a read-write token or a session.
+"""
+
+
+from django.http import HttpRequest
+from ninja import Query, Router, Status
+from ninja.pagination import paginate
+
+from forgeboard.accounts.models import ApiToken, Project
+from forgeboard.accounts.selectors import project_get, projects_for_user
+from forgeboard.api.auth import USER_AUTH, actor_of, require_write_scope
+from forgeboard.api.pagination import Pages
+from forgeboard.api.schemas import (
+    ERRORS,
+    CommandIn,
+    CommandOut,
+    EventOut,
+    ExperimentIn,
+    ExperimentOut,
+    HostOut,
+    PointsOut,
+    ProjectOut,
+    RunDetailOut,
+    RunIn,
+    RunOut,
+    SeriesOut,
+)
+from forgeboard.cluster.selectors import hosts_with_devices
+from forgeboard.experiments.selectors import experiment_get, experiments_for_project
+from forgeboard.experiments.services import experiment_create
+from forgeboard.runs.models import Command
+from forgeboard.runs.selectors import run_get, runs_for_project
+from forgeboard.runs.services import command_create, run_cancel, run_launch
+from forgeboard.runs.states import RunState
+from forgeboard.telemetry.ingest import wire_number
+from forgeboard.telemetry.selectors import events_after, metric_downsampled, metric_keys, metric_range
+from workers.engine.config import config_json_schema
+
+router = Router(auth=USER_AUTH)
+MAX_POINTS = 10_000
+MAX_STEP = 2**63 - 1
+
+
+@router.get("/projects", response={200: list[ProjectOut], **ERRORS}, tags=["projects"])
+@paginate(Pages)
+def list_projects(request: HttpRequest):  # noqa: ANN201
+    actor = actor_of(request)
+    if isinstance(actor, ApiToken):
+        return Project.objects.filter(pk=actor.project_id)
+    return projects_for_user(user=actor)
+
+
+@router.get("/projects/{slug}", response={200: ProjectOut, **ERRORS}, tags=["projects"])
+def get_project(request: HttpRequest, slug: str):  # noqa: ANN201
+    return project_get(actor=actor_of(request), slug=slug)
+
+
+@router.get("/projects/{slug}/experiments", response={200: list[ExperimentOut], **ERRORS}, tags=["experiments"])
+@paginate(Pages)
+def list_experiments(request: HttpRequest, slug: str):  # noqa: ANN201
+    return experiments_for_project(project=project_get(actor=actor_of(request), slug=slug))
+
+
+@router.post("/projects/{slug}/experiments", response={201: ExperimentOut, **ERRORS}, tags=["experiments"])
+def create_experiment(request: HttpRequest, slug: str, body: ExperimentIn):  # noqa: ANN201
+    require_write_scope(request)
+    project = project_get(actor=actor_of(request), slug=slug)
+    experiment = experiment_create(actor=actor_of(request), project=project, name=body.name, recipe=body.recipe,
+                                   description=body.description, tags=body.tags)
+    return Status(201, experiment)
+
+
+@router.get("/experiments/{experiment_id}", response={200: ExperimentOut, **ERRORS}, tags=["experiments"])
+def get_experiment(request: HttpRequest, experiment_id: int):  # noqa: ANN201
+    return experiment_get(actor=actor_of(request), experiment_id=experiment_id)
+
+
+@router.post("/experiments/{experiment_id}/runs", response={201: RunDetailOut, **ERRORS}, tags=["runs"])
+def launch_run(request: HttpRequest, experiment_id: int, body: RunIn):  # noqa: ANN201
+    """Validate the config against the engine's schema, snapshot it, and queue the run."""
+    require_write_scope(request)
+    experiment = experiment_get(actor=actor_of(request), experiment_id=experiment_id)
+    run = run_launch(actor=actor_of(request), experiment=experiment, config_yaml=body.config_yaml,
+                     overrides=body.overrides, priority=body.priority)
+    return Status(201, run)
+
+
+@router.get("/projects/{slug}/runs", response={200: list[RunOut], **ERRORS}, tags=["runs"])
+@paginate(Pages)
+def list_runs(request: HttpRequest, slug: str, state: RunState | None = None):  # noqa: ANN201
+    return runs_for_project(project=project_get(actor=actor_of(request), slug=slug), state=state)
+
+
+@router.get("/runs/{run_id}", response={200: RunDetailOut, **ERRORS}, tags=["runs"])
+def get_run(request: HttpRequest, run_id: int):  # noqa: ANN201
+    return run_get(actor=actor_of(request), run_id=run_id)
+
+
+@router.post("/runs/{run_id}/cancel", response={200: RunOut, **ERRORS}, tags=["runs"])
+def cancel_run(request: HttpRequest, run_id: int):  # noqa: ANN201
+    require_write_scope(request)
+    return run_cancel(actor=actor_of(request), run=run_get(actor=actor_of(request), run_id=run_id))
+
+
+@router.get("/runs/{run_id}/commands", response={200: list[CommandOut], **ERRORS}, tags=["commands"])
+@paginate(Pages)
+def list_commands(request: HttpRequest, run_id: int):  # noqa: ANN201
+    return Command.objects.filter(run=run_get(actor=actor_of(request), run_id=run_id)).order_by("-pk")
+
+
+@router.post("/runs/{run_id}/commands", response={201: CommandOut, **ERRORS}, tags=["commands"])
+def send_command(request: HttpRequest, run_id: int, body: CommandIn):  # noqa: ANN201
+    """Pause, resume, checkpoint, placement change, fault drill or load redirect for a live run."""
+    require_write_scope(request)
+    run = run_get(actor=actor_of(request), run_id=run_id)
+    return Status(201, command_create(actor=actor_of(request), run=run, kind=body.kind, payload=body.payload))
+
+
+@router.get("/runs/{run_id}/metrics", response={200: list[SeriesOut], **ERRORS}, tags=["metrics"])
+def list_metrics(request: HttpRequest, run_id: int):  # noqa: ANN201
+    return metric_keys(run=run_get(actor=actor_of(request), run_id=run_id))
+
+
+@router.get("/runs/{run_id}/metrics/{key}", response={200: PointsOut, **ERRORS}, tags=["metrics"])
+def get_points(
+    request: HttpRequest,
+    run_id: int,
+    key: str,
+    start_step: int | None = Query(None, ge=0, le=MAX_STEP),
+    end_step: int | None = Query(None, ge=0, le=MAX_STEP),
+    buckets: int | None = Query(None, ge=1, le=MAX_POINTS),
+):
+    """Points of one metric in a step range; with `buckets`, at most that many (mean, low, high) per slice."""
+    run = run_get(actor=actor_of(request), run_id=run_id)
+    if buckets is not None:
+        rows = metric_downsampled(run=run, key=key, buckets=buckets, start_step=start_step, end_step=end_step)
+        return PointsOut(key=key, downsampled=True, steps=[b.step for b in rows],
+                         values=[wire_number(b.mean) for b in rows], low=[wire_number(b.low) for b in rows],
+                         high=[wire_number(b.high) for b in rows])
+    rows = metric_range(run=run, key=key, start_step=start_step, end_step=end_step, limit=MAX_POINTS)
+    return PointsOut(key=key, downsampled=False, steps=[r[0] for r in rows], values=[wire_number(r[1]) for r in rows])
+
+
+@router.get("/runs/{run_id}/events", response={200: list[EventOut], **ERRORS}, tags=["events"])
+def list_events(
+    request: HttpRequest,
+    run_id: int,
+    after_seq: int = Query(0, ge=0, le=MAX_STEP),
+    limit: int = Query(1000, ge=1, le=5000),
+):
+    """Events after a sequence number, in order: fetch state, then follow from the last `seq` you saw."""
+    return list(events_after(run=run_get(actor=actor_of(request), run_id=run_id), after_seq=after_seq, limit=limit))
+
+
+@router.get("/hosts", response={200: list[HostOut], **ERRORS}, tags=["inventory"])
+def list_hosts(request: HttpRequest):  # noqa: ANN201
+    return list(hosts_with_devices())
+
+
+@router.get("/config-schema", tags=["configs"], auth=None)
+def get_config_schema(request: HttpRequest) -> dict:
+    """The run config's JSON Schema (the dashboard's editor validates against it)."""
+    return config_json_schema()

@@ -1,0 +1,47 @@
+"""schemathesis against the OpenAPI document, bounded: no 5xx, and every response matches the schema."""
+
+from __future__ import annotations
+
+import pytest
+import schemathesis
+from django.core.signals import request_finished, request_started
+from django.db import close_old_connections
+from hypothesis import HealthCheck, settings
+
+from forgeboard.accounts.services import api_token_create
+from forgeboard.wsgi import application
+
+schema = schemathesis.openapi.from_wsgi("/api/v1/openapi.json", application)
+
+
+@pytest.fixture(autouse=True)
+def keep_test_connection():
+    """Calls go straight through WSGI: keep Django from closing the test's connection after each (as its client does)."""
+    request_started.disconnect(close_old_connections)
+    request_finished.disconnect(close_old_connections)
+    yield
+    request_started.connect(close_old_connections)
+    request_finished.connect(close_old_connections)
+
+
+@pytest.fixture
+def bearer(team, running_run) -> dict[str, str]:
+    _, token = api_token_create(actor=team.member, project=team.project, name="fuzz", scope="write")
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture
+def controller_bearer(running_run) -> dict[str, str]:
+    return {"Authorization": f"Bearer {running_run[1]}"}
+
+
+@schema.exclude(path_regex="^/api/v1/controller/").parametrize()
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+def test_public_api(case, bearer):
+    case.call_and_validate(headers=bearer)
+
+
+@schema.include(path_regex="^/api/v1/controller/").parametrize()
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+def test_controller_api(case, controller_bearer):
+    case.call_and_validate(headers=controller_bearer)

@@ -1,0 +1,139 @@
+"""/api/v1 for people and CI: token scopes, project isolation, one error format, pagination."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.test import Client
+
+from forgeboard.accounts.services import api_token_create, project_create
+from forgeboard.runs.models import Run
+from forgeboard.runs.states import RunState
+from forgeboard.telemetry.ingest import telemetry_ingest
+from workers.engine.telemetry_wire import TelemetryBatch
+
+
+@pytest.fixture
+def tokens(team):
+    _, write = api_token_create(actor=team.member, project=team.project, name="ci-write", scope="write")
+    _, read = api_token_create(actor=team.member, project=team.project, name="ci-read", scope="read")
+    other = project_create(actor=team.outsider, slug="beta", name="Beta")
+    _, foreign = api_token_create(actor=team.outsider, project=other, name="beta-ci", scope="write")
+    return {"write": write, "read": read, "foreign": foreign}
+
+
+def call(client, method: str, path: str, token: str | None = None, body: dict | None = None):
+    headers = {"HTTP_AUTHORIZATION": f"Bearer {token}"} if token else {}
+    kwargs = {"data": json.dumps(body), "content_type": "application/json"} if body is not None else {}
+    return getattr(client, method)(f"/api/v1{path}", **kwargs, **headers)
+
+
+def test_token_sees_only_its_project(client, team, tokens):
+    listed = call(client, "get", "/projects", tokens["write"]).json()
+    assert [p["slug"] for p in listed["items"]] == ["alpha"] and listed["count"] == 1
+    assert call(client, "get", "/projects/beta", tokens["write"]).status_code == 404
+    assert call(client, "get", "/projects/alpha", tokens["foreign"]).status_code == 404
+    assert call(client, "get", f"/experiments/{team.experiment.pk}", tokens["foreign"]).status_code == 404
+
+
+def test_launch_read_cancel_through_the_api(client, team, tokens, grpo_yaml):
+    created = call(client, "post", f"/experiments/{team.experiment.pk}/runs", tokens["write"],
+                   {"config_yaml": grpo_yaml, "overrides": ["trainer.steps=9"], "priority": 5})
+    assert created.status_code == 201, created.content
+    run = created.json()
+    assert run["state"] == "queued" and run["config"]["trainer"]["steps"] == 9 and run["priority"] == 5
+    assert call(client, "get", f"/runs/{run['id']}", tokens["read"]).json()["config_yaml"] == grpo_yaml
+    assert call(client, "get", f"/runs/{run['id']}", tokens["foreign"]).status_code == 404
+    assert call(client, "post", f"/runs/{run['id']}/cancel", tokens["foreign"]).status_code == 404
+    cancelled = call(client, "post", f"/runs/{run['id']}/cancel", tokens["write"])
+    assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled"
+    again = call(client, "post", f"/runs/{run['id']}/cancel", tokens["write"])
+    assert again.status_code == 409 and again.json()["code"] == "conflict"
+
+
+def test_read_only_tokens_cannot_write(client, team, tokens, grpo_yaml):
+    launch = call(client, "post", f"/experiments/{team.experiment.pk}/runs", tokens["read"],
+                  {"config_yaml": grpo_yaml})
+    assert launch.status_code == 403 and launch.json() == {
+        "code": "permission_denied", "message": "this API token is read-only", "errors": []}
+    made = call(client, "post", "/projects/alpha/experiments", tokens["read"], {"name": "x", "recipe": "sft"})
+    assert made.status_code == 403
+    assert Run.objects.count() == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"config_yaml": "recipe: grpo\nmodel: {path: /m}\ntrainer: {steps: 0}\n"}, "config.trainer.steps"),
+        ({"config_yaml": "recipe: [unclosed"}, "config"),
+        ({"config_yaml": "recipe: grpo\nmodel: {path: /m}\n", "priority": 1000}, "priority"),
+        ({"config_yaml": "recipe: grpo\nmodel: {path: /m}\n", "priority": True}, "priority"),
+        ({}, "config_yaml"),
+    ],
+)
+def test_bad_launches_name_the_field(client, team, tokens, body, field):
+    response = call(client, "post", f"/experiments/{team.experiment.pk}/runs", tokens["write"], body)
+    assert response.status_code == 400, response.content
+    assert response.json()["code"] == "validation_failed"
+    assert field in [e["field"] for e in response.json()["errors"]]
+    assert Run.objects.count() == 0
+
+
+def test_experiments_and_pagination(client, team, tokens):
+    for i in range(5):
+        made = call(client, "post", "/projects/alpha/experiments", tokens["write"],
+                    {"name": f"exp-{i}", "recipe": "sft", "tags": ["a"]})
+        assert made.status_code == 201
+    duplicate = call(client, "post", "/projects/alpha/experiments", tokens["write"], {"name": "exp-1", "recipe": "sft"})
+    assert duplicate.status_code == 400 and duplicate.json()["errors"][0]["field"] == "name"
+    page = call(client, "get", "/projects/alpha/experiments?limit=2&offset=2", tokens["read"]).json()
+    assert page["count"] == 6 and len(page["items"]) == 2
+
+
+def test_commands_metrics_and_events(client, team, tokens, running_run):
+    run, _ = running_run
+    sent = call(client, "post", f"/runs/{run.pk}/commands", tokens["write"], {"kind": "checkpoint"})
+    assert sent.status_code == 201 and sent.json()["state"] == "pending"
+    unknown = call(client, "post", f"/runs/{run.pk}/commands", tokens["write"], {"kind": "explode"})
+    assert unknown.status_code == 400 and unknown.json()["errors"][0]["field"] == "kind"
+    telemetry_ingest(run=run, batches=[TelemetryBatch.model_validate({
+        "seq": 1, "metrics": [{"key": "loss", "step": s, "value": 1.0 / (s + 1), "time": 1.0} for s in range(100)],
+        "events": [{"kind": "eval", "payload": {"accuracy": 0.5}, "time": 1.0}]})])
+    series = call(client, "get", f"/runs/{run.pk}/metrics", tokens["read"]).json()
+    assert series == [{"key": "loss", "point_count": 100, "first_step": 0, "last_step": 99, "last_value": 0.01,
+                       "min_value": 0.01, "max_value": 1.0}]
+    full = call(client, "get", f"/runs/{run.pk}/metrics/loss?start_step=10&end_step=19", tokens["read"]).json()
+    assert full["steps"] == list(range(10, 20)) and not full["downsampled"]
+    coarse = call(client, "get", f"/runs/{run.pk}/metrics/loss?buckets=10", tokens["read"]).json()
+    assert coarse["downsampled"] and len(coarse["steps"]) == 10 and coarse["high"][0] == 1.0
+    assert call(client, "get", f"/runs/{run.pk}/metrics/loss?buckets=0", tokens["read"]).status_code == 400
+    events = call(client, "get", f"/runs/{run.pk}/events?after_seq=0", tokens["read"]).json()
+    kinds = [e["kind"] for e in events]
+    assert kinds[-1] == "eval" and "command_issued" in kinds
+    last = events[-1]["seq"]
+    assert call(client, "get", f"/runs/{run.pk}/events?after_seq={last}", tokens["read"]).json() == []
+    Run.objects.filter(pk=run.pk).update(state=RunState.SUCCEEDED)
+    late = call(client, "post", f"/runs/{run.pk}/commands", tokens["write"], {"kind": "pause"})
+    assert late.status_code == 409
+
+
+def test_missing_and_bad_tokens_get_401(client, tokens):
+    assert call(client, "get", "/projects").status_code == 401
+    response = call(client, "get", "/projects", "fb_000000000000_nope")
+    assert response.status_code == 401 and response.json()["code"] == "unauthenticated"
+
+
+def test_session_writes_need_csrf(team, grpo_yaml):
+    browser = Client(enforce_csrf_checks=True)
+    browser.force_login(team.member)
+    assert browser.get("/api/v1/projects").status_code == 200
+    refused = browser.post(f"/api/v1/experiments/{team.experiment.pk}/runs",
+                           data=json.dumps({"config_yaml": grpo_yaml}), content_type="application/json")
+    assert refused.status_code == 403
+    assert Run.objects.count() == 0
+
+
+def test_config_schema_is_public_json_schema(client):
+    schema = client.get("/api/v1/config-schema").json()
+    assert schema["title"] == "RunConfig" and "trainer" in schema["properties"]
