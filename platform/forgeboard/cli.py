@@ -27,6 +27,7 @@ def _manage(*args: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Migrate, seed the demo, then run the web server and a Celery worker until interrupted."""
     _manage("migrate", "--noinput")
+    _manage("createcachetable")  # the database cache of the embedded default (no-op with Redis)
     if "channels" in _database_aliases():
         _manage("migrate", "--noinput", "--database", "channels")
     if args.demo:

@@ -149,6 +149,16 @@ else:
             "CONFIG": {"database": "channels", "expiry": 60},
         }
     }
+# The cache holds API rate-limit counters, so it must be shared by every web process.
+if REDIS_URL:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
+else:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.db.DatabaseCache", "LOCATION": "forgeboard_cache"}}
+# Tests make thousands of calls a minute from one address; the tests of the limits set their own.
+_UNLIMITED_IN_TESTS = 10**9 if FORGEBOARD_ENV == "test" else None
+API_RATE_PER_MINUTE = env.int("FORGEBOARD_API_RATE_PER_MINUTE", _UNLIMITED_IN_TESTS or 600, minimum=1)
+API_AUTH_FAILURES_PER_MINUTE = env.int("FORGEBOARD_API_AUTH_FAILURES_PER_MINUTE", _UNLIMITED_IN_TESTS or 20, minimum=1)
+
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1

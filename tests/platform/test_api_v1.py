@@ -137,3 +137,28 @@ def test_session_writes_need_csrf(team, grpo_yaml):
 def test_config_schema_is_public_json_schema(client):
     schema = client.get("/api/v1/config-schema").json()
     assert schema["title"] == "RunConfig" and "trainer" in schema["properties"]
+
+
+def test_repeated_invalid_tokens_are_rate_limited(client, tokens, settings):
+    from django.core.cache import cache
+
+    cache.clear()
+    settings.API_AUTH_FAILURES_PER_MINUTE = 5
+    codes = [call(client, "get", "/projects", f"fb_{i:012d}_wrong").status_code for i in range(8)]
+    assert codes == [401] * 5 + [429] * 3
+    limited = call(client, "get", "/projects", tokens["write"])
+    assert limited.status_code == 429 and limited.json()["code"] == "rate_limited", \
+        "even a valid token is refused from an address that keeps failing"
+    cache.clear()
+    assert call(client, "get", "/projects", tokens["write"]).status_code == 200
+
+
+def test_each_token_has_a_request_budget(client, tokens, settings):
+    from django.core.cache import cache
+
+    cache.clear()
+    settings.API_RATE_PER_MINUTE = 3
+    codes = [call(client, "get", "/projects", tokens["read"]).status_code for _ in range(5)]
+    assert codes == [200, 200, 200, 429, 429]
+    assert call(client, "get", "/projects", tokens["write"]).status_code == 200, "budgets are per token"
+    cache.clear()

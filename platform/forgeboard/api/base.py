@@ -11,6 +11,7 @@ from ninja.errors import ValidationError as NinjaValidationError
 from ninja.security import HttpBearer
 
 from forgeboard.accounts.services import api_token_authenticate
+from forgeboard.api.ratelimit import count_token_request, record_auth_failure, refuse_if_failing_too_often
 from forgeboard.errors import ServiceError
 from forgeboard.runs.tokens import run_token_authenticate
 
@@ -59,11 +60,21 @@ class RunTokenAuth(HttpBearer):
     """A run controller's token (`fbr_…`); the view checks that it belongs to the run in the path."""
 
     def authenticate(self, request: HttpRequest, token: str):  # noqa: ANN201
-        return run_token_authenticate(raw=token)
+        refuse_if_failing_too_often(request)
+        found = run_token_authenticate(raw=token)
+        if found is None:
+            record_auth_failure(request)
+        return found
 
 
 class ApiTokenAuth(HttpBearer):
-    """A project API token (`fb_…`), read-only or read-write."""
+    """A project API token (`fb_…`), read-only or read-write, limited in requests per minute."""
 
     def authenticate(self, request: HttpRequest, token: str):  # noqa: ANN201
-        return api_token_authenticate(raw=token)
+        refuse_if_failing_too_often(request)
+        found = api_token_authenticate(raw=token)
+        if found is None:
+            record_auth_failure(request)
+            return None
+        count_token_request(found.prefix)
+        return found
