@@ -95,10 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
     manage = sub.add_parser("manage", help="run a Django management command")
     manage.add_argument("rest", nargs=argparse.REMAINDER)
     manage.set_defaults(func=cmd_manage)
+    # Listed for --help; main() hands `agent ...` to workers/agent.py (Django-free) before parsing.
+    sub.add_parser("agent", help="run the node agent: register this host and report its devices", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["agent"]:  # its options are the agent's own, passed through untouched
+        from workers.agent import main as agent_main
+
+        return agent_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 
