@@ -6,27 +6,55 @@ import logging
 
 from celery import shared_task
 
-from forgeboard.errors import NotFound
 from forgeboard.logs import run_log_context
+from forgeboard.runs.models import Run
 from forgeboard.runs.services import IllegalTransition, run_transition
 from forgeboard.runs.states import RunState
 
 logger = logging.getLogger(__name__)
 
 
+def _start_scheduled() -> list[int]:
+    """Run the scheduler and hand each run it claimed (queued→launching) to its launch backend."""
+    from django.utils import timezone
+
+    from forgeboard.runs.scheduling import runs_schedule
+    from workers.launch.backends import start_run
+
+    started = runs_schedule(now=timezone.now())
+    for run_id in started:
+        with run_log_context(run_id):
+            try:
+                start_run(run_id=run_id)
+            except Exception as exc:  # one broken launch must not strand the others in launching
+                logger.exception("launch failed")
+                try:
+                    run_transition(run_id=run_id, from_state=RunState.LAUNCHING, to_state=RunState.FAILED,
+                                   reason=f"launch failed: {exc}")
+                except IllegalTransition:
+                    pass
+    return started
+
+
 @shared_task(name="runs.launch", acks_late=True)
 def launch_run(run_id: int) -> str:
-    """Claim a queued run (only one worker can) and hand it to its launch backend."""
+    """A run was queued: start what fits now (this run only if it fits; otherwise it stays queued)."""
     with run_log_context(run_id):
-        try:
-            run_transition(run_id=run_id, from_state=RunState.QUEUED, to_state=RunState.LAUNCHING)
-        except (IllegalTransition, NotFound) as exc:
-            logger.info("launch skipped: %s", exc)
-            return "skipped"
-        from workers.launch.backends import start_run
+        started = _start_scheduled()
+        if run_id in started:
+            return "launched"
+        state = Run.objects.filter(pk=run_id).values_list("state", flat=True).first()
+        if state == RunState.QUEUED:
+            logger.info("run stays queued until capacity frees up")
+            return "queued"
+        logger.info("launch skipped: run is %s", state)
+        return "skipped"
 
-        start_run(run_id=run_id)
-        return "launched"
+
+@shared_task(name="runs.schedule")
+def schedule_runs() -> list[int]:
+    """Periodic: start queued runs that fit now that other runs have ended or hosts came back."""
+    return _start_scheduled()
 
 
 @shared_task(name="runs.reconcile")
@@ -54,3 +82,19 @@ def mark_down_hosts() -> list[int]:
     for down in marked:
         logger.warning("host %s is down; active runs on it: %s", down.host.hostname, down.run_ids)
     return [run_id for down in marked for run_id in down.run_ids]
+
+
+@shared_task(name="alerts.deliver", bind=True, acks_late=True, max_retries=5)
+def deliver_alert(self, delivery_id: int) -> str:
+    """POST one webhook delivery; a failed attempt is retried after RETRY_DELAYS_S, then given up (recorded)."""
+    from forgeboard.alerts.services import RETRY_DELAYS_S, delivery_attempt
+
+    delivery = delivery_attempt(delivery_id=delivery_id)
+    if delivery.delivered_at is not None or not delivery.webhook.active:
+        return "done"
+    retries = self.request.retries
+    if retries >= min(self.max_retries, len(RETRY_DELAYS_S)):
+        logger.warning("webhook delivery %s given up after %s attempts: %s", delivery_id, delivery.attempts,
+                       delivery.last_error)
+        return "given up"
+    raise self.retry(countdown=RETRY_DELAYS_S[retries])

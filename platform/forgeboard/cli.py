@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     manage = sub.add_parser("manage", help="run a Django management command")
     manage.add_argument("rest", nargs=argparse.REMAINDER)
     manage.set_defaults(func=cmd_manage)
+    from forgeboard.ci import add_parser as add_ci_parser
+
+    add_ci_parser(sub)
     # Listed for --help; main() hands `agent ...` to workers/agent.py (Django-free) before parsing.
     sub.add_parser("agent", help="run the node agent: register this host and report its devices", add_help=False)
     return parser

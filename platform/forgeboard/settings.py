@@ -48,6 +48,8 @@ INSTALLED_APPS = [
     "forgeboard.telemetry",
     "forgeboard.cluster",
     "forgeboard.audit",
+    "forgeboard.regressions",
+    "forgeboard.alerts",
     "forgeboard.web",
 ]
 
@@ -165,7 +167,10 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 HOST_HEARTBEAT_TIMEOUT_S = env.int("FORGEBOARD_HOST_HEARTBEAT_TIMEOUT_S", 60, minimum=10)
+# Concurrent CPU-only runs (engine controllers) per host; see runs/scheduling.py.
+LOCAL_RUN_SLOTS = env.int("FORGEBOARD_LOCAL_RUN_SLOTS", 2, minimum=1)
 CELERY_BEAT_SCHEDULE = {
+    "schedule-runs": {"task": "runs.schedule", "schedule": env.int("FORGEBOARD_SCHEDULE_SECONDS", 10, minimum=1)},
     "reconcile-runs": {"task": "runs.reconcile", "schedule": env.int("FORGEBOARD_RECONCILE_SECONDS", 15, minimum=1)},
     "mark-down-hosts": {"task": "cluster.mark_down_hosts", "schedule": 30.0},
 }

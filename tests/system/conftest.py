@@ -1,1 +1,32 @@
+"""Fixtures for tests that run the real platform: web server, Celery worker and engine processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
 from tests.platform.conftest import grpo_yaml, running_run, team  # noqa: F401 - shared fixtures
+from tests.support.processes import REPO_DIR, celery_worker, free_port, web_server
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("lifecycle") / "tiny-qwen3"
+    subprocess.run([sys.executable, "-m", "workers.engine", "make-tiny-model", "--family", "qwen3", "--out", str(out)],
+                   cwd=REPO_DIR, check=True, capture_output=True, timeout=300)
+    return out
+
+
+@pytest.fixture
+def platform(tmp_path, team):  # noqa: F811 - the team fixture
+    """A web server and a worker whose engines report to it."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with web_server(tmp_path / "web.log", port=port) as web, \
+            celery_worker(tmp_path / "worker.log", FORGEBOARD_PUBLIC_URL=url):
+        yield {"port": port, "url": url, "web": web, "tmp": tmp_path}
+
+

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,49 +26,14 @@ from forgeboard.runs.reconcile import runs_reconcile
 from forgeboard.runs.services import command_create, run_cancel, run_launch
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import MetricPoint, MetricSeries, RunEvent
+from tests.support.configs import sft_yaml
 from tests.support.processes import (
-    REPO_DIR,
-    celery_worker,
-    free_port,
     start_web_server,
     stop_group,
     wait_for,
-    web_server,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=list(settings.DATABASES))]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("lifecycle") / "tiny-qwen3"
-    subprocess.run([sys.executable, "-m", "workers.engine", "make-tiny-model", "--family", "qwen3", "--out", str(out)],
-                   cwd=REPO_DIR, check=True, capture_output=True, timeout=300)
-    return out
-
-
-def sft_yaml(model: Path, *, steps: int, max_restarts: int = 0) -> str:
-    return f"""\
-recipe: sft
-model: {{family: qwen3, path: {model}}}
-data: {{source: arithmetic, max_operand: 9, eval_size: 16, seq_len: 128}}
-generator: {{max_new_tokens: 4}}
-trainer: {{steps: {steps}, batch_size: 8, micro_batch_size: 8, threads_per_process: 1}}
-eval: {{every_steps: 10, rollout_samples: 1}}
-checkpoint: {{every_steps: 10}}
-telemetry: {{console: false, flush_seconds: 0.2}}
-max_restarts: {max_restarts}
-"""
-
-
-@pytest.fixture
-def platform(tmp_path, team):
-    """A web server and a worker whose engines report to it."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with web_server(tmp_path / "web.log", port=port) as web, \
-            celery_worker(tmp_path / "worker.log", FORGEBOARD_PUBLIC_URL=url):
-        yield {"port": port, "url": url, "web": web, "tmp": tmp_path}
 
 
 def _launch(team, model: Path, **kwargs) -> Run:

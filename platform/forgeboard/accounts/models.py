@@ -33,6 +33,12 @@ class Project(models.Model):
     description = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     members = models.ManyToManyField(settings.AUTH_USER_MODEL, through="Membership", related_name="projects")
+    max_concurrent_runs = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Runs launching, running, paused or cancelling at once; empty: unlimited"
+    )
+    max_gpus = models.PositiveIntegerField(
+        null=True, blank=True, help_text="GPUs held by the project's active runs at once; empty: unlimited"
+    )
 
     class Meta:
         ordering = ["slug"]

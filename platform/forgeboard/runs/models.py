@@ -25,6 +25,9 @@ class Run(models.Model):
     config = models.ForeignKey(ConfigSnapshot, on_delete=models.PROTECT, related_name="runs")
     state = models.CharField(max_length=16, choices=RunState.choices, default=RunState.QUEUED)
     placement_plan = models.JSONField(default=dict, blank=True)
+    allocation = models.JSONField(
+        default=dict, blank=True, help_text="What the scheduler reserved while the run is active: {hostname: {gpus, slots}}"
+    )
     priority = models.SmallIntegerField(default=0)
     launched_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
     parent = models.ForeignKey(

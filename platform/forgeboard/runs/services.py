@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from forgeboard.accounts.models import Role
 from forgeboard.accounts.permissions import Actor, actor_user, require_project_role
+from forgeboard.alerts.services import alerts_for_run_state
 from forgeboard.audit.services import audit_record
 from forgeboard.errors import Conflict, NotFound, ValidationFailed, is_db_id
 from forgeboard.experiments.models import Experiment
@@ -92,6 +93,8 @@ def run_transition(
         run = Run.objects.get(pk=run_id)
         payload = {"from": from_state, "to": to_state} | ({"reason": reason} if reason else {})
         event_append(run=run, kind=EventKind.STATE_CHANGED, payload=payload)
+        if to_state in (RunState.FAILED, RunState.LOST):
+            alerts_for_run_state(run=run, state=to_state)  # deliveries are sent once this commits
     return run
 
 

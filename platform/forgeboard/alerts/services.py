@@ -1,0 +1,183 @@
+"""Alerts: webhooks a project owner registers, the deliveries that run failures and slow recoveries queue,
+and one signed POST per delivery attempt (the `alerts.deliver` Celery task retries with backoff)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import secrets
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from django.core.exceptions import ValidationError
+from django.core.validators import URLValidator
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from forgeboard.accounts.models import Project, Role
+from forgeboard.accounts.permissions import Actor, actor_user, require_project_role
+from forgeboard.alerts.models import AlertEvent, Webhook, WebhookDelivery
+from forgeboard.audit.services import audit_record
+from forgeboard.errors import ValidationFailed
+from forgeboard.runs.models import Run
+from forgeboard.runs.states import RunState
+
+SIGNATURE_HEADER = "X-Forgeboard-Signature"
+EVENT_HEADER = "X-Forgeboard-Event"
+DELIVERY_HEADER = "X-Forgeboard-Delivery"
+MAX_URL_LENGTH = 2000
+DELIVERY_TIMEOUT_S = 10.0
+MAX_ERROR_CHARS = 2000
+# Seconds before each retry of a failed delivery; after the last one the delivery is given up.
+RETRY_DELAYS_S = (10, 30, 90, 270, 810)
+
+_RUN_STATE_EVENTS = {RunState.FAILED: AlertEvent.RUN_FAILED, RunState.LOST: AlertEvent.RUN_LOST}
+
+
+def sign(*, secret: str, body: bytes) -> str:
+    """The signature header's value: `sha256=` + hex HMAC-SHA256 of the exact body bytes."""
+    return "sha256=" + hmac.new(secret.encode("utf-8"), body, hashlib.sha256).hexdigest()
+
+
+def _clean_url(url: object) -> str:
+    if not isinstance(url, str) or not url.strip():
+        raise ValidationFailed.on("url", "is required")
+    url = url.strip()
+    if len(url) > MAX_URL_LENGTH:
+        raise ValidationFailed.on("url", f"at most {MAX_URL_LENGTH} characters")
+    if urlsplit(url).scheme not in ("http", "https"):
+        raise ValidationFailed.on("url", "must be an http:// or https:// URL")
+    try:
+        URLValidator(schemes=["http", "https"])(url)
+    except ValidationError:
+        raise ValidationFailed.on("url", "is not a valid URL") from None
+    if urlsplit(url).username is not None:
+        raise ValidationFailed.on("url", "must not carry a user name or password: the signature authenticates")
+    return url
+
+
+def _clean_events(events: object) -> list[str]:
+    if isinstance(events, str) or not isinstance(events, Sequence) or not events:
+        raise ValidationFailed.on("events", f"choose one or more of {', '.join(AlertEvent.values)}")
+    unknown = [e for e in events if e not in AlertEvent.values]
+    if unknown:
+        raise ValidationFailed.on("events", f"unknown {unknown[0]!r}: choose from {', '.join(AlertEvent.values)}")
+    return sorted(set(events))
+
+
+def webhook_create(
+    *, actor: Actor, project: Project, url: str, events: Sequence[str], secret: str | None = None
+) -> Webhook:
+    """Register a webhook; without a secret one is minted. The secret is returned on the webhook, never audited."""
+    require_project_role(actor=actor, project=project, minimum=Role.OWNER, action="adding webhooks")
+    url = _clean_url(url)
+    events = _clean_events(events)
+    if secret is None:
+        secret = secrets.token_urlsafe(32)
+    elif not isinstance(secret, str) or not 16 <= len(secret) <= 128:
+        raise ValidationFailed.on("secret", "16 to 128 characters")
+    with transaction.atomic():
+        webhook = Webhook.objects.create(project=project, url=url, events=events, secret=secret,
+                                         created_by=actor_user(actor))
+        audit_record(actor=actor, action="webhook.create", target=webhook, project=project,
+                     payload={"url": url, "events": events})
+    return webhook
+
+
+def webhook_set_active(*, actor: Actor, webhook: Webhook, active: bool) -> Webhook:
+    """Pause or resume a webhook; deliveries already queued for a paused one are not sent."""
+    require_project_role(actor=actor, project=webhook.project, minimum=Role.OWNER, action="changing webhooks")
+    if not isinstance(active, bool):
+        raise ValidationFailed.on("active", "must be true or false")
+    with transaction.atomic():
+        webhook.active = active
+        webhook.save(update_fields=["active"])
+        audit_record(actor=actor, action="webhook.activate" if active else "webhook.deactivate", target=webhook,
+                     project=webhook.project)
+    return webhook
+
+
+def _enqueue_delivery(delivery_id: int) -> None:
+    from workers.celery import app  # the Celery app lives in the data plane package
+
+    app.send_task("alerts.deliver", args=[delivery_id])
+
+
+def _queue(*, project: Project, event: AlertEvent, payload: dict[str, Any]) -> list[WebhookDelivery]:
+    """A delivery for each active webhook of the project subscribed to the event, sent once committed."""
+    deliveries = []
+    with transaction.atomic():
+        for webhook in Webhook.objects.filter(project=project, active=True).order_by("pk"):
+            if event in webhook.events:
+                delivery = WebhookDelivery.objects.create(webhook=webhook, event=event, payload=payload)
+                transaction.on_commit(partial(_enqueue_delivery, delivery.pk))
+                deliveries.append(delivery)
+    return deliveries
+
+
+def _run_payload(run: Run) -> dict[str, Any]:
+    return {
+        "id": run.pk, "uid": str(run.uid), "number": run.number, "state": run.state,
+        "experiment": run.experiment.name, "project": run.experiment.project.slug,
+        "exit_reason": run.exit_reason, "restart_count": run.restart_count,
+    }
+
+
+def alerts_for_run_state(*, run: Run, state: RunState | str) -> list[WebhookDelivery]:
+    """Queue run_failed / run_lost alerts when a run enters failed or lost; other states alert no one."""
+    event = _RUN_STATE_EVENTS.get(RunState(state))
+    if event is None:
+        return []
+    return _queue(project=run.experiment.project, event=event, payload={"run": _run_payload(run) | {"state": state}})
+
+
+def alerts_for_recovery(*, run: Run, recovery_s: float, threshold_s: float) -> list[WebhookDelivery]:
+    """Queue drill_recovery_slow alerts when a fault drill's recovery took longer than its threshold."""
+    for name, value in (("recovery_s", recovery_s), ("threshold_s", threshold_s)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise ValidationFailed.on(name, "must be a finite number of seconds, 0 or more")
+    if recovery_s <= threshold_s:
+        return []
+    payload = {"run": _run_payload(run), "recovery_s": recovery_s, "threshold_s": threshold_s}
+    return _queue(project=run.experiment.project, event=AlertEvent.DRILL_RECOVERY_SLOW, payload=payload)
+
+
+def delivery_body(delivery: WebhookDelivery) -> bytes:
+    document = {"delivery": delivery.pk, "event": delivery.event, "created_at": delivery.created_at.isoformat(),
+                **delivery.payload}
+    return json.dumps(document, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def delivery_attempt(*, delivery_id: int) -> WebhookDelivery:
+    """POST the delivery once and record the attempt. A delivered one, or one whose webhook is paused, is left alone."""
+    delivery = WebhookDelivery.objects.select_related("webhook").get(pk=delivery_id)
+    if delivery.delivered_at is not None or not delivery.webhook.active:
+        return delivery
+    body = delivery_body(delivery)
+    headers = {
+        "Content-Type": "application/json",
+        "User-Agent": "Forgeboard-Webhooks/1",
+        SIGNATURE_HEADER: sign(secret=delivery.webhook.secret, body=body),
+        EVENT_HEADER: delivery.event,
+        DELIVERY_HEADER: str(delivery.pk),
+    }
+    status: int | None = None
+    try:
+        response = httpx.post(delivery.webhook.url, content=body, headers=headers, timeout=DELIVERY_TIMEOUT_S,
+                              follow_redirects=False)
+        status = response.status_code
+        error = "" if 200 <= status < 300 else f"HTTP {status}: {response.text[:500]}"
+    except httpx.HTTPError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    WebhookDelivery.objects.filter(pk=delivery.pk).update(
+        attempts=F("attempts") + 1, status_code=status, last_error=error[:MAX_ERROR_CHARS],
+        delivered_at=None if error else timezone.now(),
+    )
+    delivery.refresh_from_db()
+    return delivery

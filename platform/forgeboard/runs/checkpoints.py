@@ -1,0 +1,179 @@
+"""A run's checkpoints: listed from its run folder and from the `checkpoint_saved` events it reported,
+exported as Hugging Face folders by the engine, and used to start new runs.
+
+A checkpoint is `<run folder>/checkpoints/step_NNNNNN/trainer.pt` (+ config and tokenizer files).
+The export runs the engine's exporter in a subprocess: the control plane never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from django.db import transaction
+
+from forgeboard.accounts.models import Role
+from forgeboard.accounts.permissions import Actor, require_project_role
+from forgeboard.audit.services import audit_record
+from forgeboard.errors import NotFound, ServiceError, ValidationFailed
+from forgeboard.experiments.services import validate_run_config
+from forgeboard.runs.models import Run
+from forgeboard.runs.services import run_launch
+from forgeboard.telemetry.models import EventKind, RunEvent
+from workers.launch.local import REPO_DIR, run_dir
+
+STATE_FILE = "trainer.pt"  # workers.engine.checkpoint.STATE_FILE (importing that module imports torch)
+STEP_FOLDER = re.compile(r"^step_(\d+)$")
+EXPORT_TIMEOUT_S = 600
+ENGINE_COMMAND = (sys.executable, "-m", "workers.engine")
+MAX_STEP = 2**63 - 1
+
+
+class ExportFailed(ServiceError):
+    status = 500
+    code = "export_failed"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: str
+    size_bytes: int | None  # None: reported by the engine but not on this machine's disk (pruned, or elsewhere)
+    created_at: datetime
+
+
+def _folder_size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def _on_disk(folder: Path) -> Checkpoint | None:
+    match = STEP_FOLDER.match(folder.name)
+    state = folder / STATE_FILE
+    if match is None or not state.is_file():
+        return None
+    created = datetime.fromtimestamp(state.stat().st_mtime, tz=UTC)
+    return Checkpoint(step=int(match.group(1)), path=str(folder), size_bytes=_folder_size(folder), created_at=created)
+
+
+def checkpoints_on_disk(*, run: Run) -> list[Checkpoint]:
+    """The complete checkpoints in the run's folder on this machine, by step."""
+    folder = run_dir(run) / "checkpoints"
+    if not folder.is_dir():
+        return []
+    found = (_on_disk(child) for child in folder.iterdir() if child.is_dir())
+    return sorted((c for c in found if c is not None), key=lambda c: c.step)
+
+
+def checkpoints_reported(*, run: Run) -> list[Checkpoint]:
+    """The checkpoints the engine reported (`checkpoint_saved` events); a later report of a step wins."""
+    by_step: dict[int, Checkpoint] = {}
+    for event in RunEvent.objects.filter(run=run, kind=EventKind.CHECKPOINT_SAVED).order_by("seq"):
+        step, path = event.payload.get("step"), event.payload.get("path")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0 or not isinstance(path, str) or not path:
+            continue
+        on_disk = _on_disk(Path(path))
+        by_step[step] = Checkpoint(step=step, path=path, size_bytes=on_disk.size_bytes if on_disk else None,
+                                   created_at=event.occurred_at)
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def run_checkpoints(*, run: Run) -> list[Checkpoint]:
+    """Every checkpoint of the run, by step: those on disk, plus those only reported (size_bytes None)."""
+    by_step = {c.step: c for c in checkpoints_reported(run=run)}
+    by_step |= {c.step: c for c in checkpoints_on_disk(run=run)}
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def _clean_step(step: object) -> int:
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        raise ValidationFailed.on("step", "must be a checkpoint's step number (an integer, 0 or more)")
+    return step
+
+
+def export_folder(*, run: Run, step: int) -> Path:
+    return run_dir(run) / "exports" / f"step_{step}"
+
+
+def _is_hf_folder(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def _checkpoint_at(*, run: Run, step: int) -> Checkpoint:
+    """Only the run's own folder is exported from: a reported path is the engine's word, not a licence."""
+    for checkpoint in checkpoints_on_disk(run=run):
+        if checkpoint.step == step:
+            return checkpoint
+    raise NotFound(f"run {run.pk} has no checkpoint at step {step} in its run folder")
+
+
+def checkpoint_export(*, actor: Actor, run: Run, step: int) -> Path:
+    """Export the checkpoint at `step` as an HF folder `<run folder>/exports/step_N/` and return its path.
+
+    An export that already exists is returned as it is. The engine's exporter runs in a subprocess; a
+    failure leaves nothing behind and raises ExportFailed with the exporter's last lines.
+    """
+    require_project_role(actor=actor, project=run.experiment.project, minimum=Role.MEMBER,
+                         action="exporting checkpoints")
+    step = _clean_step(step)
+    checkpoint = _checkpoint_at(run=run, step=step)
+    out = export_folder(run=run, step=step)
+    if _is_hf_folder(out):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp_step_{step}_{secrets.token_hex(4)}"
+    env = dict(os.environ) | {"PYTHONPATH": str(REPO_DIR)}
+    try:
+        result = subprocess.run(
+            [*ENGINE_COMMAND, "export", "--checkpoint", checkpoint.path, "--out", str(tmp)],
+            cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=EXPORT_TIMEOUT_S, stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportFailed(f"exporting step {step} of run {run.pk} took over {EXPORT_TIMEOUT_S} s") from None
+    if result.returncode != 0 or not _is_hf_folder(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        tail = "\n".join(result.stderr.strip().splitlines()[-5:])
+        raise ExportFailed(f"exporting step {step} of run {run.pk} failed (exit {result.returncode}): {tail}")
+    try:
+        tmp.rename(out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _is_hf_folder(out):  # else a concurrent export of the same step finished first
+            raise
+    audit_record(actor=actor, action="checkpoint.export", target=run, project=run.experiment.project,
+                 payload={"step": step, "checkpoint": checkpoint.path, "out": str(out)})
+    return out
+
+
+def run_launch_from_checkpoint(*, actor: Actor, run: Run, step: int, overrides: Sequence[str] = ()) -> Run:
+    """A new run in the same experiment, with the parent's config starting from the weights at `step`.
+
+    The checkpoint is exported as an HF folder and becomes `model.path`; the optimizer starts afresh
+    (`checkpoint.resume_from` is cleared). `overrides` apply last. The new run's parent is `run`.
+    """
+    require_project_role(actor=actor, project=run.experiment.project, minimum=Role.MEMBER, action="launching runs")
+    step = _clean_step(step)
+    if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):
+        raise ValidationFailed.on("overrides", "must be a list of section.key=value strings")
+    snapshot = run.config
+    model_path = export_folder(run=run, step=step)
+    child_overrides = [*snapshot.overrides, f"model.path={json.dumps(str(model_path))}", "checkpoint.resume_from=",
+                       *overrides]
+    # Bad overrides are refused before the (slow) export.
+    validate_run_config(yaml_text=snapshot.yaml_text, overrides=child_overrides, recipe=run.experiment.recipe)
+    checkpoint_export(actor=actor, run=run, step=step)
+    with transaction.atomic():
+        child = run_launch(actor=actor, experiment=run.experiment, config_yaml=snapshot.yaml_text,
+                           overrides=child_overrides, priority=run.priority, parent=run)
+        audit_record(actor=actor, action="run.launch_from_checkpoint", target=child, project=run.experiment.project,
+                     payload={"parent": run.pk, "step": step, "model_path": str(model_path)})
+    return child

@@ -1,0 +1,285 @@
+"""The run queue: which queued runs start now, and which GPUs and slots they hold while active.
+
+A run's demand comes from its config's placement. A run that asks for GPUs holds healthy GPU
+devices on hosts that are up and healthy; a CPU-only run holds one of its host's
+`LOCAL_RUN_SLOTS` (its controller process). With an empty inventory (one machine, no node
+agent) the worker's own machine gives the slots. What a run holds is stored in `Run.allocation`
+when it is claimed; capacity left free is the inventory minus the allocations of active runs.
+
+Queued runs are taken by priority (higher first), then age. A run that does not fit blocks the
+runs behind it that need the same kind of resource (no starvation of big runs); a run over its
+project's quota waits without blocking others; a run that can never fit fails with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import Count, Q
+
+from forgeboard.accounts.models import Project
+from forgeboard.accounts.permissions import Actor, require_operator
+from forgeboard.audit.services import audit_record
+from forgeboard.cluster.models import DeviceKind, Health, Host, HostState
+from forgeboard.errors import ValidationFailed
+from forgeboard.runs.models import Run
+from forgeboard.runs.services import IllegalTransition, run_transition
+from forgeboard.runs.states import ACTIVE_STATES, RunState
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("trainer", "generator", "reference", "reward", "replay_buffer")
+LOCAL_HOST = "(local)"
+MAX_QUOTA = 100_000
+# Any constant shared by every scheduler: pg_advisory_xact_lock serializes them on PostgreSQL.
+# (SQLite transactions here begin IMMEDIATE, which already takes the database's write lock.)
+_SCHEDULER_LOCK_KEY = 0x46420001
+
+Allocation = dict[str, dict[str, int]]
+
+
+@dataclass(frozen=True)
+class RoleDemand:
+    role: str
+    procs: int
+    procs_per_host: int
+    gpus_per_proc: int
+    hosts: tuple[str, ...] = ()
+
+    @property
+    def gpus(self) -> int:
+        return self.procs * self.gpus_per_proc
+
+    def describe(self) -> str:
+        where = f" on {', '.join(self.hosts)}" if self.hosts else ""
+        return f"{self.role} {self.procs}×{self.gpus_per_proc} GPU, ≤{self.procs_per_host} per host{where}"
+
+
+@dataclass(frozen=True)
+class Demand:
+    roles: tuple[RoleDemand, ...]
+
+    @property
+    def processes(self) -> int:
+        return sum(role.procs for role in self.roles)
+
+    @property
+    def gpus(self) -> int:
+        return sum(role.gpus for role in self.roles)
+
+    @property
+    def resource(self) -> str:
+        """What the run competes for: "gpus" or, for a CPU-only run, "slots"."""
+        return "gpus" if self.gpus else "slots"
+
+    def describe(self) -> str:
+        return "; ".join(role.describe() for role in self.roles if role.gpus)
+
+
+def run_demand(parsed: Mapping[str, Any]) -> Demand:
+    """Processes and GPUs per role, from a validated config (a ConfigSnapshot's `parsed`)."""
+    placement = parsed.get("placement") or {}
+    trainer, generator, reference = (parsed.get(name) or {} for name in ("trainer", "generator", "reference"))
+    procs = {"trainer": trainer.get("ranks", 1)}
+    if parsed.get("recipe") == "grpo":
+        procs["generator"] = generator.get("replicas", 1)
+        procs["reference"] = reference.get("replicas", 1) if reference.get("enabled") else 0
+        procs["reward"] = 1
+        procs["replay_buffer"] = 1
+    roles = []
+    for role, count in procs.items():
+        spec = placement.get(role) or {}
+        if spec.get("colocate_with"):
+            continue  # lives in another role's processes
+        if count:
+            roles.append(RoleDemand(role=role, procs=count, procs_per_host=spec.get("procs_per_host", 1),
+                                    gpus_per_proc=spec.get("gpus_per_proc", 0), hosts=tuple(spec.get("hosts") or ())))
+    return Demand(roles=tuple(roles))
+
+
+@dataclass
+class HostRoom:
+    gpus: int
+    slots: int
+
+
+def _place(demand: Demand, room: Mapping[str, HostRoom]) -> Allocation | None:
+    """Where the demand fits in `room`, or None. Greedy best fit, biggest groups first."""
+    free = {name: HostRoom(r.gpus, r.slots) for name, r in room.items()}
+    allocation: Allocation = {}
+    if not demand.gpus:
+        pinned = [set(role.hosts) for role in demand.roles if role.hosts]
+        candidates = [name for name in sorted(free) if free[name].slots >= 1 and all(name in p for p in pinned)]
+        if not candidates:
+            return None
+        host = max(candidates, key=lambda name: free[name].slots)
+        return {host: {"gpus": 0, "slots": 1}}
+    for role in sorted((r for r in demand.roles if r.gpus), key=lambda r: -r.procs_per_host * r.gpus_per_proc):
+        groups = [role.procs_per_host] * (role.procs // role.procs_per_host)
+        if role.procs % role.procs_per_host:
+            groups.append(role.procs % role.procs_per_host)
+        used_by_role: set[str] = set()
+        for procs in groups:
+            need = procs * role.gpus_per_proc
+            candidates = [name for name in sorted(free) if free[name].gpus >= need and name not in used_by_role
+                          and (not role.hosts or name in role.hosts)]
+            if not candidates:
+                return None
+            host = min(candidates, key=lambda name: free[name].gpus)  # best fit keeps big hosts whole
+            free[host].gpus -= need
+            used_by_role.add(host)
+            held = allocation.setdefault(host, {"gpus": 0, "slots": 0})
+            held["gpus"] += need
+    return allocation
+
+
+def _inventory(*, usable_only: bool) -> dict[str, HostRoom]:
+    """Each host's GPUs and slots: usable now (up, healthy, healthy GPUs) or in the whole inventory."""
+    slots: int = settings.LOCAL_RUN_SLOTS
+    if not Host.objects.exists():
+        return {LOCAL_HOST: HostRoom(gpus=0, slots=slots)}
+    hosts = Host.objects.all()
+    gpu_filter = Q(devices__kind=DeviceKind.GPU)
+    if usable_only:
+        hosts = hosts.filter(state=HostState.UP, health=Health.HEALTHY)
+        gpu_filter &= Q(devices__health=Health.HEALTHY)
+    counted = hosts.annotate(gpus=Count("devices", filter=gpu_filter)).values_list("hostname", "gpus")
+    return {hostname: HostRoom(gpus=gpus, slots=slots) for hostname, gpus in counted}
+
+
+@dataclass
+class _Usage:
+    runs: int = 0
+    gpus: int = 0
+
+
+@dataclass
+class _Pass:
+    room: dict[str, HostRoom]
+    whole: dict[str, HostRoom]
+    usage: dict[int, _Usage] = field(default_factory=dict)
+    blocked: set[str] = field(default_factory=set)
+
+    def hold(self, *, project_id: int, allocation: Allocation) -> None:
+        used = self.usage.setdefault(project_id, _Usage())
+        used.runs += 1
+        for hostname, held in allocation.items():
+            used.gpus += held.get("gpus", 0)
+            if hostname in self.room:
+                self.room[hostname].gpus -= held.get("gpus", 0)
+                self.room[hostname].slots -= held.get("slots", 0)
+
+
+def _never_fits(*, demand: Demand, project: Project, whole: Mapping[str, HostRoom]) -> str:
+    """Why the run could not start even on an idle cluster, or "" if it could."""
+    if project.max_gpus is not None and demand.gpus > project.max_gpus:
+        return f"needs {demand.gpus} GPUs but project {project.slug!r} may hold at most {project.max_gpus}"
+    for role in demand.roles:
+        unknown = [name for name in role.hosts if name not in whole]
+        if unknown:
+            return f"placement.{role.role}.hosts names {', '.join(unknown)}: not in the cluster inventory"
+        if role.gpus and role.procs_per_host * role.gpus_per_proc > max(r.gpus for r in whole.values()):
+            return (f"placement.{role.role} puts {role.procs_per_host * role.gpus_per_proc} GPUs on one host; "
+                    f"the largest host has {max(r.gpus for r in whole.values())}")
+    if _place(demand, whole) is None and not demand.gpus:
+        return "its roles are pinned to hosts with no host in common (a CPU-only run takes one slot on one host)"
+    if _place(demand, whole) is None:
+        total = sum(r.gpus for r in whole.values())
+        return (f"needs {demand.gpus} GPUs ({demand.describe()}); the whole cluster ({len(whole)} hosts, "
+                f"{total} GPUs) cannot hold it")
+    return ""
+
+
+def _within_quota(*, project: Project, demand: Demand, used: _Usage) -> bool:
+    if project.max_concurrent_runs is not None and used.runs + 1 > project.max_concurrent_runs:
+        return False
+    return project.max_gpus is None or used.gpus + demand.gpus <= project.max_gpus
+
+
+def _lock_scheduler() -> None:
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_SCHEDULER_LOCK_KEY])
+
+
+def _fail_never_fits(*, run: Run, reason: str) -> None:
+    try:
+        run_transition(run_id=run.pk, from_state=RunState.QUEUED, to_state=RunState.LAUNCHING)
+        run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.FAILED,
+                       reason=f"cannot be scheduled: {reason}")
+    except IllegalTransition:
+        return  # cancelled meanwhile
+    logger.warning("run %s can never fit: %s", run.pk, reason, extra={"run_id": run.pk})
+
+
+def runs_schedule(*, now: datetime) -> list[int]:
+    """Claim (queued→launching) the queued runs that fit now and return their ids, to hand to launch backends.
+
+    Schedulers are serialized, so two of them never start one run twice or both spend the same capacity.
+    """
+    started: list[int] = []
+    with transaction.atomic():
+        _lock_scheduler()
+        state = _Pass(room=_inventory(usable_only=True), whole=_inventory(usable_only=False))
+        for run in Run.objects.filter(state__in=ACTIVE_STATES).select_related("experiment", "config").order_by("pk"):
+            # A run started before the scheduler kept allocations holds what it asks for, where it fits.
+            allocation = run.allocation or _place(run_demand(run.config.parsed), state.room) or {}
+            state.hold(project_id=run.experiment.project_id, allocation=allocation)
+        queue = (Run.objects.filter(state=RunState.QUEUED).select_related("config", "experiment__project")
+                 .order_by("-priority", "created_at", "pk"))
+        for run in queue:
+            demand = run_demand(run.config.parsed)
+            project = run.experiment.project
+            reason = _never_fits(demand=demand, project=project, whole=state.whole)
+            if reason:
+                _fail_never_fits(run=run, reason=reason)
+                continue
+            if demand.resource in state.blocked:
+                continue
+            if not _within_quota(project=project, demand=demand, used=state.usage.get(project.pk, _Usage())):
+                continue
+            allocation = _place(demand, state.room)
+            if allocation is None:
+                state.blocked.add(demand.resource)
+                continue
+            try:
+                run_transition(run_id=run.pk, from_state=RunState.QUEUED, to_state=RunState.LAUNCHING,
+                               allocation=allocation)
+            except IllegalTransition:
+                continue  # cancelled meanwhile
+            state.hold(project_id=project.pk, allocation=allocation)
+            started.append(run.pk)
+            waited = max(0.0, (now - run.created_at).total_seconds())
+            logger.info("run %s scheduled on %s after %.0f s", run.pk, ", ".join(allocation), waited,
+                        extra={"run_id": run.pk})
+    return started
+
+
+def _clean_quota(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_QUOTA:
+        raise ValidationFailed.on(name, f"must be empty (unlimited) or an integer from 0 to {MAX_QUOTA}")
+    return value
+
+
+def project_quota_set(*, actor: Actor, project: Project, max_concurrent_runs: int | None,
+                      max_gpus: int | None) -> Project:
+    """Set a project's quotas (None: unlimited; 0 holds its queued runs). Platform operators only."""
+    require_operator(actor=actor, action="changing project quotas")
+    runs = _clean_quota("max_concurrent_runs", max_concurrent_runs)
+    gpus = _clean_quota("max_gpus", max_gpus)
+    with transaction.atomic():
+        previous = {"max_concurrent_runs": project.max_concurrent_runs, "max_gpus": project.max_gpus}
+        project.max_concurrent_runs, project.max_gpus = runs, gpus
+        project.save(update_fields=["max_concurrent_runs", "max_gpus"])
+        audit_record(actor=actor, action="project.quota", target=project, project=project,
+                     payload={"from": previous, "to": {"max_concurrent_runs": runs, "max_gpus": gpus}})
+    return project
+

@@ -1,0 +1,175 @@
+"""A run's checkpoints: listed from its folder and events, exported as HF folders, new runs started from them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forgeboard.audit.models import AuditEvent
+from forgeboard.errors import NotFound, PermissionDenied, ValidationFailed
+from forgeboard.experiments.services import experiment_create
+from forgeboard.runs import checkpoints
+from forgeboard.runs.checkpoints import (
+    ExportFailed,
+    checkpoint_export,
+    checkpoints_reported,
+    run_checkpoints,
+    run_launch_from_checkpoint,
+)
+from forgeboard.runs.models import Run
+from forgeboard.runs.services import run_launch
+from forgeboard.telemetry.models import EventKind
+from forgeboard.telemetry.services import event_append
+from workers.launch.local import REPO_DIR, run_dir
+
+
+@pytest.fixture
+def data_dir(settings, tmp_path: Path) -> Path:
+    settings.DATA_DIR = tmp_path / "data"
+    return settings.DATA_DIR
+
+
+def _write(path: Path, size: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x" * size)
+
+
+@pytest.fixture
+def run_with_checkpoints(team, grpo_yaml, data_dir) -> Run:
+    """step 2 and 4 complete on disk; an unfinished temp folder and a folder without trainer.pt beside them."""
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml, priority=7)
+    folder = run_dir(run) / "checkpoints"
+    _write(folder / "step_000002" / "trainer.pt", 100)
+    _write(folder / "step_000002" / "config.json", 20)
+    _write(folder / "step_000004" / "trainer.pt", 300)
+    _write(folder / ".tmp_step_000006" / "trainer.pt", 5)
+    _write(folder / "step_000005" / "config.json", 5)
+    _write(folder / "notes.txt", 5)
+    event_append(run=run, kind=EventKind.CHECKPOINT_SAVED, payload={"step": 1, "path": "/elsewhere/step_000001"})
+    event_append(run=run, kind=EventKind.CHECKPOINT_SAVED, payload={"step": 4, "path": str(folder / "step_000004")})
+    event_append(run=run, kind=EventKind.CHECKPOINT_SAVED, payload={"step": "five", "path": 3})
+    return run
+
+
+def _fake_export(run: Run, step: int) -> Path:
+    out = run_dir(run) / "exports" / f"step_{step}"
+    _write(out / "config.json", 10)
+    _write(out / "model.safetensors", 10)
+    return out
+
+
+def test_checkpoints_are_listed_from_disk_and_events(run_with_checkpoints):
+    run = run_with_checkpoints
+    listed = run_checkpoints(run=run)
+    assert [(c.step, c.size_bytes) for c in listed] == [(1, None), (2, 120), (4, 300)]
+    assert listed[1].path == str(run_dir(run) / "checkpoints" / "step_000002")
+    assert listed[0].path == "/elsewhere/step_000001"  # reported, then pruned or on another machine
+    assert all(c.created_at.tzinfo is not None for c in listed)
+    assert [(c.step, c.size_bytes) for c in checkpoints_reported(run=run)] == [(1, None), (4, 300)]
+
+
+def test_export_checks_role_step_and_that_the_checkpoint_is_here(team, run_with_checkpoints):
+    run = run_with_checkpoints
+    with pytest.raises(PermissionDenied):
+        checkpoint_export(actor=team.viewer, run=run, step=2)
+    for bad in (-1, "2", True, 2.0, None):
+        with pytest.raises(ValidationFailed) as raised:
+            checkpoint_export(actor=team.member, run=run, step=bad)
+        assert raised.value.problems[0].field == "step"
+    for missing in (1, 3, 5, 6):  # 1 is only reported; 5 has no trainer.pt; 6 is unfinished
+        with pytest.raises(NotFound, match=f"no checkpoint at step {missing}"):
+            checkpoint_export(actor=team.member, run=run, step=missing)
+    assert not (run_dir(run) / "exports").exists()
+
+
+def test_an_export_that_exists_is_returned_as_it_is(team, run_with_checkpoints):
+    out = _fake_export(run_with_checkpoints, 4)
+    assert checkpoint_export(actor=team.member, run=run_with_checkpoints, step=4) == out
+
+
+FAILING_EXPORTER = """\
+import sys
+from pathlib import Path
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+out.mkdir(parents=True)
+(out / "model.safetensors").write_bytes(b"half")
+print("RuntimeError: trainer.pt is not a checkpoint", file=sys.stderr)
+sys.exit(1)
+"""
+
+
+def test_a_failed_export_leaves_nothing_behind(team, run_with_checkpoints, tmp_path, monkeypatch):
+    # The real exporter is exercised below; this one fails after writing half of its output.
+    exporter = tmp_path / "failing_exporter.py"
+    exporter.write_text(FAILING_EXPORTER)
+    monkeypatch.setattr(checkpoints, "ENGINE_COMMAND", (sys.executable, str(exporter)))
+    with pytest.raises(ExportFailed, match="step 2 of run .* failed .exit 1.: RuntimeError: trainer.pt is not a"):
+        checkpoint_export(actor=team.member, run=run_with_checkpoints, step=2)
+    assert list((run_dir(run_with_checkpoints) / "exports").iterdir()) == []
+    assert not AuditEvent.objects.filter(action="checkpoint.export").exists()
+
+
+def test_launch_from_checkpoint_makes_a_child_run(team, run_with_checkpoints):
+    parent = run_with_checkpoints
+    out = _fake_export(parent, 2)
+    with pytest.raises(PermissionDenied):
+        run_launch_from_checkpoint(actor=team.viewer, run=parent, step=2)
+    with pytest.raises(ValidationFailed) as raised:
+        run_launch_from_checkpoint(actor=team.member, run=parent, step=4, overrides=["trainer.steps=0"])
+    assert raised.value.problems[0].field == "config.trainer.steps"
+    with pytest.raises(ValidationFailed) as raised:
+        run_launch_from_checkpoint(actor=team.member, run=parent, step=2, overrides="trainer.steps=3")
+    assert raised.value.problems[0].field == "overrides"
+    assert Run.objects.count() == 1 and not (run_dir(parent) / "exports" / "step_4").exists()
+
+    child = run_launch_from_checkpoint(actor=team.member, run=parent, step=2, overrides=["trainer.steps=3"])
+    assert (child.parent, child.experiment, child.number, child.priority) == (parent, parent.experiment, 2, 7)
+    assert child.config.parsed["model"]["path"] == str(out)
+    assert child.config.parsed["checkpoint"]["resume_from"] is None
+    assert child.config.parsed["trainer"]["steps"] == 3
+    assert child.config.parsed["grpo"] == parent.config.parsed["grpo"]
+    entry = AuditEvent.objects.get(action="run.launch_from_checkpoint")
+    assert entry.payload == {"parent": parent.pk, "step": 2, "model_path": str(out)}
+
+
+def _engine(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {"PYTHONPATH": str(REPO_DIR), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "workers.engine", *args], cwd=REPO_DIR, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_a_real_engine_checkpoint_is_exported_and_a_run_starts_from_it(team, data_dir, tmp_path):
+    from safetensors.numpy import load_file
+
+    from workers.engine.config import parse_config_mapping
+    from workers.engine.preflight import preflight_errors
+
+    tiny = tmp_path / "tiny"
+    _engine("make-tiny-model", "--family", "qwen3", "--hidden-size", "32", "--out", str(tiny))
+    sft = experiment_create(actor=team.owner, project=team.project, name="sft", recipe="sft")
+    yaml_text = (f"recipe: sft\nmodel: {{family: qwen3, path: '{tiny}'}}\n"
+                 "data: {max_operand: 5, train_size: 16, eval_size: 2, seq_len: 64}\n"
+                 "trainer: {steps: 2, batch_size: 2, micro_batch_size: 2, optimizer: {lr: 0.01}}\n"
+                 "eval: {every_steps: 0}\ntelemetry: {console: false}\n")
+    parent = run_launch(actor=team.member, experiment=sft, config_yaml=yaml_text)
+    config = run_dir(parent) / "config.yaml"
+    config.parent.mkdir(parents=True)
+    config.write_text(yaml_text)
+    _engine("train", "--config", str(config), f"checkpoint.folder={run_dir(parent) / 'checkpoints'}")
+    [saved] = run_checkpoints(run=parent)
+    assert saved.step == 2 and saved.size_bytes > 0
+
+    child = run_launch_from_checkpoint(actor=team.member, run=parent, step=2)
+    exported = Path(child.config.parsed["model"]["path"])
+    assert exported == run_dir(parent) / "exports" / "step_2"
+    trained, initial = load_file(exported / "model.safetensors"), load_file(tiny / "model.safetensors")
+    assert trained.keys() == initial.keys()
+    assert any((trained[k] != initial[k]).any() for k in trained), "the export holds the untrained weights"
+    assert preflight_errors(parse_config_mapping(child.config.parsed)) == []
+    assert [p.name for p in exported.parent.iterdir()] == ["step_2"]  # no temp folder left
