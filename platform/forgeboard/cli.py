@@ -63,7 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stop()
         for proc in (web, worker):
             try:
-                proc.wait(timeout=15)
+                proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
     return web.returncode or worker.returncode or 0

@@ -111,3 +111,20 @@ def start_web_server(log_path: Path, *, port: int, ready_timeout: float = 60, **
             stop_group(process)
             raise RuntimeError(f"web server did not start:\n{log_path.read_text()[-3000:]}")
         time.sleep(0.2)
+
+
+def kill_processes_in(folder: Path) -> int:
+    """Kill every process whose working directory or command line is inside `folder` (cleanup after a test)."""
+    import psutil
+
+    killed = 0
+    for proc in psutil.process_iter(["pid", "cwd", "cmdline"]):
+        try:
+            cwd = proc.info["cwd"] or ""
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if proc.pid != os.getpid() and (cwd.startswith(str(folder)) or str(folder) in cmdline):
+                proc.kill()
+                killed += 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return killed

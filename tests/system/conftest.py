@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 
 from tests.platform.conftest import grpo_yaml, running_run, team  # noqa: F401 - shared fixtures
-from tests.support.processes import REPO_DIR, celery_worker, free_port, web_server
+from tests.support.processes import REPO_DIR, celery_worker, free_port, kill_processes_in, web_server
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +26,12 @@ def platform(tmp_path, team):  # noqa: F811 - the team fixture
     """A web server and a worker whose engines report to it."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with web_server(tmp_path / "web.log", port=port) as web, \
-            celery_worker(tmp_path / "worker.log", FORGEBOARD_PUBLIC_URL=url):
-        yield {"port": port, "url": url, "web": web, "tmp": tmp_path}
+    try:
+        with web_server(tmp_path / "web.log", port=port) as web, \
+                celery_worker(tmp_path / "worker.log", FORGEBOARD_PUBLIC_URL=url):
+            yield {"port": port, "url": url, "web": web, "tmp": tmp_path}
+    finally:
+        # Engines run detached from the worker (they outlive it by design); a test leaves none behind.
+        kill_processes_in(Path(settings.DATA_DIR) / "runs")
 
 

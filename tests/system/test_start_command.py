@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.processes import REPO_DIR, free_port, stop_group
+from tests.support.processes import REPO_DIR, free_port, kill_processes_in, stop_group
 
 START_TIMEOUT_S = 240
 
@@ -59,7 +59,8 @@ def test_fresh_clone_starts_and_serves_the_login_page(tmp_path):
         assert (clone / "var" / "forgeboard.sqlite3").exists(), "the embedded default keeps its data in var/"
         assert b"celery@" in log_path.read_bytes() or _wait_worker_ready(log_path)
     finally:
-        stop_group(process)
+        stop_group(process, timeout=45)  # serve stops its web server and worker first
+        kill_processes_in(clone)
 
 
 def _wait_worker_ready(log_path: Path, timeout: float = 60) -> bool:
