@@ -7,6 +7,7 @@ error, 3 still running when --timeout ran out.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from xml.etree import ElementTree
 
@@ -33,6 +34,9 @@ def junit_xml(result: dict) -> str:
 
 
 def run_suite(args: argparse.Namespace) -> int:
+    if not args.project:
+        print("forgeboard ci: name the project with --project or $FORGEBOARD_PROJECT", file=sys.stderr)
+        return 2
     try:
         client = ForgeboardClient(args.url, args.token) if args.url and args.token else \
             ForgeboardClient.from_environment()
@@ -62,10 +66,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ci_sub = ci.add_subparsers(dest="ci_command", required=True)
     run = ci_sub.add_parser("run", help="launch a suite and (with --wait) exit non-zero on a regression")
     run.add_argument("suite")
-    run.add_argument("--project", required=True)
+    run.add_argument("--project", default=os.environ.get("FORGEBOARD_PROJECT"),
+                     help="project slug; default: $FORGEBOARD_PROJECT")
     run.add_argument("--url", help="default: $FORGEBOARD_URL")
     run.add_argument("--token", help="default: $FORGEBOARD_TOKEN")
     run.add_argument("--wait", action="store_true")
     run.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the verdict")
     run.add_argument("--junit", help="write a JUnit XML report here")
     run.set_defaults(func=run_suite)
+
+
+def build_args(argv: list[str]) -> argparse.Namespace:
+    """Parse `ci ...` arguments on their own (tests; the main command uses add_parser)."""
+    parser = argparse.ArgumentParser(prog="forgeboard")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["ci", *argv])

@@ -69,3 +69,17 @@ def running_run(team, grpo_yaml):
     Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING)
     run.refresh_from_db()
     return run, run_token_issue(run=run)
+
+
+@pytest.fixture
+def wsgi_in_process():
+    """Calls straight through WSGI (not Django's test client): keep Django from closing the test's connection
+    after each request, as its test client does."""
+    from django.core.signals import request_finished, request_started
+    from django.db import close_old_connections
+
+    request_started.disconnect(close_old_connections)
+    request_finished.disconnect(close_old_connections)
+    yield
+    request_started.connect(close_old_connections)
+    request_finished.connect(close_old_connections)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 import schemathesis
-from django.core.signals import request_finished, request_started
-from django.db import close_old_connections
 from hypothesis import HealthCheck, settings
 
 from forgeboard.accounts.services import api_token_create
@@ -15,13 +13,8 @@ schema = schemathesis.openapi.from_wsgi("/api/v1/openapi.json", application)
 
 
 @pytest.fixture(autouse=True)
-def keep_test_connection():
-    """Calls go straight through WSGI: keep Django from closing the test's connection after each (as its client does)."""
-    request_started.disconnect(close_old_connections)
-    request_finished.disconnect(close_old_connections)
-    yield
-    request_started.connect(close_old_connections)
-    request_finished.connect(close_old_connections)
+def _in_process(wsgi_in_process):
+    pass
 
 
 @pytest.fixture

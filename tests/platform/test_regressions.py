@@ -124,3 +124,35 @@ def test_viewers_cannot_define_or_launch(team, suite, grpo_yaml):
     with pytest.raises(PermissionDenied):
         suite_launch(actor=team.viewer, suite=suite)
     assert SuiteRun.objects.count() == 0
+
+
+def test_ci_command_writes_junit_and_exits_by_verdict(team, suite, tmp_path, monkeypatch, wsgi_in_process):
+    """`forgeboard ci run` against the API (in process): exit 0 on a pass, 1 on a regression, JUnit either way."""
+    import httpx
+    from xml.etree import ElementTree
+
+    from forgeboard import ci, client
+    from forgeboard.accounts.services import api_token_create
+    from forgeboard.wsgi import application
+
+    _, token = api_token_create(actor=team.member, project=team.project, name="ci", scope="write")
+    transport = httpx.WSGITransport(app=application)
+    monkeypatch.setattr(client.ForgeboardClient, "wait_suite_run", lambda self, i, timeout_s: _finish_and_read(self, i))
+    original = client.ForgeboardClient.__init__
+    monkeypatch.setattr(client.ForgeboardClient, "__init__",
+                        lambda self, url, tok, **kw: original(self, url, tok, transport=transport))
+    rewards = iter([0.5, 0.5, 0.2])
+
+    def _finish_and_read(self, suite_run_id):
+        finish(SuiteRun.objects.get(pk=suite_run_id), reward=next(rewards))
+        return self.suite_run(suite_run_id)
+
+    codes = []
+    for i in range(3):
+        args = ci.build_args(["run", "smoke", "--project", "alpha", "--url", "http://testserver", "--token", token,
+                              "--wait", "--junit", str(tmp_path / f"{i}.xml")])
+        codes.append(ci.run_suite(args))
+    assert codes == [0, 0, 1]
+    failed = ElementTree.parse(tmp_path / "2.xml").getroot()
+    assert [c.get("name") for c in failed.iter("testcase") if c.find("failure") is not None] == ["reward"]
+    assert ci.run_suite(ci.build_args(["run", "smoke", "--url", "http://testserver", "--token", token])) == 2
