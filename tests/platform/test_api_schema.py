@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import schemathesis
+from schemathesis.specs.openapi.checks import positive_data_acceptance
 from hypothesis import HealthCheck, settings
 
 from forgeboard.accounts.services import api_token_create
@@ -31,10 +32,13 @@ def controller_bearer(running_run) -> dict[str, str]:
 @schema.exclude(path_regex="^/api/v1/controller/").parametrize()
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 def test_public_api(case, bearer):
-    case.call_and_validate(headers=bearer)
+    # Configs are validated beyond what a JSON Schema can say (YAML inside a string): a schema-valid body
+    # may rightly get 400, so the "positive data is accepted" check does not apply; every other check does.
+    case.call_and_validate(headers=bearer, excluded_checks=[positive_data_acceptance])
 
 
 @schema.include(path_regex="^/api/v1/controller/").parametrize()
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 def test_controller_api(case, controller_bearer):
-    case.call_and_validate(headers=controller_bearer)
+    # A schema-valid batch can still be out of sequence (409) or for another run (403).
+    case.call_and_validate(headers=controller_bearer, excluded_checks=[positive_data_acceptance])
