@@ -100,9 +100,54 @@ def _store_metrics(*, run_id: int, metrics: Sequence[WireMetric]) -> int:
     by_series: dict[int, list[WireMetric]] = {}
     for (sid, _), metric in unique.items():
         by_series.setdefault(sid, []).append(metric)
-    for sid, points in by_series.items():
-        _update_summary(series_id=sid, points=points, inserted=inserted[sid])
+    summaries = [_batch_summary(series_id=sid, points=points, inserted=inserted[sid])
+                 for sid, points in by_series.items()]
+    if connection.vendor == "postgresql":
+        _update_summaries_postgres(summaries)
+    else:
+        for summary in summaries:
+            _update_summary(summary)
     return sum(inserted.values())
+
+
+@dataclass(frozen=True)
+class _Summary:
+    series_id: int
+    inserted: int
+    first_step: int
+    last_step: int
+    last_value: float
+    min_value: float | None
+    max_value: float | None
+
+
+def _batch_summary(*, series_id: int, points: list[WireMetric], inserted: int) -> _Summary:
+    latest = max(points, key=lambda p: p.step)
+    finite = [p.value for p in points if math.isfinite(p.value)]
+    return _Summary(series_id=series_id, inserted=inserted, first_step=min(p.step for p in points),
+                    last_step=latest.step, last_value=latest.value, min_value=min(finite, default=None),
+                    max_value=max(finite, default=None))
+
+
+def _update_summaries_postgres(summaries: list[_Summary]) -> None:
+    """One UPDATE for every series of the batch (LEAST/GREATEST skip NULLs)."""
+    table = MetricSeries._meta.db_table
+    values = ", ".join(["(%s::bigint, %s::bigint, %s::bigint, %s::bigint, %s::float8, %s::float8, %s::float8)"]
+                       * len(summaries))
+    params = [x for s in summaries for x in (s.series_id, s.inserted, s.first_step, s.last_step, s.last_value,
+                                             s.min_value, s.max_value)]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {table} AS s SET point_count = s.point_count + v.inserted, "
+            "first_step = LEAST(s.first_step, v.first_step), "
+            "last_step = GREATEST(s.last_step, v.last_step), "
+            "last_value = CASE WHEN s.last_step IS NULL OR v.last_step >= s.last_step "
+            "THEN v.last_value ELSE s.last_value END, "
+            "min_value = LEAST(s.min_value, v.min_value), max_value = GREATEST(s.max_value, v.max_value) "
+            f"FROM (VALUES {values}) AS v(id, inserted, first_step, last_step, last_value, min_value, max_value) "
+            "WHERE s.id = v.id",
+            params,
+        )
 
 
 def _insert_points_postgres(rows: list[tuple[int, int, float, float]]) -> Counter:
@@ -143,18 +188,14 @@ def _insert_points_generic(rows: list[tuple[int, int, float, float]]) -> Counter
     return Counter(r[0] for r in fresh)
 
 
-def _update_summary(*, series_id: int, points: list[WireMetric], inserted: int) -> None:
-    series = MetricSeries.objects.select_for_update().get(pk=series_id)
-    latest = max(points, key=lambda p: p.step)
-    finite = [p.value for p in points if math.isfinite(p.value)]
-    series.point_count += inserted
-    steps = [p.step for p in points]
-    series.first_step = min(steps + ([series.first_step] if series.first_step is not None else []))
-    if series.last_step is None or latest.step >= series.last_step:
-        series.last_step, series.last_value = latest.step, latest.value
-    if finite:
-        series.min_value = min(finite + ([series.min_value] if series.min_value is not None else []))
-        series.max_value = max(finite + ([series.max_value] if series.max_value is not None else []))
+def _update_summary(summary: _Summary) -> None:
+    series = MetricSeries.objects.select_for_update().get(pk=summary.series_id)
+    series.point_count += summary.inserted
+    series.first_step = min(x for x in (series.first_step, summary.first_step) if x is not None)
+    if series.last_step is None or summary.last_step >= series.last_step:
+        series.last_step, series.last_value = summary.last_step, summary.last_value
+    series.min_value = min((x for x in (series.min_value, summary.min_value) if x is not None), default=None)
+    series.max_value = max((x for x in (series.max_value, summary.max_value) if x is not None), default=None)
     series.save()
 
 
@@ -166,7 +207,7 @@ def wire_number(value: float | None) -> float | None:
 def _wire_update(*, run: Run, batch: TelemetryBatch, events: list[RunEvent]) -> dict:
     """What subscribers get: every event, and at most a few points per metric key (the database has all)."""
     by_key: dict[str, list[list[float]]] = {}
-    for metric in sorted(batch.metrics, key=lambda m: m.step):
+    for metric in batch.metrics:  # the engine reports in step order
         by_key.setdefault(metric.key, []).append([metric.step, wire_number(metric.value)])
     for key, points in by_key.items():
         if len(points) > WIRE_POINTS_PER_KEY:
