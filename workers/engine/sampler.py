@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from workers.engine.models.attention import KVCache
+from workers.engine.models.kv_cache import KVCache
 
 
 @dataclass(frozen=True)

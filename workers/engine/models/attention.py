@@ -19,32 +19,9 @@ import torch
 import torch.nn.functional as F
 from torchtitan.protocols.module import Module
 
+from workers.engine.models.kv_cache import KVCache
 
-class KVCache:
-    """Per-layer key/value buffers for batched decoding, preallocated on first use."""
-
-    def __init__(self, max_len: int):
-        self.max_len = max_len
-        self.length = 0  # positions already written by previous forwards
-        self.mask: torch.Tensor | None = None  # [B, 1, Lq, length + Lq], set before each forward
-        self._keys: dict[int, torch.Tensor] = {}
-        self._values: dict[int, torch.Tensor] = {}
-
-    def append(self, layer: object, k_BNLH: torch.Tensor, v_BNLH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        key = id(layer)  # one buffer pair per attention module
-        if key not in self._keys:
-            b, n, _, h = k_BNLH.shape
-            self._keys[key] = k_BNLH.new_zeros(b, n, self.max_len, h)
-            self._values[key] = v_BNLH.new_zeros(b, n, self.max_len, v_BNLH.shape[-1])
-        end = self.length + k_BNLH.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KV cache of {self.max_len} positions is full")
-        self._keys[key][:, :, self.length:end] = k_BNLH
-        self._values[key][:, :, self.length:end] = v_BNLH
-        return self._keys[key][:, :, :end], self._values[key][:, :, :end]
-
-    def advance(self, n: int) -> None:
-        self.length += n
+__all__ = ["EngineAttention", "KVCache", "document_causal_mask"]
 
 
 class EngineAttention(Module):
