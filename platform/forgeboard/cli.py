@@ -31,8 +31,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if "channels" in _database_aliases():
         _manage("migrate", "--noinput", "--database", "channels")
     if args.demo:
-        _manage("seed_demo")
+        _manage("seed_demo", "--launch")
     env = _django_env()
+    env.setdefault("FORGEBOARD_PUBLIC_URL", f"http://{args.host}:{args.port}")  # where engines report
     worker = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "workers.celery", "worker", "--loglevel", "info",
          "--concurrency", str(args.worker_concurrency), "--queues", "default,launch", "--beat"],

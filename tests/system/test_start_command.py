@@ -14,6 +14,7 @@ import pytest
 from tests.support.processes import REPO_DIR, free_port, kill_processes_in, stop_group
 
 START_TIMEOUT_S = 240
+DEMO_RUN_TIMEOUT_S = 300
 
 
 def _readme_start_command() -> str:
@@ -24,6 +25,7 @@ def _readme_start_command() -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(START_TIMEOUT_S + DEMO_RUN_TIMEOUT_S + 120)
 def test_fresh_clone_starts_and_serves_the_login_page(tmp_path):
     clone = tmp_path / "forgeboard"
     subprocess.run(["git", "clone", "--quiet", str(REPO_DIR), str(clone)], check=True, timeout=120)
@@ -57,6 +59,15 @@ def test_fresh_clone_starts_and_serves_the_login_page(tmp_path):
                                            "csrfmiddlewaretoken": csrf})
         assert home.status_code == 200 and "Demo project" in home.text, home.text[:2000]
         assert (clone / "var" / "forgeboard.sqlite3").exists(), "the embedded default keeps its data in var/"
+        # The start command also queued the CPU demo run: the worker launches it and the engine trains it.
+        deadline = time.monotonic() + DEMO_RUN_TIMEOUT_S
+        page = ""
+        while time.monotonic() < deadline:
+            page = login.get("/p/demo/").text
+            if "state-succeeded" in page or "state-failed" in page:
+                break
+            time.sleep(2)
+        assert "arithmetic-sft #1" in page and "state-succeeded" in page, log_path.read_text()[-4000:]
         assert b"celery@" in log_path.read_bytes() or _wait_worker_ready(log_path)
     finally:
         stop_group(process, timeout=45)  # serve stops its web server and worker first

@@ -1,9 +1,18 @@
-"""Create the demo login, project and experiments (idempotent)."""
+"""Create the demo login, project and experiments (idempotent); with --launch, the CPU demo run too."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
+from django.conf import settings
 from django.core.management.base import BaseCommand
 from django.db import transaction
+
+from forgeboard.runs.models import Run
+from forgeboard.runs.services import run_launch
+from forgeboard.runs.states import ACTIVE_STATES, RunState
 
 from forgeboard.accounts.models import Project, User
 from forgeboard.accounts.services import project_create
@@ -17,9 +26,16 @@ class Command(BaseCommand):
     def add_arguments(self, parser) -> None:
         parser.add_argument("--username", default="demo")
         parser.add_argument("--password", default="forgeboard-demo")
+        parser.add_argument("--launch", action="store_true",
+                            help="build the tiny demo model if needed and queue the CPU demo SFT run")
+
+    def handle(self, *args, username: str, password: str, launch: bool, **options) -> None:
+        user = self._seed(username=username, password=password)
+        if launch:
+            self._launch_demo(user=user)
 
     @transaction.atomic
-    def handle(self, *args, username: str, password: str, **options) -> None:
+    def _seed(self, *, username: str, password: str) -> User:
         user = User.objects.filter(username=username).first()
         if user is None:
             user = User.objects.create_user(username=username, password=password, is_operator=True)
@@ -31,3 +47,19 @@ class Command(BaseCommand):
             if not Experiment.objects.filter(project=project, name=name).exists():
                 experiment_create(actor=user, project=project, name=name, recipe=recipe, tags=["demo", "cpu"])
         self.stdout.write(f"demo project ready: log in as {username!r}")
+        return user
+
+    def _launch_demo(self, *, user: User) -> None:
+        """Queue the CPU demo SFT run unless one is already queued or running."""
+        experiment = Experiment.objects.get(project__slug="demo", name="arithmetic-sft")
+        if Run.objects.filter(experiment=experiment, state__in=[RunState.QUEUED, *ACTIVE_STATES]).exists():
+            self.stdout.write("the demo run is already queued or running")
+            return
+        model = Path(settings.DATA_DIR) / "models" / "tiny-qwen3"
+        if not (model / "config.json").exists():
+            self.stdout.write(f"building the tiny demo model in {model}")
+            subprocess.run([sys.executable, "-m", "workers.engine", "make-tiny-model", "--family", "qwen3",
+                            "--out", str(model)], check=True, cwd=settings.REPO_DIR)
+        config = (settings.REPO_DIR / "examples" / "configs" / "cpu_demo_sft.yaml").read_text(encoding="utf-8")
+        run = run_launch(actor=user, experiment=experiment, config_yaml=config, overrides=[f"model.path={model}"])
+        self.stdout.write(f"queued the CPU demo run: {experiment.name} #{run.number}")
