@@ -58,3 +58,15 @@ MAX_DB_ID = 2**63 - 1
 def is_db_id(value: int) -> bool:
     """Whether an id from a URL can name a row at all (larger ones would overflow the database's bigint)."""
     return isinstance(value, int) and 0 < value <= MAX_DB_ID
+
+
+def clean_text(*, field: str, value: object, max_length: int, required: bool = True) -> str:
+    """Stripped text within a length, or ValidationFailed naming the field (names, descriptions)."""
+    if not isinstance(value, str):
+        raise ValidationFailed.on(field, "must be text")
+    cleaned = value.strip()
+    if required and not cleaned:
+        raise ValidationFailed.on(field, "must not be empty")
+    if len(cleaned) > max_length:
+        raise ValidationFailed.on(field, f"must be at most {max_length} characters, got {len(cleaned)}")
+    return cleaned

@@ -112,3 +112,24 @@ def test_records_of_a_killed_controller_are_sent_by_the_next_one(live_server, ru
     up = ControlPlaneTarget(url=live_server.url, run_id=run.pk, token=token)
     assert ControlPlaneSink(up, spool_dir=tmp_path / "spool", flush_seconds=0.05).close(timeout_s=30) is True
     assert MetricPoint.objects.filter(series__run=run).count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_spool_ahead_of_the_control_plane_is_renumbered_not_lost(live_server, running_run, tmp_path):
+    """The control plane expects batch 1 but the spool starts at 3 (its earlier batches went elsewhere)."""
+    import json
+
+    run, token = running_run
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    for seq in (3, 4):
+        batch = {"seq": seq, "metrics": [{"key": "loss", "step": seq, "value": 0.5, "time": 1.0}],
+                 "events": [], "logs": []}
+        (spool / f"batch-{seq:012d}.json").write_text(json.dumps(batch))
+    (spool / "last_seq").write_text("4")
+    up = ControlPlaneTarget(url=live_server.url, run_id=run.pk, token=token)
+    assert ControlPlaneSink(up, spool_dir=spool, flush_seconds=0.05).close(timeout_s=30) is True
+    steps = sorted(MetricPoint.objects.filter(series__run=run).values_list("step", flat=True))
+    assert steps == [3, 4]
+    run.refresh_from_db()
+    assert run.telemetry_seq == 2

@@ -116,6 +116,14 @@ def test_bad_suites_are_refused_with_the_field(team, grpo_yaml, mutate, field):
     assert Suite.objects.count() == 0
 
 
+@pytest.mark.parametrize("name", ["", "   ", "x" * 101, 7])
+def test_bad_suite_names_are_refused(team, grpo_yaml, name):
+    with pytest.raises(ValidationFailed) as caught:
+        suite_create(actor=team.member, project=team.project, name=name, spec=spec_for(team.experiment, grpo_yaml))
+    assert caught.value.problems[0].field == "name"
+    assert Suite.objects.count() == 0
+
+
 def test_viewers_cannot_define_or_launch(team, suite, grpo_yaml):
     from forgeboard.errors import PermissionDenied
 

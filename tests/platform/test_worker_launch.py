@@ -35,3 +35,17 @@ def test_worker_claims_launches_and_records_a_failing_engine(team, tmp_path):
     assert run.pid and run.host and run.log_path.endswith("engine.log")
     path = [e.payload["to"] for e in RunEvent.objects.filter(run=run, kind="state_changed").order_by("seq")]
     assert path == ["queued", "launching", "running", "failed"]
+
+
+@pytest.mark.parametrize("backend", ["monarch", "slurm", "kubernetes"])
+def test_a_backend_this_worker_lacks_fails_the_run_with_the_reason(team, backend):
+    from forgeboard.runs.services import run_transition
+    from workers.launch.backends import start_run
+
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=MISSING_MODEL_YAML)
+    Run.objects.filter(pk=run.pk).update(backend=backend)
+    run_transition(run_id=run.pk, from_state=RunState.QUEUED, to_state=RunState.LAUNCHING)
+    start_run(run_id=run.pk)
+    run.refresh_from_db()
+    assert run.state == RunState.FAILED
+    assert run.exit_reason == f"launch backend {backend!r} is not configured on this worker"

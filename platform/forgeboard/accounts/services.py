@@ -12,20 +12,9 @@ from forgeboard.accounts.models import ApiToken, Membership, Project, Role, Toke
 from forgeboard.accounts.permissions import Actor, require_project_role
 from forgeboard.audit.services import audit_record
 from forgeboard.bearer import mint_token, token_matches, token_prefix
-from forgeboard.errors import Conflict, PermissionDenied, ValidationFailed
+from forgeboard.errors import Conflict, PermissionDenied, ValidationFailed, clean_text
 
 TOKEN_LAST_USED_RESOLUTION = timedelta(minutes=1)
-
-
-def _clean_text(*, field: str, value: str, max_length: int, required: bool = True) -> str:
-    if not isinstance(value, str):
-        raise ValidationFailed.on(field, "must be text")
-    cleaned = value.strip()
-    if required and not cleaned:
-        raise ValidationFailed.on(field, "must not be empty")
-    if len(cleaned) > max_length:
-        raise ValidationFailed.on(field, f"must be at most {max_length} characters, got {len(cleaned)}")
-    return cleaned
 
 
 def project_create(*, actor: User, slug: str, name: str, description: str = "") -> Project:
@@ -35,8 +24,8 @@ def project_create(*, actor: User, slug: str, name: str, description: str = "") 
         slug_validator(slug)
     except DjangoValidationError:
         raise ValidationFailed.on("slug", "use lowercase letters, digits and dashes, 1-63 characters") from None
-    name = _clean_text(field="name", value=name, max_length=200)
-    description = _clean_text(field="description", value=description, max_length=10_000, required=False)
+    name = clean_text(field="name", value=name, max_length=200)
+    description = clean_text(field="description", value=description, max_length=10_000, required=False)
     try:
         with transaction.atomic():
             project = Project.objects.create(slug=slug, name=name, description=description)
@@ -93,7 +82,7 @@ def api_token_create(
 ) -> tuple[ApiToken, str]:
     """Create a token; the plaintext is returned once and never stored."""
     require_project_role(actor=actor, project=project, minimum=Role.MEMBER, action="creating API tokens")
-    name = _clean_text(field="name", value=name, max_length=100)
+    name = clean_text(field="name", value=name, max_length=100)
     if scope not in TokenScope.values:
         raise ValidationFailed.on("scope", f"unknown scope {scope!r}: choose read or write")
     if expires_at is not None and expires_at <= timezone.now():

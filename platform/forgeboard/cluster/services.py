@@ -21,7 +21,7 @@ from forgeboard.audit.services import audit_record
 from forgeboard.bearer import mint_token, token_matches, token_prefix
 from forgeboard.cluster.models import AgentToken, Device, DeviceKind, Health, Host, HostState
 from forgeboard.cluster.selectors import active_run_ids_on_host
-from forgeboard.errors import Conflict, NotFound, PermissionDenied, ValidationFailed
+from forgeboard.errors import Conflict, NotFound, PermissionDenied, ValidationFailed, clean_text
 
 InventoryActor: TypeAlias = Actor | AgentToken
 
@@ -234,11 +234,7 @@ def hosts_mark_down(*, now: datetime, timeout_s: float) -> list[HostDown]:
 def agent_token_create(*, actor: User, name: str) -> tuple[AgentToken, str]:
     """Create a node agent token; the plaintext is returned once and never stored."""
     require_operator(actor=actor, action="creating agent tokens")
-    if not isinstance(name, str) or not name.strip():
-        raise ValidationFailed.on("name", "must not be empty")
-    name = name.strip()
-    if len(name) > 100:
-        raise ValidationFailed.on("name", f"must be at most 100 characters, got {len(name)}")
+    name = clean_text(field="name", value=name, max_length=100)
     minted = mint_token("fba")
     prefix, raw = minted.prefix, minted.raw
     try:

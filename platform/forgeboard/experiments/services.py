@@ -11,22 +11,13 @@ from django.db import IntegrityError, transaction
 from forgeboard.accounts.models import Project, Role
 from forgeboard.accounts.permissions import Actor, actor_user, require_project_role
 from forgeboard.audit.services import audit_record
-from forgeboard.errors import FieldProblem, ValidationFailed
+from forgeboard.errors import FieldProblem, ValidationFailed, clean_text
 from forgeboard.experiments.models import ConfigSnapshot, Experiment, Recipe
 from workers.engine.config import ConfigError, RunConfig, load_config
 
 MAX_TAGS = 20
 MAX_TAG_LENGTH = 50
 MAX_OVERRIDES = 100
-
-
-def _clean_name(name: str) -> str:
-    if not isinstance(name, str) or not name.strip():
-        raise ValidationFailed.on("name", "must not be empty")
-    name = name.strip()
-    if len(name) > 200:
-        raise ValidationFailed.on("name", f"must be at most 200 characters, got {len(name)}")
-    return name
 
 
 def _clean_recipe(recipe: str) -> Recipe:
@@ -51,9 +42,8 @@ def experiment_create(
     *, actor: Actor, project: Project, name: str, recipe: str, description: str = "", tags: Sequence[str] = ()
 ) -> Experiment:
     require_project_role(actor=actor, project=project, minimum=Role.MEMBER, action="creating experiments")
-    name, recipe, tags = _clean_name(name), _clean_recipe(recipe), _clean_tags(tags)
-    if not isinstance(description, str) or len(description) > 10_000:
-        raise ValidationFailed.on("description", "must be text of at most 10000 characters")
+    name, recipe, tags = clean_text(field="name", value=name, max_length=200), _clean_recipe(recipe), _clean_tags(tags)
+    description = clean_text(field="description", value=description, max_length=10_000, required=False)
     try:
         with transaction.atomic():
             experiment = Experiment.objects.create(
@@ -73,9 +63,8 @@ def experiment_update(
     require_project_role(actor=actor, project=experiment.project, minimum=Role.MEMBER, action="editing experiments")
     changes: dict[str, object] = {}
     if description is not None:
-        if not isinstance(description, str) or len(description) > 10_000:
-            raise ValidationFailed.on("description", "must be text of at most 10000 characters")
-        changes["description"] = description
+        changes["description"] = clean_text(field="description", value=description, max_length=10_000,
+                                            required=False)
     if tags is not None:
         changes["tags"] = _clean_tags(tags)
     for field, value in changes.items():

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from forgeboard.accounts.models import Project, Role
 from forgeboard.accounts.permissions import Actor, actor_user, require_project_role
 from forgeboard.audit.services import audit_record
-from forgeboard.errors import FieldProblem, ValidationFailed
+from forgeboard.errors import FieldProblem, ValidationFailed, clean_text
 from forgeboard.experiments.models import Experiment
 from forgeboard.experiments.services import validate_run_config
 from forgeboard.regressions.models import CheckResult, StageResult, Suite, SuiteRun, Verdict
@@ -54,13 +54,12 @@ def _check_stages(*, project: Project, spec: SuiteSpec) -> None:
 
 def suite_create(*, actor: Actor, project: Project, name: str, spec: Any, description: str = "") -> Suite:
     require_project_role(actor=actor, project=project, minimum=Role.MEMBER, action="defining regression suites")
-    if not isinstance(name, str) or not name.strip() or len(name) > 100:
-        raise ValidationFailed.on("name", "must be 1-100 characters")
+    name = clean_text(field="name", value=name, max_length=100)
     parsed = _parse_spec(spec)
     _check_stages(project=project, spec=parsed)
     try:
         with transaction.atomic():
-            suite = Suite.objects.create(project=project, name=name.strip(), description=description,
+            suite = Suite.objects.create(project=project, name=name, description=description,
                                          spec=parsed.model_dump(mode="json"), created_by=actor_user(actor))
             audit_record(actor=actor, action="suite.create", target=suite, project=project, payload={"name": name})
     except IntegrityError:

@@ -14,7 +14,7 @@ from django.db import transaction
 from django.db.models import F, Q
 
 from forgeboard.runs.models import Run
-from forgeboard.runs.services import IllegalTransition, _enqueue_launch, run_transition
+from forgeboard.runs.services import IllegalTransition, run_enqueue_launch, run_transition
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append
@@ -78,7 +78,7 @@ def _restart_or_fail(*, run: Run) -> bool:
             event_append(run=run, kind=EventKind.RESTARTED,
                          payload={"restart": run.restart_count + 1, "of": run.max_restarts,
                                   "after": run.exit_reason})
-            transaction.on_commit(lambda: _enqueue_launch(run.pk))
+            transaction.on_commit(lambda: run_enqueue_launch(run.pk))
         return True
     except IllegalTransition:
         return False

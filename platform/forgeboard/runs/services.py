@@ -32,7 +32,8 @@ class IllegalTransition(Conflict):
     code = "illegal_transition"
 
 
-def _enqueue_launch(run_id: int) -> None:
+def run_enqueue_launch(run_id: int) -> None:
+    """Ask a worker to start the run (call it on commit)."""
     from workers.celery import app  # the Celery app lives in the data plane package
 
     app.send_task("runs.launch", args=[run_id])
@@ -64,7 +65,7 @@ def run_launch(
         event_append(run=run, kind=EventKind.STATE_CHANGED, payload={"from": None, "to": RunState.QUEUED})
         audit_record(actor=actor, action="run.launch", target=run, project=experiment.project,
                      payload={"config": snapshot.content_hash, "overrides": list(overrides)})
-        transaction.on_commit(lambda: _enqueue_launch(run.pk))
+        transaction.on_commit(lambda: run_enqueue_launch(run.pk))
     logger.info("run %s queued", run.pk, extra={"run_id": run.pk})
     return run
 
