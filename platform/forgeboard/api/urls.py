@@ -1,4 +1,5 @@
 from forgeboard.api.base import api
+from forgeboard.api.configs import router as configs_router
 from forgeboard.api.controller import router as controller_router
 from forgeboard.api.public import router as public_router
 from forgeboard.api.regressions import router as regressions_router
@@ -6,4 +7,5 @@ from forgeboard.api.regressions import router as regressions_router
 api.add_router("/", controller_router)
 api.add_router("/", public_router)
 api.add_router("/", regressions_router)
+api.add_router("/", configs_router)
 urlpatterns = api.urls
