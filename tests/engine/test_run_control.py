@@ -88,3 +88,22 @@ def test_polling_is_rate_limited():
     channel.push("checkpoint")
     assert control.between_steps(step=2, checkpoint=lambda: Path("/x")) is True
     assert channel.queue == [("checkpoint", {})], "not polled again within poll_seconds"
+
+
+def test_operations_reach_the_recipes_operator_parsed_and_bad_ones_fail_by_field():
+    from workers.engine.operations import FaultDrillRequest
+
+    channel = FakeChannel()
+    control = _control(channel)
+    seen = []
+    control.operator = lambda kind, op: (seen.append((kind, op)), {"ok": True})[1]
+    channel.push("fault_drill", {"kind": "kill", "role": "generator", "replica": 1})
+    channel.push("fault_drill", {"kind": "latency", "role": "generator"})
+    channel.push("load_redirect", {"action": "drain", "host": "a", "extra": 1})
+    channel.push("reboot")
+    assert control.between_steps(step=2, checkpoint=lambda: Path("/x")) is True
+    assert seen == [("fault_drill", FaultDrillRequest(kind="kill", role="generator", replica=1))]
+    assert channel.outcomes == [("fault_drill", {"ok": True}),
+                                ("fault_drill", "latency_ms: required for kind 'latency'"),
+                                ("load_redirect", "extra: unknown key"),
+                                ("reboot", "unknown command 'reboot'")]

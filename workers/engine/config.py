@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
+from workers.engine.fields import ConfigError, FieldError, StrictModel, field_errors
+from workers.engine.operations import FaultDrillRequest
 from workers.engine.yaml_safe import MAX_CONFIG_BYTES, YamlProblem, load_yaml_mapping
+
+__all__ = ["ConfigError", "FieldError", "RunConfig", "load_config", "load_config_file", "parse_config_mapping"]
 
 
 class Recipe(StrEnum):
@@ -24,8 +27,7 @@ class Recipe(StrEnum):
     SFT = "sft"
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=True)
+_Section = StrictModel
 
 
 PositiveInt = Annotated[int, Field(ge=1, le=2**31 - 1)]
@@ -138,6 +140,16 @@ class PlacementConfig(_Section):
     replay_buffer: RolePlacement = RolePlacement()
 
 
+class FailoverConfig(_Section):
+    call_timeout_s: Annotated[float, Field(gt=0.0, le=86_400.0)] = Field(
+        default=300.0, description="a generator, reference or reward call, or a train step, not answered in this long counts as hung")
+    poll_seconds: Annotated[float, Field(gt=0.0, le=60.0)] = Field(default=1.0, description="how often waits check for failures and drills")
+    max_retries: NonNegativeInt = Field(default=3, description="retries of one request on a healthy replica before the run fails")
+    retry_backoff_s: Annotated[float, Field(ge=0.0, le=600.0)] = Field(default=0.2, description="wait before a retry; doubles each time")
+    max_replacements: NonNegativeInt = Field(
+        default=3, description="replacement procs per role (generator, reference, reward) before the run fails; trainer: trainer.recover_failures")
+
+
 class CheckpointConfig(_Section):
     folder: str = Field(default="checkpoints", description="where step_NNNNNN checkpoint folders are written")
     every_steps: NonNegativeInt = Field(default=0, description="0: only at the end")
@@ -167,27 +179,15 @@ class RunConfig(_Section):
     reward: RewardConfig = RewardConfig()
     replay_buffer: ReplayBufferConfig = ReplayBufferConfig()
     placement: PlacementConfig = PlacementConfig()
+    failover: FailoverConfig = FailoverConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     max_restarts: NonNegativeInt = 0
-
-
-@dataclass(frozen=True)
-class FieldError:
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}" if self.field else self.message
-
-
-class ConfigError(Exception):
-    """A config that cannot be used; `errors` names each field and why."""
-
-    def __init__(self, errors: Sequence[FieldError]):
-        self.errors = list(errors)
-        super().__init__("; ".join(str(e) for e in self.errors))
+    drills: list[FaultDrillRequest] = Field(
+        default_factory=list, max_length=64,
+        description="fault drills scheduled from the start (Monarch GRPO); the same shape as a fault_drill command",
+    )
 
 
 def _apply_override(data: dict, override: str) -> None:
@@ -207,28 +207,34 @@ def _apply_override(data: dict, override: str) -> None:
         node[path[-1]] = raw
 
 
-def _field_errors(exc: ValidationError) -> list[FieldError]:
-    errors = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        message = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        errors.append(FieldError(loc, message))
-    return errors
-
-
 def _cross_field_errors(config: RunConfig) -> list[FieldError]:
     """Rules that involve two sections, reported against the field a user would change."""
     errors = []
     if config.grpo.kl_coef > 0.0 and not config.reference.enabled:
         errors.append(FieldError("grpo.kl_coef", "a KL penalty needs a reference model: set reference.enabled: true"))
+    if config.drills and (config.recipe != Recipe.GRPO or config.placement.backend != "monarch"):
+        errors.append(FieldError("drills", "fault drills need the Monarch GRPO recipe: recipe: grpo, placement.backend: monarch"))
+    for i, drill in enumerate(config.drills):
+        errors.extend(FieldError(f"drills.{i}.{field}", message) for field, message in drill_target_problems(config, drill))
     return errors
+
+
+def drill_target_problems(config: RunConfig, drill: FaultDrillRequest) -> list[tuple[str, str]]:
+    """(field, reason) for a drill whose role or replica this config does not have."""
+    counts = {"generator": config.generator.replicas, "trainer": config.trainer.ranks,
+              "reference": config.reference.replicas if config.reference.enabled else 0, "reward": 1}
+    if counts[drill.role] == 0:
+        return [("role", f"this run has no {drill.role} (reference.enabled is false)")]
+    if drill.replica >= counts[drill.role]:
+        return [("replica", f"{drill.role} has replicas 0..{counts[drill.role] - 1}")]
+    return []
 
 
 def parse_config_mapping(data: dict[str, Any]) -> RunConfig:
     try:
         config = RunConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_field_errors(exc)) from None
+        raise ConfigError(field_errors(exc)) from None
     errors = _cross_field_errors(config)
     if errors:
         raise ConfigError(errors)

@@ -3,7 +3,8 @@
 The loop calls `between_steps` after each step. Pending commands are pulled through the
 control plane's CommandChannel (at least once, executed once). `pause` holds the loop until a
 `resume` arrives; `checkpoint` saves now; `cancel` ends the run after a final checkpoint.
-Placement changes, drills and redirects need the multi-process recipe: here they fail with a reason.
+Fault drills, placement changes and load redirects (`operations.py`) are parsed here and handed
+to the recipe's `operator`; only the Monarch recipe sets one, so elsewhere they fail with a reason.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from workers.engine.operations import OPERATIONS, Operation, parse_operation
 
 if TYPE_CHECKING:
     from workers.engine.control_plane import CommandChannel
@@ -34,6 +37,8 @@ class RunControl:
         self._last_poll = 0.0
         self._checkpoint: Callable[[], Path] | None = None
         self._step = 0
+        # executes a parsed fault_drill / placement_change / load_redirect; returns the command's result
+        self.operator: Callable[[str, Operation], dict[str, Any]] | None = None
 
     def between_steps(self, *, step: int, checkpoint: Callable[[], Path]) -> bool:
         """Run pending commands; False when the loop must stop (a final checkpoint has been written)."""
@@ -60,4 +65,8 @@ class RunControl:
         if kind == "cancel":
             self.stop_requested = True
             return {"step": self._step, "path": str(self._checkpoint())}
-        raise ValueError(f"{kind} needs the multi-process (Monarch) recipe; this run is single-process")
+        if kind in OPERATIONS and self.operator is None:
+            raise ValueError(f"{kind} needs the multi-process (Monarch) recipe; this run is single-process")
+        if kind in OPERATIONS:
+            return self.operator(kind, parse_operation(kind, payload))  # OperationError: the command fails with its fields
+        raise ValueError(f"unknown command {kind!r}")
