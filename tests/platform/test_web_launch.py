@@ -108,6 +108,8 @@ def test_a_failed_launch_into_a_new_experiment_stores_no_experiment(client, team
     ({"experiment": "999999"}, "experiment", "choose an experiment of this project"),
     ({"experiment": "new", "new_name": " "}, "new_name", "name the new experiment"),
     ({"experiment": "new", "new_name": "x", "new_recipe": "ppo"}, "new_recipe", "choose one of"),
+    ({"experiment": "new", "new_name": "math", "new_recipe": "grpo"}, "new_name", "an experiment named &#x27;math&#x27; already exists"),
+    ({"experiment": "new", "new_name": "n" * 201, "new_recipe": "grpo"}, "new_name", "must be at most 200 characters"),
     ({"hosts": ["nowhere-1"]}, "hosts", "not in the cluster inventory: nowhere-1"),
     ({"overrides": "trainer.steps"}, "overrides", "must look like section.key=value"),
 ])
@@ -197,6 +199,17 @@ def test_clone_prefills_the_runs_config_overrides_and_experiment(client, team):
     assert "group_size: 4" in html and ">trainer.steps=2</textarea>" in html
     assert f'<option value="{team.experiment.pk}" data-recipe="grpo" selected>' in html
     assert 'value="gpu-a" checked' in html and 'name="priority" type="number" min="-100" max="100" step="1" value="4"' in html
+
+
+def test_clone_keeps_a_pinning_to_a_host_that_left_the_inventory_as_an_override(client, team):
+    host = Host.objects.create(hostname="gpu-gone")
+    original = run_launch(actor=team.member, experiment=team.experiment, config_yaml=GRPO_YAML,
+                          overrides=['placement.trainer.hosts=["gpu-gone"]'])
+    host.delete()
+    client.force_login(team.member)
+    html = client.get(f"/runs/{original.pk}/clone/").content.decode()
+    assert '>placement.trainer.hosts=[&quot;gpu-gone&quot;]</textarea>' in html and "gpu-gone&quot;]" in html
+    assert 'value="gpu-gone"' not in html
 
 
 def test_launching_a_clone_records_its_parent(client, team):

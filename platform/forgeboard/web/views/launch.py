@@ -39,6 +39,8 @@ NEW_EXPERIMENT = "new"
 # The roles whose processes a recipe starts (see runs/scheduling.py:run_demand): pinning a run to hosts pins these.
 PLACEMENT_ROLES = {"sft": ["trainer"], "grpo": ["trainer", "generator", "reference", "reward", "replay_buffer"]}
 _PLACEMENT_OVERRIDE = re.compile(r"^placement\.(\w+)\.hosts=(.*)$")
+PRESET_LABELS = {"cpu_demo_sft": "CPU demo: tiny Qwen3, SFT", "cpu_demo_grpo": "CPU demo: tiny Qwen3, GRPO",
+                 "qwen3_1_7b_grpo": "Qwen3 1.7B, GRPO (one GPU)", "llama3_8b_grpo": "Llama 3.1 8B, GRPO (one GPU)"}
 VIEWER_NOTICE = "Viewers cannot launch runs: ask an owner of this project for the member role."
 
 
@@ -102,10 +104,10 @@ def launch_presets() -> list[Preset]:
     for path in sorted((Path(settings.REPO_DIR) / "examples" / "configs").glob("*.yaml")):
         text = path.read_text(encoding="utf-8")
         recipe = str((yaml.safe_load(text) or {}).get("recipe", ""))
-        family = "CPU demo" if path.stem.startswith("cpu_demo") else "GPU"
         if path.stem.startswith("cpu_demo"):
             text = _set_yaml_scalar(text, ["model", "path"], str(demo_model_dir()))
-        presets.append(Preset(key=path.stem, label=f"{family}: {path.stem.replace('_', ' ')}", recipe=recipe, yaml=text))
+        label = PRESET_LABELS.get(path.stem, f"{path.stem.replace('_', ' ')} ({recipe})")
+        presets.append(Preset(key=path.stem, label=label, recipe=recipe, yaml=text))
     return sorted(presets, key=lambda p: (not p.key.startswith("cpu_demo"), p.key))
 
 
@@ -155,7 +157,9 @@ def _initial_form(project: Project, *, experiment_id: str = "") -> LaunchForm:
 
 
 def _clone_form(run: Run) -> LaunchForm:
-    """The cloned run's YAML and overrides; its host pinning goes back into the hosts choice."""
+    """The cloned run's YAML and overrides; its host pinning goes back into the hosts choice (when those hosts
+    are still in the inventory; otherwise the override line is kept as it was)."""
+    known = set(hosts_with_devices().values_list("hostname", flat=True))
     hosts: list[str] = []
     overrides = []
     for line in run.config.overrides:
@@ -164,7 +168,7 @@ def _clone_form(run: Run) -> LaunchForm:
             pinned = json.loads(match.group(2)) if match else None
         except ValueError:
             pinned = None
-        if isinstance(pinned, list) and all(isinstance(h, str) for h in pinned):
+        if isinstance(pinned, list) and pinned and all(isinstance(h, str) and h in known for h in pinned):
             hosts.extend(h for h in pinned if h not in hosts)
         else:
             overrides.append(line)

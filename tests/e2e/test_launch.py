@@ -1,0 +1,97 @@
+"""The Launch page in Chromium: a bad value is shown at its field and YAML line while typing, before any submit;
+fixed, the run launches and the browser lands on its page; a viewer cannot launch."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from forgeboard.experiments.models import Experiment
+from forgeboard.runs.models import Run
+from tests.e2e.conftest import login, screenshot
+from tests.support.processes import wait_for
+
+
+@pytest.fixture
+def demo_model(tiny_model) -> Path:
+    """The CPU demo presets' model folder (DATA_DIR/models/tiny-qwen3), built like seed_demo --launch does."""
+    folder = Path(settings.DATA_DIR) / "models" / "tiny-qwen3"
+    if not (folder / "config.json").is_file():
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(tiny_model, folder)
+    return folder
+
+
+def _line_of(text: str, needle: str) -> int:
+    return next(n for n, line in enumerate(text.split("\n"), start=1) if needle in line)
+
+
+def test_member_sees_a_bad_value_at_its_line_fixes_it_and_launches(page, server, team, demo_model):
+    login(page, server, "mateo")
+    page.goto(f"{server['url']}/p/alpha/launch/")
+    editor, button = page.locator("#config_yaml"), page.locator("#launch-button")
+    page.wait_for_function("document.getElementById('config-status').textContent === 'Config is valid.'")
+
+    page.locator("#experiment").select_option("new")
+    page.locator("#new_name").fill("sft-from-browser")
+    page.locator("#new_recipe").select_option("sft")
+    page.locator("#preset").select_option("cpu_demo_sft")
+    text = editor.input_value()
+    assert f"path: {demo_model}" in text and text.startswith("# CPU demo, part 1")
+    line = _line_of(text, "  steps: 240")
+
+    editor.fill(text.replace("  steps: 240", "  steps: 0"))  # an input event, as typing gives
+    problem = page.locator('#config-errors li[data-field="trainer.steps"]')
+    problem.wait_for(timeout=10_000)
+    assert problem.inner_text().startswith(f"trainer.steps (line {line}): Input should be greater than or equal to 1")
+    assert "≥ 1" in problem.inner_text()  # the JSON Schema's bound, offered as a hint
+    assert editor.get_attribute("aria-invalid") == "true" and button.is_disabled()
+    assert page.locator("#config-gutter div.bad").all_inner_texts() == [str(line)]
+    screenshot(page, "launch_invalid_field")
+    assert Run.objects.count() == 0 and not Experiment.objects.filter(name="sft-from-browser").exists()
+
+    editor.fill(text.replace("  steps: 240", "  steps: 3"))
+    page.wait_for_function("document.getElementById('config-status').textContent === 'Config is valid.'")
+    assert editor.get_attribute("aria-invalid") == "false" and not button.is_disabled()
+    assert page.locator("#config-errors li").count() == 0 and page.locator("#config-gutter div.bad").count() == 0
+    page.locator("#overrides").fill("trainer.batch_size=4\ntrainer.micro_batch_size=4\ndata.eval_size=8\n"
+                                    "telemetry.console=false")
+    page.wait_for_function("document.getElementById('config-status').textContent === 'Config is valid.'")
+    screenshot(page, "launch_valid")
+    button.click()
+
+    page.wait_for_url(re.compile(r"/runs/\d+/$"), timeout=30_000)
+    run = Run.objects.get(experiment__name="sft-from-browser")
+    assert page.url == f"{server['url']}/runs/{run.pk}/"
+    assert run.launched_by == team.member and run.experiment.recipe == "sft"
+    assert run.config.parsed["trainer"]["steps"] == 3 and run.config.parsed["model"]["path"] == str(demo_model)
+    assert run.config.overrides == ["trainer.batch_size=4", "trainer.micro_batch_size=4", "data.eval_size=8",
+                                    "telemetry.console=false"]
+    wait_for(lambda: Run.objects.get(pk=run.pk).state in ("succeeded", "failed"), timeout=180, what="the run ends")
+    run.refresh_from_db()
+    assert run.state == "succeeded", run.exit_reason
+    screenshot(page, "launch_landed_on_run_page")
+
+
+def test_viewer_cannot_launch(page, server, team):
+    login(page, server, "vera")
+    page.goto(f"{server['url']}/p/alpha/launch/")
+    notice = page.locator("#viewer-notice")
+    assert notice.is_visible() and "Viewers cannot launch runs" in notice.inner_text()
+    assert page.locator("#launch-button").is_disabled() and page.locator("#config_yaml").is_disabled()
+    assert page.get_by_role("button", name="Launch").is_disabled()
+    screenshot(page, "launch_viewer")
+
+    # A forged submit (controls re-enabled by hand) is refused with the reason, and nothing is stored.
+    page.evaluate("""() => {
+        document.querySelector('fieldset.launch-fields').disabled = false;
+        document.getElementById('launch-form').submit();
+    }""")
+    page.wait_for_load_state()
+    assert page.locator("h1").inner_text() == "Not allowed"
+    assert "launching runs needs the member role; you are a viewer" in page.locator("p.error").inner_text()
+    assert Run.objects.count() == 0
