@@ -124,7 +124,7 @@ def list_metrics(request: HttpRequest, run_id: int):  # noqa: ANN201
     return metric_keys(run=run_get(actor=actor_of(request), run_id=run_id))
 
 
-@router.get("/runs/{run_id}/metrics/{key}", response={200: PointsOut, **ERRORS}, tags=["metrics"])
+@router.get("/runs/{run_id}/metrics/{path:key}", response={200: PointsOut, **ERRORS}, tags=["metrics"])
 def get_points(
     request: HttpRequest,
     run_id: int,
@@ -139,9 +139,10 @@ def get_points(
         rows = metric_downsampled(run=run, key=key, buckets=buckets, start_step=start_step, end_step=end_step)
         return PointsOut(key=key, downsampled=True, steps=[b.step for b in rows],
                          values=[wire_number(b.mean) for b in rows], low=[wire_number(b.low) for b in rows],
-                         high=[wire_number(b.high) for b in rows])
+                         high=[wire_number(b.high) for b in rows], wall_times=[b.wall_time for b in rows])
     rows = metric_range(run=run, key=key, start_step=start_step, end_step=end_step, limit=MAX_POINTS)
-    return PointsOut(key=key, downsampled=False, steps=[r[0] for r in rows], values=[wire_number(r[1]) for r in rows])
+    return PointsOut(key=key, downsampled=False, steps=[r[0] for r in rows], values=[wire_number(r[1]) for r in rows],
+                     wall_times=[r[2] for r in rows])
 
 
 @router.get("/runs/{run_id}/events", response={200: list[EventOut], **ERRORS}, tags=["events"])

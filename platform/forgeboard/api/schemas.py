@@ -114,6 +114,9 @@ class PointsOut(Schema):
     values: list[float | None]
     low: list[float | None] | None = None
     high: list[float | None] | None = None
+    wall_times: list[float | None] | None = Field(
+        None, description="Unix seconds (the engine's clock) of each point; downsampled: the latest in its slice"
+    )
 
 
 class EventOut(Schema):

@@ -1,10 +1,19 @@
 from __future__ import annotations
 
-from django.db.models import Prefetch, QuerySet
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
 
+from django.db.models import Max, Prefetch, Q, QuerySet
+
+from forgeboard.accounts.models import User
+from forgeboard.accounts.selectors import projects_for_user
 from forgeboard.cluster.models import AgentToken, Device, Host
+from forgeboard.errors import NotFound
 from forgeboard.runs.models import Run
 from forgeboard.runs.states import ACTIVE_STATES
+from forgeboard.telemetry.models import EventKind, RunEvent
 
 
 def hosts_with_devices() -> QuerySet[Host]:
@@ -18,3 +27,140 @@ def active_run_ids_on_host(*, hostname: str) -> list[int]:
 
 def agent_tokens() -> QuerySet[AgentToken]:
     return AgentToken.objects.select_related("created_by").order_by("name")
+
+
+PLACEMENT_EVENT_KINDS = (EventKind.PLACEMENT_APPLIED, EventKind.PLACEMENT_CHANGED)
+PLAN_ROLES = ("trainer", "generator", "reference", "reward", "replay_buffer")
+LOCAL_HOST_NAMES = ("", "local", "localhost", "127.0.0.1")
+
+
+def placement_actors(*, payload: Mapping[str, Any], default_host: str) -> list[tuple[str, str]]:
+    """(host, actor) pairs from a placement: a placement event's payload or a run's launch plan.
+
+    Understood forms: `{"actors": [{"role", "replica" or "rank", "host"}, ...]}`; a plan
+    `{role: {"hosts": [...], "procs_per_host": n}}` (no hosts: the run's own host); `{role: host}` or
+    `{role: [host, ...]}` (one replica per host), for the roles of PLAN_ROLES; and a change
+    `{"action": "move"|"add", "role", "replica", "host"}` (a removal places nothing). A host named "local"
+    (or none) is the run's own host. Anything else is skipped, not guessed at.
+    """
+    def where(host: Any) -> str:
+        name = host if isinstance(host, str) else ""
+        return default_host if name in LOCAL_HOST_NAMES else name
+
+    def actor(role: Any, replica: Any = None) -> str:
+        return f"{role}[{replica}]" if isinstance(replica, int) and not isinstance(replica, bool) else str(role)
+
+    placed: list[tuple[str, str]] = []
+    if isinstance(payload.get("actors"), list):
+        for item in payload["actors"]:
+            if isinstance(item, Mapping) and isinstance(item.get("role"), str):
+                placed.append((where(item.get("host")), actor(item["role"], item.get("replica", item.get("rank")))))
+    elif "action" in payload:
+        if payload["action"] in ("move", "add") and isinstance(payload.get("host"), str):
+            placed.append((where(payload["host"]), actor(payload.get("role", "generator"), payload.get("replica"))))
+    else:
+        for role, spec in payload.items():
+            if role not in PLAN_ROLES:
+                continue
+            if isinstance(spec, Mapping) and isinstance(spec.get("hosts"), list):
+                hosts = spec["hosts"] or [default_host]
+                procs = spec.get("procs_per_host", 1)
+                suffix = f" ×{procs}" if isinstance(procs, int) and procs > 1 else ""
+                placed.extend((where(host), f"{role}{suffix}") for host in hosts)
+            elif isinstance(spec, str):
+                placed.append((where(spec), role))
+            elif isinstance(spec, list):
+                placed.extend((where(host), actor(role, i)) for i, host in enumerate(spec) if isinstance(host, str))
+    return [(host, name) for host, name in placed if host]
+
+
+@dataclass
+class RunOnHost:
+    """A run with something on a host. `visible`: False for runs of projects the viewer is not in (shown
+    as "another project", without name, number or link)."""
+
+    run_id: int
+    visible: bool
+    label: str
+    project_slug: str
+    state: str
+    gpus: int | None = None
+    slots: int | None = None
+    actors: list[str] = field(default_factory=list)
+    placement_source: str = ""
+
+
+@dataclass
+class HostOverview:
+    host: Host
+    devices: list[Device]
+    stale: bool
+    heartbeat_age_s: float | None
+    runs: list[RunOnHost]
+
+
+def _latest_placements(*, run_ids: list[int]) -> dict[int, RunEvent]:
+    latest = (RunEvent.objects.filter(run_id__in=run_ids, kind__in=PLACEMENT_EVENT_KINDS)
+              .values("run_id").annotate(seq=Max("seq")))
+    match = Q(pk__in=[])
+    for row in latest:
+        match |= Q(run_id=row["run_id"], seq=row["seq"])
+    return {event.run_id: event for event in RunEvent.objects.filter(match)} if latest else {}
+
+
+def _run_actors(run: Run, placement: RunEvent | None) -> list[tuple[str, str]]:
+    if placement is not None and isinstance(placement.payload, Mapping):
+        return placement_actors(payload=placement.payload, default_host=run.host)
+    plan = run.placement_plan if isinstance(run.placement_plan, Mapping) else {}
+    parsed = run.config.parsed if isinstance(run.config.parsed, Mapping) else {}
+    enabled = {role for role in PLAN_ROLES if role != "reference" or (parsed.get("reference") or {}).get("enabled")}
+    return placement_actors(payload={k: v for k, v in plan.items() if k in enabled}, default_host=run.host)
+
+
+def cluster_overview(*, viewer: User, now: datetime, stale_after_s: float) -> list[HostOverview]:
+    """Every host with its devices, heartbeat age, and the active runs placed on it.
+
+    A run is on a host when the host is its `host`, a key of its `allocation`, or where its latest placement
+    event (else its launch plan) puts an actor. Runs of projects the viewer cannot see are included with
+    `visible=False` and no identifying detail.
+    """
+    hosts = list(hosts_with_devices())
+    visible_projects = set(projects_for_user(user=viewer).values_list("pk", flat=True))
+    runs = list(Run.objects.filter(state__in=ACTIVE_STATES).select_related("experiment__project", "config")
+                .order_by("pk"))
+    placements = _latest_placements(run_ids=[run.pk for run in runs])
+    by_host: dict[str, list[RunOnHost]] = {}
+    for run in runs:
+        visible = run.experiment.project_id in visible_projects
+        allocation = run.allocation if isinstance(run.allocation, Mapping) else {}
+        actors: dict[str, list[str]] = {}
+        for hostname, name in _run_actors(run, placements.get(run.pk)):
+            actors.setdefault(hostname, []).append(name)
+        placement = placements.get(run.pk)
+        source = f"{placement.get_kind_display().lower()} #{placement.seq}" if placement else "launch plan"
+        for hostname in dict.fromkeys([run.host, *allocation, *actors]):
+            if not hostname:
+                continue
+            reserved = allocation.get(hostname) if isinstance(allocation.get(hostname), Mapping) else {}
+            by_host.setdefault(hostname, []).append(RunOnHost(
+                run_id=run.pk, visible=visible, state=run.state,
+                label=f"{run.experiment.name} #{run.number}" if visible else "another project",
+                project_slug=run.experiment.project.slug if visible else "",
+                gpus=reserved.get("gpus"), slots=reserved.get("slots"),
+                actors=actors.get(hostname, []) if visible else [], placement_source=source if visible else "",
+            ))
+    overview = []
+    for host in hosts:
+        age = (now - host.last_heartbeat_at).total_seconds() if host.last_heartbeat_at else None
+        overview.append(HostOverview(
+            host=host, devices=list(host.devices.all()), heartbeat_age_s=age,
+            stale=age is None or age > stale_after_s, runs=by_host.get(host.hostname, []),
+        ))
+    return overview
+
+
+def host_get(*, hostname: str) -> Host:
+    host = Host.objects.filter(hostname=hostname).first() if hostname else None
+    if host is None:
+        raise NotFound(f"no host {hostname[:255]!r}")
+    return host

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from django.db.models import Avg, Count, ExpressionWrapper, F, IntegerField, Max, Min, QuerySet
@@ -32,6 +33,7 @@ class Bucket:
     low: float
     high: float
     count: int
+    wall_time: float | None = None  # the latest wall time in the slice (Unix seconds, the engine's clock)
 
 
 def metric_downsampled(
@@ -48,11 +50,31 @@ def metric_downsampled(
         MetricPoint.objects.filter(series=series, step__gte=lo, step__lte=hi)
         .annotate(bucket=ExpressionWrapper((F("step") - lo) / width, output_field=IntegerField()))
         .values("bucket")
-        .annotate(last_step=Max("step"), mean=Avg("value"), low=Min("value"), high=Max("value"), count=Count("step"))
+        .annotate(last_step=Max("step"), mean=Avg("value"), low=Min("value"), high=Max("value"), count=Count("step"),
+                  wall_time=Max("wall_time"))
         .order_by("bucket")
     )
-    return [Bucket(step=r["last_step"], mean=r["mean"], low=r["low"], high=r["high"], count=r["count"]) for r in rows]
+    return [Bucket(step=r["last_step"], mean=r["mean"], low=r["low"], high=r["high"], count=r["count"],
+                   wall_time=r["wall_time"]) for r in rows]
 
 
 def events_after(*, run: Run, after_seq: int = 0, limit: int = 1000) -> QuerySet[RunEvent]:
     return RunEvent.objects.filter(run=run, seq__gt=after_seq).order_by("seq")[:limit]
+
+
+def metric_series_of_runs(*, run_ids: Sequence[int]) -> QuerySet[MetricSeries]:
+    """Every series of these runs, by key then run: one query for a compare page's keys and final values."""
+    return MetricSeries.objects.filter(run_id__in=list(run_ids)).order_by("key", "run_id")
+
+
+def metric_first_wall_times(*, run_ids: Sequence[int]) -> dict[int, float]:
+    """Per run, the wall time of its earliest first point over all its series (runs without points are left out).
+
+    Reads one point per series through the primary key (series, step), not the run's whole history.
+    """
+    rows = (
+        MetricPoint.objects.filter(series__run_id__in=list(run_ids), step=F("series__first_step"))
+        .values("series__run_id")
+        .annotate(first=Min("wall_time"))
+    )
+    return {row["series__run_id"]: row["first"] for row in rows}
