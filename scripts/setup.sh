@@ -24,3 +24,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$want" > "$stamp"
 fi
+
+# The dashboard's browser libraries, from npm, copied into static files (no bundler).
+vendor=frontend/static/vendor
+front_want="$(cat frontend/package.json frontend/package-lock.json scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ "$(cat "$vendor/.installed" 2>/dev/null)" != "$front_want" ]; then
+  echo "installing the dashboard's npm packages"
+  (cd frontend && npm ci --no-audit --no-fund --loglevel=error)
+  mkdir -p "$vendor"
+  cp frontend/node_modules/uplot/dist/uPlot.iife.min.js frontend/node_modules/uplot/dist/uPlot.min.css \
+     frontend/node_modules/htmx.org/dist/htmx.min.js "$vendor/"
+  echo "$front_want" > "$vendor/.installed"
+fi

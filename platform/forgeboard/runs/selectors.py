@@ -5,7 +5,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 
 from forgeboard.accounts.models import Project
 from forgeboard.accounts.permissions import Actor, project_role
@@ -16,6 +16,40 @@ from forgeboard.runs.models import Command, CommandState, Run
 def runs_for_project(*, project: Project, state: str | None = None) -> QuerySet[Run]:
     runs = Run.objects.filter(experiment__project=project).select_related("experiment", "launched_by")
     return runs.filter(state=state) if state else runs
+
+
+@dataclass(frozen=True)
+class RunFilters:
+    """What the runs list is narrowed to; empty fields do not filter."""
+
+    text: str = ""
+    state: str = ""
+    experiment_id: int | None = None
+    tag: str = ""
+    launched_by: str = ""
+
+
+def runs_search(*, project: Project, filters: RunFilters) -> QuerySet[Run]:
+    """The project's runs, newest first, narrowed by state, experiment, tag, who launched them and free text.
+
+    Free text matches the experiment's name, a tag, the launcher's username, or `#N` (run number).
+    """
+    runs = runs_for_project(project=project, state=filters.state or None)
+    if filters.experiment_id is not None:
+        runs = runs.filter(experiment_id=filters.experiment_id)
+    if filters.tag:
+        runs = runs.filter(experiment__tags__icontains=f'"{filters.tag}"')
+    if filters.launched_by:
+        runs = runs.filter(launched_by__username=filters.launched_by)
+    text = filters.text.strip()
+    if text:
+        match = (Q(experiment__name__icontains=text) | Q(experiment__tags__icontains=text)
+                 | Q(launched_by__username__icontains=text))
+        number = text.removeprefix("#")
+        if number.isdigit() and len(number) < 10:
+            match |= Q(number=int(number))
+        runs = runs.filter(match)
+    return runs
 
 
 def run_get(*, actor: Actor, run_id: int) -> Run:

@@ -1,12 +1,22 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from forgeboard.web import views
+from forgeboard.web.views import cluster, compare, launch, pages, runs
 
 urlpatterns = [
-    path("healthz", views.healthz, name="healthz"),
+    path("healthz", pages.healthz, name="healthz"),
     path("login/", auth_views.LoginView.as_view(template_name="web/login.html"), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
-    path("", views.home, name="home"),
-    path("p/<slug:slug>/", views.project_detail, name="project_detail"),
+    path("", pages.home, name="home"),
+    path("p/<slug:slug>/", runs.run_list, name="project_detail"),
+    path("p/<slug:slug>/members/", pages.members, name="project_members"),
+    path("p/<slug:slug>/launch/", launch.launch, name="launch"),
+    path("p/<slug:slug>/compare/", compare.compare, name="compare"),
+    path("runs/<int:run_id>/", runs.run_detail, name="run_detail"),
+    path("runs/<int:run_id>/rollouts/", runs.run_rollouts, name="run_rollouts"),
+    path("runs/<int:run_id>/cancel/", runs.run_cancel_view, name="run_cancel"),
+    path("runs/<int:run_id>/commands/", runs.run_command, name="run_command"),
+    path("runs/<int:run_id>/checkpoints/<int:step>/launch/", runs.run_from_checkpoint, name="run_from_checkpoint"),
+    path("runs/<int:run_id>/clone/", launch.clone, name="run_clone"),
+    path("cluster/", cluster.cluster, name="cluster"),
 ]

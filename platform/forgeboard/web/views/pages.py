@@ -1,18 +1,20 @@
-"""Pages. Thin: read through selectors, write through services."""
+"""Health, the project list, and a project's members and roles."""
 
 from __future__ import annotations
 
+from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.db import connection
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
-from django.shortcuts import render
-from django.views.decorators.http import require_GET
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_GET, require_http_methods
 
+from forgeboard.accounts.models import Role, User
 from forgeboard.accounts.permissions import project_role
 from forgeboard.accounts.selectors import memberships_of, project_get, projects_for_user
-from forgeboard.errors import NotFound
-from forgeboard.experiments.selectors import experiments_for_project
-from forgeboard.runs.selectors import runs_for_project
+from forgeboard.accounts.services import membership_remove, membership_set
+from forgeboard.errors import NotFound, ServiceError, ValidationFailed
+from forgeboard.web.errors import error_page, flash_error
 
 
 @require_GET
@@ -29,16 +31,35 @@ def home(request: HttpRequest) -> HttpResponse:
 
 
 @login_required
-def project_detail(request: HttpRequest, slug: str) -> HttpResponse:
+@require_http_methods(["GET", "POST"])
+def members(request: HttpRequest, slug: str) -> HttpResponse:
     try:
         project = project_get(actor=request.user, slug=slug)
     except NotFound:
         raise Http404("no such project") from None
-    context = {
-        "project": project,
-        "role": project_role(actor=request.user, project=project),
-        "experiments": experiments_for_project(project=project),
-        "runs": runs_for_project(project=project)[:50],
-        "members": memberships_of(project=project),
-    }
-    return render(request, "web/project.html", context)
+    if request.method == "POST":
+        try:
+            _change_membership(request, project=project)
+        except ServiceError as error:
+            if error.status == 403:
+                return error_page(request, error)
+            flash_error(request, error)
+        return redirect("project_members", slug=slug)
+    role = project_role(actor=request.user, project=project)
+    return render(request, "web/members.html", {
+        "project": project, "role": role, "is_owner": role == Role.OWNER,
+        "members": memberships_of(project=project), "roles": Role.choices,
+    })
+
+
+def _change_membership(request: HttpRequest, *, project) -> None:  # noqa: ANN001 - a Project
+    username = request.POST.get("username", "").strip()
+    user = User.objects.filter(username=username, is_active=True).first()
+    if user is None:
+        raise ValidationFailed.on("username", f"no active user named {username!r}")
+    if request.POST.get("action") == "remove":
+        membership_remove(actor=request.user, project=project, user=user)
+        messages.success(request, f"{user.username} removed from {project.name}")
+        return
+    membership = membership_set(actor=request.user, project=project, user=user, role=request.POST.get("role", ""))
+    messages.success(request, f"{user.username} is now {membership.get_role_display().lower()}")

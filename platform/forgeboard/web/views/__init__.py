@@ -1,0 +1,1 @@
+"""Dashboard pages, one module per area. Thin: read through selectors, write through services."""

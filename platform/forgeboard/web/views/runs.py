@@ -1,0 +1,200 @@
+"""The runs list and the run page: live charts, timeline, logs, config, placement, rollouts, checkpoints, controls."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.paginator import Paginator
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_GET, require_POST
+
+from forgeboard.accounts.models import Role
+from forgeboard.accounts.permissions import project_role
+from forgeboard.accounts.selectors import project_get
+from forgeboard.cluster.models import Host
+from forgeboard.errors import NotFound, ServiceError
+from forgeboard.experiments.selectors import experiments_for_project
+from forgeboard.runs.checkpoints import run_checkpoints, run_launch_from_checkpoint
+from forgeboard.runs.models import Run
+from forgeboard.runs.selectors import RunFilters, run_get, runs_search
+from forgeboard.runs.services import command_create, run_cancel
+from forgeboard.runs.states import ACTIVE_STATES, RunState
+from forgeboard.telemetry.models import EventKind, MetricSeries, RunEvent
+from forgeboard.web.errors import error_page, flash_error
+
+KEY_METRICS = ("reward/mean", "eval/reward_mean", "eval/accuracy", "loss")
+RUNS_PER_PAGE = 50
+ROLLOUTS_SHOWN = 40
+PLACEMENT_EVENTS = (EventKind.PLACEMENT_APPLIED, EventKind.PLACEMENT_CHANGED)
+
+
+def _project_or_404(request: HttpRequest, slug: str):  # noqa: ANN202 - a Project
+    try:
+        return project_get(actor=request.user, slug=slug)
+    except NotFound:
+        raise Http404("no such project") from None
+
+
+def _run_or_404(request: HttpRequest, run_id: int) -> Run:
+    try:
+        return run_get(actor=request.user, run_id=run_id)
+    except NotFound:
+        raise Http404("no such run") from None
+
+
+def _filters(request: HttpRequest) -> RunFilters:
+    experiment = request.GET.get("experiment", "")
+    state = request.GET.get("state", "")
+    return RunFilters(
+        text=request.GET.get("q", "")[:200],
+        state=state if state in RunState.values else "",
+        experiment_id=int(experiment) if experiment.isdigit() and len(experiment) < 18 else None,
+        tag=request.GET.get("tag", "")[:100],
+        launched_by=request.GET.get("user", "")[:150],
+    )
+
+
+def duration_of(run: Run) -> float | None:
+    if run.started_at is None:
+        return None
+    return ((run.finished_at or timezone.now()) - run.started_at).total_seconds()
+
+
+@login_required
+@require_GET
+def run_list(request: HttpRequest, slug: str) -> HttpResponse:
+    project = _project_or_404(request, slug)
+    filters = _filters(request)
+    page = Paginator(runs_search(project=project, filters=filters), RUNS_PER_PAGE).get_page(request.GET.get("page"))
+    runs = list(page.object_list)
+    summaries: dict[int, dict[str, float | None]] = {}
+    for series in MetricSeries.objects.filter(run__in=runs, key__in=KEY_METRICS):
+        summaries.setdefault(series.run_id, {})[series.key] = series.last_value
+    rows = [{"run": run, "duration": duration_of(run),
+             "metrics": [summaries.get(run.pk, {}).get(key) for key in KEY_METRICS]} for run in runs]
+    role = project_role(actor=request.user, project=project)
+    experiments = experiments_for_project(project=project)
+    tags = sorted({tag for e in experiments for tag in e.tags})
+    query = request.GET.copy()
+    query.pop("page", None)
+    return render(request, "web/project.html", {
+        "project": project, "role": role, "can_launch": role is not None and role.rank >= Role.MEMBER.rank,
+        "rows": rows, "page": page, "filters": filters, "states": RunState.choices, "experiments": experiments,
+        "tags": tags, "key_metrics": KEY_METRICS, "query": query.urlencode(),
+    })
+
+
+def _placement(run: Run) -> dict[str, Any]:
+    """Which actor runs where: the newest placement event's plan, else the launch plan and allocation."""
+    latest = (RunEvent.objects.filter(run=run, kind__in=PLACEMENT_EVENTS).order_by("-seq").first())
+    return {
+        "plan": latest.payload if latest else run.placement_plan,
+        "source": f"{latest.get_kind_display().lower()} at {latest.occurred_at:%H:%M:%S}" if latest else "launch plan",
+        "allocation": run.allocation,
+    }
+
+
+@login_required
+@require_GET
+def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
+    run = _run_or_404(request, run_id)
+    project = run.experiment.project
+    role = project_role(actor=request.user, project=project)
+    can_operate = role is not None and role.rank >= Role.MEMBER.rank
+    parsed = run.config.parsed
+    context = {
+        "run": run, "project": project, "role": role, "can_operate": can_operate,
+        "active": run.state in ACTIVE_STATES, "duration": duration_of(run),
+        "checkpoints": run_checkpoints(run=run), "placement": _placement(run),
+        "placement_json": json.dumps(_placement(run)["plan"], indent=2, sort_keys=True),
+        "commands": run.commands.select_related("created_by").order_by("-id")[:20],
+        "generator_replicas": parsed.get("generator", {}).get("replicas", 1),
+        "trainer_ranks": parsed.get("trainer", {}).get("ranks", 1),
+        "hosts": list(Host.objects.order_by("hostname").values_list("hostname", flat=True)),
+        "run_data": {"id": run.pk, "state": run.state, "active": run.state in ACTIVE_STATES,
+                     "wsPath": f"/ws/runs/{run.pk}/", "apiPath": f"/api/v1/runs/{run.pk}/"},
+    }
+    return render(request, "web/run.html", context)
+
+
+@login_required
+@require_GET
+def run_rollouts(request: HttpRequest, run_id: int) -> HttpResponse:
+    """The newest rollout samples (prompt, completion, reward, advantage, policy version); htmx refreshes it."""
+    run = _run_or_404(request, run_id)
+    events = RunEvent.objects.filter(run=run, kind=EventKind.ROLLOUT).order_by("-seq")[:ROLLOUTS_SHOWN]
+    return render(request, "web/_rollouts.html", {"rollouts": [e.payload for e in events]})
+
+
+@login_required
+@require_POST
+def run_cancel_view(request: HttpRequest, run_id: int) -> HttpResponse:
+    run = _run_or_404(request, run_id)
+    try:
+        run_cancel(actor=request.user, run=run)
+        messages.success(request, "cancel requested")
+    except ServiceError as error:
+        if error.status == 403:
+            return error_page(request, error)
+        flash_error(request, error)
+    return redirect("run_detail", run_id=run.pk)
+
+
+NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
+
+
+def form_payload(fields: dict[str, str]) -> dict[str, Any]:
+    """Form fields `payload.a.b=v` as a nested payload; numbers become numbers, empty fields are left out.
+
+    The browser script builds the same shape; the service validates it (field and reason).
+    """
+    payload: dict[str, Any] = {}
+    for name, raw in fields.items():
+        if not name.startswith("payload.") or raw == "":
+            continue
+        value: Any = raw
+        if NUMBER.match(raw):
+            value = float(raw) if "." in raw else int(raw)
+        *parents, leaf = name.removeprefix("payload.").split(".")
+        node = payload
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return payload
+
+
+@login_required
+@require_POST
+def run_command(request: HttpRequest, run_id: int) -> HttpResponse:
+    """The controls' form fallback when scripts are off; the page's script posts to the API instead."""
+    run = _run_or_404(request, run_id)
+    kind = request.POST.get("kind", "")
+    try:
+        command = command_create(actor=request.user, run=run, kind=kind, payload=form_payload(dict(request.POST.items())))
+        messages.success(request, f"{command.get_kind_display().lower()} sent (command {command.pk})")
+    except ServiceError as error:
+        if error.status == 403:
+            return error_page(request, error)
+        flash_error(request, error)
+    return redirect("run_detail", run_id=run.pk)
+
+
+@login_required
+@require_POST
+def run_from_checkpoint(request: HttpRequest, run_id: int, step: int) -> HttpResponse:
+    run = _run_or_404(request, run_id)
+    try:
+        child = run_launch_from_checkpoint(actor=request.user, run=run, step=step)
+    except ServiceError as error:
+        if error.status == 403:
+            return error_page(request, error)
+        flash_error(request, error)
+        return redirect("run_detail", run_id=run.pk)
+    messages.success(request, f"started {child.experiment.name} #{child.number} from step {step} of #{run.number}")
+    return redirect("run_detail", run_id=child.pk)

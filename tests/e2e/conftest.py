@@ -1,0 +1,91 @@
+"""Browser tests: Debian's Chromium driven by Playwright against a real daphne and Celery worker.
+
+Run in their own pytest invocation (scripts/test.sh does): Playwright's event loop breaks later
+pytest-asyncio tests in the same process. Screenshots go to test-artifacts/e2e/.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from tests.platform.conftest import team  # noqa: F401 - shared fixture
+from tests.support.processes import REPO_DIR, celery_worker, free_port, kill_processes_in, web_server
+
+os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # ORM calls from tests that also drive a browser
+ARTIFACTS = REPO_DIR / "test-artifacts" / "e2e"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--disable-quic"]
+PASSWORDS = {"olivia": "pw-olivia-1", "mateo": "pw-mateo-1", "vera": "pw-vera-1", "oscar": "pw-oscar-1",
+             "opal": "pw-opal-1"}
+
+
+
+def pytest_collection_modifyitems(items) -> None:
+    # The browser talks to a server process: what a test stores must be committed for it to see.
+    for item in items:
+        item.add_marker(pytest.mark.django_db(transaction=True, databases=list(settings.DATABASES)))
+
+
+@pytest.fixture(scope="session")
+def browser_type_launch_args(browser_type_launch_args):
+    return {**browser_type_launch_args, "executable_path": CHROMIUM, "args": CHROMIUM_ARGS}
+
+
+@pytest.fixture(scope="session")
+def browser_context_args(browser_context_args):
+    return {**browser_context_args, "viewport": {"width": 1280, "height": 900}}
+
+
+@pytest.fixture(scope="module")
+def server(django_db_setup, django_db_blocker, tmp_path_factory):
+    """daphne and a Celery worker on the test database; engines they start are killed afterwards."""
+    tmp = tmp_path_factory.mktemp("e2e-server")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with django_db_blocker.unblock():
+        try:
+            with web_server(tmp / "web.log", port=port) as web, \
+                    celery_worker(tmp / "worker.log", FORGEBOARD_PUBLIC_URL=url):
+                yield {"url": url, "web": web, "tmp": tmp}
+        finally:
+            kill_processes_in(Path(settings.DATA_DIR) / "runs")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 folder that runs train on in seconds."""
+    out = tmp_path_factory.mktemp("e2e-model") / "tiny-qwen3"
+    subprocess.run([sys.executable, "-m", "workers.engine", "make-tiny-model", "--family", "qwen3", "--out", str(out)],
+                   cwd=REPO_DIR, check=True, capture_output=True, timeout=300)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_script_errors(page):
+    """Every browser test fails on an uncaught error in the page's scripts."""
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    yield errors
+    assert not errors, f"script errors in the page: {errors}"
+
+
+def login(page, server, username: str) -> None:
+    page.goto(f"{server['url']}/login/")
+    page.get_by_label("Username").fill(username)
+    page.get_by_label("Password").fill(PASSWORDS[username])
+    page.get_by_role("button", name="Log in").click()
+    page.wait_for_url(f"{server['url']}/")
+
+
+def screenshot(page, name: str) -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path
