@@ -24,6 +24,12 @@ grpo:
 """
 
 
+TINY_MONARCH_GRPO_YAML = TINY_GRPO_YAML + """\
+placement:
+  backend: monarch
+"""
+
+
 @dataclass
 class Team:
     owner: User
@@ -66,6 +72,20 @@ def running_run(team, grpo_yaml):
     from forgeboard.runs.tokens import run_token_issue
 
     run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING)
+    run.refresh_from_db()
+    return run, run_token_issue(run=run)
+
+
+@pytest.fixture
+def monarch_running_run(team):
+    """A running multi-process (Monarch) run, which takes drills, placement changes and redirects, and its token."""
+    from forgeboard.runs.models import Run
+    from forgeboard.runs.services import run_launch
+    from forgeboard.runs.states import RunState
+    from forgeboard.runs.tokens import run_token_issue
+
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=TINY_MONARCH_GRPO_YAML)
     Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING)
     run.refresh_from_db()
     return run, run_token_issue(run=run)

@@ -88,17 +88,18 @@ def test_commands_run_once_across_a_controller_restart(live_server, running_run,
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_failing_command_reports_its_error(live_server, running_run, team, tmp_path):
-    run, token = running_run
-    command = command_create(actor=team.member, run=run, kind="placement_change", payload={"role": "nope"})
+def test_a_failing_command_reports_its_error(live_server, monarch_running_run, team, tmp_path):
+    run, token = monarch_running_run
+    command = command_create(actor=team.member, run=run, kind="placement_change",
+                             payload={"action": "move", "role": "generator", "replica": 0, "host": "nope"})
 
     def handler(kind: str, payload: dict) -> dict:
-        raise ValueError(f"unknown role {payload['role']!r}")
+        raise ValueError(f"unknown host {payload['host']!r}")
 
     target = ControlPlaneTarget(url=live_server.url, run_id=run.pk, token=token)
     assert CommandChannel(target, ledger=tmp_path / "c.json").poll(handler) == 1
     command.refresh_from_db()
-    assert command.state == "failed" and command.result == {"error": "unknown role 'nope'"}
+    assert command.state == "failed" and command.result == {"error": "unknown host 'nope'"}
 
 
 @pytest.mark.django_db(transaction=True)

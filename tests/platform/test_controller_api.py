@@ -130,12 +130,12 @@ def test_wrong_tokens_are_refused(client, running_run, team, grpo_yaml):
     assert stored(run) == (3, 1, 1)
 
 
-def test_commands_are_pulled_acknowledged_and_finished_once(client, running_run, team):
-    run, token = running_run
-    command = command_create(actor=team.member, run=run, kind="fault_drill", payload={"kind": "kill"})
+def test_commands_are_pulled_acknowledged_and_finished_once(client, monarch_running_run, team):
+    run, token = monarch_running_run
+    command = command_create(actor=team.member, run=run, kind="fault_drill", payload={"kind": "kill", "role": "generator"})
     auth = {"HTTP_AUTHORIZATION": f"Bearer {token}"}
     pulled = client.get(f"/api/v1/controller/runs/{run.pk}/commands", **auth).json()
-    assert [(c["id"], c["kind"], c["payload"]) for c in pulled] == [(command.pk, "fault_drill", {"kind": "kill"})]
+    assert [(c["id"], c["kind"], c["payload"]) for c in pulled] == [(command.pk, "fault_drill", {"kind": "kill", "role": "generator"})]
     for _ in range(2):
         assert client.post(f"/api/v1/controller/runs/{run.pk}/commands/{command.pk}/ack", **auth).json()["state"] == "delivered"
     assert client.get(f"/api/v1/controller/runs/{run.pk}/commands", **auth).json()[0]["state"] == "delivered"

@@ -143,9 +143,8 @@ def test_inactive_user_loses_every_right(team):
     _expect(False, lambda: experiment_create(actor=team.member, project=team.project, name="x", recipe="sft"))
 
 
-def test_commands_audit_their_payload(team, grpo_yaml):
-    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
-    Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING)
+def test_commands_audit_their_payload(team, monarch_running_run):
+    run, _ = monarch_running_run
     command = command_create(actor=team.member, run=run, kind="fault_drill", payload={"kind": "kill", "role": "generator"})
     entry = AuditEvent.objects.get(action="command.fault_drill")
     assert entry.actor == team.member and entry.target_id == str(command.pk)

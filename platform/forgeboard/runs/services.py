@@ -15,17 +15,20 @@ from forgeboard.accounts.models import Role
 from forgeboard.accounts.permissions import Actor, actor_user, require_project_role
 from forgeboard.alerts.services import alerts_for_run_state
 from forgeboard.audit.services import audit_record
-from forgeboard.errors import Conflict, NotFound, ValidationFailed, is_db_id
+from forgeboard.errors import Conflict, FieldProblem, NotFound, ValidationFailed, is_db_id
 from forgeboard.experiments.models import Experiment
 from forgeboard.experiments.services import config_snapshot_create
 from forgeboard.runs.models import Command, CommandKind, CommandState, Run
 from forgeboard.runs.states import ACTIVE_STATES, TERMINAL_STATES, TRANSITIONS, RunState
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append
+from workers.engine.operations import OperationError, parse_operation
 
 logger = logging.getLogger(__name__)
 
 MAX_COMMAND_PAYLOAD_BYTES = 64 * 1024
+# Commands that act on the actors of a multi-process (Monarch) run; their payloads are the engine's typed operations.
+OPERATION_KINDS = frozenset({CommandKind.FAULT_DRILL, CommandKind.PLACEMENT_CHANGE, CommandKind.LOAD_REDIRECT})
 
 
 class IllegalTransition(Conflict):
@@ -133,6 +136,8 @@ def command_create(*, actor: Actor, run: Run, kind: str, payload: dict[str, Any]
         raise ValidationFailed.on("payload", "must be an object")
     if len(json.dumps(payload)) > MAX_COMMAND_PAYLOAD_BYTES:
         raise ValidationFailed.on("payload", f"over {MAX_COMMAND_PAYLOAD_BYTES} bytes")
+    if kind in OPERATION_KINDS:
+        _check_operation(run=run, kind=kind, payload=payload)
     run.refresh_from_db()
     if run.state not in ACTIVE_STATES or run.state == RunState.CANCELLING:
         raise Conflict(f"run {run.pk} is {run.state}: commands go to launching, running or paused runs")
@@ -141,6 +146,20 @@ def command_create(*, actor: Actor, run: Run, kind: str, payload: dict[str, Any]
         audit_record(actor=actor, action=f"command.{kind}", target=command, project=run.experiment.project,
                      payload=payload)
     return command
+
+
+def _check_operation(*, run: Run, kind: str, payload: dict[str, Any]) -> None:
+    """Refuse, before storing, an operation the engine would refuse: a bad payload or a run that cannot do it."""
+    try:
+        parse_operation(kind, payload)
+    except OperationError as error:
+        problems = [FieldProblem(f"payload.{e.field}" if e.field else "payload", e.message) for e in error.errors]
+        raise ValidationFailed("invalid " + kind.replace("_", " ") + ": " + "; ".join(
+            f"{p.field}: {p.message}" for p in problems), problems=problems) from None
+    backend = run.config.parsed.get("placement", {}).get("backend")
+    if backend != "monarch":
+        raise Conflict(f"run {run.pk} runs in a single process (placement.backend {backend!r}): "
+                       f"{kind.replace('_', ' ')} needs placement.backend monarch")
 
 
 def command_acknowledge(*, run: Run, command_id: int) -> Command:
