@@ -44,7 +44,13 @@ def test_member_sees_a_bad_value_at_its_line_fixes_it_and_launches(page, server,
     assert f"path: {demo_model}" in text and text.startswith("# CPU demo, part 1")
     line = _line_of(text, "  steps: 240")
 
-    editor.fill(text.replace("  steps: 240", "  steps: 0"))  # an input event, as typing gives
+    editor.fill(text.replace("  source: arithmetic", "  source: csv"))  # an input event, as typing gives
+    source = page.locator('#config-errors li[data-field="data.source"]')
+    source.wait_for(timeout=10_000)
+    assert source.inner_text().startswith(f"data.source (line {_line_of(text, 'source: arithmetic')}): ")
+    assert "allowed: arithmetic, jsonl" in source.inner_text()  # the JSON Schema's choices, offered as a hint
+
+    editor.fill(text.replace("  steps: 240", "  steps: 0"))
     problem = page.locator('#config-errors li[data-field="trainer.steps"]')
     problem.wait_for(timeout=10_000)
     assert problem.inner_text().startswith(f"trainer.steps (line {line}): Input should be greater than or equal to 1")
@@ -52,6 +58,14 @@ def test_member_sees_a_bad_value_at_its_line_fixes_it_and_launches(page, server,
     assert editor.get_attribute("aria-invalid") == "true" and button.is_disabled()
     assert page.locator("#config-gutter div.bad").all_inner_texts() == [str(line)]
     screenshot(page, "launch_invalid_field")
+    problem.click()  # puts the cursor on the line
+    selected = editor.evaluate("e => e.value.slice(e.selectionStart, e.selectionEnd)")
+    assert selected == "  steps: 0"
+    # The line numbers scroll with the text and are no taller than the editor.
+    scrolled = editor.evaluate("""e => { e.scrollTop = 120; e.dispatchEvent(new Event('scroll'));
+        const g = document.getElementById('config-gutter');
+        return [e.scrollTop, g.scrollTop, e.getBoundingClientRect().height, g.getBoundingClientRect().height]; }""")
+    assert scrolled[0] > 0 and scrolled[1] == scrolled[0] and abs(scrolled[2] - scrolled[3]) <= 2, scrolled
     assert Run.objects.count() == 0 and not Experiment.objects.filter(name="sft-from-browser").exists()
 
     editor.fill(text.replace("  steps: 240", "  steps: 3"))
