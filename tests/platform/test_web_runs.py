@@ -1,0 +1,120 @@
+"""The runs list (filters, key metrics), the run page for each role, and its form fallbacks and members page."""
+
+from __future__ import annotations
+
+import pytest
+
+from forgeboard.accounts.models import Membership
+from forgeboard.experiments.services import experiment_create
+from forgeboard.runs.models import Command, Run
+from forgeboard.runs.services import run_launch
+from forgeboard.runs.states import RunState
+from forgeboard.telemetry.models import MetricSeries
+from forgeboard.web.views.runs import form_payload
+
+
+@pytest.fixture
+def runs(team, grpo_yaml):
+    tagged = experiment_create(actor=team.owner, project=team.project, name="long-context", recipe="grpo", tags=["nightly"])
+    first = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    second = run_launch(actor=team.owner, experiment=tagged, config_yaml=grpo_yaml)
+    Run.objects.filter(pk=second.pk).update(state=RunState.FAILED)
+    MetricSeries.objects.create(run=first, key="reward/mean", point_count=1, first_step=1, last_step=1, last_value=0.625)
+    return first, second
+
+
+def _run_ids(response) -> list[int]:
+    return [row["run"].pk for row in response.context["rows"]]
+
+
+@pytest.mark.parametrize(("query", "expected"), [
+    ("", {0, 1}), ("?state=failed", {1}), ("?tag=nightly", {1}), ("?q=long", {1}), ("?q=mateo", {0}),
+    ("?q=%232", set()), ("?user=olivia", {1}), ("?state=bogus", {0, 1}), ("?experiment=99999999999999999999", {0, 1}),
+])
+def test_the_runs_list_filters(client, team, runs, query, expected):
+    client.force_login(team.viewer)
+    response = client.get(f"/p/alpha/{query}")
+    assert response.status_code == 200
+    assert set(_run_ids(response)) == {runs[i].pk for i in expected}
+
+
+def test_the_runs_list_shows_key_metrics_and_compare_boxes(client, team, runs):
+    client.force_login(team.viewer)
+    page = client.get("/p/alpha/").content.decode()
+    assert "0.625" in page and f'name="runs" value="{runs[0].pk}"' in page
+    assert "Launch a run" not in page  # viewers cannot launch
+
+
+def test_the_run_page_for_a_member_has_controls_and_for_a_viewer_none(client, team, runs):
+    run = runs[0]
+    Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING)
+    client.force_login(team.member)
+    page = client.get(f"/runs/{run.pk}/").content.decode()
+    assert 'id="controls"' in page and "Cancel run" in page and "recipe: grpo" in page
+    client.force_login(team.viewer)
+    page = client.get(f"/runs/{run.pk}/").content.decode()
+    assert 'id="controls"' not in page and "Cancel run" not in page and "recipe: grpo" in page
+
+
+def test_outsiders_get_404_for_runs_and_rollouts(client, team, runs):
+    client.force_login(team.outsider)
+    assert client.get(f"/runs/{runs[0].pk}/").status_code == 404
+    assert client.get(f"/runs/{runs[0].pk}/rollouts/").status_code == 404
+    assert client.get("/runs/99999999999999999999/").status_code == 404
+
+
+def test_form_payload_nests_and_types_fields():
+    fields = {"kind": "fault_drill", "payload.kind": "hang", "payload.replica": "1", "payload.duration_s": "2.5",
+              "payload.schedule.at_step": "7", "payload.latency_ms": ""}
+    assert form_payload(fields) == {"kind": "hang", "replica": 1, "duration_s": 2.5, "schedule": {"at_step": 7}}
+
+
+def test_the_command_form_fallback_stores_a_command_or_shows_the_reason(client, team, runs):
+    run = runs[0]
+    Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING)
+    client.force_login(team.member)
+    response = client.post(f"/runs/{run.pk}/commands/", {"kind": "pause"}, follow=True)
+    assert Command.objects.get(run=run).kind == "pause"
+    assert "pause sent" in response.content.decode().lower()
+    response = client.post(f"/runs/{run.pk}/commands/", {"kind": "fault_drill", "payload.kind": "kill",
+                                                         "payload.role": "generator"}, follow=True)
+    assert "needs placement.backend monarch" in response.content.decode()
+    assert Command.objects.filter(run=run).count() == 1
+    client.force_login(team.viewer)
+    response = client.post(f"/runs/{run.pk}/commands/", {"kind": "pause"})
+    assert response.status_code == 403 and Command.objects.filter(run=run).count() == 1
+
+
+def test_cancel_from_the_page(client, team, runs):
+    run = runs[0]
+    client.force_login(team.viewer)
+    assert client.post(f"/runs/{run.pk}/cancel/").status_code == 403
+    client.force_login(team.member)
+    client.post(f"/runs/{run.pk}/cancel/")
+    assert Run.objects.get(pk=run.pk).state == RunState.CANCELLED
+    response = client.post(f"/runs/{run.pk}/cancel/", follow=True)
+    assert "already ended" in response.content.decode()
+
+
+def test_starting_from_a_missing_checkpoint_explains(client, team, runs):
+    client.force_login(team.member)
+    response = client.post(f"/runs/{runs[0].pk}/checkpoints/40/launch/", follow=True)
+    assert "no checkpoint at step 40" in response.content.decode()
+    assert Run.objects.count() == 2
+
+
+def test_owners_manage_members_and_others_cannot(client, team):
+    client.force_login(team.owner)
+    client.post("/p/alpha/members/", {"username": "oscar", "role": "viewer", "action": "set"})
+    assert Membership.objects.get(project=team.project, user=team.outsider).role == "viewer"
+    response = client.post("/p/alpha/members/", {"username": "nobody", "role": "viewer", "action": "set"}, follow=True)
+    assert "no active user named" in response.content.decode()
+    response = client.post("/p/alpha/members/", {"username": "olivia", "role": "viewer", "action": "set"}, follow=True)
+    assert "at least one owner" in response.content.decode()
+    client.post("/p/alpha/members/", {"username": "oscar", "action": "remove"})
+    assert not Membership.objects.filter(project=team.project, user=team.outsider).exists()
+    client.force_login(team.member)
+    assert client.post("/p/alpha/members/", {"username": "oscar", "role": "owner", "action": "set"}).status_code == 403
+    assert not Membership.objects.filter(project=team.project, user=team.outsider).exists()
+    page = client.get("/p/alpha/members/").content.decode()
+    assert "Add a member" not in page and "olivia" in page
