@@ -23,7 +23,7 @@ START = 1_700_000_000.0
 LOSS = "FBCompare.grid().charts.get('loss')"
 
 
-def _finished_run(team, *, overrides: list[str], steps: int, scale: float) -> Run:
+def _finished_run(team, *, overrides: list[str], steps: int, scale: float, long_steps: int = 0) -> Run:
     """A run that already ran (the worker skips it: it is not queued once the launch commits), with metrics."""
     with transaction.atomic():
         run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=TINY_GRPO_YAML, overrides=overrides)
@@ -33,12 +33,23 @@ def _finished_run(team, *, overrides: list[str], steps: int, scale: float) -> Ru
                for step in range(steps)
                for key, value in (("loss", scale * (1.0 + (-1) ** step * 0.5) / (step + 1)),
                                   ("reward/mean", min(1.0, step / steps * scale)))]
+    metrics += [{"key": "tokens_per_s", "step": step, "value": 100.0 + step % 7, "time": START + step}
+                for step in range(long_steps)]
     telemetry_ingest(run=run, batches=[TelemetryBatch(seq=1, metrics=metrics)])
     return run
 
 
+def _drag(page, figure, start: float, end: float) -> None:
+    """Select an x range on a chart with the mouse (a zoom)."""
+    box = figure.locator(".u-over").bounding_box()
+    page.mouse.move(box["x"] + box["width"] * start, box["y"] + box["height"] / 2)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * end, box["y"] + box["height"] / 2, steps=5)
+    page.mouse.up()
+
+
 def test_compare_two_runs(page, server, team):
-    a = _finished_run(team, overrides=[], steps=40, scale=1.0)
+    a = _finished_run(team, overrides=[], steps=40, scale=1.0, long_steps=1500)
     b = _finished_run(team, overrides=["trainer.optimizer.lr=0.001"], steps=25, scale=2.0)
     login(page, server, "vera")  # a viewer may compare
     page.goto(f"{server['url']}/p/alpha/compare/?runs={a.pk}&runs={b.pk}")
@@ -52,12 +63,15 @@ def test_compare_two_runs(page, server, team):
     assert legend.nth(1).inner_text().startswith(f"math #{a.number}")
     assert legend.nth(2).inner_text().startswith(f"math #{b.number}")
 
+    long = page.locator('figure.chart[data-key="tokens_per_s"]')
+    assert long.get_attribute("data-series-points") == "500,0"  # 1500 steps in 500 slices; run b has none
+    _drag(page, long, 0.1, 0.6)
+    page.wait_for_function("Number(document.querySelector('figure.chart[data-key=\"tokens_per_s\"]')"
+                           ".dataset.seriesPoints.split(',')[0]) > 500")  # the zoomed range at full resolution
+    assert long.get_attribute("data-zoomed") == "true"
+
     raw = page.evaluate(f"{LOSS}.plot.data[1].slice(0, 4)")
-    box = loss.locator(".u-over").bounding_box()
-    page.mouse.move(box["x"] + box["width"] * 0.1, box["y"] + box["height"] / 2)
-    page.mouse.down()
-    page.mouse.move(box["x"] + box["width"] * 0.6, box["y"] + box["height"] / 2, steps=5)
-    page.mouse.up()
+    _drag(page, loss, 0.1, 0.6)
     zoom = f"(() => {{ const x = {LOSS}.plot.scales.x; return [x.min, x.max]; }})()"
     zoomed = page.evaluate(zoom)
     assert loss.get_attribute("data-zoomed") == "true"

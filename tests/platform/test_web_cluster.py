@@ -182,3 +182,18 @@ def test_without_a_placement_event_the_launch_plan_puts_enabled_roles_on_the_run
     row = row[:row.index("</tr>")]
     assert "trainer" in row and "generator" in row and "reward" in row and "reference" not in row
     assert "launch plan" in row
+
+
+def test_runs_on_unregistered_hosts_and_unplaced_runs_are_listed_too(client, team, cluster, grpo_yaml):
+    local = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    launching = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    Run.objects.filter(pk=local.pk).update(state=RunState.RUNNING, host="laptop")
+    Run.objects.filter(pk=launching.pk).update(state=RunState.LAUNCHING)
+    client.force_login(team.viewer)
+    html = client.get("/cluster/").content.decode()
+    laptop = _host_section(html, "laptop")
+    assert "not in the inventory" in laptop and f'data-run="{local.pk}"' in laptop and "trainer" in laptop
+    unplaced = html[html.index('id="unplaced"'):]
+    assert f'data-run="{launching.pk}"' in unplaced and f"math #{launching.number}" in unplaced
+    assert f'data-run="{launching.pk}"' not in html[:html.index('id="unplaced"')]
+    assert "not in the inventory" not in _host_section(html, "gpu-a")

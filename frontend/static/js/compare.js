@@ -1,7 +1,8 @@
 // The compare page: one chart per metric key with one series per run, fetched downsampled from
 // /api/v1/runs/<id>/metrics/<key>?buckets=N (steps, values and wall times). The x axis switches between
 // step and seconds since each run started; smoothing, zoom and hidden series survive both switches
-// where they can (zoom is kept across smoothing, hidden series across everything).
+// where they can (zoom is kept across smoothing, hidden series across everything). Zooming in fetches
+// the zoomed range of downsampled series again at full resolution.
 (function () {
   "use strict";
   const $ = (id) => document.getElementById(id);
@@ -17,9 +18,10 @@
   let smoothing = 0;
   let grid = null;
 
-  function pointsUrl(runId, key) {
+  function pointsUrl(runId, key, range = null) {
     const path = key.split("/").map(encodeURIComponent).join("/");
-    return data.pointsUrl.replace("{id}", String(runId)) + path + "?buckets=" + data.buckets;
+    const url = data.pointsUrl.replace("{id}", String(runId)) + path + "?buckets=" + data.buckets;
+    return range ? `${url}&start_step=${range[0]}&end_step=${range[1]}` : url;
   }
 
   function toPoints(series, run) {
@@ -52,6 +54,36 @@
     markDrawn(key);
   }
 
+  // The steps of a run that fall in a zoomed x range (step or seconds), one coarse slice wider on each side.
+  function stepRange(coarse, run, min, max) {
+    if (axis === "step") return [Math.max(0, Math.floor(min)), Math.ceil(max)];
+    const xs = toPoints(coarse, run).map(([x]) => x);
+    const inside = xs.map((x, i) => (x >= min && x <= max ? i : -1)).filter((i) => i >= 0);
+    if (!inside.length) return null;
+    const lo = Math.max(0, inside[0] - 1), hi = Math.min(coarse.steps.length - 1, inside[inside.length - 1] + 1);
+    return [coarse.steps[lo], coarse.steps[hi]];
+  }
+
+  // Zoomed in: fetch the zoomed range of each downsampled series at full resolution (at most `buckets` points).
+  async function loadDetail(key, min, max) {
+    if (min === null) return;
+    const target = grid;
+    await Promise.allSettled(data.runs.map(async (run, i) => {
+      const coarse = fetched[key] && fetched[key][i];
+      if (!coarse || coarse.steps.length >= (run.points[key] || 0)) return;  // already every point
+      const range = stepRange(coarse, run, min, max);
+      if (!range) return;
+      const detail = await FB.api(pointsUrl(run.id, key, range));
+      const points = toPoints(detail, run);
+      if (grid !== target || !points.length) return;  // the axis changed meanwhile, or nothing there
+      // The finer points replace the coarse ones in their range (a mix of both would zigzag).
+      const series = grid.chart(key).series[i], lo = points[0][0], hi = points[points.length - 1][0];
+      Array.from(series.points.keys()).forEach((x) => { if (x >= lo && x <= hi) series.points.delete(x); });
+      grid.add(key, points, i);
+    }));
+    if (grid === target) markDrawn(key);
+  }
+
   // A new grid for the current axis, with every fetched series drawn and the hidden series kept.
   function buildGrid() {
     const hidden = new Map();
@@ -62,7 +94,7 @@
       });
     }
     container.replaceChildren();
-    grid = new FBCharts.ChartGrid(container, { labels, xLabel: axis === "time" ? "seconds" : "step" });
+    grid = new FBCharts.ChartGrid(container, { labels, xLabel: axis === "time" ? "seconds" : "step", onZoom: loadDetail });
     grid.smoothing = smoothing;
     container.dataset.axis = axis;
     data.keys.forEach((key) => {

@@ -117,12 +117,20 @@ def _run_actors(run: Run, placement: RunEvent | None) -> list[tuple[str, str]]:
     return placement_actors(payload={k: v for k, v in plan.items() if k in enabled}, default_host=run.host)
 
 
-def cluster_overview(*, viewer: User, now: datetime, stale_after_s: float) -> list[HostOverview]:
+@dataclass
+class ClusterOverview:
+    hosts: list[HostOverview]
+    elsewhere: dict[str, list[RunOnHost]]  # runs on hosts no agent has registered, by host name
+    unplaced: list[RunOnHost]  # active runs not on any host yet (launching)
+
+
+def cluster_overview(*, viewer: User, now: datetime, stale_after_s: float) -> ClusterOverview:
     """Every host with its devices, heartbeat age, and the active runs placed on it.
 
     A run is on a host when the host is its `host`, a key of its `allocation`, or where its latest placement
     event (else its launch plan) puts an actor. Runs of projects the viewer cannot see are included with
-    `visible=False` and no identifying detail.
+    `visible=False` and no identifying detail. Runs on hosts missing from the inventory (a local run with no
+    node agent) are listed under `elsewhere`, runs with no host at all under `unplaced`.
     """
     hosts = list(hosts_with_devices())
     visible_projects = set(projects_for_user(user=viewer).values_list("pk", flat=True))
@@ -130,6 +138,7 @@ def cluster_overview(*, viewer: User, now: datetime, stale_after_s: float) -> li
                 .order_by("pk"))
     placements = _latest_placements(run_ids=[run.pk for run in runs])
     by_host: dict[str, list[RunOnHost]] = {}
+    unplaced: list[RunOnHost] = []
     for run in runs:
         visible = run.experiment.project_id in visible_projects
         allocation = run.allocation if isinstance(run.allocation, Mapping) else {}
@@ -138,26 +147,28 @@ def cluster_overview(*, viewer: User, now: datetime, stale_after_s: float) -> li
             actors.setdefault(hostname, []).append(name)
         placement = placements.get(run.pk)
         source = f"{placement.get_kind_display().lower()} #{placement.seq}" if placement else "launch plan"
-        for hostname in dict.fromkeys([run.host, *allocation, *actors]):
-            if not hostname:
-                continue
+        hostnames = [name for name in dict.fromkeys([run.host, *allocation, *actors]) if name]
+        for hostname in hostnames or [""]:
             reserved = allocation.get(hostname) if isinstance(allocation.get(hostname), Mapping) else {}
-            by_host.setdefault(hostname, []).append(RunOnHost(
+            placed = RunOnHost(
                 run_id=run.pk, visible=visible, state=run.state,
                 label=f"{run.experiment.name} #{run.number}" if visible else "another project",
                 project_slug=run.experiment.project.slug if visible else "",
                 gpus=reserved.get("gpus"), slots=reserved.get("slots"),
                 actors=actors.get(hostname, []) if visible else [], placement_source=source if visible else "",
-            ))
+            )
+            if hostname:
+                by_host.setdefault(hostname, []).append(placed)
+            else:
+                unplaced.append(placed)
     overview = []
     for host in hosts:
         age = (now - host.last_heartbeat_at).total_seconds() if host.last_heartbeat_at else None
         overview.append(HostOverview(
             host=host, devices=list(host.devices.all()), heartbeat_age_s=age,
-            stale=age is None or age > stale_after_s, runs=by_host.get(host.hostname, []),
+            stale=age is None or age > stale_after_s, runs=by_host.pop(host.hostname, []),
         ))
-    return overview
-
+    return ClusterOverview(hosts=overview, elsewhere=dict(sorted(by_host.items())), unplaced=unplaced)
 
 def host_get(*, hostname: str) -> Host:
     host = Host.objects.filter(hostname=hostname).first() if hostname else None

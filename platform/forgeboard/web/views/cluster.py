@@ -30,12 +30,13 @@ def _is_operator(request: HttpRequest) -> bool:
 def cluster(request: HttpRequest) -> HttpResponse:
     if request.method == "POST":
         return _set_state(request)
-    hosts = cluster_overview(viewer=request.user, now=timezone.now(),
-                             stale_after_s=settings.HOST_HEARTBEAT_TIMEOUT_S / 2)
+    overview = cluster_overview(viewer=request.user, now=timezone.now(),
+                                stale_after_s=settings.HOST_HEARTBEAT_TIMEOUT_S / 2)
     return render(request, "web/cluster.html", {
-        "hosts": hosts, "can_operate": _is_operator(request), "settable_states": SETTABLE_STATES,
+        "hosts": overview.hosts, "elsewhere": overview.elsewhere, "unplaced": overview.unplaced,
+        "can_operate": _is_operator(request), "settable_states": SETTABLE_STATES,
         "stale_after_s": int(settings.HOST_HEARTBEAT_TIMEOUT_S / 2),
-        "gpu_count": sum(1 for h in hosts for d in h.devices if d.kind == "gpu"),
+        "gpu_count": sum(1 for h in overview.hosts for d in h.devices if d.kind == "gpu"),
     })
 
 
