@@ -26,6 +26,8 @@ def test_live_charts_keep_zoom_and_hidden_series_across_updates_and_reconnects(p
     first = page.evaluate(POINTS)
     page.wait_for_function(f"{POINTS} > {first}", timeout=30_000)  # more arrive while we watch
     assert page.locator("#conn").inner_text() == "live"
+    # checkpoint_saved events refresh the checkpoints table, with a way to start a new run from each
+    page.wait_for_selector("#checkpoints button:has-text('Start a new run from here')", timeout=60_000)
 
     chart = page.locator('figure.chart[data-key="loss"] .u-over')
     box = chart.bounding_box()
@@ -85,5 +87,6 @@ def test_viewer_sees_the_run_but_no_controls(page, server, team, tiny_model):
     login(page, server, "vera")
     page.goto(f"{server['url']}/runs/{run.pk}/")
     assert page.locator("#controls").count() == 0
+    assert page.locator("#checkpoints button").count() == 0
     assert page.get_by_role("button", name="Cancel run").count() == 0
     assert page.locator("#config").inner_text().startswith("recipe: sft")

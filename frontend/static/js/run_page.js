@@ -66,6 +66,7 @@
       if (event.seq <= lastSeq) return;
       lastSeq = event.seq;
       if (event.kind === "state_changed" && event.payload && event.payload.to) setState(event.payload.to);
+      if (event.kind === "checkpoint_saved") document.body.dispatchEvent(new CustomEvent("checkpoint-saved"));
       const item = document.createElement("li");
       item.className = "ev-" + event.kind;
       item.dataset.kind = event.kind;

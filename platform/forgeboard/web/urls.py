@@ -14,6 +14,7 @@ urlpatterns = [
     path("p/<slug:slug>/compare/", compare.compare, name="compare"),
     path("runs/<int:run_id>/", runs.run_detail, name="run_detail"),
     path("runs/<int:run_id>/rollouts/", runs.run_rollouts, name="run_rollouts"),
+    path("runs/<int:run_id>/checkpoints/", runs.run_checkpoints_part, name="run_checkpoints"),
     path("runs/<int:run_id>/cancel/", runs.run_cancel_view, name="run_cancel"),
     path("runs/<int:run_id>/commands/", runs.run_command, name="run_command"),
     path("runs/<int:run_id>/checkpoints/<int:step>/launch/", runs.run_from_checkpoint, name="run_from_checkpoint"),

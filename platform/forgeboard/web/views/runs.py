@@ -111,6 +111,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     context = {
         "run": run, "project": project, "role": role, "can_operate": can_operate,
         "active": run.state in ACTIVE_STATES, "duration": duration_of(run),
+        "multi_process": parsed.get("placement", {}).get("backend") == "monarch",
         "checkpoints": run_checkpoints(run=run), "placement": _placement(run),
         "placement_json": json.dumps(_placement(run)["plan"], indent=2, sort_keys=True),
         "commands": run.commands.select_related("created_by").order_by("-id")[:20],
@@ -121,6 +122,18 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
                      "wsPath": f"/ws/runs/{run.pk}/", "apiPath": f"/api/v1/runs/{run.pk}/"},
     }
     return render(request, "web/run.html", context)
+
+
+@login_required
+@require_GET
+def run_checkpoints_part(request: HttpRequest, run_id: int) -> HttpResponse:
+    """The checkpoints table; the page reloads it when a checkpoint_saved event arrives."""
+    run = _run_or_404(request, run_id)
+    role = project_role(actor=request.user, project=run.experiment.project)
+    return render(request, "web/_checkpoints.html", {
+        "run": run, "checkpoints": run_checkpoints(run=run),
+        "can_operate": role is not None and role.rank >= Role.MEMBER.rank,
+    })
 
 
 @login_required
