@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from django.conf import settings
 
 from forgeboard.experiments.models import Experiment
@@ -41,7 +42,7 @@ def test_member_sees_a_bad_value_at_its_line_fixes_it_and_launches(page, server,
     page.locator("#new_recipe").select_option("sft")
     page.locator("#preset").select_option("cpu_demo_sft")
     text = editor.input_value()
-    assert f"path: {demo_model}" in text and text.startswith("# CPU demo, part 1")
+    assert yaml.safe_load(text)["model"]["path"] == str(demo_model) and text.startswith("# CPU demo, part 1")
     line = _line_of(text, "  steps: 240")
 
     editor.fill(text.replace("  source: arithmetic", "  source: csv"))  # an input event, as typing gives
