@@ -52,7 +52,13 @@ def test_compare_two_runs(page, server, team):
     a = _finished_run(team, overrides=[], steps=40, scale=1.0, long_steps=1500)
     b = _finished_run(team, overrides=["trainer.optimizer.lr=0.001"], steps=25, scale=2.0)
     login(page, server, "vera")  # a viewer may compare
-    page.goto(f"{server['url']}/p/alpha/compare/?runs={a.pk}&runs={b.pk}")
+    page.goto(f"{server['url']}/p/alpha/")  # from the runs list: tick two, compare
+    page.get_by_label(f"Compare math #{a.number}").check()
+    page.get_by_label(f"Compare math #{b.number}").check()
+    page.get_by_role("button", name="Compare selected").click()
+    page.wait_for_url(f"{server['url']}/p/alpha/compare/?runs={b.pk}&runs={a.pk}")  # the list is newest first
+    assert page.get_by_role("heading", name="Compare 2 runs").is_visible()
+    page.goto(f"{server['url']}/p/alpha/compare/?runs={a.pk},{b.pk}")  # a first: the legend order below
     page.wait_for_function("document.getElementById('compare-charts').dataset.state === 'ready'", timeout=30_000)
 
     loss = page.locator('figure.chart[data-key="loss"]')
