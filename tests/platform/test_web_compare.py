@@ -197,6 +197,7 @@ def test_summary_shows_state_who_duration_and_final_values(client, team, pair):
     summary = summary[:summary.index("</tr>")]
     assert "Succeeded" in summary and "mateo" in summary and "2m 05s" in summary and "0.75" in summary
     assert f'href="/runs/{a.pk}/"' in summary
+    assert "<code>trainer.optimizer.lr=0.001</code> <code>trainer.steps=8</code>" in html  # b's overrides
 
 
 def test_summary_falls_back_to_the_first_keys_without_key_metrics(client, team, grpo_yaml):
