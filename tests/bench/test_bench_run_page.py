@@ -20,13 +20,7 @@ from forgeboard.runs.models import Run
 from forgeboard.runs.services import run_launch
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.ingest import telemetry_ingest
-from tests.e2e.conftest import (  # noqa: F401 - browser fixtures
-    browser_context_args,
-    browser_type_launch_args,
-    login,
-    no_script_errors,
-    server,
-)
+from tests.e2e.conftest import login
 from workers.engine.telemetry_wire import TelemetryBatch
 
 pytestmark = [pytest.mark.django_db(transaction=True, databases=list(settings.DATABASES))]
