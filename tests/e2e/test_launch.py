@@ -89,6 +89,10 @@ def test_member_sees_a_bad_value_at_its_line_fixes_it_and_launches(page, server,
     wait_for(lambda: Run.objects.get(pk=run.pk).state in ("succeeded", "failed"), timeout=180, what="the run ends")
     run.refresh_from_db()
     assert run.state == "succeeded", run.exit_reason
+    # The page watched it over the websocket: chart points arrived and the badge followed the state.
+    page.wait_for_function("Number(document.querySelector('figure.chart[data-key=\"loss\"]')?.dataset.points) >= 3",
+                           timeout=30_000)
+    page.wait_for_function("document.getElementById('run-state').dataset.state === 'succeeded'", timeout=30_000)
     screenshot(page, "launch_landed_on_run_page")
 
 

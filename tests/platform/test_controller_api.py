@@ -163,3 +163,16 @@ def test_non_finite_values_are_stored_as_reported(client, running_run):
     values = list(MetricPoint.objects.filter(series__run=run).order_by("step").values_list("value", flat=True))
     assert values[0] is None, "NaN is kept as null (SQLite cannot store NaN; JSON has no NaN)"
     assert values[1] == float("-inf") and values[2] == 1e-310
+
+
+def test_nul_characters_from_a_random_model_are_stored_not_refused(client, running_run):
+    """A tiny random model's completion held a NUL; Postgres refused it and every retry got a 500."""
+    run, token = running_run
+    body = batch(1)
+    body["events"] = [{"kind": "rollout", "time": 1.7e9,
+                       "payload": {"step": 3, "prompt": "11+6=", "completion": "\ufffd\f\x00x", "k\x00": ["\x00"]}}]
+    body["logs"] = [{"line": "bad \x00 byte", "time": 1.7e9}]
+    assert post(client, run, token, {"batches": [body]}).status_code == 200
+    payload = RunEvent.objects.get(run=run, kind="rollout").payload
+    assert payload["completion"] == "\ufffd\f\ufffdx" and payload["k\ufffd"] == ["\ufffd"]
+    assert LogLine.objects.get(run=run).line == "bad \ufffd byte"

@@ -21,7 +21,7 @@ from forgeboard.experiments.services import config_snapshot_create
 from forgeboard.runs.models import Command, CommandKind, CommandState, Run
 from forgeboard.runs.states import ACTIVE_STATES, TERMINAL_STATES, TRANSITIONS, RunState
 from forgeboard.telemetry.models import EventKind
-from forgeboard.telemetry.services import event_append
+from forgeboard.telemetry.services import event_append, storable
 from workers.engine.operations import OperationError, parse_operation
 
 logger = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ def command_finish(*, run: Run, command_id: int, ok: bool, result: dict[str, Any
         command.acknowledged_at = command.acknowledged_at or now
         command.delivered_at = command.delivered_at or now
         command.state = CommandState.SUCCEEDED if ok else CommandState.FAILED
-        command.result = result
+        command.result = storable(result)
         command.save()
         event_append(run=run, kind=EventKind.COMMAND_FINISHED,
                      payload={"command": command.pk, "kind": command.kind, "ok": ok, "result": result})

@@ -15,7 +15,7 @@ from django.utils import timezone
 from forgeboard.errors import Conflict
 from forgeboard.runs.models import Run
 from forgeboard.telemetry.models import LogLine, MetricPoint, MetricSeries, RunEvent
-from forgeboard.telemetry.services import event_to_wire
+from forgeboard.telemetry.services import event_to_wire, storable
 from forgeboard.telemetry.streams import publish_run_update
 from workers.engine.telemetry_wire import TelemetryBatch, WireMetric
 
@@ -57,7 +57,7 @@ def telemetry_ingest(*, run: Run, batches: Sequence[TelemetryBatch]) -> IngestRe
             result.points += _store_metrics(run_id=run.pk, metrics=batch.metrics)
             events = _store_events(run=locked, batch=batch)
             LogLine.objects.bulk_create(
-                [LogLine(run_id=run.pk, batch_seq=batch.seq, index=i, line=log.line, wall_time=log.time)
+                [LogLine(run_id=run.pk, batch_seq=batch.seq, index=i, line=storable(log.line), wall_time=log.time)
                  for i, log in enumerate(batch.logs)]
             )
             Run.objects.filter(pk=run.pk).update(
@@ -76,7 +76,7 @@ def _store_events(*, run: Run, batch: TelemetryBatch) -> list[RunEvent]:
     events = []
     for wire in batch.events:
         run.last_event_seq += 1
-        events.append(RunEvent(run_id=run.pk, seq=run.last_event_seq, kind=wire.kind, payload=wire.payload,
+        events.append(RunEvent(run_id=run.pk, seq=run.last_event_seq, kind=wire.kind, payload=storable(wire.payload),
                                occurred_at=datetime.fromtimestamp(wire.time, UTC)))
     return RunEvent.objects.bulk_create(events)
 

@@ -16,6 +16,21 @@ from forgeboard.telemetry.models import EventKind, RunEvent
 from forgeboard.telemetry.streams import publish_run_update
 
 
+NUL = "\x00"
+
+
+def storable(value: Any) -> Any:
+    """The value with NUL characters replaced (U+FFFD): Postgres text and jsonb refuse them, and a random
+    model's completions contain them. Applied to everything a run reports that is stored as text."""
+    if isinstance(value, str):
+        return value.replace(NUL, "\ufffd") if NUL in value else value
+    if isinstance(value, dict):
+        return {storable(k): storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable(v) for v in value]
+    return value
+
+
 @transaction.atomic
 def event_append(
     *, run: Run, kind: EventKind | str, payload: Mapping[str, Any] | None = None, occurred_at: datetime | None = None
@@ -27,7 +42,7 @@ def event_append(
     seq = Run.objects.filter(pk=run.pk).values_list("last_event_seq", flat=True).get()
     run.last_event_seq = seq
     event = RunEvent.objects.create(
-        run_id=run.pk, seq=seq, kind=kind, payload=dict(payload or {}), occurred_at=occurred_at or timezone.now()
+        run_id=run.pk, seq=seq, kind=kind, payload=storable(dict(payload or {})), occurred_at=occurred_at or timezone.now()
     )
     update = {"type": "run.update", "run": run.pk, "events": [event_to_wire(event)], "metrics": {}, "logs": []}
     transaction.on_commit(lambda: publish_run_update(run=run, update=update))
