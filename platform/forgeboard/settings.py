@@ -167,6 +167,8 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 HOST_HEARTBEAT_TIMEOUT_S = env.int("FORGEBOARD_HOST_HEARTBEAT_TIMEOUT_S", 60, minimum=10)
+# A recovery (after a fault drill or a real failure) slower than this fires drill_recovery_slow webhooks.
+RECOVERY_ALERT_S = env.int("FORGEBOARD_RECOVERY_ALERT_S", 30, minimum=1)
 # Concurrent CPU-only runs (engine controllers) per host; see runs/scheduling.py.
 LOCAL_RUN_SLOTS = env.int("FORGEBOARD_LOCAL_RUN_SLOTS", 2, minimum=1)
 CELERY_BEAT_SCHEDULE = {

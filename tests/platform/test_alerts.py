@@ -209,3 +209,18 @@ def test_run_transitions_to_failed_or_lost_queue_alerts_with_the_state_change(te
     assert [(d.event, d.payload["run"]["state"], d.payload["run"]["exit_reason"]) for d in deliveries] == [
         ("run_lost", "lost", "no heartbeat"), ("run_failed", "failed", "gave up")]
     assert len(queued) == 2  # the run.update publish and the delivery's task, both after commit
+
+
+def test_a_slow_recovery_reported_by_a_run_queues_an_alert(team, running_run, settings):
+    from forgeboard.telemetry.ingest import telemetry_ingest
+    from workers.engine.telemetry_wire import TelemetryBatch
+
+    settings.RECOVERY_ALERT_S = 10
+    run, _ = running_run
+    webhook_create(actor=team.owner, project=team.project, url="https://hooks.example.com/x",
+                   events=["drill_recovery_slow"])
+    events = [{"kind": "recovered", "time": 1.7e9, "payload": {"role": "generator", "time_to_recover_s": s}}
+              for s in (2.5, 12.0, "soon")]
+    telemetry_ingest(run=run, batches=[TelemetryBatch.model_validate({"seq": 1, "events": events})])
+    [delivery] = WebhookDelivery.objects.filter(event="drill_recovery_slow")
+    assert delivery.payload["recovery_s"] == 12.0 and delivery.payload["threshold_s"] == 10.0

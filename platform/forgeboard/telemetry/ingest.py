@@ -9,12 +9,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
+from forgeboard.alerts.services import alerts_for_recovery
 from forgeboard.errors import Conflict
 from forgeboard.runs.models import Run
-from forgeboard.telemetry.models import LogLine, MetricPoint, MetricSeries, RunEvent
+from forgeboard.telemetry.models import EventKind, LogLine, MetricPoint, MetricSeries, RunEvent
 from forgeboard.telemetry.services import event_to_wire, storable
 from forgeboard.telemetry.streams import publish_run_update
 from workers.engine.telemetry_wire import TelemetryBatch, WireMetric
@@ -56,6 +58,7 @@ def telemetry_ingest(*, run: Run, batches: Sequence[TelemetryBatch]) -> IngestRe
                 raise SequenceGap(expected=locked.telemetry_seq + 1, got=batch.seq)
             result.points += _store_metrics(run_id=run.pk, metrics=batch.metrics)
             events = _store_events(run=locked, batch=batch)
+            _alert_slow_recoveries(run=run, events=events)
             LogLine.objects.bulk_create(
                 [LogLine(run_id=run.pk, batch_seq=batch.seq, index=i, line=storable(log.line), wall_time=log.time)
                  for i, log in enumerate(batch.logs)]
@@ -79,6 +82,13 @@ def _store_events(*, run: Run, batch: TelemetryBatch) -> list[RunEvent]:
         events.append(RunEvent(run_id=run.pk, seq=run.last_event_seq, kind=wire.kind, payload=storable(wire.payload),
                                occurred_at=datetime.fromtimestamp(wire.time, UTC)))
     return RunEvent.objects.bulk_create(events)
+
+
+def _alert_slow_recoveries(*, run: Run, events: list[RunEvent]) -> None:
+    for event in events:
+        seconds = event.payload.get("time_to_recover_s") if event.kind == EventKind.RECOVERED else None
+        if isinstance(seconds, int | float) and not isinstance(seconds, bool) and math.isfinite(seconds) and seconds >= 0:
+            alerts_for_recovery(run=run, recovery_s=float(seconds), threshold_s=float(settings.RECOVERY_ALERT_S))
 
 
 def _series_ids(*, run_id: int, keys: set[str]) -> dict[str, int]:
