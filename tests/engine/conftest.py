@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+import workers.engine.actors  # noqa: F401 - before any monarch import: dead procs are noticed within ~1 s
 import torch
 
 torch.set_num_threads(1)  # 2 cores shared with other test suites: more threads spin and stall

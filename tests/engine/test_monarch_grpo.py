@@ -65,12 +65,21 @@ def test_monarch_run_recovers_from_a_killed_trainer_rank(monarch_run: tuple[Grpo
     result, sink, _ = monarch_run
     events = [r for r in sink.records if r["kind"] == "event"]
     names = [e["name"] for e in events]
-    assert names.index("fault_drill") < names.index("trainer_failed") < names.index("trainer_recovered")
-    recovered = events[names.index("trainer_recovered")]
+    assert names.count("failure_detected") == names.count("recovered") == 1
+    assert names.index("fault_injected") < names.index("failure_detected") < names.index("replica_replaced") < names.index("recovered")
+    injected, detected, recovered = (events[names.index(n)] for n in ("fault_injected", "failure_detected", "recovered"))
+    assert (injected["fault_kind"], injected["role"], injected["replica"]) == ("kill", "trainer", 1)
+    assert detected["fault_id"] == recovered["fault_id"] == injected["fault_id"] and not detected["hung"]
+    assert 0.0 <= detected["time_to_detect_s"] < 10.0 and recovered["time_to_recover_s"] > 0.0
     assert recovered["path"].endswith("step_000002") and recovered["policy_version"] == 2
+    assert recovered["action"] == "restored_checkpoint" and recovered["steps_lost"] == 1
     # steps 1-3 ran, step 4 failed, steps 3-5 ran again from the step-2 checkpoint
     assert [m["policy_version"] for m in result.metrics] == [1, 2, 3, 3, 4, 5]
     assert all(m["grad_norm"] > 0.0 for m in result.metrics[3:])
+    assert result.metrics[-1]["faults/steps_lost"] == 1
+    # the run's final steps trained each sample once (step 3 was redone from the restored data position)
+    ids = [sample for step in sorted(result.trained_samples) for sample in result.trained_samples[step]]
+    assert len(ids) == 5 * 4 and len(set(ids)) == len(ids)
 
 
 def test_monarch_checkpoint_loads_in_one_process(monarch_run: tuple[GrpoResult, MemorySink, RunConfig]) -> None:

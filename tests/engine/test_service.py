@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.engine.actors.service import Service
+from workers.engine.actors.service import NoReplica, Service
 
 
 def test_round_robin_cycles() -> None:
@@ -32,3 +32,26 @@ def test_sticky_keeps_a_key_on_one_replica() -> None:
     assert len(set(homes.values())) > 1
     with pytest.raises(ValueError, match="key"):
         service.submit(lambda r: r)
+
+
+def test_least_loaded_routes_away_from_a_slow_replica_and_probes_it_again() -> None:
+    service = Service(["a", "b"], routing="least_loaded", probe_after=3)
+    for index, seconds in ((0, 1.0), (1, 0.1)):
+        service.in_flight[index] += 1
+        service.done(index, seconds)
+    picked = [service.submit(lambda r: r)[1] for _ in range(4)]
+    # b is 10x faster: it takes requests until a has been passed over probe_after times
+    assert picked == ["b", "b", "b", "a"]
+
+
+def test_unavailable_replicas_get_no_requests_until_replaced() -> None:
+    service = Service(["a", "b"], routing="round_robin")
+    service.set_available(0, False)
+    assert [service.submit(lambda r: r)[1] for _ in range(3)] == ["b", "b", "b"]
+    service.replace(0, "a2")
+    assert {service.submit(lambda r: r)[1] for _ in range(2)} == {"a2", "b"}
+    assert service.add("c") == 2 and service.served[2] == 0
+    for index in range(3):
+        service.set_available(index, False)
+    with pytest.raises(NoReplica):
+        service.pick()

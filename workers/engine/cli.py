@@ -83,7 +83,7 @@ def _train(args: argparse.Namespace) -> int:
         elif config.placement.backend == "monarch":
             from workers.engine.recipes.grpo_monarch import train_grpo_monarch
 
-            result = train_grpo_monarch(config, recorder)
+            result = train_grpo_monarch(config, recorder, control=control)
         else:
             from workers.engine.recipes.grpo import train_grpo
 

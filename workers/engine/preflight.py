@@ -42,8 +42,9 @@ def _unsupported(config: RunConfig) -> list[FieldError]:
         errors.append(FieldError("max_restarts", "restarts are the control plane's job; the engine runs once"))
     for role in ("trainer", "generator", "reference", "reward", "replay_buffer"):
         placement = getattr(config.placement, role)
-        if placement.hosts:
-            errors.append(FieldError(f"placement.{role}.hosts", "processes run on this host only in this build; leave hosts empty"))
+        if placement.hosts and not (monarch and role == "generator"):
+            errors.append(FieldError(f"placement.{role}.hosts", "processes run on this host only in this build; leave hosts "
+                                                                "empty (monarch generators: host names label local procs)"))
         if placement.procs_per_host != 1:
             errors.append(FieldError(f"placement.{role}.procs_per_host",
                                      "not used yet: trainer.ranks and generator.replicas set the process counts"))

@@ -8,7 +8,7 @@ bound holds however far the generator runs ahead.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -25,6 +25,7 @@ class RolloutBatchRecord:
     prompt_texts: list[str]
     response_texts: list[str]
     reward_parts: dict[str, list[float]]
+    sample_ids: list[str] = field(default_factory=list)  # one per prompt (group), as the dataset handed them out
 
     def __len__(self) -> int:
         return len(self.prompts)

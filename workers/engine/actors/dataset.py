@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from monarch.actor import Actor, endpoint
@@ -18,7 +19,13 @@ class DatasetActor(Actor):
 
     @endpoint
     def take(self, n: int) -> list[Problem]:
-        return self.stream.take(n)
+        """The next n problems, each tagged with its position in the stream (meta sample_id "epoch:index")."""
+        tagged = []
+        for _ in range(n):
+            problem = self.stream.take(1)[0]
+            sample_id = f"{self.stream.epoch}:{self.stream.index - 1}"
+            tagged.append(dataclasses.replace(problem, meta={**problem.meta, "sample_id": sample_id}))
+        return tagged
 
     @endpoint
     def held_out(self) -> list[Problem]:

@@ -2,14 +2,15 @@ from __future__ import annotations
 
 import time
 
-from monarch.actor import Actor, endpoint
+from monarch.actor import endpoint
 
+from workers.engine.actors.faults import FaultInjectableActor
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.sampler import Completion, SamplingParams, TorchSampler
 
 
-class GeneratorActor(Actor):
+class GeneratorActor(FaultInjectableActor):
     """One generator replica: the torch KV-cache sampler on its own copy of the weights."""
 
     def __init__(self, model_folder: str, dtype: str, device: str):
@@ -22,12 +23,14 @@ class GeneratorActor(Actor):
     @endpoint
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> tuple[list[Completion], float]:
         """(completions, seconds this replica spent generating them)."""
+        self.before_work(prompts)
         start = time.perf_counter()
         completions = self.sampler.generate(prompts, params, seed=seed)
         return completions, time.perf_counter() - start
 
     @endpoint
     def load_weights(self, state_dict: dict, version: int) -> float:
+        self.before_work(state_dict, may_raise=False)
         start = time.perf_counter()
         self.sampler.load_weights(state_dict, version)
         return time.perf_counter() - start

@@ -1,8 +1,9 @@
 from __future__ import annotations
 
 import torch
-from monarch.actor import Actor, endpoint
+from monarch.actor import endpoint
 
+from workers.engine.actors.faults import FaultInjectableActor
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.batching import collate_rollouts
 from workers.engine.models.hf_folder import load_pretrained
@@ -10,7 +11,7 @@ from workers.engine.recipes.grpo import reference_logprobs
 from workers.engine.replay_buffer import RolloutBatchRecord
 
 
-class ReferenceActor(Actor):
+class ReferenceActor(FaultInjectableActor):
     """The frozen starting model: tempered log-probs of rollout tokens, for the KL penalty."""
 
     def __init__(self, model_folder: str, dtype: str, device: str):
@@ -26,6 +27,7 @@ class ReferenceActor(Actor):
     @endpoint
     def logprobs(self, record: RolloutBatchRecord, micro_batch_size: int, temperature: float) -> torch.Tensor:
         """[B, L-1] for the batch as `collate_rollouts` pads it."""
+        self.before_work(record)
         batch = collate_rollouts(record.prompts, record.responses, record.logprobs, record.advantages, pad_id=self.pad_id)
         device = next(self.model.parameters()).device
         parts = reference_logprobs(self.model, batch.to(device), micro_batch_size=micro_batch_size, temperature=temperature)

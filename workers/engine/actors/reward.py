@@ -1,7 +1,8 @@
 from __future__ import annotations
 
-from monarch.actor import Actor, endpoint
+from monarch.actor import endpoint
 
+from workers.engine.actors.faults import FaultInjectableActor
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.recipes.grpo import score_rollouts
@@ -11,7 +12,7 @@ from workers.engine.sampler import Completion
 from workers.engine.tasks import Problem
 
 
-class RewardActor(Actor):
+class RewardActor(FaultInjectableActor):
     """Decodes completions, scores them, and normalises advantages per group."""
 
     def __init__(self, model_folder: str, functions: list[str], weights: list[float] | None):
@@ -22,4 +23,5 @@ class RewardActor(Actor):
     @endpoint
     def score(self, problems: list[Problem], prompts: list[list[int]], completions: list[Completion],
               group_size: int) -> RolloutBatchRecord:
+        self.before_work(problems, prompts, completions)
         return score_rollouts(problems, prompts, completions, self.reward, self.tokenizer, group_size=group_size)

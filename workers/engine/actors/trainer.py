@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from monarch.actor import Actor, endpoint
+from monarch.actor import endpoint
 from torch import nn
 
+from workers.engine.actors.faults import FaultInjectableActor
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.batching import collate_rollouts
 from workers.engine.checkpoint import load_checkpoint, save_checkpoint
@@ -40,7 +41,7 @@ def all_reduce_gradients(model: nn.Module) -> None:
         dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
 
 
-class TrainerActor(Actor):
+class TrainerActor(FaultInjectableActor):
     def __init__(self, config: RunConfig):
         set_proc_threads()
         self.config = config
@@ -62,6 +63,7 @@ class TrainerActor(Actor):
 
     @endpoint
     def train_step(self, record: RolloutBatchRecord, ref_logprobs: torch.Tensor | None) -> dict[str, Any]:
+        self.before_work(record, ref_logprobs)
         cfg = self.config
         batch = collate_rollouts(record.prompts, record.responses, record.logprobs, record.advantages,
                                  pad_id=self.tokenizer.pad_id).to(self.device)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 import time
 
-from monarch.actor import Actor, endpoint
+from monarch.actor import endpoint
 
+from workers.engine.actors.faults import FaultInjectableActor
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.models.hf_folder import read_hf_config
 from workers.engine.models.titan import model_config_from_hf, state_dict_adapter
@@ -29,7 +30,7 @@ def vllm_proc_env(*, kv_cache_gib: int = 1) -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
 
 
-class VllmGeneratorActor(Actor):
+class VllmGeneratorActor(FaultInjectableActor):
     def __init__(self, model_folder: str, dtype: str, max_model_len: int = 512, seed: int = 0):
         set_proc_threads()
         from vllm import LLM
@@ -45,6 +46,7 @@ class VllmGeneratorActor(Actor):
 
     @endpoint
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> tuple[list[Completion], float]:
+        self.before_work(prompts)
         start = time.perf_counter()
         temperature = 0.0 if params.greedy else params.temperature
         requests = [self._sampling_params(max_tokens=params.max_new_tokens, temperature=temperature, top_p=params.top_p,
@@ -62,6 +64,7 @@ class VllmGeneratorActor(Actor):
     @endpoint
     def load_weights(self, state_dict: dict, version: int) -> float:
         """Takes the trainer's torchtitan state dict; converts to HF names and reloads in place."""
+        self.before_work(state_dict, may_raise=False)
         start = time.perf_counter()
         items = list(self.adapter.to_hf(dict(state_dict)).items())
         self.llm.collective_rpc(lambda worker, items: worker.model_runner.reload_weights(weights_iterator=iter(items)),

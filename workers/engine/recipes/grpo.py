@@ -24,7 +24,7 @@ import copy
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,6 +63,7 @@ class GrpoResult:
     checkpoint: Path | None
     metrics: list[dict[str, float]]  # per step run by this call
     seconds: float = 0.0  # wall time of the training loop (evaluations and checkpoints included)
+    trained_samples: dict[int, list[str]] = field(default_factory=dict)  # step -> sample ids it trained on (Monarch)
 
 
 def _weighted_mean(parts: list[dict[str, float]], key: str) -> float:
@@ -84,6 +85,7 @@ def score_rollouts(
         rewards=rewards.tolist(), advantages=advantages.tolist(), policy_version=min(c.policy_version for c in completions),
         prompt_texts=[problems[i // group_size].messages[-1]["content"] for i in range(len(prompts))],
         response_texts=texts, reward_parts={name: [s.parts[name] for s in scores] for name in reward.names},
+        sample_ids=[p.meta.get("sample_id", "") for p in problems],
     )
 
 

@@ -2,9 +2,10 @@
 
 The same algorithm as `recipes/grpo.py`, with each role in its own processes:
   trainer    `trainer.ranks` procs, data parallel (gloo on CPU, NCCL on GPUs)
-  generator  `generator.replicas` procs behind a routed Service (torch sampler or vLLM)
-  reference  one proc (when enabled)
-  dataset, reward, replay buffer   actors sharing one small "control" proc
+  generator  `generator.replicas` procs, one mesh each, behind a routed Service (torch or vLLM),
+             placed on `placement.generator.hosts` (labels of local procs in this build)
+  reward     one proc; reference (when enabled) one proc
+  dataset, replay buffer   actors sharing one small "control" proc
 
 Each step, top to bottom:
   1. generate  launch generations until max_policy_age + 1 batches are buffered or in
@@ -14,94 +15,122 @@ Each step, top to bottom:
   2. reward    the oldest generation is awaited, scored by the reward actor, buffered.
   3. buffer    the trainer's batch comes out of the replay buffer within the age bound.
   4. reference (optional) reference log-probs for the KL penalty.
-  5. train     every trainer rank takes its rows; gradients are summed across ranks.
+  5. drills    fault drills due now are injected (`drills.py`).
+  6. train     every trainer rank takes its rows; gradients are summed across ranks.
+  7. control   operator commands: pause, checkpoint, cancel, fault_drill, placement_change,
+               load_redirect (`run_control.py`, `operations.py`).
 
-Trainer fault tolerance: when a trainer proc dies (`FaultDrill` kills one on purpose), the
-controller respawns the trainer mesh, restores the last checkpoint (model, optimizer,
-scheduler, data position, replay buffer, policy version), drops generations launched with
-newer weights, and carries on, up to `trainer.recover_failures` times.
+Failures (`actors/fleet.py`): every wait polls each `failover.poll_seconds` and gives up after
+`failover.call_timeout_s`. A generator, reward or reference replica that dies or hangs is
+detected, its request is retried on a healthy replica, and it is replaced by a fresh proc
+holding the current policy weights. A trainer proc that dies or hangs takes the trainer mesh
+with it: the mesh is respawned and every stateful actor goes back to the last checkpoint, up
+to `trainer.recover_failures` times. Each failure emits failure_detected, then recovered.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import signal
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import monarch.actor
+import workers.engine.actors  # noqa: F401 - sets monarch's supervision poll before monarch is imported
+import monarch.actor  # noqa: I001
 from monarch.spmd import setup_torch_elastic_env
 
 from workers.engine.actors.dataset import DatasetActor
+from workers.engine.actors.fleet import (CallFailed, Failover, Incident, ProcFailure, Replica, ReplicaGroup, stop_quietly,
+                                         wait_for)
 from workers.engine.actors.generator import GeneratorActor
 from workers.engine.actors.procs import spawn_procs
 from workers.engine.actors.reference import ReferenceActor
 from workers.engine.actors.replay_buffer import ReplayBufferActor
 from workers.engine.actors.reward import RewardActor
-from workers.engine.actors.service import Service
 from workers.engine.actors.trainer import TrainerActor
 from workers.engine.config import RunConfig
+from workers.engine.drills import DrillPlan, FaultInjector, FaultTarget, _signal
 from workers.engine.metrics import Recorder
 from workers.engine.models.tokenizer import ChatTokenizer
+from workers.engine.operations import (FaultDrillRequest, LoadRedirectRequest, Operation, PlacementChangeRequest,
+                                       DrillSchedule)
 from workers.engine.recipes.grpo import GrpoResult, check_prompt_lengths, rollout_metrics, update_metrics
+from workers.engine.run_control import RunControl
 from workers.engine.sampler import SamplingParams
 from workers.engine.tasks import Problem
 from workers.engine.training import EvalResult, PhaseTimer, mfu
+
+__all__ = ["FaultDrill", "ProcFailure", "train_grpo_monarch"]
+ARM_TIMEOUT_S = 10.0  # arming a fault waits for the target's current call to end
+
+
+@dataclass(frozen=True)
+class FaultDrill:
+    """Kill one trainer proc right before the given step trains (shorthand for a FaultDrillRequest)."""
+
+    step: int
+    rank: int = 0
+
+    def request(self) -> FaultDrillRequest:
+        return FaultDrillRequest(kind="kill", role="trainer", replica=self.rank, schedule=DrillSchedule(at_step=self.step))
+
+
+@dataclass
+class Request:
+    """One call routed to a replica of a group; retried elsewhere when it fails."""
+
+    group: ReplicaGroup
+    call: Callable[[Any], Any]  # actor -> future
+    key: str | None
+    replica: Replica
+    index: int
+    future: Any
+    sent_at: float
+    attempts: int = 0
+    incident: Incident | None = None
 
 
 @dataclass
 class PendingGeneration:
     problems: list[Problem]
     prompts: list[list[int]]
-    calls: list[tuple[int, Any]]  # (replica index, future of its completions), in prompt order
+    calls: list[Request]  # in prompt order
     data_state: dict[str, Any]  # the dataset's position before these problems were taken
     generation: int  # index of this generation (its sampling seeds derive from it)
 
 
-class ProcFailure(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True)
-class FaultDrill:
-    """Kill one trainer proc right before the given step trains (operator drills, tests)."""
-
-    step: int
-    rank: int = 0
-
-
-def _stop_quietly(mesh: Any) -> None:
-    try:
-        mesh.stop().get(timeout=15)
-    except Exception:  # a damaged mesh may refuse to stop cleanly; its procs are gone or get reaped
-        pass
-
-
-def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, drills: Sequence[FaultDrill] = ()) -> GrpoResult:
-    cfg, trainer_cfg, grpo = config, config.trainer, config.grpo
+def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunControl | None = None,
+                       drills: Sequence[FaultDrill | FaultDrillRequest] = ()) -> GrpoResult:
+    cfg, trainer_cfg, grpo, failover_cfg = config, config.trainer, config.grpo, config.failover
     threads = trainer_cfg.threads_per_process
-    failures: list[Any] = []
     # A proc that dies must not kill this controller (monarch's default exits the client):
-    # remember it; `check_failures` decides whether the run can go on.
-    monarch.actor.unhandled_fault_hook = failures.append
+    # remember the report; `scan_supervision` decides what it means.
+    supervision_reports: list[Any] = []
+    monarch.actor.unhandled_fault_hook = supervision_reports.append
 
     device = trainer_cfg.device if trainer_cfg.device != "auto" else "cpu"
+    hosts = list(cfg.placement.generator.hosts) or ["local"]
+    injector = FaultInjector(recorder)
+    plan = DrillPlan([*cfg.drills, *(d.request() if isinstance(d, FaultDrill) else d for d in drills)])
+    groups: dict[str, ReplicaGroup] = {}
     meshes: list[Any] = []
     trainer_procs: Any = None
     try:
         # --- setup: process meshes and actors ------------------------------------------
         setup_start = time.perf_counter()
 
+        trainer_pids: list[int] = []
+
         def start_trainer() -> tuple[Any, Any, int]:
             procs = spawn_procs(trainer_cfg.ranks, threads=threads)
             setup_torch_elastic_env(procs)
             actors = procs.spawn("trainer", TrainerActor, cfg)
             info = list(actors.setup.call().get().values())
+            trainer_pids[:] = list(actors.pids.call().get().values())
             return procs, actors, info[0]["n_params"]
 
         trainer_procs, trainer, n_params = start_trainer()
@@ -111,33 +140,40 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, drills: Sequenc
             from workers.engine.actors.vllm_generator import VllmGeneratorActor, vllm_proc_env
 
             vllm_proc_env()
-            generator_procs = spawn_procs(cfg.generator.replicas, threads=threads)
             max_len = cfg.data.max_prompt_tokens + cfg.generator.max_new_tokens
-            generators = generator_procs.spawn("generator", VllmGeneratorActor, cfg.model.path, cfg.model.dtype,
-                                               max_len, trainer_cfg.seed)
+
+            def spawn_generator(procs: Any, name: str) -> Any:
+                return procs.spawn(name, VllmGeneratorActor, cfg.model.path, cfg.model.dtype, max_len, trainer_cfg.seed)
         else:
-            generator_procs = spawn_procs(cfg.generator.replicas, threads=threads)
-            generators = generator_procs.spawn("generator", GeneratorActor, cfg.model.path, cfg.model.dtype, device)
-        meshes.append(generator_procs)
-        service = Service([generators.slice(procs=i) for i in range(cfg.generator.replicas)], routing=cfg.generator.routing)
+            def spawn_generator(procs: Any, name: str) -> Any:
+                return procs.spawn(name, GeneratorActor, cfg.model.path, cfg.model.dtype, device)
+
+        generators = groups["generator"] = ReplicaGroup("generator", spawn_actor=spawn_generator, threads=threads,
+                                                        routing=cfg.generator.routing)
+        generators.start([hosts[i % len(hosts)] for i in range(cfg.generator.replicas)])
+        groups["reward"] = ReplicaGroup("reward", threads=threads, routing="round_robin", spawn_actor=lambda procs, name: procs.spawn(
+            name, RewardActor, cfg.model.path, list(cfg.reward.functions), cfg.reward.weights))
+        groups["reward"].start(["local"])
+        if cfg.reference.enabled:
+            groups["reference"] = ReplicaGroup("reference", threads=threads, routing="round_robin", spawn_actor=lambda procs, name: procs.spawn(
+                name, ReferenceActor, cfg.model.path, cfg.model.dtype, device))
+            groups["reference"].start(["local"])
 
         control_procs = spawn_procs(1, threads=threads)
         meshes.append(control_procs)
         max_age = grpo.max_policy_age if grpo.mode == "async" else 0
         dataset = control_procs.spawn("dataset", DatasetActor, cfg.data, trainer_cfg.seed)
-        reward = control_procs.spawn("reward", RewardActor, cfg.model.path, list(cfg.reward.functions), cfg.reward.weights)
         buffer = control_procs.spawn("replay_buffer", ReplayBufferActor,
                                      max(cfg.replay_buffer.capacity, trainer_cfg.batch_size * grpo.group_size), max_age)
-        reference = None
-        if cfg.reference.enabled:
-            reference_procs = spawn_procs(1, threads=threads)
-            meshes.append(reference_procs)
-            reference = reference_procs.spawn("reference", ReferenceActor, cfg.model.path, cfg.model.dtype, device)
-        generators.policy_version.call().get()  # generators built
         held_out = dataset.held_out.call_one().get()
         tokenizer = ChatTokenizer(cfg.model.path)
         recorder.event("meshes_ready", step=0, seconds=round(time.perf_counter() - setup_start, 2),
                        trainer_ranks=trainer_cfg.ranks, generator_replicas=cfg.generator.replicas)
+
+        def generator_plan() -> dict[str, str]:
+            return {str(r.index): r.host for r in generators.live()}
+
+        recorder.event("placement_applied", step=0, role="generator", hosts=hosts, plan=generator_plan())
 
         sampling = SamplingParams(max_new_tokens=cfg.generator.max_new_tokens, temperature=cfg.generator.temperature,
                                   top_p=cfg.generator.top_p)
@@ -148,7 +184,226 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, drills: Sequenc
         initial_progress = {"step": 0, "policy_version": 0, "generations": 0, "staleness": {},
                             "data": dataset.state_dict.call_one().get(), "buffer": buffer.state_dict.call_one().get()}
         last_checkpoint: str | None = None
+        failover = Failover(recorder=recorder, injector=injector, config=failover_cfg, step=lambda: step,
+                            policy_version=lambda: policy_version)
+        totals = {"steps_lost": 0, "samples_dropped": 0, "migrations": 0, "trainer_recoveries": 0}
+        drained: set[str] = set()
 
+        # --- waiting, failures and drills ------------------------------------------------
+        def wait(future: Any) -> Any:
+            return wait_for(future, timeout_s=failover_cfg.call_timeout_s, poll_s=failover_cfg.poll_seconds, tick=tick)
+
+        def tick() -> None:
+            """While waiting: notice dead replicas, inject drills that are due, end faults that wore off."""
+            scan_supervision()
+            inject_due(timed_only=True)
+            injector.tick(step=step)
+
+        unexplained: list[str] = []
+
+        def scan_supervision() -> None:
+            while supervision_reports:
+                report = supervision_reports.pop(0)
+                name = str(getattr(report, "mesh_name", ""))
+                for group in groups.values():
+                    replica = group.find(name)
+                    if replica is not None:
+                        current = group.replicas[replica.index] is replica and replica not in group.retiring
+                        if current and not replica.failed:
+                            failover.detect(group, replica, str(report), hung=False, request_failed=replica.outstanding > 0)
+                        break
+                else:
+                    if not name.startswith(("logger", "trainer")):  # trainer failures surface in its train step
+                        unexplained.append(str(report)[:500])
+
+        def check_control_procs() -> None:
+            """A failure report no replica explains: the run goes on only if dataset and buffer still answer."""
+            if not unexplained:
+                return
+            try:
+                buffer.stats.call_one().get(timeout=30)
+                dataset.state_dict.call_one().get(timeout=30)
+            except Exception:  # noqa: BLE001 - the control proc holds state no replacement can restore
+                raise ProcFailure(f"a process of the run failed: {unexplained[0]}") from None
+            unexplained.clear()
+
+        def pick_host(replica: Replica) -> str:
+            if replica.host not in drained:
+                return replica.host
+            return next((h for h in hosts if h not in drained), replica.host)
+
+        def prepare_generator(replica: Replica) -> int:
+            """Give a new generator replica the trainer's current weights; the version it reports."""
+            state = trainer0.state_dict.call_one().get()
+            wait(replica.actor.load_weights.call_one(state, policy_version))
+            return int(wait(replica.actor.policy_version.call_one()))
+
+        def repair() -> None:
+            failover.repair({"generator": prepare_generator}, host=pick_host)
+
+        def send(group: ReplicaGroup, call: Callable[[Any], Any], *, key: str | None = None, attempts: int = 0,
+                 incident: Incident | None = None) -> Request:
+            if not group.service.routable():
+                repair()  # every replica of the role is down: nothing can serve until one is replaced
+            index, future = group.service.submit(lambda replica: call(replica.actor), key=key)
+            replica = group.replicas[index]
+            replica.outstanding += 1
+            return Request(group, call, key, replica, index, future, time.monotonic(), attempts, incident)
+
+        def finish(request: Request, seconds: float | None) -> None:
+            same = request.group.replicas[request.index] is request.replica
+            request.group.service.done(request.index, seconds if same else None)
+            request.replica.outstanding -= 1
+            request.group.reap()
+
+        def receive(request: Request) -> Any:
+            """The request's result; a failed or hung replica is reported and the request retried elsewhere."""
+            while True:
+                try:
+                    result = wait(request.future)
+                except CallFailed as failure:
+                    finish(request, None)
+                    alive = not failure.hung and answers(request.replica)
+                    incident = failover.detect(request.group, request.replica, failure.reason, hung=failure.hung, alive=alive)
+                    attempts = request.attempts + 1
+                    failover.backoff(attempts, what=f"a {request.group.role} request")
+                    request = send(request.group, request.call, key=request.key, attempts=attempts, incident=incident)
+                    if failover.pending_repairs():
+                        repair()  # while the retry runs on a healthy replica
+                    continue
+                finish(request, time.monotonic() - request.sent_at)
+                failover.served(request.incident)
+                return result
+
+        def answers(replica: Replica) -> bool:
+            try:
+                replica.actor.pid.call_one().get(timeout=10)
+                return True
+            except Exception:  # noqa: BLE001 - dead or hung
+                return False
+
+        def drill_target(request: FaultDrillRequest) -> FaultTarget:
+            """What a drill acts on; ValueError (the command's reason) for a role or replica this run lacks."""
+            if request.role == "trainer":
+                if request.replica >= trainer_cfg.ranks:
+                    raise ValueError(f"trainer has ranks 0..{trainer_cfg.ranks - 1}, not {request.replica}")
+                pids = list(trainer.pids.call().get(timeout=60).values())
+                rank = trainer.slice(procs=request.replica)
+
+                def arm_trainer(kind: str, **fields: Any) -> None:
+                    # a raise on one rank would leave the others blocked in the gradient all-reduce: raise on all
+                    (trainer if kind == "raise" else rank).inject_fault.call(kind, **fields).get(timeout=ARM_TIMEOUT_S)
+
+                return FaultTarget("trainer", request.replica, [pids[request.replica]], arm_trainer)
+            group = groups.get(request.role)
+            if group is None:
+                raise ValueError(f"this run has no {request.role} (reference.enabled is false)")
+            serving = [r.index for r in group.live()]
+            if request.replica not in serving:
+                raise ValueError(f"{request.role} replica {request.replica} is not serving; serving replicas: {serving}")
+            replica = group.replicas[request.replica]
+            return FaultTarget(request.role, replica.index, replica.pids,
+                               lambda kind, **fields: replica.actor.inject_fault.call_one(kind, **fields).get(timeout=ARM_TIMEOUT_S))
+
+        def run_drill(request: FaultDrillRequest) -> dict[str, Any]:
+            fault = injector.inject(request, drill_target(request), step=step + 1)
+            return {"fault_id": fault.id, "pids": fault.pids}
+
+        def inject_due(*, timed_only: bool = False) -> None:
+            """Inject the drills due now; `timed_only` (while waiting): every_s and random ones, not trainer drills."""
+            roles = ("generator", "reward", "reference") if timed_only else None
+            for request in plan.due(step=step + 1, now=time.monotonic(), roles=roles, timed_only=timed_only):
+                try:
+                    run_drill(request)
+                except (ValueError, TimeoutError) as error:
+                    recorder.event("message", step=step, text=f"fault drill not run: {error}")
+
+        # --- placement and redirects (operator commands) ---------------------------------------
+        def check_host(host: str) -> None:
+            if host not in hosts:
+                raise ValueError(f"unknown host {host!r}; hosts: {', '.join(hosts)}")
+            if host in drained:
+                raise ValueError(f"host {host!r} is drained; undrain it first")
+
+        def serving_generator(index: int) -> Replica:
+            serving = [r.index for r in generators.live()]
+            if index not in serving:
+                raise ValueError(f"generator replica {index} is not serving; serving replicas: {serving}")
+            return generators.replicas[index]
+
+        def move(replica: Replica, host: str) -> None:
+            """Start the replica again on `host` with the current weights; the old one stops once its requests are done."""
+            new = generators.spawn(replica.index, host)
+            new.version = prepare_generator(new)
+            generators.service.replace(replica.index, new)
+            generators.retire(replica)
+            totals["migrations"] += 1
+
+        def change_placement(change: PlacementChangeRequest) -> dict[str, Any]:
+            started = time.monotonic()
+            if change.action == "add":
+                check_host(change.host)
+                new = generators.spawn(len(generators.replicas), change.host)
+                new.version = prepare_generator(new)
+                replica_index = generators.service.add(new)
+            elif change.action == "remove":
+                replica = serving_generator(change.replica)
+                if len(generators.live()) == 1:
+                    raise ValueError("cannot remove the last serving generator replica")
+                generators.service.set_available(replica.index, False)
+                generators.retire(replica)
+                replica_index = replica.index
+            else:
+                replica = serving_generator(change.replica)
+                check_host(change.host)
+                if replica.host == change.host:
+                    raise ValueError(f"generator replica {replica.index} is already on host {change.host!r}")
+                move(replica, change.host)
+                replica_index = replica.index
+            result = {"action": change.action, "replica": replica_index, "host": change.host, "plan": generator_plan()}
+            recorder.event("placement_changed", step=step, role="generator", seconds=round(time.monotonic() - started, 3), **result)
+            return result
+
+        def redirect(command: LoadRedirectRequest) -> dict[str, Any]:
+            host = command.host
+            if host not in hosts:
+                raise ValueError(f"unknown host {host!r}; hosts: {', '.join(hosts)}")
+            if command.action == "undrain":
+                drained.discard(host)
+                recorder.event("redirect_finished", step=step, action="undrain", host=host, moved={}, plan=generator_plan())
+                return {"host": host, "plan": generator_plan()}
+            targets = [h for h in hosts if h != host and h not in drained]
+            if not targets:
+                raise ValueError(f"no other undrained host to move {host!r}'s generator replicas to")
+            started = time.monotonic()
+            moving = [r for r in generators.live() if r.host == host]
+            drained.add(host)
+            recorder.event("redirect_started", step=step, action="drain", host=host, replicas=[r.index for r in moving])
+            for replica in moving:  # stop routing to the host at once; replacements come up one by one
+                generators.service.set_available(replica.index, False)
+            moved = {}
+            for i, replica in enumerate(moving):
+                move(replica, targets[i % len(targets)])
+                moved[str(replica.index)] = targets[i % len(targets)]
+            recorder.event("redirect_finished", step=step, action="drain", host=host, moved=moved, plan=generator_plan(),
+                           seconds=round(time.monotonic() - started, 3))
+            return {"host": host, "moved": moved, "plan": generator_plan()}
+
+        def operate(kind: str, operation: Operation) -> dict[str, Any]:
+            if isinstance(operation, FaultDrillRequest):
+                if operation.schedule is None:
+                    return run_drill(operation)
+                drill_target(operation)  # refuse a drill on a role or replica that does not exist now
+                plan.add(operation, now=time.monotonic())
+                return {"scheduled": operation.schedule.model_dump(exclude_none=True)}
+            if isinstance(operation, PlacementChangeRequest):
+                return change_placement(operation)
+            return redirect(operation)
+
+        if control is not None:
+            control.operator = operate
+
+        # --- checkpoints and trainer recovery ---------------------------------------------
         def restore(path: str | None) -> None:
             """Put every stateful actor back to a checkpoint (or to the run's start)."""
             nonlocal step, policy_version, generations, generator_version
@@ -159,9 +414,10 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, drills: Sequenc
             staleness.clear()
             staleness.update({int(k): v for k, v in progress["staleness"].items()})
             while pending:  # launched from later states: finish them and throw them away
-                for index, future in pending.popleft().calls:
-                    future.get()
-                    service.done(index)
+                generation = pending.popleft()
+                for request in generation.calls:
+                    receive(request)
+                totals["samples_dropped"] += len(generation.prompts)
             generator_version = -1  # the generators hold newer weights: sync before generating
 
         if cfg.checkpoint.resume_from:
@@ -169,59 +425,98 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, drills: Sequenc
             last_checkpoint = cfg.checkpoint.resume_from
             recorder.event("resumed", step=step, path=cfg.checkpoint.resume_from, policy_version=policy_version)
 
-        def check_failures() -> None:
-            """A failure report whose mesh still answers came from a mesh already replaced."""
-            if not failures:
-                return
-            try:
-                generators.policy_version.call().get(timeout=30)
-                buffer.stats.call_one().get(timeout=30)
-                trainer.pids.call().get(timeout=30)
-                if reference is not None:
-                    reference.ping.call().get(timeout=30)
-            except Exception:
-                raise ProcFailure(f"a process of the run failed: {str(failures[0])[:500]}") from None
-            failures.clear()
-
-        recoveries = 0
-
-        def recover(error: Exception) -> None:
-            nonlocal trainer_procs, trainer, trainer0, recoveries
-            recoveries += 1
-            recorder.event("trainer_failed", step=step + 1, error=str(error)[:300], recovery=recoveries)
-            if recoveries > trainer_cfg.recover_failures:
-                raise ProcFailure(f"trainer failed at step {step + 1} ({recoveries - 1} recoveries allowed): {str(error)[:300]}")
-            _stop_quietly(trainer_procs)
-            started = time.perf_counter()
+        def recover_trainer(failure: CallFailed) -> None:
+            """The trainer mesh lost a proc (or hangs): respawn it and go back to the last checkpoint."""
+            nonlocal trainer_procs, trainer, trainer0
+            detected = time.monotonic()
+            fault = injector.claim("trainer")
+            ttd = round(detected - fault.injected_at, 3) if fault else None
+            recorder.event("failure_detected", step=step + 1, role="trainer", replica=fault.replica if fault else None,
+                           fault_id=fault.id if fault else None, reason=failure.reason, hung=failure.hung,
+                           time_to_detect_s=ttd)
+            totals["trainer_recoveries"] += 1
+            if totals["trainer_recoveries"] > trainer_cfg.recover_failures:
+                raise ProcFailure(f"trainer failed at step {step + 1} ({trainer_cfg.recover_failures} recoveries allowed, "
+                                  f"trainer.recover_failures): {failure.reason}")
+            if failure.hung:
+                _signal(trainer_pids, signal.SIGKILL)  # a stopped rank, and the ranks waiting for it in a collective
+            stop_quietly(trainer_procs)
+            lost_from = step
             trainer_procs, trainer, _ = start_trainer()
             trainer0 = trainer.slice(procs=0)
             restore(last_checkpoint)
-            recorder.event("trainer_recovered", step=step, path=last_checkpoint, policy_version=policy_version,
-                           seconds=round(time.perf_counter() - started, 2))
+            totals["steps_lost"] += lost_from - step
+            recorder.event("replica_replaced", step=step, role="trainer", replica=None, ranks=trainer_cfg.ranks,
+                           path=last_checkpoint, policy_version=policy_version,
+                           seconds=round(time.monotonic() - detected, 3))
+            if fault is not None:
+                injector.finish(fault)
+            ttr = round(time.monotonic() - detected, 3)
+            failover.recover_seconds.append(ttr)
+            if ttd is not None:
+                failover.detect_seconds.append(ttd)
+            recorder.event("recovered", step=step, role="trainer", replica=fault.replica if fault else None,
+                           fault_id=fault.id if fault else None, caused_failure=True, action="restored_checkpoint",
+                           path=last_checkpoint, steps_lost=lost_from - step, time_to_detect_s=ttd, time_to_recover_s=ttr,
+                           policy_version=policy_version)
 
+        def train(record: Any, ref_logprobs: Any) -> list[dict[str, Any]] | None:
+            """Every rank trains on its rows; None when the trainer failed and was restored (the step did not happen)."""
+            try:
+                return list(wait(trainer.train_step.call(record, ref_logprobs)).values())
+            except CallFailed as failure:
+                raised = not failure.hung and "InjectedFault" in str(failure)
+                if not raised:
+                    recover_trainer(failure)
+                    return None
+            # a raise drill: every rank refused the step before any collective; the trainer is intact
+            detected = time.monotonic()
+            fault = injector.claim("trainer")
+            ttd = round(detected - fault.injected_at, 3) if fault else None
+            recorder.event("failure_detected", step=step + 1, role="trainer", replica=fault.replica if fault else None,
+                           fault_id=fault.id if fault else None, reason="a train step raised", hung=False, time_to_detect_s=ttd)
+            results = list(wait(trainer.train_step.call(record, ref_logprobs)).values())
+            if fault is not None:
+                injector.finish(fault)
+            ttr = round(time.monotonic() - detected, 3)
+            failover.recover_seconds.append(ttr)
+            recorder.event("recovered", step=step + 1, role="trainer", replica=fault.replica if fault else None,
+                           fault_id=fault.id if fault else None, caused_failure=True, action="retried",
+                           time_to_detect_s=ttd, time_to_recover_s=ttr, policy_version=policy_version)
+            return results
+
+        # --- generation -----------------------------------------------------------------
         def sync_weights(timer: PhaseTimer) -> None:
             nonlocal generator_version
             with timer.phase("weight_sync"):
                 state = trainer0.state_dict.call_one().get()
-                generators.load_weights.call(state, policy_version).get()
+                loads = [(r, r.actor.load_weights.call_one(state, policy_version)) for r in generators.live()]
+                for replica, future in loads:
+                    try:
+                        wait(future)
+                        replica.version = policy_version
+                    except CallFailed as failure:  # its replacement gets the current weights
+                        failover.detect(generators, replica, failure.reason, hung=failure.hung, request_failed=False)
+                repair()
             generator_version = policy_version
 
         def launch_generation(timer: PhaseTimer) -> PendingGeneration:
             nonlocal generations
+            repair()
             if generator_version != policy_version:
                 sync_weights(timer)
             data_state = dataset.state_dict.call_one().get()
             problems = dataset.take.call_one(trainer_cfg.batch_size).get()
             prompts = [tokenizer.encode_prompt(p.messages) for p in problems for _ in range(grpo.group_size)]
             check_prompt_lengths(prompts, cfg.data.max_prompt_tokens)
-            # whole groups per request, one request per replica
-            groups_per_call = math.ceil(len(problems) / len(service.replicas))
+            # whole groups per request, one request per serving replica
+            groups_per_call = math.ceil(len(problems) / len(generators.service.routable()))
             calls = []
             for c, first in enumerate(range(0, len(problems), groups_per_call)):
                 chunk = prompts[first * grpo.group_size:(first + groups_per_call) * grpo.group_size]
                 seed = trainer_cfg.seed * 1_000_003 + generations * 1_000 + c
-                calls.append(service.submit(lambda replica, chunk=chunk, seed=seed: replica.generate.call_one(chunk, sampling, seed),
-                                            key=problems[first].messages[-1]["content"]))
+                calls.append(send(generators, lambda actor, chunk=chunk, seed=seed: actor.generate.call_one(chunk, sampling, seed),
+                                  key=problems[first].messages[-1]["content"]))
             generations += 1
             return PendingGeneration(problems, prompts, calls, data_state, generations - 1)
 
@@ -229,13 +524,14 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, drills: Sequenc
             """Await a launched generation, score and buffer it; return (tokens, slowest replica's seconds)."""
             with timer.phase("generate_wait"):
                 completions, busiest = [], 0.0
-                for index, future in pending.calls:
-                    part, seconds = future.get()
+                for request in pending.calls:
+                    part, seconds = receive(request)
                     completions.extend(part)
                     busiest = max(busiest, seconds)
-                    service.done(index)
             with timer.phase("reward"):
-                record = reward.score.call_one(pending.problems, pending.prompts, completions, grpo.group_size).get()
+                score = send(groups["reward"], lambda actor: actor.score.call_one(pending.problems, pending.prompts, completions,
+                                                                                  grpo.group_size))
+                record = receive(score)
                 buffer.put.call_one(record).get()
             return sum(len(c.token_ids) for c in completions), busiest
 
@@ -261,12 +557,14 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, drills: Sequenc
 
         first_eval = last_eval = run_eval(step) if cfg.eval.every_steps and step == 0 else None
         loop_start = time.perf_counter()
-        drills_left = list(drills)
         losses: list[float] = []
         step_metrics: list[dict[str, float]] = []
+        trained_samples: dict[int, list[str]] = {}
         saved: Path | None = None
         while step < trainer_cfg.steps:
-            check_failures()
+            scan_supervision()
+            check_control_procs()
+            injector.tick(step=step)
             timer = PhaseTimer()
             timer.seconds["weight_sync"] = 0.0
             step_start = time.perf_counter()
@@ -284,29 +582,24 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, drills: Sequenc
                     generated_tokens, generate_seconds = generated_tokens + tokens, generate_seconds + seconds
                 record = buffer.take.call_one(policy_version).get()
             age = policy_version - record.policy_version
-            staleness[age] += 1
 
             # 4. reference log-probs
             ref_logprobs = None
-            if reference is not None:
+            if "reference" in groups:
                 with timer.phase("reference"):
-                    ref_logprobs = reference.logprobs.call_one(record, trainer_cfg.micro_batch_size,
-                                                               cfg.generator.temperature).get()
+                    ref_logprobs = receive(send(groups["reference"], lambda actor: actor.logprobs.call_one(
+                        record, trainer_cfg.micro_batch_size, cfg.generator.temperature)))
 
-            # 5. train on every rank
-            for drill in [d for d in drills_left if d.step == step + 1]:
-                drills_left.remove(drill)
-                pid = list(trainer.pids.call().get().values())[drill.rank]
-                os.kill(pid, signal.SIGKILL)
-                recorder.event("fault_drill", step=step + 1, role="trainer", rank=drill.rank, pid=pid)
-            try:
-                with timer.phase("train"):
-                    results = list(trainer.train_step.call(record, ref_logprobs).get().values())
-            except Exception as error:  # a trainer proc died: the step did not happen
-                recover(error)
+            # 5-6. drills due now, then train on every rank
+            inject_due()
+            with timer.phase("train"):
+                results = train(record, ref_logprobs)
+            if results is None:  # the trainer was restored from a checkpoint: this step did not happen
                 continue
+            staleness[age] += 1
             policy_version += 1
             step += 1
+            trained_samples[step] = list(record.sample_ids)
 
             step_seconds = time.perf_counter() - step_start
             parts = [p for r in results for p in r["parts"]]
@@ -328,11 +621,12 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, drills: Sequenc
                 "throughput/train_tokens_per_s": train_tokens / max(timer.seconds["train"], 1e-9),
                 "mfu": mfu(n_params=n_params, tokens=train_tokens, seconds=step_seconds,
                            peak_flops_per_second=trainer_cfg.peak_flops_per_second * trainer_cfg.ranks),
+                **fault_metrics(failover, injector, totals),
             }
             if generated_tokens:
                 metrics["time/generate_s"] = generate_seconds
                 metrics["throughput/gen_tokens_per_s"] = generated_tokens / max(generate_seconds, 1e-9)
-            for i, served in enumerate(service.served):
+            for i, served in enumerate(generators.service.served):
                 metrics[f"generator/replica_{i}_requests"] = served
             recorder.log_many(metrics, step)
             for i in range(min(cfg.eval.rollout_samples, len(record))):
@@ -345,17 +639,42 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, drills: Sequenc
                 last_eval = run_eval(step)
             if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or step == trainer_cfg.steps:
                 saved = checkpoint(step)
+            if control is not None and not control.between_steps(step=step, checkpoint=lambda: checkpoint(step)):
+                break
 
         for generation in pending:  # launched ahead, not needed any more
-            for index, future in generation.calls:
-                future.get()
-                service.done(index)
-        recorder.event("staleness_histogram", step=trainer_cfg.steps, counts={str(k): v for k, v in sorted(staleness.items())})
-        check_failures()
+            for request in generation.calls:
+                receive(request)
+        recorder.event("staleness_histogram", step=step, counts={str(k): v for k, v in sorted(staleness.items())})
+        injector.close(step=step)
+        scan_supervision()
+        check_control_procs()
         trainer.shutdown.call().get()
-        return GrpoResult(step=trainer_cfg.steps, losses=losses, first_eval=first_eval, eval=last_eval,
-                          checkpoint=saved, metrics=step_metrics, seconds=time.perf_counter() - loop_start)
+        return GrpoResult(step=step, losses=losses, first_eval=first_eval, eval=last_eval, checkpoint=saved,
+                          metrics=step_metrics, seconds=time.perf_counter() - loop_start, trained_samples=trained_samples)
     finally:
+        for fault in injector.faults:
+            fault.stop_signals.set()  # no stopped process is left behind
+            _signal(fault.pids, signal.SIGCONT)
+        for group in groups.values():
+            group.stop_all()
         for mesh in [trainer_procs, *meshes]:
             if mesh is not None:
-                _stop_quietly(mesh)
+                stop_quietly(mesh)
+
+
+def fault_metrics(failover: Failover, injector: FaultInjector, totals: dict[str, int]) -> dict[str, float]:
+    """Running totals of the run's faults, logged with every step."""
+    metrics = {
+        "faults/injected": len(injector.faults),
+        "faults/failures": len(failover.incidents) + totals["trainer_recoveries"],
+        "faults/replacements": sum(failover.replacements.values()),
+        "faults/migrations": totals["migrations"],
+        "faults/steps_lost": totals["steps_lost"],
+        "faults/samples_dropped": totals["samples_dropped"],
+    }
+    if failover.detect_seconds:
+        metrics["faults/time_to_detect_s"] = failover.detect_seconds[-1]
+    if failover.recover_seconds:
+        metrics["faults/time_to_recover_s"] = failover.recover_seconds[-1]
+    return metrics

@@ -1,0 +1,99 @@
+"""Drill schedules and signal faults on a plain local process (no monarch)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from workers.engine.drills import DrillPlan, FaultInjector, FaultTarget
+from workers.engine.metrics import MemorySink, Recorder
+from workers.engine.operations import FaultDrillRequest, parse_operation
+
+
+def _drill(**payload: object) -> FaultDrillRequest:
+    return parse_operation("fault_drill", {"role": "generator", **payload})  # type: ignore[return-value]
+
+
+def _state(pid: int) -> str:
+    """The process state letter from /proc: S sleeping, T stopped."""
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+
+
+@pytest.fixture
+def sleeper():
+    process = subprocess.Popen(["sleep", "60"])
+    yield process
+    process.kill()
+    process.wait()
+
+
+def test_schedules_at_step_every_seconds_random_and_now() -> None:
+    plan = DrillPlan([_drill(kind="kill", schedule={"at_step": 3}), _drill(kind="raise", schedule={"every_s": 10}),
+                      _drill(kind="raise", replica=1)], start=0.0)
+    assert [d.kind for d in plan.due(step=1, now=0.0)] == ["raise"]  # the unscheduled one: now
+    assert plan.due(step=2, now=5.0) == []
+    assert [d.kind for d in plan.due(step=3, now=5.0)] == ["kill"]
+    assert [d.schedule.every_s for d in plan.due(step=4, now=10.0)] == [10]
+    assert plan.due(step=5, now=19.0) == [] and len(plan.due(step=5, now=20.0)) == 1  # repeats
+
+    def times(seed: int) -> list[float]:
+        random_plan = DrillPlan([_drill(kind="kill", schedule={"random_seed": seed, "rate_per_min": 6})], start=0.0)
+        return [t / 10 for t in range(0, 6000) if random_plan.due(step=1, now=t / 10)]
+
+    first = times(7)
+    assert first == times(7) and first != times(8)  # seeded
+    assert 40 <= len(first) <= 85  # about 6 a minute over 10 minutes
+
+
+def test_timed_only_leaves_step_drills_for_the_step() -> None:
+    plan = DrillPlan([_drill(kind="kill", schedule={"at_step": 1}), _drill(kind="raise", role="trainer", schedule={"every_s": 1})],
+                     start=0.0)
+    assert plan.due(step=1, now=2.0, roles=("generator",), timed_only=True) == []
+    assert {d.role for d in plan.due(step=1, now=2.0)} == {"generator", "trainer"}
+
+
+def test_hang_stops_the_process_until_its_duration_ends(sleeper) -> None:
+    sink = MemorySink()
+    injector = FaultInjector(Recorder([sink]))
+    target = FaultTarget("generator", 0, [sleeper.pid], arm=lambda kind, **_: None)
+    injector.inject(_drill(kind="hang", duration_s=0.6), target, step=1)
+    time.sleep(0.2)
+    assert _state(sleeper.pid) == "T"
+    time.sleep(0.8)
+    assert _state(sleeper.pid) == "S"
+    injector.tick(step=2)
+    names = [(r["name"], r.get("fault_kind"), r.get("caused_failure")) for r in sink.records]
+    assert names == [("fault_injected", "hang", None), ("recovered", "hang", False)]
+
+
+def test_slow_host_alternates_stop_and_continue(sleeper) -> None:
+    injector = FaultInjector(Recorder())
+    target = FaultTarget("generator", 0, [sleeper.pid], arm=lambda kind, **_: None)
+    injector.inject(_drill(kind="slow_host", duty_cycle=0.5, duration_s=1.5), target, step=1)
+    seen = set()
+    deadline = time.monotonic() + 1.2
+    while time.monotonic() < deadline:
+        seen.add(_state(sleeper.pid))
+        time.sleep(0.05)
+    assert seen == {"S", "T"}
+    time.sleep(0.6)
+    assert _state(sleeper.pid) == "S"
+
+
+def test_kill_and_in_actor_faults_and_claims(sleeper) -> None:
+    sink = MemorySink()
+    injector = FaultInjector(Recorder([sink]))
+    armed: list[tuple[str, dict]] = []
+    target = FaultTarget("reward", 0, [sleeper.pid], arm=lambda kind, **fields: armed.append((kind, fields)))
+    kill = injector.inject(_drill(kind="kill", role="reward"), target, step=3)
+    assert sleeper.wait(timeout=5) == -9
+    injector.inject(_drill(kind="latency", role="reward", latency_ms=20, duration_s=60), target, step=3)
+    assert armed == [("latency", {"duration_s": 60.0, "latency_ms": 20.0, "bandwidth_mbps": None})]
+    # a failure on reward 0 is explained by the newest fault still in effect; each fault is claimed once
+    assert injector.claim("reward", 0).request.kind == "latency"
+    assert injector.claim("reward", 0) is kill and injector.claim("reward", 0) is None
+    injector.close(step=4)
+    assert [r["name"] for r in sink.records] == ["fault_injected", "fault_injected"]  # both claimed: no extra recovered

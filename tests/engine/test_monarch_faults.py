@@ -1,0 +1,167 @@
+"""Fault drills and failover on a running Monarch GRPO run (real procs, the tiny SFT'd Qwen3).
+
+One run carries every drill and operator command, at different steps, so one set of process
+meshes proves each of them:
+  step 2  kill generator 1        step 3  raise in generator 0     step 4  hang generator 0
+  step 5  kill reward             step 6  raise in reference and in the trainer
+  step 7  latency on generator 1, bandwidth on generator 0, slow_host on generator 1
+and, between steps, operator commands through RunControl: add a generator on host c (after
+step 1), bad requests (after step 2), drain host a (after step 5), a raise by command (after
+step 8).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engine.conftest import ARITHMETIC
+from workers.engine.metrics import MemorySink, Recorder
+from workers.engine.recipes.grpo import GrpoResult
+from workers.engine.run_control import RunControl
+
+pytestmark = pytest.mark.slow
+
+DRILLS = """
+drills:
+  - {kind: kill, role: generator, replica: 1, schedule: {at_step: 2}}
+  - {kind: raise, role: generator, replica: 0, schedule: {at_step: 3}}
+  - {kind: hang, role: generator, replica: 0, duration_s: 60, schedule: {at_step: 4}}
+  - {kind: kill, role: reward, schedule: {at_step: 5}}
+  - {kind: raise, role: reference, schedule: {at_step: 6}}
+  - {kind: raise, role: trainer, schedule: {at_step: 6}}
+  - {kind: latency, role: generator, replica: 1, latency_ms: 200, duration_s: 2, schedule: {at_step: 7}}
+  - {kind: bandwidth, role: generator, replica: 0, bandwidth_mbps: 50, duration_s: 2, schedule: {at_step: 7}}
+  - {kind: slow_host, role: generator, replica: 1, duty_cycle: 0.5, duration_s: 2, schedule: {at_step: 7}}
+"""
+
+COMMANDS: dict[int, list[tuple[str, dict[str, Any]]]] = {
+    1: [("placement_change", {"action": "add", "host": "c"})],
+    2: [("fault_drill", {"kind": "kill", "role": "generator", "replica": 9}),
+        ("fault_drill", {"kind": "kill", "role": "reference", "replica": 3}),
+        ("placement_change", {"action": "move", "replica": 0, "host": "nowhere"}),
+        ("placement_change", {"action": "remove", "replica": 7}),
+        ("load_redirect", {"action": "drain", "host": "nowhere"}),
+        ("fault_drill", {"kind": "latency", "role": "generator"})],
+    5: [("load_redirect", {"action": "drain", "host": "a"})],
+    8: [("fault_drill", {"kind": "raise", "role": "generator", "replica": 2})],
+}
+
+
+class ScriptedChannel:
+    """Hands RunControl the commands scripted for the step that just ended; keeps each outcome."""
+
+    def __init__(self, script: dict[int, list[tuple[str, dict[str, Any]]]]):
+        self.script = script
+        self.control: RunControl | None = None
+        self.outcomes: list[tuple[int, str, dict | str]] = []
+        self.lock = threading.Lock()
+
+    def poll(self, handler) -> int:  # noqa: ANN001
+        step = self.control._step
+        commands = self.script.pop(step, [])
+        for kind, payload in commands:
+            try:
+                self.outcomes.append((step, kind, handler(kind, payload)))
+            except Exception as exc:  # noqa: BLE001 - a failed command is reported, the run goes on
+                self.outcomes.append((step, kind, str(exc)))
+        return len(commands)
+
+
+@pytest.fixture(scope="module")
+def fault_run(sft_warm_start: tuple[Path, float], tmp_path_factory: pytest.TempPathFactory
+              ) -> tuple[GrpoResult, list[dict[str, Any]], ScriptedChannel]:
+    from workers.engine.config import load_config
+    from workers.engine.recipes.grpo_monarch import train_grpo_monarch
+
+    folder, _ = sft_warm_start
+    root = tmp_path_factory.mktemp("monarch-faults")
+    config = load_config(f"recipe: grpo\nmodel: {{path: '{folder}'}}\n{DRILLS}", overrides=[
+        *ARITHMETIC, "data.eval_size=8", "placement.backend=monarch", "placement.generator.hosts=[a, b, c]",
+        # round robin: every serving replica gets one request per generation, so each armed fault fires
+        "trainer.ranks=1", "generator.replicas=2", "generator.routing=round_robin", "trainer.steps=10",
+        "trainer.batch_size=6", "trainer.micro_batch_size=8", "grpo.group_size=4", "reference.enabled=true",
+        "grpo.kl_coef=0.05", "eval.every_steps=0", f"checkpoint.folder={root / 'checkpoints'}",
+        "failover.call_timeout_s=10", "failover.max_replacements=4", "telemetry.console=false",
+        "trainer.threads_per_process=1",
+    ])
+    channel = ScriptedChannel(dict(COMMANDS))
+    control = RunControl(channel, poll_seconds=0.0)
+    channel.control = control
+    sink = MemorySink()
+    result = train_grpo_monarch(config, Recorder([sink]), control=control)
+    return result, [r for r in sink.records if r["kind"] == "event"], channel
+
+
+def _named(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["name"] == name]
+
+
+def test_every_injected_fault_is_detected_once_and_recovered_once(fault_run) -> None:
+    result, events, _ = fault_run
+    injected = _named(events, "fault_injected")
+    kinds = Counter((e["fault_kind"], e["role"]) for e in injected)
+    assert kinds == Counter({("kill", "generator"): 1, ("raise", "generator"): 2, ("hang", "generator"): 1,
+                             ("kill", "reward"): 1, ("raise", "reference"): 1, ("raise", "trainer"): 1,
+                             ("latency", "generator"): 1, ("bandwidth", "generator"): 1, ("slow_host", "generator"): 1})
+    detected = Counter(e["fault_id"] for e in _named(events, "failure_detected"))
+    recovered = Counter(e["fault_id"] for e in _named(events, "recovered"))
+    failing = {e["fault_id"] for e in injected if e["fault_kind"] in ("kill", "raise", "hang")}
+    assert detected == Counter({fault_id: 1 for fault_id in failing}), "one detection per failing fault, none otherwise"
+    assert recovered == Counter({e["fault_id"]: 1 for e in injected}), "one recovery per fault"
+    for event in _named(events, "recovered"):
+        assert event["time_to_recover_s"] > 0.0
+        if event["caused_failure"]:
+            assert event["time_to_detect_s"] is not None and event["time_to_detect_s"] >= 0.0
+    # the hang was declared after the call timeout, and its proc replaced
+    hang = next(e for e in injected if e["fault_kind"] == "hang")
+    hang_detected = next(e for e in _named(events, "failure_detected") if e["fault_id"] == hang["fault_id"])
+    assert hang_detected["hung"] and 10.0 <= hang_detected["time_to_detect_s"] < 60.0
+    # the training finished every step, and no sample was trained twice
+    assert result.step == 10 and len(result.losses) == 10
+    ids = [sample for step in sorted(result.trained_samples) for sample in result.trained_samples[step]]
+    assert len(ids) == 60 and len(set(ids)) == 60
+    assert result.metrics[-1]["faults/injected"] == 10 and result.metrics[-1]["faults/replacements"] == 3
+
+
+def test_replaced_generators_serve_the_current_policy_version(fault_run) -> None:
+    _, events, _ = fault_run
+    replaced = [e for e in _named(events, "replica_replaced") if e["role"] == "generator"]
+    assert len(replaced) == 2  # the kill at step 2, the hang at step 4
+    for event in replaced:
+        # sync GRPO: after step N the trainer's policy is version N; the new replica reports it
+        assert event["policy_version"] == event["step"]
+    assert [e["role"] for e in _named(events, "replica_replaced")].count("reward") == 1
+    retried = [e for e in _named(events, "recovered") if e.get("action") == "retried"]
+    assert sorted(e["role"] for e in retried) == ["generator", "generator", "reference", "trainer"]
+
+
+def test_placement_change_and_drain_take_effect_mid_run(fault_run) -> None:
+    result, events, channel = fault_run
+    changed = _named(events, "placement_changed")
+    assert [(e["action"], e["replica"], e["host"]) for e in changed] == [("add", 2, "c")]
+    assert changed[0]["plan"] == {"0": "a", "1": "b", "2": "c"}
+    started, finished = _named(events, "redirect_started"), _named(events, "redirect_finished")
+    assert [(e["host"], e["replicas"]) for e in started] == [("a", [0])]
+    assert finished[0]["moved"] == {"0": "b"} and "a" not in finished[0]["plan"].values()
+    # replica 2 (added after step 1) served requests; after the drain nothing was placed on host a
+    assert result.metrics[-1]["generator/replica_2_requests"] > 0
+    assert result.metrics[-1]["faults/migrations"] == 1
+    assert [outcome for step, _, outcome in channel.outcomes if step in (1, 5, 8)][0]["plan"]["2"] == "c"
+
+
+def test_bad_operator_requests_fail_with_a_reason_and_the_run_goes_on(fault_run) -> None:
+    result, _, channel = fault_run
+    failures = [outcome for step, _, outcome in channel.outcomes if step == 2]
+    assert len(failures) == 6 and all(isinstance(f, str) for f in failures)
+    # which generators serve right after the kill at step 2 depends on when it was noticed
+    assert failures[0].startswith("generator replica 9 is not serving; serving replicas: [0, ")
+    assert failures[1] == "reference replica 3 is not serving; serving replicas: [0]"
+    assert failures[2] == failures[4] == "unknown host 'nowhere'; hosts: a, b, c"
+    assert failures[3].startswith("generator replica 7 is not serving")
+    assert failures[5] == "latency_ms: required for kind 'latency'"
+    assert result.step == 10

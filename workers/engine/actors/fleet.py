@@ -1,0 +1,277 @@
+"""Replicas of a role, each in its own proc mesh, and what happens when one fails.
+
+A `ReplicaGroup` owns one role's replicas (generator, reference, reward). Each replica has
+its own proc mesh, so one can die, be stopped and be replaced alone (spawning on a damaged
+mesh hangs; a fresh mesh takes ~0.5 s). A replica is placed on a named host; in this build a
+host is a label on local procs (one machine), which is what drains and moves act on.
+
+`Failover` turns failures into events and replacements:
+  detect   a call failed (Monarch supervision: the proc died; or no answer within
+           `failover.call_timeout_s`: hung) or the supervision hook named a replica's mesh:
+           emit `failure_detected`, take the replica out of routing, queue its replacement
+           (a hung proc is killed first). Once per replica incarnation.
+  repair   at a safe point of the controller loop: spawn each queued replacement on its host,
+           bring it to the current policy version (`prepare`), check the version it reports,
+           put it back in routing, emit `replica_replaced`.
+  recovered  emitted once the failed request has been served again (retried on a healthy
+           replica) and the replacement, if one was needed, serves: `time_to_detect_s` (from
+           the injected fault, when a drill caused it), `time_to_recover_s` (from detection).
+Past `failover.max_replacements` replacements for a role, or `failover.max_retries` retries
+of one request, the run fails with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.engine.actors.procs import spawn_procs
+from workers.engine.actors.service import Service
+from workers.engine.config import FailoverConfig
+from workers.engine.drills import ActiveFault, FaultInjector, _signal
+from workers.engine.metrics import Recorder
+
+logger = logging.getLogger(__name__)
+
+
+class ProcFailure(RuntimeError):
+    """The run cannot go on: the reason says which role failed and which limit was reached."""
+
+
+class CallFailed(Exception):
+    def __init__(self, message: str, *, hung: bool):
+        super().__init__(message)
+        self.hung = hung
+
+    @property
+    def reason(self) -> str:
+        """One line for an event: what failed, and the error it ended with."""
+        lines = [line.strip() for line in str(self).splitlines() if line.strip()]
+        text = lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
+        return text[:300]
+
+
+def wait_for(future: Any, *, timeout_s: float, poll_s: float, tick: Callable[[], None]) -> Any:
+    """A future's result, polling every poll_s (running `tick`); CallFailed when it fails or hangs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return future.get(timeout=max(0.01, min(poll_s, deadline - time.monotonic())))
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise CallFailed(f"no answer within {timeout_s:g} s", hung=True) from None
+            tick()
+        except Exception as error:  # noqa: BLE001 - a supervision error, an actor error: the call failed
+            raise CallFailed(f"{type(error).__name__}: {str(error)[:20_000]}", hung=False) from None
+
+
+@dataclass
+class Replica:
+    role: str
+    index: int
+    host: str
+    incarnation: int
+    name: str
+    procs: Any
+    actor: Any
+    pids: list[int] = field(default_factory=list)
+    version: int = 0
+    failed: bool = False
+    outstanding: int = 0  # requests sent to it and not yet awaited
+
+    def owns(self, mesh_name: str) -> bool:
+        return mesh_name.rsplit("-", 1)[0] == self.name
+
+
+class ReplicaGroup:
+    """One role's replicas behind a routed Service."""
+
+    def __init__(self, role: str, *, spawn_actor: Callable[[Any, str], Any], threads: int, routing: str):
+        self.role = role
+        self.spawn_actor = spawn_actor  # (procs, actor name) -> actor mesh of one actor
+        self.threads = threads
+        self.routing = routing
+        self.service: Service[Replica] | None = None
+        self.incarnations = 0
+        self.retiring: list[Replica] = []  # out of routing; stopped once their requests are done
+
+    def start(self, hosts: list[str]) -> None:
+        replicas = [self._spawn(index, host) for index, host in enumerate(hosts)]
+        for replica in replicas:
+            self._ready(replica)
+        self.service = Service(replicas, routing=self.routing)
+
+    def _spawn(self, index: int, host: str) -> Replica:
+        self.incarnations += 1
+        name = f"{self.role}_{index}_{self.incarnations}"
+        procs = spawn_procs(1, threads=self.threads)
+        return Replica(self.role, index, host, self.incarnations, name, procs, self.spawn_actor(procs, name))
+
+    def _ready(self, replica: Replica) -> None:
+        replica.pids = [replica.actor.pid.call_one().get(timeout=600)]
+
+    def spawn(self, index: int, host: str) -> Replica:
+        replica = self._spawn(index, host)
+        self._ready(replica)
+        return replica
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return self.service.replicas
+
+    def live(self) -> list[Replica]:
+        """Replicas in routing (not failed, drained or removed)."""
+        return [r for i, r in enumerate(self.replicas) if self.service.available[i]]
+
+    def find(self, mesh_name: str) -> Replica | None:
+        for replica in [*self.replicas, *self.retiring]:
+            if replica.owns(mesh_name):
+                return replica
+        return None
+
+    def retire(self, replica: Replica) -> None:
+        self.retiring.append(replica)
+        self.reap()
+
+    def reap(self) -> None:
+        """Stop retired replicas that no request is waiting on any more."""
+        keep = []
+        for replica in self.retiring:
+            if replica.outstanding > 0:
+                keep.append(replica)
+            else:
+                stop_quietly(replica.procs)
+        self.retiring = keep
+
+    def stop_all(self) -> None:
+        for replica in [*(self.service.replicas if self.service else []), *self.retiring]:
+            stop_quietly(replica.procs)
+
+
+def stop_quietly(mesh: Any) -> None:
+    try:
+        mesh.stop().get(timeout=15)
+    except Exception:  # noqa: BLE001 - a damaged mesh may refuse to stop cleanly; its procs are gone or get reaped
+        pass
+
+
+@dataclass
+class Incident:
+    """One detected failure of one replica incarnation, until it is recovered."""
+
+    role: str
+    replica: int
+    fault: ActiveFault | None
+    detected_at: float
+    time_to_detect_s: float | None
+    needs_replacement: bool
+    replaced: bool = False
+    served_again: bool = False
+    recovered: bool = False
+
+
+class Failover:
+    def __init__(self, *, recorder: Recorder, injector: FaultInjector, config: FailoverConfig,
+                 step: Callable[[], int], policy_version: Callable[[], int]):
+        self.recorder = recorder
+        self.injector = injector
+        self.config = config
+        self.step = step
+        self.policy_version = policy_version
+        self.replacements: dict[str, int] = {}
+        self.incidents: list[Incident] = []
+        self._by_replica: dict[int, Incident] = {}  # id(replica) -> its incident
+        self._queue: list[tuple[ReplicaGroup, Replica, Incident]] = []
+        self.detect_seconds: list[float] = []
+        self.recover_seconds: list[float] = []
+
+    # --- detection ------------------------------------------------------------------
+    def detect(self, group: ReplicaGroup, replica: Replica, reason: str, *, hung: bool, alive: bool = False,
+               request_failed: bool = True) -> Incident:
+        """Record a failure of `replica` (once per incarnation); queue its replacement unless it is alive.
+
+        `request_failed`: a request saw the failure and will be retried (else nothing waits to be served again).
+        """
+        incident = self._by_replica.get(id(replica))
+        if incident is not None and (incident.needs_replacement or alive):
+            return incident  # the same failure, seen by another request
+        now = time.monotonic()
+        fault = self.injector.claim(group.role, replica.index)
+        ttd = round(now - fault.injected_at, 3) if fault else None
+        incident = Incident(group.role, replica.index, fault, now, ttd, needs_replacement=not alive,
+                            served_again=not request_failed)
+        self.incidents.append(incident)
+        self._by_replica[id(replica)] = incident
+        if ttd is not None:
+            self.detect_seconds.append(ttd)
+        self.recorder.event("failure_detected", step=self.step(), role=group.role, replica=replica.index, host=replica.host,
+                            fault_id=fault.id if fault else None, reason=reason[:300], hung=hung, time_to_detect_s=ttd)
+        if alive:
+            return incident
+        replica.failed = True
+        if group.replicas[replica.index] is replica:
+            group.service.set_available(replica.index, False)
+            if hung:
+                _signal(replica.pids, signal.SIGKILL)  # a hung proc may wake up later: make sure it does not
+            self._queue.append((group, replica, incident))
+        return incident
+
+    def incident_of(self, replica: Replica) -> Incident | None:
+        return self._by_replica.get(id(replica))
+
+    # --- replacement ----------------------------------------------------------------
+    def repair(self, prepare: dict[str, Callable[[Replica], int]], *, host: Callable[[Replica], str]) -> None:
+        """Replace queued failed replicas: spawn (on `host(old)`), bring to the current version, route to them again."""
+        queue, self._queue = self._queue, []
+        for group, replica, incident in queue:
+            used = self.replacements.get(group.role, 0) + 1
+            if used > self.config.max_replacements:
+                raise ProcFailure(f"{group.role} replica {replica.index} failed and the run has used its "
+                                  f"{self.config.max_replacements} replacements for {group.role} "
+                                  f"(failover.max_replacements)")
+            self.replacements[group.role] = used
+            started = time.monotonic()
+            stop_quietly(replica.procs)
+            new = group.spawn(replica.index, host(replica))
+            new.version = prepare[group.role](new) if group.role in prepare else 0
+            group.service.replace(replica.index, new)
+            incident.replaced = True
+            self.recorder.event("replica_replaced", step=self.step(), role=group.role, replica=replica.index,
+                                host=new.host, incarnation=new.incarnation, pids=new.pids, policy_version=new.version,
+                                seconds=round(time.monotonic() - started, 3))
+            self._maybe_recovered(incident)
+
+    def pending_repairs(self) -> bool:
+        return bool(self._queue)
+
+    def served(self, incident: Incident | None) -> None:
+        """A request that failed with this incident has now been served."""
+        if incident is not None and not incident.served_again:
+            incident.served_again = True
+            self._maybe_recovered(incident)
+
+    def _maybe_recovered(self, incident: Incident) -> None:
+        if incident.recovered or not incident.served_again or (incident.needs_replacement and not incident.replaced):
+            return
+        incident.recovered = True
+        if not incident.needs_replacement:  # the replica itself lives on: a later failure is a new incident
+            self._by_replica = {k: v for k, v in self._by_replica.items() if v is not incident}
+        ttr = round(time.monotonic() - incident.detected_at, 3)
+        self.recover_seconds.append(ttr)
+        if incident.fault is not None:
+            self.injector.finish(incident.fault)
+        self.recorder.event("recovered", step=self.step(), role=incident.role, replica=incident.replica,
+                            fault_id=incident.fault.id if incident.fault else None, caused_failure=True,
+                            action="replaced" if incident.needs_replacement else "retried",
+                            time_to_detect_s=incident.time_to_detect_s, time_to_recover_s=ttr,
+                            policy_version=self.policy_version())
+
+    # --- requests -------------------------------------------------------------------
+    def backoff(self, attempt: int, *, what: str) -> None:
+        if attempt > self.config.max_retries:
+            raise ProcFailure(f"{what} failed {attempt} times (failover.max_retries is {self.config.max_retries})")
+        time.sleep(self.config.retry_backoff_s * 2 ** (attempt - 1))

@@ -1,0 +1,208 @@
+"""Fault drills: when each fault is due, and where it is injected (`FaultInjector.inject`).
+
+  kill       SIGKILL the target's processes
+  hang       SIGSTOP them, SIGCONT after duration_s (past the call timeout, the controller
+             declares them hung and replaces them)
+  slow_host  SIGSTOP / SIGCONT them in turn for duration_s, stopped `duty_cycle` of each second
+  raise, latency, bandwidth   armed inside the target actor (`actors/faults.py`)
+
+Every injection emits `fault_injected` with a fault id. A fault that makes a call fail is
+claimed by the failure handling (`claim`), which emits `failure_detected` and `recovered`
+for it; a fault that wears off without a failure gets its `recovered` from `tick` when it
+ends. So each fault yields exactly one `recovered`.
+
+Schedules: at a step (before it trains), every T seconds, at random (a seeded Poisson
+process), or now. Signals reach local processes only: on several machines, kill / hang /
+slow_host need an agent on each host. Monarch- and torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from workers.engine.metrics import Recorder
+from workers.engine.operations import DURATION_KINDS, FaultDrillRequest
+
+SLOW_HOST_PERIOD_S = 1.0
+
+
+@dataclass
+class FaultTarget:
+    """What a drill acts on: one replica's processes, and its in-actor injection endpoint."""
+
+    role: str
+    replica: int
+    pids: list[int]
+    arm: Callable[..., None]  # arm(kind, duration_s=..., latency_ms=..., bandwidth_mbps=...) inside the actor(s)
+
+
+@dataclass
+class ActiveFault:
+    id: int
+    request: FaultDrillRequest
+    role: str
+    replica: int
+    pids: list[int]
+    injected_at: float  # time.monotonic()
+    ends_at: float | None  # when the effect wears off (duration kinds)
+    step: int
+    claimed: bool = False  # a failure_detected was emitted for it
+    finished: bool = False  # its recovered event was emitted
+    stop_signals: threading.Event = field(default_factory=threading.Event)
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:  # already gone (replaced after a hang, or killed)
+            pass
+
+
+class DrillPlan:
+    """Drills waiting for their time: `due(step=..., now=...)` returns those to inject now."""
+
+    def __init__(self, requests: list[FaultDrillRequest] = (), *, start: float | None = None):
+        self.start = time.monotonic() if start is None else start
+        self._waiting: list[tuple[FaultDrillRequest, float | None, random.Random | None]] = []
+        for request in requests:
+            self.add(request, now=self.start)
+
+    def add(self, request: FaultDrillRequest, *, now: float) -> None:
+        schedule = request.schedule
+        rng = None
+        next_at: float | None = None
+        if schedule is None:
+            next_at = now
+        elif schedule.every_s is not None:
+            next_at = now + schedule.every_s
+        elif schedule.random_seed is not None:
+            rng = random.Random(schedule.random_seed)
+            next_at = now + self._random_gap(rng, schedule.rate_per_min)
+        self._waiting.append((request, next_at, rng))
+
+    @staticmethod
+    def _random_gap(rng: random.Random, rate_per_min: float) -> float:
+        return -math.log(1.0 - rng.random()) * 60.0 / rate_per_min
+
+    def due(self, *, step: int, now: float, roles: tuple[str, ...] | None = None,
+            timed_only: bool = False) -> list[FaultDrillRequest]:
+        """Drills to inject now; `step` is the step about to train. Repeating drills are rescheduled.
+
+        `roles`: only drills on these roles; `timed_only`: only every_s and random drills.
+        """
+        fired, waiting = [], []
+        for request, next_at, rng in self._waiting:
+            schedule = request.schedule
+            timed = schedule is not None and schedule.at_step is None
+            if (roles is not None and request.role not in roles) or (timed_only and not timed):
+                waiting.append((request, next_at, rng))
+            elif schedule is not None and schedule.at_step is not None:
+                if step >= schedule.at_step:
+                    fired.append(request)
+                else:
+                    waiting.append((request, next_at, rng))
+            elif next_at is not None and now >= next_at:
+                fired.append(request)
+                if schedule is not None and schedule.every_s is not None:
+                    waiting.append((request, max(now, next_at + schedule.every_s), rng))
+                elif rng is not None:
+                    waiting.append((request, now + self._random_gap(rng, schedule.rate_per_min), rng))
+            else:
+                waiting.append((request, next_at, rng))
+        self._waiting = waiting
+        return fired
+
+
+class FaultInjector:
+    """Injects faults, remembers the active ones, and emits their fault_injected / recovered events."""
+
+    def __init__(self, recorder: Recorder):
+        self.recorder = recorder
+        self.faults: list[ActiveFault] = []
+
+    def inject(self, request: FaultDrillRequest, target: FaultTarget, *, step: int) -> ActiveFault:
+        now = time.monotonic()
+        duration = request.duration_s if request.kind in DURATION_KINDS else None
+        fault = ActiveFault(id=len(self.faults) + 1, request=request, role=target.role, replica=target.replica,
+                            pids=list(target.pids), injected_at=now, ends_at=now + duration if duration else None, step=step)
+        self.faults.append(fault)
+        kind = request.kind
+        if kind == "kill":
+            _signal(fault.pids, signal.SIGKILL)
+        elif kind == "hang":
+            _signal(fault.pids, signal.SIGSTOP)
+            threading.Thread(target=self._continue_after, args=(fault, duration), daemon=True).start()
+        elif kind == "slow_host":
+            threading.Thread(target=self._duty_cycle, args=(fault, duration, request.duty_cycle), daemon=True).start()
+        else:
+            target.arm(kind, duration_s=duration or 0.0, latency_ms=request.latency_ms, bandwidth_mbps=request.bandwidth_mbps)
+        self.recorder.event("fault_injected", step=step, fault_id=fault.id, fault_kind=kind, role=fault.role,
+                            replica=fault.replica, pids=fault.pids, duration_s=duration,
+                            **{k: v for k, v in request.model_dump(include={"latency_ms", "bandwidth_mbps", "duty_cycle"}).items()
+                               if v is not None})
+        return fault
+
+    @staticmethod
+    def _continue_after(fault: ActiveFault, seconds: float) -> None:
+        fault.stop_signals.wait(seconds)
+        _signal(fault.pids, signal.SIGCONT)
+
+    @staticmethod
+    def _duty_cycle(fault: ActiveFault, seconds: float, duty_cycle: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not fault.stop_signals.is_set():
+            _signal(fault.pids, signal.SIGSTOP)
+            fault.stop_signals.wait(SLOW_HOST_PERIOD_S * duty_cycle)
+            _signal(fault.pids, signal.SIGCONT)
+            fault.stop_signals.wait(SLOW_HOST_PERIOD_S * (1.0 - duty_cycle))
+        _signal(fault.pids, signal.SIGCONT)
+
+    def claim(self, role: str, replica: int | None = None) -> ActiveFault | None:
+        """The newest unclaimed fault on this role (and replica) whose effect can still explain a failure."""
+        now = time.monotonic()
+        for fault in reversed(self.faults):
+            if fault.claimed or fault.finished or fault.role != role:
+                continue
+            if replica is not None and fault.replica != replica:
+                continue
+            if fault.ends_at is not None and now > fault.ends_at + 1.0 and fault.request.kind != "hang":
+                continue
+            fault.claimed = True
+            fault.stop_signals.set()  # a replaced process needs no more signals
+            return fault
+        return None
+
+    def finish(self, fault: ActiveFault) -> None:
+        fault.finished = True
+
+    def tick(self, *, step: int) -> None:
+        """Emit `recovered` for faults that wore off without causing a failure."""
+        now = time.monotonic()
+        for fault in self.faults:
+            if fault.claimed or fault.finished or fault.ends_at is None or now < fault.ends_at:
+                continue
+            fault.finished = True
+            self.recorder.event("recovered", step=step, fault_id=fault.id, fault_kind=fault.request.kind, role=fault.role,
+                                replica=fault.replica, caused_failure=False, time_to_detect_s=None,
+                                time_to_recover_s=round(now - fault.injected_at, 3))
+
+    def close(self, *, step: int) -> None:
+        """At the end of the run: every fault still in effect ends now and gets its `recovered`."""
+        now = time.monotonic()
+        for fault in self.faults:
+            fault.stop_signals.set()
+            _signal(fault.pids, signal.SIGCONT)
+            if fault.claimed or fault.finished:
+                continue
+            fault.finished = True
+            self.recorder.event("recovered", step=step, fault_id=fault.id, fault_kind=fault.request.kind, role=fault.role,
+                                replica=fault.replica, caused_failure=False, cut_short_by_run_end=True, time_to_detect_s=None,
+                                time_to_recover_s=round(now - fault.injected_at, 3))
