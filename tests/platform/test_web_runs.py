@@ -118,3 +118,17 @@ def test_owners_manage_members_and_others_cannot(client, team):
     assert not Membership.objects.filter(project=team.project, user=team.outsider).exists()
     page = client.get("/p/alpha/members/").content.decode()
     assert "Add a member" not in page and "olivia" in page
+
+
+def test_the_run_page_shows_which_replica_runs_where(client, team, runs):
+    from forgeboard.telemetry.services import event_append
+
+    run = runs[0]
+    event_append(run=run, kind="placement_applied", payload={"role": "generator", "hosts": ["a", "b"],
+                                                            "plan": {"0": "a", "1": "b"}})
+    event_append(run=run, kind="placement_changed", payload={"role": "generator", "action": "move",
+                                                            "plan": {"0": "b", "1": "b", "10": "a"}})
+    client.force_login(team.viewer)
+    response = client.get(f"/runs/{run.pk}/")
+    assert response.context["placement"]["replicas"] == [("0", "b"), ("1", "b"), ("10", "a")]
+    assert "Generator replica" in response.content.decode()

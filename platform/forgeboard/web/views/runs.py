@@ -93,8 +93,11 @@ def run_list(request: HttpRequest, slug: str) -> HttpResponse:
 def _placement(run: Run) -> dict[str, Any]:
     """Which actor runs where: the newest placement event's plan, else the launch plan and allocation."""
     latest = (RunEvent.objects.filter(run=run, kind__in=PLACEMENT_EVENTS).order_by("-seq").first())
+    replicas = latest.payload.get("plan") if latest else None
     return {
         "plan": latest.payload if latest else run.placement_plan,
+        "role": latest.payload.get("role", "") if latest else "",
+        "replicas": sorted(replicas.items(), key=lambda item: str(item[0]).zfill(6)) if isinstance(replicas, dict) else [],
         "source": f"{latest.get_kind_display().lower()} at {latest.occurred_at:%H:%M:%S}" if latest else "launch plan",
         "allocation": run.allocation,
     }
@@ -108,12 +111,13 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     role = project_role(actor=request.user, project=project)
     can_operate = role is not None and role.rank >= Role.MEMBER.rank
     parsed = run.config.parsed
+    placement = _placement(run)
     context = {
         "run": run, "project": project, "role": role, "can_operate": can_operate,
         "active": run.state in ACTIVE_STATES, "duration": duration_of(run),
         "multi_process": parsed.get("placement", {}).get("backend") == "monarch",
-        "checkpoints": run_checkpoints(run=run), "placement": _placement(run),
-        "placement_json": json.dumps(_placement(run)["plan"], indent=2, sort_keys=True),
+        "checkpoints": run_checkpoints(run=run), "placement": placement,
+        "placement_json": json.dumps(placement["plan"], indent=2, sort_keys=True),
         "commands": run.commands.select_related("created_by").order_by("-id")[:20],
         "generator_replicas": parsed.get("generator", {}).get("replicas", 1),
         "trainer_ranks": parsed.get("trainer", {}).get("ranks", 1),
