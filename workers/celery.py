@@ -1,4 +1,8 @@
-"""The Celery app. Imported by the worker (`celery -A workers.celery worker`), never by the engine."""
+"""The Celery app. Imported by the worker (`celery -A workers.celery worker`), never by the engine.
+
+Every worker also consumes `launch.<FORGEBOARD_WORKER_POOL>` (default `launch.default`), whatever
+`-Q` says: the runs that the scheduler placed on hosts of that pool are started from there.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "forgeboard.settings")
 
 import django  # noqa: E402
 from celery import Celery  # noqa: E402
+from celery.signals import celeryd_after_setup  # noqa: E402
 from django.apps import apps  # noqa: E402
 
 if not apps.ready:
@@ -21,3 +26,13 @@ if not apps.ready:
 app = Celery("forgeboard")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks(["workers"], related_name="tasks", force=True)
+
+
+@celeryd_after_setup.connect
+def _consume_pool_queue(sender: str, instance, **_kwargs) -> None:
+    """Subscribe this worker to its pool's launch queue (in addition to the queues given with -Q)."""
+    from django.conf import settings
+
+    from forgeboard.runs.services import pool_launch_queue
+
+    instance.app.amqp.queues.select_add(pool_launch_queue(settings.WORKER_POOL))

@@ -5,10 +5,17 @@ from __future__ import annotations
 import logging
 
 from celery import shared_task
+from django.conf import settings
 
 from forgeboard.logs import run_log_context
 from forgeboard.runs.models import Run
-from forgeboard.runs.services import IllegalTransition, run_transition
+from forgeboard.runs.services import (
+    IllegalTransition,
+    pool_launch_queue,
+    run_enqueue_start,
+    run_launch_queue,
+    run_transition,
+)
 from forgeboard.runs.states import RunState
 
 logger = logging.getLogger(__name__)
@@ -22,9 +29,17 @@ def _start_scheduled() -> list[int]:
     from workers.launch.backends import start_run
 
     started = runs_schedule(now=timezone.now())
+    own_queue = pool_launch_queue(settings.WORKER_POOL)
     for run_id in started:
         with run_log_context(run_id):
             try:
+                queue = run_launch_queue(run_id=run_id)
+                if queue is not None and queue != own_queue:
+                    # Its host is in another pool: a worker of that pool starts it (runs.start). If none
+                    # listens, the reconciler marks it lost after the launch timeout, with the reason.
+                    run_enqueue_start(run_id=run_id, queue=queue)
+                    logger.info("run handed to queue %s", queue)
+                    continue
                 start_run(run_id=run_id)
             except Exception as exc:  # one broken launch must not strand the others in launching
                 logger.exception("launch failed")
@@ -48,6 +63,32 @@ def launch_run(run_id: int) -> str:
             logger.info("run stays queued until capacity frees up")
             return "queued"
         logger.info("launch skipped: run is %s", state)
+        return "skipped"
+
+
+@shared_task(name="runs.start", acks_late=False)
+def start_claimed_run(run_id: int) -> str:
+    """A scheduler claimed this run for a host of this worker's pool: start it here.
+
+    Not acknowledged late: a redelivered message must not start a run twice; a start lost with a
+    crashed worker leaves the run launching, and the reconciler restarts or fails it.
+    """
+    from workers.launch.backends import start_run
+
+    with run_log_context(run_id):
+        if Run.objects.filter(pk=run_id, state=RunState.LAUNCHING, pid__isnull=True).exists():
+            try:
+                start_run(run_id=run_id)
+            except Exception as exc:
+                logger.exception("launch failed")
+                try:
+                    run_transition(run_id=run_id, from_state=RunState.LAUNCHING, to_state=RunState.FAILED,
+                                   reason=f"launch failed: {exc}")
+                except IllegalTransition:
+                    pass
+                return "failed"
+            return "started"
+        logger.info("start skipped: run is no longer waiting to be started")
         return "skipped"
 
 

@@ -6,6 +6,7 @@ embedded default: SQLite, a filesystem Celery broker and a SQLite channel layer.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -166,6 +167,12 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# The node pool of this worker's host: the worker also consumes `launch.<pool>`, where the runs
+# allocated to hosts of that pool are started (see workers/celery.py and runs/services.py).
+WORKER_POOL = env.str("FORGEBOARD_WORKER_POOL", "default")
+if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", WORKER_POOL):
+    raise ImproperlyConfigured(
+        f"FORGEBOARD_WORKER_POOL: expected 1-100 letters, digits, '.', '_' or '-', got {WORKER_POOL!r}")
 HOST_HEARTBEAT_TIMEOUT_S = env.int("FORGEBOARD_HOST_HEARTBEAT_TIMEOUT_S", 60, minimum=10)
 # A recovery (after a fault drill or a real failure) slower than this fires drill_recovery_slow webhooks.
 RECOVERY_ALERT_S = env.int("FORGEBOARD_RECOVERY_ALERT_S", 30, minimum=1)

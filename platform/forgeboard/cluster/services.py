@@ -6,6 +6,7 @@ recorded as "system" with the token's prefix in the payload.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -26,6 +27,7 @@ from forgeboard.errors import Conflict, NotFound, PermissionDenied, ValidationFa
 InventoryActor: TypeAlias = Actor | AgentToken
 
 AGENT_TOKEN_LAST_USED_RESOLUTION = timedelta(minutes=1)
+POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 
 # Worst first: a host is as healthy as its least healthy device.
 _HEALTH_ORDER = (Health.UNHEALTHY, Health.DEGRADED, Health.UNKNOWN, Health.HEALTHY)
@@ -81,9 +83,13 @@ def _worst_health(healths: Sequence[str]) -> str:
     return min(healths, key=_HEALTH_ORDER.index)
 
 
-def _check_report(*, hostname: str, labels: Mapping[str, str], devices: Sequence[DeviceReport]) -> None:
+def _check_report(*, hostname: str, pool: str, labels: Mapping[str, str], devices: Sequence[DeviceReport]) -> None:
     if not hostname or len(hostname) > 255 or any(c.isspace() for c in hostname):
         raise ValidationFailed.on("hostname", "must be 1-255 characters without spaces")
+    # The pool names a Celery queue (launch.<pool>), so it stays a plain name.
+    if not isinstance(pool, str) or not POOL_NAME.fullmatch(pool):
+        raise ValidationFailed.on("pool", "must be 1-100 letters, digits, '.', '_' or '-', starting with a letter "
+                                          "or digit")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
         raise ValidationFailed.on("labels", "must map text to text")
     seen = set()
@@ -114,7 +120,7 @@ def host_register(
     """Add or update a host and replace its device list. A host that was down comes back up."""
     _require_inventory_writer(actor=actor, action="registering hosts")
     labels = dict(labels or {})
-    _check_report(hostname=hostname, labels=labels, devices=devices)
+    _check_report(hostname=hostname, pool=pool, labels=labels, devices=devices)
     host, created = Host.objects.update_or_create(
         hostname=hostname,
         defaults={"pool": pool, "labels": labels, "cpu_count": cpu_count, "memory_bytes": memory_bytes,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from django.db import transaction
@@ -35,11 +35,56 @@ class IllegalTransition(Conflict):
     code = "illegal_transition"
 
 
+LAUNCH_QUEUE_PREFIX = "launch."
+
+
+def pool_launch_queue(pool: str) -> str:
+    """The Celery queue whose workers start runs on the hosts of `pool` (`launch.<pool>`)."""
+    return f"{LAUNCH_QUEUE_PREFIX}{pool}"
+
+
+def launch_queue_for(*, allocation: Mapping[str, Mapping[str, int]], host_pools: Mapping[str, str]) -> str | None:
+    """Where a claimed run is started: the queue of the pool of its main allocated inventory host.
+
+    The main host is the one holding the most GPUs, then the most slots, then the first by name; hosts
+    missing from the inventory (the local demo's "(local)") are ignored. None: no inventory host, so the
+    worker that claimed the run starts it itself, as it always did.
+    """
+    placed = [(name, held) for name, held in allocation.items() if name in host_pools]
+    if not placed:
+        return None
+    name, _held = min(placed, key=lambda item: (-int(item[1].get("gpus", 0) or 0),
+                                                 -int(item[1].get("slots", 0) or 0), item[0]))
+    return pool_launch_queue(host_pools[name])
+
+
+def run_launch_queue(*, run_id: int) -> str | None:
+    """`launch_queue_for` the run's stored allocation and the current inventory."""
+    from forgeboard.cluster.models import Host
+
+    allocation = Run.objects.filter(pk=run_id).values_list("allocation", flat=True).first() or {}
+    if not isinstance(allocation, dict) or not allocation:
+        return None
+    host_pools = dict(Host.objects.filter(hostname__in=list(allocation)).values_list("hostname", "pool"))
+    return launch_queue_for(allocation=allocation, host_pools=host_pools)
+
+
 def run_enqueue_launch(run_id: int) -> None:
-    """Ask a worker to start the run (call it on commit)."""
+    """Ask a worker to schedule the run (call it on commit).
+
+    Any worker may schedule (the scheduler is global), so this goes to the default queue; the run's
+    allocation is only known once a scheduler claims it, and then `run_enqueue_start` routes the start.
+    """
     from workers.celery import app  # the Celery app lives in the data plane package
 
     app.send_task("runs.launch", args=[run_id])
+
+
+def run_enqueue_start(*, run_id: int, queue: str) -> None:
+    """Hand a claimed (launching) run to a worker of its host's pool, through that pool's queue."""
+    from workers.celery import app
+
+    app.send_task("runs.start", args=[run_id], queue=queue)
 
 
 def run_launch(
