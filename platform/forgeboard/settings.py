@@ -173,6 +173,8 @@ WORKER_POOL = env.str("FORGEBOARD_WORKER_POOL", "default")
 if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", WORKER_POOL):
     raise ImproperlyConfigured(
         f"FORGEBOARD_WORKER_POOL: expected 1-100 letters, digits, '.', '_' or '-', got {WORKER_POOL!r}")
+# Webhooks may reach loopback, private, link-local and other non-public addresses (a lab network only).
+WEBHOOK_ALLOW_PRIVATE = env.bool("FORGEBOARD_WEBHOOK_ALLOW_PRIVATE", False)
 HOST_HEARTBEAT_TIMEOUT_S = env.int("FORGEBOARD_HOST_HEARTBEAT_TIMEOUT_S", 60, minimum=10)
 # A recovery (after a fault drill or a real failure) slower than this fires drill_recovery_slow webhooks.
 RECOVERY_ALERT_S = env.int("FORGEBOARD_RECOVERY_ALERT_S", 30, minimum=1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -45,7 +46,9 @@ class Receiver:
 
 
 @pytest.fixture
-def receiver() -> Iterator[Receiver]:
+def receiver(settings) -> Iterator[Receiver]:
+    """The receiver listens on 127.0.0.1, which webhooks reach only with private addresses allowed."""
+    settings.WEBHOOK_ALLOW_PRIVATE = True
     server: ThreadingHTTPServer
 
     class Handler(BaseHTTPRequestHandler):
@@ -165,7 +168,8 @@ def test_a_flaky_endpoint_gets_the_delivery_on_a_retry(team, failed_run, receive
     assert len(bodies) == 1  # every attempt sends the same signed body
 
 
-def test_an_unreachable_endpoint_records_the_connection_error(team, failed_run):
+def test_an_unreachable_endpoint_records_the_connection_error(team, failed_run, settings):
+    settings.WEBHOOK_ALLOW_PRIVATE = True
     url = f"http://127.0.0.1:{free_port()}/nobody-listens"
     webhook_create(actor=team.owner, project=team.project, url=url, events=["run_lost"])
     [delivery] = alerts_for_run_state(run=failed_run, state=RunState.LOST)
@@ -224,3 +228,119 @@ def test_a_slow_recovery_reported_by_a_run_queues_an_alert(team, running_run, se
     telemetry_ingest(run=run, batches=[TelemetryBatch.model_validate({"seq": 1, "events": events})])
     [delivery] = WebhookDelivery.objects.filter(event="drill_recovery_slow")
     assert delivery.payload["recovery_s"] == 12.0 and delivery.payload["threshold_s"] == 10.0
+
+
+# --- only public destinations (SSRF guard) ---------------------------------------------------------------
+
+def _resolving(monkeypatch, table: dict[str, list[str]]) -> None:
+    """Make the webhook code resolve names from `table` (unknown names do not resolve)."""
+    def fake(host, port, type=0):  # noqa: A002 - getaddrinfo's own parameter name
+        if host not in table:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port))
+                for a in table[host]]
+    monkeypatch.setattr("forgeboard.alerts.services._getaddrinfo", fake)
+
+
+@pytest.mark.parametrize(("url", "kind"), [
+    ("http://localhost/hook", "loopback"),
+    ("http://127.0.0.1:8000/hook", "loopback"),
+    ("http://0.0.0.0/hook", "unspecified"),
+    ("http://[::1]/hook", "loopback"),
+    ("http://[::]/hook", "unspecified"),
+    ("http://[::ffff:127.0.0.1]/hook", "loopback"),
+    ("http://169.254.169.254/latest/meta-data/", "link-local"),
+    ("http://[fe80::1]/hook", "link-local"),
+    ("https://10.1.2.3/hook", "private"),
+    ("https://192.168.0.10/hook", "private"),
+    ("https://172.16.5.4/hook", "private"),
+    ("https://[fd00::1]/hook", "private"),
+    ("http://224.0.0.1/hook", "multicast"),
+    ("http://[ff02::1]/hook", "multicast"),
+    ("http://240.0.0.1/hook", "reserved"),
+    ("http://100.64.0.1/hook", "non-public"),
+])
+def test_webhooks_to_non_public_addresses_are_refused_on_the_url(team, settings, url, kind):
+    settings.WEBHOOK_ALLOW_PRIVATE = False
+    with pytest.raises(ValidationFailed) as raised:
+        webhook_create(actor=team.owner, project=team.project, url=url, events=["run_failed"])
+    assert raised.value.problems[0].field == "url"
+    assert f"is a {kind} address: webhooks reach public hosts only" in raised.value.problems[0].message
+    assert not Webhook.objects.exists()
+
+
+def test_a_name_resolving_to_a_private_address_is_refused_naming_it(team, settings, monkeypatch):
+    settings.WEBHOOK_ALLOW_PRIVATE = False
+    _resolving(monkeypatch, {"intranet.example.com": ["93.184.215.14", "10.0.0.7"]})
+    with pytest.raises(ValidationFailed) as raised:
+        webhook_create(actor=team.owner, project=team.project, url="https://intranet.example.com/h",
+                       events=["run_failed"])
+    assert raised.value.problems[0].field == "url"
+    assert raised.value.problems[0].message == (
+        "intranet.example.com resolves to 10.0.0.7, which is a private address: webhooks reach public hosts only")
+
+
+@pytest.mark.parametrize("host", ["2130706433", "0x7f000001", "0x7f.1", "127.1", "017700000001"])
+def test_numeric_forms_of_loopback_are_seen_through(host):
+    """Forms a URL validator may reject or miss; the resolver reads them as 127.0.0.1."""
+    from forgeboard.alerts.services import UnsafeDestination, public_addresses
+
+    with pytest.raises(UnsafeDestination, match="resolves to 127.0.0.1, which is a loopback address"):
+        public_addresses(host, 80)
+
+
+def test_public_addresses_pass_and_unresolvable_names_wait_for_delivery(team, settings, monkeypatch):
+    from forgeboard.alerts.services import public_addresses
+
+    settings.WEBHOOK_ALLOW_PRIVATE = False
+    _resolving(monkeypatch, {"hooks.example.com": ["93.184.215.14", "2606:2800:21f:cb07:6820:80da:af6b:8b2c"]})
+    assert public_addresses("hooks.example.com", 443) == ["93.184.215.14", "2606:2800:21f:cb07:6820:80da:af6b:8b2c"]
+    ok = webhook_create(actor=team.owner, project=team.project, url="https://hooks.example.com/h", events=["run_lost"])
+    later = webhook_create(actor=team.owner, project=team.project, url="https://not-yet.example.org/h",
+                           events=["run_lost"])
+    assert [ok.url, later.url] == ["https://hooks.example.com/h", "https://not-yet.example.org/h"]
+
+
+def test_private_addresses_are_allowed_when_the_setting_says_so(team, settings):
+    settings.WEBHOOK_ALLOW_PRIVATE = True
+    webhook = webhook_create(actor=team.owner, project=team.project, url="http://10.0.0.7:9000/h",
+                             events=["run_failed"])
+    assert webhook.url == "http://10.0.0.7:9000/h"
+
+
+def test_a_name_that_now_resolves_privately_fails_the_delivery_with_the_reason(team, failed_run, receiver,
+                                                                              settings, monkeypatch):
+    """DNS rebinding: public when registered, loopback when delivered; nothing reaches the loopback receiver."""
+    settings.WEBHOOK_ALLOW_PRIVATE = False
+    port = receiver.url.split(":")[2].split("/")[0]
+    _resolving(monkeypatch, {"hooks.example.com": ["93.184.215.14"]})
+    webhook_create(actor=team.owner, project=team.project, url=f"http://hooks.example.com:{port}/hooks/forgeboard",
+                   events=["run_failed"])
+    _resolving(monkeypatch, {"hooks.example.com": ["127.0.0.1"]})
+    [delivery] = alerts_for_run_state(run=failed_run, state=RunState.FAILED)
+    deliver_alert.apply(args=[delivery.pk])
+    delivery.refresh_from_db()
+    assert receiver.requests == []
+    assert delivery.delivered_at is None and delivery.status_code is None and delivery.attempts == 6
+    assert delivery.last_error == ("refused: hooks.example.com resolves to 127.0.0.1, which is a loopback address: "
+                                   "webhooks reach public hosts only")
+
+
+def test_a_delivery_connects_to_the_address_it_checked_keeping_the_host_name(team, failed_run, receiver,
+                                                                           settings, monkeypatch):
+    """The checked address is the one connected to (no second lookup); the Host header keeps the name."""
+    from forgeboard.alerts import services
+
+    settings.WEBHOOK_ALLOW_PRIVATE = False
+    port = receiver.url.split(":")[2].split("/")[0]
+    # The receiver is on 127.0.0.1: this test treats loopback as public to reach it through the pinned path.
+    monkeypatch.setattr(services, "_non_public", lambda ip: None)
+    _resolving(monkeypatch, {"hooks.example.com": ["127.0.0.1"]})
+    webhook_create(actor=team.owner, project=team.project, url=f"http://hooks.example.com:{port}/hooks/forgeboard",
+                   events=["run_failed"], secret=SECRET)
+    [delivery] = alerts_for_run_state(run=failed_run, state=RunState.FAILED)
+    deliver_alert.apply(args=[delivery.pk])
+    delivery.refresh_from_db()
+    assert delivery.delivered_at is not None and delivery.status_code == 200
+    [(headers, _body)] = receiver.requests
+    assert headers["host"] == f"hooks.example.com:{port}"

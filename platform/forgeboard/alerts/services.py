@@ -1,19 +1,28 @@
 """Alerts: webhooks a project owner registers, the deliveries that run failures and slow recoveries queue,
-and one signed POST per delivery attempt (the `alerts.deliver` Celery task retries with backoff)."""
+and one signed POST per delivery attempt (the `alerts.deliver` Celery task retries with backoff).
+
+Webhooks reach public hosts only (unless FORGEBOARD_WEBHOOK_ALLOW_PRIVATE): a URL whose host is, or
+resolves to, a loopback, private, link-local, multicast, reserved or otherwise non-public address is
+refused when it is registered, and checked again before every attempt (DNS can change), which then
+connects to the address it checked (no second lookup that could answer differently).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import math
 import secrets
+import socket
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import URLValidator
 from django.db import transaction
@@ -59,7 +68,78 @@ def _clean_url(url: object) -> str:
         raise ValidationFailed.on("url", "is not a valid URL") from None
     if urlsplit(url).username is not None:
         raise ValidationFailed.on("url", "must not carry a user name or password: the signature authenticates")
+    _check_destination(url)
     return url
+
+
+class UnsafeDestination(Exception):
+    """The webhook's host is, or resolves to, an address that is not public."""
+
+
+class Unresolved(Exception):
+    """The webhook's host does not resolve (now)."""
+
+
+IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _non_public(ip: IpAddress) -> str | None:
+    """What kind of non-public address this is, or None for a public (globally routable unicast) one."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        embedded = ip.ipv4_mapped or ip.sixtofour or (ip.teredo[1] if ip.teredo else None)
+        if embedded is not None:
+            return _non_public(embedded)
+    for kind, flag in (("loopback", ip.is_loopback), ("unspecified", ip.is_unspecified),
+                       ("link-local", ip.is_link_local), ("multicast", ip.is_multicast),
+                       ("reserved", ip.is_reserved), ("private", ip.is_private)):
+        if flag:
+            return kind
+    return None if ip.is_global else "non-public"
+
+
+_getaddrinfo = socket.getaddrinfo  # one name for the tests to replace without touching httpx's own lookups
+
+
+def public_addresses(host: str, port: int) -> list[str]:
+    """Every address the host resolves to, all public, else UnsafeDestination naming the first that is not.
+
+    `getaddrinfo` also reads the forms a URL validator may miss (`2130706433`, `0x7f.1`, `[::ffff:7f00:1]`).
+    """
+    try:
+        infos = _getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise Unresolved(f"cannot resolve {host}: {exc}") from None
+    addresses = list(dict.fromkeys(info[4][0] for info in infos))
+    if not addresses:
+        raise Unresolved(f"cannot resolve {host}: no addresses")
+    for address in addresses:
+        kind = _non_public(ipaddress.ip_address(address.split("%", 1)[0]))
+        if kind is not None:
+            shown = host if host == address else f"{host} resolves to {address}, which"
+            raise UnsafeDestination(f"{shown} is a {kind} address: webhooks reach public hosts only")
+    return addresses
+
+
+def _url_port(parts: Any) -> int:
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return port or (443 if parts.scheme == "https" else 80)
+
+
+def _check_destination(url: str) -> None:
+    """At registration: refuse a host that is or resolves to a non-public address (one that does not resolve
+    now is accepted: every delivery attempt checks again)."""
+    if settings.WEBHOOK_ALLOW_PRIVATE:
+        return
+    parts = urlsplit(url)
+    try:
+        public_addresses(parts.hostname or "", _url_port(parts))
+    except UnsafeDestination as exc:
+        raise ValidationFailed.on("url", str(exc)) from None
+    except Unresolved:
+        pass
 
 
 def _clean_events(events: object) -> list[str]:
@@ -169,10 +249,15 @@ def delivery_attempt(*, delivery_id: int) -> WebhookDelivery:
     }
     status: int | None = None
     try:
-        response = httpx.post(delivery.webhook.url, content=body, headers=headers, timeout=DELIVERY_TIMEOUT_S,
-                              follow_redirects=False)
+        url, extensions = _pinned(delivery.webhook.url, headers)
+        with httpx.Client(timeout=DELIVERY_TIMEOUT_S, follow_redirects=False) as client:
+            response = client.post(url, content=body, headers=headers, extensions=extensions)
         status = response.status_code
         error = "" if 200 <= status < 300 else f"HTTP {status}: {response.text[:500]}"
+    except UnsafeDestination as exc:
+        error = f"refused: {exc}"
+    except Unresolved as exc:
+        error = f"DNS: {exc}"
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"
     WebhookDelivery.objects.filter(pk=delivery.pk).update(
@@ -181,3 +266,18 @@ def delivery_attempt(*, delivery_id: int) -> WebhookDelivery:
     )
     delivery.refresh_from_db()
     return delivery
+
+
+def _pinned(url: str, headers: dict[str, str]) -> tuple[str, dict[str, Any]]:
+    """The URL to connect to: its host replaced by the public address just checked (Host header and TLS
+    server name keep the name, so virtual hosts and certificates work). Unchanged when private hosts are allowed."""
+    if settings.WEBHOOK_ALLOW_PRIVATE:
+        return url, {}
+    parts = urlsplit(url)
+    hostname, port = parts.hostname or "", _url_port(parts)
+    address = public_addresses(hostname, port)[0]
+    literal = f"[{address}]" if ":" in address else address
+    default_port = 443 if parts.scheme == "https" else 80
+    headers["Host"] = (f"[{hostname}]" if ":" in hostname else hostname) + ("" if port == default_port else f":{port}")
+    pinned = parts._replace(netloc=f"{literal}:{port}").geturl()
+    return pinned, ({"sni_hostname": hostname} if parts.scheme == "https" else {})
