@@ -1,7 +1,9 @@
 """The Celery app. Imported by the worker (`celery -A workers.celery worker`), never by the engine.
 
-Every worker also consumes `launch.<FORGEBOARD_WORKER_POOL>` (default `launch.default`), whatever
-`-Q` says: the runs that the scheduler placed on hosts of that pool are started from there.
+Every worker also consumes, whatever `-Q` says, `launch.<FORGEBOARD_WORKER_POOL>` (default
+`launch.default`): the runs that the scheduler placed on hosts of that pool are started from there;
+and `probe.<its hostname>`: the `cluster.probe` beat task asks each worker-reported host to report
+itself there, and a worker reports its host as soon as it is ready.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "forgeboard.settings")
 
 import django  # noqa: E402
 from celery import Celery  # noqa: E402
-from celery.signals import celeryd_after_setup  # noqa: E402
+from celery.signals import celeryd_after_setup, worker_ready  # noqa: E402
 from django.apps import apps  # noqa: E402
 
 if not apps.ready:
@@ -36,3 +38,21 @@ def _consume_pool_queue(sender: str, instance, **_kwargs) -> None:
     from forgeboard.runs.services import pool_launch_queue
 
     instance.app.amqp.queues.select_add(pool_launch_queue(settings.WORKER_POOL))
+    instance.app.amqp.queues.select_add(_probe_queue())
+
+
+def _probe_queue() -> str:
+    import socket
+
+    from workers.tasks import probe_queue
+
+    return probe_queue(socket.gethostname())  # the agent's Collector reports under this name too
+
+
+@worker_ready.connect
+def _report_own_host(sender, **_kwargs) -> None:
+    """A new worker's host joins the inventory without waiting for beat (if probes are on)."""
+    from django.conf import settings
+
+    if settings.PROBE_SECONDS:
+        sender.app.send_task("cluster.probe_host", queue=_probe_queue(), expires=max(settings.PROBE_SECONDS, 60))

@@ -125,6 +125,51 @@ def mark_down_hosts() -> list[int]:
     return [run_id for down in marked for run_id in down.run_ids]
 
 
+_collector = None  # one per worker process: NVML is initialised once, CPU use is measured between probes
+
+
+def probe_queue(hostname: str) -> str:
+    """The queue only the workers on `hostname` consume (see workers/celery.py)."""
+    return f"probe.{hostname}"
+
+
+@shared_task(name="cluster.probe_host", acks_late=False)
+def probe_own_host() -> str:
+    """Report the host this worker runs on (CPUs, memory, utilization, GPUs through NVML), as the node agent does."""
+    global _collector
+    from forgeboard.cluster.services import DeviceReport, WorkerProbe, host_probe_record
+    from workers.agent import AGENT_VERSION, Collector, load_nvml, register_body
+
+    if _collector is None:
+        _collector = Collector(nvml=load_nvml())
+    # The agent's own reading and report body, so probes and agents describe a host the same way.
+    body = register_body(_collector.collect(), pool=settings.WORKER_POOL, labels={})
+    host = host_probe_record(
+        probe=WorkerProbe(worker=body["hostname"]), hostname=body["hostname"], pool=body["pool"],
+        cpu_count=body["cpu_count"], memory_bytes=body["memory_bytes"], cpu_utilization=body["cpu_utilization"],
+        memory_utilization=body["memory_utilization"], version=AGENT_VERSION,
+        devices=[DeviceReport(**device) for device in body["devices"]],
+    )
+    return host.hostname
+
+
+@shared_task(name="cluster.probe")
+def probe_hosts() -> list[str]:
+    """Periodic: report this worker's host, and ask the workers of every other host that probes reported (and
+    that is not down) to report theirs, through their host's queue. Returns the hosts asked."""
+    from forgeboard.cluster.models import Host, HostState
+    from forgeboard.cluster.services import PROBE_AGENT_PREFIX
+    from workers.celery import app
+
+    own = probe_own_host()
+    others = list(Host.objects.filter(agent_version__startswith=PROBE_AGENT_PREFIX).exclude(state=HostState.DOWN)
+                  .exclude(hostname=own).order_by("hostname").values_list("hostname", flat=True))
+    for hostname in others:
+        # A probe not taken before the next one is pointless: it expires instead of piling up.
+        app.send_task("cluster.probe_host", queue=probe_queue(hostname), expires=settings.PROBE_SECONDS or None)
+    return others
+
+
 @shared_task(name="alerts.deliver", bind=True, acks_late=True, max_retries=5)
 def deliver_alert(self, delivery_id: int) -> str:
     """POST one webhook delivery; a failed attempt is retried after RETRY_DELAYS_S, then given up (recorded)."""

@@ -185,6 +185,12 @@ CELERY_BEAT_SCHEDULE = {
     "reconcile-runs": {"task": "runs.reconcile", "schedule": env.int("FORGEBOARD_RECONCILE_SECONDS", 15, minimum=1)},
     "mark-down-hosts": {"task": "cluster.mark_down_hosts", "schedule": 30.0},
 }
+# Workers report their own hosts this often (cluster.probe), so a cluster without node agents has an
+# inventory; 0 turns the probe off (the default in tests, whose inventory each test builds itself).
+# Keep it well under FORGEBOARD_HOST_HEARTBEAT_TIMEOUT_S.
+PROBE_SECONDS = env.int("FORGEBOARD_PROBE_SECONDS", 0 if FORGEBOARD_ENV == "test" else 20, minimum=0)
+if PROBE_SECONDS:
+    CELERY_BEAT_SCHEDULE["probe-hosts"] = {"task": "cluster.probe", "schedule": PROBE_SECONDS}
 CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
 
 # --- security -------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Inventory writes: hosts register and report; operators drain, cordon and restore them.
 
 Node agents act through an `AgentToken`. An agent is not a person: its audit entries are
-recorded as "system" with the token's prefix in the payload.
+recorded as "system" with the token's prefix in the payload. A Celery worker reporting its own
+host (the `cluster.probe` task, for clusters without agents) acts as a `WorkerProbe`, recorded
+as "system" with the worker's name.
 """
 
 from __future__ import annotations
@@ -24,7 +26,18 @@ from forgeboard.cluster.models import AgentToken, Device, DeviceKind, Health, Ho
 from forgeboard.cluster.selectors import active_run_ids_on_host
 from forgeboard.errors import Conflict, NotFound, PermissionDenied, ValidationFailed, clean_text
 
-InventoryActor: TypeAlias = Actor | AgentToken
+
+
+@dataclass(frozen=True)
+class WorkerProbe:
+    """A Celery worker reporting the host it runs on: platform code, not a person or a token."""
+
+    worker: str
+
+
+InventoryActor: TypeAlias = Actor | AgentToken | WorkerProbe
+# The agent_version of a host that worker probes report (an agent reports its own version).
+PROBE_AGENT_PREFIX = "worker-probe/"
 
 AGENT_TOKEN_LAST_USED_RESOLUTION = timedelta(minutes=1)
 POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
@@ -63,6 +76,8 @@ class HostDown:
 
 
 def _require_inventory_writer(*, actor: InventoryActor, action: str) -> None:
+    if isinstance(actor, WorkerProbe):
+        return
     if isinstance(actor, AgentToken):
         if actor.revoked_at is not None:
             raise PermissionDenied(f"{action}: this agent token was revoked")
@@ -71,7 +86,9 @@ def _require_inventory_writer(*, actor: InventoryActor, action: str) -> None:
 
 
 def _audit(*, actor: InventoryActor, action: str, target: Host, payload: dict[str, Any]) -> None:
-    if isinstance(actor, AgentToken):
+    if isinstance(actor, WorkerProbe):
+        audit_record(actor=None, action=action, target=target, payload=payload | {"worker": actor.worker})
+    elif isinstance(actor, AgentToken):
         audit_record(actor=None, action=action, target=target, payload=payload | {"agent_token": actor.prefix})
     else:
         audit_record(actor=actor, action=action, target=target, payload=payload)
@@ -192,6 +209,46 @@ def host_heartbeat(
     if was_down:
         _audit(actor=actor, action="host.up", target=host, payload={"reason": "heartbeat resumed"})
     return host
+
+
+def host_probe_record(
+    *,
+    probe: WorkerProbe,
+    hostname: str,
+    pool: str,
+    cpu_count: int,
+    memory_bytes: int,
+    cpu_utilization: float | None,
+    memory_utilization: float | None,
+    devices: Sequence[DeviceReport] = (),
+    version: str,
+) -> Host:
+    """A worker's reading of its own host: registered when new or changed (CPUs, memory, devices), else a heartbeat.
+
+    The host keeps its labels, and the pool an agent or an operator gave it; the worker's pool is used
+    for a host that only probes report. Registrations are audited, heartbeats are not (as for agents).
+    """
+    host = Host.objects.filter(hostname=hostname).first()
+    agent_version = f"{PROBE_AGENT_PREFIX}{version}"
+    if host is not None and not host.agent_version.startswith(PROBE_AGENT_PREFIX):
+        pool, agent_version = host.pool, host.agent_version  # an agent reports this host too: its word stands
+    if host is not None:
+        known = {(d.kind, d.index, d.model, d.memory_bytes, d.uuid) for d in host.devices.all()}
+        reported = {(d.kind, d.index, d.model, d.memory_bytes, d.uuid) for d in devices}
+        if (known == reported and host.pool == pool and host.cpu_count == cpu_count
+                and host.memory_bytes == memory_bytes):
+            return host_heartbeat(
+                actor=probe, hostname=hostname, cpu_utilization=cpu_utilization,
+                memory_utilization=memory_utilization,
+                devices=[DeviceSample(kind=d.kind, index=d.index, health=d.health, utilization=d.utilization,
+                                      memory_used_bytes=d.memory_used_bytes) for d in devices],
+            )
+    return host_register(
+        actor=probe, hostname=hostname, pool=pool, labels=host.labels if host is not None else {},
+        cpu_count=cpu_count, memory_bytes=memory_bytes, devices=devices,
+        agent_version=agent_version,
+        cpu_utilization=cpu_utilization, memory_utilization=memory_utilization,
+    )
 
 
 def host_set_state(*, actor: Actor, host: Host, state: HostState | str, reason: str = "") -> Host:
