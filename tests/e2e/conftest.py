@@ -71,7 +71,7 @@ def tiny_model(tmp_path_factory) -> Path:
 def no_script_errors(page):
     """Every browser test fails on an uncaught error in the page's scripts."""
     errors: list[str] = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("pageerror", lambda error: errors.append(f"{error}\n{error.stack}"))
     yield errors
     assert not errors, f"script errors in the page: {errors}"
 

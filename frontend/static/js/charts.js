@@ -29,6 +29,19 @@
     });
   }
 
+  // A y range with a little padding that never collapses: a span far below the values' magnitude
+  // (a metric that barely moves) makes uPlot's tick search run away.
+  function yRange(u, min, max) {
+    if (min === null || max === null || !isFinite(min) || !isFinite(max)) return [0, 1];
+    const magnitude = Math.max(Math.abs(min), Math.abs(max));
+    const span = max - min;
+    if (span <= magnitude * 1e-6 || span === 0) {
+      const pad = magnitude > 0 ? magnitude * 1e-3 : 1;
+      return [min - pad, max + pad];
+    }
+    return [min - span * 0.05, max + span * 0.05];
+  }
+
   // Align several sorted series on the union of their x values (uPlot wants one x array).
   function align(seriesList) {
     const xs = new Set();
@@ -64,7 +77,7 @@
       const chart = this;
       this.plot = new uPlot({
         width, height,
-        scales: { x: { time: false } },
+        scales: { x: { time: false }, y: { range: yRange } },
         axes: [{ label: xLabel }, {}],
         cursor: { drag: { x: true, y: false } },
         legend: { live: true },
@@ -165,5 +178,5 @@
     }
   }
 
-  window.FBCharts = { Chart, ChartGrid, smooth, align, PALETTE };
+  window.FBCharts = { Chart, ChartGrid, smooth, align, yRange, PALETTE };
 })();
