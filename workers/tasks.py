@@ -170,6 +170,18 @@ def probe_hosts() -> list[str]:
     return others
 
 
+@shared_task(name="checkpoints.export", acks_late=False)
+def export_checkpoint(run_id: int, step: int, actor_kind: str, actor_id: int) -> str:
+    """Export a checkpoint as an HF folder, off the request that asked for it (see runs/checkpoints.py)."""
+    from forgeboard.runs.checkpoints import checkpoint_export_queued
+
+    with run_log_context(run_id):
+        status = checkpoint_export_queued(run_id=run_id, step=step, actor_kind=actor_kind, actor_id=actor_id)
+        if status.error:
+            logger.warning("export of step %s failed: %s", step, status.error)
+        return status.state
+
+
 @shared_task(name="alerts.deliver", bind=True, acks_late=True, max_retries=5)
 def deliver_alert(self, delivery_id: int) -> str:
     """POST one webhook delivery; a failed attempt is retried after RETRY_DELAYS_S, then given up (recorded)."""

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -173,3 +174,132 @@ def test_a_real_engine_checkpoint_is_exported_and_a_run_starts_from_it(team, dat
     assert any((trained[k] != initial[k]).any() for k in trained), "the export holds the untrained weights"
     assert preflight_errors(parse_config_mapping(child.config.parsed)) == []
     assert [p.name for p in exported.parent.iterdir()] == ["step_2"]  # no temp folder left
+
+
+# --- export off the request: POST queues a task (202), GET polls ---------------------------------------
+
+SUCCEEDING_EXPORTER = """\
+import sys
+from pathlib import Path
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+out.mkdir(parents=True)
+(out / "config.json").write_text("{}")
+(out / "model.safetensors").write_bytes(b"weights")
+"""
+
+
+@pytest.fixture
+def export_api(client, team, run_with_checkpoints, monkeypatch):
+    """An API caller with write and read tokens; queued export tasks are recorded instead of sent."""
+    from forgeboard.accounts.services import api_token_create
+    from workers.celery import app
+
+    _, write = api_token_create(actor=team.member, project=team.project, name="ci-write", scope="write")
+    _, read = api_token_create(actor=team.member, project=team.project, name="ci-read", scope="read")
+    sent: list[tuple[str, list]] = []
+    queues: list[str | None] = []
+    monkeypatch.setattr(app, "send_task", lambda name, args, **kw: (sent.append((name, args)),
+                                                                     queues.append(kw.get("queue"))))
+
+    def call(method: str, step: object, token: str = write):
+        return getattr(client, method)(f"/api/v1/runs/{run_with_checkpoints.pk}/checkpoints/{step}/export",
+                                       HTTP_AUTHORIZATION=f"Bearer {token}")
+
+    return SimpleNamespace(call=call, sent=sent, queues=queues, read=read, run=run_with_checkpoints)
+
+
+def _run_queued_tasks(api) -> None:
+    """What a worker does with the queued messages: the real task, with the recorded arguments."""
+    from workers.tasks import export_checkpoint
+
+    while api.sent:
+        name, args = api.sent.pop(0)
+        assert name == "checkpoints.export"
+        export_checkpoint.apply(args=args)
+
+
+def test_the_api_queues_an_export_and_the_client_polls_it(export_api, tmp_path, monkeypatch,
+                                                          django_capture_on_commit_callbacks):
+    api = export_api
+    assert api.call("get", 2).status_code == 404  # never asked for
+    with django_capture_on_commit_callbacks(execute=True):
+        answer = api.call("post", 2)
+    assert answer.status_code == 202, answer.content
+    assert answer.json()["state"] == "queued" and answer.json()["path"] is None
+    with django_capture_on_commit_callbacks(execute=True):
+        again = api.call("post", 2)
+    assert again.status_code == 202 and again.json()["state"] == "queued"
+    assert len(api.sent) == 1  # asked twice, queued once
+    assert api.call("get", 2, api.read).json()["state"] == "queued"  # a read-only token may poll
+
+    exporter = tmp_path / "failing_exporter.py"
+    exporter.write_text(FAILING_EXPORTER)
+    monkeypatch.setattr(checkpoints, "ENGINE_COMMAND", (sys.executable, str(exporter)))
+    _run_queued_tasks(api)
+    failed = api.call("get", 2).json()
+    assert failed["state"] == "failed" and "RuntimeError: trainer.pt is not a checkpoint" in failed["error"]
+
+    exporter.write_text(SUCCEEDING_EXPORTER)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert api.call("post", 2).json()["state"] == "queued"  # a failed export is queued again
+    _run_queued_tasks(api)
+    done = api.call("get", 2).json()
+    out = run_dir(api.run) / "exports" / "step_2"
+    assert (done["state"], done["path"], done["error"]) == ("done", str(out), "")
+    with django_capture_on_commit_callbacks(execute=True):
+        sync = api.call("post", 2)
+    assert sync.status_code == 200 and sync.json()["path"] == str(out)  # already exported: answered at once
+    assert api.sent == []
+    assert sorted(p.name for p in out.parent.iterdir()) == ["step_2"]  # no status file or temp folder left
+    assert AuditEvent.objects.filter(action="checkpoint.export").count() == 1
+    assert AuditEvent.objects.filter(action="checkpoint.export_request").count() == 2
+
+
+def test_export_requests_are_checked_before_anything_is_queued(export_api, team, client):
+    api = export_api
+    assert api.call("post", 2, api.read).status_code == 403  # read-only token
+    for bad in (-1, 2**63):
+        answer = api.call("post", bad)
+        assert answer.status_code == 400, answer.content
+        assert answer.json()["errors"][0]["field"] == "step"
+    for missing in (1, 3, 5):
+        answer = api.call("post", missing)
+        assert answer.status_code == 404 and f"no checkpoint at step {missing}" in answer.json()["message"]
+    client.force_login(team.viewer)
+    as_viewer = client.post(f"/api/v1/runs/{api.run.pk}/checkpoints/2/export")
+    assert as_viewer.status_code == 403 and "needs the member role" in as_viewer.json()["message"]
+    assert api.sent == [] and not (run_dir(api.run) / "exports").exists()
+
+
+def test_an_export_whose_worker_vanished_is_reported_lost_and_can_be_asked_again(export_api,
+                                                                                django_capture_on_commit_callbacks):
+    import json as jsonlib
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    api = export_api
+    with django_capture_on_commit_callbacks(execute=True):
+        api.call("post", 4)
+    status_file = run_dir(api.run) / "exports" / "step_4.status.json"
+    long_ago = timezone.now() - checkpoints.EXPORT_STALE_AFTER - timedelta(seconds=1)
+    status_file.write_text(jsonlib.dumps({"state": "running", "error": "", "updated_at": long_ago.isoformat()}))
+    lost = api.call("get", 4).json()
+    assert lost["state"] == "failed" and "was lost" in lost["error"]
+    with django_capture_on_commit_callbacks(execute=True):
+        assert api.call("post", 4).status_code == 202
+    assert len(api.sent) == 2
+
+
+def test_an_export_goes_to_the_pool_of_the_host_the_run_ran_on(export_api, team,
+                                                                django_capture_on_commit_callbacks):
+    from forgeboard.cluster.services import host_register
+
+    api = export_api
+    with django_capture_on_commit_callbacks(execute=True):
+        api.call("post", 2)  # no inventory host: the default queue
+    host_register(actor=team.operator, hostname="node-a", pool="gpu-a")
+    Run.objects.filter(pk=api.run.pk).update(allocation={"node-a": {"gpus": 0, "slots": 1}})
+    with django_capture_on_commit_callbacks(execute=True):
+        api.call("post", 4)
+    assert api.queues == [None, "launch.gpu-a"]

@@ -15,6 +15,7 @@ from forgeboard.api.auth import USER_AUTH, actor_of, require_write_scope
 from forgeboard.api.pagination import Pages
 from forgeboard.api.schemas import (
     ERRORS,
+    CheckpointExportOut,
     CommandIn,
     CommandOut,
     EventOut,
@@ -31,6 +32,7 @@ from forgeboard.api.schemas import (
 from forgeboard.cluster.selectors import hosts_with_devices
 from forgeboard.experiments.selectors import experiment_get, experiments_for_project
 from forgeboard.experiments.services import experiment_create
+from forgeboard.runs.checkpoints import ExportState, checkpoint_export_request, checkpoint_export_status
 from forgeboard.runs.models import Command
 from forgeboard.runs.selectors import run_get, runs_for_project
 from forgeboard.runs.services import command_create, run_cancel, run_launch
@@ -117,6 +119,31 @@ def send_command(request: HttpRequest, run_id: int, body: CommandIn):  # noqa: A
     require_write_scope(request)
     run = run_get(actor=actor_of(request), run_id=run_id)
     return Status(201, command_create(actor=actor_of(request), run=run, kind=body.kind, payload=body.payload))
+
+
+@router.post("/runs/{run_id}/checkpoints/{step}/export", response={200: CheckpointExportOut, 202: CheckpointExportOut,
+                                                                  **ERRORS}, tags=["checkpoints"])
+def export_checkpoint(request: HttpRequest, run_id: int, step: int):  # noqa: ANN201
+    """Export the checkpoint at `step` as a Hugging Face folder, off the request.
+
+    200 with `state: done` and the folder's `path` when it is already exported. Otherwise the export is
+    queued for a worker (the `checkpoints.export` task) and the answer is 202 with `state: queued` (or
+    `running` when it was already asked for): poll `GET` on the same URL until `done` or `failed`
+    (`error` says why). A failed export is queued again by the next `POST`.
+    """
+    require_write_scope(request)
+    run = run_get(actor=actor_of(request), run_id=run_id)
+    status = checkpoint_export_request(actor=actor_of(request), run=run, step=step)
+    return Status(200 if status.state == ExportState.DONE else 202, status)
+
+
+@router.get("/runs/{run_id}/checkpoints/{step}/export", response={200: CheckpointExportOut, **ERRORS},
+            tags=["checkpoints"])
+def get_checkpoint_export(request: HttpRequest, run_id: int, step: int):  # noqa: ANN201
+    """How the export of the checkpoint at `step` stands: queued, running, done (with `path`) or failed (`error`);
+    404 when it was never asked for."""
+    run = run_get(actor=actor_of(request), run_id=run_id)
+    return checkpoint_export_status(actor=actor_of(request), run=run, step=step)
 
 
 @router.get("/runs/{run_id}/metrics", response={200: list[SeriesOut], **ERRORS}, tags=["metrics"])

@@ -158,4 +158,13 @@ class ErrorOut(Schema):
     expected_seq: int | None = None
 
 
+class CheckpointExportOut(Schema):
+    run_id: int
+    step: int
+    state: str = Field(description="queued, running, done or failed")
+    path: str | None = Field(description="the exported Hugging Face folder, once done")
+    error: str = Field(description="why it failed, when it did")
+    updated_at: datetime | None
+
+
 ERRORS = {400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut, 409: ErrorOut, 429: ErrorOut}

@@ -3,6 +3,11 @@ exported as Hugging Face folders by the engine, and used to start new runs.
 
 A checkpoint is `<run folder>/checkpoints/step_NNNNNN/trainer.pt` (+ config and tokenizer files).
 The export runs the engine's exporter in a subprocess: the control plane never imports torch.
+
+Off the request: `checkpoint_export_request` queues the `checkpoints.export` Celery task and
+`checkpoint_export_status` tells how it goes. The state lives beside the export, in
+`<run folder>/exports/step_N.status.json` (queued, running or failed with the reason); a complete
+export folder means done.
 """
 
 from __future__ import annotations
@@ -16,18 +21,21 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from django.db import transaction
 
-from forgeboard.accounts.models import Role
+from django.utils import timezone
+
+from forgeboard.accounts.models import ApiToken, Role, User
 from forgeboard.accounts.permissions import Actor, require_project_role
 from forgeboard.audit.services import audit_record
 from forgeboard.errors import NotFound, ServiceError, ValidationFailed
 from forgeboard.experiments.services import validate_run_config
 from forgeboard.runs.models import Run
-from forgeboard.runs.services import run_launch
+from forgeboard.runs.services import run_launch, run_launch_queue
 from forgeboard.telemetry.models import EventKind, RunEvent
 from workers.launch.local import REPO_DIR, run_dir
 
@@ -177,3 +185,116 @@ def run_launch_from_checkpoint(*, actor: Actor, run: Run, step: int, overrides: 
         audit_record(actor=actor, action="run.launch_from_checkpoint", target=child, project=run.experiment.project,
                      payload={"parent": run.pk, "step": step, "model_path": str(model_path)})
     return child
+
+
+# --- export off the request ----------------------------------------------------------------------
+
+class ExportState:
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+# A queued or running export older than this is taken as lost (its worker died) and may be requested again.
+EXPORT_STALE_AFTER = timedelta(seconds=EXPORT_TIMEOUT_S + 300)
+
+
+@dataclass(frozen=True)
+class ExportStatus:
+    run_id: int
+    step: int
+    state: str
+    path: str | None  # the HF folder, once done
+    error: str
+    updated_at: datetime | None
+
+
+def _status_file(*, run: Run, step: int) -> Path:
+    return export_folder(run=run, step=step).parent / f"step_{step}.status.json"
+
+
+def _write_status(*, run: Run, step: int, state: str, error: str = "") -> None:
+    target = _status_file(run=run, step=step)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}")
+    tmp.write_text(json.dumps({"state": state, "error": error, "updated_at": timezone.now().isoformat()}))
+    tmp.replace(target)  # atomic: a reader sees the old status or the new one
+
+
+def _read_status(*, run: Run, step: int) -> ExportStatus | None:
+    out = export_folder(run=run, step=step)
+    if _is_hf_folder(out):
+        return ExportStatus(run_id=run.pk, step=step, state=ExportState.DONE, path=str(out), error="",
+                            updated_at=datetime.fromtimestamp(out.stat().st_mtime, tz=UTC))
+    try:
+        recorded = json.loads(_status_file(run=run, step=step).read_text())
+        updated = datetime.fromisoformat(recorded["updated_at"])
+        state = recorded["state"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if state in (ExportState.QUEUED, ExportState.RUNNING) and timezone.now() - updated > EXPORT_STALE_AFTER:
+        state, error = ExportState.FAILED, "the export was lost (its worker stopped); request it again"
+    else:
+        error = str(recorded.get("error") or "")
+    return ExportStatus(run_id=run.pk, step=step, state=state, path=None, error=error, updated_at=updated)
+
+
+def checkpoint_export_status(*, actor: Actor, run: Run, step: int) -> ExportStatus:
+    """Where the export of the checkpoint at `step` stands; NotFound if it was never requested nor exported."""
+    require_project_role(actor=actor, project=run.experiment.project, minimum=Role.VIEWER,
+                         action="reading checkpoint exports")
+    step = _clean_step(step)
+    status = _read_status(run=run, step=step)
+    if status is None:
+        raise NotFound(f"the checkpoint at step {step} of run {run.pk} was not exported nor queued for export")
+    return status
+
+
+def _enqueue_export(*, run_id: int, step: int, actor: Actor) -> None:
+    from workers.celery import app  # the Celery app lives in the data plane package
+
+    kind = "token" if isinstance(actor, ApiToken) else "user"
+    # The checkpoint is on the disk where the run ran: a worker of that host's pool exports it.
+    queue = run_launch_queue(run_id=run_id)
+    app.send_task("checkpoints.export", args=[run_id, step, kind, actor.pk], **({"queue": queue} if queue else {}))
+
+
+def checkpoint_export_request(*, actor: Actor, run: Run, step: int) -> ExportStatus:
+    """Queue the export of the checkpoint at `step` (the `checkpoints.export` task) and return its status.
+
+    Done at once when the export exists; an export already queued or running is not queued twice; a
+    failed (or lost) one is queued again. The task runs `checkpoint_export` as the same actor.
+    """
+    require_project_role(actor=actor, project=run.experiment.project, minimum=Role.MEMBER,
+                         action="exporting checkpoints")
+    step = _clean_step(step)
+    _checkpoint_at(run=run, step=step)
+    status = _read_status(run=run, step=step)
+    if status is not None and status.state != ExportState.FAILED:
+        return status
+    _write_status(run=run, step=step, state=ExportState.QUEUED)
+    with transaction.atomic():
+        audit_record(actor=actor, action="checkpoint.export_request", target=run, project=run.experiment.project,
+                     payload={"step": step})
+        transaction.on_commit(lambda: _enqueue_export(run_id=run.pk, step=step, actor=actor))
+    return _read_status(run=run, step=step)  # type: ignore[return-value]
+
+
+def checkpoint_export_queued(*, run_id: int, step: int, actor_kind: str, actor_id: int) -> ExportStatus:
+    """The task's side: export as the actor who asked, recording running, then done or failed with the reason."""
+    run = Run.objects.select_related("experiment__project").get(pk=run_id)
+    model: Any = ApiToken if actor_kind == "token" else User
+    actor = model.objects.filter(pk=actor_id).first()
+    _write_status(run=run, step=step, state=ExportState.RUNNING)
+    try:
+        if actor is None:
+            raise NotFound(f"the {actor_kind} that asked for this export no longer exists")
+        checkpoint_export(actor=actor, run=run, step=step)
+    except ServiceError as exc:
+        _write_status(run=run, step=step, state=ExportState.FAILED, error=exc.message)
+    except OSError as exc:
+        _write_status(run=run, step=step, state=ExportState.FAILED, error=f"{type(exc).__name__}: {exc}")
+    else:
+        _status_file(run=run, step=step).unlink(missing_ok=True)  # the export folder now says done
+    return _read_status(run=run, step=step)  # type: ignore[return-value]
