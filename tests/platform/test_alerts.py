@@ -344,3 +344,24 @@ def test_a_delivery_connects_to_the_address_it_checked_keeping_the_host_name(tea
     assert delivery.delivered_at is not None and delivery.status_code == 200
     [(headers, _body)] = receiver.requests
     assert headers["host"] == f"hooks.example.com:{port}"
+
+
+@pytest.mark.parametrize("url", ["http://2130706433/hook", "http://0x7f000001/hook", "http://0x7f.1/hook",
+                                 "http://127.1/hook", "http://[::ffff:7f00:1]/hook"])
+def test_numeric_forms_of_loopback_urls_are_refused_on_the_url(team, settings, url):
+    settings.WEBHOOK_ALLOW_PRIVATE = False
+    with pytest.raises(ValidationFailed) as raised:
+        webhook_create(actor=team.owner, project=team.project, url=url, events=["run_failed"])
+    assert raised.value.problems[0].field == "url"
+    assert not Webhook.objects.exists()
+
+
+def test_a_webhook_stored_before_the_guard_is_refused_at_delivery(team, failed_run, settings):
+    settings.WEBHOOK_ALLOW_PRIVATE = False
+    Webhook.objects.create(project=team.project, url="http://2130706433:9/x", events=["run_failed"], secret=SECRET)
+    [delivery] = alerts_for_run_state(run=failed_run, state=RunState.FAILED)
+    deliver_alert.apply(args=[delivery.pk])
+    delivery.refresh_from_db()
+    assert delivery.delivered_at is None and delivery.status_code is None
+    assert delivery.last_error == ("refused: 2130706433 resolves to 127.0.0.1, which is a loopback address: "
+                                   "webhooks reach public hosts only")
