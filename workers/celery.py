@@ -32,7 +32,7 @@ app.autodiscover_tasks(["workers"], related_name="tasks", force=True)
 
 @celeryd_after_setup.connect
 def _consume_pool_queue(sender: str, instance, **_kwargs) -> None:
-    """Subscribe this worker to its pool's launch queue (in addition to the queues given with -Q)."""
+    """Subscribe this worker to its pool's launch queue and its host's probe queue (besides those of -Q)."""
     from django.conf import settings
 
     from forgeboard.runs.services import pool_launch_queue
