@@ -76,6 +76,21 @@ class DrillChannel:
         return s1 - s0, t1 - t0
 
 
+class EventPrinter:
+    """Prints fault events as they happen (the figures come at the end)."""
+
+    NAMES = {"fault_injected", "failure_detected", "replica_replaced", "recovered"}
+
+    def write(self, record: dict[str, Any]) -> None:
+        if record["kind"] == "event" and record["name"] in self.NAMES:
+            fields = {k: record.get(k) for k in ("step", "role", "replica", "fault_kind", "action", "time_to_detect_s",
+                                                 "time_to_recover_s") if record.get(k) is not None}
+            print(record["name"], fields, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calm-s", type=float, default=60.0)
@@ -95,7 +110,7 @@ def main() -> None:
     control = RunControl(channel, poll_seconds=0.0)
     channel.control = control
     sink = MemorySink()
-    result = train_grpo_monarch(config, Recorder([sink]), control=control)
+    result = train_grpo_monarch(config, Recorder([sink, EventPrinter()]), control=control)
 
     calm_steps, calm_s = channel.steps_between(0.0, args.calm_s)
     faulty_steps, faulty_s = channel.steps_between(args.calm_s, args.calm_s + args.faulty_s)

@@ -7,7 +7,7 @@ meshes proves each of them:
   step 7  latency on generator 1, bandwidth on generator 0, slow_host on generator 1
 and, between steps, operator commands through RunControl: add a generator on host c (after
 step 1), bad requests (after step 2), drain host a (after step 5), a raise by command (after
-step 8).
+step 8), and a trainer kill by command between steps (after step 9: back to the step-8 checkpoint).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ COMMANDS: dict[int, list[tuple[str, dict[str, Any]]]] = {
         ("fault_drill", {"kind": "latency", "role": "generator"})],
     5: [("load_redirect", {"action": "drain", "host": "a"})],
     8: [("fault_drill", {"kind": "raise", "role": "generator", "replica": 2})],
+    9: [("fault_drill", {"kind": "kill", "role": "trainer"})],
 }
 
 
@@ -85,7 +86,8 @@ def fault_run(sft_warm_start: tuple[Path, float], tmp_path_factory: pytest.TempP
         # round robin: every serving replica gets one request per generation, so each armed fault fires
         "trainer.ranks=1", "generator.replicas=2", "generator.routing=round_robin", "trainer.steps=10",
         "trainer.batch_size=6", "trainer.micro_batch_size=8", "grpo.group_size=4", "reference.enabled=true",
-        "grpo.kl_coef=0.05", "eval.every_steps=0", f"checkpoint.folder={root / 'checkpoints'}",
+        "grpo.kl_coef=0.05", "eval.every_steps=0", f"checkpoint.folder={root / 'checkpoints'}", "checkpoint.every_steps=4",
+        "trainer.recover_failures=1",
         "failover.call_timeout_s=10", "failover.max_replacements=4", "telemetry.console=false",
         "trainer.threads_per_process=1",
     ])
@@ -107,7 +109,8 @@ def test_every_injected_fault_is_detected_once_and_recovered_once(fault_run) -> 
     kinds = Counter((e["fault_kind"], e["role"]) for e in injected)
     assert kinds == Counter({("kill", "generator"): 1, ("raise", "generator"): 2, ("hang", "generator"): 1,
                              ("kill", "reward"): 1, ("raise", "reference"): 1, ("raise", "trainer"): 1,
-                             ("latency", "generator"): 1, ("bandwidth", "generator"): 1, ("slow_host", "generator"): 1})
+                             ("latency", "generator"): 1, ("bandwidth", "generator"): 1, ("slow_host", "generator"): 1,
+                             ("kill", "trainer"): 1})
     detected = Counter(e["fault_id"] for e in _named(events, "failure_detected"))
     recovered = Counter(e["fault_id"] for e in _named(events, "recovered"))
     failing = {e["fault_id"] for e in injected if e["fault_kind"] in ("kill", "raise", "hang")}
@@ -122,10 +125,15 @@ def test_every_injected_fault_is_detected_once_and_recovered_once(fault_run) -> 
     hang_detected = next(e for e in _named(events, "failure_detected") if e["fault_id"] == hang["fault_id"])
     assert hang_detected["hung"] and 10.0 <= hang_detected["time_to_detect_s"] < 60.0
     # the training finished every step, and no sample was trained twice
-    assert result.step == 10 and len(result.losses) == 10
+    assert result.step == 10 and len(result.losses) == 11
     ids = [sample for step in sorted(result.trained_samples) for sample in result.trained_samples[step]]
     assert len(ids) == 60 and len(set(ids)) == 60
-    assert result.metrics[-1]["faults/injected"] == 10 and result.metrics[-1]["faults/replacements"] == 3
+    assert result.metrics[-1]["faults/injected"] == 11 and result.metrics[-1]["faults/replacements"] == 3
+    # the trainer killed after step 9 went back to the step-8 checkpoint: step 9 was trained twice, counted once
+    trainer = next(e for e in _named(events, "recovered") if e["role"] == "trainer" and e["action"] == "restored_checkpoint")
+    assert trainer["path"].endswith("step_000008") and trainer["steps_lost"] == 1
+    assert [m["policy_version"] for m in result.metrics] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 10]
+    assert result.metrics[-1]["faults/steps_lost"] == 1
 
 
 def test_replaced_generators_serve_the_current_policy_version(fault_run) -> None:

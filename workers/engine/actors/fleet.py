@@ -226,18 +226,23 @@ class Failover:
     # --- replacement ----------------------------------------------------------------
     def repair(self, prepare: dict[str, Callable[[Replica], int]], *, host: Callable[[Replica], str]) -> None:
         """Replace queued failed replicas: spawn (on `host(old)`), bring to the current version, route to them again."""
-        queue, self._queue = self._queue, []
-        for group, replica, incident in queue:
+        while self._queue:
+            group, replica, incident = self._queue[0]
             used = self.replacements.get(group.role, 0) + 1
             if used > self.config.max_replacements:
                 raise ProcFailure(f"{group.role} replica {replica.index} failed and the run has used its "
                                   f"{self.config.max_replacements} replacements for {group.role} "
                                   f"(failover.max_replacements)")
-            self.replacements[group.role] = used
             started = time.monotonic()
             stop_quietly(replica.procs)
             new = group.spawn(replica.index, host(replica))
-            new.version = prepare[group.role](new) if group.role in prepare else 0
+            try:
+                new.version = prepare[group.role](new) if group.role in prepare else 0
+            except BaseException:  # e.g. the trainer holding the weights died: try again at the next repair
+                stop_quietly(new.procs)
+                raise
+            self._queue.pop(0)
+            self.replacements[group.role] = used
             group.service.replace(replica.index, new)
             incident.replaced = True
             self.recorder.event("replica_replaced", step=self.step(), role=group.role, replica=replica.index,

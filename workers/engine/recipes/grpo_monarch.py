@@ -79,6 +79,14 @@ class FaultDrill:
         return FaultDrillRequest(kind="kill", role="trainer", replica=self.rank, schedule=DrillSchedule(at_step=self.step))
 
 
+class TrainerLost(Exception):
+    """A trainer call other than the train step failed: the loop restores the trainer as after a failed step."""
+
+    def __init__(self, failure: CallFailed):
+        super().__init__(str(failure))
+        self.failure = failure
+
+
 @dataclass
 class Request:
     """One call routed to a replica of a group; retried elsewhere when it fails."""
@@ -193,6 +201,12 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         def wait(future: Any) -> Any:
             return wait_for(future, timeout_s=failover_cfg.call_timeout_s, poll_s=failover_cfg.poll_seconds, tick=tick)
 
+        def trainer_result(future: Any) -> Any:
+            try:
+                return wait(future)
+            except CallFailed as failure:
+                raise TrainerLost(failure) from None
+
         def tick() -> None:
             """While waiting: notice dead replicas, inject drills that are due, end faults that wore off."""
             scan_supervision()
@@ -234,7 +248,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
 
         def prepare_generator(replica: Replica) -> int:
             """Give a new generator replica the trainer's current weights; the version it reports."""
-            state = trainer0.state_dict.call_one().get()
+            state = trainer_result(trainer0.state_dict.call_one())
             wait(replica.actor.load_weights.call_one(state, policy_version))
             return int(wait(replica.actor.policy_version.call_one()))
 
@@ -287,7 +301,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             if request.role == "trainer":
                 if request.replica >= trainer_cfg.ranks:
                     raise ValueError(f"trainer has ranks 0..{trainer_cfg.ranks - 1}, not {request.replica}")
-                pids = list(trainer.pids.call().get(timeout=60).values())
+                pids = list(trainer_result(trainer.pids.call()).values())
                 rank = trainer.slice(procs=request.replica)
 
                 def arm_trainer(kind: str, **fields: Any) -> None:
@@ -475,7 +489,11 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             ttd = round(detected - fault.injected_at, 3) if fault else None
             recorder.event("failure_detected", step=step + 1, role="trainer", replica=fault.replica if fault else None,
                            fault_id=fault.id if fault else None, reason="a train step raised", hung=False, time_to_detect_s=ttd)
-            results = list(wait(trainer.train_step.call(record, ref_logprobs)).values())
+            try:
+                results = list(wait(trainer.train_step.call(record, ref_logprobs)).values())
+            except CallFailed as failure:
+                recover_trainer(failure)
+                return None
             if fault is not None:
                 injector.finish(fault)
             ttr = round(time.monotonic() - detected, 3)
@@ -489,7 +507,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         def sync_weights(timer: PhaseTimer) -> None:
             nonlocal generator_version
             with timer.phase("weight_sync"):
-                state = trainer0.state_dict.call_one().get()
+                state = trainer_result(trainer0.state_dict.call_one())
                 loads = [(r, r.actor.load_weights.call_one(state, policy_version)) for r in generators.live()]
                 for replica, future in loads:
                     try:
@@ -536,7 +554,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             return sum(len(c.token_ids) for c in completions), busiest
 
         def run_eval(step: int) -> EvalResult:
-            result = trainer0.evaluate.call_one(held_out, cfg.eval.rollout_samples).get()
+            result = trainer_result(trainer0.evaluate.call_one(held_out, cfg.eval.rollout_samples))
             recorder.log_many({"eval/accuracy": result.accuracy, "eval/reward_mean": result.reward_mean}, step)
             for prompt, completion, score in result.samples:
                 recorder.rollout(step=step, prompt=prompt, completion=completion, reward=score, split="held_out")
@@ -550,7 +568,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                         "generations": pending[0].generation if pending else generations,
                         "data": pending[0].data_state if pending else dataset.state_dict.call_one().get(),
                         "buffer": buffer.state_dict.call_one().get(), "staleness": dict(staleness)}
-            path = Path(trainer0.save.call_one(step, progress).get())
+            path = Path(trainer_result(trainer0.save.call_one(step, progress)))
             last_checkpoint = str(path)
             recorder.event("checkpoint_saved", step=step, path=str(path), policy_version=policy_version)
             return path
@@ -562,85 +580,88 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         trained_samples: dict[int, list[str]] = {}
         saved: Path | None = None
         while step < trainer_cfg.steps:
-            scan_supervision()
-            check_control_procs()
-            injector.tick(step=step)
-            timer = PhaseTimer()
-            timer.seconds["weight_sync"] = 0.0
-            step_start = time.perf_counter()
+            try:
+                scan_supervision()
+                check_control_procs()
+                injector.tick(step=step)
+                timer = PhaseTimer()
+                timer.seconds["weight_sync"] = 0.0
+                step_start = time.perf_counter()
 
-            # 1-3. generate (launch ahead), reward, buffer
-            generated_tokens, generate_seconds = 0, 0.0
-            record = None
-            while record is None:
-                buffered = buffer.stats.call_one().get()["batches"]
-                while buffered + len(pending) < max_age + 1:
-                    pending.append(launch_generation(timer))
+                # 1-3. generate (launch ahead), reward, buffer
+                generated_tokens, generate_seconds = 0, 0.0
+                record = None
+                while record is None:
                     buffered = buffer.stats.call_one().get()["batches"]
-                if buffered == 0:
-                    tokens, seconds = finish_generation(pending.popleft(), timer)
-                    generated_tokens, generate_seconds = generated_tokens + tokens, generate_seconds + seconds
-                record = buffer.take.call_one(policy_version).get()
-            age = policy_version - record.policy_version
+                    while buffered + len(pending) < max_age + 1:
+                        pending.append(launch_generation(timer))
+                        buffered = buffer.stats.call_one().get()["batches"]
+                    if buffered == 0:
+                        tokens, seconds = finish_generation(pending.popleft(), timer)
+                        generated_tokens, generate_seconds = generated_tokens + tokens, generate_seconds + seconds
+                    record = buffer.take.call_one(policy_version).get()
+                age = policy_version - record.policy_version
 
-            # 4. reference log-probs
-            ref_logprobs = None
-            if "reference" in groups:
-                with timer.phase("reference"):
-                    ref_logprobs = receive(send(groups["reference"], lambda actor: actor.logprobs.call_one(
-                        record, trainer_cfg.micro_batch_size, cfg.generator.temperature)))
+                # 4. reference log-probs
+                ref_logprobs = None
+                if "reference" in groups:
+                    with timer.phase("reference"):
+                        ref_logprobs = receive(send(groups["reference"], lambda actor: actor.logprobs.call_one(
+                            record, trainer_cfg.micro_batch_size, cfg.generator.temperature)))
 
-            # 5-6. drills due now, then train on every rank
-            inject_due()
-            with timer.phase("train"):
-                results = train(record, ref_logprobs)
-            if results is None:  # the trainer was restored from a checkpoint: this step did not happen
-                continue
-            staleness[age] += 1
-            policy_version += 1
-            step += 1
-            trained_samples[step] = list(record.sample_ids)
+                # 5-6. drills due now, then train on every rank
+                inject_due()
+                with timer.phase("train"):
+                    results = train(record, ref_logprobs)
+                if results is None:  # the trainer was restored from a checkpoint: this step did not happen
+                    continue
+                staleness[age] += 1
+                policy_version += 1
+                step += 1
+                trained_samples[step] = list(record.sample_ids)
 
-            step_seconds = time.perf_counter() - step_start
-            parts = [p for r in results for p in r["parts"]]
-            train_tokens = sum(r["train_tokens"] for r in results)
-            stats = buffer.stats.call_one().get()
-            metrics = {
-                "loss": sum(r["loss"] for r in results),
-                **rollout_metrics(record),
-                **update_metrics(parts),
-                "grad_norm": results[0]["grad_norm"],
-                "lr": results[0]["lr"],
-                "policy_version": policy_version,
-                "staleness/policy_age": age,
-                "buffer/batches": stats["batches"],
-                "buffer/dropped_stale": stats["dropped_stale"],
-                "generations_in_flight": len(pending),
-                "time/step_s": step_seconds,
-                **timer.metrics(),
-                "throughput/train_tokens_per_s": train_tokens / max(timer.seconds["train"], 1e-9),
-                "mfu": mfu(n_params=n_params, tokens=train_tokens, seconds=step_seconds,
-                           peak_flops_per_second=trainer_cfg.peak_flops_per_second * trainer_cfg.ranks),
-                **fault_metrics(failover, injector, totals),
-            }
-            if generated_tokens:
-                metrics["time/generate_s"] = generate_seconds
-                metrics["throughput/gen_tokens_per_s"] = generated_tokens / max(generate_seconds, 1e-9)
-            for i, served in enumerate(generators.service.served):
-                metrics[f"generator/replica_{i}_requests"] = served
-            recorder.log_many(metrics, step)
-            for i in range(min(cfg.eval.rollout_samples, len(record))):
-                recorder.rollout(step=step, prompt=record.prompt_texts[i], completion=record.response_texts[i],
-                                 reward=record.rewards[i], policy_version=record.policy_version, split="train")
-            losses.append(metrics["loss"])
-            step_metrics.append(metrics)
+                step_seconds = time.perf_counter() - step_start
+                parts = [p for r in results for p in r["parts"]]
+                train_tokens = sum(r["train_tokens"] for r in results)
+                stats = buffer.stats.call_one().get()
+                metrics = {
+                    "loss": sum(r["loss"] for r in results),
+                    **rollout_metrics(record),
+                    **update_metrics(parts),
+                    "grad_norm": results[0]["grad_norm"],
+                    "lr": results[0]["lr"],
+                    "policy_version": policy_version,
+                    "staleness/policy_age": age,
+                    "buffer/batches": stats["batches"],
+                    "buffer/dropped_stale": stats["dropped_stale"],
+                    "generations_in_flight": len(pending),
+                    "time/step_s": step_seconds,
+                    **timer.metrics(),
+                    "throughput/train_tokens_per_s": train_tokens / max(timer.seconds["train"], 1e-9),
+                    "mfu": mfu(n_params=n_params, tokens=train_tokens, seconds=step_seconds,
+                               peak_flops_per_second=trainer_cfg.peak_flops_per_second * trainer_cfg.ranks),
+                    **fault_metrics(failover, injector, totals),
+                }
+                if generated_tokens:
+                    metrics["time/generate_s"] = generate_seconds
+                    metrics["throughput/gen_tokens_per_s"] = generated_tokens / max(generate_seconds, 1e-9)
+                for i, served in enumerate(generators.service.served):
+                    metrics[f"generator/replica_{i}_requests"] = served
+                recorder.log_many(metrics, step)
+                for i in range(min(cfg.eval.rollout_samples, len(record))):
+                    recorder.rollout(step=step, prompt=record.prompt_texts[i], completion=record.response_texts[i],
+                                     reward=record.rewards[i], policy_version=record.policy_version, split="train")
+                losses.append(metrics["loss"])
+                step_metrics.append(metrics)
 
-            if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or step == trainer_cfg.steps):
-                last_eval = run_eval(step)
-            if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or step == trainer_cfg.steps:
-                saved = checkpoint(step)
-            if control is not None and not control.between_steps(step=step, checkpoint=lambda: checkpoint(step)):
-                break
+                if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or step == trainer_cfg.steps):
+                    last_eval = run_eval(step)
+                if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or step == trainer_cfg.steps:
+                    saved = checkpoint(step)
+                if control is not None and not control.between_steps(step=step, checkpoint=lambda: checkpoint(step)):
+                    break
+            except TrainerLost as lost:  # a trainer proc died between train steps
+                recover_trainer(lost.failure)
 
         for generation in pending:  # launched ahead, not needed any more
             for request in generation.calls:
