@@ -57,7 +57,8 @@ def test_timed_only_leaves_step_drills_for_the_step() -> None:
 
 def test_hang_stops_the_process_until_its_duration_ends(sleeper) -> None:
     sink = MemorySink()
-    injector = FaultInjector(Recorder([sink]))
+    served = iter([3, 5])
+    injector = FaultInjector(Recorder([sink]), measure=lambda role, replica: {"requests_served": next(served)})
     target = FaultTarget("generator", 0, [sleeper.pid], arm=lambda kind, **_: None)
     injector.inject(_drill(kind="hang", duration_s=0.6), target, step=1)
     time.sleep(0.2)
@@ -67,6 +68,7 @@ def test_hang_stops_the_process_until_its_duration_ends(sleeper) -> None:
     injector.tick(step=2)
     names = [(r["name"], r.get("fault_kind"), r.get("caused_failure")) for r in sink.records]
     assert names == [("fault_injected", "hang", None), ("recovered", "hang", False)]
+    assert (sink.records[-1]["before"], sink.records[-1]["during"]) == ({"requests_served": 3}, {"requests_served": 5})
 
 
 def test_slow_host_alternates_stop_and_continue(sleeper) -> None:

@@ -120,6 +120,10 @@ def test_every_injected_fault_is_detected_once_and_recovered_once(fault_run) -> 
         assert event["time_to_recover_s"] > 0.0
         if event["caused_failure"]:
             assert event["time_to_detect_s"] is not None and event["time_to_detect_s"] >= 0.0
+    # a latency fault is measured on the replica it slowed: requests it served while slowed, seconds per request
+    latency = next(e for e in _named(events, "recovered") if e.get("fault_kind") == "latency")
+    assert latency["during"]["requests_served"] > latency["before"]["requests_served"]
+    assert latency["during"]["seconds_per_request"] > 0.0
     # the hang was declared after the call timeout, and its proc replaced
     hang = next(e for e in injected if e["fault_kind"] == "hang")
     hang_detected = next(e for e in _named(events, "failure_detected") if e["fault_id"] == hang["fault_id"])

@@ -56,6 +56,7 @@ class ActiveFault:
     claimed: bool = False  # a failure_detected was emitted for it
     finished: bool = False  # its recovered event was emitted
     stop_signals: threading.Event = field(default_factory=threading.Event)
+    before: dict[str, float] = field(default_factory=dict)  # the target's measurements when it was injected
 
 
 def _signal(pids: list[int], sig: int) -> None:
@@ -124,15 +125,19 @@ class DrillPlan:
 class FaultInjector:
     """Injects faults, remembers the active ones, and emits their fault_injected / recovered events."""
 
-    def __init__(self, recorder: Recorder):
+    def __init__(self, recorder: Recorder, *, measure: Callable[[str, int], dict[str, float]] | None = None):
         self.recorder = recorder
         self.faults: list[ActiveFault] = []
+        # measure(role, replica): what the fault's effect shows in, e.g. a replica's seconds per request;
+        # taken at injection ("before") and when the effect ends ("during")
+        self.measure = measure or (lambda role, replica: {})
 
     def inject(self, request: FaultDrillRequest, target: FaultTarget, *, step: int) -> ActiveFault:
         now = time.monotonic()
         duration = request.duration_s if request.kind in DURATION_KINDS else None
         fault = ActiveFault(id=len(self.faults) + 1, request=request, role=target.role, replica=target.replica,
                             pids=list(target.pids), injected_at=now, ends_at=now + duration if duration else None, step=step)
+        fault.before = self.measure(fault.role, fault.replica)
         self.faults.append(fault)
         kind = request.kind
         if kind == "kill":
@@ -192,7 +197,8 @@ class FaultInjector:
             fault.finished = True
             self.recorder.event("recovered", step=step, fault_id=fault.id, fault_kind=fault.request.kind, role=fault.role,
                                 replica=fault.replica, caused_failure=False, time_to_detect_s=None,
-                                time_to_recover_s=round(now - fault.injected_at, 3))
+                                time_to_recover_s=round(now - fault.injected_at, 3), before=fault.before,
+                                during=self.measure(fault.role, fault.replica))
 
     def close(self, *, step: int) -> None:
         """At the end of the run: every fault still in effect ends now and gets its `recovered`."""
@@ -205,4 +211,5 @@ class FaultInjector:
             fault.finished = True
             self.recorder.event("recovered", step=step, fault_id=fault.id, fault_kind=fault.request.kind, role=fault.role,
                                 replica=fault.replica, caused_failure=False, cut_short_by_run_end=True, time_to_detect_s=None,
-                                time_to_recover_s=round(now - fault.injected_at, 3))
+                                time_to_recover_s=round(now - fault.injected_at, 3), before=fault.before,
+                                during=self.measure(fault.role, fault.replica))

@@ -122,7 +122,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
 
     device = trainer_cfg.device if trainer_cfg.device != "auto" else "cpu"
     hosts = list(cfg.placement.generator.hosts) or ["local"]
-    injector = FaultInjector(recorder)
+    injector = FaultInjector(recorder, measure=lambda role, replica: measure_replica(groups, role, replica))
     plan = DrillPlan([*cfg.drills, *(d.request() if isinstance(d, FaultDrill) else d for d in drills)])
     groups: dict[str, ReplicaGroup] = {}
     meshes: list[Any] = []
@@ -682,6 +682,16 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         for mesh in [trainer_procs, *meshes]:
             if mesh is not None:
                 stop_quietly(mesh)
+
+
+def measure_replica(groups: dict[str, ReplicaGroup], role: str, replica: int) -> dict[str, float]:
+    """A replica's recent seconds per request and requests served: how a latency or slowdown fault shows."""
+    group = groups.get(role)
+    if group is None or group.service is None or replica >= len(group.replicas):
+        return {}
+    seconds = group.service.seconds_per_request[replica]
+    return {"requests_served": group.service.served[replica],
+            **({"seconds_per_request": round(seconds, 4)} if seconds is not None else {})}
 
 
 def fault_metrics(failover: Failover, injector: FaultInjector, totals: dict[str, int]) -> dict[str, float]:
