@@ -106,6 +106,7 @@ async def test_refused_connections(running_run, query, code):
     run, _ = running_run
     communicator = WebsocketCommunicator(application, f"/ws/runs/{run.pk}/{query}", headers=HEADERS)
     connected, close_code = await communicator.connect(timeout=10)
+    await communicator.disconnect()  # end the consumer here, not in the event loop's teardown
     assert not connected and close_code == code
 
 
@@ -117,4 +118,5 @@ async def test_outsider_token_cannot_subscribe(running_run, team):
     _, raw = await sync_to_async(api_token_create)(actor=team.outsider, project=other, name="ws", scope="read")
     communicator = WebsocketCommunicator(application, f"/ws/runs/{run.pk}/?token={raw}", headers=HEADERS)
     connected, close_code = await communicator.connect(timeout=10)
+    await communicator.disconnect()
     assert not connected and close_code == 4404
