@@ -64,7 +64,7 @@ def test_hang_stops_the_process_until_its_duration_ends(sleeper) -> None:
     time.sleep(0.2)
     assert _state(sleeper.pid) == "T"
     time.sleep(0.8)
-    assert _state(sleeper.pid) == "S"
+    assert _state(sleeper.pid) != "T"
     injector.tick(step=2)
     names = [(r["name"], r.get("fault_kind"), r.get("caused_failure")) for r in sink.records]
     assert names == [("fault_injected", "hang", None), ("recovered", "hang", False)]
@@ -80,9 +80,9 @@ def test_slow_host_alternates_stop_and_continue(sleeper) -> None:
     while time.monotonic() < deadline:
         seen.add(_state(sleeper.pid))
         time.sleep(0.05)
-    assert seen == {"S", "T"}
+    assert "T" in seen and seen - {"T"}, "stopped part of the time, running (or sleeping) the rest"
     time.sleep(0.6)
-    assert _state(sleeper.pid) == "S"
+    assert _state(sleeper.pid) != "T"
 
 
 def test_kill_and_in_actor_faults_and_claims(sleeper) -> None:
@@ -99,3 +99,14 @@ def test_kill_and_in_actor_faults_and_claims(sleeper) -> None:
     assert injector.claim("reward", 0) is kill and injector.claim("reward", 0) is None
     injector.close(step=4)
     assert [r["name"] for r in sink.records] == ["fault_injected", "fault_injected"]  # both claimed: no extra recovered
+
+
+def test_exited_sees_a_killed_process_before_it_is_reaped(sleeper) -> None:
+    from workers.engine.actors.fleet import exited
+
+    assert not exited(sleeper.pid)
+    sleeper.kill()
+    time.sleep(0.2)
+    assert exited(sleeper.pid), "a killed child not yet waited for is a zombie"
+    sleeper.wait()
+    assert exited(sleeper.pid)

@@ -27,6 +27,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from workers.engine.actors.procs import spawn_procs
@@ -67,6 +68,23 @@ def wait_for(future: Any, *, timeout_s: float, poll_s: float, tick: Callable[[],
             tick()
         except Exception as error:  # noqa: BLE001 - a supervision error, an actor error: the call failed
             raise CallFailed(f"{type(error).__name__}: {str(error)[:20_000]}", hung=False) from None
+
+
+def exited(pid: int) -> bool:
+    """A local process that is gone, or killed and not yet reaped (a zombie).
+
+    Monarch's supervision can take ~10 s to report a dead proc, and a call sent to it meanwhile
+    just waits; on this machine /proc says so at once. Elsewhere (no /proc) this says nothing.
+    """
+    if not Path("/proc/self/stat").exists():
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        return False
+    return state in ("Z", "X")
 
 
 @dataclass

@@ -44,8 +44,8 @@ import monarch.actor  # noqa: I001
 from monarch.spmd import setup_torch_elastic_env
 
 from workers.engine.actors.dataset import DatasetActor
-from workers.engine.actors.fleet import (CallFailed, Failover, Incident, ProcFailure, Replica, ReplicaGroup, stop_quietly,
-                                         wait_for)
+from workers.engine.actors.fleet import (CallFailed, Failover, Incident, ProcFailure, Replica, ReplicaGroup, exited,
+                                         stop_quietly, wait_for)
 from workers.engine.actors.generator import GeneratorActor
 from workers.engine.actors.procs import spawn_procs
 from workers.engine.actors.reference import ReferenceActor
@@ -229,6 +229,18 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 else:
                     if not name.startswith(("logger", "trainer")):  # trainer failures surface in its train step
                         unexplained.append(str(report)[:500])
+            for group in groups.values():  # local procs: a killed one shows in /proc before Monarch reports it
+                for replica in group.live():
+                    gone = [pid for pid in replica.pids if exited(pid)]
+                    if gone and not replica.failed:
+                        failover.detect(group, replica, f"process {gone[0]} exited", hung=False,
+                                        request_failed=replica.outstanding > 0)
+
+        def check_trainer() -> None:
+            """A trainer proc that exited between train steps: restore now, not after the next call times out."""
+            gone = [pid for pid in trainer_pids if exited(pid)]
+            if gone:
+                raise TrainerLost(CallFailed(f"trainer process {gone[0]} exited", hung=False))
 
         def check_control_procs() -> None:
             """A failure report no replica explains: the run goes on only if dataset and buffer still answer."""
@@ -474,10 +486,18 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                            path=last_checkpoint, steps_lost=lost_from - step, time_to_detect_s=ttd, time_to_recover_s=ttr,
                            policy_version=policy_version)
 
+        def train_tick() -> None:
+            """While a step trains: a rank that exited fails the step now (its peers would wait in the all-reduce)."""
+            tick()
+            gone = [pid for pid in trainer_pids if exited(pid)]
+            if gone:
+                raise CallFailed(f"trainer process {gone[0]} exited", hung=False)
+
         def train(record: Any, ref_logprobs: Any) -> list[dict[str, Any]] | None:
             """Every rank trains on its rows; None when the trainer failed and was restored (the step did not happen)."""
             try:
-                return list(wait(trainer.train_step.call(record, ref_logprobs)).values())
+                return list(wait_for(trainer.train_step.call(record, ref_logprobs), timeout_s=failover_cfg.call_timeout_s,
+                                     poll_s=failover_cfg.poll_seconds, tick=train_tick).values())
             except CallFailed as failure:
                 raised = not failure.hung and "InjectedFault" in str(failure)
                 if not raised:
@@ -582,6 +602,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         while step < trainer_cfg.steps:
             try:
                 scan_supervision()
+                check_trainer()
                 check_control_procs()
                 injector.tick(step=step)
                 timer = PhaseTimer()
