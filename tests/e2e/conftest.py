@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,25 @@ def tiny_model(tmp_path_factory) -> Path:
     subprocess.run([sys.executable, "-m", "workers.engine", "make-tiny-model", "--family", "qwen3", "--out", str(out)],
                    cwd=REPO_DIR, check=True, capture_output=True, timeout=300)
     return out
+
+
+@pytest.fixture(autouse=True)
+def quiet_database_after_test(django_db_blocker):
+    """Before the database is flushed for the next test, stop this test's engines and wait until no other
+    session is inside a query: a TRUNCATE racing a late telemetry write once deadlocked the flush."""
+    yield
+    kill_processes_in(Path(settings.DATA_DIR) / "runs")
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        return
+    with django_db_blocker.unblock(), connection.cursor() as cursor:
+        for _ in range(100):
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                           "AND pid <> pg_backend_pid() AND state NOT IN ('idle')")
+            if cursor.fetchone()[0] == 0:
+                return
+            time.sleep(0.1)
 
 
 @pytest.fixture(autouse=True)
