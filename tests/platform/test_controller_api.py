@@ -176,3 +176,15 @@ def test_nul_characters_from_a_random_model_are_stored_not_refused(client, runni
     payload = RunEvent.objects.get(run=run, kind="rollout").payload
     assert payload["completion"] == "\ufffd\f\ufffdx" and payload["k\ufffd"] == ["\ufffd"]
     assert LogLine.objects.get(run=run).line == "bad \ufffd byte"
+
+
+def test_a_command_result_with_a_nul_is_stored(client, monarch_running_run, team):
+    run, token = monarch_running_run
+    command = command_create(actor=team.member, run=run, kind="checkpoint", payload={})
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {token}"}
+    result = {"ok": False, "result": {"error": "engine said \x00"}}
+    response = client.post(f"/api/v1/controller/runs/{run.pk}/commands/{command.pk}/result", data=json.dumps(result),
+                           content_type="application/json", **auth)
+    assert response.status_code == 200
+    command.refresh_from_db()
+    assert command.state == "failed" and command.result == {"error": "engine said \ufffd"}

@@ -11,6 +11,10 @@ from forgeboard.runs.models import Run
 from forgeboard.telemetry.models import MetricPoint, MetricSeries, RunEvent
 
 
+# The metrics a runs list or a comparison summarises a run by, when the run has them.
+KEY_METRICS = ("reward/mean", "eval/reward_mean", "eval/accuracy", "loss")
+
+
 def metric_keys(*, run: Run) -> QuerySet[MetricSeries]:
     return MetricSeries.objects.filter(run=run).order_by("key")
 

@@ -3,10 +3,29 @@
 from __future__ import annotations
 
 from django.contrib import messages
-from django.http import HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import render
 
-from forgeboard.errors import ServiceError
+from forgeboard.accounts.models import Project
+from forgeboard.accounts.selectors import project_get
+from forgeboard.errors import NotFound, ServiceError
+from forgeboard.runs.models import Run
+from forgeboard.runs.selectors import run_get
+
+
+def project_or_404(request: HttpRequest, slug: str) -> Project:
+    """The project the user may see, else 404 (outsiders learn nothing about it)."""
+    try:
+        return project_get(actor=request.user, slug=slug)
+    except NotFound:
+        raise Http404("no such project") from None
+
+
+def run_or_404(request: HttpRequest, run_id: int) -> Run:
+    try:
+        return run_get(actor=request.user, run_id=run_id)
+    except NotFound:
+        raise Http404("no such run") from None
 
 
 def error_page(request: HttpRequest, error: ServiceError) -> HttpResponse:
@@ -16,3 +35,11 @@ def error_page(request: HttpRequest, error: ServiceError) -> HttpResponse:
 def flash_error(request: HttpRequest, error: ServiceError) -> None:
     details = "; ".join(f"{p.field}: {p.message}" for p in error.problems if p.field)
     messages.error(request, details or error.message)
+
+
+def refusal_or_flash(request: HttpRequest, error: ServiceError) -> HttpResponse | None:
+    """A refused action (403) gets its own page; any other error becomes a message on the page it came from."""
+    if error.status == 403:
+        return error_page(request, error)
+    flash_error(request, error)
+    return None

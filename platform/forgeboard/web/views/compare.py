@@ -6,21 +6,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.contrib.auth.decorators import login_required
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.utils import timezone
 from django.views.decorators.http import require_GET
 
-from forgeboard.accounts.selectors import project_get
-from forgeboard.errors import NotFound, ServiceError
+from forgeboard.errors import ServiceError
 from forgeboard.runs.models import Run
 from forgeboard.runs.selectors import config_diff, runs_for_compare
 from forgeboard.telemetry.models import MetricSeries
-from forgeboard.telemetry.selectors import metric_first_wall_times, metric_series_of_runs
-from forgeboard.web.errors import error_page
+from forgeboard.telemetry.selectors import KEY_METRICS, metric_first_wall_times, metric_series_of_runs
+from forgeboard.web.errors import error_page, project_or_404
 
 # Shown in the summary when a run has them; otherwise the first keys the runs have.
-KEY_METRICS = ("reward/mean", "eval/reward_mean", "eval/accuracy", "loss")
 SUMMARY_METRICS = 4
 CHART_BUCKETS = 500  # points per run and chart, fetched downsampled (mean per slice of steps)
 PALETTE = ("#0b57d0", "#c5221f", "#188038", "#e37400", "#8430ce", "#007b83", "#b3165d", "#5f6368", "#1e8e3e",
@@ -58,10 +56,7 @@ def _summary_keys(series: list[MetricSeries]) -> list[str]:
 @login_required
 @require_GET
 def compare(request: HttpRequest, slug: str) -> HttpResponse:
-    try:
-        project = project_get(actor=request.user, slug=slug)
-    except NotFound:
-        raise Http404("no such project") from None
+    project = project_or_404(request, slug)
     try:
         runs = runs_for_compare(actor=request.user, project=project, run_ids=request.GET.getlist("runs"))
     except ServiceError as error:

@@ -16,24 +16,22 @@ from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.db import transaction
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods
 from yaml.nodes import MappingNode, ScalarNode
 
 from forgeboard.accounts.models import Project, Role
 from forgeboard.accounts.permissions import project_role, require_project_role
-from forgeboard.accounts.selectors import project_get
 from forgeboard.api.configs import ConfigProblem, config_problems, yaml_line_of
 from forgeboard.cluster.selectors import hosts_with_devices
-from forgeboard.errors import NotFound, PermissionDenied, ServiceError, ValidationFailed
+from forgeboard.errors import PermissionDenied, ServiceError, ValidationFailed
 from forgeboard.experiments.models import Experiment, Recipe
 from forgeboard.experiments.selectors import experiments_for_project
 from forgeboard.experiments.services import experiment_create
 from forgeboard.runs.models import Run
-from forgeboard.runs.selectors import run_get
 from forgeboard.runs.services import run_launch
-from forgeboard.web.errors import error_page
+from forgeboard.web.errors import error_page, project_or_404, run_or_404
 
 NEW_EXPERIMENT = "new"
 # The roles whose processes a recipe starts (see runs/scheduling.py:run_demand): pinning a run to hosts pins these.
@@ -258,18 +256,12 @@ def _launch_page(request: HttpRequest, *, project: Project, clone_of: Run | None
 @login_required
 @require_http_methods(["GET", "POST"])
 def launch(request: HttpRequest, slug: str) -> HttpResponse:
-    try:
-        project = project_get(actor=request.user, slug=slug)
-    except NotFound:
-        raise Http404("no such project") from None
+    project = project_or_404(request, slug)
     return _launch_page(request, project=project)
 
 
 @login_required
 @require_http_methods(["GET", "POST"])
 def clone(request: HttpRequest, run_id: int) -> HttpResponse:
-    try:
-        run = run_get(actor=request.user, run_id=run_id)
-    except NotFound:
-        raise Http404("no such run") from None
+    run = run_or_404(request, run_id)
     return _launch_page(request, project=run.experiment.project, clone_of=run)

@@ -5,16 +5,16 @@ from __future__ import annotations
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.db import connection
-from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_http_methods
 
 from forgeboard.accounts.models import Role, User
 from forgeboard.accounts.permissions import project_role
-from forgeboard.accounts.selectors import memberships_of, project_get, projects_for_user
+from forgeboard.accounts.selectors import memberships_of, projects_for_user
 from forgeboard.accounts.services import membership_remove, membership_set
-from forgeboard.errors import NotFound, ServiceError, ValidationFailed
-from forgeboard.web.errors import error_page, flash_error
+from forgeboard.errors import ServiceError, ValidationFailed
+from forgeboard.web.errors import project_or_404, refusal_or_flash
 
 
 @require_GET
@@ -33,17 +33,13 @@ def home(request: HttpRequest) -> HttpResponse:
 @login_required
 @require_http_methods(["GET", "POST"])
 def members(request: HttpRequest, slug: str) -> HttpResponse:
-    try:
-        project = project_get(actor=request.user, slug=slug)
-    except NotFound:
-        raise Http404("no such project") from None
+    project = project_or_404(request, slug)
     if request.method == "POST":
         try:
             _change_membership(request, project=project)
         except ServiceError as error:
-            if error.status == 403:
-                return error_page(request, error)
-            flash_error(request, error)
+            if refused := refusal_or_flash(request, error):
+                return refused
         return redirect("project_members", slug=slug)
     role = project_role(actor=request.user, project=project)
     return render(request, "web/members.html", {

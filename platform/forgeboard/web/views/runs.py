@@ -9,43 +9,28 @@ from typing import Any
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
 from forgeboard.accounts.models import Role
 from forgeboard.accounts.permissions import project_role
-from forgeboard.accounts.selectors import project_get
 from forgeboard.cluster.models import Host
-from forgeboard.errors import NotFound, ServiceError
+from forgeboard.errors import ServiceError
 from forgeboard.experiments.selectors import experiments_for_project
 from forgeboard.runs.checkpoints import run_checkpoints, run_launch_from_checkpoint
 from forgeboard.runs.models import Run
-from forgeboard.runs.selectors import RunFilters, run_get, runs_search
+from forgeboard.runs.selectors import RunFilters, runs_search
 from forgeboard.runs.services import command_create, run_cancel
 from forgeboard.runs.states import ACTIVE_STATES, RunState
 from forgeboard.telemetry.models import EventKind, MetricSeries, RunEvent
-from forgeboard.web.errors import error_page, flash_error
+from forgeboard.telemetry.selectors import KEY_METRICS
+from forgeboard.web.errors import project_or_404, refusal_or_flash, run_or_404
 
-KEY_METRICS = ("reward/mean", "eval/reward_mean", "eval/accuracy", "loss")
 RUNS_PER_PAGE = 50
 ROLLOUTS_SHOWN = 40
 PLACEMENT_EVENTS = (EventKind.PLACEMENT_APPLIED, EventKind.PLACEMENT_CHANGED)
-
-
-def _project_or_404(request: HttpRequest, slug: str):  # noqa: ANN202 - a Project
-    try:
-        return project_get(actor=request.user, slug=slug)
-    except NotFound:
-        raise Http404("no such project") from None
-
-
-def _run_or_404(request: HttpRequest, run_id: int) -> Run:
-    try:
-        return run_get(actor=request.user, run_id=run_id)
-    except NotFound:
-        raise Http404("no such run") from None
 
 
 def _filters(request: HttpRequest) -> RunFilters:
@@ -69,7 +54,7 @@ def duration_of(run: Run) -> float | None:
 @login_required
 @require_GET
 def run_list(request: HttpRequest, slug: str) -> HttpResponse:
-    project = _project_or_404(request, slug)
+    project = project_or_404(request, slug)
     filters = _filters(request)
     page = Paginator(runs_search(project=project, filters=filters), RUNS_PER_PAGE).get_page(request.GET.get("page"))
     runs = list(page.object_list)
@@ -106,7 +91,7 @@ def _placement(run: Run) -> dict[str, Any]:
 @login_required
 @require_GET
 def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
-    run = _run_or_404(request, run_id)
+    run = run_or_404(request, run_id)
     project = run.experiment.project
     role = project_role(actor=request.user, project=project)
     can_operate = role is not None and role.rank >= Role.MEMBER.rank
@@ -132,7 +117,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
 @require_GET
 def run_checkpoints_part(request: HttpRequest, run_id: int) -> HttpResponse:
     """The checkpoints table; the page reloads it when a checkpoint_saved event arrives."""
-    run = _run_or_404(request, run_id)
+    run = run_or_404(request, run_id)
     role = project_role(actor=request.user, project=run.experiment.project)
     return render(request, "web/_checkpoints.html", {
         "run": run, "checkpoints": run_checkpoints(run=run),
@@ -144,7 +129,7 @@ def run_checkpoints_part(request: HttpRequest, run_id: int) -> HttpResponse:
 @require_GET
 def run_rollouts(request: HttpRequest, run_id: int) -> HttpResponse:
     """The newest rollout samples (prompt, completion, reward, advantage, policy version); htmx refreshes it."""
-    run = _run_or_404(request, run_id)
+    run = run_or_404(request, run_id)
     events = RunEvent.objects.filter(run=run, kind=EventKind.ROLLOUT).order_by("-seq")[:ROLLOUTS_SHOWN]
     return render(request, "web/_rollouts.html", {"rollouts": [e.payload for e in events]})
 
@@ -152,14 +137,13 @@ def run_rollouts(request: HttpRequest, run_id: int) -> HttpResponse:
 @login_required
 @require_POST
 def run_cancel_view(request: HttpRequest, run_id: int) -> HttpResponse:
-    run = _run_or_404(request, run_id)
+    run = run_or_404(request, run_id)
     try:
         run_cancel(actor=request.user, run=run)
         messages.success(request, "cancel requested")
     except ServiceError as error:
-        if error.status == 403:
-            return error_page(request, error)
-        flash_error(request, error)
+        if refused := refusal_or_flash(request, error):
+            return refused
     return redirect("run_detail", run_id=run.pk)
 
 
@@ -190,28 +174,24 @@ def form_payload(fields: dict[str, str]) -> dict[str, Any]:
 @require_POST
 def run_command(request: HttpRequest, run_id: int) -> HttpResponse:
     """The controls' form fallback when scripts are off; the page's script posts to the API instead."""
-    run = _run_or_404(request, run_id)
+    run = run_or_404(request, run_id)
     kind = request.POST.get("kind", "")
     try:
         command = command_create(actor=request.user, run=run, kind=kind, payload=form_payload(dict(request.POST.items())))
         messages.success(request, f"{command.get_kind_display().lower()} sent (command {command.pk})")
     except ServiceError as error:
-        if error.status == 403:
-            return error_page(request, error)
-        flash_error(request, error)
+        if refused := refusal_or_flash(request, error):
+            return refused
     return redirect("run_detail", run_id=run.pk)
 
 
 @login_required
 @require_POST
 def run_from_checkpoint(request: HttpRequest, run_id: int, step: int) -> HttpResponse:
-    run = _run_or_404(request, run_id)
+    run = run_or_404(request, run_id)
     try:
         child = run_launch_from_checkpoint(actor=request.user, run=run, step=step)
     except ServiceError as error:
-        if error.status == 403:
-            return error_page(request, error)
-        flash_error(request, error)
-        return redirect("run_detail", run_id=run.pk)
+        return refusal_or_flash(request, error) or redirect("run_detail", run_id=run.pk)
     messages.success(request, f"started {child.experiment.name} #{child.number} from step {step} of #{run.number}")
     return redirect("run_detail", run_id=child.pk)
