@@ -106,11 +106,11 @@ def test_viewer_cannot_launch(page, server, team):
     screenshot(page, "launch_viewer")
 
     # A forged submit (controls re-enabled by hand) is refused with the reason, and nothing is stored.
-    page.evaluate("""() => {
-        document.querySelector('fieldset.launch-fields').disabled = false;
-        document.getElementById('launch-form').submit();
-    }""")
-    page.wait_for_load_state()
+    with page.expect_navigation():
+        page.evaluate("""() => {
+            document.querySelector('fieldset.launch-fields').disabled = false;
+            document.getElementById('launch-form').submit();
+        }""")
     assert page.locator("h1").inner_text() == "Not allowed"
     assert "launching runs needs the member role; you are a viewer" in page.locator("p.error").inner_text()
     assert Run.objects.count() == 0
