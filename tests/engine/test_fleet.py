@@ -101,3 +101,94 @@ def test_limits_end_the_run_with_the_reason() -> None:
     failover.backoff(2, what="a reward request")
     with pytest.raises(ProcFailure, match=r"a reward request failed 3 times \(failover.max_retries is 2\)"):
         failover.backoff(3, what="a reward request")
+
+
+class Loading:
+    """A spare's pid future: not ready until `loaded`, or failing when `error` is set."""
+
+    def __init__(self) -> None:
+        self.loaded = False
+        self.error: Exception | None = None
+
+    def get(self, timeout: float | None = None) -> int:
+        if self.error is not None:
+            raise self.error
+        if not self.loaded:
+            raise TimeoutError
+        return 4242
+
+
+class SpareGroup(FakeGroup):
+    """A fake group whose new replicas (spares included) load until the test says they are loaded."""
+
+    def __init__(self, role: str, count: int, *, spares: int):
+        super().__init__(role, count)
+        self.spares = spares
+        self.loads: list[Loading] = []
+
+    def _start(self, index: int, host: str, name: str) -> Replica:
+        loading = Loading()
+        self.loads.append(loading)
+        actor = type("Actor", (), {"pid": type("Endpoint", (), {"call_one": staticmethod(lambda: loading)})()})()
+        return Replica(self.role, index, host, self.incarnations, name, FakeMesh(), actor)
+
+
+def test_a_failed_replica_is_replaced_by_a_warm_spare_once_one_has_loaded() -> None:
+    sink = MemorySink()
+    failover, _ = _failover(sink)
+    group = SpareGroup("generator", 2, spares=1)
+    assert group.warm("a") == 1 and group.warm("a") == 0, "one spare is enough"
+    assert group.poll_spares() == [] and group.take_spare(0, "a") is None, "a spare still loading cannot serve"
+
+    # no spare is ready: the replacement is spawned
+    failover.detect(group, group.replicas[0], "killed", hung=False)
+    failover.repair({"generator": lambda replica: 3}, host=lambda replica: replica.host)
+    assert sink.records[-1]["name"] == "replica_replaced" and sink.records[-1]["from_spare"] is False
+
+    group.loads[0].loaded = True
+    [spare] = group.poll_spares()
+    assert spare.pids == [4242] and spare.name.startswith("generator_spare_")
+    dead = group.replicas[1]
+    failover.detect(group, dead, "killed", hung=False)
+    failover.repair({"generator": lambda replica: 3}, host=lambda replica: replica.host)
+    assert group.replicas[1] is spare and spare.index == 1 and spare.version == 3 and dead.procs.stopped
+    assert sink.records[-1]["from_spare"] is True and sink.records[-1]["pids"] == [4242]
+    assert group.ready_spares == [] and group.warm("a") == 1, "a used spare is started again"
+    assert group.find(group.warming[0][0].name + "-0") is group.warming[0][0], "supervision reports name spares too"
+
+
+def test_a_spare_that_fails_to_start_is_dropped_and_started_again() -> None:
+    group = SpareGroup("reward", 1, spares=1)
+    group.warm("a")
+    first = group.warming[0][0]
+    group.loads[-1].error = RuntimeError("ImportError in the spare's proc")
+    assert group.poll_spares() == [] and group.spare_replicas() == [] and first.procs.stopped
+    assert group.warm("a") == 1 and group.spare_replicas()[0] is not first
+
+
+def test_a_spare_is_not_taken_back_when_preparing_it_fails() -> None:
+    sink = MemorySink()
+    failover, _ = _failover(sink)
+    group = SpareGroup("generator", 1, spares=1)
+    group.warm("a")
+    group.loads[-1].loaded = True
+    group.poll_spares()
+    failover.detect(group, group.replicas[0], "killed", hung=False)
+
+    def trainer_gone(replica: Replica) -> int:
+        raise RuntimeError("the trainer holding the weights died")
+
+    with pytest.raises(RuntimeError):
+        failover.repair({"generator": trainer_gone}, host=lambda replica: replica.host)
+    assert len(group.ready_spares) == 1 and group.ready_spares[0].index == -1 and failover.pending_repairs()
+
+
+def test_spares_on_a_drained_host_are_stopped() -> None:
+    group = SpareGroup("generator", 1, spares=2)
+    group.spares = 1
+    group.warm("a")
+    group.spares = 2
+    group.warm("b")
+    on_a, on_b = (s for s in group.spare_replicas())
+    assert group.drop_spares_on("a") == 1 and on_a.procs.stopped and group.spare_replicas() == [on_b]
+    assert group.warm("b") == 1

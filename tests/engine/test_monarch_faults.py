@@ -177,3 +177,47 @@ def test_bad_operator_requests_fail_with_a_reason_and_the_run_goes_on(fault_run)
     assert failures[3].startswith("generator replica 7 is not serving")
     assert failures[5] == "latency_ms: required for kind 'latency'"
     assert result.step == 10
+
+
+@pytest.fixture(scope="module")
+def spare_run(sft_warm_start: tuple[Path, float], tmp_path_factory: pytest.TempPathFactory
+              ) -> tuple[GrpoResult, list[dict[str, Any]]]:
+    from workers.engine.config import load_config
+    from workers.engine.recipes.grpo_monarch import train_grpo_monarch
+
+    folder, _ = sft_warm_start
+    root = tmp_path_factory.mktemp("monarch-spares")
+    drills = "drills:\n  - {kind: kill, role: generator, replica: 1, schedule: {at_step: 2}}\n"
+    config = load_config(f"recipe: grpo\nmodel: {{path: '{folder}'}}\n{drills}", overrides=[
+        *ARITHMETIC, "data.eval_size=8", "placement.backend=monarch", "placement.generator.hosts=[a, b]",
+        "trainer.ranks=1", "generator.replicas=2", "generator.routing=round_robin", "trainer.steps=4",
+        "trainer.batch_size=4", "trainer.micro_batch_size=8", "grpo.group_size=4", "eval.every_steps=0",
+        f"checkpoint.folder={root / 'checkpoints'}", "failover.warm_spares=1", "failover.call_timeout_s=30",
+        "telemetry.console=false", "trainer.threads_per_process=1",
+    ])
+    sink = MemorySink()
+    result = train_grpo_monarch(config, Recorder([sink]))
+    return result, [r for r in sink.records if r["kind"] == "event"]
+
+
+def test_a_killed_generator_is_replaced_by_a_warm_spare_at_the_current_version(spare_run) -> None:
+    result, events = spare_run
+    # the run started with one ready spare per role, before its first step
+    started = [(e["role"], e["host"], e["count"]) for e in _named(events, "spares_started") if e["step"] == 0]
+    assert sorted(started) == [("generator", "a", 1), ("reward", "a", 1)]
+    ready_at_start = [e for e in _named(events, "spare_ready") if e["step"] == 0]
+    assert sorted(e["role"] for e in ready_at_start) == ["generator", "reward"]
+    spare_pid = next(e["pids"] for e in ready_at_start if e["role"] == "generator")
+
+    killed = next(e for e in _named(events, "fault_injected") if e["fault_kind"] == "kill")
+    [replaced] = _named(events, "replica_replaced")
+    assert replaced["from_spare"] is True and replaced["pids"] == spare_pid and replaced["pids"] != killed["pids"]
+    assert replaced["replica"] == 1 and replaced["host"] == "a"
+    assert replaced["policy_version"] == replaced["step"], "the spare got the trainer's current weights before serving"
+    [recovered] = _named(events, "recovered")
+    assert recovered["fault_id"] == killed["fault_id"] and recovered["action"] == "replaced"
+    # the used spare is started again in the background; the run finished every step, the spare served
+    assert [e["role"] for e in _named(events, "spares_started") if e["step"] > 0] == ["generator"]
+    assert result.step == 4 and result.metrics[-1]["faults/replacements"] == 1
+    at_kill = next(m for m in result.metrics if m["policy_version"] == replaced["step"])
+    assert result.metrics[-1]["generator/replica_1_requests"] > at_kill["generator/replica_1_requests"]

@@ -148,6 +148,9 @@ class FailoverConfig(_Section):
     retry_backoff_s: Annotated[float, Field(ge=0.0, le=600.0)] = Field(default=0.2, description="wait before a retry; doubles each time")
     max_replacements: NonNegativeInt = Field(
         default=3, description="replacement procs per role (generator, reference, reward) before the run fails; trainer: trainer.recover_failures")
+    warm_spares: Annotated[int, Field(ge=0, le=8)] = Field(
+        default=0, description="started replicas per role (generator, reference, reward) kept out of routing, so a failed "
+                               "one is replaced without waiting for a process to start; a used spare is started again in the background")
 
 
 class CheckpointConfig(_Section):

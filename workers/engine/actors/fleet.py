@@ -10,9 +10,10 @@ host is a label on local procs (one machine), which is what drains and moves act
            `failover.call_timeout_s`: hung) or the supervision hook named a replica's mesh:
            emit `failure_detected`, take the replica out of routing, queue its replacement
            (a hung proc is killed first). Once per replica incarnation.
-  repair   at a safe point of the controller loop: spawn each queued replacement on its host,
-           bring it to the current policy version (`prepare`), check the version it reports,
-           put it back in routing, emit `replica_replaced`.
+  repair   at a safe point of the controller loop: take a warm spare (`failover.warm_spares`)
+           or else spawn the replacement on its host, bring it to the current policy version
+           (`prepare`), check the version it reports, put it back in routing, emit
+           `replica_replaced`. Spares used up are started again in the background.
   recovered  emitted once the failed request has been served again (retried on a healthy
            replica) and the replacement, if one was needed, serves: `time_to_detect_s` (from
            the injected fault, when a drill caused it), `time_to_recover_s` (from detection).
@@ -106,16 +107,26 @@ class Replica:
 
 
 class ReplicaGroup:
-    """One role's replicas behind a routed Service."""
+    """One role's replicas behind a routed Service, and its warm spares.
 
-    def __init__(self, role: str, *, spawn_actor: Callable[[Any, str], Any], threads: int, routing: str):
+    A spare is a started replica (proc spawned, model loaded) outside routing; a failed replica
+    is replaced by one without waiting for a process to start. Spares are started again in the
+    background: `warm` spawns them, `poll_spares` (called while the controller waits) notices
+    when their model has loaded.
+    """
+
+    def __init__(self, role: str, *, spawn_actor: Callable[[Any, str], Any], threads: int, routing: str,
+                 spares: int = 0):
         self.role = role
         self.spawn_actor = spawn_actor  # (procs, actor name) -> actor mesh of one actor
         self.threads = threads
         self.routing = routing
+        self.spares = spares
         self.service: Service[Replica] | None = None
         self.incarnations = 0
         self.retiring: list[Replica] = []  # out of routing; stopped once their requests are done
+        self.ready_spares: list[Replica] = []
+        self.warming: list[tuple[Replica, Any]] = []  # (spare, future of its pid once its model is loaded)
 
     def start(self, hosts: list[str]) -> None:
         replicas = [self._spawn(index, host) for index, host in enumerate(hosts)]
@@ -123,11 +134,14 @@ class ReplicaGroup:
             self._ready(replica)
         self.service = Service(replicas, routing=self.routing)
 
-    def _spawn(self, index: int, host: str) -> Replica:
-        self.incarnations += 1
-        name = f"{self.role}_{index}_{self.incarnations}"
+    def _start(self, index: int, host: str, name: str) -> Replica:
+        """A new proc mesh with the role's actor; its model may still be loading."""
         procs = spawn_procs(1, threads=self.threads)
         return Replica(self.role, index, host, self.incarnations, name, procs, self.spawn_actor(procs, name))
+
+    def _spawn(self, index: int, host: str) -> Replica:
+        self.incarnations += 1
+        return self._start(index, host, f"{self.role}_{index}_{self.incarnations}")
 
     def _ready(self, replica: Replica) -> None:
         replica.pids = [replica.actor.pid.call_one().get(timeout=600)]
@@ -146,10 +160,62 @@ class ReplicaGroup:
         return [r for i, r in enumerate(self.replicas) if self.service.available[i]]
 
     def find(self, mesh_name: str) -> Replica | None:
-        for replica in [*self.replicas, *self.retiring]:
+        for replica in [*self.replicas, *self.retiring, *self.spare_replicas()]:
             if replica.owns(mesh_name):
                 return replica
         return None
+
+    # --- warm spares ------------------------------------------------------------------
+    def spare_replicas(self) -> list[Replica]:
+        return [*self.ready_spares, *(replica for replica, _ in self.warming)]
+
+    def warm(self, host: str) -> int:
+        """Start spares on `host` until `spares` are ready or loading; how many were started."""
+        started = 0
+        while len(self.ready_spares) + len(self.warming) < self.spares:
+            self.incarnations += 1
+            spare = self._start(-1, host, f"{self.role}_spare_{self.incarnations}")
+            self.warming.append((spare, spare.actor.pid.call_one()))
+            started += 1
+        return started
+
+    def poll_spares(self, *, wait_s: float = 0.001) -> list[Replica]:
+        """Spares whose model finished loading since the last poll (they are ready now)."""
+        ready, loading = [], []
+        for spare, pid in self.warming:
+            try:
+                spare.pids = [pid.get(timeout=wait_s)]
+                ready.append(spare)
+            except TimeoutError:
+                loading.append((spare, pid))
+            except Exception:  # noqa: BLE001 - a spare that failed to start is dropped; `warm` starts another
+                logger.warning("a %s spare failed to start", self.role, exc_info=True)
+                stop_quietly(spare.procs)
+        self.warming = loading
+        self.ready_spares.extend(ready)
+        return ready
+
+    def take_spare(self, index: int, host: str) -> Replica | None:
+        """A ready spare to serve as replica `index` (one on `host` if there is one), or None."""
+        if not self.ready_spares:
+            return None
+        spare = next((s for s in self.ready_spares if s.host == host), self.ready_spares[0])
+        self.ready_spares.remove(spare)
+        spare.index = index
+        return spare
+
+    def drop_spares_on(self, host: str) -> int:
+        """Stop the spares on a host that is being drained; how many."""
+        doomed = [spare for spare in self.spare_replicas() if spare.host == host]
+        for spare in doomed:
+            self.drop_spare(spare)
+        return len(doomed)
+
+    def drop_spare(self, spare: Replica) -> None:
+        """A spare that died: forget it (the next `warm` starts another)."""
+        self.ready_spares = [s for s in self.ready_spares if s is not spare]
+        self.warming = [(s, pid) for s, pid in self.warming if s is not spare]
+        stop_quietly(spare.procs)
 
     def retire(self, replica: Replica) -> None:
         self.retiring.append(replica)
@@ -166,7 +232,7 @@ class ReplicaGroup:
         self.retiring = keep
 
     def stop_all(self) -> None:
-        for replica in [*(self.service.replicas if self.service else []), *self.retiring]:
+        for replica in [*(self.service.replicas if self.service else []), *self.retiring, *self.spare_replicas()]:
             stop_quietly(replica.procs)
 
 
@@ -253,11 +319,16 @@ class Failover:
                                   f"(failover.max_replacements)")
             started = time.monotonic()
             stop_quietly(replica.procs)
-            new = group.spawn(replica.index, host(replica))
+            spare = group.take_spare(replica.index, host(replica))
+            new = spare or group.spawn(replica.index, host(replica))
             try:
                 new.version = prepare[group.role](new) if group.role in prepare else 0
             except BaseException:  # e.g. the trainer holding the weights died: try again at the next repair
-                stop_quietly(new.procs)
+                if spare is not None:
+                    spare.index = -1
+                    group.ready_spares.append(spare)
+                else:
+                    stop_quietly(new.procs)
                 raise
             self._queue.pop(0)
             self.replacements[group.role] = used
@@ -265,7 +336,7 @@ class Failover:
             incident.replaced = True
             self.recorder.event("replica_replaced", step=self.step(), role=group.role, replica=replica.index,
                                 host=new.host, incarnation=new.incarnation, pids=new.pids, policy_version=new.version,
-                                seconds=round(time.monotonic() - started, 3))
+                                from_spare=spare is not None, seconds=round(time.monotonic() - started, 3))
             self._maybe_recovered(incident)
 
     def pending_repairs(self) -> bool:

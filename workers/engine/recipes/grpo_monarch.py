@@ -156,14 +156,15 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             def spawn_generator(procs: Any, name: str) -> Any:
                 return procs.spawn(name, GeneratorActor, cfg.model.path, cfg.model.dtype, device)
 
+        spares = failover_cfg.warm_spares
         generators = groups["generator"] = ReplicaGroup("generator", spawn_actor=spawn_generator, threads=threads,
-                                                        routing=cfg.generator.routing)
+                                                        routing=cfg.generator.routing, spares=spares)
         generators.start([hosts[i % len(hosts)] for i in range(cfg.generator.replicas)])
-        groups["reward"] = ReplicaGroup("reward", threads=threads, routing="round_robin", spawn_actor=lambda procs, name: procs.spawn(
+        groups["reward"] = ReplicaGroup("reward", threads=threads, routing="round_robin", spares=spares, spawn_actor=lambda procs, name: procs.spawn(
             name, RewardActor, cfg.model.path, list(cfg.reward.functions), cfg.reward.weights))
         groups["reward"].start(["local"])
         if cfg.reference.enabled:
-            groups["reference"] = ReplicaGroup("reference", threads=threads, routing="round_robin", spawn_actor=lambda procs, name: procs.spawn(
+            groups["reference"] = ReplicaGroup("reference", threads=threads, routing="round_robin", spares=spares, spawn_actor=lambda procs, name: procs.spawn(
                 name, ReferenceActor, cfg.model.path, cfg.model.dtype, device))
             groups["reference"].start(["local"])
 
@@ -175,8 +176,22 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                                      max(cfg.replay_buffer.capacity, trainer_cfg.batch_size * grpo.group_size), max_age)
         held_out = dataset.held_out.call_one().get()
         tokenizer = ChatTokenizer(cfg.model.path)
+        def warm_spares(host: str) -> None:
+            for group in groups.values():
+                if started := group.warm(host):
+                    recorder.event("spares_started", step=step, role=group.role, host=host, count=started)
+
+        def poll_spares(wait_s: float = 0.001) -> None:
+            for group in groups.values():
+                for spare in group.poll_spares(wait_s=wait_s):
+                    recorder.event("spare_ready", step=step, role=group.role, host=spare.host, pids=spare.pids)
+
+        step = 0
+        warm_spares(hosts[0])
+        while any(group.warming for group in groups.values()):  # the run starts with its spares ready
+            poll_spares(wait_s=1.0)
         recorder.event("meshes_ready", step=0, seconds=round(time.perf_counter() - setup_start, 2),
-                       trainer_ranks=trainer_cfg.ranks, generator_replicas=cfg.generator.replicas)
+                       trainer_ranks=trainer_cfg.ranks, generator_replicas=cfg.generator.replicas, warm_spares=spares)
 
         def generator_plan() -> dict[str, str]:
             return {str(r.index): r.host for r in generators.live()}
@@ -208,8 +223,9 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 raise TrainerLost(failure) from None
 
         def tick() -> None:
-            """While waiting: notice dead replicas, inject drills that are due, end faults that wore off."""
+            """While waiting: notice dead replicas and loaded spares, inject drills that are due, end faults that wore off."""
             scan_supervision()
+            poll_spares()
             inject_due(timed_only=True)
             injector.tick(step=step)
 
@@ -221,6 +237,10 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 name = str(getattr(report, "mesh_name", ""))
                 for group in groups.values():
                     replica = group.find(name)
+                    if replica is not None and replica in group.spare_replicas():
+                        group.drop_spare(replica)
+                        recorder.event("message", step=step, text=f"a {group.role} spare failed; another is started: {str(report)[:200]}")
+                        break
                     if replica is not None:
                         current = group.replicas[replica.index] is replica and replica not in group.retiring
                         if current and not replica.failed:
@@ -230,6 +250,9 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                     if not name.startswith(("logger", "trainer")):  # trainer failures surface in its train step
                         unexplained.append(str(report)[:500])
             for group in groups.values():  # local procs: a killed one shows in /proc before Monarch reports it
+                for spare in group.ready_spares:
+                    if any(exited(pid) for pid in spare.pids):
+                        group.drop_spare(spare)
                 for replica in group.live():
                     gone = [pid for pid in replica.pids if exited(pid)]
                     if gone and not replica.failed:
@@ -258,6 +281,9 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 return replica.host
             return next((h for h in hosts if h not in drained), replica.host)
 
+        def spare_host() -> str:
+            return next((h for h in hosts if h not in drained), hosts[0])
+
         def prepare_generator(replica: Replica) -> int:
             """Give a new generator replica the trainer's current weights; the version it reports."""
             state = trainer_result(trainer0.state_dict.call_one())
@@ -265,7 +291,11 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             return int(wait(replica.actor.policy_version.call_one()))
 
         def repair() -> None:
+            if not failover.pending_repairs():
+                return
+            poll_spares()
             failover.repair({"generator": prepare_generator}, host=pick_host)
+            warm_spares(spare_host())  # spares used up start again; their models load while training goes on
 
         def send(group: ReplicaGroup, call: Callable[[Any], Any], *, key: str | None = None, attempts: int = 0,
                  incident: Incident | None = None) -> Request:
@@ -407,6 +437,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             recorder.event("redirect_started", step=step, action="drain", host=host, replicas=[r.index for r in moving])
             for replica in moving:  # stop routing to the host at once; replacements come up one by one
                 generators.service.set_available(replica.index, False)
+            if sum(group.drop_spares_on(host) for group in groups.values()):
+                warm_spares(spare_host())
             moved = {}
             for i, replica in enumerate(moving):
                 move(replica, targets[i % len(targets)])
@@ -662,6 +694,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                     "mfu": mfu(n_params=n_params, tokens=train_tokens, seconds=step_seconds,
                                peak_flops_per_second=trainer_cfg.peak_flops_per_second * trainer_cfg.ranks),
                     **fault_metrics(failover, injector, totals),
+                    **({"faults/spares_ready": sum(len(g.ready_spares) for g in groups.values())} if spares else {}),
                 }
                 if generated_tokens:
                     metrics["time/generate_s"] = generate_seconds
