@@ -47,7 +47,7 @@
       case "state_changed": return `${p.from || "—"} → ${p.to}${p.reason ? ": " + p.reason : ""}`;
       case "fault_injected": return `${p.fault_kind || p.kind || "fault"} on ${who(p)}${p.duration_s ? ` for ${p.duration_s} s` : ""}`;
       case "failure_detected": return `${who(p)}${p.hung ? " hung" : " failed"}${p.time_to_detect_s != null ? ` (detected in ${Number(p.time_to_detect_s).toFixed(2)} s)` : ""}${p.reason ? ": " + p.reason.slice(0, 120) : ""}`;
-      case "replica_replaced": return `${who(p)} replaced${p.host ? " on " + p.host : ""}${p.policy_version != null ? `, at policy version ${p.policy_version}` : ""}`;
+      case "replica_replaced": return `${who(p)} replaced${p.from_spare ? " by a warm spare" : ""}${p.host ? " on " + p.host : ""}${p.policy_version != null ? `, at policy version ${p.policy_version}` : ""}`;
       case "recovered": return `recovered ${who(p)}${p.time_to_recover_s != null ? ` in ${Number(p.time_to_recover_s).toFixed(2)} s` : ""}`;
       case "placement_changed": return `${p.action || "change"} ${who(p)}${p.host ? " → " + p.host : ""}`;
       case "redirect_started": case "redirect_finished": return `${p.action || "redirect"} host ${p.host || ""}`;
