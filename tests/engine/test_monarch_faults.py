@@ -8,6 +8,9 @@ meshes proves each of them:
 and, between steps, operator commands through RunControl: add a generator on host c (after
 step 1), bad requests (after step 2), drain host a (after step 5), a raise by command (after
 step 8), and a trainer kill by command between steps (after step 9: back to the step-8 checkpoint).
+
+A second, shorter run keeps warm spares (`failover.warm_spares=1`): a killed generator is
+replaced by its spare, and a hung trainer is killed and restored from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 import pytest
 
 from tests.engine.conftest import ARITHMETIC
+from workers.engine.actors.fleet import exited
 from workers.engine.metrics import MemorySink, Recorder
 from workers.engine.recipes.grpo import GrpoResult
 from workers.engine.run_control import RunControl
@@ -187,12 +191,14 @@ def spare_run(sft_warm_start: tuple[Path, float], tmp_path_factory: pytest.TempP
 
     folder, _ = sft_warm_start
     root = tmp_path_factory.mktemp("monarch-spares")
-    drills = "drills:\n  - {kind: kill, role: generator, replica: 1, schedule: {at_step: 2}}\n"
+    drills = ("drills:\n  - {kind: kill, role: generator, replica: 1, schedule: {at_step: 2}}\n"
+              "  - {kind: hang, role: trainer, duration_s: 120, schedule: {at_step: 4}}\n")
     config = load_config(f"recipe: grpo\nmodel: {{path: '{folder}'}}\n{drills}", overrides=[
         *ARITHMETIC, "data.eval_size=8", "placement.backend=monarch", "placement.generator.hosts=[a, b]",
-        "trainer.ranks=1", "generator.replicas=2", "generator.routing=round_robin", "trainer.steps=4",
+        "trainer.ranks=1", "generator.replicas=2", "generator.routing=round_robin", "trainer.steps=5",
         "trainer.batch_size=4", "trainer.micro_batch_size=8", "grpo.group_size=4", "eval.every_steps=0",
-        f"checkpoint.folder={root / 'checkpoints'}", "failover.warm_spares=1", "failover.call_timeout_s=30",
+        f"checkpoint.folder={root / 'checkpoints'}", "checkpoint.every_steps=2", "trainer.recover_failures=1",
+        "failover.warm_spares=1", "failover.call_timeout_s=10",
         "telemetry.console=false", "trainer.threads_per_process=1",
     ])
     sink = MemorySink()
@@ -210,14 +216,31 @@ def test_a_killed_generator_is_replaced_by_a_warm_spare_at_the_current_version(s
     spare_pid = next(e["pids"] for e in ready_at_start if e["role"] == "generator")
 
     killed = next(e for e in _named(events, "fault_injected") if e["fault_kind"] == "kill")
-    [replaced] = _named(events, "replica_replaced")
+    [replaced] = [e for e in _named(events, "replica_replaced") if e["role"] == "generator"]
     assert replaced["from_spare"] is True and replaced["pids"] == spare_pid and replaced["pids"] != killed["pids"]
     assert replaced["replica"] == 1 and replaced["host"] == "a"
     assert replaced["policy_version"] == replaced["step"], "the spare got the trainer's current weights before serving"
-    [recovered] = _named(events, "recovered")
+    [recovered] = [e for e in _named(events, "recovered") if e["role"] == "generator"]
     assert recovered["fault_id"] == killed["fault_id"] and recovered["action"] == "replaced"
     # the used spare is started again in the background; the run finished every step, the spare served
     assert [e["role"] for e in _named(events, "spares_started") if e["step"] > 0] == ["generator"]
-    assert result.step == 4 and result.metrics[-1]["faults/replacements"] == 1
+    assert result.step == 5 and result.metrics[-1]["faults/replacements"] == 1
     at_kill = next(m for m in result.metrics if m["policy_version"] == replaced["step"])
     assert result.metrics[-1]["generator/replica_1_requests"] > at_kill["generator/replica_1_requests"]
+
+
+def test_a_hung_trainer_is_killed_and_restored_from_its_last_checkpoint(spare_run) -> None:
+    result, events = spare_run
+    hang = next(e for e in _named(events, "fault_injected") if e["fault_kind"] == "hang")
+    assert hang["role"] == "trainer" and hang["step"] == 4
+    [detected] = [e for e in _named(events, "failure_detected") if e["role"] == "trainer"]
+    assert detected["fault_id"] == hang["fault_id"] and detected["hung"] is True
+    assert 10.0 <= detected["time_to_detect_s"] < 60.0, "declared hung after failover.call_timeout_s"
+    [restored] = [e for e in _named(events, "recovered") if e["role"] == "trainer"]
+    assert restored["fault_id"] == hang["fault_id"] and restored["action"] == "restored_checkpoint"
+    assert restored["path"].endswith("step_000002") and restored["steps_lost"] == 1
+    # step 3 was trained again from the step-2 checkpoint; the stopped rank was killed, not left behind
+    assert [m["policy_version"] for m in result.metrics] == [1, 2, 3, 3, 4, 5]
+    assert result.metrics[-1]["faults/steps_lost"] == 1
+    for pid in hang["pids"]:
+        assert exited(pid), f"the hung trainer proc {pid} is still there"
