@@ -1,7 +1,7 @@
 """Fault drill benchmark (not a test): GRPO on Monarch with a fault every T seconds.
 
     .venv/bin/python tests/bench/bench_fault_drill.py [--calm-s 60] [--faulty-s 120] [--every-s 20]
-        [--spares 0,1] [--faults all|generator]
+        [--spares 0,1] [--straggler 0,8] [--faults all|generator]
 
 One run of the CPU demo GRPO config on Monarch (2 generator replicas, reward, trainer). For
 the first `--calm-s` seconds of training nothing is injected: that is the fault-free
@@ -11,7 +11,7 @@ through kill / hang / raise of a generator, kill of the reward proc and kill of 
 faults / fault-free, both measured in this run; steps redone after a trainer restore do not
 count twice), median and worst time to detect and to recover (overall and per role), steps lost,
 samples dropped. `--spares 0,1` runs once per `failover.warm_spares` value and prints the figures
-side by side; `--faults generator` drills only the generators (the < 5 s recovery goal is theirs).
+side by side (and each `failover.straggler_factor` in `--straggler`); `--faults generator` drills only the generators (the < 5 s recovery goal is theirs).
 """
 
 from __future__ import annotations
@@ -94,14 +94,14 @@ class EventPrinter:
         pass
 
 
-def run_once(*, out: Path, model: Path, spares: int, calm_s: float, faulty_s: float, every_s: float,
+def run_once(*, out: Path, model: Path, spares: int, straggler: float, calm_s: float, faulty_s: float, every_s: float,
              faults: list[dict[str, Any]]) -> dict[str, Any]:
     config = load_config_file(REPO / "examples" / "configs" / "cpu_demo_grpo.yaml", overrides=[
         f"model.path={model}", "placement.backend=monarch", "generator.replicas=2", "trainer.steps=100000",
         "trainer.batch_size=8", "grpo.group_size=8", "eval.every_steps=0", "telemetry.console=false",
         "telemetry.jsonl_path=null", f"checkpoint.folder={out / f'checkpoints-{spares}'}", "checkpoint.every_steps=5",
         "trainer.recover_failures=100", "failover.max_replacements=100", "failover.call_timeout_s=10",
-        f"failover.warm_spares={spares}",
+        f"failover.warm_spares={spares}", f"failover.straggler_factor={straggler}",
     ])
     channel = DrillChannel(calm_s=calm_s, faulty_s=faulty_s, every_s=every_s, faults=faults)
     control = RunControl(channel, poll_seconds=0.0)
@@ -119,6 +119,7 @@ def run_once(*, out: Path, model: Path, spares: int, calm_s: float, faulty_s: fl
 
     last = result.metrics[-1] if result.metrics else {}
     return {
+        "variant": f"spares={spares} straggler={straggler:g}",
         "warm_spares": spares,
         "fault_free_steps_per_s": round(calm_steps / calm_span, 3),
         "under_faults_steps_per_s": round(faulty_steps / faulty_span, 3),
@@ -145,19 +146,20 @@ def main() -> None:
     parser.add_argument("--faulty-s", type=float, default=120.0)
     parser.add_argument("--every-s", type=float, default=20.0)
     parser.add_argument("--spares", default="0", help="comma-separated failover.warm_spares values, one run each")
+    parser.add_argument("--straggler", default="0", help="comma-separated failover.straggler_factor values")
     parser.add_argument("--faults", choices=["all", "generator"], default="all")
     parser.add_argument("--out", default="var/bench_fault_drill")
     args = parser.parse_args()
     out = Path(args.out)
     model = make_tiny_model(out / "tiny-qwen3", family="qwen3", init_scale=3.0)
     faults = FAULTS if args.faults == "all" else [f for f in FAULTS if f["role"] == "generator"]
-    reports = [run_once(out=out, model=model, spares=int(n), calm_s=args.calm_s, faulty_s=args.faulty_s,
-                        every_s=args.every_s, faults=faults) for n in args.spares.split(",")]
+    reports = [run_once(out=out, model=model, spares=int(n), straggler=float(f), calm_s=args.calm_s, faulty_s=args.faulty_s,
+                        every_s=args.every_s, faults=faults) for n in args.spares.split(",") for f in args.straggler.split(",")]
     for report in reports:
         print(json.dumps(report, indent=2, default=str))
     rows = ["goodput", "fault_free_steps_per_s", "under_faults_steps_per_s", "replaced_from_spare", "steps_lost",
             "samples_dropped"]
-    print("\nside by side (warm_spares = " + " | ".join(str(r["warm_spares"]) for r in reports) + ")")
+    print("\nside by side: " + " | ".join(r["variant"] for r in reports))
     for row in rows:
         print(f"  {row:28s}" + " | ".join(str(r[row]) for r in reports))
     for key in ("time_to_detect_s", "time_to_recover_s"):

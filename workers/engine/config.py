@@ -148,6 +148,12 @@ class FailoverConfig(_Section):
     retry_backoff_s: Annotated[float, Field(ge=0.0, le=600.0)] = Field(default=0.2, description="wait before a retry; doubles each time")
     max_replacements: NonNegativeInt = Field(
         default=3, description="replacement procs per role (generator, reference, reward) before the run fails; trainer: trainer.recover_failures")
+    straggler_factor: Annotated[float, Field(ge=0.0, le=1000.0)] = Field(
+        default=0.0, description="a generator, reference or reward request not answered within this many times its role's "
+                                 "typical seconds per request (at least straggler_min_s) counts as hung and is retried "
+                                 "elsewhere; 0: only failover.call_timeout_s")
+    straggler_min_s: Annotated[float, Field(gt=0.0, le=86_400.0)] = Field(
+        default=2.0, description="the shortest deadline straggler_factor may set")
     warm_spares: Annotated[int, Field(ge=0, le=8)] = Field(
         default=0, description="started replicas per role (generator, reference, reward) kept out of routing, so a failed "
                                "one is replaced without waiting for a process to start; a used spare is started again in the background")

@@ -71,6 +71,49 @@ def wait_for(future: Any, *, timeout_s: float, poll_s: float, tick: Callable[[],
             raise CallFailed(f"{type(error).__name__}: {str(error)[:20_000]}", hung=False) from None
 
 
+def request_deadline(*, typical_s: float | None, config: FailoverConfig) -> float:
+    """Seconds a replica may take to answer one request before it counts as hung.
+
+    `failover.call_timeout_s`, or with `failover.straggler_factor` that many times the role's
+    typical seconds per request (never under `straggler_min_s`): a stopped replica is then
+    noticed in a few seconds instead of at the call timeout.
+    """
+    if not config.straggler_factor or typical_s is None:
+        return config.call_timeout_s
+    return min(config.call_timeout_s, max(config.straggler_min_s, config.straggler_factor * typical_s))
+
+
+def wait_all(futures: list[Any], *, config: FailoverConfig, tick: Callable[[], None]) -> list[Any]:
+    """Each future's result, or the CallFailed it ended with, awaited together.
+
+    With `failover.straggler_factor`, one that answers far later than the others (factor x the
+    median time of those that answered) counts as hung; else each has `call_timeout_s`.
+    """
+    started = last_tick = time.monotonic()
+    results: dict[int, Any] = {}
+    took: list[float] = []
+    while len(results) < len(futures):
+        for i, future in enumerate(futures):
+            if i in results:
+                continue
+            try:
+                results[i] = future.get(timeout=0.005)
+                took.append(time.monotonic() - started)
+            except TimeoutError:
+                pass
+            except Exception as error:  # noqa: BLE001 - a supervision error, an actor error: the call failed
+                results[i] = CallFailed(f"{type(error).__name__}: {str(error)[:20_000]}", hung=False)
+        deadline = request_deadline(typical_s=sorted(took)[len(took) // 2] if took else None, config=config)
+        now = time.monotonic()
+        if now - started >= deadline:
+            for i in range(len(futures)):
+                results.setdefault(i, CallFailed(f"no answer within {deadline:g} s", hung=True))
+        elif now - last_tick >= config.poll_seconds:
+            tick()
+            last_tick = now
+    return [results[i] for i in range(len(futures))]
+
+
 def exited(pid: int) -> bool:
     """A local process that is gone, or killed and not yet reaped (a zombie).
 

@@ -90,6 +90,11 @@ class Service(Generic[Replica]):
             a = self.latency_smoothing
             self.seconds_per_request[index] = seconds if previous is None else a * seconds + (1 - a) * previous
 
+    def typical_seconds(self) -> float | None:
+        """The median of the routable replicas' recent seconds per request (None before any was measured)."""
+        known = sorted(s for i in self.routable() if (s := self.seconds_per_request[i]) is not None)
+        return known[len(known) // 2] if known else None
+
     def set_available(self, index: int, available: bool) -> None:
         self.available[index] = available
 

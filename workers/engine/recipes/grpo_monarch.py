@@ -45,7 +45,7 @@ from monarch.spmd import setup_torch_elastic_env
 
 from workers.engine.actors.dataset import DatasetActor
 from workers.engine.actors.fleet import (CallFailed, Failover, Incident, ProcFailure, Replica, ReplicaGroup, exited,
-                                         stop_quietly, wait_for)
+                                         request_deadline, stop_quietly, wait_all, wait_for)
 from workers.engine.actors.generator import GeneratorActor
 from workers.engine.actors.procs import spawn_procs
 from workers.engine.actors.reference import ReferenceActor
@@ -315,8 +315,10 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         def receive(request: Request) -> Any:
             """The request's result; a failed or hung replica is reported and the request retried elsewhere."""
             while True:
+                deadline = request_deadline(typical_s=request.group.service.typical_seconds(), config=failover_cfg)
                 try:
-                    result = wait(request.future)
+                    result = wait_for(request.future, timeout_s=max(0.01, deadline - (time.monotonic() - request.sent_at)),
+                                      poll_s=failover_cfg.poll_seconds, tick=tick)
                 except CallFailed as failure:
                     finish(request, None)
                     alive = not failure.hung and answers(request.replica)
@@ -560,13 +562,14 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             nonlocal generator_version
             with timer.phase("weight_sync"):
                 state = trainer_result(trainer0.state_dict.call_one())
-                loads = [(r, r.actor.load_weights.call_one(state, policy_version)) for r in generators.live()]
-                for replica, future in loads:
-                    try:
-                        wait(future)
+                replicas = generators.live()
+                loads = wait_all([r.actor.load_weights.call_one(state, policy_version) for r in replicas],
+                                 config=failover_cfg, tick=tick)
+                for replica, outcome in zip(replicas, loads):
+                    if isinstance(outcome, CallFailed):  # its replacement gets the current weights
+                        failover.detect(generators, replica, outcome.reason, hung=outcome.hung, request_failed=False)
+                    else:
                         replica.version = policy_version
-                    except CallFailed as failure:  # its replacement gets the current weights
-                        failover.detect(generators, replica, failure.reason, hung=failure.hung, request_failed=False)
                 repair()
             generator_version = policy_version
 
