@@ -59,7 +59,7 @@ def test_pod_gets_the_run_environment_and_worker_addresses():
     env = {e["name"]: e["value"] for e in _container(_job())["env"]}
     assert env == {
         "FORGEBOARD_RUN_ID": "42", "FORGEBOARD_URL": "https://forgeboard.example",
-        "FORGEBOARD_TOKEN_FILE": "/var/run/secrets/forgeboard/token", "NCCL_DEBUG": "WARN",
+        "FORGEBOARD_RUN_TOKEN_FILE": "/var/run/secrets/forgeboard/token", "NCCL_DEBUG": "WARN",
         "FORGEBOARD_MONARCH_WORKERS": ("tcp://forgeboard-run-42-0.forgeboard-run-42:26600,"
                                        "tcp://forgeboard-run-42-1.forgeboard-run-42:26600"),
     }
@@ -113,7 +113,7 @@ def test_cpu_only_runs_request_no_gpus():
         ({"nodes": 0}, "nodes"),
         ({"config_yaml": "  "}, "config_yaml"),
         ({"token_secret": "Bad_Secret"}, "token_secret"),
-        ({"environment": {"FORGEBOARD_TOKEN_FILE": "/tmp/x"}}, "environment.FORGEBOARD_TOKEN_FILE"),
+        ({"environment": {"FORGEBOARD_RUN_TOKEN_FILE": "/tmp/x"}}, "environment.FORGEBOARD_RUN_TOKEN_FILE"),
         ({"control_plane_url": "forgeboard.example"}, "control_plane_url"),
     ],
 )

@@ -50,7 +50,7 @@ def test_sbatch_environment_is_exported_and_quoted():
     lines = sbatch_script(REQUEST).splitlines()
     assert "export FORGEBOARD_RUN_ID=42" in lines
     assert "export FORGEBOARD_URL=https://forgeboard.example" in lines
-    assert "export FORGEBOARD_TOKEN_FILE=/shared/tokens/run-42.token" in lines
+    assert "export FORGEBOARD_RUN_TOKEN_FILE=/shared/tokens/run-42.token" in lines
     assert "export HF_HOME='/shared/hf cache'" in lines
     assert 'export FORGEBOARD_MONARCH_WORKERS="$(IFS=,; echo "${workers[*]}")"' in lines
 
@@ -186,3 +186,17 @@ def test_jobs_are_found_by_the_run_comment():
     document = _recorded("squeue_23.11.json")
     assert slurm.job_ids_for_run(document, 42) == ["18004"]
     assert slurm.job_ids_for_run(document, 4) == []
+
+
+def test_the_engine_finds_its_control_plane_in_what_a_job_exports(tmp_path, monkeypatch):
+    from workers.engine.control_plane import ControlPlaneTarget
+    from workers.launch.slurm import run_environment
+
+    token = tmp_path / "run.token"
+    token.write_text("s3cret\n")
+    for key in ("FORGEBOARD_URL", "FORGEBOARD_RUN_ID", "FORGEBOARD_RUN_TOKEN_FILE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in run_environment(run_id=42, control_plane_url="https://fb.example/", token_file=str(token),
+                                      extra={}).items():
+        monkeypatch.setenv(key, value)
+    assert ControlPlaneTarget.from_environment() == ControlPlaneTarget(url="https://fb.example", run_id=42, token="s3cret")

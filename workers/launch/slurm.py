@@ -26,7 +26,7 @@ __all__ = ["LaunchSpecError", "SchedulerStatus", "SlurmLaunchRequest", "sbatch_s
 
 RunStateName = Literal["queued", "launching", "running", "succeeded", "failed", "lost"]
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-RESERVED_ENVIRONMENT = frozenset({"FORGEBOARD_RUN_ID", "FORGEBOARD_URL", "FORGEBOARD_TOKEN_FILE",
+RESERVED_ENVIRONMENT = frozenset({"FORGEBOARD_RUN_ID", "FORGEBOARD_URL", "FORGEBOARD_RUN_TOKEN_FILE",
                                   "FORGEBOARD_MONARCH_WORKERS"})
 
 
@@ -73,7 +73,7 @@ def run_environment(*, run_id: int, control_plane_url: str, token_file: str,
     if not control_plane_url.startswith(("http://", "https://")):
         raise LaunchSpecError("control_plane_url", f"must be an http(s) URL, got {control_plane_url!r}")
     return {"FORGEBOARD_RUN_ID": str(run_id), "FORGEBOARD_URL": control_plane_url,
-            "FORGEBOARD_TOKEN_FILE": token_file, **extra}
+            "FORGEBOARD_RUN_TOKEN_FILE": token_file, **extra}
 
 
 def worker_loop_code(*, port: int, host_suffix: str = "", bind_all: bool = False) -> str:
