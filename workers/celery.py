@@ -3,7 +3,8 @@
 Every worker also consumes, whatever `-Q` says, `launch.<FORGEBOARD_WORKER_POOL>` (default
 `launch.default`): the runs that the scheduler placed on hosts of that pool are started from there;
 and `probe.<its hostname>`: the `cluster.probe` beat task asks each worker-reported host to report
-itself there, and a worker reports its host as soon as it is ready.
+itself there, and a worker reports its host as soon as it is ready. A worker with
+FORGEBOARD_SLURM_PARTITION also consumes `launch.slurm`: it submits SLURM runs and polls their jobs.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def _consume_pool_queue(sender: str, instance, **_kwargs) -> None:
 
     instance.app.amqp.queues.select_add(pool_launch_queue(settings.WORKER_POOL))
     instance.app.amqp.queues.select_add(_probe_queue())
+    if settings.SLURM_PARTITION:  # this worker submits and follows SLURM jobs
+        instance.app.amqp.queues.select_add(pool_launch_queue("slurm"))
 
 
 def _probe_queue() -> str:

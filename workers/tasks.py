@@ -111,6 +111,14 @@ def reconcile_runs() -> dict:
     return {"lost": report.lost, "restarted": report.restarted, "failed": report.failed}
 
 
+@shared_task(name="runs.poll_jobs")
+def poll_jobs() -> dict[int, str]:
+    """Periodic, on SLURM workers: follow the SLURM jobs of active runs (see workers/launch/slurm_backend.py)."""
+    from workers.launch.slurm_backend import poll_slurm_runs
+
+    return poll_slurm_runs()
+
+
 @shared_task(name="cluster.mark_down_hosts")
 def mark_down_hosts() -> list[int]:
     """Periodic: hosts that stopped heartbeating are marked down; returns the active runs that were on them."""

@@ -180,11 +180,27 @@ HOST_HEARTBEAT_TIMEOUT_S = env.int("FORGEBOARD_HOST_HEARTBEAT_TIMEOUT_S", 60, mi
 RECOVERY_ALERT_S = env.int("FORGEBOARD_RECOVERY_ALERT_S", 30, minimum=1)
 # Concurrent CPU-only runs (engine controllers) per host; see runs/scheduling.py.
 LOCAL_RUN_SLOTS = env.int("FORGEBOARD_LOCAL_RUN_SLOTS", 2, minimum=1)
+# The SLURM launch backend (workers/launch/slurm_backend.py): a worker with a partition set submits the
+# runs whose config says placement.backend: slurm. FORGEBOARD_DATA_DIR must then be on a filesystem
+# every node sees; give the nodes either a virtualenv or a container image (pyxis) with the project.
+SLURM_PARTITION = env.str("FORGEBOARD_SLURM_PARTITION")
+SLURM_VENV = env.str("FORGEBOARD_SLURM_VENV")
+SLURM_IMAGE = env.str("FORGEBOARD_SLURM_IMAGE")
+SLURM_ACCOUNT = env.str("FORGEBOARD_SLURM_ACCOUNT")
+SLURM_QOS = env.str("FORGEBOARD_SLURM_QOS")
+SLURM_TIME_LIMIT = env.str("FORGEBOARD_SLURM_TIME_LIMIT")
+SLURM_GPUS_PER_NODE = env.int("FORGEBOARD_SLURM_GPUS_PER_NODE", 8, minimum=1)
+SLURM_CPUS_PER_NODE = env.int("FORGEBOARD_SLURM_CPUS_PER_NODE", 16, minimum=1)
+SLURM_MEMORY = env.str("FORGEBOARD_SLURM_MEMORY", "64G")
+SLURM_BIN_DIR = env.str("FORGEBOARD_SLURM_BIN_DIR")  # where sbatch, squeue, sacct and scancel are; unset: PATH
 CELERY_BEAT_SCHEDULE = {
     "schedule-runs": {"task": "runs.schedule", "schedule": env.int("FORGEBOARD_SCHEDULE_SECONDS", 10, minimum=1)},
     "reconcile-runs": {"task": "runs.reconcile", "schedule": env.int("FORGEBOARD_RECONCILE_SECONDS", 15, minimum=1)},
     "mark-down-hosts": {"task": "cluster.mark_down_hosts", "schedule": 30.0},
 }
+if SLURM_PARTITION:
+    CELERY_BEAT_SCHEDULE["poll-jobs"] = {"task": "runs.poll_jobs", "options": {"queue": "launch.slurm"},
+                                         "schedule": env.int("FORGEBOARD_POLL_JOBS_SECONDS", 30, minimum=5)}
 # Workers report their own hosts this often (cluster.probe), so a cluster without node agents has an
 # inventory; 0 turns the probe off (the default in tests, whose inventory each test builds itself).
 # Keep it well under FORGEBOARD_HOST_HEARTBEAT_TIMEOUT_S.

@@ -23,6 +23,12 @@ def start_run(*, run_id: int) -> None:
             run_transition(run_id=run_id, from_state=RunState.LAUNCHING, to_state=RunState.FAILED,
                            reason=f"local launch failed: {exc}")
         return
+    if run.backend == LaunchBackend.SLURM:
+        from workers.launch.slurm_backend import slurm_configured, submit_slurm
+
+        if slurm_configured():
+            submit_slurm(run=run)
+            return
     run_transition(
         run_id=run_id, from_state=RunState.LAUNCHING, to_state=RunState.FAILED,
         reason=f"launch backend {run.backend!r} is not configured on this worker",

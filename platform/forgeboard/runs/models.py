@@ -18,6 +18,10 @@ class LaunchBackend(models.TextChoices):
     KUBERNETES = "kubernetes", "Kubernetes"
 
 
+# Runs queued and placed by a cluster scheduler, not on Forgeboard's inventory.
+EXTERNAL_BACKENDS = frozenset({LaunchBackend.SLURM, LaunchBackend.KUBERNETES})
+
+
 class Run(models.Model):
     uid = models.UUIDField(default=uuid.uuid4, unique=True, editable=False, help_text="Names its files and jobs")
     experiment = models.ForeignKey(Experiment, on_delete=models.CASCADE, related_name="runs")

@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 from django.db import transaction
 from django.db.models import F, Q
 
-from forgeboard.runs.models import Run
+from forgeboard.runs.models import EXTERNAL_BACKENDS, Run
 from forgeboard.runs.services import IllegalTransition, run_enqueue_launch, run_transition
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import EventKind
@@ -41,8 +41,10 @@ def runs_reconcile(
     stale = Run.objects.filter(state__in=WATCHED_STATES).filter(
         Q(last_heartbeat_at__lt=silent_since) | Q(last_heartbeat_at__isnull=True, state_changed_at__lt=silent_since)
     )
+    # A cluster scheduler may hold a run's job in its queue for hours: runs/poll_jobs follows those.
     stuck = Run.objects.filter(state=RunState.LAUNCHING,
-                               state_changed_at__lt=now - timedelta(seconds=launch_timeout_s))
+                               state_changed_at__lt=now - timedelta(seconds=launch_timeout_s)
+                               ).exclude(backend__in=EXTERNAL_BACKENDS)
     for run in [*stale, *stuck]:
         seen = run.last_heartbeat_at or run.state_changed_at
         reason = f"no heartbeat for {int((now - seen).total_seconds())} s (timeout {heartbeat_timeout_s} s)"

@@ -28,7 +28,7 @@ from forgeboard.accounts.permissions import Actor, require_operator
 from forgeboard.audit.services import audit_record
 from forgeboard.cluster.models import DeviceKind, Health, Host, HostState
 from forgeboard.errors import ValidationFailed
-from forgeboard.runs.models import Run
+from forgeboard.runs.models import EXTERNAL_BACKENDS, Run
 from forgeboard.runs.services import IllegalTransition, run_transition
 from forgeboard.runs.states import ACTIVE_STATES, RunState
 
@@ -229,13 +229,19 @@ def runs_schedule(*, now: datetime) -> list[int]:
         state = _Pass(room=_inventory(usable_only=True), whole=_inventory(usable_only=False))
         for run in Run.objects.filter(state__in=ACTIVE_STATES).select_related("experiment", "config").order_by("pk"):
             # A run started before the scheduler kept allocations holds what it asks for, where it fits.
-            allocation = run.allocation or _place(run_demand(run.config.parsed), state.room) or {}
+            allocation = run.allocation or (
+                {} if run.backend in EXTERNAL_BACKENDS else _place(run_demand(run.config.parsed), state.room)) or {}
             state.hold(project_id=run.experiment.project_id, allocation=allocation)
         queue = (Run.objects.filter(state=RunState.QUEUED).select_related("config", "experiment__project")
                  .order_by("-priority", "created_at", "pk"))
         for run in queue:
             demand = run_demand(run.config.parsed)
             project = run.experiment.project
+            if run.backend in EXTERNAL_BACKENDS:  # its cluster's scheduler queues and places it
+                if _within_quota(project=project, demand=demand, used=state.usage.get(project.pk, _Usage())):
+                    _claim(run=run, allocation={run.backend: {"gpus": demand.gpus, "slots": 0}}, state=state,
+                           started=started, now=now)
+                continue
             reason = _never_fits(demand=demand, project=project, whole=state.whole)
             if reason:
                 _fail_never_fits(run=run, reason=reason)
@@ -248,17 +254,19 @@ def runs_schedule(*, now: datetime) -> list[int]:
             if allocation is None:
                 state.blocked.add(demand.resource)
                 continue
-            try:
-                run_transition(run_id=run.pk, from_state=RunState.QUEUED, to_state=RunState.LAUNCHING,
-                               allocation=allocation)
-            except IllegalTransition:
-                continue  # cancelled meanwhile
-            state.hold(project_id=project.pk, allocation=allocation)
-            started.append(run.pk)
-            waited = max(0.0, (now - run.created_at).total_seconds())
-            logger.info("run %s scheduled on %s after %.0f s", run.pk, ", ".join(allocation), waited,
-                        extra={"run_id": run.pk})
+            _claim(run=run, allocation=allocation, state=state, started=started, now=now)
     return started
+
+
+def _claim(*, run: Run, allocation: Allocation, state: _Pass, started: list[int], now: datetime) -> None:
+    try:
+        run_transition(run_id=run.pk, from_state=RunState.QUEUED, to_state=RunState.LAUNCHING, allocation=allocation)
+    except IllegalTransition:
+        return  # cancelled meanwhile
+    state.hold(project_id=run.experiment.project_id, allocation=allocation)
+    started.append(run.pk)
+    waited = max(0.0, (now - run.created_at).total_seconds())
+    logger.info("run %s scheduled on %s after %.0f s", run.pk, ", ".join(allocation), waited, extra={"run_id": run.pk})
 
 
 def _clean_quota(name: str, value: object) -> int | None:

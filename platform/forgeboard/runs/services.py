@@ -18,7 +18,7 @@ from forgeboard.audit.services import audit_record
 from forgeboard.errors import Conflict, FieldProblem, NotFound, ValidationFailed, is_db_id
 from forgeboard.experiments.models import Experiment
 from forgeboard.experiments.services import config_snapshot_create
-from forgeboard.runs.models import Command, CommandKind, CommandState, Run
+from forgeboard.runs.models import EXTERNAL_BACKENDS, Command, CommandKind, CommandState, LaunchBackend, Run
 from forgeboard.runs.states import ACTIVE_STATES, TERMINAL_STATES, TRANSITIONS, RunState
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append, storable
@@ -62,7 +62,9 @@ def run_launch_queue(*, run_id: int) -> str | None:
     """`launch_queue_for` the run's stored allocation and the current inventory."""
     from forgeboard.cluster.models import Host
 
-    allocation = Run.objects.filter(pk=run_id).values_list("allocation", flat=True).first() or {}
+    allocation, backend = Run.objects.filter(pk=run_id).values_list("allocation", "backend").first() or ({}, "")
+    if backend in EXTERNAL_BACKENDS:
+        return pool_launch_queue(backend)  # the workers set up to submit to that scheduler
     if not isinstance(allocation, dict) or not allocation:
         return None
     host_pools = dict(Host.objects.filter(hostname__in=list(allocation)).values_list("hostname", "pool"))
@@ -87,6 +89,12 @@ def run_enqueue_start(*, run_id: int, queue: str) -> None:
     app.send_task("runs.start", args=[run_id], queue=queue)
 
 
+def launch_backend(parsed: Mapping[str, Any]) -> str:
+    """Where a run is started: by a cluster scheduler its config names, else as a local engine (Monarch runs too)."""
+    backend = (parsed.get("placement") or {}).get("backend")
+    return backend if backend in EXTERNAL_BACKENDS else LaunchBackend.LOCAL
+
+
 def run_launch(
     *,
     actor: Actor,
@@ -108,7 +116,7 @@ def run_launch(
         run = Run.objects.create(
             experiment=experiment, number=number, config=snapshot, state=RunState.QUEUED, priority=priority,
             launched_by=actor_user(actor), parent=parent, max_restarts=snapshot.parsed.get("max_restarts", 0),
-            placement_plan=snapshot.parsed.get("placement", {}),
+            placement_plan=snapshot.parsed.get("placement", {}), backend=launch_backend(snapshot.parsed),
         )
         event_append(run=run, kind=EventKind.STATE_CHANGED, payload={"from": None, "to": RunState.QUEUED})
         audit_record(actor=actor, action="run.launch", target=run, project=experiment.project,

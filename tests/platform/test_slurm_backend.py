@@ -1,0 +1,191 @@
+"""The SLURM launch backend against fake sbatch/squeue/sacct/scancel programs that answer with recorded JSON.
+
+The programs are real executables run through subprocess, as on a login node; what they print
+comes from workers/launch/recorded (Slurm 23.11 shapes), with the job id of the test's run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.utils import timezone
+
+from forgeboard.runs.models import Run
+from forgeboard.runs.reconcile import runs_reconcile
+from forgeboard.runs.scheduling import runs_schedule
+from forgeboard.runs.services import run_cancel, run_launch, run_launch_queue, run_transition
+from forgeboard.runs.states import RunState
+from forgeboard.telemetry.models import RunEvent
+from workers.launch.backends import start_run
+from workers.launch.slurm_backend import poll_slurm_runs
+
+RECORDED = Path(__file__).resolve().parents[2] / "workers" / "launch" / "recorded"
+SLURM_YAML = """\
+recipe: grpo
+model:
+  family: qwen3
+  path: /shared/models/qwen3-0.6b
+placement:
+  backend: slurm
+  trainer:
+    gpus_per_proc: 1
+trainer:
+  ranks: 4
+"""
+
+FAKE = """#!{python}
+import json, os, sys
+from pathlib import Path
+here = Path(__file__).resolve().parent
+name = Path(sys.argv[0]).name
+stdin = sys.stdin.read() if name == "sbatch" else ""
+with open(here / "calls.jsonl", "a") as log:
+    log.write(json.dumps({{"program": name, "args": sys.argv[1:], "stdin": stdin}}) + "\\n")
+answer = json.loads((here / "answers.json").read_text()).get(name, {{}})
+if answer.get("exit"):
+    print(answer.get("stderr", ""), file=sys.stderr)
+    sys.exit(answer["exit"])
+if name in ("squeue", "sacct"):
+    job = next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--jobs="))
+    jobs = [j for j in answer["jobs"] if str(j["job_id"]) == job]
+    print(json.dumps({{"jobs": jobs, "errors": [] if jobs or name == "sacct" else
+                      [{{"error": "Invalid job id specified", "error_number": 2017}}]}}))
+else:
+    print(answer.get("stdout", ""))
+"""
+
+
+class FakeSlurm:
+    def __init__(self, folder: Path):
+        self.folder = folder
+        for name in ("sbatch", "squeue", "sacct", "scancel"):
+            program = folder / name
+            program.write_text(FAKE.format(python=sys.executable))
+            program.chmod(0o755)
+        self.answers: dict = {"sbatch": {"stdout": "18004"}, "squeue": {"jobs": []}, "sacct": {"jobs": []}}
+        self._save()
+
+    def _save(self) -> None:
+        (self.folder / "answers.json").write_text(json.dumps(self.answers))
+
+    def answer(self, program: str, **answer) -> None:
+        self.answers[program] = answer
+        self._save()
+
+    def job(self, program: str, recorded_id: int, *, as_id: str) -> None:
+        """Answer `program` with the recorded record of job `recorded_id`, under the test's job id."""
+        document = json.loads((RECORDED / f"{program}_23.11.json").read_text())
+        record = [j for j in document["jobs"] if j["job_id"] == recorded_id][-1] | {"job_id": int(as_id)}
+        self.answer(program, jobs=[record])
+
+    def calls(self, program: str) -> list[dict]:
+        path = self.folder / "calls.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [c for c in map(json.loads, lines) if c["program"] == program]
+
+
+@pytest.fixture
+def slurm(tmp_path, settings) -> FakeSlurm:
+    folder = tmp_path / "slurm-bin"
+    folder.mkdir()
+    settings.SLURM_PARTITION = "gpu"
+    settings.SLURM_VENV = "/shared/venvs/forgeboard"
+    settings.SLURM_IMAGE = None
+    settings.SLURM_BIN_DIR = str(folder)
+    settings.SLURM_GPUS_PER_NODE = 2
+    settings.DATA_DIR = tmp_path / "data"
+    return FakeSlurm(folder)
+
+
+def _submitted(team) -> Run:
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=SLURM_YAML)
+    assert run.backend == "slurm" and run_launch_queue(run_id=run.pk) == "launch.slurm"
+    assert run.pk in runs_schedule(now=timezone.now()), "SLURM queues it: no inventory host is needed"
+    start_run(run_id=run.pk)
+    run.refresh_from_db()
+    return run
+
+
+@pytest.mark.django_db
+def test_a_slurm_run_is_submitted_followed_and_failed_with_slurms_reason(team, slurm):
+    run = _submitted(team)
+    assert run.state == RunState.LAUNCHING and run.job_id == "18004"
+    assert run.allocation == {"slurm": {"gpus": 4, "slots": 0}}, "its GPUs count against the project's quota"
+    [sbatch] = slurm.calls("sbatch")
+    assert sbatch["args"] == ["--parsable"]
+    script = sbatch["stdin"]
+    assert "#SBATCH --partition=gpu" in script and "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=2" in script
+    assert f"#SBATCH --comment=forgeboard-run-id={run.pk}" in script
+    folder = Path(run.log_path).parent
+    assert f"export FORGEBOARD_RUN_TOKEN_FILE={folder / 'run_token'}" in script
+    assert (folder / "run_token").read_text() and "backend: slurm" in (folder / "config.yaml").read_text()
+    assert (folder / "job.sbatch").read_text() == script
+    submitted = RunEvent.objects.get(run=run, kind="message", payload__name="job_submitted")
+    assert submitted.payload | {} == {"name": "job_submitted", "backend": "slurm", "job_id": "18004", "nodes": 2,
+                                      "gpus_per_node": 2, "partition": "gpu"}
+
+    # running in SLURM, the engine not reported in yet: nothing changes; nor after the launch timeout
+    slurm.job("squeue", 18004, as_id="18004")
+    assert poll_slurm_runs() == {run.pk: "running"}
+    report = runs_reconcile(now=timezone.now() + timedelta(hours=6))
+    assert run.pk not in report.lost and Run.objects.get(pk=run.pk).state == RunState.LAUNCHING
+
+    run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)  # the engine reported in
+    slurm.answer("squeue", jobs=[])  # it left the queue; accounting says it failed
+    slurm.job("sacct", 17102, as_id="18004")
+    assert poll_slurm_runs() == {run.pk: "failed"}
+    run.refresh_from_db()
+    assert run.state == RunState.FAILED and run.exit_reason.startswith("SLURM job 18004: the job failed with exit code")
+    assert [c["args"] for c in slurm.calls("sacct")] == [["--json", "--jobs=18004"]]
+    assert poll_slurm_runs() == {}, "a finished run is not followed any more"
+
+
+@pytest.mark.django_db
+def test_cancelling_a_run_whose_job_waits_in_the_queue_scancels_it(team, slurm):
+    run = _submitted(team)
+    slurm.job("squeue", 18001, as_id="18004")  # PENDING (Priority)
+    assert poll_slurm_runs() == {run.pk: "queued"}
+    run_cancel(actor=team.member, run=run)
+    assert poll_slurm_runs() == {run.pk: "scancelled"}
+    assert [c["args"] for c in slurm.calls("scancel")] == [["18004"]]
+    run.refresh_from_db()
+    assert run.state == RunState.CANCELLED and "waiting in the SLURM queue" in run.exit_reason
+
+
+@pytest.mark.django_db
+def test_a_node_failure_loses_the_run_so_the_reconciler_can_restart_it(team, slurm):
+    run = _submitted(team)
+    run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
+    slurm.job("sacct", 17106, as_id="18004")  # NODE_FAIL
+    assert poll_slurm_runs() == {run.pk: "lost"}
+    run.refresh_from_db()
+    assert run.state == RunState.LOST and "a node of the job failed" in run.exit_reason
+
+
+@pytest.mark.django_db
+def test_a_refused_submission_fails_the_run_with_sbatchs_error(team, slurm):
+    slurm.answer("sbatch", exit=1, stderr="sbatch: error: invalid partition specified: gpu")
+    run = _submitted(team)
+    assert run.state == RunState.FAILED and run.job_id == ""
+    assert run.exit_reason == "SLURM refused the job: sbatch exited with 1: sbatch: error: invalid partition specified: gpu"
+
+
+@pytest.mark.django_db
+def test_bad_slurm_settings_fail_the_run_naming_the_setting(team, slurm, settings):
+    settings.SLURM_MEMORY = "lots"
+    run = _submitted(team)
+    assert run.state == RunState.FAILED and slurm.calls("sbatch") == []
+    assert run.exit_reason == "SLURM launch settings: memory: 'lots' is not an sbatch size such as 512G"
+
+
+@pytest.mark.django_db
+def test_unreadable_scheduler_output_leaves_the_run_alone(team, slurm):
+    run = _submitted(team)
+    slurm.answer("squeue", exit=1, stderr="slurm_load_jobs error: Unable to contact slurm controller")
+    assert poll_slurm_runs() == {run.pk: "unreadable: squeue exited with 1: slurm_load_jobs error: "
+                                          "Unable to contact slurm controller"}
+    assert Run.objects.get(pk=run.pk).state == RunState.LAUNCHING

@@ -1,0 +1,224 @@
+"""The SLURM launch backend: submit a claimed run with sbatch, follow its job, cancel it with scancel.
+
+A run whose config says `placement.backend: slurm` is queued by SLURM, not placed on the inventory:
+the scheduler claims it at once (within the project's quotas) and a worker configured for SLURM
+(`FORGEBOARD_SLURM_PARTITION` and the other `SLURM_*` settings) submits the script built by
+`workers/launch/slurm.py`. `runs.poll_jobs` then reads `squeue --json` (and `sacct --json` once the
+job has left the queue) and moves the run: a job that failed, timed out or was preempted fails or
+loses the run with SLURM's reason, and a run cancelled while its job waits in the queue is
+scancelled. A running engine reports its own progress and end through the API, as a local one does.
+
+The run's folder (config, token, logs) is under FORGEBOARD_DATA_DIR, which must be on a filesystem
+every node sees.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from django.conf import settings
+
+from forgeboard.runs.models import LaunchBackend, Run
+from forgeboard.runs.scheduling import run_demand
+from forgeboard.runs.services import IllegalTransition, run_transition
+from forgeboard.runs.states import RunState
+from forgeboard.runs.tokens import run_token_issue
+from forgeboard.telemetry.models import EventKind
+from forgeboard.telemetry.services import event_append
+from workers.launch.local import run_dir
+from workers.launch.slurm import LaunchSpecError, SchedulerStatus, SlurmLaunchRequest, parse_sacct, parse_squeue, sbatch_script
+
+logger = logging.getLogger(__name__)
+
+COMMAND_TIMEOUT_S = 60
+# Runs whose job SLURM may still hold: the poller looks at these.
+FOLLOWED_STATES = (RunState.LAUNCHING, RunState.RUNNING, RunState.PAUSED, RunState.CANCELLING)
+
+
+class SlurmCommandFailed(RuntimeError):
+    """sbatch, squeue, sacct or scancel exited non-zero, or could not be run: the reason says which and why."""
+
+
+@dataclass(frozen=True)
+class SlurmCli:
+    """Runs SLURM's commands (from `bin_dir`, else from PATH) and returns what they print."""
+
+    bin_dir: str | None = None
+
+    def _run(self, name: str, *args: str, stdin: str | None = None) -> str:
+        program = str(Path(self.bin_dir) / name) if self.bin_dir else (shutil.which(name) or name)
+        try:
+            done = subprocess.run([program, *args], input=stdin, capture_output=True, text=True,
+                                  timeout=COMMAND_TIMEOUT_S, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise SlurmCommandFailed(f"{name} could not be run: {exc}") from None
+        if done.returncode != 0:
+            detail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise SlurmCommandFailed(f"{name} exited with {done.returncode}: {detail[0][:500]}")
+        return done.stdout
+
+    def submit(self, script: str) -> str:
+        """sbatch the script (on stdin); the job id."""
+        out = self._run("sbatch", "--parsable", stdin=script).strip()
+        job_id = out.split(";", 1)[0]  # --parsable prints "id" or "id;cluster"
+        if not job_id.isdigit():
+            raise SlurmCommandFailed(f"sbatch printed {out[:200]!r}, not a job id")
+        return job_id
+
+    def queue(self, job_id: str) -> dict[str, SchedulerStatus]:
+        """The job's status while it is in the queue; {} once it has left (squeue says the id is invalid)."""
+        try:
+            document = self._json("squeue", "--json", f"--jobs={job_id}")
+        except SlurmCommandFailed as exc:
+            if "invalid job id" in str(exc).lower():
+                return {}
+            raise
+        errors = " ".join(str(e.get("error") or e.get("description") or "") for e in document.get("errors") or [])
+        if "invalid job id" in errors.lower():
+            return {}
+        return parse_squeue(document)
+
+    def accounting(self, job_id: str) -> dict[str, SchedulerStatus]:
+        return parse_sacct(self._json("sacct", "--json", f"--jobs={job_id}"))
+
+    def cancel(self, job_id: str) -> None:
+        self._run("scancel", job_id)
+
+    def _json(self, name: str, *args: str) -> dict[str, Any]:
+        out = self._run(name, *args)
+        try:
+            document = json.loads(out)
+        except json.JSONDecodeError as exc:
+            raise SlurmCommandFailed(f"{name} did not print JSON ({exc.msg} at {exc.pos})") from None
+        if not isinstance(document, dict):
+            raise SlurmCommandFailed(f"{name} printed JSON that is not an object")
+        return document
+
+
+def slurm_configured() -> bool:
+    return bool(settings.SLURM_PARTITION)
+
+
+def slurm_cli() -> SlurmCli:
+    return SlurmCli(bin_dir=settings.SLURM_BIN_DIR)
+
+
+def slurm_request(*, run: Run, folder: Path) -> SlurmLaunchRequest:
+    """The sbatch request for a run: nodes enough for its GPUs, the worker's SLURM settings."""
+    gpus = run_demand(run.config.parsed).gpus
+    per_node = settings.SLURM_GPUS_PER_NODE
+    return SlurmLaunchRequest(
+        run_id=run.pk, config_path=str(folder / "config.yaml"), nodes=max(1, math.ceil(gpus / per_node)),
+        gpus_per_node=min(gpus, per_node), cpus_per_node=settings.SLURM_CPUS_PER_NODE, memory=settings.SLURM_MEMORY,
+        partition=settings.SLURM_PARTITION, control_plane_url=settings.PUBLIC_URL, token_file=str(folder / "run_token"),
+        log_dir=str(folder / "slurm"), venv=settings.SLURM_VENV, image=settings.SLURM_IMAGE,
+        time_limit=settings.SLURM_TIME_LIMIT, account=settings.SLURM_ACCOUNT, qos=settings.SLURM_QOS,
+    )
+
+
+def submit_slurm(*, run: Run, cli: SlurmCli | None = None) -> str:
+    """Write the run's files, sbatch its script and record the job id; a refused submission fails the run."""
+    cli = cli or slurm_cli()
+    folder = run_dir(run).resolve()
+    try:
+        request = slurm_request(run=run, folder=folder)
+        request.check()
+        script = sbatch_script(request)
+    except LaunchSpecError as exc:
+        _fail(run=run, reason=f"SLURM launch settings: {exc}")
+        return ""
+    (folder / "slurm").mkdir(parents=True, exist_ok=True)
+    engine_config = run.config.parsed | {"max_restarts": 0}  # restarts are the reconciler's
+    (folder / "config.yaml").write_text(yaml.safe_dump(engine_config, sort_keys=False), encoding="utf-8")
+    token_file = folder / "run_token"
+    token_file.touch(mode=0o600)
+    token_file.write_text(run_token_issue(run=run))
+    (folder / "job.sbatch").write_text(script, encoding="utf-8")
+    try:
+        job_id = cli.submit(script)
+    except SlurmCommandFailed as exc:
+        _fail(run=run, reason=f"SLURM refused the job: {exc}")
+        return ""
+    Run.objects.filter(pk=run.pk).update(job_id=job_id, log_path=str(folder / "slurm"))
+    event_append(run=run, kind=EventKind.MESSAGE,
+                 payload={"name": "job_submitted", "backend": "slurm", "job_id": job_id, "nodes": request.nodes,
+                          "gpus_per_node": request.gpus_per_node, "partition": request.partition})
+    logger.info("run %s submitted as SLURM job %s", run.pk, job_id, extra={"run_id": run.pk})
+    return job_id
+
+
+def _fail(*, run: Run, reason: str) -> None:
+    try:
+        run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.FAILED, reason=reason)
+    except IllegalTransition:
+        pass
+
+
+def job_status(*, job_id: str, cli: SlurmCli) -> SchedulerStatus | None:
+    """The job's status: from the queue while it is there, then from accounting (None: SLURM knows no such job)."""
+    queued = cli.queue(job_id)
+    if job_id in queued:
+        return queued[job_id]
+    return cli.accounting(job_id).get(job_id)
+
+
+def poll_slurm_runs(*, cli: SlurmCli | None = None) -> dict[int, str]:
+    """Move each followed SLURM run by what SLURM says of its job; what was done, by run id."""
+    cli = cli or slurm_cli()
+    done: dict[int, str] = {}
+    runs = Run.objects.filter(backend=LaunchBackend.SLURM, state__in=FOLLOWED_STATES).exclude(job_id="")
+    for run in runs:
+        try:
+            status = job_status(job_id=run.job_id, cli=cli)
+        except (SlurmCommandFailed, LaunchSpecError) as exc:
+            logger.warning("SLURM job %s of run %s unreadable: %s", run.job_id, run.pk, exc, extra={"run_id": run.pk})
+            done[run.pk] = f"unreadable: {exc}"
+            continue
+        done[run.pk] = follow_job(run=run, status=status, cli=cli)
+    return done
+
+
+def follow_job(*, run: Run, status: SchedulerStatus | None, cli: SlurmCli) -> str:
+    """What one poll does to one run, given its job's status."""
+    state = RunState(run.state)
+    job = f"SLURM job {run.job_id}"
+    try:
+        if status is None:
+            if state == RunState.CANCELLING:
+                run_transition(run_id=run.pk, from_state=state, to_state=RunState.CANCELLED,
+                               reason=f"cancelled; SLURM no longer knows {job}")
+                return "cancelled"
+            run_transition(run_id=run.pk, from_state=state, to_state=RunState.LOST,
+                           reason=f"SLURM no longer knows {job}")
+            return "lost"
+        if state == RunState.CANCELLING and status.state in ("queued", "launching"):
+            cli.cancel(run.job_id)  # nothing runs yet that could take the cancel command
+            run_transition(run_id=run.pk, from_state=state, to_state=RunState.CANCELLED,
+                           reason=f"cancelled while {job} was {status.reason}")
+            return "scancelled"
+        if not status.terminal:
+            return status.state
+        if state == RunState.CANCELLING:
+            run_transition(run_id=run.pk, from_state=state, to_state=RunState.CANCELLED, reason=f"{job}: {status.reason}")
+            return "cancelled"
+        to_state = {"succeeded": RunState.SUCCEEDED, "failed": RunState.FAILED, "lost": RunState.LOST}[status.state]
+        if to_state == RunState.SUCCEEDED and state == RunState.LAUNCHING:
+            to_state = RunState.FAILED  # the engine never reported in: its job ending is not a finished run
+            reason = f"{job} ended (exit code 0) before the engine reported in; see {run.log_path or 'its log'}"
+        else:
+            reason = f"{job}: {status.reason}"
+        run_transition(run_id=run.pk, from_state=state, to_state=to_state, reason=reason)
+        return str(to_state)
+    except IllegalTransition:
+        return "moved meanwhile"
+    except SlurmCommandFailed as exc:
+        logger.warning("scancel of %s failed: %s", job, exc, extra={"run_id": run.pk})
+        return f"scancel failed: {exc}"
