@@ -4,7 +4,8 @@ Every worker also consumes, whatever `-Q` says, `launch.<FORGEBOARD_WORKER_POOL>
 `launch.default`): the runs that the scheduler placed on hosts of that pool are started from there;
 and `probe.<its hostname>`: the `cluster.probe` beat task asks each worker-reported host to report
 itself there, and a worker reports its host as soon as it is ready. A worker with
-FORGEBOARD_SLURM_PARTITION also consumes `launch.slurm`: it submits SLURM runs and polls their jobs.
+FORGEBOARD_SLURM_PARTITION also consumes `launch.slurm` (it submits SLURM runs and polls their jobs),
+and one with FORGEBOARD_K8S_API_URL and FORGEBOARD_K8S_IMAGE `launch.kubernetes`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def _consume_pool_queue(sender: str, instance, **_kwargs) -> None:
     instance.app.amqp.queues.select_add(_probe_queue())
     if settings.SLURM_PARTITION:  # this worker submits and follows SLURM jobs
         instance.app.amqp.queues.select_add(pool_launch_queue("slurm"))
+    if settings.K8S_API_URL and settings.K8S_IMAGE:  # ... and Kubernetes Jobs
+        instance.app.amqp.queues.select_add(pool_launch_queue("kubernetes"))
 
 
 def _probe_queue() -> str:

@@ -112,11 +112,15 @@ def reconcile_runs() -> dict:
 
 
 @shared_task(name="runs.poll_jobs")
-def poll_jobs() -> dict[int, str]:
-    """Periodic, on SLURM workers: follow the SLURM jobs of active runs (see workers/launch/slurm_backend.py)."""
-    from workers.launch.slurm_backend import poll_slurm_runs
+def poll_jobs(backend: str) -> dict[int, str]:
+    """Periodic, on the workers of a cluster scheduler: follow the jobs of active runs (workers/launch/jobs.py)."""
+    if backend == "slurm":
+        from workers.launch.slurm_backend import poll_slurm_runs
 
-    return poll_slurm_runs()
+        return poll_slurm_runs()
+    from workers.launch.kubernetes_backend import poll_kubernetes_runs
+
+    return poll_kubernetes_runs()
 
 
 @shared_task(name="cluster.mark_down_hosts")

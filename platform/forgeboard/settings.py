@@ -193,14 +193,28 @@ SLURM_GPUS_PER_NODE = env.int("FORGEBOARD_SLURM_GPUS_PER_NODE", 8, minimum=1)
 SLURM_CPUS_PER_NODE = env.int("FORGEBOARD_SLURM_CPUS_PER_NODE", 16, minimum=1)
 SLURM_MEMORY = env.str("FORGEBOARD_SLURM_MEMORY", "64G")
 SLURM_BIN_DIR = env.str("FORGEBOARD_SLURM_BIN_DIR")  # where sbatch, squeue, sacct and scancel are; unset: PATH
+# The Kubernetes launch backend (workers/launch/kubernetes_backend.py): a worker with an API URL and an
+# image creates the objects of runs whose config says placement.backend: kubernetes.
+K8S_API_URL = env.url("FORGEBOARD_K8S_API_URL", ("https", "http"))
+K8S_NAMESPACE = env.str("FORGEBOARD_K8S_NAMESPACE", "forgeboard")
+K8S_IMAGE = env.str("FORGEBOARD_K8S_IMAGE")
+K8S_PYTHON = env.str("FORGEBOARD_K8S_PYTHON", "python")
+K8S_TOKEN_FILE = env.str("FORGEBOARD_K8S_TOKEN_FILE", "/var/run/secrets/kubernetes.io/serviceaccount/token")
+K8S_CA_FILE = env.str("FORGEBOARD_K8S_CA_FILE", "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt")
+K8S_GPUS_PER_NODE = env.int("FORGEBOARD_K8S_GPUS_PER_NODE", 8, minimum=1)
+K8S_CPUS_PER_NODE = env.int("FORGEBOARD_K8S_CPUS_PER_NODE", 16, minimum=1)
+K8S_MEMORY = env.str("FORGEBOARD_K8S_MEMORY", "64Gi")
 CELERY_BEAT_SCHEDULE = {
     "schedule-runs": {"task": "runs.schedule", "schedule": env.int("FORGEBOARD_SCHEDULE_SECONDS", 10, minimum=1)},
     "reconcile-runs": {"task": "runs.reconcile", "schedule": env.int("FORGEBOARD_RECONCILE_SECONDS", 15, minimum=1)},
     "mark-down-hosts": {"task": "cluster.mark_down_hosts", "schedule": 30.0},
 }
-if SLURM_PARTITION:
-    CELERY_BEAT_SCHEDULE["poll-jobs"] = {"task": "runs.poll_jobs", "options": {"queue": "launch.slurm"},
-                                         "schedule": env.int("FORGEBOARD_POLL_JOBS_SECONDS", 30, minimum=5)}
+POLL_JOBS_SECONDS = env.int("FORGEBOARD_POLL_JOBS_SECONDS", 30, minimum=5)
+for _backend, _configured in (("slurm", SLURM_PARTITION), ("kubernetes", K8S_API_URL and K8S_IMAGE)):
+    if _configured:  # followed by the workers that submit to that scheduler
+        CELERY_BEAT_SCHEDULE[f"poll-{_backend}-jobs"] = {
+            "task": "runs.poll_jobs", "args": [_backend], "options": {"queue": f"launch.{_backend}"},
+            "schedule": POLL_JOBS_SECONDS}
 # Workers report their own hosts this often (cluster.probe), so a cluster without node agents has an
 # inventory; 0 turns the probe off (the default in tests, whose inventory each test builds itself).
 # Keep it well under FORGEBOARD_HOST_HEARTBEAT_TIMEOUT_S.

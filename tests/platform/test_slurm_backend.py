@@ -150,7 +150,7 @@ def test_cancelling_a_run_whose_job_waits_in_the_queue_scancels_it(team, slurm):
     slurm.job("squeue", 18001, as_id="18004")  # PENDING (Priority)
     assert poll_slurm_runs() == {run.pk: "queued"}
     run_cancel(actor=team.member, run=run)
-    assert poll_slurm_runs() == {run.pk: "scancelled"}
+    assert poll_slurm_runs() == {run.pk: "cancelled in the queue"}
     assert [c["args"] for c in slurm.calls("scancel")] == [["18004"]]
     run.refresh_from_db()
     assert run.state == RunState.CANCELLED and "waiting in the SLURM queue" in run.exit_reason

@@ -29,6 +29,12 @@ def start_run(*, run_id: int) -> None:
         if slurm_configured():
             submit_slurm(run=run)
             return
+    if run.backend == LaunchBackend.KUBERNETES:
+        from workers.launch.kubernetes_backend import kubernetes_configured, submit_kubernetes
+
+        if kubernetes_configured():
+            submit_kubernetes(run=run)
+            return
     run_transition(
         run_id=run_id, from_state=RunState.LAUNCHING, to_state=RunState.FAILED,
         reason=f"launch backend {run.backend!r} is not configured on this worker",

@@ -28,19 +28,16 @@ from django.conf import settings
 
 from forgeboard.runs.models import LaunchBackend, Run
 from forgeboard.runs.scheduling import run_demand
-from forgeboard.runs.services import IllegalTransition, run_transition
-from forgeboard.runs.states import RunState
 from forgeboard.runs.tokens import run_token_issue
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append
+from workers.launch.jobs import FOLLOWED_STATES, fail_launch, follow_job
 from workers.launch.local import run_dir
 from workers.launch.slurm import LaunchSpecError, SchedulerStatus, SlurmLaunchRequest, parse_sacct, parse_squeue, sbatch_script
 
 logger = logging.getLogger(__name__)
 
 COMMAND_TIMEOUT_S = 60
-# Runs whose job SLURM may still hold: the poller looks at these.
-FOLLOWED_STATES = (RunState.LAUNCHING, RunState.RUNNING, RunState.PAUSED, RunState.CANCELLING)
 
 
 class SlurmCommandFailed(RuntimeError):
@@ -133,7 +130,7 @@ def submit_slurm(*, run: Run, cli: SlurmCli | None = None) -> str:
         request.check()
         script = sbatch_script(request)
     except LaunchSpecError as exc:
-        _fail(run=run, reason=f"SLURM launch settings: {exc}")
+        fail_launch(run=run, reason=f"SLURM launch settings: {exc}")
         return ""
     (folder / "slurm").mkdir(parents=True, exist_ok=True)
     engine_config = run.config.parsed | {"max_restarts": 0}  # restarts are the reconciler's
@@ -145,7 +142,7 @@ def submit_slurm(*, run: Run, cli: SlurmCli | None = None) -> str:
     try:
         job_id = cli.submit(script)
     except SlurmCommandFailed as exc:
-        _fail(run=run, reason=f"SLURM refused the job: {exc}")
+        fail_launch(run=run, reason=f"SLURM refused the job: {exc}")
         return ""
     Run.objects.filter(pk=run.pk).update(job_id=job_id, log_path=str(folder / "slurm"))
     event_append(run=run, kind=EventKind.MESSAGE,
@@ -153,13 +150,6 @@ def submit_slurm(*, run: Run, cli: SlurmCli | None = None) -> str:
                           "gpus_per_node": request.gpus_per_node, "partition": request.partition})
     logger.info("run %s submitted as SLURM job %s", run.pk, job_id, extra={"run_id": run.pk})
     return job_id
-
-
-def _fail(*, run: Run, reason: str) -> None:
-    try:
-        run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.FAILED, reason=reason)
-    except IllegalTransition:
-        pass
 
 
 def job_status(*, job_id: str, cli: SlurmCli) -> SchedulerStatus | None:
@@ -178,47 +168,9 @@ def poll_slurm_runs(*, cli: SlurmCli | None = None) -> dict[int, str]:
     for run in runs:
         try:
             status = job_status(job_id=run.job_id, cli=cli)
+            done[run.pk] = follow_job(run=run, status=status, job=f"SLURM job {run.job_id}",
+                                      cancel=lambda run=run: cli.cancel(run.job_id))
         except (SlurmCommandFailed, LaunchSpecError) as exc:
-            logger.warning("SLURM job %s of run %s unreadable: %s", run.job_id, run.pk, exc, extra={"run_id": run.pk})
+            logger.warning("SLURM job %s of run %s: %s", run.job_id, run.pk, exc, extra={"run_id": run.pk})
             done[run.pk] = f"unreadable: {exc}"
-            continue
-        done[run.pk] = follow_job(run=run, status=status, cli=cli)
     return done
-
-
-def follow_job(*, run: Run, status: SchedulerStatus | None, cli: SlurmCli) -> str:
-    """What one poll does to one run, given its job's status."""
-    state = RunState(run.state)
-    job = f"SLURM job {run.job_id}"
-    try:
-        if status is None:
-            if state == RunState.CANCELLING:
-                run_transition(run_id=run.pk, from_state=state, to_state=RunState.CANCELLED,
-                               reason=f"cancelled; SLURM no longer knows {job}")
-                return "cancelled"
-            run_transition(run_id=run.pk, from_state=state, to_state=RunState.LOST,
-                           reason=f"SLURM no longer knows {job}")
-            return "lost"
-        if state == RunState.CANCELLING and status.state in ("queued", "launching"):
-            cli.cancel(run.job_id)  # nothing runs yet that could take the cancel command
-            run_transition(run_id=run.pk, from_state=state, to_state=RunState.CANCELLED,
-                           reason=f"cancelled while {job} was {status.reason}")
-            return "scancelled"
-        if not status.terminal:
-            return status.state
-        if state == RunState.CANCELLING:
-            run_transition(run_id=run.pk, from_state=state, to_state=RunState.CANCELLED, reason=f"{job}: {status.reason}")
-            return "cancelled"
-        to_state = {"succeeded": RunState.SUCCEEDED, "failed": RunState.FAILED, "lost": RunState.LOST}[status.state]
-        if to_state == RunState.SUCCEEDED and state == RunState.LAUNCHING:
-            to_state = RunState.FAILED  # the engine never reported in: its job ending is not a finished run
-            reason = f"{job} ended (exit code 0) before the engine reported in; see {run.log_path or 'its log'}"
-        else:
-            reason = f"{job}: {status.reason}"
-        run_transition(run_id=run.pk, from_state=state, to_state=to_state, reason=reason)
-        return str(to_state)
-    except IllegalTransition:
-        return "moved meanwhile"
-    except SlurmCommandFailed as exc:
-        logger.warning("scancel of %s failed: %s", job, exc, extra={"run_id": run.pk})
-        return f"scancel failed: {exc}"

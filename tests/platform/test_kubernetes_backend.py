@@ -1,0 +1,177 @@
+"""The Kubernetes launch backend against a fake API server (httpx MockTransport) answering with recorded objects.
+
+The recorded Job and pods (workers/launch/recorded/k8s_*.json) are those of run 42; the fake
+serves them for the test's run, which is what the poller reads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from django.utils import timezone
+
+from forgeboard.runs.models import Run
+from forgeboard.runs.scheduling import runs_schedule
+from forgeboard.runs.services import run_cancel, run_launch, run_launch_queue, run_transition
+from forgeboard.runs.states import RunState
+from forgeboard.runs.tokens import run_token_authenticate
+from forgeboard.telemetry.models import RunEvent
+from workers.launch import kubernetes_backend
+from workers.launch.backends import start_run
+from workers.launch.kubernetes_backend import KubernetesApi, poll_kubernetes_runs
+
+RECORDED = Path(__file__).resolve().parents[2] / "workers" / "launch" / "recorded"
+K8S_YAML = """\
+recipe: grpo
+model:
+  family: qwen3
+  path: /models/qwen3-0.6b
+placement:
+  backend: kubernetes
+  trainer:
+    gpus_per_proc: 1
+trainer:
+  ranks: 4
+"""
+
+
+class FakeApiServer:
+    """Keeps what was created; serves the recorded Job and pods set by `show`."""
+
+    def __init__(self) -> None:
+        self.requests: list[httpx.Request] = []
+        self.created: list[dict] = []
+        self.job: dict | None = None
+        self.pods: list[dict] = []
+        self.refuse: tuple[int, str] | None = None
+
+    def show(self, recorded: str) -> None:
+        document = json.loads((RECORDED / f"{recorded}.json").read_text())
+        self.job = document["job"]
+        pods = document["pods"]
+        self.pods = pods["items"] if isinstance(pods, dict) else pods
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        if self.refuse is not None:
+            status, message = self.refuse
+            return httpx.Response(status, json={"kind": "Status", "status": "Failure", "message": message})
+        if request.method == "POST":
+            self.created.append(json.loads(request.content))
+            return httpx.Response(201, json=self.created[-1])
+        if request.method == "DELETE":
+            return httpx.Response(200, json={"kind": "Status", "status": "Success"})
+        if request.url.path.endswith("/pods"):
+            return httpx.Response(200, json={"kind": "PodList", "items": self.pods})
+        if self.job is None:
+            return httpx.Response(404, json={"kind": "Status", "message": "jobs.batch not found", "code": 404})
+        return httpx.Response(200, json=self.job)
+
+
+@pytest.fixture
+def k8s(settings, monkeypatch) -> FakeApiServer:
+    settings.K8S_API_URL = "https://k8s.example:6443"
+    settings.K8S_IMAGE = "registry.example/forgeboard:1.4"
+    settings.K8S_NAMESPACE = "research"
+    settings.K8S_GPUS_PER_NODE = 2
+    server = FakeApiServer()
+    api = KubernetesApi(base_url=settings.K8S_API_URL, namespace="research", token="sa-token",
+                        transport=httpx.MockTransport(server.handle))
+    monkeypatch.setattr(kubernetes_backend, "kubernetes_api", lambda: api)
+    return server
+
+
+def _submitted(team) -> Run:
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=K8S_YAML)
+    assert run.backend == "kubernetes" and run_launch_queue(run_id=run.pk) == "launch.kubernetes"
+    assert run.pk in runs_schedule(now=timezone.now()), "Kubernetes places it: no inventory host is needed"
+    start_run(run_id=run.pk)
+    run.refresh_from_db()
+    return run
+
+
+@pytest.mark.django_db
+def test_a_kubernetes_run_is_created_through_the_api_and_failed_with_the_pods_reason(team, k8s):
+    run = _submitted(team)
+    name = f"forgeboard-run-{run.pk}"
+    assert run.state == RunState.LAUNCHING and run.job_id == name
+    posts = [(r.method, r.url.path) for r in k8s.requests]
+    assert posts == [("POST", "/api/v1/namespaces/research/secrets"), ("POST", "/api/v1/namespaces/research/configmaps"),
+                     ("POST", "/api/v1/namespaces/research/services"), ("POST", "/apis/batch/v1/namespaces/research/jobs")]
+    assert all(r.headers["authorization"] == "Bearer sa-token" for r in k8s.requests)
+    secret, config_map, _service, job = k8s.created
+    assert secret["metadata"]["name"] == f"{name}-token"
+    token = run_token_authenticate(raw=secret["stringData"]["token"])
+    assert token is not None and token.run_id == run.pk, "the Secret holds the run's own token"
+    assert "backend: kubernetes" in config_map["data"]["config.yaml"]
+    assert job["spec"]["completions"] == 2, "4 GPUs at 2 per node"
+    env = {e["name"]: e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["FORGEBOARD_RUN_TOKEN_FILE"] == "/var/run/secrets/forgeboard/token" and env["FORGEBOARD_RUN_ID"] == str(run.pk)
+    assert secret["stringData"]["token"] not in json.dumps(job), "the token is mounted, never written into the Job"
+    submitted = RunEvent.objects.get(run=run, kind="message", payload__name="job_submitted")
+    assert submitted.payload["job_id"] == name and submitted.payload["namespace"] == "research"
+
+    k8s.show("k8s_running")
+    assert poll_kubernetes_runs() == {run.pk: "running"}
+    assert Run.objects.get(pk=run.pk).state == RunState.LAUNCHING, "the engine reports running itself"
+    pods = k8s.requests[-1]
+    assert pods.url.path == "/api/v1/namespaces/research/pods"
+    assert pods.url.params["labelSelector"] == f"forgeboard.run-id={run.pk}"
+
+    run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
+    k8s.show("k8s_failed_oomkilled")
+    assert poll_kubernetes_runs() == {run.pk: "failed"}
+    run.refresh_from_db()
+    assert run.state == RunState.FAILED and "ran out of memory (OOMKilled)" in run.exit_reason
+    assert run.exit_reason.startswith(f"Kubernetes Job {name}: container engine in pod")
+
+
+@pytest.mark.django_db
+def test_cancelling_a_run_whose_pods_wait_for_nodes_deletes_its_job(team, k8s):
+    run = _submitted(team)
+    k8s.show("k8s_pending_unschedulable")
+    assert poll_kubernetes_runs() == {run.pk: "queued"}
+    run_cancel(actor=team.member, run=run)
+    assert poll_kubernetes_runs() == {run.pk: "cancelled in the queue"}
+    delete = k8s.requests[-1]
+    assert (delete.method, delete.url.path) == ("DELETE", f"/apis/batch/v1/namespaces/research/jobs/forgeboard-run-{run.pk}")
+    assert delete.url.params["propagationPolicy"] == "Background", "its pods go with it"
+    run.refresh_from_db()
+    assert run.state == RunState.CANCELLED and "Insufficient nvidia.com/gpu" in run.exit_reason
+
+
+@pytest.mark.django_db
+def test_an_evicted_pod_or_a_vanished_job_loses_the_run(team, k8s):
+    evicted = _submitted(team)
+    run_transition(run_id=evicted.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
+    k8s.show("k8s_lost_evicted")
+    assert poll_kubernetes_runs() == {evicted.pk: "lost"}
+    assert "was evicted" in Run.objects.get(pk=evicted.pk).exit_reason
+
+    vanished = _submitted(team)
+    run_transition(run_id=vanished.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
+    k8s.job = None  # deleted by hand, or garbage-collected
+    assert poll_kubernetes_runs() == {vanished.pk: "lost"}, "a lost run is not followed; the reconciler has it"
+    assert Run.objects.get(pk=vanished.pk).exit_reason == (
+        f"the scheduler no longer knows Kubernetes Job forgeboard-run-{vanished.pk}")
+
+
+@pytest.mark.django_db
+def test_a_refused_creation_fails_the_run_with_the_api_servers_message(team, k8s):
+    k8s.refuse = (403, 'secrets is forbidden: User "system:serviceaccount:forgeboard:worker" cannot create resource')
+    run = _submitted(team)
+    assert run.state == RunState.FAILED and run.job_id == ""
+    assert run.exit_reason.startswith(f"Kubernetes refused the run: creating Secret forgeboard-run-{run.pk}-token: "
+                                      "HTTP 403: secrets is forbidden")
+
+
+@pytest.mark.django_db
+def test_an_unreachable_api_server_leaves_the_run_alone(team, k8s):
+    run = _submitted(team)
+    k8s.refuse = (500, "etcdserver: request timed out")
+    assert poll_kubernetes_runs() == {run.pk: f"unreadable: reading Job forgeboard-run-{run.pk}: HTTP 500: "
+                                              "etcdserver: request timed out"}
+    assert Run.objects.get(pk=run.pk).state == RunState.LAUNCHING

@@ -1,0 +1,57 @@
+"""What a cluster scheduler's view of a run's job does to the run (SLURM and Kubernetes alike).
+
+The engine reports its own progress and end through the API; the scheduler's view matters where
+the engine cannot speak: a job still waiting in the queue, or one that ended without the engine
+reporting (a failed node, a time limit, preemption, an image that does not pull).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from forgeboard.runs.models import Run
+from forgeboard.runs.services import IllegalTransition, run_transition
+from forgeboard.runs.states import RunState
+from workers.launch.slurm import SchedulerStatus
+
+# Runs whose job the scheduler may still hold: the pollers look at these.
+FOLLOWED_STATES = (RunState.LAUNCHING, RunState.RUNNING, RunState.PAUSED, RunState.CANCELLING)
+
+
+def fail_launch(*, run: Run, reason: str) -> None:
+    try:
+        run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.FAILED, reason=reason)
+    except IllegalTransition:
+        pass
+
+
+def follow_job(*, run: Run, status: SchedulerStatus | None, job: str, cancel: Callable[[], None]) -> str:
+    """What one poll does to one run, given its job's status (None: the scheduler knows no such job).
+
+    `job` names it for reasons ("SLURM job 18004"); `cancel` removes it from the scheduler.
+    """
+    state = RunState(run.state)
+    try:
+        if status is None:
+            to_state = RunState.CANCELLED if state == RunState.CANCELLING else RunState.LOST
+            run_transition(run_id=run.pk, from_state=state, to_state=to_state, reason=f"the scheduler no longer knows {job}")
+            return str(to_state)
+        if state == RunState.CANCELLING and status.state in ("queued", "launching"):
+            cancel()  # no engine runs yet that could take the cancel command
+            run_transition(run_id=run.pk, from_state=state, to_state=RunState.CANCELLED,
+                           reason=f"cancelled while {job} was {status.reason}")
+            return "cancelled in the queue"
+        if not status.terminal:
+            return status.state
+        if state == RunState.CANCELLING:
+            run_transition(run_id=run.pk, from_state=state, to_state=RunState.CANCELLED, reason=f"{job}: {status.reason}")
+            return "cancelled"
+        to_state = {"succeeded": RunState.SUCCEEDED, "failed": RunState.FAILED, "lost": RunState.LOST}[status.state]
+        reason = f"{job}: {status.reason}"
+        if to_state == RunState.SUCCEEDED and state == RunState.LAUNCHING:
+            to_state = RunState.FAILED  # the engine never reported in: its job ending is not a finished run
+            reason = f"{job} ended ({status.reason}) before the engine reported in"
+        run_transition(run_id=run.pk, from_state=state, to_state=to_state, reason=reason)
+        return str(to_state)
+    except IllegalTransition:
+        return "moved meanwhile"

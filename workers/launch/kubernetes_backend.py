@@ -1,0 +1,178 @@
+"""The Kubernetes launch backend: create a claimed run's objects through the API server, follow its Job, delete it.
+
+A run whose config says `placement.backend: kubernetes` is placed by Kubernetes, not on the
+inventory. A worker configured for it (`FORGEBOARD_K8S_API_URL`, `FORGEBOARD_K8S_NAMESPACE`,
+`FORGEBOARD_K8S_IMAGE`; in a pod, the service account's token and CA) creates a Secret with the run
+token, then the ConfigMap, headless Service and Indexed Job built by `workers/launch/kubernetes.py`.
+`runs.poll_jobs` reads the Job and its pods and moves the run as `workers/launch/jobs.py` says; a run
+cancelled while its pods wait to be scheduled has its Job deleted.
+
+Plain HTTP through httpx (no `kubernetes` client package): four object kinds, create / get / delete.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import yaml
+from django.conf import settings
+
+from forgeboard.runs.models import LaunchBackend, Run
+from forgeboard.runs.scheduling import run_demand
+from forgeboard.runs.tokens import run_token_issue
+from forgeboard.telemetry.models import EventKind
+from forgeboard.telemetry.services import event_append
+from workers.launch.jobs import FOLLOWED_STATES, fail_launch, follow_job
+from workers.launch.kubernetes import RUN_LABEL, KubernetesLaunchRequest, kubernetes_job_status, kubernetes_objects
+from workers.launch.slurm import LaunchSpecError
+
+logger = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 30
+_PATHS = {  # kind -> collection path under a namespace
+    "Secret": "/api/v1/namespaces/{ns}/secrets",
+    "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
+    "Service": "/api/v1/namespaces/{ns}/services",
+    "Job": "/apis/batch/v1/namespaces/{ns}/jobs",
+}
+
+
+class KubernetesApiFailed(RuntimeError):
+    """The API server refused a request or could not be reached: the reason says which and why."""
+
+
+@dataclass
+class KubernetesApi:
+    base_url: str
+    namespace: str
+    token: str | None = None
+    verify: str | bool = True  # a CA bundle path, or True for the system's
+    transport: httpx.BaseTransport | None = None
+
+    def _client(self) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return httpx.Client(base_url=self.base_url.rstrip("/"), headers=headers, verify=self.verify,
+                            timeout=REQUEST_TIMEOUT_S, transport=self.transport)
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            with self._client() as client:
+                return client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise KubernetesApiFailed(f"{method} {path}: {exc}") from None
+
+    @staticmethod
+    def _refused(response: httpx.Response, what: str) -> KubernetesApiFailed:
+        try:
+            message = response.json().get("message") or response.text
+        except ValueError:
+            message = response.text
+        return KubernetesApiFailed(f"{what}: HTTP {response.status_code}: {str(message).strip()[:500]}")
+
+    def _collection(self, kind: str) -> str:
+        return _PATHS[kind].format(ns=quote(self.namespace, safe=""))
+
+    def create(self, obj: dict[str, Any]) -> None:
+        """Create an object; one that already exists (a redelivered launch) is left as it is."""
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        response = self._call("POST", self._collection(kind), json=obj)
+        if response.status_code == 409:
+            return
+        if response.status_code >= 300:
+            raise self._refused(response, f"creating {kind} {name}")
+
+    def get_job(self, name: str) -> dict[str, Any] | None:
+        response = self._call("GET", f"{self._collection('Job')}/{quote(name, safe='')}")
+        if response.status_code == 404:
+            return None
+        if response.status_code >= 300:
+            raise self._refused(response, f"reading Job {name}")
+        return response.json()
+
+    def run_pods(self, run_id: int) -> list[dict[str, Any]]:
+        response = self._call("GET", f"/api/v1/namespaces/{quote(self.namespace, safe='')}/pods",
+                              params={"labelSelector": f"{RUN_LABEL}={run_id}"})
+        if response.status_code >= 300:
+            raise self._refused(response, f"listing the pods of run {run_id}")
+        return list(response.json().get("items") or [])
+
+    def delete(self, kind: str, name: str) -> None:
+        """Delete an object and what it owns (a Job's pods); one already gone is fine."""
+        response = self._call("DELETE", f"{self._collection(kind)}/{quote(name, safe='')}",
+                              params={"propagationPolicy": "Background"})
+        if response.status_code not in (200, 202, 404):
+            raise self._refused(response, f"deleting {kind} {name}")
+
+
+def kubernetes_configured() -> bool:
+    return bool(settings.K8S_API_URL and settings.K8S_IMAGE)
+
+
+def kubernetes_api() -> KubernetesApi:
+    token_file = Path(settings.K8S_TOKEN_FILE)
+    ca_file = Path(settings.K8S_CA_FILE)
+    return KubernetesApi(base_url=settings.K8S_API_URL, namespace=settings.K8S_NAMESPACE,
+                         token=token_file.read_text().strip() if token_file.is_file() else None,
+                         verify=str(ca_file) if ca_file.is_file() else True)
+
+
+def kubernetes_request(*, run: Run) -> KubernetesLaunchRequest:
+    """The Job request for a run: pods (one per node) enough for its GPUs, the worker's Kubernetes settings."""
+    gpus = run_demand(run.config.parsed).gpus
+    per_node = settings.K8S_GPUS_PER_NODE
+    engine_config = run.config.parsed | {"max_restarts": 0}  # restarts are the reconciler's
+    return KubernetesLaunchRequest(
+        run_id=run.pk, image=settings.K8S_IMAGE, config_yaml=yaml.safe_dump(engine_config, sort_keys=False),
+        nodes=max(1, math.ceil(gpus / per_node)), gpus_per_node=min(gpus, per_node),
+        cpus_per_node=settings.K8S_CPUS_PER_NODE, memory=settings.K8S_MEMORY, namespace=settings.K8S_NAMESPACE,
+        control_plane_url=settings.PUBLIC_URL, token_secret=f"forgeboard-run-{run.pk}-token", python=settings.K8S_PYTHON,
+    )
+
+
+def submit_kubernetes(*, run: Run, api: KubernetesApi | None = None) -> str:
+    """Create the run's Secret, ConfigMap, Service and Job; the Job's name (stored as the run's job id)."""
+    api = api or kubernetes_api()
+    try:
+        request = kubernetes_request(run=run)
+        objects = kubernetes_objects(request)
+    except LaunchSpecError as exc:
+        fail_launch(run=run, reason=f"Kubernetes launch settings: {exc}")
+        return ""
+    secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+              "metadata": {"name": request.token_secret, "namespace": request.namespace,
+                           "labels": {RUN_LABEL: str(run.pk)}},
+              "stringData": {"token": run_token_issue(run=run)}}
+    try:
+        for obj in [secret, *objects]:
+            api.create(obj)
+    except KubernetesApiFailed as exc:
+        fail_launch(run=run, reason=f"Kubernetes refused the run: {exc}")
+        return ""
+    Run.objects.filter(pk=run.pk).update(job_id=request.name)
+    event_append(run=run, kind=EventKind.MESSAGE,
+                 payload={"name": "job_submitted", "backend": "kubernetes", "job_id": request.name,
+                          "namespace": request.namespace, "nodes": request.nodes, "gpus_per_node": request.gpus_per_node})
+    logger.info("run %s created as Kubernetes Job %s", run.pk, request.name, extra={"run_id": run.pk})
+    return request.name
+
+
+def poll_kubernetes_runs(*, api: KubernetesApi | None = None) -> dict[int, str]:
+    """Move each followed Kubernetes run by what its Job and pods say; what was done, by run id."""
+    api = api or kubernetes_api()
+    done: dict[int, str] = {}
+    for run in Run.objects.filter(backend=LaunchBackend.KUBERNETES, state__in=FOLLOWED_STATES).exclude(job_id=""):
+        try:
+            job = api.get_job(run.job_id)
+            status = None if job is None else kubernetes_job_status(job, api.run_pods(run.pk))
+            done[run.pk] = follow_job(run=run, status=status, job=f"Kubernetes Job {run.job_id}",
+                                      cancel=lambda run=run: api.delete("Job", run.job_id))
+        except (KubernetesApiFailed, LaunchSpecError) as exc:
+            logger.warning("Kubernetes Job %s of run %s: %s", run.job_id, run.pk, exc, extra={"run_id": run.pk})
+            done[run.pk] = f"unreadable: {exc}"
+    return done
