@@ -303,3 +303,84 @@ def test_an_export_goes_to_the_pool_of_the_host_the_run_ran_on(export_api, team,
     with django_capture_on_commit_callbacks(execute=True):
         api.call("post", 4)
     assert api.queues == [None, "launch.gpu-a"]
+
+
+# --- the dashboard's "start a new run from here": the export runs in a worker, then the run starts -----
+
+@pytest.fixture
+def dashboard(client, team, run_with_checkpoints, monkeypatch, tmp_path):
+    """A member logged in; queued tasks recorded (with their keyword arguments) instead of sent."""
+    from workers.celery import app
+
+    sent: list[tuple[str, list, dict]] = []
+    monkeypatch.setattr(app, "send_task", lambda name, args, **kw: sent.append((name, args, kw.get("kwargs") or {})))
+    exporter = tmp_path / "exporter.py"
+    exporter.write_text(SUCCEEDING_EXPORTER)
+    monkeypatch.setattr(checkpoints, "ENGINE_COMMAND", (sys.executable, str(exporter)))
+    client.force_login(team.member)
+    parent = run_with_checkpoints
+    return SimpleNamespace(client=client, sent=sent, exporter=exporter, parent=parent,
+                           url=f"/runs/{parent.pk}/checkpoints/2/launch/")
+
+
+def _work(sent: list[tuple[str, list, dict]]) -> None:
+    from workers.tasks import export_checkpoint
+
+    while sent:
+        name, args, kwargs = sent.pop(0)
+        assert name == "checkpoints.export"
+        export_checkpoint.apply(args=args, kwargs=kwargs)
+
+
+def test_start_a_new_run_from_here_exports_in_a_worker_then_starts_the_run(dashboard, django_capture_on_commit_callbacks):
+    from forgeboard.telemetry.models import RunEvent
+
+    parent = dashboard.parent
+    with django_capture_on_commit_callbacks(execute=True):
+        answer = dashboard.client.post(dashboard.url)
+    assert answer.status_code == 302 and answer.url == f"/runs/{parent.pk}/", "back on the parent's page at once"
+    assert Run.objects.count() == 1 and not (run_dir(parent) / "exports" / "step_2").exists(), "nothing exported yet"
+    assert "exporting step 2; the new run starts when the export is done" in dashboard.client.get(answer.url).content.decode()
+    assert [(name, kwargs) for name, _, kwargs in dashboard.sent] == [
+        ("checkpoints.export", {"launch_child": True, "overrides": []})]
+
+    _work(dashboard.sent)
+    child = Run.objects.get(parent=parent)
+    assert child.config.parsed["model"]["path"] == str(run_dir(parent) / "exports" / "step_2")
+    started = RunEvent.objects.get(run=parent, kind="message", payload__name="child_run_started")
+    assert started.payload == {"name": "child_run_started", "step": 2, "run": child.pk, "number": child.number,
+                               "experiment": parent.experiment.name}
+    assert AuditEvent.objects.filter(action="checkpoint.launch_request").count() == 1
+
+    # exported now: the next click starts a run at once, with no task
+    with django_capture_on_commit_callbacks(execute=True):
+        again = dashboard.client.post(dashboard.url)
+    second = Run.objects.filter(parent=parent).order_by("-pk").first()
+    assert second != child and again.url == f"/runs/{second.pk}/"
+    assert [name for name, _, _ in dashboard.sent] == ["runs.launch"], "no export task, only the new run's launch"
+
+
+def test_a_failed_export_says_on_the_timeline_why_no_run_started(dashboard, django_capture_on_commit_callbacks):
+    from forgeboard.telemetry.models import RunEvent
+
+    dashboard.exporter.write_text(FAILING_EXPORTER)
+    with django_capture_on_commit_callbacks(execute=True):
+        dashboard.client.post(dashboard.url)
+    _work(dashboard.sent)
+    assert Run.objects.count() == 1
+    failed = RunEvent.objects.get(run=dashboard.parent, kind="message", payload__name="child_run_failed")
+    assert failed.payload["step"] == 2
+    assert failed.payload["reason"].startswith("exporting step 2: exporting step 2 of run")
+    assert "RuntimeError: trainer.pt is not a checkpoint" in failed.payload["reason"]
+
+
+def test_start_from_a_checkpoint_is_checked_before_anything_is_queued(dashboard, team, django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks(execute=True):
+        missing = dashboard.client.post(f"/runs/{dashboard.parent.pk}/checkpoints/3/launch/")
+    assert missing.status_code == 302, "back to the run page, which says why"
+    assert "has no checkpoint at step 3" in dashboard.client.get(missing.url).content.decode()
+    dashboard.client.force_login(team.viewer)
+    with django_capture_on_commit_callbacks(execute=True):
+        refused = dashboard.client.post(dashboard.url)
+    assert refused.status_code == 403
+    assert dashboard.sent == [] and Run.objects.count() == 1

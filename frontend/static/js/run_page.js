@@ -58,6 +58,12 @@
         return `command ${p.command} (${p.kind}) ${p.ok === false ? "failed" : "done"}${why ? ": " + why : ""}`;
       }
       case "checkpoint_saved": return `checkpoint at step ${p.step}`;
+      case "message":
+        if (p.name === "child_run_started") return `started ${p.experiment} #${p.number} from step ${p.step}`;
+        if (p.name === "child_run_failed") return `no run started from step ${p.step}: ${p.reason}`;
+        if (p.name === "job_submitted") return `submitted as ${p.backend} job ${p.job_id}`;
+        if (p.text && !p.name) return p.text;
+        return JSON.stringify(p).slice(0, 160);
       default: {
         const text = JSON.stringify(p);
         return text.length > 160 ? text.slice(0, 157) + "…" : text;

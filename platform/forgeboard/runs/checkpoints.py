@@ -37,6 +37,7 @@ from forgeboard.experiments.services import validate_run_config
 from forgeboard.runs.models import Run
 from forgeboard.runs.services import run_launch, run_launch_queue
 from forgeboard.telemetry.models import EventKind, RunEvent
+from forgeboard.telemetry.services import event_append
 from workers.launch.local import REPO_DIR, run_dir
 
 STATE_FILE = "trainer.pt"  # workers.engine.checkpoint.STATE_FILE (importing that module imports torch)
@@ -162,6 +163,42 @@ def checkpoint_export(*, actor: Actor, run: Run, step: int) -> Path:
     return out
 
 
+def _child_overrides(*, run: Run, step: int, overrides: Sequence[str]) -> list[str]:
+    """The parent's overrides, then the exported weights as the model, then `overrides`: checked before any export."""
+    if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):
+        raise ValidationFailed.on("overrides", "must be a list of section.key=value strings")
+    model_path = export_folder(run=run, step=step)
+    child_overrides = [*run.config.overrides, f"model.path={json.dumps(str(model_path))}", "checkpoint.resume_from=",
+                       *overrides]
+    validate_run_config(yaml_text=run.config.yaml_text, overrides=child_overrides, recipe=run.experiment.recipe)
+    return child_overrides
+
+
+def run_launch_from_checkpoint_request(*, actor: Actor, run: Run, step: int,
+                                       overrides: Sequence[str] = ()) -> Run | ExportStatus:
+    """Start a child run from the checkpoint at `step` without exporting inside the caller's request.
+
+    The checkpoint already exported: the child run, now. Otherwise the export is queued (the
+    `checkpoints.export` task) and the child starts when it is done; the parent's timeline then says
+    which run started, or why none could. Permission, the step and the overrides are checked here first.
+    """
+    require_project_role(actor=actor, project=run.experiment.project, minimum=Role.MEMBER, action="launching runs")
+    step = _clean_step(step)
+    _checkpoint_at(run=run, step=step)
+    _child_overrides(run=run, step=step, overrides=overrides)
+    status = _read_status(run=run, step=step)
+    if status is not None and status.state == ExportState.DONE:
+        return run_launch_from_checkpoint(actor=actor, run=run, step=step, overrides=overrides)
+    if status is None or status.state == ExportState.FAILED:
+        _write_status(run=run, step=step, state=ExportState.QUEUED)
+    with transaction.atomic():
+        audit_record(actor=actor, action="checkpoint.launch_request", target=run, project=run.experiment.project,
+                     payload={"step": step, "overrides": list(overrides)})
+        transaction.on_commit(lambda: _enqueue_export(run_id=run.pk, step=step, actor=actor,
+                                                      launch_child=True, overrides=list(overrides)))
+    return _read_status(run=run, step=step)  # type: ignore[return-value]
+
+
 def run_launch_from_checkpoint(*, actor: Actor, run: Run, step: int, overrides: Sequence[str] = ()) -> Run:
     """A new run in the same experiment, with the parent's config starting from the weights at `step`.
 
@@ -170,14 +207,9 @@ def run_launch_from_checkpoint(*, actor: Actor, run: Run, step: int, overrides: 
     """
     require_project_role(actor=actor, project=run.experiment.project, minimum=Role.MEMBER, action="launching runs")
     step = _clean_step(step)
-    if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):
-        raise ValidationFailed.on("overrides", "must be a list of section.key=value strings")
-    snapshot = run.config
+    child_overrides = _child_overrides(run=run, step=step, overrides=overrides)
     model_path = export_folder(run=run, step=step)
-    child_overrides = [*snapshot.overrides, f"model.path={json.dumps(str(model_path))}", "checkpoint.resume_from=",
-                       *overrides]
-    # Bad overrides are refused before the (slow) export.
-    validate_run_config(yaml_text=snapshot.yaml_text, overrides=child_overrides, recipe=run.experiment.recipe)
+    snapshot = run.config
     checkpoint_export(actor=actor, run=run, step=step)
     with transaction.atomic():
         child = run_launch(actor=actor, experiment=run.experiment, config_yaml=snapshot.yaml_text,
@@ -251,13 +283,16 @@ def checkpoint_export_status(*, actor: Actor, run: Run, step: int) -> ExportStat
     return status
 
 
-def _enqueue_export(*, run_id: int, step: int, actor: Actor) -> None:
+def _enqueue_export(*, run_id: int, step: int, actor: Actor, launch_child: bool = False,
+                    overrides: Sequence[str] = ()) -> None:
     from workers.celery import app  # the Celery app lives in the data plane package
 
     kind = "token" if isinstance(actor, ApiToken) else "user"
     # The checkpoint is on the disk where the run ran: a worker of that host's pool exports it.
     queue = run_launch_queue(run_id=run_id)
-    app.send_task("checkpoints.export", args=[run_id, step, kind, actor.pk], **({"queue": queue} if queue else {}))
+    app.send_task("checkpoints.export", args=[run_id, step, kind, actor.pk],
+                  kwargs={"launch_child": launch_child, "overrides": list(overrides)},
+                  **({"queue": queue} if queue else {}))
 
 
 def checkpoint_export_request(*, actor: Actor, run: Run, step: int) -> ExportStatus:
@@ -281,8 +316,13 @@ def checkpoint_export_request(*, actor: Actor, run: Run, step: int) -> ExportSta
     return _read_status(run=run, step=step)  # type: ignore[return-value]
 
 
-def checkpoint_export_queued(*, run_id: int, step: int, actor_kind: str, actor_id: int) -> ExportStatus:
-    """The task's side: export as the actor who asked, recording running, then done or failed with the reason."""
+def checkpoint_export_queued(*, run_id: int, step: int, actor_kind: str, actor_id: int, launch_child: bool = False,
+                             overrides: Sequence[str] = ()) -> ExportStatus:
+    """The task's side: export as the actor who asked, recording running, then done or failed with the reason.
+
+    `launch_child`: then start a run from the export (`run_launch_from_checkpoint_request`), and say so
+    on the parent's timeline, with the child or the reason none started.
+    """
     run = Run.objects.select_related("experiment__project").get(pk=run_id)
     model: Any = ApiToken if actor_kind == "token" else User
     actor = model.objects.filter(pk=actor_id).first()
@@ -297,4 +337,24 @@ def checkpoint_export_queued(*, run_id: int, step: int, actor_kind: str, actor_i
         _write_status(run=run, step=step, state=ExportState.FAILED, error=f"{type(exc).__name__}: {exc}")
     else:
         _status_file(run=run, step=step).unlink(missing_ok=True)  # the export folder now says done
-    return _read_status(run=run, step=step)  # type: ignore[return-value]
+    status = _read_status(run=run, step=step)
+    if launch_child:
+        _launch_child(run=run, step=step, actor=actor, status=status, overrides=overrides)
+    return status  # type: ignore[return-value]
+
+
+def _launch_child(*, run: Run, step: int, actor: Actor | None, status: ExportStatus | None,
+                  overrides: Sequence[str]) -> None:
+    if status is None or status.state != ExportState.DONE or actor is None:
+        reason = status.error if status is not None and status.error else "the export did not finish"
+        event_append(run=run, kind=EventKind.MESSAGE,
+                     payload={"name": "child_run_failed", "step": step, "reason": f"exporting step {step}: {reason}"})
+        return
+    try:
+        child = run_launch_from_checkpoint(actor=actor, run=run, step=step, overrides=overrides)
+    except ServiceError as exc:
+        event_append(run=run, kind=EventKind.MESSAGE, payload={"name": "child_run_failed", "step": step, "reason": exc.message})
+        return
+    event_append(run=run, kind=EventKind.MESSAGE,
+                 payload={"name": "child_run_started", "step": step, "run": child.pk, "number": child.number,
+                          "experiment": child.experiment.name})

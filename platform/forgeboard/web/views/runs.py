@@ -19,7 +19,7 @@ from forgeboard.accounts.permissions import project_role
 from forgeboard.cluster.models import Host
 from forgeboard.errors import ServiceError
 from forgeboard.experiments.selectors import experiments_for_project
-from forgeboard.runs.checkpoints import run_checkpoints, run_launch_from_checkpoint
+from forgeboard.runs.checkpoints import run_checkpoints, run_launch_from_checkpoint_request
 from forgeboard.runs.models import Run
 from forgeboard.runs.selectors import RunFilters, runs_search
 from forgeboard.runs.services import command_create, run_cancel
@@ -190,8 +190,12 @@ def run_command(request: HttpRequest, run_id: int) -> HttpResponse:
 def run_from_checkpoint(request: HttpRequest, run_id: int, step: int) -> HttpResponse:
     run = run_or_404(request, run_id)
     try:
-        child = run_launch_from_checkpoint(actor=request.user, run=run, step=step)
+        child = run_launch_from_checkpoint_request(actor=request.user, run=run, step=step)
     except ServiceError as error:
         return refusal_or_flash(request, error) or redirect("run_detail", run_id=run.pk)
-    messages.success(request, f"started {child.experiment.name} #{child.number} from step {step} of #{run.number}")
-    return redirect("run_detail", run_id=child.pk)
+    if isinstance(child, Run):
+        messages.success(request, f"started {child.experiment.name} #{child.number} from step {step} of #{run.number}")
+        return redirect("run_detail", run_id=child.pk)
+    messages.info(request, f"exporting step {step}; the new run starts when the export is done (the timeline says "
+                           "which run started)")
+    return redirect("run_detail", run_id=run.pk)
