@@ -119,10 +119,16 @@ if REDIS_URL:
     CELERY_BROKER_TRANSPORT_OPTIONS: dict = {}
     # redis-py 8 times out socket reads after 5 s by default: exactly the channel layer's blocking
     # receive (BZPOPMIN, 5 s), which then fails every idle websocket. Reads may block for longer.
+    # pubsub: one Redis PUBLISH per update, fanned out inside each web process (fast with many
+    # subscribers); core: a Redis list per subscriber. Either is best effort: the database holds everything.
+    _LAYER = env.str("FORGEBOARD_CHANNEL_LAYER", "pubsub")
+    if _LAYER not in ("pubsub", "core"):
+        raise ImproperlyConfigured(f"FORGEBOARD_CHANNEL_LAYER: expected pubsub or core, got {_LAYER!r}")
     CHANNEL_LAYERS = {
         "default": {
-            "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}]},
+            "BACKEND": f"channels_redis.{_LAYER}.Redis{'PubSub' if _LAYER == 'pubsub' else ''}ChannelLayer",
+            # (a subscribed pubsub connection sits idle between updates: no read timeout there)
+            "CONFIG": {"hosts": [{"address": REDIS_URL} | ({"socket_timeout": 30} if _LAYER == "core" else {})]},
         }
     }
 else:
