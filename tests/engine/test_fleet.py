@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from workers.engine.actors.fleet import Failover, ProcFailure, Replica, ReplicaGroup
+from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.service import Service
 from workers.engine.config import FailoverConfig
 from workers.engine.drills import FaultInjector, FaultTarget
@@ -101,3 +102,15 @@ def test_limits_end_the_run_with_the_reason() -> None:
     failover.backoff(2, what="a reward request")
     with pytest.raises(ProcFailure, match=r"a reward request failed 3 times \(failover.max_retries is 2\)"):
         failover.backoff(3, what="a reward request")
+
+
+def test_replicas_on_a_lost_host_are_not_stopped_and_the_others_are() -> None:
+    from workers.engine.actors.hosts import parse_workers
+
+    group = FakeGroup("generator", 2)
+    group.hosts = Hosts(workers=parse_workers("a=tcp://127.0.0.1:1,b=tcp://127.0.0.1:2"))
+    group.hosts.lost.add("a")
+    on_b = group._fake(1, "b")
+    group.service.replace(1, on_b)
+    group.stop_all()  # stopping a mesh on a lost host would wait for the host
+    assert [r.procs.stopped for r in group.replicas] == [False, True]

@@ -2,8 +2,9 @@
 
 A `ReplicaGroup` owns one role's replicas (generator, reference, reward). Each replica has
 its own proc mesh, so one can die, be stopped and be replaced alone (spawning on a damaged
-mesh hangs; a fresh mesh takes ~0.5 s). A replica is placed on a named host; in this build a
-host is a label on local procs (one machine), which is what drains and moves act on.
+mesh hangs; a fresh mesh takes ~0.5 s). A replica is placed on a named host (`hosts.py`): a
+Monarch worker of the run, or, without workers, a label on this machine's procs. Drains, moves
+and replacements spawn the replica's new proc on the host they pick.
 
 `Failover` turns failures into events and replacements:
   detect   a call failed (Monarch supervision: the proc died; or no answer within
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workers.engine.actors.procs import spawn_procs
+from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.service import Service
 from workers.engine.config import FailoverConfig
 from workers.engine.drills import ActiveFault, FaultInjector, _signal
@@ -56,8 +57,13 @@ class CallFailed(Exception):
         return text[:300]
 
 
-def wait_for(future: Any, *, timeout_s: float, poll_s: float, tick: Callable[[], None]) -> Any:
-    """A future's result, polling every poll_s (running `tick`); CallFailed when it fails or hangs."""
+def wait_for(future: Any, *, timeout_s: float, poll_s: float, tick: Callable[[], None],
+             gone: Callable[[], str | None] = lambda: None) -> Any:
+    """A future's result, polling every poll_s (running `tick`); CallFailed when it fails or hangs.
+
+    `gone`: the reason the callee is known dead (say its host was lost: Monarch then never fails
+    the call), or None; the wait stops with that reason.
+    """
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -66,6 +72,9 @@ def wait_for(future: Any, *, timeout_s: float, poll_s: float, tick: Callable[[],
             if time.monotonic() >= deadline:
                 raise CallFailed(f"no answer within {timeout_s:g} s", hung=True) from None
             tick()
+            reason = gone()
+            if reason is not None:
+                raise CallFailed(reason, hung=False) from None
         except Exception as error:  # noqa: BLE001 - a supervision error, an actor error: the call failed
             raise CallFailed(f"{type(error).__name__}: {str(error)[:20_000]}", hung=False) from None
 
@@ -97,8 +106,10 @@ class Replica:
     procs: Any
     actor: Any
     pids: list[int] = field(default_factory=list)
+    pids_visible: bool = True  # its pids are this machine's: /proc shows when they exit
     version: int = 0
     failed: bool = False
+    lost_with_host: str | None = None  # why it is gone when its whole host was lost
     outstanding: int = 0  # requests sent to it and not yet awaited
 
     def owns(self, mesh_name: str) -> bool:
@@ -108,9 +119,11 @@ class Replica:
 class ReplicaGroup:
     """One role's replicas behind a routed Service."""
 
-    def __init__(self, role: str, *, spawn_actor: Callable[[Any, str], Any], threads: int, routing: str):
+    def __init__(self, role: str, *, spawn_actor: Callable[[Any, str], Any], threads: int, routing: str,
+                 hosts: Hosts | None = None):
         self.role = role
         self.spawn_actor = spawn_actor  # (procs, actor name) -> actor mesh of one actor
+        self.hosts = hosts or Hosts()  # none given: every host name is this machine
         self.threads = threads
         self.routing = routing
         self.service: Service[Replica] | None = None
@@ -126,8 +139,9 @@ class ReplicaGroup:
     def _spawn(self, index: int, host: str) -> Replica:
         self.incarnations += 1
         name = f"{self.role}_{index}_{self.incarnations}"
-        procs = spawn_procs(1, threads=self.threads)
-        return Replica(self.role, index, host, self.incarnations, name, procs, self.spawn_actor(procs, name))
+        procs = self.hosts.spawn_procs(host=host, count=1, threads=self.threads)
+        return Replica(self.role, index, host, self.incarnations, name, procs, self.spawn_actor(procs, name),
+                       pids_visible=self.hosts.pids_visible(host))
 
     def _ready(self, replica: Replica) -> None:
         replica.pids = [replica.actor.pid.call_one().get(timeout=600)]
@@ -162,12 +176,16 @@ class ReplicaGroup:
             if replica.outstanding > 0:
                 keep.append(replica)
             else:
-                stop_quietly(replica.procs)
+                self.stop(replica)
         self.retiring = keep
+
+    def stop(self, replica: Replica) -> None:
+        if replica.host not in self.hosts.lost:  # a lost host's procs are gone, and stopping them would wait
+            stop_quietly(replica.procs)
 
     def stop_all(self) -> None:
         for replica in [*(self.service.replicas if self.service else []), *self.retiring]:
-            stop_quietly(replica.procs)
+            self.stop(replica)
 
 
 def stop_quietly(mesh: Any) -> None:
@@ -252,12 +270,12 @@ class Failover:
                                   f"{self.config.max_replacements} replacements for {group.role} "
                                   f"(failover.max_replacements)")
             started = time.monotonic()
-            stop_quietly(replica.procs)
+            group.stop(replica)
             new = group.spawn(replica.index, host(replica))
             try:
                 new.version = prepare[group.role](new) if group.role in prepare else 0
             except BaseException:  # e.g. the trainer holding the weights died: try again at the next repair
-                stop_quietly(new.procs)
+                group.stop(new)
                 raise
             self._queue.pop(0)
             self.replacements[group.role] = used
