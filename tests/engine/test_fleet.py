@@ -114,3 +114,24 @@ def test_replicas_on_a_lost_host_are_not_stopped_and_the_others_are() -> None:
     group.service.replace(1, on_b)
     group.stop_all()  # stopping a mesh on a lost host would wait for the host
     assert [r.procs.stopped for r in group.replicas] == [False, True]
+
+
+def test_a_replacement_whose_host_dies_while_it_spawns_goes_to_the_next_host_picked() -> None:
+    from workers.engine.actors.hosts import HostsUnreachable
+
+    sink = MemorySink()
+    failover, _ = _failover(sink)
+    group = FakeGroup("generator", 2)
+    spawn = group.spawn
+
+    def spawn_or_fail(index: int, host: str) -> Replica:
+        if host == "a":
+            raise HostsUnreachable("host a stopped accepting connections while a proc was spawned there")
+        return spawn(index, host)
+
+    group.spawn = spawn_or_fail
+    picked = iter(["a", "b"])  # the probe finds host a lost only on the second look
+    failover.detect(group, group.replicas[0], "process 12 exited", hung=False, request_failed=False)
+    failover.repair({}, host=lambda replica: next(picked))
+    assert group.replicas[0].host == "b" and group.service.routable() == [0, 1] and not failover.pending_repairs()
+    assert [r["host"] for r in sink.records if r["name"] == "replica_replaced"] == ["b"]

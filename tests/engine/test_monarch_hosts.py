@@ -1,9 +1,11 @@
 """Monarch GRPO over two hosts that are real Monarch worker processes on this machine.
 
-One run (tiny SFT'd Qwen3, 6 steps) carries every check: generator replica 0 starts on host0
-and replica 1 on host1; after step 1 replica 0 moves to host1; after step 3 host1 is killed
-whole (SIGKILL to the worker's process group), which takes both generator replicas with it.
-The trainer, reward and dataset live on host0 / this machine and carry on.
+One run (tiny SFT'd Qwen3, 6 steps) carries every check: the trainer starts on host1,
+generator replica 0 on host0 and replica 1 on host1; after step 1 replica 0 moves to host1;
+after step 3 host1 is killed whole (SIGKILL to the worker and its procs), which takes the
+trainer and both generator replicas with it. The trainer restores the step-2 checkpoint on
+host0, the replicas are replaced there, and the run finishes. Reward is on host0, dataset and
+replay buffer on this machine.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class HostScript:
         self.seen: dict[str, dict[str, str | None]] = {}  # when -> replica -> the worker its proc descends from
         self.outcomes: list[tuple[int, str, Any]] = []
         self.killed_at: float | None = None
+        self.done: set[int] = set()
 
     def worker_of(self, pid: int) -> str | None:
         chain = ancestors(pid)
@@ -54,9 +57,13 @@ class HostScript:
 
     def poll(self, handler) -> int:  # noqa: ANN001
         step = self.control._step
+        if step in self.done:  # after the trainer's restore, steps 3.. end a second time
+            return 0
+        self.done.add(step)
         if step == 1:
             applied = self.events("placement_applied")[0]
             self.seen["start"] = {index: self.worker_of(pids[0]) for index, pids in applied["pids"].items()}
+            self.seen["trainer"] = {"start": self.worker_of(self.events("meshes_ready")[0]["trainer_pids"][0])}
             self.outcomes.append((step, "move", handler("placement_change", {"action": "move", "replica": 0, "host": "host1"})))
             return 1
         if step == 2:
@@ -69,7 +76,9 @@ class HostScript:
             kill_host(self.workers["host1"])
         if step == 5:
             self.seen["replaced"] = {str(e["replica"]): self.worker_of(e["pids"][0])
-                                     for e in self.events("replica_replaced")}
+                                     for e in self.events("replica_replaced") if e["role"] == "generator"}
+            restored = next(e for e in self.events("replica_replaced") if e["role"] == "trainer")
+            self.seen["trainer"]["restored"] = self.worker_of(restored["pids"][0])
         return 0
 
 
@@ -85,9 +94,10 @@ def two_host_run(sft_warm_start: tuple[Path, float], tmp_path_factory: pytest.Te
     root = tmp_path_factory.mktemp("monarch-hosts")
     config = load_config(f"recipe: grpo\nmodel: {{path: '{folder}'}}\n", overrides=[
         *ARITHMETIC, "data.eval_size=8", "placement.backend=monarch", "placement.local_hosts=2",
+        "placement.trainer.hosts=[host1, host0]", "placement.reward.hosts=[host0]", "trainer.recover_failures=1",
         "trainer.ranks=1", "generator.replicas=2", "generator.routing=round_robin", "trainer.steps=6",
         "trainer.batch_size=4", "trainer.micro_batch_size=8", "grpo.group_size=4", "eval.every_steps=0",
-        f"checkpoint.folder={root / 'checkpoints'}", "checkpoint.every_steps=2", "failover.call_timeout_s=60",
+        f"checkpoint.folder={root / 'checkpoints'}", "checkpoint.every_steps=2", "failover.call_timeout_s=90",
         "failover.max_replacements=2", "telemetry.console=false", "trainer.threads_per_process=1",
     ])
     sink = MemorySink()
@@ -126,30 +136,41 @@ def test_a_killed_host_loses_each_replica_once_and_they_come_back_elsewhere(two_
     result, events, script, _ = two_host_run
     detected = _named(events, "failure_detected")
     assert Counter((e["role"], e["replica"], e["host"]) for e in detected) == Counter(
-        {("generator", 0, "host1"): 1, ("generator", 1, "host1"): 1})
+        {("generator", 0, "host1"): 1, ("generator", 1, "host1"): 1, ("trainer", None, "host1"): 1})
     # noticed by the probe of host1's port (or /proc) within seconds, not after the 60 s call timeout
     after_kill = [(round(e["time"] - script.killed_at, 2), e["name"], e.get("replica"), e.get("reason") or e.get("text"))
                   for e in events if e["time"] > script.killed_at]
     assert all(0.0 < e["time"] - script.killed_at < 10.0 for e in detected), after_kill
     lost = [e for e in _named(events, "message") if "is unreachable" in e["text"]]
     assert len(lost) == 1 and lost[0]["text"].startswith("host host1 (tcp://127.0.0.1:")
-    replaced = _named(events, "replica_replaced")
+    replaced = [e for e in _named(events, "replica_replaced") if e["role"] == "generator"]
     assert sorted((e["role"], e["replica"], e["host"]) for e in replaced) == [
         ("generator", 0, "host0"), ("generator", 1, "host0")]
     assert script.seen["replaced"] == {"0": "host0", "1": "host0"}
     recovered = _named(events, "recovered")
-    assert sorted((e["role"], e["replica"], e["action"]) for e in recovered) == [
-        ("generator", 0, "replaced"), ("generator", 1, "replaced")]
+    assert sorted((e["role"], e["replica"] or 0, e["action"]) for e in recovered) == [
+        ("generator", 0, "replaced"), ("generator", 1, "replaced"), ("trainer", 0, "restored_checkpoint")]
     print("host kill: detected after", [round(e["time"] - script.killed_at, 2) for e in detected], "s; recovered in",
           [e["time_to_recover_s"] for e in recovered], "s; attach:",
           [e["text"] for e in _named(events, "message") if e["text"].startswith("attached")])
-    # replacements come up one after the other (~10 s each on 2 busy cores), before a call would have timed out
-    assert all(0.0 < e["time_to_recover_s"] < 60.0 for e in recovered), after_kill
+    # replacements come up one after the other (~10 s each on 2 busy cores), before a call would have timed out (90 s)
+    assert all(0.0 < e["time_to_recover_s"] < 90.0 for e in recovered), after_kill
     # training went on to the end; every sample trained once
-    assert result.step == 6 and len(result.losses) == 6
+    assert result.step == 6
     ids = [sample for step in sorted(result.trained_samples) for sample in result.trained_samples[step]]
     assert len(ids) == len(set(ids)) == 6 * 4
     assert result.metrics[-1]["faults/replacements"] == 2
+
+
+def test_the_trainer_of_a_killed_host_restores_its_checkpoint_on_the_other_host(two_host_run) -> None:
+    result, events, script, _ = two_host_run
+    assert _named(events, "meshes_ready")[0]["trainer_host"] == "host1"
+    assert script.seen["trainer"] == {"start": "host1", "restored": "host0"}
+    trainer = next(e for e in _named(events, "recovered") if e["role"] == "trainer")
+    assert trainer["path"].endswith("step_000002") and trainer["steps_lost"] == 1
+    # step 3 was trained on host1, lost with it, and trained again on host0
+    assert [m["policy_version"] for m in result.metrics] == [1, 2, 3, 3, 4, 5, 6]
+    assert result.metrics[-1]["faults/steps_lost"] == 1
 
 
 def test_no_worker_process_or_proc_is_left(two_host_run) -> None:

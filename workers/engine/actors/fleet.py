@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workers.engine.actors.hosts import Hosts
+from workers.engine.actors.hosts import Hosts, HostsUnreachable
 from workers.engine.actors.service import Service
 from workers.engine.config import FailoverConfig
 from workers.engine.drills import ActiveFault, FaultInjector, _signal
@@ -270,8 +270,12 @@ class Failover:
                                   f"{self.config.max_replacements} replacements for {group.role} "
                                   f"(failover.max_replacements)")
             started = time.monotonic()
+            target = host(replica)  # first: it finds out whether the old replica's host is lost (then not stopped)
             group.stop(replica)
-            new = group.spawn(replica.index, host(replica))
+            try:
+                new = group.spawn(replica.index, target)
+            except HostsUnreachable:  # the host died meanwhile: `host` finds it lost next time and picks another
+                continue
             try:
                 new.version = prepare[group.role](new) if group.role in prepare else 0
             except BaseException:  # e.g. the trainer holding the weights died: try again at the next repair

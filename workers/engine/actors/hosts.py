@@ -162,7 +162,13 @@ class Hosts:
             raise HostsUnreachable(f"host {host} ({self.workers[host].address}) is lost")
         procs = self.mesh.slice(hosts=self._index[host]).spawn_procs(
             per_host={"procs": count}, bootstrap=partial(apply_proc_env, proc_env(threads=threads)))
-        procs.initialized.get(timeout=SPAWN_TIMEOUT_S)
+        try:
+            procs.initialized.get(timeout=SPAWN_TIMEOUT_S)
+        except Exception:  # Monarch gives up after ~30 s on a dead host: say so when that is why
+            if not reachable(self.workers[host]):
+                raise HostsUnreachable(f"host {host} ({self.workers[host].address}) stopped accepting connections "
+                                       "while a proc was spawned there") from None
+            raise
         return procs
 
     def pids_visible(self, host: str) -> bool:

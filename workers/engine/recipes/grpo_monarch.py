@@ -56,7 +56,7 @@ from workers.engine.actors.dataset import DatasetActor
 from workers.engine.actors.fleet import (CallFailed, Failover, Incident, ProcFailure, Replica, ReplicaGroup, exited,
                                          stop_quietly, wait_for)
 from workers.engine.actors.generator import GeneratorActor
-from workers.engine.actors.hosts import Hosts, Worker, check_placement, workers_from_env
+from workers.engine.actors.hosts import Hosts, HostsUnreachable, Worker, check_placement, workers_from_env
 from workers.engine.actors.procs import spawn_procs
 from workers.engine.actors.reference import ReferenceActor
 from workers.engine.actors.replay_buffer import ReplayBufferActor
@@ -77,6 +77,7 @@ from workers.engine.training import EvalResult, PhaseTimer, mfu
 __all__ = ["FaultDrill", "ProcFailure", "train_grpo_monarch"]
 ARM_TIMEOUT_S = 10.0  # arming a fault waits for the target's current call to end
 ATTACH_TIMEOUT_S = 60.0
+HOST_SETTLE_S = 2.0  # a killed worker's port can accept connections a moment longer than its procs live
 
 
 @dataclass(frozen=True)
@@ -159,12 +160,19 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
 
         def start_trainer() -> tuple[Any, Any, int]:
             nonlocal trainer_host
-            candidates = hosts.alive(role_hosts("trainer"))
-            if not candidates:
-                raise ProcFailure(f"the trainer has no host left: {', '.join(role_hosts('trainer'))} "
-                                  f"(placement.trainer.hosts) are lost")
-            trainer_host = candidates[0]
-            procs = hosts.spawn_procs(host=trainer_host, count=trainer_cfg.ranks, threads=threads)
+            procs = None
+            while procs is None:
+                candidates = hosts.alive(role_hosts("trainer"))
+                if not candidates:
+                    raise ProcFailure(f"the trainer has no host left: {', '.join(role_hosts('trainer'))} "
+                                      f"(placement.trainer.hosts) are lost")
+                trainer_host = candidates[0]
+                try:
+                    procs = hosts.spawn_procs(host=trainer_host, count=trainer_cfg.ranks, threads=threads)
+                except HostsUnreachable:
+                    if not groups:
+                        raise  # while the run starts: it fails, naming the host
+                    check_hosts(now=True)  # it died meanwhile: the probe finds it lost now
             setup_torch_elastic_env(procs)
             actors = procs.spawn("trainer", TrainerActor, cfg)
             info = list(actors.setup.call().get().values())
@@ -210,7 +218,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         held_out = dataset.held_out.call_one().get()
         tokenizer = ChatTokenizer(cfg.model.path)
         recorder.event("meshes_ready", step=0, seconds=round(time.perf_counter() - setup_start, 2),
-                       trainer_ranks=trainer_cfg.ranks, generator_replicas=cfg.generator.replicas)
+                       trainer_ranks=trainer_cfg.ranks, generator_replicas=cfg.generator.replicas, trainer_host=trainer_host,
+                       trainer_pids=list(trainer_pids))
 
         def generator_plan() -> dict[str, str]:
             return {str(r.index): r.host for r in generators.live()}
@@ -273,6 +282,13 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             for name in hosts.check(now=now):
                 host_lost(name)
 
+        def settle(host: str) -> None:
+            """A proc on `host` died: if the whole host did, its port is closed a moment later; look then."""
+            check_hosts(now=True)
+            if host in hosts.workers and host not in hosts.lost:
+                time.sleep(HOST_SETTLE_S)
+                check_hosts(now=True)
+
         def scan_supervision() -> None:
             check_hosts()
             while supervision_reports:
@@ -316,6 +332,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
 
         def pick_host(replica: Replica) -> str:
             """Where a replacement goes: the replica's host if still there and not drained, else the least used one."""
+            if replica.failed:
+                settle(replica.host)
             check_hosts(now=True)  # a proc spawned on a lost host would wait for it
             alive = hosts.alive(role_hosts(replica.role))
             if not alive:
@@ -531,15 +549,16 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             fault = injector.claim("trainer")
             ttd = round(detected - fault.injected_at, 3) if fault else None
             recorder.event("failure_detected", step=step + 1, role="trainer", replica=fault.replica if fault else None,
-                           fault_id=fault.id if fault else None, reason=failure.reason, hung=failure.hung,
-                           time_to_detect_s=ttd)
+                           host=trainer_host, fault_id=fault.id if fault else None, reason=failure.reason,
+                           hung=failure.hung, time_to_detect_s=ttd)
             totals["trainer_recoveries"] += 1
             if totals["trainer_recoveries"] > trainer_cfg.recover_failures:
                 raise ProcFailure(f"trainer failed at step {step + 1} ({trainer_cfg.recover_failures} recoveries allowed, "
                                   f"trainer.recover_failures): {failure.reason}")
             if failure.hung and hosts.pids_visible(trainer_host):
                 _signal(trainer_pids, signal.SIGKILL)  # a stopped rank, and the ranks waiting for it in a collective
-            if trainer_host not in hosts.lost:
+            settle(trainer_host)
+            if trainer_host not in hosts.lost:  # stopping a mesh on a lost host would wait for it
                 stop_quietly(trainer_procs)
             lost_from = step
             trainer_procs, trainer, _ = start_trainer()
@@ -547,7 +566,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             restore(last_checkpoint)
             totals["steps_lost"] += lost_from - step
             recorder.event("replica_replaced", step=step, role="trainer", replica=None, ranks=trainer_cfg.ranks,
-                           path=last_checkpoint, policy_version=policy_version,
+                           host=trainer_host, pids=list(trainer_pids), path=last_checkpoint, policy_version=policy_version,
                            seconds=round(time.monotonic() - detected, 3))
             if fault is not None:
                 injector.finish(fault)
