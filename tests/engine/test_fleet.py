@@ -135,3 +135,17 @@ def test_a_replacement_whose_host_dies_while_it_spawns_goes_to_the_next_host_pic
     failover.repair({}, host=lambda replica: next(picked))
     assert group.replicas[0].host == "b" and group.service.routable() == [0, 1] and not failover.pending_repairs()
     assert [r["host"] for r in sink.records if r["name"] == "replica_replaced"] == ["b"]
+
+
+def test_a_hung_replica_on_another_machine_is_not_signalled_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    import workers.engine.actors.fleet as fleet
+
+    signalled: list[list[int]] = []
+    monkeypatch.setattr(fleet, "_signal", lambda pids, sig: signalled.append(list(pids)))
+    failover, _ = _failover(MemorySink())
+    group = FakeGroup("generator", 2)
+    group.replicas[0].pids, group.replicas[1].pids = [101], [202]
+    group.replicas[1].pids_visible = False  # pid 202 is a process of a remote host
+    failover.detect(group, group.replicas[0], "no answer within 10 s", hung=True)
+    failover.detect(group, group.replicas[1], "no answer within 10 s", hung=True)
+    assert signalled == [[101]]

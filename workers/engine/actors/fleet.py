@@ -251,7 +251,7 @@ class Failover:
         replica.failed = True
         if group.replicas[replica.index] is replica:
             group.service.set_available(replica.index, False)
-            if hung:
+            if hung and replica.pids_visible:  # another machine's pid must not be signalled here
                 _signal(replica.pids, signal.SIGKILL)  # a hung proc may wake up later: make sure it does not
             self._queue.append((group, replica, incident))
         return incident

@@ -77,6 +77,7 @@ from workers.engine.training import EvalResult, PhaseTimer, mfu
 __all__ = ["FaultDrill", "ProcFailure", "train_grpo_monarch"]
 ARM_TIMEOUT_S = 10.0  # arming a fault waits for the target's current call to end
 ATTACH_TIMEOUT_S = 60.0
+SIGNAL_KINDS = ("kill", "hang", "slow_host")  # drills that signal the target's processes
 HOST_SETTLE_S = 2.0  # a killed worker's port can accept connections a moment longer than its procs live
 
 
@@ -398,6 +399,13 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
 
         def drill_target(request: FaultDrillRequest) -> FaultTarget:
             """What a drill acts on; ValueError (the command's reason) for a role or replica this run lacks."""
+            target = signal_target(request)
+            if request.kind in SIGNAL_KINDS and not target.pids:
+                raise ValueError(f"a {request.kind} drill signals processes on this machine; {request.role} "
+                                 f"replica {request.replica} runs on another host")
+            return target
+
+        def signal_target(request: FaultDrillRequest) -> FaultTarget:
             if request.role == "trainer":
                 if request.replica >= trainer_cfg.ranks:
                     raise ValueError(f"trainer has ranks 0..{trainer_cfg.ranks - 1}, not {request.replica}")
@@ -408,7 +416,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                     # a raise on one rank would leave the others blocked in the gradient all-reduce: raise on all
                     (trainer if kind == "raise" else rank).inject_fault.call(kind, **fields).get(timeout=ARM_TIMEOUT_S)
 
-                return FaultTarget("trainer", request.replica, [pids[request.replica]], arm_trainer)
+                visible = hosts.pids_visible(trainer_host)  # a pid of another machine must not be signalled here
+                return FaultTarget("trainer", request.replica, [pids[request.replica]] if visible else [], arm_trainer)
             group = groups.get(request.role)
             if group is None:
                 raise ValueError(f"this run has no {request.role} (reference.enabled is false)")
@@ -416,7 +425,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             if request.replica not in serving:
                 raise ValueError(f"{request.role} replica {request.replica} is not serving; serving replicas: {serving}")
             replica = group.replicas[request.replica]
-            return FaultTarget(request.role, replica.index, replica.pids,
+            return FaultTarget(request.role, replica.index, replica.pids if replica.pids_visible else [],
                                lambda kind, **fields: replica.actor.inject_fault.call_one(kind, **fields).get(timeout=ARM_TIMEOUT_S))
 
         def run_drill(request: FaultDrillRequest) -> dict[str, Any]:
