@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from workers.engine.actors.fleet import Failover, ProcFailure, Replica, ReplicaGroup
+from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.service import Service
 from workers.engine.config import FailoverConfig
 from workers.engine.drills import FaultInjector, FaultTarget
@@ -257,3 +258,50 @@ def test_wait_all_without_a_straggler_factor_waits_for_the_call_timeout() -> Non
     outcomes = wait_all([Answer(0.01, 1), Answer(None)], config=config, tick=lambda: None)
     assert outcomes[0] == 1 and isinstance(outcomes[1], CallFailed) and outcomes[1].hung
     assert time.monotonic() - started >= 0.5
+
+
+def test_replicas_on_a_lost_host_are_not_stopped_and_the_others_are() -> None:
+    from workers.engine.actors.hosts import parse_workers
+
+    group = FakeGroup("generator", 2)
+    group.hosts = Hosts(workers=parse_workers("a=tcp://127.0.0.1:1,b=tcp://127.0.0.1:2"))
+    group.hosts.lost.add("a")
+    on_b = group._fake(1, "b")
+    group.service.replace(1, on_b)
+    group.stop_all()  # stopping a mesh on a lost host would wait for the host
+    assert [r.procs.stopped for r in group.replicas] == [False, True]
+
+
+def test_a_replacement_whose_host_dies_while_it_spawns_goes_to_the_next_host_picked() -> None:
+    from workers.engine.actors.hosts import HostsUnreachable
+
+    sink = MemorySink()
+    failover, _ = _failover(sink)
+    group = FakeGroup("generator", 2)
+    spawn = group.spawn
+
+    def spawn_or_fail(index: int, host: str) -> Replica:
+        if host == "a":
+            raise HostsUnreachable("host a stopped accepting connections while a proc was spawned there")
+        return spawn(index, host)
+
+    group.spawn = spawn_or_fail
+    picked = iter(["a", "b"])  # the probe finds host a lost only on the second look
+    failover.detect(group, group.replicas[0], "process 12 exited", hung=False, request_failed=False)
+    failover.repair({}, host=lambda replica: next(picked))
+    assert group.replicas[0].host == "b" and group.service.routable() == [0, 1] and not failover.pending_repairs()
+    assert [r["host"] for r in sink.records if r["name"] == "replica_replaced"] == ["b"]
+
+
+def test_a_hung_replica_on_another_machine_is_not_signalled_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    import workers.engine.actors.fleet as fleet
+
+    signalled: list[list[int]] = []
+    monkeypatch.setattr(fleet, "_signal", lambda pids, sig: signalled.append(list(pids)))
+    failover, _ = _failover(MemorySink())
+    group = FakeGroup("generator", 2)
+    group.replicas[0].pids, group.replicas[1].pids = [101], [202]
+    group.replicas[1].pids_visible = False  # pid 202 is a process of a remote host
+    failover.detect(group, group.replicas[0], "no answer within 10 s", hung=True)
+    failover.detect(group, group.replicas[1], "no answer within 10 s", hung=True)
+    assert signalled == [[101]]

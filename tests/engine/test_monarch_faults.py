@@ -210,7 +210,7 @@ def test_a_killed_generator_is_replaced_by_a_warm_spare_at_the_current_version(s
     result, events = spare_run
     # the run started with one ready spare per role, before its first step
     started = [(e["role"], e["host"], e["count"]) for e in _named(events, "spares_started") if e["step"] == 0]
-    assert sorted(started) == [("generator", "a", 1), ("reward", "a", 1)]
+    assert sorted(started) == [("generator", "a", 1), ("reward", "local", 1)], "each role's spare on its own host"
     ready_at_start = [e for e in _named(events, "spare_ready") if e["step"] == 0]
     assert sorted(e["role"] for e in ready_at_start) == ["generator", "reward"]
     spare_pid = next(e["pids"] for e in ready_at_start if e["role"] == "generator")

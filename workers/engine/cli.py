@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from workers.engine.config import ConfigError, RunConfig, config_json_schema, load_config_file
 from workers.engine.preflight import preflight
@@ -81,9 +83,10 @@ def _train(args: argparse.Namespace) -> int:
 
             result = train_sft(config, recorder, control=control)
         elif config.placement.backend == "monarch":
-            from workers.engine.recipes.grpo_monarch import train_grpo_monarch
+            with _local_hosts(config.placement.local_hosts):
+                from workers.engine.recipes.grpo_monarch import train_grpo_monarch
 
-            result = train_grpo_monarch(config, recorder, control=control)
+                result = train_grpo_monarch(config, recorder, control=control)
         else:
             from workers.engine.recipes.grpo import train_grpo
 
@@ -102,6 +105,23 @@ def _train(args: argparse.Namespace) -> int:
     }
     print(json.dumps(summary))
     return 0
+
+
+@contextmanager
+def _local_hosts(count: int) -> Iterator[None]:
+    """`placement.local_hosts` worker processes for the run, named in FORGEBOARD_MONARCH_WORKERS as a
+    cluster backend would; none when that is set already (a launcher provided the workers)."""
+    if not count or "FORGEBOARD_MONARCH_WORKERS" in os.environ:
+        yield
+        return
+    from workers.launch.monarch_hosts import environment_value, local_workers
+
+    with local_workers(count=count) as workers:
+        os.environ["FORGEBOARD_MONARCH_WORKERS"] = environment_value(workers)
+        try:
+            yield
+        finally:
+            del os.environ["FORGEBOARD_MONARCH_WORKERS"]
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:

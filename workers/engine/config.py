@@ -131,8 +131,19 @@ class RolePlacement(_Section):
     colocate_with: Literal["trainer", "generator", "reference"] | None = None
 
 
+MAX_LOCAL_HOSTS = 8
+
+
+def local_host_names(count: int) -> list[str]:
+    """The names of `placement.local_hosts` simulated hosts."""
+    return [f"host{i}" for i in range(count)]
+
+
 class PlacementConfig(_Section):
     backend: Literal["local", "monarch", "slurm", "kubernetes"] = "local"
+    local_hosts: Annotated[int, Field(ge=0, le=MAX_LOCAL_HOSTS)] = Field(
+        default=0, description="Monarch GRPO: simulate this many hosts (host0, host1, ...) as Monarch worker "
+                                "processes on this machine; 0: no worker processes, host names label local procs")
     trainer: RolePlacement = RolePlacement()
     generator: RolePlacement = RolePlacement()
     reference: RolePlacement = RolePlacement()
@@ -223,9 +234,23 @@ def _cross_field_errors(config: RunConfig) -> list[FieldError]:
         errors.append(FieldError("grpo.kl_coef", "a KL penalty needs a reference model: set reference.enabled: true"))
     if config.drills and (config.recipe != Recipe.GRPO or config.placement.backend != "monarch"):
         errors.append(FieldError("drills", "fault drills need the Monarch GRPO recipe: recipe: grpo, placement.backend: monarch"))
+    if config.placement.local_hosts:
+        if config.recipe != Recipe.GRPO or config.placement.backend != "monarch":
+            errors.append(FieldError("placement.local_hosts", "simulated hosts need the Monarch GRPO recipe: "
+                                                              "recipe: grpo, placement.backend: monarch"))
+        errors.extend(unknown_host_errors(config.placement, known=local_host_names(config.placement.local_hosts)))
     for i, drill in enumerate(config.drills):
         errors.extend(FieldError(f"drills.{i}.{field}", message) for field, message in drill_target_problems(config, drill))
     return errors
+
+
+PLACED_ROLES = ("trainer", "generator", "reference", "reward", "replay_buffer")
+
+
+def unknown_host_errors(placement: PlacementConfig, *, known: Sequence[str]) -> list[FieldError]:
+    """One error per host named in `placement.<role>.hosts` that is not among the run's hosts."""
+    return [FieldError(f"placement.{role}.hosts", f"unknown host {name!r}; hosts: {', '.join(known)}")
+            for role in PLACED_ROLES for name in getattr(placement, role).hosts if name not in known]
 
 
 def drill_target_problems(config: RunConfig, drill: FaultDrillRequest) -> list[tuple[str, str]]:

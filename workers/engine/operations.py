@@ -26,7 +26,9 @@ load_redirect (LoadRedirectRequest)
     action   "drain" (stop routing to the host's replicas, start replacements elsewhere) | "undrain"
     host     host name
 
-A host is a named group of processes (`placement.generator.hosts`; "local" when none are named).
+A host is one of `placement.generator.hosts`: with Monarch workers (FORGEBOARD_MONARCH_WORKERS,
+`placement.local_hosts`) a worker's name, else a label on this machine's procs; when none are
+named, every worker, or "local".
 """
 
 from __future__ import annotations

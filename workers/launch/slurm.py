@@ -7,7 +7,8 @@ SlurmJob's directives (nodes, one task per node, --gpus-per-node, --cpus-per-tas
 --partition, --time, --account, --qos) and its worker bootstrap (`run_worker_loop_forever` on
 `tcp://<hostname>:<port>`), and runs the engine controller inside the allocation, on the first node.
 
-The controller finds its workers in FORGEBOARD_MONARCH_WORKERS (comma-separated `tcp://host:port`).
+The controller finds its workers in FORGEBOARD_MONARCH_WORKERS (comma-separated `tcp://host:port`;
+read by `workers/engine/actors/hosts.py`, which names each worker after its host).
 """
 
 from __future__ import annotations

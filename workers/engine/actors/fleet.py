@@ -2,8 +2,9 @@
 
 A `ReplicaGroup` owns one role's replicas (generator, reference, reward). Each replica has
 its own proc mesh, so one can die, be stopped and be replaced alone (spawning on a damaged
-mesh hangs; a fresh mesh takes ~0.5 s). A replica is placed on a named host; in this build a
-host is a label on local procs (one machine), which is what drains and moves act on.
+mesh hangs; a fresh mesh takes ~0.5 s). A replica is placed on a named host (`hosts.py`): a
+Monarch worker of the run, or, without workers, a label on this machine's procs. Drains, moves
+and replacements spawn the replica's new proc on the host they pick.
 
 `Failover` turns failures into events and replacements:
   detect   a call failed (Monarch supervision: the proc died; or no answer within
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workers.engine.actors.procs import spawn_procs
+from workers.engine.actors.hosts import Hosts, HostsUnreachable
 from workers.engine.actors.service import Service
 from workers.engine.config import FailoverConfig
 from workers.engine.drills import ActiveFault, FaultInjector, _signal
@@ -57,8 +58,13 @@ class CallFailed(Exception):
         return text[:300]
 
 
-def wait_for(future: Any, *, timeout_s: float, poll_s: float, tick: Callable[[], None]) -> Any:
-    """A future's result, polling every poll_s (running `tick`); CallFailed when it fails or hangs."""
+def wait_for(future: Any, *, timeout_s: float, poll_s: float, tick: Callable[[], None],
+             gone: Callable[[], str | None] = lambda: None) -> Any:
+    """A future's result, polling every poll_s (running `tick`); CallFailed when it fails or hangs.
+
+    `gone`: the reason the callee is known dead (say its host was lost: Monarch then never fails
+    the call), or None; the wait stops with that reason.
+    """
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -67,6 +73,9 @@ def wait_for(future: Any, *, timeout_s: float, poll_s: float, tick: Callable[[],
             if time.monotonic() >= deadline:
                 raise CallFailed(f"no answer within {timeout_s:g} s", hung=True) from None
             tick()
+            reason = gone()
+            if reason is not None:
+                raise CallFailed(reason, hung=False) from None
         except Exception as error:  # noqa: BLE001 - a supervision error, an actor error: the call failed
             raise CallFailed(f"{type(error).__name__}: {str(error)[:20_000]}", hung=False) from None
 
@@ -83,11 +92,13 @@ def request_deadline(*, typical_s: float | None, config: FailoverConfig) -> floa
     return min(config.call_timeout_s, max(config.straggler_min_s, config.straggler_factor * typical_s))
 
 
-def wait_all(futures: list[Any], *, config: FailoverConfig, tick: Callable[[], None]) -> list[Any]:
+def wait_all(futures: list[Any], *, config: FailoverConfig, tick: Callable[[], None],
+             gone: list[Callable[[], str | None]] | None = None) -> list[Any]:
     """Each future's result, or the CallFailed it ended with, awaited together.
 
     With `failover.straggler_factor`, one that answers far later than the others (factor x the
-    median time of those that answered) counts as hung; else each has `call_timeout_s`.
+    median time of those that answered) counts as hung; else each has `call_timeout_s`. `gone[i]`:
+    the reason future i's callee is known dead (as in `wait_for`), or None.
     """
     started = last_tick = time.monotonic()
     results: dict[int, Any] = {}
@@ -111,6 +122,9 @@ def wait_all(futures: list[Any], *, config: FailoverConfig, tick: Callable[[], N
         elif now - last_tick >= config.poll_seconds:
             tick()
             last_tick = now
+            for i, reason in enumerate(g() for g in gone or []):
+                if reason is not None:
+                    results.setdefault(i, CallFailed(reason, hung=False))
     return [results[i] for i in range(len(futures))]
 
 
@@ -141,8 +155,10 @@ class Replica:
     procs: Any
     actor: Any
     pids: list[int] = field(default_factory=list)
+    pids_visible: bool = True  # its pids are this machine's: /proc shows when they exit
     version: int = 0
     failed: bool = False
+    lost_with_host: str | None = None  # why it is gone when its whole host was lost
     outstanding: int = 0  # requests sent to it and not yet awaited
 
     def owns(self, mesh_name: str) -> bool:
@@ -159,9 +175,10 @@ class ReplicaGroup:
     """
 
     def __init__(self, role: str, *, spawn_actor: Callable[[Any, str], Any], threads: int, routing: str,
-                 spares: int = 0):
+                 hosts: Hosts | None = None, spares: int = 0):
         self.role = role
         self.spawn_actor = spawn_actor  # (procs, actor name) -> actor mesh of one actor
+        self.hosts = hosts or Hosts()  # none given: every host name is this machine
         self.threads = threads
         self.routing = routing
         self.spares = spares
@@ -178,9 +195,10 @@ class ReplicaGroup:
         self.service = Service(replicas, routing=self.routing)
 
     def _start(self, index: int, host: str, name: str) -> Replica:
-        """A new proc mesh with the role's actor; its model may still be loading."""
-        procs = spawn_procs(1, threads=self.threads)
-        return Replica(self.role, index, host, self.incarnations, name, procs, self.spawn_actor(procs, name))
+        """A new proc mesh with the role's actor on `host`; its model may still be loading."""
+        procs = self.hosts.spawn_procs(host=host, count=1, threads=self.threads)
+        return Replica(self.role, index, host, self.incarnations, name, procs, self.spawn_actor(procs, name),
+                       pids_visible=self.hosts.pids_visible(host))
 
     def _spawn(self, index: int, host: str) -> Replica:
         self.incarnations += 1
@@ -233,13 +251,15 @@ class ReplicaGroup:
                 loading.append((spare, pid))
             except Exception:  # noqa: BLE001 - a spare that failed to start is dropped; `warm` starts another
                 logger.warning("a %s spare failed to start", self.role, exc_info=True)
-                stop_quietly(spare.procs)
+                self.stop(spare)
         self.warming = loading
         self.ready_spares.extend(ready)
         return ready
 
     def take_spare(self, index: int, host: str) -> Replica | None:
         """A ready spare to serve as replica `index` (one on `host` if there is one), or None."""
+        for lost in [s for s in self.spare_replicas() if s.host in self.hosts.lost]:
+            self.drop_spare(lost)
         if not self.ready_spares:
             return None
         spare = next((s for s in self.ready_spares if s.host == host), self.ready_spares[0])
@@ -258,7 +278,7 @@ class ReplicaGroup:
         """A spare that died: forget it (the next `warm` starts another)."""
         self.ready_spares = [s for s in self.ready_spares if s is not spare]
         self.warming = [(s, pid) for s, pid in self.warming if s is not spare]
-        stop_quietly(spare.procs)
+        self.stop(spare)
 
     def retire(self, replica: Replica) -> None:
         self.retiring.append(replica)
@@ -271,12 +291,16 @@ class ReplicaGroup:
             if replica.outstanding > 0:
                 keep.append(replica)
             else:
-                stop_quietly(replica.procs)
+                self.stop(replica)
         self.retiring = keep
+
+    def stop(self, replica: Replica) -> None:
+        if replica.host not in self.hosts.lost:  # a lost host's procs are gone, and stopping them would wait
+            stop_quietly(replica.procs)
 
     def stop_all(self) -> None:
         for replica in [*(self.service.replicas if self.service else []), *self.retiring, *self.spare_replicas()]:
-            stop_quietly(replica.procs)
+            self.stop(replica)
 
 
 def stop_quietly(mesh: Any) -> None:
@@ -342,7 +366,7 @@ class Failover:
         replica.failed = True
         if group.replicas[replica.index] is replica:
             group.service.set_available(replica.index, False)
-            if hung:
+            if hung and replica.pids_visible:  # another machine's pid must not be signalled here
                 _signal(replica.pids, signal.SIGKILL)  # a hung proc may wake up later: make sure it does not
             self._queue.append((group, replica, incident))
         return incident
@@ -361,9 +385,13 @@ class Failover:
                                   f"{self.config.max_replacements} replacements for {group.role} "
                                   f"(failover.max_replacements)")
             started = time.monotonic()
-            stop_quietly(replica.procs)
-            spare = group.take_spare(replica.index, host(replica))
-            new = spare or group.spawn(replica.index, host(replica))
+            target = host(replica)  # first: it finds out whether the old replica's host is lost (then not stopped)
+            group.stop(replica)
+            spare = group.take_spare(replica.index, target)
+            try:
+                new = spare or group.spawn(replica.index, target)
+            except HostsUnreachable:  # the host died meanwhile: `host` finds it lost next time and picks another
+                continue
             try:
                 new.version = prepare[group.role](new) if group.role in prepare else 0
             except BaseException:  # e.g. the trainer holding the weights died: try again at the next repair
@@ -371,7 +399,7 @@ class Failover:
                     spare.index = -1
                     group.ready_spares.append(spare)
                 else:
-                    stop_quietly(new.procs)
+                    group.stop(new)
                 raise
             self._queue.pop(0)
             self.replacements[group.role] = used

@@ -1,7 +1,9 @@
 """Spawning process meshes with the environment the engine's procs need.
 
-Monarch procs inherit the client's environment at spawn time (later changes do not reach
-them), so everything is set here, before `spawn_procs`.
+Monarch procs on this machine inherit the client's environment at spawn time (later changes do
+not reach them), so everything is set here, before `spawn_procs`. Procs on a worker host inherit
+the worker's environment instead: `apply_proc_env` (their bootstrap) sets the same variables there.
+The worker must already have the repository on its PYTHONPATH (the bootstrap is imported from it).
 """
 
 from __future__ import annotations
@@ -26,7 +28,20 @@ def prepare_proc_env(*, threads: int) -> None:
     os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 
 
+def proc_env(*, threads: int) -> dict[str, str]:
+    """What a proc on another host needs from this one: thread counts, offline Hub, vLLM's settings."""
+    prepare_proc_env(threads=threads)
+    keys = ("OMP_NUM_THREADS", "ENGINE_TORCH_THREADS", "HF_HUB_OFFLINE")
+    return {k: v for k, v in os.environ.items() if k in keys or k.startswith("VLLM_")}
+
+
+def apply_proc_env(env: dict[str, str]) -> None:
+    """A worker-host proc's bootstrap: runs in the proc before any actor."""
+    os.environ.update(env)
+
+
 def spawn_procs(count: int, *, threads: int) -> Any:
+    """`count` procs on this machine."""
     from monarch.actor import this_host
 
     prepare_proc_env(threads=threads)

@@ -1,11 +1,17 @@
 """GRPO on Monarch process meshes: the controller loop.
 
 The same algorithm as `recipes/grpo.py`, with each role in its own processes:
-  trainer    `trainer.ranks` procs, data parallel (gloo on CPU, NCCL on GPUs)
+  trainer    `trainer.ranks` procs on one host, data parallel (gloo on CPU, NCCL on GPUs)
   generator  `generator.replicas` procs, one mesh each, behind a routed Service (torch or vLLM),
-             placed on `placement.generator.hosts` (labels of local procs in this build)
+             spread over `placement.generator.hosts`
   reward     one proc; reference (when enabled) one proc
-  dataset, replay buffer   actors sharing one small "control" proc
+  dataset, replay buffer   actors sharing one small "control" proc, on this machine unless
+             `placement.replay_buffer.hosts` names a host
+
+Hosts (`actors/hosts.py`) are the Monarch workers in FORGEBOARD_MONARCH_WORKERS (or `workers=`),
+attached once; a role's hosts are `placement.<role>.hosts`, or every host when none are named,
+and a role placed on one host takes the first one still there. Without workers every host name
+is a label on this machine's procs.
 
 Each step, top to bottom:
   1. generate  launch generations until max_policy_age + 1 batches are buffered or in
@@ -26,6 +32,9 @@ detected, its request is retried on a healthy replica, and it is replaced by a f
 holding the current policy weights. A trainer proc that dies or hangs takes the trainer mesh
 with it: the mesh is respawned and every stateful actor goes back to the last checkpoint, up
 to `trainer.recover_failures` times. Each failure emits failure_detected, then recovered.
+A host that stops accepting connections is lost with every proc on it: each replica there is
+detected and replaced on the remaining hosts, a trainer there restores from the last checkpoint
+on another of its hosts, and a lost control host fails the run (its state has no copy).
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from workers.engine.actors.dataset import DatasetActor
 from workers.engine.actors.fleet import (CallFailed, Failover, Incident, ProcFailure, Replica, ReplicaGroup, exited,
                                          request_deadline, stop_quietly, wait_all, wait_for)
 from workers.engine.actors.generator import GeneratorActor
+from workers.engine.actors.hosts import Hosts, HostsUnreachable, Worker, check_placement, workers_from_env
 from workers.engine.actors.procs import spawn_procs
 from workers.engine.actors.reference import ReferenceActor
 from workers.engine.actors.replay_buffer import ReplayBufferActor
@@ -66,6 +76,9 @@ from workers.engine.training import EvalResult, PhaseTimer, mfu
 
 __all__ = ["FaultDrill", "ProcFailure", "train_grpo_monarch"]
 ARM_TIMEOUT_S = 10.0  # arming a fault waits for the target's current call to end
+ATTACH_TIMEOUT_S = 60.0
+SIGNAL_KINDS = ("kill", "hang", "slow_host")  # drills that signal the target's processes
+HOST_SETTLE_S = 2.0  # a killed worker's port can accept connections a moment longer than its procs live
 
 
 @dataclass(frozen=True)
@@ -112,7 +125,11 @@ class PendingGeneration:
 
 
 def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunControl | None = None,
-                       drills: Sequence[FaultDrill | FaultDrillRequest] = ()) -> GrpoResult:
+                       drills: Sequence[FaultDrill | FaultDrillRequest] = (),
+                       workers: Sequence[Worker] | None = None) -> GrpoResult:
+    """`workers`: the Monarch workers to place procs on; None: those in FORGEBOARD_MONARCH_WORKERS."""
+    workers = workers_from_env() if workers is None else list(workers)
+    check_placement(config.placement, workers=workers)
     cfg, trainer_cfg, grpo, failover_cfg = config, config.trainer, config.grpo, config.failover
     threads = trainer_cfg.threads_per_process
     # A proc that dies must not kill this controller (monarch's default exits the client):
@@ -121,20 +138,42 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
     monarch.actor.unhandled_fault_hook = supervision_reports.append
 
     device = trainer_cfg.device if trainer_cfg.device != "auto" else "cpu"
-    hosts = list(cfg.placement.generator.hosts) or ["local"]
+    hosts = Hosts()
     injector = FaultInjector(recorder, measure=lambda role, replica: measure_replica(groups, role, replica))
     plan = DrillPlan([*cfg.drills, *(d.request() if isinstance(d, FaultDrill) else d for d in drills)])
     groups: dict[str, ReplicaGroup] = {}
     meshes: list[Any] = []
     trainer_procs: Any = None
+    trainer_host = ""
     try:
-        # --- setup: process meshes and actors ------------------------------------------
+        # --- setup: hosts, process meshes and actors -----------------------------------
         setup_start = time.perf_counter()
+        hosts = Hosts.attach(workers=workers, timeout_s=ATTACH_TIMEOUT_S)
+        if hosts.workers:
+            recorder.event("message", step=0, text=f"attached to {len(workers)} Monarch workers "
+                           f"({', '.join(hosts.describe(n) for n in hosts.names)}) in {hosts.attach_seconds} s")
 
+        def role_hosts(role: str) -> list[str]:
+            return list(getattr(cfg.placement, role).hosts) or hosts.names
+
+        generator_hosts = role_hosts("generator")
         trainer_pids: list[int] = []
 
         def start_trainer() -> tuple[Any, Any, int]:
-            procs = spawn_procs(trainer_cfg.ranks, threads=threads)
+            nonlocal trainer_host
+            procs = None
+            while procs is None:
+                candidates = hosts.alive(role_hosts("trainer"))
+                if not candidates:
+                    raise ProcFailure(f"the trainer has no host left: {', '.join(role_hosts('trainer'))} "
+                                      f"(placement.trainer.hosts) are lost")
+                trainer_host = candidates[0]
+                try:
+                    procs = hosts.spawn_procs(host=trainer_host, count=trainer_cfg.ranks, threads=threads)
+                except HostsUnreachable:
+                    if not groups:
+                        raise  # while the run starts: it fails, naming the host
+                    check_hosts(now=True)  # it died meanwhile: the probe finds it lost now
             setup_torch_elastic_env(procs)
             actors = procs.spawn("trainer", TrainerActor, cfg)
             info = list(actors.setup.call().get().values())
@@ -157,18 +196,22 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 return procs.spawn(name, GeneratorActor, cfg.model.path, cfg.model.dtype, device)
 
         spares = failover_cfg.warm_spares
-        generators = groups["generator"] = ReplicaGroup("generator", spawn_actor=spawn_generator, threads=threads,
-                                                        routing=cfg.generator.routing, spares=spares)
-        generators.start([hosts[i % len(hosts)] for i in range(cfg.generator.replicas)])
-        groups["reward"] = ReplicaGroup("reward", threads=threads, routing="round_robin", spares=spares, spawn_actor=lambda procs, name: procs.spawn(
-            name, RewardActor, cfg.model.path, list(cfg.reward.functions), cfg.reward.weights))
-        groups["reward"].start(["local"])
+        generators = groups["generator"] = ReplicaGroup("generator", spawn_actor=spawn_generator, hosts=hosts,
+                                                        threads=threads, routing=cfg.generator.routing, spares=spares)
+        generators.start([generator_hosts[i % len(generator_hosts)] for i in range(cfg.generator.replicas)])
+        groups["reward"] = ReplicaGroup("reward", hosts=hosts, threads=threads, routing="round_robin", spares=spares,
+                                        spawn_actor=lambda procs, name: procs.spawn(
+                                            name, RewardActor, cfg.model.path, list(cfg.reward.functions), cfg.reward.weights))
+        groups["reward"].start(role_hosts("reward")[:1])
         if cfg.reference.enabled:
-            groups["reference"] = ReplicaGroup("reference", threads=threads, routing="round_robin", spares=spares, spawn_actor=lambda procs, name: procs.spawn(
-                name, ReferenceActor, cfg.model.path, cfg.model.dtype, device))
-            groups["reference"].start(["local"])
+            groups["reference"] = ReplicaGroup("reference", hosts=hosts, threads=threads, routing="round_robin",
+                                               spares=spares, spawn_actor=lambda procs, name: procs.spawn(
+                                                   name, ReferenceActor, cfg.model.path, cfg.model.dtype, device))
+            groups["reference"].start(role_hosts("reference")[:1])
 
-        control_procs = spawn_procs(1, threads=threads)
+        control_host = (cfg.placement.replay_buffer.hosts or [None])[0]
+        control_procs = (hosts.spawn_procs(host=control_host, count=1, threads=threads) if control_host
+                         else spawn_procs(1, threads=threads))
         meshes.append(control_procs)
         max_age = grpo.max_policy_age if grpo.mode == "async" else 0
         dataset = control_procs.spawn("dataset", DatasetActor, cfg.data, trainer_cfg.seed)
@@ -176,9 +219,15 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                                      max(cfg.replay_buffer.capacity, trainer_cfg.batch_size * grpo.group_size), max_age)
         held_out = dataset.held_out.call_one().get()
         tokenizer = ChatTokenizer(cfg.model.path)
-        def warm_spares(host: str) -> None:
+        def spare_host(role: str) -> str | None:
+            """Where a role's spares start: its first host that is up and not drained."""
+            alive = hosts.alive(role_hosts(role))
+            return next((h for h in alive if h not in drained), alive[0] if alive else None)
+
+        def warm_spares() -> None:
             for group in groups.values():
-                if started := group.warm(host):
+                host = spare_host(group.role)
+                if host is not None and (started := group.warm(host)):
                     recorder.event("spares_started", step=step, role=group.role, host=host, count=started)
 
         def poll_spares(wait_s: float = 0.001) -> None:
@@ -187,16 +236,19 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                     recorder.event("spare_ready", step=step, role=group.role, host=spare.host, pids=spare.pids)
 
         step = 0
-        warm_spares(hosts[0])
+        drained: set[str] = set()
+        warm_spares()
         while any(group.warming for group in groups.values()):  # the run starts with its spares ready
             poll_spares(wait_s=1.0)
         recorder.event("meshes_ready", step=0, seconds=round(time.perf_counter() - setup_start, 2),
-                       trainer_ranks=trainer_cfg.ranks, generator_replicas=cfg.generator.replicas, warm_spares=spares)
+                       trainer_ranks=trainer_cfg.ranks, generator_replicas=cfg.generator.replicas, trainer_host=trainer_host,
+                       trainer_pids=list(trainer_pids), warm_spares=spares)
 
         def generator_plan() -> dict[str, str]:
             return {str(r.index): r.host for r in generators.live()}
 
-        recorder.event("placement_applied", step=0, role="generator", hosts=hosts, plan=generator_plan())
+        recorder.event("placement_applied", step=0, role="generator", hosts=generator_hosts, plan=generator_plan(),
+                       pids={str(r.index): r.pids for r in generators.live()})
 
         sampling = SamplingParams(max_new_tokens=cfg.generator.max_new_tokens, temperature=cfg.generator.temperature,
                                   top_p=cfg.generator.top_p)
@@ -210,15 +262,18 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         failover = Failover(recorder=recorder, injector=injector, config=failover_cfg, step=lambda: step,
                             policy_version=lambda: policy_version)
         totals = {"steps_lost": 0, "samples_dropped": 0, "migrations": 0, "trainer_recoveries": 0}
-        drained: set[str] = set()
 
         # --- waiting, failures and drills ------------------------------------------------
-        def wait(future: Any) -> Any:
-            return wait_for(future, timeout_s=failover_cfg.call_timeout_s, poll_s=failover_cfg.poll_seconds, tick=tick)
+        def wait(future: Any, *, gone: Callable[[], str | None] = lambda: None) -> Any:
+            return wait_for(future, timeout_s=failover_cfg.call_timeout_s, poll_s=failover_cfg.poll_seconds, tick=tick,
+                            gone=gone)
+
+        def trainer_gone() -> str | None:
+            return f"host {hosts.describe(trainer_host)} of the trainer was lost" if trainer_host in hosts.lost else None
 
         def trainer_result(future: Any) -> Any:
             try:
-                return wait(future)
+                return wait(future, gone=trainer_gone)
             except CallFailed as failure:
                 raise TrainerLost(failure) from None
 
@@ -231,7 +286,34 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
 
         unexplained: list[str] = []
 
+        def host_lost(name: str) -> None:
+            """Every proc on the host is gone: detect its replicas (their replacements go elsewhere)."""
+            reason = f"host {hosts.describe(name)} is unreachable"
+            recorder.event("message", step=step, text=f"{reason}: its procs are lost")
+            if name == control_host:
+                raise ProcFailure(f"{reason}; the dataset and replay buffer ran there (placement.replay_buffer.hosts)")
+            for group in groups.values():
+                live = group.live()
+                for replica in [*group.replicas, *group.retiring]:
+                    if replica.host != name:
+                        continue
+                    replica.lost_with_host = reason
+                    if replica in live and not replica.failed:
+                        failover.detect(group, replica, reason, hung=False, request_failed=replica.outstanding > 0)
+
+        def check_hosts(*, now: bool = False) -> None:
+            for name in hosts.check(now=now):
+                host_lost(name)
+
+        def settle(host: str) -> None:
+            """A proc on `host` died: if the whole host did, its port is closed a moment later; look then."""
+            check_hosts(now=True)
+            if host in hosts.workers and host not in hosts.lost:
+                time.sleep(HOST_SETTLE_S)
+                check_hosts(now=True)
+
         def scan_supervision() -> None:
+            check_hosts()
             while supervision_reports:
                 report = supervision_reports.pop(0)
                 name = str(getattr(report, "mesh_name", ""))
@@ -254,14 +336,16 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                     if any(exited(pid) for pid in spare.pids):
                         group.drop_spare(spare)
                 for replica in group.live():
-                    gone = [pid for pid in replica.pids if exited(pid)]
+                    gone = [pid for pid in replica.pids if replica.pids_visible and exited(pid)]
                     if gone and not replica.failed:
                         failover.detect(group, replica, f"process {gone[0]} exited", hung=False,
                                         request_failed=replica.outstanding > 0)
 
         def check_trainer() -> None:
             """A trainer proc that exited between train steps: restore now, not after the next call times out."""
-            gone = [pid for pid in trainer_pids if exited(pid)]
+            if trainer_gone():
+                raise TrainerLost(CallFailed(trainer_gone(), hung=False))
+            gone = [pid for pid in trainer_pids if hosts.pids_visible(trainer_host) and exited(pid)]
             if gone:
                 raise TrainerLost(CallFailed(f"trainer process {gone[0]} exited", hung=False))
 
@@ -277,12 +361,19 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             unexplained.clear()
 
         def pick_host(replica: Replica) -> str:
-            if replica.host not in drained:
+            """Where a replacement goes: the replica's host if still there and not drained, else the least used one."""
+            if replica.failed:
+                settle(replica.host)
+            check_hosts(now=True)  # a proc spawned on a lost host would wait for it
+            alive = hosts.alive(role_hosts(replica.role))
+            if not alive:
+                raise ProcFailure(f"{replica.role} replica {replica.index} has no host left: "
+                                  f"{', '.join(role_hosts(replica.role))} (placement.{replica.role}.hosts) are lost")
+            candidates = [h for h in alive if h not in drained] or alive
+            if replica.host in candidates:
                 return replica.host
-            return next((h for h in hosts if h not in drained), replica.host)
-
-        def spare_host() -> str:
-            return next((h for h in hosts if h not in drained), hosts[0])
+            live = groups[replica.role].live()
+            return min(candidates, key=lambda h: sum(r.host == h for r in live))
 
         def prepare_generator(replica: Replica) -> int:
             """Give a new generator replica the trainer's current weights; the version it reports."""
@@ -295,7 +386,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 return
             poll_spares()
             failover.repair({"generator": prepare_generator}, host=pick_host)
-            warm_spares(spare_host())  # spares used up start again; their models load while training goes on
+            warm_spares()  # spares used up start again; their models load while training goes on
 
         def send(group: ReplicaGroup, call: Callable[[Any], Any], *, key: str | None = None, attempts: int = 0,
                  incident: Incident | None = None) -> Request:
@@ -318,10 +409,12 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 deadline = request_deadline(typical_s=request.group.service.typical_seconds(), config=failover_cfg)
                 try:
                     result = wait_for(request.future, timeout_s=max(0.01, deadline - (time.monotonic() - request.sent_at)),
-                                      poll_s=failover_cfg.poll_seconds, tick=tick)
+                                      poll_s=failover_cfg.poll_seconds, tick=tick,
+                                      gone=lambda replica=request.replica: replica.lost_with_host)
                 except CallFailed as failure:
                     finish(request, None)
-                    alive = not failure.hung and answers(request.replica)
+                    check_hosts(now=True)  # asking a replica on a lost host whether it answers would wait
+                    alive = not failure.hung and request.replica.lost_with_host is None and answers(request.replica)
                     incident = failover.detect(request.group, request.replica, failure.reason, hung=failure.hung, alive=alive)
                     attempts = request.attempts + 1
                     failover.backoff(attempts, what=f"a {request.group.role} request")
@@ -342,6 +435,13 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
 
         def drill_target(request: FaultDrillRequest) -> FaultTarget:
             """What a drill acts on; ValueError (the command's reason) for a role or replica this run lacks."""
+            target = signal_target(request)
+            if request.kind in SIGNAL_KINDS and not target.pids:
+                raise ValueError(f"a {request.kind} drill signals processes on this machine; {request.role} "
+                                 f"replica {request.replica} runs on another host")
+            return target
+
+        def signal_target(request: FaultDrillRequest) -> FaultTarget:
             if request.role == "trainer":
                 if request.replica >= trainer_cfg.ranks:
                     raise ValueError(f"trainer has ranks 0..{trainer_cfg.ranks - 1}, not {request.replica}")
@@ -352,7 +452,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                     # a raise on one rank would leave the others blocked in the gradient all-reduce: raise on all
                     (trainer if kind == "raise" else rank).inject_fault.call(kind, **fields).get(timeout=ARM_TIMEOUT_S)
 
-                return FaultTarget("trainer", request.replica, [pids[request.replica]], arm_trainer)
+                visible = hosts.pids_visible(trainer_host)  # a pid of another machine must not be signalled here
+                return FaultTarget("trainer", request.replica, [pids[request.replica]] if visible else [], arm_trainer)
             group = groups.get(request.role)
             if group is None:
                 raise ValueError(f"this run has no {request.role} (reference.enabled is false)")
@@ -360,7 +461,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             if request.replica not in serving:
                 raise ValueError(f"{request.role} replica {request.replica} is not serving; serving replicas: {serving}")
             replica = group.replicas[request.replica]
-            return FaultTarget(request.role, replica.index, replica.pids,
+            return FaultTarget(request.role, replica.index, replica.pids if replica.pids_visible else [],
                                lambda kind, **fields: replica.actor.inject_fault.call_one(kind, **fields).get(timeout=ARM_TIMEOUT_S))
 
         def run_drill(request: FaultDrillRequest) -> dict[str, Any]:
@@ -378,8 +479,10 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
 
         # --- placement and redirects (operator commands) ---------------------------------------
         def check_host(host: str) -> None:
-            if host not in hosts:
-                raise ValueError(f"unknown host {host!r}; hosts: {', '.join(hosts)}")
+            if host not in generator_hosts:
+                raise ValueError(f"unknown host {host!r}; hosts: {', '.join(generator_hosts)}")
+            if host in hosts.lost:
+                raise ValueError(f"host {host!r} is lost")
             if host in drained:
                 raise ValueError(f"host {host!r} is drained; undrain it first")
 
@@ -419,18 +522,19 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 move(replica, change.host)
                 replica_index = replica.index
             result = {"action": change.action, "replica": replica_index, "host": change.host, "plan": generator_plan()}
-            recorder.event("placement_changed", step=step, role="generator", seconds=round(time.monotonic() - started, 3), **result)
+            recorder.event("placement_changed", step=step, role="generator", seconds=round(time.monotonic() - started, 3),
+                           pids=generators.replicas[replica_index].pids, **result)
             return result
 
         def redirect(command: LoadRedirectRequest) -> dict[str, Any]:
             host = command.host
-            if host not in hosts:
-                raise ValueError(f"unknown host {host!r}; hosts: {', '.join(hosts)}")
+            if host not in generator_hosts:
+                raise ValueError(f"unknown host {host!r}; hosts: {', '.join(generator_hosts)}")
             if command.action == "undrain":
                 drained.discard(host)
                 recorder.event("redirect_finished", step=step, action="undrain", host=host, moved={}, plan=generator_plan())
                 return {"host": host, "plan": generator_plan()}
-            targets = [h for h in hosts if h != host and h not in drained]
+            targets = [h for h in hosts.alive(generator_hosts) if h != host and h not in drained]
             if not targets:
                 raise ValueError(f"no other undrained host to move {host!r}'s generator replicas to")
             started = time.monotonic()
@@ -440,7 +544,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             for replica in moving:  # stop routing to the host at once; replacements come up one by one
                 generators.service.set_available(replica.index, False)
             if sum(group.drop_spares_on(host) for group in groups.values()):
-                warm_spares(spare_host())
+                warm_spares()
             moved = {}
             for i, replica in enumerate(moving):
                 move(replica, targets[i % len(targets)])
@@ -492,22 +596,24 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             fault = injector.claim("trainer")
             ttd = round(detected - fault.injected_at, 3) if fault else None
             recorder.event("failure_detected", step=step + 1, role="trainer", replica=fault.replica if fault else None,
-                           fault_id=fault.id if fault else None, reason=failure.reason, hung=failure.hung,
-                           time_to_detect_s=ttd)
+                           host=trainer_host, fault_id=fault.id if fault else None, reason=failure.reason,
+                           hung=failure.hung, time_to_detect_s=ttd)
             totals["trainer_recoveries"] += 1
             if totals["trainer_recoveries"] > trainer_cfg.recover_failures:
                 raise ProcFailure(f"trainer failed at step {step + 1} ({trainer_cfg.recover_failures} recoveries allowed, "
                                   f"trainer.recover_failures): {failure.reason}")
-            if failure.hung:
+            if failure.hung and hosts.pids_visible(trainer_host):
                 _signal(trainer_pids, signal.SIGKILL)  # a stopped rank, and the ranks waiting for it in a collective
-            stop_quietly(trainer_procs)
+            settle(trainer_host)
+            if trainer_host not in hosts.lost:  # stopping a mesh on a lost host would wait for it
+                stop_quietly(trainer_procs)
             lost_from = step
             trainer_procs, trainer, _ = start_trainer()
             trainer0 = trainer.slice(procs=0)
             restore(last_checkpoint)
             totals["steps_lost"] += lost_from - step
             recorder.event("replica_replaced", step=step, role="trainer", replica=None, ranks=trainer_cfg.ranks,
-                           path=last_checkpoint, policy_version=policy_version,
+                           host=trainer_host, pids=list(trainer_pids), path=last_checkpoint, policy_version=policy_version,
                            seconds=round(time.monotonic() - detected, 3))
             if fault is not None:
                 injector.finish(fault)
@@ -523,7 +629,9 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         def train_tick() -> None:
             """While a step trains: a rank that exited fails the step now (its peers would wait in the all-reduce)."""
             tick()
-            gone = [pid for pid in trainer_pids if exited(pid)]
+            if trainer_gone():
+                raise CallFailed(trainer_gone(), hung=False)
+            gone = [pid for pid in trainer_pids if hosts.pids_visible(trainer_host) and exited(pid)]
             if gone:
                 raise CallFailed(f"trainer process {gone[0]} exited", hung=False)
 
@@ -564,7 +672,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 state = trainer_result(trainer0.state_dict.call_one())
                 replicas = generators.live()
                 loads = wait_all([r.actor.load_weights.call_one(state, policy_version) for r in replicas],
-                                 config=failover_cfg, tick=tick)
+                                 config=failover_cfg, tick=tick,
+                                 gone=[lambda replica=replica: replica.lost_with_host for replica in replicas])
                 for replica, outcome in zip(replicas, loads):
                     if isinstance(outcome, CallFailed):  # its replacement gets the current weights
                         failover.detect(generators, replica, outcome.reason, hung=outcome.hung, request_failed=False)
@@ -736,9 +845,11 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             _signal(fault.pids, signal.SIGCONT)
         for group in groups.values():
             group.stop_all()
-        for mesh in [trainer_procs, *meshes]:
-            if mesh is not None:
-                stop_quietly(mesh)
+        if trainer_procs is not None and trainer_host not in hosts.lost:
+            stop_quietly(trainer_procs)
+        for mesh in meshes:
+            stop_quietly(mesh)
+        hosts.stop()
 
 
 def measure_replica(groups: dict[str, ReplicaGroup], role: str, replica: int) -> dict[str, float]:

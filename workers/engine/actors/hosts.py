@@ -1,0 +1,211 @@
+"""The run's hosts: where each process mesh is spawned, and whether a host is still there.
+
+FORGEBOARD_MONARCH_WORKERS (set by the SLURM and Kubernetes backends, and for
+`placement.local_hosts` simulated hosts) lists the Monarch workers of a multi-host run,
+comma-separated, each `tcp://host:port` or `name=tcp://host:port`. A bare entry is named after
+its host part; when bare entries share a host part (several workers on one machine) each of those
+is named `host:port`. Names must be unique; they are what `placement.<role>.hosts` refers to.
+
+With workers, the controller attaches to all of them once (one host mesh, one host per worker) and
+spawns each proc mesh on its host's slice. A killed worker takes its procs with it, and Monarch
+then neither fails the calls pending there nor reports it (they just wait), so `check` probes each
+worker's port: a host that stops accepting connections is lost for the rest of the run.
+Without workers every host name labels procs on this machine (`this_host()`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from workers.engine.actors.procs import apply_proc_env, proc_env, spawn_procs
+from workers.engine.config import PlacementConfig, unknown_host_errors
+from workers.engine.fields import ConfigError
+
+WORKERS_ENV = "FORGEBOARD_MONARCH_WORKERS"
+LOCAL = "local"  # the one host of a run without workers
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+PROBE_TIMEOUT_S = 1.0
+PROBE_EVERY_S = 1.0
+SPAWN_TIMEOUT_S = 120.0
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
+_ADDRESS = re.compile(r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
+
+
+class WorkerListError(ValueError):
+    """FORGEBOARD_MONARCH_WORKERS cannot be used; the message names the entry."""
+
+
+class HostsUnreachable(RuntimeError):
+    """Some workers did not answer when the run started; the message names them."""
+
+
+@dataclass(frozen=True)
+class Worker:
+    name: str
+    address: str  # tcp://host:port
+    host: str
+    port: int
+
+
+def parse_workers(text: str) -> list[Worker]:
+    parsed: list[tuple[str, str, str, int]] = []
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        name, sep, address = entry.partition("=")
+        name, address = (name.strip(), address.strip()) if sep else ("", entry)
+        match = _ADDRESS.match(address)
+        if match is None or not 1 <= int(match["port"]) <= 65535:
+            raise WorkerListError(f"{WORKERS_ENV}: {entry!r} is neither tcp://host:port nor name=tcp://host:port")
+        if sep and not _NAME.match(name):
+            raise WorkerListError(f"{WORKERS_ENV}: {name!r} in {entry!r} is not a host name "
+                                  "(letters, digits, and _ . : - after the first)")
+        parsed.append((name, address, match["host"].strip("[]"), int(match["port"])))
+    bare_hosts = Counter(host for name, _, host, _ in parsed if not name)
+    workers = [Worker(name or (host if bare_hosts[host] == 1 else f"{host}:{port}"), address, host, port)
+               for name, address, host, port in parsed]
+    for what, values in (("host name", [w.name for w in workers]), ("address", [w.address for w in workers])):
+        repeated = [value for value, count in Counter(values).items() if count > 1]
+        if repeated:
+            raise WorkerListError(f"{WORKERS_ENV}: {what} {repeated[0]!r} appears more than once")
+    return workers
+
+
+def workers_from_env(environ: Mapping[str, str] | None = None) -> list[Worker]:
+    return parse_workers((os.environ if environ is None else environ).get(WORKERS_ENV, ""))
+
+
+def reachable(worker: Worker, *, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    try:
+        with socket.create_connection((worker.host, worker.port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def local_address_towards(worker: Worker) -> str:
+    """This machine's address on the route to `worker` (plain "tcp" picks the hostname, which may resolve to loopback only)."""
+    family = socket.AF_INET6 if ":" in worker.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((worker.host, worker.port))  # UDP: no packet is sent
+        address = probe.getsockname()[0]
+    return f"[{address}]" if family == socket.AF_INET6 else address
+
+
+_transport: str | None = None
+
+
+def _enable_transport(address: str) -> None:
+    """Monarch's transport can be chosen once per process."""
+    global _transport
+    if _transport is None:
+        from monarch.actor import enable_transport
+
+        enable_transport(f"tcp://{address}:0")
+        _transport = address
+
+
+def check_placement(placement: PlacementConfig, *, workers: Sequence[Worker]) -> None:
+    """ConfigError for a host named in the placement that is not one of the workers (none: any name labels this machine)."""
+    if workers:
+        errors = unknown_host_errors(placement, known=[w.name for w in workers])
+        if errors:
+            raise ConfigError(errors)
+
+
+class Hosts:
+    """Named hosts of one run: slices of one attached host mesh, or this machine under any name."""
+
+    def __init__(self, *, workers: Sequence[Worker] = (), mesh: Any = None, attach_seconds: float = 0.0):
+        self.workers = {w.name: w for w in workers}
+        self._index = {w.name: i for i, w in enumerate(workers)}
+        self.mesh = mesh
+        self.attach_seconds = attach_seconds
+        self.lost: set[str] = set()
+        self._probed_at = 0.0
+
+    @classmethod
+    def attach(cls, *, workers: Sequence[Worker], timeout_s: float) -> Hosts:
+        """Attach to every worker once; HostsUnreachable naming those that do not answer."""
+        if not workers:
+            return cls()
+        started = time.monotonic()
+        _raise_unreachable(workers, why="not accepting connections")
+        _enable_transport(local_address_towards(workers[0]))
+        from monarch.actor import attach_to_workers
+
+        mesh = attach_to_workers(ca="trust_all_connections", workers=[w.address for w in workers], name="hosts")
+        try:
+            mesh.initialized.get(timeout=timeout_s)
+        except Exception as error:  # noqa: BLE001 - a timeout or a refused attach: say which workers
+            _raise_unreachable(workers, why=f"not attached within {timeout_s:g} s")
+            raise HostsUnreachable(f"could not attach to Monarch workers "
+                                   f"{', '.join(w.name + ' (' + w.address + ')' for w in workers)}: {error}") from None
+        return cls(workers=workers, mesh=mesh, attach_seconds=round(time.monotonic() - started, 3))
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.workers) or [LOCAL]
+
+    def spawn_procs(self, *, host: str, count: int, threads: int) -> Any:
+        if not self.workers:
+            return spawn_procs(count, threads=threads)
+        if host in self.lost:
+            raise HostsUnreachable(f"host {host} ({self.workers[host].address}) is lost")
+        procs = self.mesh.slice(hosts=self._index[host]).spawn_procs(
+            per_host={"procs": count}, bootstrap=partial(apply_proc_env, proc_env(threads=threads)))
+        try:
+            procs.initialized.get(timeout=SPAWN_TIMEOUT_S)
+        except Exception:  # Monarch gives up after ~30 s on a dead host: say so when that is why
+            if not reachable(self.workers[host]):
+                raise HostsUnreachable(f"host {host} ({self.workers[host].address}) stopped accepting connections "
+                                       "while a proc was spawned there") from None
+            raise
+        return procs
+
+    def pids_visible(self, host: str) -> bool:
+        """Whether the pids of procs on `host` are this machine's (then /proc shows a dead one at once)."""
+        return not self.workers or self.workers[host].host in LOOPBACK
+
+    def check(self, *, now: bool = False) -> list[str]:
+        """Hosts newly found unreachable (each returned once, then lost for good).
+
+        Probes at most every PROBE_EVERY_S, or at once with `now` (before placing a proc)."""
+        started = time.monotonic()
+        if not self.workers or (not now and started - self._probed_at < PROBE_EVERY_S):
+            return []
+        self._probed_at = started
+        newly = [name for name, worker in self.workers.items() if name not in self.lost and not reachable(worker)]
+        self.lost.update(newly)
+        return newly
+
+    def alive(self, names: Sequence[str]) -> list[str]:
+        return [name for name in names if name not in self.lost]
+
+    def describe(self, name: str) -> str:
+        return f"{name} ({self.workers[name].address})" if name in self.workers else name
+
+    def stop(self) -> None:
+        """Shut the host mesh down (its workers end); skipped when a host is lost (it would wait for it)."""
+        if self.mesh is None or self.lost:
+            return
+        try:
+            self.mesh.shutdown().get(timeout=10)
+        except Exception:  # noqa: BLE001 - the run is over either way; the launcher stops what is left
+            pass
+
+
+def _raise_unreachable(workers: Sequence[Worker], *, why: str) -> None:
+    unreachable = [w for w in workers if not reachable(w, timeout_s=3.0)]
+    if unreachable:
+        raise HostsUnreachable(f"Monarch workers {why}: "
+                               f"{', '.join(f'{w.name} ({w.address})' for w in unreachable)} "
+                               f"(from {WORKERS_ENV})")
