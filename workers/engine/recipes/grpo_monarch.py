@@ -286,12 +286,28 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
 
         unexplained: list[str] = []
 
+        trainer_failure: dict[str, Any] = {}  # noticed, not yet recovered: (detected at, fault, time to detect)
+
+        def detect_trainer(failure: CallFailed) -> tuple[float, Any, float | None]:
+            """Emit the trainer's failure_detected once per failure (its host may be found lost before its recovery starts)."""
+            if not trainer_failure:
+                detected = time.monotonic()
+                fault = injector.claim("trainer")
+                ttd = round(detected - fault.injected_at, 3) if fault else None
+                recorder.event("failure_detected", step=step + 1, role="trainer", replica=fault.replica if fault else None,
+                               host=trainer_host, fault_id=fault.id if fault else None, reason=failure.reason,
+                               hung=failure.hung, time_to_detect_s=ttd)
+                trainer_failure["noticed"] = (detected, fault, ttd)
+            return trainer_failure["noticed"]
+
         def host_lost(name: str) -> None:
             """Every proc on the host is gone: detect its replicas (their replacements go elsewhere)."""
             reason = f"host {hosts.describe(name)} is unreachable"
             recorder.event("message", step=step, text=f"{reason}: its procs are lost")
             if name == control_host:
                 raise ProcFailure(f"{reason}; the dataset and replay buffer ran there (placement.replay_buffer.hosts)")
+            if name == trainer_host:  # noticed now; restored once the controller next needs the trainer
+                detect_trainer(CallFailed(f"host {hosts.describe(name)} of the trainer was lost", hung=False))
             for group in groups.values():
                 live = group.live()
                 for replica in [*group.replicas, *group.retiring]:
@@ -592,12 +608,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         def recover_trainer(failure: CallFailed) -> None:
             """The trainer mesh lost a proc (or hangs): respawn it and go back to the last checkpoint."""
             nonlocal trainer_procs, trainer, trainer0
-            detected = time.monotonic()
-            fault = injector.claim("trainer")
-            ttd = round(detected - fault.injected_at, 3) if fault else None
-            recorder.event("failure_detected", step=step + 1, role="trainer", replica=fault.replica if fault else None,
-                           host=trainer_host, fault_id=fault.id if fault else None, reason=failure.reason,
-                           hung=failure.hung, time_to_detect_s=ttd)
+            detected, fault, ttd = detect_trainer(failure)
+            trainer_failure.clear()  # the next failure is a new one
             totals["trainer_recoveries"] += 1
             if totals["trainer_recoveries"] > trainer_cfg.recover_failures:
                 raise ProcFailure(f"trainer failed at step {step + 1} ({trainer_cfg.recover_failures} recoveries allowed, "
