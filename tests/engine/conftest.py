@@ -78,3 +78,11 @@ def sft_warm_start(tiny_trainable_qwen3: Path, tmp_path_factory: pytest.TempPath
     result = train_sft(config, Recorder())
     assert result.checkpoint is not None and result.eval is not None
     return export_hf(result.checkpoint, root / "hf"), result.eval.accuracy
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Monarch's transport is chosen once per process, by its first call. The multi-host runs need TCP
+    (to reach worker processes), so they go before every other Monarch test, whose first call would
+    otherwise choose Unix sockets for the rest of the session."""
+    first = [item for item in items if item.path.name == "test_monarch_hosts.py"]
+    items[:] = first + [item for item in items if item.path.name != "test_monarch_hosts.py"]
