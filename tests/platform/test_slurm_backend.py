@@ -189,3 +189,21 @@ def test_unreadable_scheduler_output_leaves_the_run_alone(team, slurm):
     assert poll_slurm_runs() == {run.pk: "unreadable: squeue exited with 1: slurm_load_jobs error: "
                                           "Unable to contact slurm controller"}
     assert Run.objects.get(pk=run.pk).state == RunState.LAUNCHING
+
+
+@pytest.mark.django_db
+def test_sbatch_output_that_is_not_a_job_id_fails_the_run(team, slurm):
+    slurm.answer("sbatch", stdout="Submitted batch job pending approval")
+    run = _submitted(team)
+    assert run.state == RunState.FAILED and run.job_id == ""
+    assert run.exit_reason == ("SLURM refused the job: sbatch printed 'Submitted batch job pending approval', "
+                               "not a job id")
+
+
+@pytest.mark.django_db
+def test_squeue_output_that_is_not_json_is_reported_and_the_run_left_alone(team, slurm):
+    run = _submitted(team)
+    # an squeue too old for --json prints its table
+    (slurm.folder / "squeue").write_text(f"#!{sys.executable}\nprint('JOBID PARTITION NAME')\n")
+    assert poll_slurm_runs() == {run.pk: "unreadable: squeue did not print JSON (Expecting value at 0)"}
+    assert Run.objects.get(pk=run.pk).state == RunState.LAUNCHING

@@ -7,15 +7,23 @@ reporting (a failed node, a time limit, preemption, an image that does not pull)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from forgeboard.runs.models import Run
+from forgeboard.runs.scheduling import run_demand
 from forgeboard.runs.services import IllegalTransition, run_transition
 from forgeboard.runs.states import RunState
 from workers.launch.slurm import SchedulerStatus
 
 # Runs whose job the scheduler may still hold: the pollers look at these.
 FOLLOWED_STATES = (RunState.LAUNCHING, RunState.RUNNING, RunState.PAUSED, RunState.CANCELLING)
+
+
+def node_shape(*, run: Run, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, GPUs per node) for a run's GPUs on nodes of `gpus_per_node`: at least one node."""
+    gpus = run_demand(run.config.parsed).gpus
+    return max(1, math.ceil(gpus / gpus_per_node)), min(gpus, gpus_per_node)
 
 
 def fail_launch(*, run: Run, reason: str) -> None:

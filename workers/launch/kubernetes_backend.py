@@ -13,23 +13,21 @@ Plain HTTP through httpx (no `kubernetes` client package): four object kinds, cr
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import httpx
-import yaml
 from django.conf import settings
 
 from forgeboard.runs.models import LaunchBackend, Run
-from forgeboard.runs.scheduling import run_demand
 from forgeboard.runs.tokens import run_token_issue
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append
-from workers.launch.jobs import FOLLOWED_STATES, fail_launch, follow_job
+from workers.launch.jobs import FOLLOWED_STATES, fail_launch, follow_job, node_shape
 from workers.launch.kubernetes import RUN_LABEL, KubernetesLaunchRequest, kubernetes_job_status, kubernetes_objects
+from workers.launch.local import engine_config_yaml
 from workers.launch.slurm import LaunchSpecError
 
 logger = logging.getLogger(__name__)
@@ -124,12 +122,10 @@ def kubernetes_api() -> KubernetesApi:
 
 def kubernetes_request(*, run: Run) -> KubernetesLaunchRequest:
     """The Job request for a run: pods (one per node) enough for its GPUs, the worker's Kubernetes settings."""
-    gpus = run_demand(run.config.parsed).gpus
-    per_node = settings.K8S_GPUS_PER_NODE
-    engine_config = run.config.parsed | {"max_restarts": 0}  # restarts are the reconciler's
+    nodes, gpus_per_node = node_shape(run=run, gpus_per_node=settings.K8S_GPUS_PER_NODE)
     return KubernetesLaunchRequest(
-        run_id=run.pk, image=settings.K8S_IMAGE, config_yaml=yaml.safe_dump(engine_config, sort_keys=False),
-        nodes=max(1, math.ceil(gpus / per_node)), gpus_per_node=min(gpus, per_node),
+        run_id=run.pk, image=settings.K8S_IMAGE, config_yaml=engine_config_yaml(run),
+        nodes=nodes, gpus_per_node=gpus_per_node,
         cpus_per_node=settings.K8S_CPUS_PER_NODE, memory=settings.K8S_MEMORY, namespace=settings.K8S_NAMESPACE,
         control_plane_url=settings.PUBLIC_URL, token_secret=f"forgeboard-run-{run.pk}-token", python=settings.K8S_PYTHON,
     )

@@ -20,16 +20,25 @@ def run_dir(run: Run) -> Path:
     return Path(settings.DATA_DIR) / "runs" / f"{run.pk}-{run.uid.hex[:12]}"
 
 
-def start_local(*, run: Run) -> int:
-    """Write the run's resolved config and start its supervisor, detached; returns the supervisor's pid."""
-    folder = run_dir(run)
+def engine_config_yaml(run: Run) -> str:
+    """The run's resolved config for its engine. Restarts are the control plane's job (the reconciler): the engine runs once."""
+    return yaml.safe_dump(run.config.parsed | {"max_restarts": 0}, sort_keys=False)
+
+
+def write_run_files(*, run: Run, folder: Path) -> Path:
+    """The engine's config.yaml and a fresh run token (readable by its owner only) in `folder`; the token's path."""
     folder.mkdir(parents=True, exist_ok=True)
-    # Restarts are the control plane's job (the reconciler); the engine itself runs once.
-    engine_config = run.config.parsed | {"max_restarts": 0}
-    (folder / "config.yaml").write_text(yaml.safe_dump(engine_config, sort_keys=False), encoding="utf-8")
+    (folder / "config.yaml").write_text(engine_config_yaml(run), encoding="utf-8")
     token_file = folder / "run_token"
     token_file.touch(mode=0o600)
     token_file.write_text(run_token_issue(run=run))
+    return token_file
+
+
+def start_local(*, run: Run) -> int:
+    """Write the run's resolved config and start its supervisor, detached; returns the supervisor's pid."""
+    folder = run_dir(run)
+    token_file = write_run_files(run=run, folder=folder)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_DIR / "platform"), str(REPO_DIR)])
     env |= {

@@ -16,23 +16,19 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from django.conf import settings
 
 from forgeboard.runs.models import LaunchBackend, Run
-from forgeboard.runs.scheduling import run_demand
-from forgeboard.runs.tokens import run_token_issue
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append
-from workers.launch.jobs import FOLLOWED_STATES, fail_launch, follow_job
-from workers.launch.local import run_dir
+from workers.launch.jobs import FOLLOWED_STATES, fail_launch, follow_job, node_shape
+from workers.launch.local import run_dir, write_run_files
 from workers.launch.slurm import LaunchSpecError, SchedulerStatus, SlurmLaunchRequest, parse_sacct, parse_squeue, sbatch_script
 
 logger = logging.getLogger(__name__)
@@ -110,11 +106,10 @@ def slurm_cli() -> SlurmCli:
 
 def slurm_request(*, run: Run, folder: Path) -> SlurmLaunchRequest:
     """The sbatch request for a run: nodes enough for its GPUs, the worker's SLURM settings."""
-    gpus = run_demand(run.config.parsed).gpus
-    per_node = settings.SLURM_GPUS_PER_NODE
+    nodes, gpus_per_node = node_shape(run=run, gpus_per_node=settings.SLURM_GPUS_PER_NODE)
     return SlurmLaunchRequest(
-        run_id=run.pk, config_path=str(folder / "config.yaml"), nodes=max(1, math.ceil(gpus / per_node)),
-        gpus_per_node=min(gpus, per_node), cpus_per_node=settings.SLURM_CPUS_PER_NODE, memory=settings.SLURM_MEMORY,
+        run_id=run.pk, config_path=str(folder / "config.yaml"), nodes=nodes,
+        gpus_per_node=gpus_per_node, cpus_per_node=settings.SLURM_CPUS_PER_NODE, memory=settings.SLURM_MEMORY,
         partition=settings.SLURM_PARTITION, control_plane_url=settings.PUBLIC_URL, token_file=str(folder / "run_token"),
         log_dir=str(folder / "slurm"), venv=settings.SLURM_VENV, image=settings.SLURM_IMAGE,
         time_limit=settings.SLURM_TIME_LIMIT, account=settings.SLURM_ACCOUNT, qos=settings.SLURM_QOS,
@@ -133,11 +128,7 @@ def submit_slurm(*, run: Run, cli: SlurmCli | None = None) -> str:
         fail_launch(run=run, reason=f"SLURM launch settings: {exc}")
         return ""
     (folder / "slurm").mkdir(parents=True, exist_ok=True)
-    engine_config = run.config.parsed | {"max_restarts": 0}  # restarts are the reconciler's
-    (folder / "config.yaml").write_text(yaml.safe_dump(engine_config, sort_keys=False), encoding="utf-8")
-    token_file = folder / "run_token"
-    token_file.touch(mode=0o600)
-    token_file.write_text(run_token_issue(run=run))
+    write_run_files(run=run, folder=folder)
     (folder / "job.sbatch").write_text(script, encoding="utf-8")
     try:
         job_id = cli.submit(script)

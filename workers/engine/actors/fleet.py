@@ -58,6 +58,11 @@ class CallFailed(Exception):
         return text[:300]
 
 
+def call_failed(error: Exception) -> CallFailed:
+    """A call that ended with an error (a supervision error, an actor's exception)."""
+    return CallFailed(f"{type(error).__name__}: {str(error)[:20_000]}", hung=False)
+
+
 def wait_for(future: Any, *, timeout_s: float, poll_s: float, tick: Callable[[], None],
              gone: Callable[[], str | None] = lambda: None) -> Any:
     """A future's result, polling every poll_s (running `tick`); CallFailed when it fails or hangs.
@@ -77,7 +82,7 @@ def wait_for(future: Any, *, timeout_s: float, poll_s: float, tick: Callable[[],
             if reason is not None:
                 raise CallFailed(reason, hung=False) from None
         except Exception as error:  # noqa: BLE001 - a supervision error, an actor error: the call failed
-            raise CallFailed(f"{type(error).__name__}: {str(error)[:20_000]}", hung=False) from None
+            raise call_failed(error) from None
 
 
 def request_deadline(*, typical_s: float | None, config: FailoverConfig) -> float:
@@ -113,7 +118,7 @@ def wait_all(futures: list[Any], *, config: FailoverConfig, tick: Callable[[], N
             except TimeoutError:
                 pass
             except Exception as error:  # noqa: BLE001 - a supervision error, an actor error: the call failed
-                results[i] = CallFailed(f"{type(error).__name__}: {str(error)[:20_000]}", hung=False)
+                results[i] = call_failed(error)
         deadline = request_deadline(typical_s=sorted(took)[len(took) // 2] if took else None, config=config)
         now = time.monotonic()
         if now - started >= deadline:
