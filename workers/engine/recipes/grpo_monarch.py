@@ -609,7 +609,6 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             """The trainer mesh lost a proc (or hangs): respawn it and go back to the last checkpoint."""
             nonlocal trainer_procs, trainer, trainer0
             detected, fault, ttd = detect_trainer(failure)
-            trainer_failure.clear()  # the next failure is a new one
             totals["trainer_recoveries"] += 1
             if totals["trainer_recoveries"] > trainer_cfg.recover_failures:
                 raise ProcFailure(f"trainer failed at step {step + 1} ({trainer_cfg.recover_failures} recoveries allowed, "
@@ -621,6 +620,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 stop_quietly(trainer_procs)
             lost_from = step
             trainer_procs, trainer, _ = start_trainer()
+            trainer_failure.clear()  # settle() may find the old host lost: that is this failure; the next one is new
             trainer0 = trainer.slice(procs=0)
             restore(last_checkpoint)
             totals["steps_lost"] += lost_from - step
