@@ -61,12 +61,32 @@ def test_preflight_refuses_what_it_cannot_run(tiny_llama3: Path, tmp_path: Path,
                   "trainer.recover_failures:", "checkpoint.resume_from:"):
         assert field in err
     sft = _write(tmp_path / "sft.yaml", f"recipe: sft\nmodel: {{family: llama3, path: '{tiny_llama3}'}}\n")
-    assert main(["train", "--config", str(sft), "placement.backend=monarch", "placement.trainer.hosts=[a, b]",
-                 "placement.generator.colocate_with=trainer"]) == 2
+    assert main(["train", "--config", str(sft), "placement.backend=monarch", "placement.generator.colocate_with=trainer"]) == 2
     err = capsys.readouterr().err
-    for line in ("placement.backend: the monarch backend runs GRPO", "placement.trainer.hosts: processes run on this host",
-                 "placement.generator.colocate_with: not used yet"):
+    for line in ("placement.backend: the monarch backend runs GRPO", "placement.generator.colocate_with: not used yet"):
         assert line in err
+    grpo = _write(tmp_path / "grpo.yaml", f"recipe: grpo\nmodel: {{family: llama3, path: '{tiny_llama3}'}}\n")
+    assert main(["train", "--config", str(grpo), "placement.backend=monarch", "placement.trainer.hosts=[a, b]"]) == 2
+    assert "placement.trainer.hosts: no hosts to place it on: set placement.local_hosts" in capsys.readouterr().err
+
+
+def test_hosts_for_every_role_pass_preflight_where_there_are_hosts(tiny_llama3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Simulated hosts, a SLURM or Kubernetes job's workers, or workers a launcher named: every role may be placed."""
+    from workers.engine.config import load_config
+    from workers.engine.preflight import preflight_errors
+
+    example = (REPO / "examples/configs/cpu_demo_grpo_two_hosts.yaml").read_text()
+    two_hosts = load_config(example, overrides=[f"model.path={tiny_llama3}", "model.family=llama3"])
+    assert preflight_errors(two_hosts) == []
+    for backend in ("slurm", "kubernetes"):
+        on_cluster = load_config(f"recipe: grpo\nmodel: {{family: llama3, path: '{tiny_llama3}'}}\n", overrides=[
+            f"placement.backend={backend}", "trainer.ranks=2", "trainer.sharding=fsdp", "placement.trainer.hosts=[node0]"])
+        assert on_cluster.placement.runs_on_monarch and preflight_errors(on_cluster) == []
+    attached = load_config(f"recipe: grpo\nmodel: {{family: llama3, path: '{tiny_llama3}'}}\n", overrides=[
+        "placement.backend=monarch", "placement.reward.hosts=[h1]"])
+    assert [e.field for e in preflight_errors(attached)] == ["placement.reward.hosts"]
+    monkeypatch.setenv("FORGEBOARD_MONARCH_WORKERS", "h1=tcp://127.0.0.1:26600")
+    assert preflight_errors(attached) == []
 
 
 def test_make_tiny_model_and_train_end_to_end(tmp_path: Path) -> None:
@@ -101,3 +121,19 @@ def test_schema_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
     assert "trainer" in schema["properties"] and schema["additionalProperties"] is False
+
+
+def test_sharding_rules_are_field_errors() -> None:
+    from workers.engine.config import ConfigError, load_config
+
+    def fields(*overrides: str) -> dict[str, str]:
+        with pytest.raises(ConfigError) as caught:
+            load_config("recipe: grpo\nmodel: {path: /x}\n", overrides=list(overrides))
+        return {e.field: e.message for e in caught.value.errors}
+
+    assert "fsdp needs the Monarch GRPO recipe" in fields("trainer.sharding=fsdp")["trainer.sharding"]
+    assert "trainer.sharding: fsdp" in fields("placement.backend=monarch", "trainer.mixed_precision=bf16")["trainer.mixed_precision"]
+    assert "trainer.sharding" in fields("trainer.sharding=zero3")
+    config = load_config("recipe: grpo\nmodel: {path: /x}\n", overrides=[
+        "placement.backend=monarch", "trainer.sharding=fsdp", "trainer.mixed_precision=bf16", "trainer.ranks=4"])
+    assert (config.trainer.sharding, config.trainer.mixed_precision) == ("fsdp", "bf16")

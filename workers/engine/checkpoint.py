@@ -19,6 +19,7 @@ from torch import nn
 
 from workers.engine.models.hf_folder import read_hf_config, save_pretrained
 from workers.engine.models.titan import build_decoder
+from workers.engine.sharding import load_full_state
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json", "config.json")
 STATE_FILE = "trainer.pt"
@@ -37,14 +38,17 @@ def save_checkpoint(
     folder: str | Path,
     *,
     step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    scheduler_state: dict[str, Any],
     progress: dict[str, Any],
     model_folder: str | Path,
     keep_last: int,
 ) -> Path:
-    """Write step_NNNNNN atomically (temp folder, then rename) and prune to the newest keep_last."""
+    """Write step_NNNNNN atomically (temp folder, then rename) and prune to the newest keep_last.
+
+    The states are full (unsharded): `sharding.full_model_state` / `full_optimizer_state`.
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"step_{step:06d}"
@@ -54,9 +58,9 @@ def save_checkpoint(
     tmp.mkdir()
     torch.save(
         {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "scheduler": scheduler_state,
             "rng": rng_state(),
             "progress": progress,
         },
@@ -100,11 +104,9 @@ def load_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     restore_rng: bool = True,
 ) -> dict[str, Any]:
-    """Load states into the given objects; return the recipe's progress dict."""
+    """Load states into the given objects, sharded (FSDP2) or not; return the recipe's progress dict."""
     state = torch.load(resolve_checkpoint(path) / STATE_FILE, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
-    if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+    load_full_state(model, optimizer, model_state=state["model"], optimizer_state=state["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
     if restore_rng:

@@ -82,7 +82,7 @@ def _train(args: argparse.Namespace) -> int:
             from workers.engine.recipes.sft import train_sft
 
             result = train_sft(config, recorder, control=control)
-        elif config.placement.backend == "monarch":
+        elif config.placement.runs_on_monarch:
             with _local_hosts(config.placement.local_hosts):
                 from workers.engine.recipes.grpo_monarch import train_grpo_monarch
 

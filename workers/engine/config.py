@@ -81,6 +81,14 @@ class TrainerConfig(_Section):
     batch_size: PositiveInt = Field(default=8, description="prompts per step (GRPO) or sequences per step (SFT)")
     micro_batch_size: PositiveInt = Field(default=8, description="sequences (rows) per forward/backward; gradients accumulate over a step")
     ranks: PositiveInt = Field(default=1, description="data-parallel trainer processes")
+    sharding: Literal["replicate", "fsdp"] = Field(
+        default="replicate",
+        description="replicate: every rank holds the whole model and optimizer, gradients are all-reduced; "
+                    "fsdp: parameters, gradients and optimizer state are sharded over the ranks (FSDP2, one unit per "
+                    "transformer block; Monarch GRPO recipe)",
+    )
+    mixed_precision: Literal["off", "bf16"] = Field(
+        default="off", description="fsdp only: compute in bfloat16, keep float32 weights and reduce gradients in float32")
     threads_per_process: PositiveInt = 1
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when available, else cpu")
     recover_failures: NonNegativeInt = Field(
@@ -149,6 +157,11 @@ class PlacementConfig(_Section):
     reference: RolePlacement = RolePlacement()
     reward: RolePlacement = RolePlacement()
     replay_buffer: RolePlacement = RolePlacement()
+
+    @property
+    def runs_on_monarch(self) -> bool:
+        """The GRPO controller spawns its actors on Monarch (on this machine's procs or a cluster job's workers)."""
+        return self.backend != "local"
 
 
 class FailoverConfig(_Section):
@@ -232,8 +245,14 @@ def _cross_field_errors(config: RunConfig) -> list[FieldError]:
     errors = []
     if config.grpo.kl_coef > 0.0 and not config.reference.enabled:
         errors.append(FieldError("grpo.kl_coef", "a KL penalty needs a reference model: set reference.enabled: true"))
-    if config.drills and (config.recipe != Recipe.GRPO or config.placement.backend != "monarch"):
+    monarch_grpo = config.recipe == Recipe.GRPO and config.placement.runs_on_monarch
+    if config.drills and not monarch_grpo:
         errors.append(FieldError("drills", "fault drills need the Monarch GRPO recipe: recipe: grpo, placement.backend: monarch"))
+    if config.trainer.sharding == "fsdp" and not monarch_grpo:
+        errors.append(FieldError("trainer.sharding", "fsdp needs the Monarch GRPO recipe: recipe: grpo, placement.backend: monarch"))
+    if config.trainer.mixed_precision != "off" and config.trainer.sharding != "fsdp":
+        errors.append(FieldError("trainer.mixed_precision", "mixed precision is applied by FSDP: set trainer.sharding: fsdp "
+                                                            "(or model.dtype: bfloat16 to train in bfloat16 throughout)"))
     if config.placement.local_hosts:
         if config.recipe != Recipe.GRPO or config.placement.backend != "monarch":
             errors.append(FieldError("placement.local_hosts", "simulated hosts need the Monarch GRPO recipe: "

@@ -8,6 +8,7 @@ Importing this module does not import torch.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from workers.engine.config import ConfigError, FieldError, RunConfig, check_model_folder
@@ -18,11 +19,13 @@ _MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama3"}
 def _unsupported(config: RunConfig) -> list[FieldError]:
     """Options this build does not implement yet: refused, never silently ignored."""
     errors = []
-    monarch = config.placement.backend == "monarch"
-    if config.placement.backend not in ("local", "monarch"):
-        errors.append(FieldError("placement.backend", f"{config.placement.backend!r} is not available yet; use 'local' or 'monarch'"))
+    monarch = config.placement.runs_on_monarch
+    # hosts to place roles on: simulated ones, a cluster job's workers, or workers a launcher named
+    named_hosts = monarch and (config.placement.local_hosts > 0 or config.placement.backend in ("slurm", "kubernetes")
+                               or bool(os.environ.get("FORGEBOARD_MONARCH_WORKERS")))
     if monarch and config.recipe != "grpo":
-        errors.append(FieldError("placement.backend", "the monarch backend runs GRPO; SFT runs with 'local'"))
+        errors.append(FieldError("placement.backend", f"the {config.placement.backend} backend runs GRPO on Monarch; "
+                                                      "SFT runs with 'local'"))
     if config.trainer.ranks != 1 and not monarch:
         errors.append(FieldError("trainer.ranks", "data parallelism needs placement.backend: monarch"))
     if config.trainer.recover_failures and not monarch:
@@ -42,9 +45,10 @@ def _unsupported(config: RunConfig) -> list[FieldError]:
         errors.append(FieldError("max_restarts", "restarts are the control plane's job; the engine runs once"))
     for role in ("trainer", "generator", "reference", "reward", "replay_buffer"):
         placement = getattr(config.placement, role)
-        if placement.hosts and not (monarch and role == "generator"):
-            errors.append(FieldError(f"placement.{role}.hosts", "processes run on this host only in this build; leave hosts "
-                                                                "empty (monarch generators: host names label local procs)"))
+        if placement.hosts and not (named_hosts or (monarch and role == "generator")):
+            errors.append(FieldError(f"placement.{role}.hosts", "no hosts to place it on: set placement.local_hosts (simulated "
+                                                                "hosts) or a slurm/kubernetes backend; with monarch alone, "
+                                                                "host names only label local generator procs"))
         if placement.procs_per_host != 1:
             errors.append(FieldError(f"placement.{role}.procs_per_host",
                                      "not used yet: trainer.ranks and generator.replicas set the process counts"))

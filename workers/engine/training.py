@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from workers.engine.batching import collate_sft
 from workers.engine.config import OptimizerConfig
@@ -83,10 +84,14 @@ def mfu(*, n_params: int, tokens: int, seconds: float, peak_flops_per_second: fl
 
 
 def grad_norm_and_clip(model: nn.Module, max_norm: float | None) -> float:
+    """The gradient's global norm (over every shard of a sharded model), clipped to max_norm when given."""
     params = [p for p in model.parameters() if p.grad is not None]
-    if max_norm is None:
-        return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
-    return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(norm, DTensor):  # FSDP: each rank holds a partial norm of its shards
+        norm = norm.full_tensor()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm)
 
 
 @torch.no_grad()

@@ -209,8 +209,8 @@ def _check_operation(*, run: Run, kind: str, payload: dict[str, Any]) -> None:
         problems = [FieldProblem(f"payload.{e.field}" if e.field else "payload", e.message) for e in error.errors]
         raise ValidationFailed("invalid " + kind.replace("_", " ") + ": " + "; ".join(
             f"{p.field}: {p.message}" for p in problems), problems=problems) from None
-    backend = run.config.parsed.get("placement", {}).get("backend")
-    if backend != "monarch":
+    backend = run.config.parsed.get("placement", {}).get("backend", "local")
+    if backend == "local":
         raise Conflict(f"run {run.pk} runs in a single process (placement.backend {backend!r}): "
                        f"{kind.replace('_', ' ')} needs placement.backend monarch")
 

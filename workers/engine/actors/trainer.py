@@ -2,8 +2,15 @@
 
 Every rank receives the whole step's rollout batch, pads it identically, and trains on its
 contiguous slice of rows. The loss normaliser counts the whole batch, so the sum of the
-ranks' gradients is exactly the single-process gradient; every rank then clips and steps
-the same way and the replicas stay identical.
+ranks' gradients is exactly the single-process gradient.
+
+`trainer.sharding: replicate`: every rank holds the whole model; gradients are all-reduced,
+every rank clips and steps the same way and the replicas stay identical. Only rank 0 is
+asked for weights, evaluation and checkpoints.
+`trainer.sharding: fsdp`: FSDP2 (`workers/engine/sharding.py`) shards parameters, gradients
+and optimizer state; every rank runs the same number of forward/backward passes (a rank
+short of rows runs a zero-weighted one), and weights, evaluation and checkpoints are
+collectives every rank takes part in.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from workers.engine.recipes.grpo import loss_normalizer, policy_update
 from workers.engine.replay_buffer import RolloutBatchRecord
 from workers.engine.rewards import CombinedReward
 from workers.engine.sampler import TorchSampler
+from workers.engine.sharding import full_model_state, full_optimizer_state, shard_model
 from workers.engine.tasks import Problem
 from workers.engine.training import EvalResult, build_optimizer, build_scheduler, evaluate, resolve_device, setup_process
 
@@ -51,15 +59,22 @@ class TrainerActor(FaultInjectableActor):
     def setup(self) -> dict[str, int]:
         """Join the process group (env from monarch's setup_torch_elastic_env), then build the model."""
         cfg = self.config
+        if self.device.type == "cuda":  # one GPU per rank on its host (monarch's setup_torch_elastic_env sets LOCAL_RANK)
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
         # bounded: a rank whose peer died must not wait in a collective for the default 30 min
         dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", timeout=timedelta(minutes=5))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         setup_process(threads=torch.get_num_threads(), seed=cfg.trainer.seed)
         loaded = load_pretrained(cfg.model.path, family=cfg.model.family, dtype=cfg.model.dtype, device=self.device)
         self.model, self.tokenizer = loaded.model.train(), loaded.tokenizer
+        n_params = count_parameters(self.model)
+        self.sharded = cfg.trainer.sharding == "fsdp"
+        if self.sharded:
+            shard_model(self.model, mixed_precision=cfg.trainer.mixed_precision)
         self.optimizer = build_optimizer(self.model, cfg.trainer.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.trainer.optimizer, cfg.trainer.steps)
-        return {"rank": self.rank, "world": self.world, "n_params": count_parameters(self.model)}
+        return {"rank": self.rank, "world": self.world, "n_params": n_params}
 
     @endpoint
     def train_step(self, record: RolloutBatchRecord, ref_logprobs: torch.Tensor | None) -> dict[str, Any]:
@@ -68,7 +83,7 @@ class TrainerActor(FaultInjectableActor):
         batch = collate_rollouts(record.prompts, record.responses, record.logprobs, record.advantages,
                                  pad_id=self.tokenizer.pad_id).to(self.device)
         normalizer = loss_normalizer(batch, cfg.grpo.loss_aggregation)
-        per_rank = math.ceil(len(batch) / self.world)
+        per_rank = math.ceil(len(batch) / self.world)  # rank 0 has the most rows
         lo, hi = min(len(batch), self.rank * per_rank), min(len(batch), (self.rank + 1) * per_rank)
         shard = batch.rows(lo, hi)
         mb = cfg.trainer.micro_batch_size
@@ -79,7 +94,8 @@ class TrainerActor(FaultInjectableActor):
         update = policy_update(
             self.model, self.optimizer, self.scheduler, shard, grpo=cfg.grpo, temperature=cfg.generator.temperature,
             micro_batch_size=mb, grad_clip=cfg.trainer.optimizer.grad_clip, normalizer=normalizer,
-            ref_logprobs=ref, reduce_gradients=all_reduce_gradients if self.world > 1 else None,
+            ref_logprobs=ref, reduce_gradients=all_reduce_gradients if self.world > 1 and not self.sharded else None,
+            passes=math.ceil(per_rank / mb) if self.sharded else 0, filler=batch.rows(0, 1),
         )
         return {"loss": update.loss, "parts": update.parts, "grad_norm": update.grad_norm, "lr": update.lr,
                 "train_tokens": int(shard.inputs.numel())}
@@ -89,8 +105,10 @@ class TrainerActor(FaultInjectableActor):
         return os.getpid()
 
     @endpoint
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights on CPU (every replicated rank; only rank 0 of a sharded trainer)."""
+        state = full_model_state(self.model)
+        return state if self.rank == 0 or not self.sharded else None
 
     @endpoint
     def evaluate(self, problems: list[Problem], keep_samples: int) -> EvalResult:
@@ -104,12 +122,17 @@ class TrainerActor(FaultInjectableActor):
 
     @endpoint
     def save(self, step: int, progress: dict[str, Any]) -> str | None:
+        """Rank 0 writes the checkpoint (full states, whatever the sharding); its path, None on the other ranks."""
+        if self.rank != 0 and not self.sharded:
+            return None
+        model_state = full_model_state(self.model)
+        optimizer_state = full_optimizer_state(self.model, self.optimizer)
         if self.rank != 0:
             return None
         cfg = self.config.checkpoint
-        path = save_checkpoint(cfg.folder, step=step, model=self.model, optimizer=self.optimizer,
-                               scheduler=self.scheduler, progress=progress, model_folder=self.config.model.path,
-                               keep_last=cfg.keep_last)
+        path = save_checkpoint(cfg.folder, step=step, model_state=model_state, optimizer_state=optimizer_state,
+                               scheduler_state=self.scheduler.state_dict(), progress=progress,
+                               model_folder=self.config.model.path, keep_last=cfg.keep_last)
         return str(path)
 
     @endpoint

@@ -42,6 +42,7 @@ from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.replay_buffer import ReplayBuffer, RolloutBatchRecord
 from workers.engine.rewards import CombinedReward
 from workers.engine.sampler import Completion, SamplingParams, TorchSampler
+from workers.engine.sharding import set_gradient_sync
 from workers.engine.tasks import Problem, build_task
 from workers.engine.tasks.stream import ProblemStream
 from workers.engine.training import (
@@ -130,16 +131,28 @@ def policy_update(
     normalizer: float,
     ref_logprobs: list[torch.Tensor] | None = None,
     reduce_gradients: Callable[[nn.Module], None] | None = None,
+    passes: int = 0,
+    filler: RolloutBatch | None = None,
 ) -> UpdateResult:
     """One optimizer step on a rollout batch, gradients accumulated over micro-batches.
 
     `normalizer` counts the whole step's batch (over all data-parallel ranks), so summing
-    the ranks' gradients (`reduce_gradients`) gives the full batch's gradient.
+    the ranks' gradients (`reduce_gradients`, or FSDP's reduce-scatter) gives the full batch's
+    gradient. A sharded model needs the same number of forward/backward passes on every rank:
+    with `passes` more than this rank's micro-batches, the rest run on `filler` with weight 0.
     """
     optimizer.zero_grad(set_to_none=True)
     step_loss, parts = 0.0, []
-    for i, start in enumerate(range(0, len(batch), micro_batch_size)):
-        micro = batch.rows(start, start + micro_batch_size)
+    starts = list(range(0, len(batch), micro_batch_size))
+    total = max(len(starts), passes)
+    for i in range(total):
+        set_gradient_sync(model, enabled=i == total - 1)
+        if i >= len(starts):
+            if filler is None:
+                raise ValueError("passes beyond this rank's rows need a filler row")
+            (model(filler.inputs).float().sum() * 0.0).backward()
+            continue
+        micro = batch.rows(starts[i], starts[i] + micro_batch_size)
         logprobs, entropy = token_logprobs(model(micro.inputs), micro.targets, temperature)
         loss, part = grpo_loss(
             logprobs, micro.behaviour_logprobs, micro.advantages, micro.response_mask,
@@ -255,7 +268,8 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
 
     def checkpoint(step: int) -> Path:
         path = save_checkpoint(
-            cfg.checkpoint.folder, step=step, model=model, optimizer=optimizer, scheduler=scheduler,
+            cfg.checkpoint.folder, step=step, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(),
+            scheduler_state=scheduler.state_dict(),
             progress={"step": step, "policy_version": policy_version, "generations": generations,
                       "data": stream.state_dict(), "buffer": buffer.state_dict(), "staleness": dict(staleness)},
             model_folder=cfg.model.path, keep_last=cfg.checkpoint.keep_last,

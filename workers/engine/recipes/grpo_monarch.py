@@ -277,6 +277,12 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             except CallFailed as failure:
                 raise TrainerLost(failure) from None
 
+        def from_trainer(endpoint: str, *args: Any) -> Any:
+            """Rank 0's answer. Every rank of a sharded (FSDP) trainer takes part: its weights are gathered from all."""
+            if trainer_cfg.sharding == "fsdp":
+                return list(trainer_result(getattr(trainer, endpoint).call(*args)).values())[0]
+            return trainer_result(getattr(trainer0, endpoint).call_one(*args))
+
         def tick() -> None:
             """While waiting: notice dead replicas and loaded spares, inject drills that are due, end faults that wore off."""
             scan_supervision()
@@ -393,7 +399,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
 
         def prepare_generator(replica: Replica) -> int:
             """Give a new generator replica the trainer's current weights; the version it reports."""
-            state = trainer_result(trainer0.state_dict.call_one())
+            state = from_trainer("state_dict")
             wait(replica.actor.load_weights.call_one(state, policy_version))
             return int(wait(replica.actor.policy_version.call_one()))
 
@@ -681,7 +687,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         def sync_weights(timer: PhaseTimer) -> None:
             nonlocal generator_version
             with timer.phase("weight_sync"):
-                state = trainer_result(trainer0.state_dict.call_one())
+                state = from_trainer("state_dict")
                 replicas = generators.live()
                 loads = wait_all([r.actor.load_weights.call_one(state, policy_version) for r in replicas],
                                  config=failover_cfg, tick=tick,
@@ -730,7 +736,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             return sum(len(c.token_ids) for c in completions), busiest
 
         def run_eval(step: int) -> EvalResult:
-            result = trainer_result(trainer0.evaluate.call_one(held_out, cfg.eval.rollout_samples))
+            result = from_trainer("evaluate", held_out, cfg.eval.rollout_samples)
             recorder.log_many({"eval/accuracy": result.accuracy, "eval/reward_mean": result.reward_mean}, step)
             for prompt, completion, score in result.samples:
                 recorder.rollout(step=step, prompt=prompt, completion=completion, reward=score, split="held_out")
@@ -744,7 +750,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                         "generations": pending[0].generation if pending else generations,
                         "data": pending[0].data_state if pending else dataset.state_dict.call_one().get(),
                         "buffer": buffer.state_dict.call_one().get(), "staleness": dict(staleness)}
-            path = Path(trainer_result(trainer0.save.call_one(step, progress)))
+            path = Path(from_trainer("save", step, progress))
             last_checkpoint = str(path)
             recorder.event("checkpoint_saved", step=step, path=str(path), policy_version=policy_version)
             return path

@@ -84,7 +84,8 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
 
     def checkpoint(step: int) -> Path:
         path = save_checkpoint(
-            cfg.checkpoint.folder, step=step, model=model, optimizer=optimizer, scheduler=scheduler,
+            cfg.checkpoint.folder, step=step, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(),
+            scheduler_state=scheduler.state_dict(),
             progress={"step": step, "data": stream.state_dict(), "policy_version": step},
             model_folder=cfg.model.path, keep_last=cfg.checkpoint.keep_last,
         )
