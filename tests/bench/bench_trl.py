@@ -14,6 +14,8 @@ total torch thread count (`--threads`, split over the processes that compute):
   ours_local     recipes/grpo.py sync, one process x threads (same process layout as TRL).
   ours_sync      recipes/grpo_monarch.py, trainer proc + generator proc x threads/2 each.
   ours_async     the same with grpo.mode=async, max_policy_age=1: generation overlaps training.
+  ours_pipelined the same with grpo.mode=pipelined: on-policy, each step generated in
+                 --pipeline-chunks requests, each trained on while the next one generates.
 
 Train tokens/s = tokens in the rows the trainer ran forward+backward on (padded prompt +
 response rectangle: ours from the trainer's own metrics, TRL's counted by a forward hook on
@@ -50,12 +52,13 @@ RUNS = {
     "ours_local": ("local", lambda t: t),
     "ours_sync": ("monarch_sync", lambda t: max(1, t // 2)),
     "ours_async": ("monarch_async", lambda t: max(1, t // 2)),
+    "ours_pipelined": ("monarch_pipelined", lambda t: max(1, t // 2)),
     # reference rows, not part of the equal-total comparison: one process with T/2 threads
     # (on a shared 2-core machine one thread often beats two, for both frameworks)
     "trl_half": ("trl", lambda t: max(1, t // 2)),
     "ours_local_half": ("local", lambda t: max(1, t // 2)),
 }
-DEFAULT_RUNS = "trl,ours_local,ours_sync,ours_async,trl_half,ours_local_half"
+DEFAULT_RUNS = "trl,ours_local,ours_sync,ours_async,ours_pipelined,trl_half,ours_local_half"
 
 
 def _set_threads(threads: int) -> None:
@@ -82,7 +85,12 @@ def _ours(args: argparse.Namespace, mode: str, threads: int) -> dict:
     ]
     if monarch:
         overrides += ["placement.backend=monarch", "trainer.ranks=1", "generator.replicas=1"]
-    overrides += ["grpo.mode=async", f"grpo.max_policy_age={args.max_policy_age}"] if mode == "monarch_async" else ["grpo.mode=sync"]
+    if mode == "monarch_async":
+        overrides += ["grpo.mode=async", f"grpo.max_policy_age={args.max_policy_age}"]
+    elif mode == "monarch_pipelined":
+        overrides += ["grpo.mode=pipelined", f"grpo.pipeline_chunks={args.pipeline_chunks}"]
+    else:
+        overrides += ["grpo.mode=sync"]
     config = load_config(f"recipe: grpo\nmodel: {{path: '{args.model}'}}\n", overrides=overrides)
 
     steps: dict[int, dict[str, float]] = {}
@@ -232,6 +240,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--max-operand", type=int, default=20)
     parser.add_argument("--max-policy-age", type=int, default=1)
+    parser.add_argument("--pipeline-chunks", type=int, default=4, help="ours_pipelined: generation requests per step")
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--hidden", type=int, default=64, help="tiny model width")
     parser.add_argument("--layers", type=int, default=2, help="tiny model depth")
@@ -317,6 +326,7 @@ def main() -> None:
     ratio("ours_sync", "trl", 2.0)
     ratio("ours_local", "trl", 2.0)
     ratio("ours_async", "ours_sync", 1.5)
+    ratio("ours_pipelined", "ours_sync", 1.0, " (on-policy; overlap within a step)")
     print("one process each, T/2 threads each (reference):")
     ratio("ours_local_half", "trl_half", 2.0)
     ratio("ours_async", "trl_half", 2.0, " (ours with T threads in two procs, TRL with T/2)")

@@ -79,8 +79,8 @@ with tempfile.TemporaryDirectory() as tmp:
     base = f"recipe: grpo\nmodel: {{path: '{folder}', family: llama3}}\n"
     assert preflight_errors(load_config(base)) == []
     preflight(load_config(base))
-    found = {e.field for e in preflight_errors(load_config(base, overrides=["model.family=qwen3", "grpo.mode=pipelined"]))}
-    assert {"model.family", "grpo.mode"} <= found, found
+    found = {e.field for e in preflight_errors(load_config(base, overrides=["model.family=qwen3", "generator.replicas=2"]))}
+    assert {"model.family", "generator.replicas"} <= found, found
     missing = {e.field: e.message for e in preflight_errors(load_config("recipe: sft\nmodel: {path: /no/such/folder}\n"))}
     assert "does not exist" in missing["model.path"], missing
     config_file = Path(tmp, "run.yaml")

@@ -108,8 +108,15 @@ class GrpoConfig(_Section):
     clip_epsilon: Annotated[float, Field(gt=0.0, le=1.0)] = 0.2
     kl_coef: Annotated[float, Field(ge=0.0, le=10.0)] = 0.0
     loss_aggregation: Literal["token", "sequence"] = "token"
-    mode: Literal["sync", "async", "pipelined"] = "sync"
+    mode: Literal["sync", "async", "pipelined"] = Field(
+        default="sync",
+        description="sync: generate a batch, then train on it; async: generators run up to max_policy_age batches "
+                    "ahead of the trainer; pipelined (Monarch): on-policy, the batch is generated in pipeline_chunks "
+                    "requests and the trainer takes in each chunk while later ones are generated")
     max_policy_age: NonNegativeInt = Field(default=0, description="0: fully on-policy")
+    pipeline_chunks: Annotated[int, Field(ge=2, le=64)] = Field(
+        default=4, description="pipelined mode: generation requests per step (whole groups each); each is scored and "
+                               "trained on as soon as it returns")
 
 
 class ReferenceConfig(_Section):
@@ -248,6 +255,14 @@ def _cross_field_errors(config: RunConfig) -> list[FieldError]:
     monarch_grpo = config.recipe == Recipe.GRPO and config.placement.runs_on_monarch
     if config.drills and not monarch_grpo:
         errors.append(FieldError("drills", "fault drills need the Monarch GRPO recipe: recipe: grpo, placement.backend: monarch"))
+    if config.grpo.mode == "pipelined":
+        if not monarch_grpo:
+            errors.append(FieldError("grpo.mode", "pipelined needs the Monarch GRPO recipe: placement.backend: monarch"))
+        if config.grpo.max_policy_age:
+            errors.append(FieldError("grpo.max_policy_age", "pipelined mode trains on-policy: set 0, or grpo.mode: async"))
+        if config.grpo.pipeline_chunks > config.trainer.batch_size:
+            errors.append(FieldError("grpo.pipeline_chunks", f"more chunks than the step's {config.trainer.batch_size} "
+                                                             "groups (trainer.batch_size)"))
     if config.trainer.sharding == "fsdp" and not monarch_grpo:
         errors.append(FieldError("trainer.sharding", "fsdp needs the Monarch GRPO recipe: recipe: grpo, placement.backend: monarch"))
     if config.trainer.mixed_precision != "off" and config.trainer.sharding != "fsdp":

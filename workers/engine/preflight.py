@@ -39,8 +39,6 @@ def _unsupported(config: RunConfig) -> list[FieldError]:
                                                     "truncated distribution, which the trainer does not recompute"))
     if config.reference.replicas != 1:
         errors.append(FieldError("reference.replicas", "one reference model is supported"))
-    if config.grpo.mode == "pipelined":
-        errors.append(FieldError("grpo.mode", "'pipelined' is not implemented; use 'sync' or 'async' with max_policy_age"))
     if config.max_restarts != 0:
         errors.append(FieldError("max_restarts", "restarts are the control plane's job; the engine runs once"))
     for role in ("trainer", "generator", "reference", "reward", "replay_buffer"):

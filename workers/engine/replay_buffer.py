@@ -31,6 +31,21 @@ class RolloutBatchRecord:
         return len(self.prompts)
 
 
+def concat_records(records: list[RolloutBatchRecord]) -> RolloutBatchRecord:
+    """One step's record from its chunks (pipelined mode), in order; they share one policy version."""
+    versions = {r.policy_version for r in records}
+    if len(versions) != 1:
+        raise ValueError(f"chunks of one step come from policy versions {sorted(versions)}")
+    return RolloutBatchRecord(
+        prompts=[p for r in records for p in r.prompts], responses=[x for r in records for x in r.responses],
+        logprobs=[x for r in records for x in r.logprobs], rewards=[x for r in records for x in r.rewards],
+        advantages=[x for r in records for x in r.advantages], policy_version=versions.pop(),
+        prompt_texts=[x for r in records for x in r.prompt_texts], response_texts=[x for r in records for x in r.response_texts],
+        reward_parts={key: [x for r in records for x in r.reward_parts[key]] for key in records[0].reward_parts},
+        sample_ids=[x for r in records for x in r.sample_ids],
+    )
+
+
 class ReplayBuffer:
     def __init__(self, *, capacity: int, max_policy_age: int):
         self.capacity = capacity  # rollouts (sequences), not batches

@@ -33,13 +33,18 @@ from workers.engine.checkpoint import load_checkpoint, save_checkpoint
 from workers.engine.config import RunConfig
 from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.models.titan import count_parameters
-from workers.engine.recipes.grpo import loss_normalizer, policy_update
+from workers.engine.recipes.grpo import accumulate_gradients, apply_update, loss_normalizer, policy_update, zero_weighted_pass
 from workers.engine.replay_buffer import RolloutBatchRecord
 from workers.engine.rewards import CombinedReward
 from workers.engine.sampler import TorchSampler
-from workers.engine.sharding import full_model_state, full_optimizer_state, shard_model
+from workers.engine.sharding import full_model_state, full_optimizer_state, set_gradient_sync, shard_model
 from workers.engine.tasks import Problem
 from workers.engine.training import EvalResult, build_optimizer, build_scheduler, evaluate, resolve_device, setup_process
+
+
+def _new_step() -> dict[str, Any]:
+    """What a pipelined step's chunks have added so far."""
+    return {"loss": 0.0, "normalizer": 0.0, "parts": [], "train_tokens": 0, "filler": None}
 
 
 def all_reduce_gradients(model: nn.Module) -> None:
@@ -74,31 +79,81 @@ class TrainerActor(FaultInjectableActor):
             shard_model(self.model, mixed_precision=cfg.trainer.mixed_precision)
         self.optimizer = build_optimizer(self.model, cfg.trainer.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.trainer.optimizer, cfg.trainer.steps)
+        self._step_so_far = _new_step()
         return {"rank": self.rank, "world": self.world, "n_params": n_params}
+
+    def _rows(self, record: RolloutBatchRecord, ref_logprobs: torch.Tensor | None) -> tuple[Any, Any, list[Any] | None, int]:
+        """(the whole padded batch, this rank's contiguous rows, their reference log-probs per micro-batch, rows per rank)."""
+        batch = collate_rollouts(record.prompts, record.responses, record.logprobs, record.advantages,
+                                 pad_id=self.tokenizer.pad_id).to(self.device)
+        per_rank = math.ceil(len(batch) / self.world)  # rank 0 has the most rows
+        lo, hi = min(len(batch), self.rank * per_rank), min(len(batch), (self.rank + 1) * per_rank)
+        mb = self.config.trainer.micro_batch_size
+        ref = None
+        if ref_logprobs is not None:
+            mine = ref_logprobs[lo:hi].to(self.device)
+            ref = [mine[start:start + mb] for start in range(0, hi - lo, mb)]
+        return batch, batch.rows(lo, hi), ref, per_rank
+
+    def _passes(self, per_rank: int) -> int:
+        """Forward/backward passes every rank of a sharded trainer runs (rank 0's count); 0: as many as it has rows for."""
+        return math.ceil(per_rank / self.config.trainer.micro_batch_size) if self.sharded else 0
 
     @endpoint
     def train_step(self, record: RolloutBatchRecord, ref_logprobs: torch.Tensor | None) -> dict[str, Any]:
         self.before_work(record, ref_logprobs)
         cfg = self.config
-        batch = collate_rollouts(record.prompts, record.responses, record.logprobs, record.advantages,
-                                 pad_id=self.tokenizer.pad_id).to(self.device)
-        normalizer = loss_normalizer(batch, cfg.grpo.loss_aggregation)
-        per_rank = math.ceil(len(batch) / self.world)  # rank 0 has the most rows
-        lo, hi = min(len(batch), self.rank * per_rank), min(len(batch), (self.rank + 1) * per_rank)
-        shard = batch.rows(lo, hi)
-        mb = cfg.trainer.micro_batch_size
-        ref = None
-        if ref_logprobs is not None:
-            mine = ref_logprobs[lo:hi].to(self.device)
-            ref = [mine[start:start + mb] for start in range(0, hi - lo, mb)]
+        batch, shard, ref, per_rank = self._rows(record, ref_logprobs)
         update = policy_update(
             self.model, self.optimizer, self.scheduler, shard, grpo=cfg.grpo, temperature=cfg.generator.temperature,
-            micro_batch_size=mb, grad_clip=cfg.trainer.optimizer.grad_clip, normalizer=normalizer,
-            ref_logprobs=ref, reduce_gradients=all_reduce_gradients if self.world > 1 and not self.sharded else None,
-            passes=math.ceil(per_rank / mb) if self.sharded else 0, filler=batch.rows(0, 1),
+            micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.optimizer.grad_clip,
+            normalizer=loss_normalizer(batch, cfg.grpo.loss_aggregation), ref_logprobs=ref,
+            reduce_gradients=all_reduce_gradients if self.world > 1 and not self.sharded else None,
+            passes=self._passes(per_rank), filler=batch.rows(0, 1),
         )
         return {"loss": update.loss, "parts": update.parts, "grad_norm": update.grad_norm, "lr": update.lr,
                 "train_tokens": int(shard.inputs.numel())}
+
+    @endpoint
+    def accumulate(self, record: RolloutBatchRecord, ref_logprobs: torch.Tensor | None) -> int:
+        """Pipelined GRPO: add one chunk of a step's rollouts (whole groups) to the gradients while later chunks
+        are still generated. The step's normaliser is known only when every chunk is in, so chunks add summed
+        losses and finish_step divides. Chunks may come in any order. Returns this rank's rows."""
+        self.before_work(record, ref_logprobs)
+        cfg = self.config
+        batch, shard, ref, per_rank = self._rows(record, ref_logprobs)
+        loss, parts = accumulate_gradients(
+            self.model, shard, grpo=cfg.grpo, temperature=cfg.generator.temperature,
+            micro_batch_size=cfg.trainer.micro_batch_size, normalizer=1.0, ref_logprobs=ref,
+            passes=self._passes(per_rank), filler=batch.rows(0, 1), sync=False,
+        )
+        step = self._step_so_far
+        step["loss"] += loss
+        step["normalizer"] += loss_normalizer(batch, cfg.grpo.loss_aggregation)
+        step["parts"].extend(parts)
+        step["train_tokens"] += int(shard.inputs.numel())
+        step["filler"] = batch.rows(0, 1)
+        return len(shard)
+
+    @endpoint
+    def finish_step(self) -> dict[str, Any]:
+        """Pipelined GRPO: reduce the accumulated gradients over the ranks, divide by the step's normaliser, step."""
+        step = self._step_so_far
+        if step["filler"] is None:
+            raise RuntimeError("finish_step without any accumulated chunk")
+        if self.sharded:  # FSDP reduces in a backward: one more pass, weighted 0, with gradient sync on
+            set_gradient_sync(self.model, enabled=True)
+            zero_weighted_pass(self.model, step["filler"])
+        elif self.world > 1:
+            all_reduce_gradients(self.model)
+        for param in self.model.parameters():
+            if param.grad is not None:
+                param.grad.div_(step["normalizer"])
+        grad_norm, lr = apply_update(self.model, self.optimizer, self.scheduler, grad_clip=self.config.trainer.optimizer.grad_clip)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step_so_far = _new_step()
+        return {"loss": step["loss"] / step["normalizer"], "parts": step["parts"], "grad_norm": grad_norm, "lr": lr,
+                "train_tokens": step["train_tokens"]}
 
     @endpoint
     def pids(self) -> int:

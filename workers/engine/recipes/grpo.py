@@ -142,15 +142,39 @@ def policy_update(
     with `passes` more than this rank's micro-batches, the rest run on `filler` with weight 0.
     """
     optimizer.zero_grad(set_to_none=True)
+    step_loss, parts = accumulate_gradients(
+        model, batch, grpo=grpo, temperature=temperature, micro_batch_size=micro_batch_size, normalizer=normalizer,
+        ref_logprobs=ref_logprobs, passes=passes, filler=filler, sync=True)
+    if reduce_gradients is not None:
+        reduce_gradients(model)
+    grad_norm, lr = apply_update(model, optimizer, scheduler, grad_clip=grad_clip)
+    return UpdateResult(loss=step_loss, parts=parts, grad_norm=grad_norm, lr=lr)
+
+
+def accumulate_gradients(
+    model: nn.Module,
+    batch: RolloutBatch,
+    *,
+    grpo: GrpoConfig,
+    temperature: float,
+    micro_batch_size: int,
+    normalizer: float,
+    ref_logprobs: list[torch.Tensor] | None = None,
+    passes: int = 0,
+    filler: RolloutBatch | None = None,
+    sync: bool,
+) -> tuple[float, list[dict[str, float]]]:
+    """Forward and backward over `batch` in micro-batches, adding to the gradients; (loss, per-micro-batch stats).
+    A sharded model reduces its gradients in the last pass when `sync`, else keeps accumulating locally."""
     step_loss, parts = 0.0, []
     starts = list(range(0, len(batch), micro_batch_size))
     total = max(len(starts), passes)
     for i in range(total):
-        set_gradient_sync(model, enabled=i == total - 1)
+        set_gradient_sync(model, enabled=sync and i == total - 1)
         if i >= len(starts):
             if filler is None:
                 raise ValueError("passes beyond this rank's rows need a filler row")
-            (model(filler.inputs).float().sum() * 0.0).backward()
+            zero_weighted_pass(model, filler)
             continue
         micro = batch.rows(starts[i], starts[i] + micro_batch_size)
         logprobs, entropy = token_logprobs(model(micro.inputs), micro.targets, temperature)
@@ -163,13 +187,22 @@ def policy_update(
         loss.backward()
         step_loss += float(loss.detach())
         parts.append(part)
-    if reduce_gradients is not None:
-        reduce_gradients(model)
+    return step_loss, parts
+
+
+def zero_weighted_pass(model: nn.Module, filler: RolloutBatch) -> None:
+    """A forward and backward that adds nothing to the gradients: a sharded rank's share of a collective."""
+    (model(filler.inputs).float().sum() * 0.0).backward()
+
+
+def apply_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, *,
+                 grad_clip: float | None) -> tuple[float, float]:
+    """Clip, step the optimizer and the schedule; (gradient norm before clipping, learning rate used)."""
     grad_norm = grad_norm_and_clip(model, grad_clip)
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
     scheduler.step()
-    return UpdateResult(loss=step_loss, parts=parts, grad_norm=grad_norm, lr=lr)
+    return grad_norm, lr
 
 
 def rollout_metrics(record: RolloutBatchRecord) -> dict[str, float]:

@@ -69,6 +69,7 @@ from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.operations import (FaultDrillRequest, LoadRedirectRequest, Operation, PlacementChangeRequest,
                                        DrillSchedule)
 from workers.engine.recipes.grpo import GrpoResult, check_prompt_lengths, rollout_metrics, update_metrics
+from workers.engine.replay_buffer import concat_records
 from workers.engine.run_control import RunControl
 from workers.engine.sampler import SamplingParams
 from workers.engine.tasks import Problem
@@ -122,6 +123,7 @@ class PendingGeneration:
     calls: list[Request]  # in prompt order
     data_state: dict[str, Any]  # the dataset's position before these problems were taken
     generation: int  # index of this generation (its sampling seeds derive from it)
+    spans: list[tuple[int, int]]  # the problems [first, last) each call generates
 
 
 def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunControl | None = None,
@@ -655,22 +657,26 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
 
         def train(record: Any, ref_logprobs: Any) -> list[dict[str, Any]] | None:
             """Every rank trains on its rows; None when the trainer failed and was restored (the step did not happen)."""
+            return on_trainer(lambda: trainer.train_step.call(record, ref_logprobs), what="a train step")
+
+        def on_trainer(call: Callable[[], Any], *, what: str, sent: Any = None) -> list[Any] | None:
+            """Every rank's answer to `call` (or to `sent`, the same call made already); None when the trainer failed
+            and was restored. A raise drill refuses the call on every rank before any collective: it is made again."""
             try:
-                return list(wait_for(trainer.train_step.call(record, ref_logprobs), timeout_s=failover_cfg.call_timeout_s,
+                return list(wait_for(sent if sent is not None else call(), timeout_s=failover_cfg.call_timeout_s,
                                      poll_s=failover_cfg.poll_seconds, tick=train_tick).values())
             except CallFailed as failure:
                 raised = not failure.hung and "InjectedFault" in str(failure)
                 if not raised:
                     recover_trainer(failure)
                     return None
-            # a raise drill: every rank refused the step before any collective; the trainer is intact
             detected = time.monotonic()
             fault = injector.claim("trainer")
             ttd = round(detected - fault.injected_at, 3) if fault else None
             recorder.event("failure_detected", step=step + 1, role="trainer", replica=fault.replica if fault else None,
-                           fault_id=fault.id if fault else None, reason="a train step raised", hung=False, time_to_detect_s=ttd)
+                           fault_id=fault.id if fault else None, reason=f"{what} raised", hung=False, time_to_detect_s=ttd)
             try:
-                results = list(wait(trainer.train_step.call(record, ref_logprobs)).values())
+                results = list(wait(call()).values())
             except CallFailed as failure:
                 recover_trainer(failure)
                 return None
@@ -682,6 +688,47 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                            fault_id=fault.id if fault else None, caused_failure=True, action="retried",
                            time_to_detect_s=ttd, time_to_recover_s=ttr, policy_version=policy_version)
             return results
+
+        def reference_logprobs(record: Any) -> Any:
+            return receive(send(groups["reference"], lambda actor: actor.logprobs.call_one(
+                record, trainer_cfg.micro_batch_size, cfg.generator.temperature)))
+
+        def train_pipelined(generation: PendingGeneration, timer: PhaseTimer) -> tuple[Any, list[dict[str, Any]], int, float] | None:
+            """Pipelined mode: each chunk of the step is scored, gets its reference log-probs and goes to the trainer
+            as soon as its generation returns, while the generators work on later chunks; the trainer steps once every
+            chunk is in. (record, every rank's results, tokens generated, slowest request's seconds); None when the
+            trainer failed and was restored (the step did not happen; its rollouts are dropped)."""
+            inject_due()  # before the trainer sees any chunk of this step
+            chunks: list[Any] = []
+            sent: list[tuple[Any, Any, Any]] = []  # (chunk, reference log-probs, the trainer's pending accumulate)
+            tokens, seconds_per_replica = 0, Counter[int]()  # a replica works through its chunks one after another
+            for request, (first, last) in zip(generation.calls, generation.spans):
+                with timer.phase("generate_wait"):
+                    completions, seconds = receive(request)
+                tokens += sum(len(c.token_ids) for c in completions)
+                seconds_per_replica[request.index] += seconds
+                problems = generation.problems[first:last]
+                prompts = generation.prompts[first * grpo.group_size:last * grpo.group_size]
+                with timer.phase("reward"):
+                    chunk = receive(send(groups["reward"], lambda actor, problems=problems, prompts=prompts, completions=completions:
+                                         actor.score.call_one(problems, prompts, completions, grpo.group_size)))
+                ref = None
+                if "reference" in groups:
+                    with timer.phase("reference"):
+                        ref = reference_logprobs(chunk)
+                chunks.append(chunk)
+                sent.append((chunk, ref, trainer.accumulate.call(chunk, ref)))
+            with timer.phase("train"):
+                for chunk, ref, pending_call in sent:
+                    if on_trainer(lambda chunk=chunk, ref=ref: trainer.accumulate.call(chunk, ref), what="a pipelined chunk",
+                                  sent=pending_call) is None:
+                        totals["samples_dropped"] += len(generation.prompts)
+                        return None
+                results = on_trainer(lambda: trainer.finish_step.call(), what="a pipelined step")
+            if results is None:
+                totals["samples_dropped"] += len(generation.prompts)
+                return None
+            return concat_records(chunks), results, tokens, max(seconds_per_replica.values())
 
         # --- generation -----------------------------------------------------------------
         def sync_weights(timer: PhaseTimer) -> None:
@@ -700,7 +747,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 repair()
             generator_version = policy_version
 
-        def launch_generation(timer: PhaseTimer) -> PendingGeneration:
+        def launch_generation(timer: PhaseTimer, *, chunks: int = 0) -> PendingGeneration:
+            """Send one step's problems to the generators: `chunks` requests (whole groups each), or one per serving replica."""
             nonlocal generations
             repair()
             if generator_version != policy_version:
@@ -709,16 +757,16 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             problems = dataset.take.call_one(trainer_cfg.batch_size).get()
             prompts = [tokenizer.encode_prompt(p.messages) for p in problems for _ in range(grpo.group_size)]
             check_prompt_lengths(prompts, cfg.data.max_prompt_tokens)
-            # whole groups per request, one request per serving replica
-            groups_per_call = math.ceil(len(problems) / len(generators.service.routable()))
-            calls = []
+            groups_per_call = math.ceil(len(problems) / (chunks or len(generators.service.routable())))
+            calls, spans = [], []
             for c, first in enumerate(range(0, len(problems), groups_per_call)):
+                spans.append((first, min(len(problems), first + groups_per_call)))
                 chunk = prompts[first * grpo.group_size:(first + groups_per_call) * grpo.group_size]
                 seed = trainer_cfg.seed * 1_000_003 + generations * 1_000 + c
                 calls.append(send(generators, lambda actor, chunk=chunk, seed=seed: actor.generate.call_one(chunk, sampling, seed),
                                   key=problems[first].messages[-1]["content"]))
             generations += 1
-            return PendingGeneration(problems, prompts, calls, data_state, generations - 1)
+            return PendingGeneration(problems, prompts, calls, data_state, generations - 1, spans)
 
         def finish_generation(pending: PendingGeneration, timer: PhaseTimer) -> tuple[int, float]:
             """Await a launched generation, score and buffer it; return (tokens, slowest replica's seconds)."""
@@ -771,33 +819,38 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 timer.seconds["weight_sync"] = 0.0
                 step_start = time.perf_counter()
 
-                # 1-3. generate (launch ahead), reward, buffer
                 generated_tokens, generate_seconds = 0, 0.0
-                record = None
-                while record is None:
-                    buffered = buffer.stats.call_one().get()["batches"]
-                    while buffered + len(pending) < max_age + 1:
-                        pending.append(launch_generation(timer))
+                if grpo.mode == "pipelined":  # 1-6 chunk by chunk: generation overlaps training within the step
+                    outcome = train_pipelined(launch_generation(timer, chunks=grpo.pipeline_chunks), timer)
+                    if outcome is None:  # the trainer was restored from a checkpoint: this step did not happen
+                        continue
+                    record, results, generated_tokens, generate_seconds = outcome
+                else:
+                    # 1-3. generate (launch ahead), reward, buffer
+                    record = None
+                    while record is None:
                         buffered = buffer.stats.call_one().get()["batches"]
-                    if buffered == 0:
-                        tokens, seconds = finish_generation(pending.popleft(), timer)
-                        generated_tokens, generate_seconds = generated_tokens + tokens, generate_seconds + seconds
-                    record = buffer.take.call_one(policy_version).get()
+                        while buffered + len(pending) < max_age + 1:
+                            pending.append(launch_generation(timer))
+                            buffered = buffer.stats.call_one().get()["batches"]
+                        if buffered == 0:
+                            tokens, seconds = finish_generation(pending.popleft(), timer)
+                            generated_tokens, generate_seconds = generated_tokens + tokens, generate_seconds + seconds
+                        record = buffer.take.call_one(policy_version).get()
+
+                    # 4. reference log-probs
+                    ref_logprobs = None
+                    if "reference" in groups:
+                        with timer.phase("reference"):
+                            ref_logprobs = reference_logprobs(record)
+
+                    # 5-6. drills due now, then train on every rank
+                    inject_due()
+                    with timer.phase("train"):
+                        results = train(record, ref_logprobs)
+                    if results is None:  # the trainer was restored from a checkpoint: this step did not happen
+                        continue
                 age = policy_version - record.policy_version
-
-                # 4. reference log-probs
-                ref_logprobs = None
-                if "reference" in groups:
-                    with timer.phase("reference"):
-                        ref_logprobs = receive(send(groups["reference"], lambda actor: actor.logprobs.call_one(
-                            record, trainer_cfg.micro_batch_size, cfg.generator.temperature)))
-
-                # 5-6. drills due now, then train on every rank
-                inject_due()
-                with timer.phase("train"):
-                    results = train(record, ref_logprobs)
-                if results is None:  # the trainer was restored from a checkpoint: this step did not happen
-                    continue
                 staleness[age] += 1
                 policy_version += 1
                 step += 1
