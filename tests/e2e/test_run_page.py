@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from forgeboard.experiments.services import experiment_create
 from forgeboard.runs.models import Command
-from forgeboard.runs.services import run_launch
+from forgeboard.runs.services import run_cancel, run_launch
 from tests.e2e.conftest import login, screenshot
 from tests.support.configs import sft_yaml
 from tests.support.processes import wait_for
@@ -19,7 +19,16 @@ def _launch(team, tiny_model, steps: int):
 
 
 def test_live_charts_keep_zoom_and_hidden_series_across_updates_and_reconnects(page, server, team, tiny_model):
-    run = _launch(team, tiny_model, steps=400)
+    # a tiny SFT run trains ~90 steps/s on a quiet machine: long enough to outlast the test, cancelled after it
+    run = _launch(team, tiny_model, steps=1_000_000)
+    try:
+        _watch_zoom_and_reconnect(page, server, run)
+    finally:
+        run_cancel(actor=team.member, run=run)
+        wait_for(lambda: run.__class__.objects.get(pk=run.pk).state == "cancelled", timeout=60, what="cancelled")
+
+
+def _watch_zoom_and_reconnect(page, server, run) -> None:
     login(page, server, "mateo")
     page.goto(f"{server['url']}/runs/{run.pk}/")
     page.wait_for_function(f"{POINTS} >= 3", timeout=90_000)

@@ -46,6 +46,16 @@ def _single_process_step(model: torch.nn.Module, optimizer: torch.optim.Optimize
                          normalizer=loss_normalizer(batch, "token"))
 
 
+def _single_process(folder: Path, config: RunConfig, record: RolloutBatchRecord):
+    """A fresh model, optimizer and schedule in this process after one step on the whole record; and that step."""
+    loaded = load_pretrained(folder)
+    model = loaded.model.train()
+    optimizer = build_optimizer(model, config.trainer.optimizer)
+    scheduler = build_scheduler(optimizer, config.trainer.optimizer, config.trainer.steps)
+    update = _single_process_step(model, optimizer, scheduler, config, record, loaded.tokenizer.pad_id)
+    return model, optimizer, scheduler, update
+
+
 def _sharded_trainer(config: RunConfig, ranks: int):
     from monarch.spmd import setup_torch_elastic_env
 
@@ -75,11 +85,7 @@ def test_fsdp_step_equals_single_process_step_when_a_rank_is_short_of_rows(sft_w
     finally:
         procs.stop().get()
 
-    loaded = load_pretrained(folder)
-    model = loaded.model.train()
-    optimizer = build_optimizer(model, config.trainer.optimizer)
-    scheduler = build_scheduler(optimizer, config.trainer.optimizer, config.trainer.steps)
-    update = _single_process_step(model, optimizer, scheduler, config, record, loaded.tokenizer.pad_id)
+    model, _, _, update = _single_process(folder, config, record)
 
     assert [r["train_tokens"] > 0 for r in results] == [True, True, True]
     assert sum(r["loss"] for r in results) == pytest.approx(update.loss, abs=1e-6)
@@ -101,14 +107,10 @@ def test_checkpoints_move_between_unsharded_and_fsdp_trainers(sft_warm_start: tu
         "trainer.optimizer.lr=1e-3", "grpo.group_size=2", f"checkpoint.folder={tmp_path / 'fsdp'}",
     ])
     first, second = _record(folder, rows=8, seed=2), _record(folder, rows=8, seed=3)
-    loaded = load_pretrained(folder)
-    model = loaded.model.train()
-    optimizer = build_optimizer(model, config.trainer.optimizer)
-    scheduler = build_scheduler(optimizer, config.trainer.optimizer, config.trainer.steps)
-    _single_process_step(model, optimizer, scheduler, config, first, loaded.tokenizer.pad_id)
+    model, optimizer, scheduler, _ = _single_process(folder, config, first)
     plain = save_checkpoint(tmp_path / "plain", step=1, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(),
                             scheduler_state=scheduler.state_dict(), progress={"step": 1}, model_folder=folder, keep_last=1)
-    _single_process_step(model, optimizer, scheduler, config, second, loaded.tokenizer.pad_id)
+    _single_process_step(model, optimizer, scheduler, config, second, load_pretrained(folder).tokenizer.pad_id)
 
     procs, trainer = _sharded_trainer(config, 2)
     try:

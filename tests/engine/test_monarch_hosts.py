@@ -94,7 +94,8 @@ def two_host_run(sft_warm_start: tuple[Path, float], tmp_path_factory: pytest.Te
     root = tmp_path_factory.mktemp("monarch-hosts")
     config = load_config(f"recipe: grpo\nmodel: {{path: '{folder}'}}\n", overrides=[
         *ARITHMETIC, "data.eval_size=8", "placement.backend=monarch", "placement.local_hosts=2",
-        "placement.trainer.hosts=[host1, host0]", "placement.reward.hosts=[host0]", "trainer.recover_failures=1",
+        "placement.trainer.hosts=[host1, host0]", "placement.reward.hosts=[host1, host0]", "trainer.recover_failures=1",
+        "reference.enabled=true", "grpo.kl_coef=0.05", "placement.reference.hosts=[host1, host0]",
         "trainer.ranks=1", "generator.replicas=2", "generator.routing=round_robin", "trainer.steps=6",
         "trainer.batch_size=4", "trainer.micro_batch_size=8", "grpo.group_size=4", "eval.every_steps=0",
         f"checkpoint.folder={root / 'checkpoints'}", "checkpoint.every_steps=2", "failover.call_timeout_s=90",
@@ -136,20 +137,22 @@ def test_a_killed_host_loses_each_replica_once_and_they_come_back_elsewhere(two_
     result, events, script, _ = two_host_run
     detected = _named(events, "failure_detected")
     assert Counter((e["role"], e["replica"], e["host"]) for e in detected) == Counter(
-        {("generator", 0, "host1"): 1, ("generator", 1, "host1"): 1, ("trainer", None, "host1"): 1})
+        {("generator", 0, "host1"): 1, ("generator", 1, "host1"): 1, ("trainer", None, "host1"): 1,
+         ("reward", 0, "host1"): 1, ("reference", 0, "host1"): 1})
     # noticed by the probe of host1's port (or /proc) within seconds, not after the 60 s call timeout
     after_kill = [(round(e["time"] - script.killed_at, 2), e["name"], e.get("replica"), e.get("reason") or e.get("text"))
                   for e in events if e["time"] > script.killed_at]
     assert all(0.0 < e["time"] - script.killed_at < 10.0 for e in detected), after_kill
     lost = [e for e in _named(events, "message") if "is unreachable" in e["text"]]
     assert len(lost) == 1 and lost[0]["text"].startswith("host host1 (tcp://127.0.0.1:")
-    replaced = [e for e in _named(events, "replica_replaced") if e["role"] == "generator"]
+    replaced = [e for e in _named(events, "replica_replaced") if e["role"] != "trainer"]
     assert sorted((e["role"], e["replica"], e["host"]) for e in replaced) == [
-        ("generator", 0, "host0"), ("generator", 1, "host0")]
+        ("generator", 0, "host0"), ("generator", 1, "host0"), ("reference", 0, "host0"), ("reward", 0, "host0")]
     assert script.seen["replaced"] == {"0": "host0", "1": "host0"}
     recovered = _named(events, "recovered")
     assert sorted((e["role"], e["replica"] or 0, e["action"]) for e in recovered) == [
-        ("generator", 0, "replaced"), ("generator", 1, "replaced"), ("trainer", 0, "restored_checkpoint")]
+        ("generator", 0, "replaced"), ("generator", 1, "replaced"), ("reference", 0, "replaced"),
+        ("reward", 0, "replaced"), ("trainer", 0, "restored_checkpoint")]
     print("host kill: detected after", [round(e["time"] - script.killed_at, 2) for e in detected], "s; recovered in",
           [e["time_to_recover_s"] for e in recovered], "s; attach:",
           [e["text"] for e in _named(events, "message") if e["text"].startswith("attached")])
@@ -159,7 +162,8 @@ def test_a_killed_host_loses_each_replica_once_and_they_come_back_elsewhere(two_
     assert result.step == 6
     ids = [sample for step in sorted(result.trained_samples) for sample in result.trained_samples[step]]
     assert len(ids) == len(set(ids)) == 6 * 4
-    assert result.metrics[-1]["faults/replacements"] == 2
+    assert result.metrics[-1]["faults/replacements"] == 4
+    assert all("kl" in m for m in result.metrics)  # the replaced reference served the steps after the kill
 
 
 def test_the_trainer_of_a_killed_host_restores_its_checkpoint_on_the_other_host(two_host_run) -> None:

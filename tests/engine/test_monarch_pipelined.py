@@ -14,12 +14,10 @@ from typing import Any
 import pytest
 
 from tests.engine.conftest import ARITHMETIC
-from tests.engine.test_monarch_fsdp import _record, _sharded_trainer, _single_process_step
+from tests.engine.test_monarch_fsdp import _record, _sharded_trainer, _single_process
 from workers.engine.config import load_config
 from workers.engine.metrics import MemorySink, Recorder
-from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.replay_buffer import RolloutBatchRecord, concat_records
-from workers.engine.training import build_optimizer, build_scheduler
 
 pytestmark = pytest.mark.slow
 
@@ -51,11 +49,7 @@ def test_chunks_in_any_order_take_the_same_step_as_the_whole_batch(sft_warm_star
     finally:
         procs.stop().get()
 
-    loaded = load_pretrained(folder)
-    model = loaded.model.train()
-    optimizer = build_optimizer(model, config.trainer.optimizer)
-    scheduler = build_scheduler(optimizer, config.trainer.optimizer, config.trainer.steps)
-    update = _single_process_step(model, optimizer, scheduler, config, record, loaded.tokenizer.pad_id)
+    model, _, _, update = _single_process(folder, config, record)
 
     assert rows == [[2, 2], [1, 1], [3, 3]]
     assert sum(r["loss"] for r in results) == pytest.approx(update.loss, abs=1e-6)
