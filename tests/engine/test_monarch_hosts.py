@@ -3,9 +3,10 @@
 One run (tiny SFT'd Qwen3, 6 steps) carries every check: the trainer starts on host1,
 generator replica 0 on host0 and replica 1 on host1; after step 1 replica 0 moves to host1;
 after step 3 host1 is killed whole (SIGKILL to the worker and its procs), which takes the
-trainer and both generator replicas with it. The trainer restores the step-2 checkpoint on
-host0, the replicas are replaced there, and the run finishes. Reward is on host0, dataset and
-replay buffer on this machine.
+trainer, both generator replicas, the reward, the reference and the control proc (dataset and
+replay buffer) with it. The trainer restores the step-2 checkpoint on host0, the control proc
+starts there again from the same checkpoint, the replicas are replaced there, and the run
+finishes.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def two_host_run(sft_warm_start: tuple[Path, float], tmp_path_factory: pytest.Te
         *ARITHMETIC, "data.eval_size=8", "placement.backend=monarch", "placement.local_hosts=2",
         "placement.trainer.hosts=[host1, host0]", "placement.reward.hosts=[host1, host0]", "trainer.recover_failures=1",
         "reference.enabled=true", "grpo.kl_coef=0.05", "placement.reference.hosts=[host1, host0]",
+        "placement.replay_buffer.hosts=[host1, host0]",
         "trainer.ranks=1", "generator.replicas=2", "generator.routing=round_robin", "trainer.steps=6",
         "trainer.batch_size=4", "trainer.micro_batch_size=8", "grpo.group_size=4", "eval.every_steps=0",
         f"checkpoint.folder={root / 'checkpoints'}", "checkpoint.every_steps=2", "failover.call_timeout_s=90",
@@ -138,7 +140,7 @@ def test_a_killed_host_loses_each_replica_once_and_they_come_back_elsewhere(two_
     detected = _named(events, "failure_detected")
     assert Counter((e["role"], e["replica"], e["host"]) for e in detected) == Counter(
         {("generator", 0, "host1"): 1, ("generator", 1, "host1"): 1, ("trainer", None, "host1"): 1,
-         ("reward", 0, "host1"): 1, ("reference", 0, "host1"): 1})
+         ("reward", 0, "host1"): 1, ("reference", 0, "host1"): 1, ("replay_buffer", None, "host1"): 1})
     # noticed by the probe of host1's port (or /proc) within seconds, not after the 60 s call timeout
     after_kill = [(round(e["time"] - script.killed_at, 2), e["name"], e.get("replica"), e.get("reason") or e.get("text"))
                   for e in events if e["time"] > script.killed_at]
@@ -147,12 +149,13 @@ def test_a_killed_host_loses_each_replica_once_and_they_come_back_elsewhere(two_
     assert len(lost) == 1 and lost[0]["text"].startswith("host host1 (tcp://127.0.0.1:")
     replaced = [e for e in _named(events, "replica_replaced") if e["role"] != "trainer"]
     assert sorted((e["role"], e["replica"], e["host"]) for e in replaced) == [
-        ("generator", 0, "host0"), ("generator", 1, "host0"), ("reference", 0, "host0"), ("reward", 0, "host0")]
+        ("generator", 0, "host0"), ("generator", 1, "host0"), ("reference", 0, "host0"), ("replay_buffer", None, "host0"),
+        ("reward", 0, "host0")]
     assert script.seen["replaced"] == {"0": "host0", "1": "host0"}
     recovered = _named(events, "recovered")
     assert sorted((e["role"], e["replica"] or 0, e["action"]) for e in recovered) == [
         ("generator", 0, "replaced"), ("generator", 1, "replaced"), ("reference", 0, "replaced"),
-        ("reward", 0, "replaced"), ("trainer", 0, "restored_checkpoint")]
+        ("replay_buffer", 0, "restored_checkpoint"), ("reward", 0, "replaced"), ("trainer", 0, "restored_checkpoint")]
     print("host kill: detected after", [round(e["time"] - script.killed_at, 2) for e in detected], "s; recovered in",
           [e["time_to_recover_s"] for e in recovered], "s; attach:",
           [e["text"] for e in _named(events, "message") if e["text"].startswith("attached")])

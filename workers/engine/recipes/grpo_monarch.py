@@ -34,7 +34,9 @@ with it: the mesh is respawned and every stateful actor goes back to the last ch
 to `trainer.recover_failures` times. Each failure emits failure_detected, then recovered.
 A host that stops accepting connections is lost with every proc on it: each replica there is
 detected and replaced on the remaining hosts, a trainer there restores from the last checkpoint
-on another of its hosts, and a lost control host fails the run (its state has no copy).
+on another of its hosts, and a lost control proc or host (dataset and replay buffer) is started
+again on the next of `placement.replay_buffer.hosts` and every stateful actor goes back to the
+last checkpoint (before the first checkpoint, the run fails: there is nothing to restore).
 """
 
 from __future__ import annotations
@@ -91,6 +93,11 @@ class FaultDrill:
 
     def request(self) -> FaultDrillRequest:
         return FaultDrillRequest(kind="kill", role="trainer", replica=self.rank, schedule=DrillSchedule(at_step=self.step))
+
+
+class ControlLost(Exception):
+    """The control proc (dataset and replay buffer) died or its host was lost: the loop goes back to the last
+    checkpoint with a new control proc."""
 
 
 class TrainerLost(Exception):
@@ -211,14 +218,24 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                                                    name, ReferenceActor, cfg.model.path, cfg.model.dtype, device))
             groups["reference"].start(role_hosts("reference")[:1])
 
-        control_host = (cfg.placement.replay_buffer.hosts or [None])[0]
-        control_procs = (hosts.spawn_procs(host=control_host, count=1, threads=threads) if control_host
-                         else spawn_procs(1, threads=threads))
-        meshes.append(control_procs)
         max_age = grpo.max_policy_age if grpo.mode == "async" else 0
-        dataset = control_procs.spawn("dataset", DatasetActor, cfg.data, trainer_cfg.seed)
-        buffer = control_procs.spawn("replay_buffer", ReplayBufferActor,
-                                     max(cfg.replay_buffer.capacity, trainer_cfg.batch_size * grpo.group_size), max_age)
+
+        def start_control() -> tuple[str | None, Any, Any, Any]:
+            """The control proc and its dataset and replay buffer actors: on the first of placement.replay_buffer.hosts
+            still there, or on this machine when none are named. (host, procs, dataset, buffer)"""
+            named = list(cfg.placement.replay_buffer.hosts)
+            candidates = hosts.alive(named) if named else [None]
+            if not candidates:
+                raise ProcFailure(f"the dataset and replay buffer have no host left: {', '.join(named)} "
+                                  f"(placement.replay_buffer.hosts) are lost")
+            host = candidates[0]
+            procs = hosts.spawn_procs(host=host, count=1, threads=threads) if host else spawn_procs(1, threads=threads)
+            meshes.append(procs)
+            return (host, procs, procs.spawn("dataset", DatasetActor, cfg.data, trainer_cfg.seed),
+                    procs.spawn("replay_buffer", ReplayBufferActor,
+                                max(cfg.replay_buffer.capacity, trainer_cfg.batch_size * grpo.group_size), max_age))
+
+        control_host, control_procs, dataset, buffer = start_control()
         held_out = dataset.held_out.call_one().get()
         tokenizer = ChatTokenizer(cfg.model.path)
         def spare_host(role: str) -> str | None:
@@ -263,12 +280,33 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         last_checkpoint: str | None = None
         failover = Failover(recorder=recorder, injector=injector, config=failover_cfg, step=lambda: step,
                             policy_version=lambda: policy_version)
-        totals = {"steps_lost": 0, "samples_dropped": 0, "migrations": 0, "trainer_recoveries": 0}
+        totals = {"steps_lost": 0, "samples_dropped": 0, "migrations": 0, "trainer_recoveries": 0, "control_recoveries": 0}
 
         # --- waiting, failures and drills ------------------------------------------------
         def wait(future: Any, *, gone: Callable[[], str | None] = lambda: None) -> Any:
             return wait_for(future, timeout_s=failover_cfg.call_timeout_s, poll_s=failover_cfg.poll_seconds, tick=tick,
                             gone=gone)
+
+        def control_gone() -> str | None:
+            return f"host {hosts.describe(control_host)} of the dataset and replay buffer was lost" \
+                if control_host in hosts.lost else None
+
+        control_failure: dict[str, Any] = {}  # noticed, not yet recovered: (detected at, reason)
+
+        def detect_control(reason: str) -> None:
+            """Emit the control proc's failure_detected once per failure."""
+            if not control_failure:
+                recorder.event("failure_detected", step=step + 1, role="replay_buffer", replica=None, host=control_host,
+                               fault_id=None, reason=reason, hung=False, time_to_detect_s=None)
+                control_failure["noticed"] = (time.monotonic(), reason)
+
+        def on_control(future: Any) -> Any:
+            """The dataset's or replay buffer's answer; ControlLost when their proc or host is gone."""
+            try:
+                return wait(future, gone=control_gone)
+            except CallFailed as failure:
+                detect_control(failure.reason)
+                raise ControlLost(failure.reason) from None
 
         def trainer_gone() -> str | None:
             return f"host {hosts.describe(trainer_host)} of the trainer was lost" if trainer_host in hosts.lost else None
@@ -312,8 +350,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             """Every proc on the host is gone: detect its replicas (their replacements go elsewhere)."""
             reason = f"host {hosts.describe(name)} is unreachable"
             recorder.event("message", step=step, text=f"{reason}: its procs are lost")
-            if name == control_host:
-                raise ProcFailure(f"{reason}; the dataset and replay buffer ran there (placement.replay_buffer.hosts)")
+            if name == control_host:  # noticed now; restored from the last checkpoint on the next dataset or buffer call
+                detect_control(f"{reason}: the dataset and replay buffer ran there")
             if name == trainer_host:  # noticed now; restored once the controller next needs the trainer
                 detect_trainer(CallFailed(f"host {hosts.describe(name)} of the trainer was lost", hung=False))
             for group in groups.values():
@@ -380,8 +418,11 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             try:
                 buffer.stats.call_one().get(timeout=30)
                 dataset.state_dict.call_one().get(timeout=30)
-            except Exception:  # noqa: BLE001 - the control proc holds state no replacement can restore
-                raise ProcFailure(f"a process of the run failed: {unexplained[0]}") from None
+            except Exception:  # noqa: BLE001 - the control proc is the one that failed
+                reason = f"a process of the run failed: {unexplained[0]}"
+                unexplained.clear()
+                detect_control(reason)
+                raise ControlLost(reason) from None
             unexplained.clear()
 
         def pick_host(replica: Replica) -> str:
@@ -592,13 +633,32 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             control.operator = operate
 
         # --- checkpoints and trainer recovery ---------------------------------------------
+        def replace_control() -> float:
+            """A new control proc, on another host if its host was lost; when its failure was noticed."""
+            nonlocal control_host, control_procs, dataset, buffer
+            detect_control(control_gone() or "the control proc failed")
+            detected, _ = control_failure["noticed"]
+            totals["control_recoveries"] += 1
+            if totals["control_recoveries"] > failover_cfg.max_replacements:
+                raise ProcFailure(f"the dataset and replay buffer failed {totals['control_recoveries']} times "
+                                  f"(failover.max_replacements {failover_cfg.max_replacements})")
+            if control_host not in hosts.lost:
+                stop_quietly(control_procs)
+            control_host, control_procs, dataset, buffer = start_control()
+            recorder.event("replica_replaced", step=step, role="replay_buffer", replica=None, host=control_host or "local",
+                           pids=[], seconds=round(time.monotonic() - detected, 3))
+            control_failure.clear()
+            return detected
+
         def restore(path: str | None) -> None:
-            """Put every stateful actor back to a checkpoint (or to the run's start)."""
+            """Put every stateful actor back to a checkpoint (or to the run's start); a lost control proc is replaced first."""
             nonlocal step, policy_version, generations, generator_version
+            lost_from = step
+            control_replaced = replace_control() if control_failure else None
             progress = list(trainer.load.call(path).get().values())[0] if path else initial_progress
             step, policy_version, generations = progress["step"], progress["policy_version"], progress["generations"]
-            dataset.load_state_dict.call_one(progress["data"]).get()
-            buffer.load_state_dict.call_one(progress["buffer"]).get()
+            on_control(dataset.load_state_dict.call_one(progress["data"]))
+            on_control(buffer.load_state_dict.call_one(progress["buffer"]))
             staleness.clear()
             staleness.update({int(k): v for k, v in progress["staleness"].items()})
             while pending:  # launched from later states: finish them and throw them away
@@ -607,6 +667,12 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                     receive(request)
                 totals["samples_dropped"] += len(generation.prompts)
             generator_version = -1  # the generators hold newer weights: sync before generating
+            if control_replaced is not None:
+                ttr = round(time.monotonic() - control_replaced, 3)
+                failover.recover_seconds.append(ttr)
+                recorder.event("recovered", step=step, role="replay_buffer", replica=None, fault_id=None, caused_failure=True,
+                               action="restored_checkpoint", path=path, steps_lost=lost_from - step,
+                               time_to_detect_s=None, time_to_recover_s=ttr, policy_version=policy_version)
 
         if cfg.checkpoint.resume_from:
             restore(cfg.checkpoint.resume_from)
@@ -753,8 +819,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             repair()
             if generator_version != policy_version:
                 sync_weights(timer)
-            data_state = dataset.state_dict.call_one().get()
-            problems = dataset.take.call_one(trainer_cfg.batch_size).get()
+            data_state = on_control(dataset.state_dict.call_one())
+            problems = on_control(dataset.take.call_one(trainer_cfg.batch_size))
             prompts = [tokenizer.encode_prompt(p.messages) for p in problems for _ in range(grpo.group_size)]
             check_prompt_lengths(prompts, cfg.data.max_prompt_tokens)
             groups_per_call = math.ceil(len(problems) / (chunks or len(generators.service.routable())))
@@ -780,7 +846,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 score = send(groups["reward"], lambda actor: actor.score.call_one(pending.problems, pending.prompts, completions,
                                                                                   grpo.group_size))
                 record = receive(score)
-                buffer.put.call_one(record).get()
+                on_control(buffer.put.call_one(record))
             return sum(len(c.token_ids) for c in completions), busiest
 
         def run_eval(step: int) -> EvalResult:
@@ -796,8 +862,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             # restore generates those problems again with the same seeds
             progress = {"step": step, "policy_version": policy_version,
                         "generations": pending[0].generation if pending else generations,
-                        "data": pending[0].data_state if pending else dataset.state_dict.call_one().get(),
-                        "buffer": buffer.state_dict.call_one().get(), "staleness": dict(staleness)}
+                        "data": pending[0].data_state if pending else on_control(dataset.state_dict.call_one()),
+                        "buffer": on_control(buffer.state_dict.call_one()), "staleness": dict(staleness)}
             path = Path(from_trainer("save", step, progress))
             last_checkpoint = str(path)
             recorder.event("checkpoint_saved", step=step, path=str(path), policy_version=policy_version)
@@ -829,14 +895,14 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                     # 1-3. generate (launch ahead), reward, buffer
                     record = None
                     while record is None:
-                        buffered = buffer.stats.call_one().get()["batches"]
+                        buffered = on_control(buffer.stats.call_one())["batches"]
                         while buffered + len(pending) < max_age + 1:
                             pending.append(launch_generation(timer))
-                            buffered = buffer.stats.call_one().get()["batches"]
+                            buffered = on_control(buffer.stats.call_one())["batches"]
                         if buffered == 0:
                             tokens, seconds = finish_generation(pending.popleft(), timer)
                             generated_tokens, generate_seconds = generated_tokens + tokens, generate_seconds + seconds
-                        record = buffer.take.call_one(policy_version).get()
+                        record = on_control(buffer.take.call_one(policy_version))
 
                     # 4. reference log-probs
                     ref_logprobs = None
@@ -859,7 +925,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 step_seconds = time.perf_counter() - step_start
                 parts = [p for r in results for p in r["parts"]]
                 train_tokens = sum(r["train_tokens"] for r in results)
-                stats = buffer.stats.call_one().get()
+                stats = on_control(buffer.stats.call_one())
                 metrics = {
                     "loss": sum(r["loss"] for r in results),
                     **rollout_metrics(record),
@@ -899,6 +965,15 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                     break
             except TrainerLost as lost:  # a trainer proc died between train steps
                 recover_trainer(lost.failure)
+            except ControlLost as lost:  # the dataset and replay buffer are gone: back to the last checkpoint
+                if trainer_gone():  # the same host had the trainer: its recovery restores both
+                    recover_trainer(CallFailed(trainer_gone(), hung=False))
+                    continue
+                if last_checkpoint is None:
+                    raise ProcFailure(f"{lost}; no checkpoint to restore them from yet (checkpoint.every_steps)") from None
+                lost_from = step
+                restore(last_checkpoint)
+                totals["steps_lost"] += lost_from - step
 
         for generation in pending:  # launched ahead, not needed any more
             for request in generation.calls:
@@ -937,7 +1012,7 @@ def fault_metrics(failover: Failover, injector: FaultInjector, totals: dict[str,
     """Running totals of the run's faults, logged with every step."""
     metrics = {
         "faults/injected": len(injector.faults),
-        "faults/failures": len(failover.incidents) + totals["trainer_recoveries"],
+        "faults/failures": len(failover.incidents) + totals["trainer_recoveries"] + totals["control_recoveries"],
         "faults/replacements": sum(failover.replacements.values()),
         "faults/migrations": totals["migrations"],
         "faults/steps_lost": totals["steps_lost"],
