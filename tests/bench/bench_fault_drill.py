@@ -1,7 +1,7 @@
 """Fault drill benchmark (not a test): GRPO on Monarch with a fault every T seconds.
 
     .venv/bin/python tests/bench/bench_fault_drill.py [--calm-s 60] [--faulty-s 120] [--every-s 20]
-        [--spares 0,1] [--straggler 0,8] [--faults all|generator]
+        [--spares 0,1] [--straggler 0,8] [--straggler-min-s 2] [--faults all|generator]
 
 One run of the CPU demo GRPO config on Monarch (2 generator replicas, reward, trainer). For
 the first `--calm-s` seconds of training nothing is injected: that is the fault-free
@@ -94,14 +94,15 @@ class EventPrinter:
         pass
 
 
-def run_once(*, out: Path, model: Path, spares: int, straggler: float, calm_s: float, faulty_s: float, every_s: float,
-             faults: list[dict[str, Any]]) -> dict[str, Any]:
+def run_once(*, out: Path, model: Path, spares: int, straggler: float, straggler_min_s: float, calm_s: float,
+             faulty_s: float, every_s: float, faults: list[dict[str, Any]]) -> dict[str, Any]:
     config = load_config_file(REPO / "examples" / "configs" / "cpu_demo_grpo.yaml", overrides=[
         f"model.path={model}", "placement.backend=monarch", "generator.replicas=2", "trainer.steps=100000",
         "trainer.batch_size=8", "grpo.group_size=8", "eval.every_steps=0", "telemetry.console=false",
         "telemetry.jsonl_path=null", f"checkpoint.folder={out / f'checkpoints-{spares}'}", "checkpoint.every_steps=5",
         "trainer.recover_failures=100", "failover.max_replacements=100", "failover.call_timeout_s=10",
         f"failover.warm_spares={spares}", f"failover.straggler_factor={straggler}",
+        f"failover.straggler_min_s={straggler_min_s}",
     ])
     channel = DrillChannel(calm_s=calm_s, faulty_s=faulty_s, every_s=every_s, faults=faults)
     control = RunControl(channel, poll_seconds=0.0)
@@ -119,7 +120,7 @@ def run_once(*, out: Path, model: Path, spares: int, straggler: float, calm_s: f
 
     last = result.metrics[-1] if result.metrics else {}
     return {
-        "variant": f"spares={spares} straggler={straggler:g}",
+        "variant": f"spares={spares} straggler={straggler:g} min={straggler_min_s:g}s",
         "warm_spares": spares,
         "fault_free_steps_per_s": round(calm_steps / calm_span, 3),
         "under_faults_steps_per_s": round(faulty_steps / faulty_span, 3),
@@ -147,13 +148,14 @@ def main() -> None:
     parser.add_argument("--every-s", type=float, default=20.0)
     parser.add_argument("--spares", default="0", help="comma-separated failover.warm_spares values, one run each")
     parser.add_argument("--straggler", default="0", help="comma-separated failover.straggler_factor values")
+    parser.add_argument("--straggler-min-s", type=float, default=2.0, help="failover.straggler_min_s")
     parser.add_argument("--faults", choices=["all", "generator"], default="all")
     parser.add_argument("--out", default="var/bench_fault_drill")
     args = parser.parse_args()
     out = Path(args.out)
     model = make_tiny_model(out / "tiny-qwen3", family="qwen3", init_scale=3.0)
     faults = FAULTS if args.faults == "all" else [f for f in FAULTS if f["role"] == "generator"]
-    reports = [run_once(out=out, model=model, spares=int(n), straggler=float(f), calm_s=args.calm_s, faulty_s=args.faulty_s,
+    reports = [run_once(out=out, model=model, spares=int(n), straggler=float(f), straggler_min_s=args.straggler_min_s, calm_s=args.calm_s, faulty_s=args.faulty_s,
                         every_s=args.every_s, faults=faults) for n in args.spares.split(",") for f in args.straggler.split(",")]
     for report in reports:
         print(json.dumps(report, indent=2, default=str))
