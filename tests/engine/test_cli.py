@@ -137,3 +137,15 @@ def test_sharding_rules_are_field_errors() -> None:
     config = load_config("recipe: grpo\nmodel: {path: /x}\n", overrides=[
         "placement.backend=monarch", "trainer.sharding=fsdp", "trainer.mixed_precision=bf16", "trainer.ranks=4"])
     assert (config.trainer.sharding, config.trainer.mixed_precision) == ("fsdp", "bf16")
+
+
+def test_sft_on_a_cluster_job_runs_in_one_process(tiny_llama3: Path) -> None:
+    from workers.engine.config import load_config
+    from workers.engine.preflight import preflight_errors
+
+    sft = f"recipe: sft\nmodel: {{family: llama3, path: '{tiny_llama3}'}}\n"
+    assert preflight_errors(load_config(sft, overrides=["placement.backend=slurm"])) == []
+    refused = {e.field: e.message for e in preflight_errors(load_config(sft, overrides=[
+        "placement.backend=kubernetes", "trainer.ranks=2", "placement.trainer.hosts=[node0]"]))}
+    assert set(refused) == {"trainer.ranks", "placement.trainer.hosts"}
+    assert "monarch" in refused["trainer.ranks"]

@@ -19,13 +19,14 @@ _MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama3"}
 def _unsupported(config: RunConfig) -> list[FieldError]:
     """Options this build does not implement yet: refused, never silently ignored."""
     errors = []
-    monarch = config.placement.runs_on_monarch
+    # GRPO on Monarch: backend monarch, or a SLURM / Kubernetes job (SFT there runs in one process on its first node)
+    monarch = config.placement.runs_on_monarch and config.recipe == "grpo"
     # hosts to place roles on: simulated ones, a cluster job's workers, or workers a launcher named
     named_hosts = monarch and (config.placement.local_hosts > 0 or config.placement.backend in ("slurm", "kubernetes")
                                or bool(os.environ.get("FORGEBOARD_MONARCH_WORKERS")))
-    if monarch and config.recipe != "grpo":
-        errors.append(FieldError("placement.backend", f"the {config.placement.backend} backend runs GRPO on Monarch; "
-                                                      "SFT runs with 'local'"))
+    if config.placement.backend == "monarch" and config.recipe != "grpo":
+        errors.append(FieldError("placement.backend", "the monarch backend runs GRPO; SFT runs with 'local' "
+                                                      "(or in one process on a slurm / kubernetes job)"))
     if config.trainer.ranks != 1 and not monarch:
         errors.append(FieldError("trainer.ranks", "data parallelism needs placement.backend: monarch"))
     if config.trainer.recover_failures and not monarch:
