@@ -61,9 +61,9 @@ def test_preflight_refuses_what_it_cannot_run(tiny_llama3: Path, tmp_path: Path,
                   "trainer.recover_failures:", "checkpoint.resume_from:"):
         assert field in err
     sft = _write(tmp_path / "sft.yaml", f"recipe: sft\nmodel: {{family: llama3, path: '{tiny_llama3}'}}\n")
-    assert main(["train", "--config", str(sft), "placement.backend=monarch", "placement.generator.colocate_with=trainer"]) == 2
+    assert main(["train", "--config", str(sft), "placement.backend=monarch", "placement.generator.procs_per_host=2"]) == 2
     err = capsys.readouterr().err
-    for line in ("placement.backend: the monarch backend runs GRPO", "placement.generator.colocate_with: not used yet"):
+    for line in ("placement.backend: the monarch backend runs GRPO", "placement.generator.procs_per_host: not used yet"):
         assert line in err
     grpo = _write(tmp_path / "grpo.yaml", f"recipe: grpo\nmodel: {{family: llama3, path: '{tiny_llama3}'}}\n")
     assert main(["train", "--config", str(grpo), "placement.backend=monarch", "placement.trainer.hosts=[a, b]"]) == 2
@@ -149,3 +149,24 @@ def test_sft_on_a_cluster_job_runs_in_one_process(tiny_llama3: Path) -> None:
         "placement.backend=kubernetes", "trainer.ranks=2", "placement.trainer.hosts=[node0]"]))}
     assert set(refused) == {"trainer.ranks", "placement.trainer.hosts"}
     assert "monarch" in refused["trainer.ranks"]
+
+
+def test_colocation_rules_are_field_errors() -> None:
+    from workers.engine.config import ConfigError, load_config
+
+    def fields(*overrides: str) -> dict[str, str]:
+        with pytest.raises(ConfigError) as caught:
+            load_config("recipe: grpo\nmodel: {path: /x}\nreference: {enabled: true}\n", overrides=list(overrides))
+        return {e.field: e.message for e in caught.value.errors}
+
+    assert "Monarch GRPO recipe" in fields("placement.reference.colocate_with=trainer")["placement.reference.colocate_with"]
+    monarch = "placement.backend=monarch"
+    assert "the trainer does not follow another role" in fields(monarch, "placement.trainer.colocate_with=generator")[
+        "placement.trainer.colocate_with"]
+    assert "the generator can follow trainer" in fields(monarch, "placement.generator.colocate_with=reference")[
+        "placement.generator.colocate_with"]
+    assert "leave hosts empty" in fields(monarch, "placement.reward.colocate_with=generator", "placement.reward.hosts=[a]")[
+        "placement.reward.hosts"]
+    config = load_config("recipe: grpo\nmodel: {path: /x}\n", overrides=[
+        monarch, "placement.reference.colocate_with=trainer", "placement.reward.colocate_with=generator"])
+    assert config.placement.reward.colocate_with == "generator"

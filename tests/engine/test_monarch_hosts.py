@@ -3,8 +3,8 @@
 One run (tiny SFT'd Qwen3, 6 steps) carries every check: the trainer starts on host1,
 generator replica 0 on host0 and replica 1 on host1; after step 1 replica 0 moves to host1;
 after step 3 host1 is killed whole (SIGKILL to the worker and its procs), which takes the
-trainer, both generator replicas, the reward, the reference and the control proc (dataset and
-replay buffer) with it. The trainer restores the step-2 checkpoint on host0, the control proc
+trainer, both generator replicas, the reward, the reference (colocated with the trainer) and the
+control proc (dataset and replay buffer) with it. The trainer restores the step-2 checkpoint on host0, the control proc
 starts there again from the same checkpoint, the replicas are replaced there, and the run
 finishes.
 """
@@ -96,7 +96,7 @@ def two_host_run(sft_warm_start: tuple[Path, float], tmp_path_factory: pytest.Te
     config = load_config(f"recipe: grpo\nmodel: {{path: '{folder}'}}\n", overrides=[
         *ARITHMETIC, "data.eval_size=8", "placement.backend=monarch", "placement.local_hosts=2",
         "placement.trainer.hosts=[host1, host0]", "placement.reward.hosts=[host1, host0]", "trainer.recover_failures=1",
-        "reference.enabled=true", "grpo.kl_coef=0.05", "placement.reference.hosts=[host1, host0]",
+        "reference.enabled=true", "grpo.kl_coef=0.05", "placement.reference.colocate_with=trainer",
         "placement.replay_buffer.hosts=[host1, host0]",
         "trainer.ranks=1", "generator.replicas=2", "generator.routing=round_robin", "trainer.steps=6",
         "trainer.batch_size=4", "trainer.micro_batch_size=8", "grpo.group_size=4", "eval.every_steps=0",

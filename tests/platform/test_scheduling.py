@@ -62,11 +62,12 @@ def two_slots(settings):
 def test_demand_counts_processes_and_gpus_per_role(team, grpo_yaml):
     parsed = _queued(team, grpo_yaml, *_gpus(4, per_host=2), "generator.replicas=2",
                      "placement.generator.gpus_per_proc=1", "reference.enabled=true",
-                     "placement.reward.colocate_with=trainer").config.parsed
+                     "placement.backend=monarch", "placement.reward.colocate_with=trainer").config.parsed
     demand = run_demand(parsed)
-    assert {r.role: r.procs for r in demand.roles} == {"trainer": 4, "generator": 2, "reference": 1,
+    # the reward follows the trainer's host in procs of its own
+    assert {r.role: r.procs for r in demand.roles} == {"trainer": 4, "generator": 2, "reference": 1, "reward": 1,
                                                        "replay_buffer": 1}
-    assert (demand.processes, demand.gpus, demand.resource) == (8, 6, "gpus")
+    assert (demand.processes, demand.gpus, demand.resource) == (9, 6, "gpus")
     sft = run_demand({"recipe": "sft", "trainer": {"ranks": 1}, "generator": {"replicas": 3}})
     assert [(r.role, r.procs, r.gpus) for r in sft.roles] == [("trainer", 1, 0)]
     assert sft.resource == "slots"

@@ -143,7 +143,10 @@ class RolePlacement(_Section):
     hosts: list[str] = Field(default_factory=list, description="host names; empty: any host")
     procs_per_host: PositiveInt = 1
     gpus_per_proc: NonNegativeInt = 0
-    colocate_with: Literal["trainer", "generator", "reference"] | None = None
+    colocate_with: Literal["trainer", "generator", "reference"] | None = Field(
+        default=None, description="Monarch GRPO: start this role's procs on the host of that role (the trainer's host, or "
+                                  "the hosts of the live generator replicas), also when they are replaced; where that "
+                                  "host is gone, on any host")
 
 
 MAX_LOCAL_HOSTS = 8
@@ -273,12 +276,37 @@ def _cross_field_errors(config: RunConfig) -> list[FieldError]:
             errors.append(FieldError("placement.local_hosts", "simulated hosts need the Monarch GRPO recipe: "
                                                               "recipe: grpo, placement.backend: monarch"))
         errors.extend(unknown_host_errors(config.placement, known=local_host_names(config.placement.local_hosts)))
+    errors.extend(colocation_errors(config.placement, monarch_grpo=monarch_grpo))
     for i, drill in enumerate(config.drills):
         errors.extend(FieldError(f"drills.{i}.{field}", message) for field, message in drill_target_problems(config, drill))
     return errors
 
 
 PLACED_ROLES = ("trainer", "generator", "reference", "reward", "replay_buffer")
+
+
+# roles start in this order (trainer, generators, reward, reference): a role follows one started before it
+COLOCATION_TARGETS: dict[str, tuple[str, ...]] = {"generator": ("trainer",), "reward": ("trainer", "generator"),
+                                                  "reference": ("trainer", "generator")}
+
+
+def colocation_errors(placement: PlacementConfig, *, monarch_grpo: bool) -> list[FieldError]:
+    errors = []
+    for role in PLACED_ROLES:
+        rule = getattr(placement, role)
+        if rule.colocate_with is None:
+            continue
+        field = f"placement.{role}.colocate_with"
+        targets = COLOCATION_TARGETS.get(role, ())
+        if not monarch_grpo:
+            errors.append(FieldError(field, "colocation needs the Monarch GRPO recipe: recipe: grpo, placement.backend: monarch"))
+        elif rule.colocate_with not in targets:
+            errors.append(FieldError(field, f"the {role} can follow {' or '.join(targets)}" if targets else
+                                     f"the {role} does not follow another role; use placement.{role}.hosts"))
+        elif rule.hosts:
+            errors.append(FieldError(f"placement.{role}.hosts", f"the {role} follows the {rule.colocate_with}'s host "
+                                                                f"(colocate_with): leave hosts empty"))
+    return errors
 
 
 def unknown_host_errors(placement: PlacementConfig, *, known: Sequence[str]) -> list[FieldError]:

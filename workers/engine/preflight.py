@@ -53,8 +53,6 @@ def _unsupported(config: RunConfig) -> list[FieldError]:
                                      "not used yet: trainer.ranks and generator.replicas set the process counts"))
         if placement.gpus_per_proc != 0:
             errors.append(FieldError(f"placement.{role}.gpus_per_proc", "not used yet: set trainer.device"))
-        if placement.colocate_with is not None:
-            errors.append(FieldError(f"placement.{role}.colocate_with", "not used yet: each role has its own processes"))
     return errors
 
 

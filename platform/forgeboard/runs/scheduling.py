@@ -95,11 +95,11 @@ def run_demand(parsed: Mapping[str, Any]) -> Demand:
     roles = []
     for role, count in procs.items():
         spec = placement.get(role) or {}
-        if spec.get("colocate_with"):
-            continue  # lives in another role's processes
+        followed = spec.get("colocate_with")  # its own procs, on the followed role's hosts
+        hosts = (placement.get(followed) or {}).get("hosts") if followed else spec.get("hosts")
         if count:
             roles.append(RoleDemand(role=role, procs=count, procs_per_host=spec.get("procs_per_host", 1),
-                                    gpus_per_proc=spec.get("gpus_per_proc", 0), hosts=tuple(spec.get("hosts") or ())))
+                                    gpus_per_proc=spec.get("gpus_per_proc", 0), hosts=tuple(hosts or ())))
     return Demand(roles=tuple(roles))
 
 

@@ -163,7 +163,17 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                            f"({', '.join(hosts.describe(n) for n in hosts.names)}) in {hosts.attach_seconds} s")
 
         def role_hosts(role: str) -> list[str]:
-            return list(getattr(cfg.placement, role).hosts) or hosts.names
+            """Where a role's procs may go: the host of the role it follows (colocate_with) while that host is up, else
+            placement.<role>.hosts, else every host."""
+            placement = getattr(cfg.placement, role)
+            if placement.colocate_with is not None and hosts.alive(followed := colocated_hosts(placement.colocate_with)):
+                return followed
+            return list(placement.hosts) or hosts.names
+
+        def colocated_hosts(role: str) -> list[str]:
+            if role == "trainer":
+                return [trainer_host] if trainer_host else []
+            return list(dict.fromkeys(replica.host for replica in groups[role].live())) if role in groups else []
 
         generator_hosts = role_hosts("generator")
         trainer_pids: list[int] = []
