@@ -123,13 +123,19 @@ def test_schema_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "trainer" in schema["properties"] and schema["additionalProperties"] is False
 
 
-def test_sharding_rules_are_field_errors() -> None:
+def _config_errors(text: str, *overrides: str) -> dict[str, str]:
     from workers.engine.config import ConfigError, load_config
 
+    with pytest.raises(ConfigError) as caught:
+        load_config(text, overrides=list(overrides))
+    return {e.field: e.message for e in caught.value.errors}
+
+
+def test_sharding_rules_are_field_errors() -> None:
+    from workers.engine.config import load_config
+
     def fields(*overrides: str) -> dict[str, str]:
-        with pytest.raises(ConfigError) as caught:
-            load_config("recipe: grpo\nmodel: {path: /x}\n", overrides=list(overrides))
-        return {e.field: e.message for e in caught.value.errors}
+        return _config_errors("recipe: grpo\nmodel: {path: /x}\n", *overrides)
 
     assert "fsdp needs the Monarch GRPO recipe" in fields("trainer.sharding=fsdp")["trainer.sharding"]
     assert "trainer.sharding: fsdp" in fields("placement.backend=monarch", "trainer.mixed_precision=bf16")["trainer.mixed_precision"]
@@ -152,12 +158,10 @@ def test_sft_on_a_cluster_job_runs_in_one_process(tiny_llama3: Path) -> None:
 
 
 def test_colocation_rules_are_field_errors() -> None:
-    from workers.engine.config import ConfigError, load_config
+    from workers.engine.config import load_config
 
     def fields(*overrides: str) -> dict[str, str]:
-        with pytest.raises(ConfigError) as caught:
-            load_config("recipe: grpo\nmodel: {path: /x}\nreference: {enabled: true}\n", overrides=list(overrides))
-        return {e.field: e.message for e in caught.value.errors}
+        return _config_errors("recipe: grpo\nmodel: {path: /x}\nreference: {enabled: true}\n", *overrides)
 
     assert "Monarch GRPO recipe" in fields("placement.reference.colocate_with=trainer")["placement.reference.colocate_with"]
     monarch = "placement.backend=monarch"
