@@ -111,17 +111,19 @@ def _train(args: argparse.Namespace) -> int:
 def _local_hosts(count: int) -> Iterator[None]:
     """`placement.local_hosts` worker processes for the run, named in FORGEBOARD_MONARCH_WORKERS as a
     cluster backend would; none when that is set already (a launcher provided the workers)."""
-    if not count or "FORGEBOARD_MONARCH_WORKERS" in os.environ:
+    from workers.engine.actors.hosts import WORKERS_ENV
+
+    if not count or WORKERS_ENV in os.environ:
         yield
         return
     from workers.launch.monarch_hosts import environment_value, local_workers
 
     with local_workers(count=count) as workers:
-        os.environ["FORGEBOARD_MONARCH_WORKERS"] = environment_value(workers)
+        os.environ[WORKERS_ENV] = environment_value(workers)
         try:
             yield
         finally:
-            del os.environ["FORGEBOARD_MONARCH_WORKERS"]
+            del os.environ[WORKERS_ENV]
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:

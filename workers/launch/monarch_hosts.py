@@ -25,6 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers.engine.actors.hosts import port_open
+
 REPO_DIR = Path(__file__).resolve().parents[2]
 # argv: address, the starter's pid. The worker asks for SIGKILL when its parent dies (PR_SET_PDEATHSIG
 # is 1), then checks that the parent did not die before it asked.
@@ -60,14 +62,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def accepts(port: int, *, timeout_s: float = 0.5) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
 
 
 def _worker_environment(extra: Mapping[str, str]) -> dict[str, str]:
@@ -147,7 +141,7 @@ def local_workers(*, count: int, ready_timeout_s: float = 120.0, log_dir: Path |
         deadline = time.monotonic() + ready_timeout_s
         for worker in workers:
             port = int(worker.address.rsplit(":", 1)[1])
-            while not accepts(port):
+            while not port_open("127.0.0.1", port, timeout_s=0.5):
                 if worker.process.poll() is not None:
                     raise RuntimeError(f"Monarch worker {worker.name} ({worker.address}) exited with code "
                                        f"{worker.process.returncode}:\n{_tail(worker.log_path)}")

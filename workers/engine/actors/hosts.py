@@ -83,12 +83,16 @@ def workers_from_env(environ: Mapping[str, str] | None = None) -> list[Worker]:
     return parse_workers((os.environ if environ is None else environ).get(WORKERS_ENV, ""))
 
 
-def reachable(worker: Worker, *, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+def port_open(host: str, port: int, *, timeout_s: float) -> bool:
     try:
-        with socket.create_connection((worker.host, worker.port), timeout=timeout_s):
+        with socket.create_connection((host, port), timeout=timeout_s):
             return True
     except OSError:
         return False
+
+
+def reachable(worker: Worker, *, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    return port_open(worker.host, worker.port, timeout_s=timeout_s)
 
 
 def local_address_towards(worker: Worker) -> str:

@@ -342,14 +342,29 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
 
         unexplained: list[str] = []
 
+        def claim_fault(role: str) -> tuple[float, Any, float | None]:
+            """(now, the drill fault that explains this failure of `role` or None, its time to detect)."""
+            detected = time.monotonic()
+            fault = injector.claim(role)
+            return detected, fault, round(detected - fault.injected_at, 3) if fault else None
+
+        def record_recovery(role: str, *, detected: float, fault: Any, ttd: float | None, at_step: int, action: str,
+                            **fields: Any) -> None:
+            """The `recovered` event of a trainer or control failure (replica failures: `Failover`)."""
+            if fault is not None:
+                injector.finish(fault)
+            ttr = round(time.monotonic() - detected, 3)
+            failover.recover_seconds.append(ttr)
+            recorder.event("recovered", step=at_step, role=role, replica=fault.replica if fault else None,
+                           fault_id=fault.id if fault else None, caused_failure=True, action=action, **fields,
+                           time_to_detect_s=ttd, time_to_recover_s=ttr, policy_version=policy_version)
+
         trainer_failure: dict[str, Any] = {}  # noticed, not yet recovered: (detected at, fault, time to detect)
 
         def detect_trainer(failure: CallFailed) -> tuple[float, Any, float | None]:
             """Emit the trainer's failure_detected once per failure (its host may be found lost before its recovery starts)."""
             if not trainer_failure:
-                detected = time.monotonic()
-                fault = injector.claim("trainer")
-                ttd = round(detected - fault.injected_at, 3) if fault else None
+                detected, fault, ttd = claim_fault("trainer")
                 recorder.event("failure_detected", step=step + 1, role="trainer", replica=fault.replica if fault else None,
                                host=trainer_host, fault_id=fault.id if fault else None, reason=failure.reason,
                                hung=failure.hung, time_to_detect_s=ttd)
@@ -678,11 +693,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 totals["samples_dropped"] += len(generation.prompts)
             generator_version = -1  # the generators hold newer weights: sync before generating
             if control_replaced is not None:
-                ttr = round(time.monotonic() - control_replaced, 3)
-                failover.recover_seconds.append(ttr)
-                recorder.event("recovered", step=step, role="replay_buffer", replica=None, fault_id=None, caused_failure=True,
-                               action="restored_checkpoint", path=path, steps_lost=lost_from - step,
-                               time_to_detect_s=None, time_to_recover_s=ttr, policy_version=policy_version)
+                record_recovery("replay_buffer", detected=control_replaced, fault=None, ttd=None, at_step=step,
+                                action="restored_checkpoint", path=path, steps_lost=lost_from - step)
 
         if cfg.checkpoint.resume_from:
             restore(cfg.checkpoint.resume_from)
@@ -711,16 +723,10 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             recorder.event("replica_replaced", step=step, role="trainer", replica=None, ranks=trainer_cfg.ranks,
                            host=trainer_host, pids=list(trainer_pids), path=last_checkpoint, policy_version=policy_version,
                            seconds=round(time.monotonic() - detected, 3))
-            if fault is not None:
-                injector.finish(fault)
-            ttr = round(time.monotonic() - detected, 3)
-            failover.recover_seconds.append(ttr)
             if ttd is not None:
                 failover.detect_seconds.append(ttd)
-            recorder.event("recovered", step=step, role="trainer", replica=fault.replica if fault else None,
-                           fault_id=fault.id if fault else None, caused_failure=True, action="restored_checkpoint",
-                           path=last_checkpoint, steps_lost=lost_from - step, time_to_detect_s=ttd, time_to_recover_s=ttr,
-                           policy_version=policy_version)
+            record_recovery("trainer", detected=detected, fault=fault, ttd=ttd, at_step=step, action="restored_checkpoint",
+                            path=last_checkpoint, steps_lost=lost_from - step)
 
         def train_tick() -> None:
             """While a step trains: a rank that exited fails the step now (its peers would wait in the all-reduce)."""
@@ -746,9 +752,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 if not raised:
                     recover_trainer(failure)
                     return None
-            detected = time.monotonic()
-            fault = injector.claim("trainer")
-            ttd = round(detected - fault.injected_at, 3) if fault else None
+            detected, fault, ttd = claim_fault("trainer")
             recorder.event("failure_detected", step=step + 1, role="trainer", replica=fault.replica if fault else None,
                            fault_id=fault.id if fault else None, reason=f"{what} raised", hung=False, time_to_detect_s=ttd)
             try:
@@ -756,13 +760,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             except CallFailed as failure:
                 recover_trainer(failure)
                 return None
-            if fault is not None:
-                injector.finish(fault)
-            ttr = round(time.monotonic() - detected, 3)
-            failover.recover_seconds.append(ttr)
-            recorder.event("recovered", step=step + 1, role="trainer", replica=fault.replica if fault else None,
-                           fault_id=fault.id if fault else None, caused_failure=True, action="retried",
-                           time_to_detect_s=ttd, time_to_recover_s=ttr, policy_version=policy_version)
+            record_recovery("trainer", detected=detected, fault=fault, ttd=ttd, at_step=step + 1, action="retried")
             return results
 
         def reference_logprobs(record: Any) -> Any:
