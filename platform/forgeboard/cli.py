@@ -41,7 +41,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     web = subprocess.Popen(
         [sys.executable, "-m", "daphne", "-b", args.host, "-p", str(args.port), "forgeboard.asgi:application"],
-        env=env, cwd=REPO_DIR, start_new_session=True,
+        env={"FORGEBOARD_DB_POOL_SIZE": "8"} | env, cwd=REPO_DIR, start_new_session=True,
     )
     print(f"Forgeboard on http://{args.host}:{args.port}/ (log in as demo / forgeboard-demo); Ctrl-C stops it",
           flush=True)

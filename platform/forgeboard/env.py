@@ -99,8 +99,8 @@ class Env:
         return value
 
 
-def database_from_url(url: str, *, conn_max_age: int) -> dict:
-    """Django DATABASES entry for a postgres:// URL (psycopg 3)."""
+def database_from_url(url: str, *, conn_max_age: int, pool_size: int = 0) -> dict:
+    """Django DATABASES entry for a postgres:// URL (psycopg 3); pool_size > 0 pools connections."""
     parts = urlsplit(url)
     name = parts.path.lstrip("/")
     if not name:
@@ -109,6 +109,7 @@ def database_from_url(url: str, *, conn_max_age: int) -> dict:
         port = parts.port
     except ValueError:
         raise ImproperlyConfigured("DATABASE_URL: the port is not a number") from None
+    pooled = {"OPTIONS": {"pool": {"min_size": 1, "max_size": pool_size, "timeout": 30}}} if pool_size else {}
     return {
         "ENGINE": "django.db.backends.postgresql",
         "NAME": name,
@@ -116,6 +117,6 @@ def database_from_url(url: str, *, conn_max_age: int) -> dict:
         "PASSWORD": parts.password or "",
         "HOST": parts.hostname or "",
         "PORT": str(port or ""),
-        "CONN_MAX_AGE": conn_max_age,
+        "CONN_MAX_AGE": 0 if pool_size else conn_max_age,  # Django refuses persistent connections with a pool
         "CONN_HEALTH_CHECKS": True,
-    }
+    } | pooled

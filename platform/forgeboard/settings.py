@@ -92,13 +92,18 @@ TEMPLATES = [
 # --- database -----------------------------------------------------------------------------
 DATABASE_URL = env.url("DATABASE_URL", ("postgres", "postgresql", "sqlite"), secret=True)
 CONN_MAX_AGE = env.int("FORGEBOARD_DB_CONN_MAX_AGE", 0 if FORGEBOARD_ENV == "test" else 60, minimum=0)
+# Postgres connections pooled per process (psycopg_pool), for the web server: under ASGI every request
+# runs in a thread of its own, so a persistent connection is never reused and each request would
+# connect anew. `forgeboard serve` sets it for daphne; 0 keeps Django's per-thread connections
+# (Celery workers and scripts, which fork or run one thread).
+DB_POOL_SIZE = env.int("FORGEBOARD_DB_POOL_SIZE", 0, minimum=0)
 _SQLITE_OPTIONS = {
     "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA busy_timeout=10000;",
     "transaction_mode": "IMMEDIATE",
     "timeout": 20,
 }
 if DATABASE_URL and not DATABASE_URL.startswith("sqlite"):
-    DATABASES = {"default": database_from_url(DATABASE_URL, conn_max_age=CONN_MAX_AGE)}
+    DATABASES = {"default": database_from_url(DATABASE_URL, conn_max_age=CONN_MAX_AGE, pool_size=DB_POOL_SIZE)}
 else:
     _sqlite_path = Path(urlsplit(DATABASE_URL).path) if DATABASE_URL else DATA_DIR / "forgeboard.sqlite3"
     DATABASES = {
@@ -160,7 +165,8 @@ else:
     }
 # The cache holds API rate-limit counters, so it must be shared by every web process.
 if REDIS_URL:
-    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL,
+                          "OPTIONS": {"pool_class": "forgeboard.redis_pool.SharedConnectionPool"}}}
 else:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.db.DatabaseCache", "LOCATION": "forgeboard_cache"}}
 # Tests make thousands of calls a minute from one address; the tests of the limits set their own.

@@ -1,22 +1,22 @@
 """Benchmarks: emit -> websocket client latency with 1 and 100 subscribers; enqueue -> controller start.
 
+The emitter posts telemetry over HTTP as an engine does; the subscribers run in a process of their own.
+
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/forgeboard REDIS_URL=redis://127.0.0.1:6379/15 \
         FORGEBOARD_ENV=test .venv/bin/python -m pytest tests/bench/test_bench_streams.py -s
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import statistics
 import subprocess
 import sys
-import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
-import websockets
 from django.conf import settings
 
 from forgeboard.accounts.services import api_token_create
@@ -34,34 +34,13 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _subscribers(url: str, origin: str, count: int, latencies: list[float], ready: threading.Event) -> None:
-    async def one(ws) -> None:  # noqa: ANN001
-        await ws.recv()  # backlog
-        received = 0
-        while received < MESSAGES:
-            message = json.loads(await ws.recv())
-            now = time.time()
-            for event in message.get("events", []):
-                if event["kind"] == "message":
-                    latencies.append(now - event["payload"]["emitted"])
-                    received += 1
-
-    sockets = [await websockets.connect(url, origin=origin, open_timeout=30) for _ in range(count)]
-    ready.set()
-    await asyncio.wait_for(asyncio.gather(*(one(ws) for ws in sockets)), timeout=300)
-    for ws in sockets:
-        await ws.close()
-
-
 def _measure(port: int, run, run_token: str, read_token: str, subscribers: int, first_seq: int) -> list[float]:
-    latencies: list[float] = []
-    ready = threading.Event()
     run.refresh_from_db()
     url = f"ws://127.0.0.1:{port}/ws/runs/{run.pk}/?token={read_token}&after_seq={run.last_event_seq}"
-    listener = threading.Thread(
-        target=lambda: asyncio.run(_subscribers(url, f"http://127.0.0.1:{port}", subscribers, latencies, ready)))
-    listener.start()
-    assert ready.wait(60)
+    listener = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("ws_subscribers.py")), url, f"http://127.0.0.1:{port}",
+         str(subscribers), str(MESSAGES)], stdout=subprocess.PIPE, text=True)
+    assert listener.stdout.readline().strip() == "ready"
     time.sleep(0.5)
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {run_token}"}) as c:
         for i in range(MESSAGES):
@@ -69,7 +48,8 @@ def _measure(port: int, run, run_token: str, read_token: str, subscribers: int, 
                 {"kind": "message", "payload": {"emitted": time.time()}, "time": time.time()}]}]}
             assert c.post(f"/api/v1/controller/runs/{run.pk}/telemetry", json=body).status_code == 200
             time.sleep(0.02)
-    listener.join(timeout=300)
+    out, _ = listener.communicate(timeout=300)
+    latencies = json.loads(out)
     assert len(latencies) == MESSAGES * subscribers
     return latencies
 

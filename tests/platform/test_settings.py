@@ -64,6 +64,23 @@ def test_database_url_gives_psycopg_settings():
         database_from_url("postgres://host/", conn_max_age=0)
 
 
+def test_a_pool_size_pools_connections_instead_of_keeping_them():
+    db = database_from_url("postgres://fb@db.internal/forgeboard", conn_max_age=60, pool_size=8)
+    assert db["OPTIONS"] == {"pool": {"min_size": 1, "max_size": 8, "timeout": 30}}
+    assert db["CONN_MAX_AGE"] == 0  # Django refuses a pool with persistent connections
+
+
+def test_cache_objects_share_one_redis_pool_per_url():
+    from django.core.cache.backends.redis import RedisCache
+
+    params = {"OPTIONS": {"pool_class": "forgeboard.redis_pool.SharedConnectionPool"}}
+    first = RedisCache("redis://127.0.0.1:6379/3", params)._cache._get_connection_pool(write=True)
+    second = RedisCache("redis://127.0.0.1:6379/3", params)._cache._get_connection_pool(write=True)
+    other = RedisCache("redis://127.0.0.1:6379/4", params)._cache._get_connection_pool(write=True)
+    assert first is second
+    assert other is not first and other.connection_kwargs["db"] == 4
+
+
 def _manage(args: list[str], **env: str) -> subprocess.CompletedProcess:
     environ = platform_env(**env)
     return subprocess.run([sys.executable, str(REPO_DIR / "manage.py"), *args], env=environ,

@@ -86,6 +86,26 @@ async def test_backlog_then_live_then_resume(running_run, team):
     await second.disconnect()
 
 
+async def test_live_updates_skip_the_shared_sync_thread(running_run, team, monkeypatch):
+    """Channels would close stale DB connections (a hop to the one sync thread) before each update."""
+    run, _ = running_run
+    token = await _token(team)
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={token}")
+    await stream.receive_from(timeout=10)
+    hops = []
+
+    async def counted() -> None:
+        hops.append(1)
+
+    monkeypatch.setattr("channels.consumer.aclose_old_connections", counted)
+    await _ingest(run, 1)
+    await _receive_until(stream, lambda m: m.get("batch") == 1)
+    await stream.send_json_to({"type": "ping"})
+    assert json.loads(await stream.receive_from(timeout=10)) == {"type": "pong"}
+    assert hops == [1]  # the ping went through channels' dispatch; the update did not
+    await stream.disconnect()
+
+
 async def test_state_changes_reach_run_and_project_subscribers(running_run, team):
     run, _ = running_run
     token = await _token(team)

@@ -98,7 +98,7 @@ def start_web_server(log_path: Path, *, port: int, ready_timeout: float = 60, **
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "forgeboard.asgi:application"],
-            cwd=REPO_DIR, env=platform_env(**env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=REPO_DIR, env=platform_env(**({"FORGEBOARD_DB_POOL_SIZE": "4"} | env)), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     deadline = time.monotonic() + ready_timeout
     while True:
