@@ -61,11 +61,12 @@ def test_preflight_refuses_what_it_cannot_run(tiny_llama3: Path, tmp_path: Path,
                   "trainer.recover_failures:", "checkpoint.resume_from:"):
         assert field in err
     sft = _write(tmp_path / "sft.yaml", f"recipe: sft\nmodel: {{family: llama3, path: '{tiny_llama3}'}}\n")
-    assert main(["train", "--config", str(sft), "placement.backend=monarch", "placement.generator.procs_per_host=2"]) == 2
-    err = capsys.readouterr().err
-    for line in ("placement.backend: the monarch backend runs GRPO", "placement.generator.procs_per_host: not used yet"):
-        assert line in err
+    assert main(["train", "--config", str(sft), "placement.backend=monarch"]) == 2
+    assert "placement.backend: the monarch backend runs GRPO" in capsys.readouterr().err
     grpo = _write(tmp_path / "grpo.yaml", f"recipe: grpo\nmodel: {{family: llama3, path: '{tiny_llama3}'}}\n")
+    assert main(["train", "--config", str(grpo), "placement.backend=monarch", "trainer.ranks=3",
+                 "placement.trainer.procs_per_host=2"]) == 2
+    assert "placement.trainer.procs_per_host: trainer.ranks 3 do not fill hosts of 2" in capsys.readouterr().err
     assert main(["train", "--config", str(grpo), "placement.backend=monarch", "placement.trainer.hosts=[a, b]"]) == 2
     assert "placement.trainer.hosts: no hosts to place it on: set placement.local_hosts" in capsys.readouterr().err
 
@@ -174,3 +175,25 @@ def test_colocation_rules_are_field_errors() -> None:
     config = load_config("recipe: grpo\nmodel: {path: /x}\n", overrides=[
         monarch, "placement.reference.colocate_with=trainer", "placement.reward.colocate_with=generator"])
     assert config.placement.reward.colocate_with == "generator"
+
+
+def test_gpu_placement_rules_are_field_errors() -> None:
+    from workers.engine.config import load_config
+
+    def fields(*overrides: str) -> dict[str, str]:
+        return _config_errors("recipe: grpo\nmodel: {path: /x}\n", *overrides)
+
+    monarch = "placement.backend=monarch"
+    assert "tensor parallelism is not implemented" in fields(monarch, "placement.generator.gpus_per_proc=2")[
+        "placement.generator.gpus_per_proc"]
+    assert "holds no model" in fields(monarch, "placement.reward.gpus_per_proc=1")["placement.reward.gpus_per_proc"]
+    assert "set it on the trainer" in fields("placement.generator.gpus_per_proc=1")["placement.generator.gpus_per_proc"]
+    assert "trainer.device" in fields("placement.trainer.gpus_per_proc=1", "trainer.device=cpu")[
+        "placement.trainer.gpus_per_proc"]
+    # one process with its GPU, or every role's procs with one each
+    assert load_config("recipe: grpo\nmodel: {path: /x}\n", overrides=["placement.trainer.gpus_per_proc=1"])
+    config = load_config("recipe: grpo\nmodel: {path: /x}\n", overrides=[
+        monarch, "trainer.ranks=4", "placement.trainer.procs_per_host=2", "placement.trainer.gpus_per_proc=1",
+        "placement.generator.gpus_per_proc=1", "placement.generator.procs_per_host=1"])
+    assert (config.placement.trainer.procs_per_host, config.placement.generator.gpus_per_proc) == (2, 1)
+    assert load_config("recipe: grpo\nmodel: {path: /x}\n").placement.generator.procs_per_host is None

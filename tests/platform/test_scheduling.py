@@ -248,3 +248,15 @@ def test_concurrent_schedulers_start_each_run_once_and_never_overcommit(team, gr
     assert sorted(started) == [runs[0].pk, runs[1].pk], results  # two slots, each run started once
     launching = Run.objects.filter(state=RunState.LAUNCHING).values_list("pk", flat=True)
     assert sorted(launching) == sorted(started)
+
+
+def test_without_procs_per_host_trainer_ranks_share_a_host_and_replicas_may_too(team, grpo_yaml):
+    """As the engine places them: all ranks on one host; generator replicas several to a host."""
+    _host("a", 4)
+    _host("b", 2)
+    run = _queued(team, grpo_yaml, "placement.backend=monarch", "trainer.ranks=4", "placement.trainer.gpus_per_proc=1",
+                  "generator.replicas=2", "placement.generator.gpus_per_proc=1")
+    demand = run_demand(run.config.parsed)
+    assert [r.describe() for r in demand.roles if r.gpus] == ["trainer 4×1 GPU, on one host", "generator 2×1 GPU"]
+    assert _schedule() == [run.pk]
+    assert Run.objects.get(pk=run.pk).allocation == {"a": {"gpus": 4, "slots": 0}, "b": {"gpus": 2, "slots": 0}}

@@ -141,8 +141,14 @@ class ReplayBufferConfig(_Section):
 
 class RolePlacement(_Section):
     hosts: list[str] = Field(default_factory=list, description="host names; empty: any host")
-    procs_per_host: PositiveInt = 1
-    gpus_per_proc: NonNegativeInt = 0
+    procs_per_host: PositiveInt | None = Field(
+        default=None, description="Monarch GRPO: the most procs of this role on one host. Trainer: its ranks go this many "
+                                  "to a host, over trainer.ranks / procs_per_host hosts; replicas: a host takes at most "
+                                  "this many (warm spares included). Unset: the trainer's ranks share one host, replicas "
+                                  "go round the role's hosts")
+    gpus_per_proc: NonNegativeInt = Field(
+        default=0, description="Monarch GRPO: GPUs of its host each proc of this role holds alone (0 or 1); 0: the "
+                               "role runs on trainer.device, sharing it")
     colocate_with: Literal["trainer", "generator", "reference"] | None = Field(
         default=None, description="Monarch GRPO: start this role's procs on the host of that role (the trainer's host, or "
                                   "the hosts of the live generator replicas), also when they are replaced; where that "
@@ -277,6 +283,7 @@ def _cross_field_errors(config: RunConfig) -> list[FieldError]:
                                                               "recipe: grpo, placement.backend: monarch"))
         errors.extend(unknown_host_errors(config.placement, known=local_host_names(config.placement.local_hosts)))
     errors.extend(colocation_errors(config.placement, monarch_grpo=monarch_grpo))
+    errors.extend(proc_layout_errors(config, monarch_grpo=monarch_grpo))
     for i, drill in enumerate(config.drills):
         errors.extend(FieldError(f"drills.{i}.{field}", message) for field, message in drill_target_problems(config, drill))
     return errors
@@ -306,6 +313,27 @@ def colocation_errors(placement: PlacementConfig, *, monarch_grpo: bool) -> list
         elif rule.hosts:
             errors.append(FieldError(f"placement.{role}.hosts", f"the {role} follows the {rule.colocate_with}'s host "
                                                                 f"(colocate_with): leave hosts empty"))
+    return errors
+
+
+def proc_layout_errors(config: RunConfig, *, monarch_grpo: bool) -> list[FieldError]:
+    """gpus_per_proc: one GPU, for roles with a model, in their own procs (Monarch GRPO) except the trainer's (its one
+    process's GPU otherwise)."""
+    errors = []
+    for role in PLACED_ROLES:
+        rule = getattr(config.placement, role)
+        if rule.gpus_per_proc and role != "trainer" and not monarch_grpo:
+            errors.append(FieldError(f"placement.{role}.gpus_per_proc", "without Monarch GRPO procs every role runs in "
+                                                                         "the trainer's process: set it on the trainer"))
+        if rule.gpus_per_proc > 1:
+            errors.append(FieldError(f"placement.{role}.gpus_per_proc", "at most 1: a proc runs its model on one GPU "
+                                                                         "(tensor parallelism is not implemented; "
+                                                                         "trainer ranks shard with trainer.sharding: fsdp)"))
+        if rule.gpus_per_proc and role in ("reward", "replay_buffer"):
+            errors.append(FieldError(f"placement.{role}.gpus_per_proc", f"the {role} holds no model: 0"))
+    if config.placement.trainer.gpus_per_proc and config.trainer.device == "cpu":
+        errors.append(FieldError("placement.trainer.gpus_per_proc", "a GPU for a trainer on the CPU: set trainer.device "
+                                                                     "to cuda or auto, or gpus_per_proc to 0"))
     return errors
 
 

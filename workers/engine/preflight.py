@@ -42,17 +42,17 @@ def _unsupported(config: RunConfig) -> list[FieldError]:
         errors.append(FieldError("reference.replicas", "one reference model is supported"))
     if config.max_restarts != 0:
         errors.append(FieldError("max_restarts", "restarts are the control plane's job; the engine runs once"))
+    per_host = config.placement.trainer.procs_per_host
+    if monarch and per_host is not None and config.trainer.ranks % per_host:
+        errors.append(FieldError("placement.trainer.procs_per_host", f"trainer.ranks {config.trainer.ranks} do not fill "
+                                                                     f"hosts of {per_host}: every trainer host takes "
+                                                                     "as many ranks (use a divisor)"))
     for role in ("trainer", "generator", "reference", "reward", "replay_buffer"):
         placement = getattr(config.placement, role)
         if placement.hosts and not (named_hosts or (monarch and role == "generator")):
             errors.append(FieldError(f"placement.{role}.hosts", "no hosts to place it on: set placement.local_hosts (simulated "
                                                                 "hosts) or a slurm/kubernetes backend; with monarch alone, "
                                                                 "host names only label local generator procs"))
-        if placement.procs_per_host != 1:
-            errors.append(FieldError(f"placement.{role}.procs_per_host",
-                                     "not used yet: trainer.ranks and generator.replicas set the process counts"))
-        if placement.gpus_per_proc != 0:
-            errors.append(FieldError(f"placement.{role}.gpus_per_proc", "not used yet: set trainer.device"))
     return errors
 
 

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.engine.actors.devices import GPUS_PER_HOST_ENV
 from workers.launch.slurm import (
     LaunchSpecError,
     SchedulerStatus,
@@ -129,6 +130,8 @@ def kubernetes_objects(request: KubernetesLaunchRequest) -> list[dict[str, Any]]
     environment = run_environment(run_id=request.run_id, control_plane_url=request.control_plane_url,
                                   token_file=request.token_file, extra=request.environment)
     environment["FORGEBOARD_MONARCH_WORKERS"] = ",".join(request.worker_addresses())
+    if request.gpus_per_node:  # the engine hands them to procs (placement gpus_per_proc)
+        environment[GPUS_PER_HOST_ENV] = str(request.gpus_per_node)
     resources: dict[str, Any] = {
         "requests": {"cpu": str(request.cpus_per_node), "memory": request.memory},
         "limits": {"memory": request.memory},

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
+from workers.engine.actors.devices import GPUS_PER_HOST_ENV
+
 __all__ = ["LaunchSpecError", "SchedulerStatus", "SlurmLaunchRequest", "sbatch_script", "parse_squeue", "parse_sacct",
            "slurm_job_status", "job_ids_for_run"]
 
@@ -28,7 +30,7 @@ __all__ = ["LaunchSpecError", "SchedulerStatus", "SlurmLaunchRequest", "sbatch_s
 RunStateName = Literal["queued", "launching", "running", "succeeded", "failed", "lost"]
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_ENVIRONMENT = frozenset({"FORGEBOARD_RUN_ID", "FORGEBOARD_URL", "FORGEBOARD_RUN_TOKEN_FILE",
-                                  "FORGEBOARD_MONARCH_WORKERS"})
+                                  "FORGEBOARD_MONARCH_WORKERS", GPUS_PER_HOST_ENV})
 
 
 class LaunchSpecError(ValueError):
@@ -184,6 +186,8 @@ def sbatch_script(request: SlurmLaunchRequest) -> str:
                    (("time", request.time_limit), ("account", request.account), ("qos", request.qos)) if value]
     environment = run_environment(run_id=request.run_id, control_plane_url=request.control_plane_url,
                                   token_file=request.token_file, extra=request.environment)
+    if request.gpus_per_node:  # the engine hands them to procs (placement gpus_per_proc)
+        environment[GPUS_PER_HOST_ENV] = str(request.gpus_per_node)
     worker = _srun(request, f"--nodes={request.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1") + [
         request.python, "-c", worker_loop_code(port=request.monarch_port)]
     controller = _srun(request, "--overlap", "--nodes=1", "--ntasks=1") + request.controller_argv()

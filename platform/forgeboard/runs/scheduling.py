@@ -48,7 +48,7 @@ Allocation = dict[str, dict[str, int]]
 class RoleDemand:
     role: str
     procs: int
-    procs_per_host: int
+    procs_per_host: int | None  # None: the trainer's ranks share one host; replicas go anywhere, several to a host
     gpus_per_proc: int
     hosts: tuple[str, ...] = ()
 
@@ -56,9 +56,25 @@ class RoleDemand:
     def gpus(self) -> int:
         return self.procs * self.gpus_per_proc
 
+    @property
+    def group(self) -> int:
+        """Procs placed together on one host (as the engine does)."""
+        if self.procs_per_host is not None:
+            return self.procs_per_host
+        return self.procs if self.role == "trainer" else 1
+
+    @property
+    def distinct_hosts(self) -> bool:
+        """Each group on a host of its own: procs_per_host caps the role's procs on one host."""
+        return self.procs_per_host is not None
+
     def describe(self) -> str:
         where = f" on {', '.join(self.hosts)}" if self.hosts else ""
-        return f"{self.role} {self.procs}×{self.gpus_per_proc} GPU, ≤{self.procs_per_host} per host{where}"
+        if self.procs_per_host is not None:
+            per_host = f", ≤{self.procs_per_host} per host"
+        else:
+            per_host = ", on one host" if self.role == "trainer" and self.procs > 1 else ""
+        return f"{self.role} {self.procs}×{self.gpus_per_proc} GPU{per_host}{where}"
 
 
 @dataclass(frozen=True)
@@ -98,7 +114,7 @@ def run_demand(parsed: Mapping[str, Any]) -> Demand:
         followed = spec.get("colocate_with")  # its own procs, on the followed role's hosts
         hosts = (placement.get(followed) or {}).get("hosts") if followed else spec.get("hosts")
         if count:
-            roles.append(RoleDemand(role=role, procs=count, procs_per_host=spec.get("procs_per_host", 1),
+            roles.append(RoleDemand(role=role, procs=count, procs_per_host=spec.get("procs_per_host"),
                                     gpus_per_proc=spec.get("gpus_per_proc", 0), hosts=tuple(hosts or ())))
     return Demand(roles=tuple(roles))
 
@@ -120,14 +136,15 @@ def _place(demand: Demand, room: Mapping[str, HostRoom]) -> Allocation | None:
             return None
         host = max(candidates, key=lambda name: free[name].slots)
         return {host: {"gpus": 0, "slots": 1}}
-    for role in sorted((r for r in demand.roles if r.gpus), key=lambda r: -r.procs_per_host * r.gpus_per_proc):
-        groups = [role.procs_per_host] * (role.procs // role.procs_per_host)
-        if role.procs % role.procs_per_host:
-            groups.append(role.procs % role.procs_per_host)
+    for role in sorted((r for r in demand.roles if r.gpus), key=lambda r: -r.group * r.gpus_per_proc):
+        groups = [role.group] * (role.procs // role.group)
+        if role.procs % role.group:
+            groups.append(role.procs % role.group)
         used_by_role: set[str] = set()
         for procs in groups:
             need = procs * role.gpus_per_proc
-            candidates = [name for name in sorted(free) if free[name].gpus >= need and name not in used_by_role
+            candidates = [name for name in sorted(free) if free[name].gpus >= need
+                          and not (role.distinct_hosts and name in used_by_role)
                           and (not role.hosts or name in role.hosts)]
             if not candidates:
                 return None
@@ -184,8 +201,8 @@ def _never_fits(*, demand: Demand, project: Project, whole: Mapping[str, HostRoo
         unknown = [name for name in role.hosts if name not in whole]
         if unknown:
             return f"placement.{role.role}.hosts names {', '.join(unknown)}: not in the cluster inventory"
-        if role.gpus and role.procs_per_host * role.gpus_per_proc > max(r.gpus for r in whole.values()):
-            return (f"placement.{role.role} puts {role.procs_per_host * role.gpus_per_proc} GPUs on one host; "
+        if role.gpus and role.group * role.gpus_per_proc > max(r.gpus for r in whole.values()):
+            return (f"placement.{role.role} puts {role.group * role.gpus_per_proc} GPUs on one host; "
                     f"the largest host has {max(r.gpus for r in whole.values())}")
     if _place(demand, whole) is None and not demand.gpus:
         return "its roles are pinned to hosts with no host in common (a CPU-only run takes one slot on one host)"

@@ -25,6 +25,7 @@ of one request, the run fails with the reason.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
 from collections.abc import Callable
@@ -180,8 +181,10 @@ class ReplicaGroup:
     """
 
     def __init__(self, role: str, *, spawn_actor: Callable[[Any, str], Any], threads: int, routing: str,
-                 hosts: Hosts | None = None, spares: int = 0):
+                 hosts: Hosts | None = None, spares: int = 0, gpus_per_proc: int = 0, per_host: int | None = None):
         self.role = role
+        self.gpus_per_proc = gpus_per_proc
+        self.per_host = per_host  # placement.<role>.procs_per_host: the most replicas and spares on one host
         self.spawn_actor = spawn_actor  # (procs, actor name) -> actor mesh of one actor
         self.hosts = hosts or Hosts()  # none given: every host name is this machine
         self.threads = threads
@@ -201,7 +204,8 @@ class ReplicaGroup:
 
     def _start(self, index: int, host: str, name: str) -> Replica:
         """A new proc mesh with the role's actor on `host`; its model may still be loading."""
-        procs = self.hosts.spawn_procs(host=host, count=1, threads=self.threads)
+        procs = self.hosts.spawn_procs(host=host, count=1, threads=self.threads, gpus_per_proc=self.gpus_per_proc,
+                                       owner=name)
         return Replica(self.role, index, host, self.incarnations, name, procs, self.spawn_actor(procs, name),
                        pids_visible=self.hosts.pids_visible(host))
 
@@ -216,6 +220,21 @@ class ReplicaGroup:
         replica = self._spawn(index, host)
         self._ready(replica)
         return replica
+
+    def room(self, host: str, *, replacing: Replica | None = None) -> float:
+        """How many more of this role's procs `host` can take (inf: no limit): procs_per_host, and free GPUs with
+        gpus_per_proc. `replacing`: a replica about to stop, whose place counts as free."""
+        others = [r for r in [*(self.live() if self.service else []), *self.spare_replicas()] if r is not replacing]
+        slots = math.inf if self.per_host is None else self.per_host - sum(r.host == host for r in others)
+        free = self.hosts.gpus_free(host)
+        if free is not None and self.gpus_per_proc:
+            if replacing is not None and replacing.host == host:
+                free += self.gpus_per_proc
+            slots = min(slots, free // self.gpus_per_proc)
+        return max(slots, 0)
+
+    def has_room(self, host: str, *, replacing: Replica | None = None) -> bool:
+        return self.room(host, replacing=replacing) >= 1
 
     @property
     def replicas(self) -> list[Replica]:
@@ -238,7 +257,7 @@ class ReplicaGroup:
     def warm(self, host: str) -> int:
         """Start spares on `host` until `spares` are ready or loading; how many were started."""
         started = 0
-        while len(self.ready_spares) + len(self.warming) < self.spares:
+        while len(self.ready_spares) + len(self.warming) < self.spares and self.has_room(host):
             self.incarnations += 1
             spare = self._start(-1, host, f"{self.role}_spare_{self.incarnations}")
             self.warming.append((spare, spare.actor.pid.call_one()))
@@ -302,6 +321,7 @@ class ReplicaGroup:
     def stop(self, replica: Replica) -> None:
         if replica.host not in self.hosts.lost:  # a lost host's procs are gone, and stopping them would wait
             stop_quietly(replica.procs)
+        self.hosts.release(replica.name)
 
     def stop_all(self) -> None:
         for replica in [*(self.service.replicas if self.service else []), *self.retiring, *self.spare_replicas()]:

@@ -5,6 +5,7 @@ import time
 from monarch.actor import endpoint
 
 from workers.engine.actors.faults import FaultInjectableActor
+from workers.engine.actors.devices import bind_proc_gpus
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.sampler import Completion, SamplingParams, TorchSampler
@@ -15,6 +16,7 @@ class GeneratorActor(FaultInjectableActor):
 
     def __init__(self, model_folder: str, dtype: str, device: str):
         set_proc_threads()
+        bind_proc_gpus()  # placement gpus_per_proc: CUDA shows this proc its own GPU only
         loaded = load_pretrained(model_folder, dtype=dtype, device=device)
         loaded.model.eval().requires_grad_(False)
         self.sampler = TorchSampler(loaded.model, eos_token_ids=loaded.tokenizer.eos_token_ids,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from workers.engine.actors.devices import DeviceLedger, gpus_per_host_from_env
 from workers.engine.actors.procs import apply_proc_env, proc_env, spawn_procs
 from workers.engine.config import PlacementConfig, unknown_host_errors
 from workers.engine.fields import ConfigError
@@ -128,19 +129,22 @@ def check_placement(placement: PlacementConfig, *, workers: Sequence[Worker]) ->
 class Hosts:
     """Named hosts of one run: slices of one attached host mesh, or this machine under any name."""
 
-    def __init__(self, *, workers: Sequence[Worker] = (), mesh: Any = None, attach_seconds: float = 0.0):
+    def __init__(self, *, workers: Sequence[Worker] = (), mesh: Any = None, attach_seconds: float = 0.0,
+                 gpus_per_host: int | None = None):
         self.workers = {w.name: w for w in workers}
         self._index = {w.name: i for i, w in enumerate(workers)}
         self.mesh = mesh
         self.attach_seconds = attach_seconds
         self.lost: set[str] = set()
         self._probed_at = 0.0
+        self.gpus = DeviceLedger(gpus_per_host=gpus_per_host)
+        self._submeshes: dict[tuple[str, ...], Any] = {}
 
     @classmethod
     def attach(cls, *, workers: Sequence[Worker], timeout_s: float) -> Hosts:
         """Attach to every worker once; HostsUnreachable naming those that do not answer."""
         if not workers:
-            return cls()
+            return cls(gpus_per_host=_local_gpus())
         started = time.monotonic()
         _raise_unreachable(workers, why="not accepting connections")
         _enable_transport(local_address_towards(workers[0]))
@@ -153,27 +157,80 @@ class Hosts:
             _raise_unreachable(workers, why=f"not attached within {timeout_s:g} s")
             raise HostsUnreachable(f"could not attach to Monarch workers "
                                    f"{', '.join(w.name + ' (' + w.address + ')' for w in workers)}: {error}") from None
-        return cls(workers=workers, mesh=mesh, attach_seconds=round(time.monotonic() - started, 3))
+        return cls(workers=workers, mesh=mesh, attach_seconds=round(time.monotonic() - started, 3),
+                   gpus_per_host=gpus_per_host_from_env())
 
     @property
     def names(self) -> list[str]:
         return list(self.workers) or [LOCAL]
 
-    def spawn_procs(self, *, host: str, count: int, threads: int) -> Any:
+    def spawn_procs(self, *, host: str, count: int, threads: int, gpus_per_proc: int = 0, owner: str = "") -> Any:
+        """`count` procs on `host`; with `gpus_per_proc`, each holds that many of the host's GPUs until
+        `release(owner)`."""
+        return self.spawn_across(hosts=[host], per_host=count, threads=threads, gpus_per_proc=gpus_per_proc, owner=owner)
+
+    def spawn_across(self, *, hosts: Sequence[str], per_host: int, threads: int, gpus_per_proc: int = 0,
+                     owner: str = "") -> Any:
+        """One proc mesh of `per_host` procs on each of `hosts` (labels hosts x procs with workers; procs without)."""
+        hosts = list(hosts)
+        lost = [h for h in hosts if h in self.lost]
+        if lost:
+            raise HostsUnreachable(f"host {self.describe(lost[0])} is lost")
+        try:
+            if not gpus_per_proc:
+                groups = []
+            elif self.workers:
+                groups = [self.gpus.take(host=h, owner=owner, procs=per_host, gpus_per_proc=gpus_per_proc) for h in hosts]
+            else:  # every name is this machine
+                groups = [self.gpus.take(host=LOCAL, owner=owner, procs=per_host * len(hosts), gpus_per_proc=gpus_per_proc)]
+            procs = self._spawn(hosts, per_host=per_host, threads=threads)
+            if groups:
+                from workers.engine.actors.proc_gpus import assign_gpus
+
+                assign_gpus(procs, groups)
+        except BaseException:
+            self.gpus.release(owner)
+            raise
+        return procs
+
+    def _spawn(self, hosts: list[str], *, per_host: int, threads: int) -> Any:
         if not self.workers:
-            return spawn_procs(count, threads=threads)
-        if host in self.lost:
-            raise HostsUnreachable(f"host {host} ({self.workers[host].address}) is lost")
-        procs = self.mesh.slice(hosts=self._index[host]).spawn_procs(
-            per_host={"procs": count}, bootstrap=partial(apply_proc_env, proc_env(threads=threads)))
+            return spawn_procs(per_host * len(hosts), threads=threads)
+        procs = self._host_mesh(hosts).spawn_procs(per_host={"procs": per_host},
+                                                   bootstrap=partial(apply_proc_env, proc_env(threads=threads)))
         try:
             procs.initialized.get(timeout=SPAWN_TIMEOUT_S)
         except Exception:  # Monarch gives up after ~30 s on a dead host: say so when that is why
-            if not reachable(self.workers[host]):
-                raise HostsUnreachable(f"host {host} ({self.workers[host].address}) stopped accepting connections "
+            gone = [h for h in hosts if not reachable(self.workers[h])]
+            if gone:
+                raise HostsUnreachable(f"host {self.describe(gone[0])} stopped accepting connections "
                                        "while a proc was spawned there") from None
             raise
         return procs
+
+    def _host_mesh(self, hosts: list[str]) -> Any:
+        """The hosts as one host mesh: a slice of the run's mesh when they are consecutive in it, else one attached
+        to those workers alone (once per set of hosts)."""
+        indices = [self._index[h] for h in hosts]
+        if indices == list(range(indices[0], indices[0] + len(indices))):
+            return self.mesh.slice(hosts=slice(indices[0], indices[-1] + 1))
+        key = tuple(hosts)
+        if key not in self._submeshes:
+            from monarch.actor import attach_to_workers
+
+            mesh = attach_to_workers(ca="trust_all_connections", workers=[self.workers[h].address for h in hosts],
+                                     name="hosts_" + "_".join(str(i) for i in indices))
+            mesh.initialized.get(timeout=SPAWN_TIMEOUT_S)
+            self._submeshes[key] = mesh
+        return self._submeshes[key]
+
+    def gpus_free(self, host: str) -> int | None:
+        """Free GPUs of `host` (None: its count is unknown)."""
+        return self.gpus.free(host if self.workers else LOCAL)
+
+    def release(self, owner: str) -> None:
+        """The GPUs `owner`'s procs held are free again (its procs stopped or were lost)."""
+        self.gpus.release(owner)
 
     def pids_visible(self, host: str) -> bool:
         """Whether the pids of procs on `host` are this machine's (then /proc shows a dead one at once)."""
@@ -205,6 +262,16 @@ class Hosts:
             self.mesh.shutdown().get(timeout=10)
         except Exception:  # noqa: BLE001 - the run is over either way; the launcher stops what is left
             pass
+
+
+def _local_gpus() -> int | None:
+    """GPUs this machine's procs can take: GPUS_PER_HOST_ENV, else what CUDA shows the controller."""
+    configured = gpus_per_host_from_env()
+    if configured is not None:
+        return configured
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else None
 
 
 def _raise_unreachable(workers: Sequence[Worker], *, why: str) -> None:

@@ -4,6 +4,7 @@ import torch
 from monarch.actor import endpoint
 
 from workers.engine.actors.faults import FaultInjectableActor
+from workers.engine.actors.devices import bind_proc_gpus
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.batching import collate_rollouts
 from workers.engine.models.hf_folder import load_pretrained
@@ -16,6 +17,7 @@ class ReferenceActor(FaultInjectableActor):
 
     def __init__(self, model_folder: str, dtype: str, device: str):
         set_proc_threads()
+        bind_proc_gpus()  # placement gpus_per_proc: CUDA shows this proc its own GPU only
         loaded = load_pretrained(model_folder, dtype=dtype, device=device)
         self.model = loaded.model.eval().requires_grad_(False)
         self.pad_id = loaded.tokenizer.pad_id

@@ -27,6 +27,7 @@ from monarch.actor import endpoint
 from torch import nn
 
 from workers.engine.actors.faults import FaultInjectableActor
+from workers.engine.actors.devices import bind_proc_gpus
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.batching import collate_rollouts
 from workers.engine.checkpoint import load_checkpoint, save_checkpoint
@@ -58,14 +59,16 @@ class TrainerActor(FaultInjectableActor):
     def __init__(self, config: RunConfig):
         set_proc_threads()
         self.config = config
-        self.device = resolve_device(config.trainer.device)
+        self.own_gpu = bind_proc_gpus() is not None  # placement.trainer.gpus_per_proc: this rank's GPU is cuda:0
+        self.device = torch.device("cuda", 0) if self.own_gpu else resolve_device(config.trainer.device)
 
     @endpoint
     def setup(self) -> dict[str, int]:
         """Join the process group (env from monarch's setup_torch_elastic_env), then build the model."""
         cfg = self.config
-        if self.device.type == "cuda":  # one GPU per rank on its host (monarch's setup_torch_elastic_env sets LOCAL_RANK)
+        if self.device.type == "cuda" and not self.own_gpu:  # one GPU per rank on its host (LOCAL_RANK from monarch)
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         # bounded: a rank whose peer died must not wait in a collective for the default 30 min
         dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", timeout=timedelta(minutes=5))

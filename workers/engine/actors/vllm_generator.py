@@ -17,6 +17,7 @@ import time
 from monarch.actor import endpoint
 
 from workers.engine.actors.faults import FaultInjectableActor
+from workers.engine.actors.devices import bind_proc_gpus
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.models.hf_folder import read_hf_config
 from workers.engine.models.titan import model_config_from_hf, state_dict_adapter
@@ -33,6 +34,7 @@ def vllm_proc_env(*, kv_cache_gib: int = 1) -> None:
 class VllmGeneratorActor(FaultInjectableActor):
     def __init__(self, model_folder: str, dtype: str, max_model_len: int = 512, seed: int = 0):
         set_proc_threads()
+        bind_proc_gpus()  # placement gpus_per_proc: CUDA shows this proc its own GPU only
         from vllm import LLM
         from vllm import SamplingParams as VllmSamplingParams
 

@@ -65,6 +65,7 @@ from workers.engine.actors.replay_buffer import ReplayBufferActor
 from workers.engine.actors.reward import RewardActor
 from workers.engine.actors.trainer import TrainerActor
 from workers.engine.config import RunConfig
+from workers.engine.fields import ConfigError, FieldError
 from workers.engine.drills import DrillPlan, FaultInjector, FaultTarget, _signal
 from workers.engine.metrics import Recorder
 from workers.engine.models.tokenizer import ChatTokenizer
@@ -153,7 +154,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
     groups: dict[str, ReplicaGroup] = {}
     meshes: list[Any] = []
     trainer_procs: Any = None
-    trainer_host = ""
+    trainer_hosts: list[str] = []
     try:
         # --- setup: hosts, process meshes and actors -----------------------------------
         setup_start = time.perf_counter()
@@ -172,23 +173,55 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
 
         def colocated_hosts(role: str) -> list[str]:
             if role == "trainer":
-                return [trainer_host] if trainer_host else []
+                return list(trainer_hosts)
             return list(dict.fromkeys(replica.host for replica in groups[role].live())) if role in groups else []
+
+        def role_device(role: str) -> str:
+            return "cuda" if getattr(cfg.placement, role).gpus_per_proc else device
+
+        def layout(role: str, count: int) -> list[str]:
+            """Hosts of a role's first `count` replicas: round its hosts, or with procs_per_host, each host filled in turn."""
+            names, per_host = role_hosts(role), getattr(cfg.placement, role).procs_per_host
+            if per_host is None:
+                return [names[i % len(names)] for i in range(count)]
+            if count > per_host * len(names):
+                raise ConfigError([FieldError(f"placement.{role}.procs_per_host",
+                                              f"{count} {role} replicas do not fit {len(names)} host(s) at {per_host} each")])
+            return [names[i // per_host] for i in range(count)]
 
         generator_hosts = role_hosts("generator")
         trainer_pids: list[int] = []
+        # the trainer's ranks: procs_per_host to a host (with workers), over as many hosts as that takes
+        ranks_per_host = (cfg.placement.trainer.procs_per_host or trainer_cfg.ranks) if hosts.workers else trainer_cfg.ranks
+        trainer_host_count = trainer_cfg.ranks // ranks_per_host
+
+        def trainer_rank(actors: Any, rank: int) -> Any:
+            if trainer_host_count > 1:
+                return actors.slice(hosts=rank // ranks_per_host, procs=rank % ranks_per_host)
+            return actors.slice(procs=rank)
+
+        def trainer_pids_visible(rank: int | None = None) -> bool:
+            """Whether the trainer's pids (or one rank's) are this machine's, so that /proc and signals reach them."""
+            names = trainer_hosts if rank is None else trainer_hosts[rank // ranks_per_host:][:1]
+            return all(hosts.pids_visible(h) for h in names)
+
+        def trainer_lost_host() -> str | None:
+            return next((h for h in trainer_hosts if h in hosts.lost), None)
 
         def start_trainer() -> tuple[Any, Any, int]:
-            nonlocal trainer_host
+            nonlocal trainer_hosts
             procs = None
             while procs is None:
                 candidates = hosts.alive(role_hosts("trainer"))
-                if not candidates:
-                    raise ProcFailure(f"the trainer has no host left: {', '.join(role_hosts('trainer'))} "
-                                      f"(placement.trainer.hosts) are lost")
-                trainer_host = candidates[0]
+                if len(candidates) < trainer_host_count or not candidates:
+                    raise ProcFailure(f"the trainer needs {trainer_host_count} host(s) ({trainer_cfg.ranks} ranks, "
+                                      f"{ranks_per_host} per host): {', '.join(candidates) or 'none'} of "
+                                      f"{', '.join(role_hosts('trainer'))} (placement.trainer.hosts) left")
+                trainer_hosts = candidates[:trainer_host_count]
+                hosts.release("trainer")
                 try:
-                    procs = hosts.spawn_procs(host=trainer_host, count=trainer_cfg.ranks, threads=threads)
+                    procs = hosts.spawn_across(hosts=trainer_hosts, per_host=ranks_per_host, threads=threads,
+                                               gpus_per_proc=cfg.placement.trainer.gpus_per_proc, owner="trainer")
                 except HostsUnreachable:
                     if not groups:
                         raise  # while the run starts: it fails, naming the host
@@ -200,7 +233,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             return procs, actors, info[0]["n_params"]
 
         trainer_procs, trainer, n_params = start_trainer()
-        trainer0 = trainer.slice(procs=0)
+        trainer0 = trainer_rank(trainer, 0)
 
         if cfg.generator.backend == "vllm":
             from workers.engine.actors.vllm_generator import VllmGeneratorActor, vllm_proc_env
@@ -212,21 +245,28 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 return procs.spawn(name, VllmGeneratorActor, cfg.model.path, cfg.model.dtype, max_len, trainer_cfg.seed)
         else:
             def spawn_generator(procs: Any, name: str) -> Any:
-                return procs.spawn(name, GeneratorActor, cfg.model.path, cfg.model.dtype, device)
+                return procs.spawn(name, GeneratorActor, cfg.model.path, cfg.model.dtype, role_device("generator"))
 
         spares = failover_cfg.warm_spares
+        def placed(role: str) -> dict[str, Any]:
+            rule = getattr(cfg.placement, role)
+            return {"gpus_per_proc": rule.gpus_per_proc, "per_host": rule.procs_per_host}
+
         generators = groups["generator"] = ReplicaGroup("generator", spawn_actor=spawn_generator, hosts=hosts,
-                                                        threads=threads, routing=cfg.generator.routing, spares=spares)
-        generators.start([generator_hosts[i % len(generator_hosts)] for i in range(cfg.generator.replicas)])
+                                                        threads=threads, routing=cfg.generator.routing, spares=spares,
+                                                        **placed("generator"))
+        generators.start(layout("generator", cfg.generator.replicas))
         groups["reward"] = ReplicaGroup("reward", hosts=hosts, threads=threads, routing="round_robin", spares=spares,
                                         spawn_actor=lambda procs, name: procs.spawn(
-                                            name, RewardActor, cfg.model.path, list(cfg.reward.functions), cfg.reward.weights))
-        groups["reward"].start(role_hosts("reward")[:1])
+                                            name, RewardActor, cfg.model.path, list(cfg.reward.functions), cfg.reward.weights),
+                                        **placed("reward"))
+        groups["reward"].start(layout("reward", 1))
         if cfg.reference.enabled:
             groups["reference"] = ReplicaGroup("reference", hosts=hosts, threads=threads, routing="round_robin",
                                                spares=spares, spawn_actor=lambda procs, name: procs.spawn(
-                                                   name, ReferenceActor, cfg.model.path, cfg.model.dtype, device))
-            groups["reference"].start(role_hosts("reference")[:1])
+                                                   name, ReferenceActor, cfg.model.path, cfg.model.dtype,
+                                                   role_device("reference")), **placed("reference"))
+            groups["reference"].start(layout("reference", 1))
 
         max_age = grpo.max_policy_age if grpo.mode == "async" else 0
 
@@ -249,8 +289,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         held_out = dataset.held_out.call_one().get()
         tokenizer = ChatTokenizer(cfg.model.path)
         def spare_host(role: str) -> str | None:
-            """Where a role's spares start: its first host that is up and not drained."""
-            alive = hosts.alive(role_hosts(role))
+            """Where a role's spares start: its first host that is up, not drained and has room for them."""
+            alive = [h for h in hosts.alive(role_hosts(role)) if groups[role].has_room(h)]
             return next((h for h in alive if h not in drained), alive[0] if alive else None)
 
         def warm_spares() -> None:
@@ -270,8 +310,9 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         while any(group.warming for group in groups.values()):  # the run starts with its spares ready
             poll_spares(wait_s=1.0)
         recorder.event("meshes_ready", step=0, seconds=round(time.perf_counter() - setup_start, 2),
-                       trainer_ranks=trainer_cfg.ranks, generator_replicas=cfg.generator.replicas, trainer_host=trainer_host,
-                       trainer_pids=list(trainer_pids), warm_spares=spares)
+                       trainer_ranks=trainer_cfg.ranks, generator_replicas=cfg.generator.replicas, trainer_host=trainer_hosts[0],
+                       trainer_hosts=list(trainer_hosts), trainer_pids=list(trainer_pids), warm_spares=spares,
+                       gpus=hosts.gpus.holdings())
 
         def generator_plan() -> dict[str, str]:
             return {str(r.index): r.host for r in generators.live()}
@@ -319,7 +360,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 raise ControlLost(failure.reason) from None
 
         def trainer_gone() -> str | None:
-            return f"host {hosts.describe(trainer_host)} of the trainer was lost" if trainer_host in hosts.lost else None
+            lost = trainer_lost_host()
+            return f"host {hosts.describe(lost)} of the trainer was lost" if lost else None
 
         def trainer_result(future: Any) -> Any:
             try:
@@ -366,7 +408,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             if not trainer_failure:
                 detected, fault, ttd = claim_fault("trainer")
                 recorder.event("failure_detected", step=step + 1, role="trainer", replica=fault.replica if fault else None,
-                               host=trainer_host, fault_id=fault.id if fault else None, reason=failure.reason,
+                               host=trainer_lost_host() or trainer_hosts[0], fault_id=fault.id if fault else None, reason=failure.reason,
                                hung=failure.hung, time_to_detect_s=ttd)
                 trainer_failure["noticed"] = (detected, fault, ttd)
             return trainer_failure["noticed"]
@@ -377,7 +419,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             recorder.event("message", step=step, text=f"{reason}: its procs are lost")
             if name == control_host:  # noticed now; restored from the last checkpoint on the next dataset or buffer call
                 detect_control(f"{reason}: the dataset and replay buffer ran there")
-            if name == trainer_host:  # noticed now; restored once the controller next needs the trainer
+            if name in trainer_hosts:  # noticed now; restored once the controller next needs the trainer
                 detect_trainer(CallFailed(f"host {hosts.describe(name)} of the trainer was lost", hung=False))
             for group in groups.values():
                 live = group.live()
@@ -432,7 +474,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             """A trainer proc that exited between train steps: restore now, not after the next call times out."""
             if trainer_gone():
                 raise TrainerLost(CallFailed(trainer_gone(), hung=False))
-            gone = [pid for pid in trainer_pids if hosts.pids_visible(trainer_host) and exited(pid)]
+            gone = [pid for pid in trainer_pids if trainer_pids_visible() and exited(pid)]
             if gone:
                 raise TrainerLost(CallFailed(f"trainer process {gone[0]} exited", hung=False))
 
@@ -459,10 +501,15 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             if not alive:
                 raise ProcFailure(f"{replica.role} replica {replica.index} has no host left: "
                                   f"{', '.join(role_hosts(replica.role))} (placement.{replica.role}.hosts) are lost")
-            candidates = [h for h in alive if h not in drained] or alive
+            group = groups[replica.role]
+            roomy = [h for h in alive if group.has_room(h, replacing=replica)]
+            if not roomy:
+                raise ProcFailure(f"{replica.role} replica {replica.index} has no host with room left on "
+                                  f"{', '.join(alive)} (placement.{replica.role}.procs_per_host / gpus_per_proc)")
+            candidates = [h for h in roomy if h not in drained] or roomy
             if replica.host in candidates:
                 return replica.host
-            live = groups[replica.role].live()
+            live = group.live()
             return min(candidates, key=lambda h: sum(r.host == h for r in live))
 
         def prepare_generator(replica: Replica) -> int:
@@ -536,13 +583,13 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 if request.replica >= trainer_cfg.ranks:
                     raise ValueError(f"trainer has ranks 0..{trainer_cfg.ranks - 1}, not {request.replica}")
                 pids = list(trainer_result(trainer.pids.call()).values())
-                rank = trainer.slice(procs=request.replica)
+                rank = trainer_rank(trainer, request.replica)
 
                 def arm_trainer(kind: str, **fields: Any) -> None:
                     # a raise on one rank would leave the others blocked in the gradient all-reduce: raise on all
                     (trainer if kind == "raise" else rank).inject_fault.call(kind, **fields).get(timeout=ARM_TIMEOUT_S)
 
-                visible = hosts.pids_visible(trainer_host)  # a pid of another machine must not be signalled here
+                visible = trainer_pids_visible(request.replica)  # a pid of another machine must not be signalled here
                 return FaultTarget("trainer", request.replica, [pids[request.replica]] if visible else [], arm_trainer)
             group = groups.get(request.role)
             if group is None:
@@ -575,6 +622,9 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 raise ValueError(f"host {host!r} is lost")
             if host in drained:
                 raise ValueError(f"host {host!r} is drained; undrain it first")
+            if not generators.has_room(host):
+                raise ValueError(f"host {host!r} has no room for another generator replica "
+                                 f"(placement.generator.procs_per_host / gpus_per_proc)")
 
         def serving_generator(index: int) -> Replica:
             serving = [r.index for r in generators.live()]
@@ -629,16 +679,26 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 raise ValueError(f"no other undrained host to move {host!r}'s generator replicas to")
             started = time.monotonic()
             moving = [r for r in generators.live() if r.host == host]
+            room = {t: generators.room(t) for t in targets}
+            destinations = []
+            for i in range(len(moving)):
+                open_targets = [t for t in targets if room[t] >= 1]
+                if not open_targets:
+                    raise ValueError(f"{', '.join(targets)} have no room for {host!r}'s {len(moving)} generator replicas "
+                                     "(placement.generator.procs_per_host / gpus_per_proc)")
+                destinations.append(open_targets[i % len(open_targets)])
+                room[destinations[-1]] -= 1
             drained.add(host)
             recorder.event("redirect_started", step=step, action="drain", host=host, replicas=[r.index for r in moving])
             for replica in moving:  # stop routing to the host at once; replacements come up one by one
                 generators.service.set_available(replica.index, False)
-            if sum(group.drop_spares_on(host) for group in groups.values()):
-                warm_spares()
+            spares_dropped = sum(group.drop_spares_on(host) for group in groups.values())
             moved = {}
-            for i, replica in enumerate(moving):
-                move(replica, targets[i % len(targets)])
-                moved[str(replica.index)] = targets[i % len(targets)]
+            for replica, target in zip(moving, destinations):
+                move(replica, target)
+                moved[str(replica.index)] = target
+            if spares_dropped:
+                warm_spares()  # after the moves: a spare must not take a moving replica's room
             recorder.event("redirect_finished", step=step, action="drain", host=host, moved=moved, plan=generator_plan(),
                            seconds=round(time.monotonic() - started, 3))
             return {"host": host, "moved": moved, "plan": generator_plan()}
@@ -709,19 +769,20 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             if totals["trainer_recoveries"] > trainer_cfg.recover_failures:
                 raise ProcFailure(f"trainer failed at step {step + 1} ({trainer_cfg.recover_failures} recoveries allowed, "
                                   f"trainer.recover_failures): {failure.reason}")
-            if failure.hung and hosts.pids_visible(trainer_host):
+            if failure.hung and trainer_pids_visible():
                 _signal(trainer_pids, signal.SIGKILL)  # a stopped rank, and the ranks waiting for it in a collective
-            settle(trainer_host)
-            if trainer_host not in hosts.lost:  # stopping a mesh on a lost host would wait for it
+            settle(trainer_hosts[0])
+            if not trainer_lost_host():  # stopping a mesh on a lost host would wait for it
                 stop_quietly(trainer_procs)
             lost_from = step
             trainer_procs, trainer, _ = start_trainer()
             trainer_failure.clear()  # settle() may find the old host lost: that is this failure; the next one is new
-            trainer0 = trainer.slice(procs=0)
+            trainer0 = trainer_rank(trainer, 0)
             restore(last_checkpoint)
             totals["steps_lost"] += lost_from - step
             recorder.event("replica_replaced", step=step, role="trainer", replica=None, ranks=trainer_cfg.ranks,
-                           host=trainer_host, pids=list(trainer_pids), path=last_checkpoint, policy_version=policy_version,
+                           host=trainer_hosts[0], hosts=list(trainer_hosts), pids=list(trainer_pids), path=last_checkpoint,
+                           policy_version=policy_version,
                            seconds=round(time.monotonic() - detected, 3))
             if ttd is not None:
                 failover.detect_seconds.append(ttd)
@@ -733,7 +794,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             tick()
             if trainer_gone():
                 raise CallFailed(trainer_gone(), hung=False)
-            gone = [pid for pid in trainer_pids if hosts.pids_visible(trainer_host) and exited(pid)]
+            gone = [pid for pid in trainer_pids if trainer_pids_visible() and exited(pid)]
             if gone:
                 raise CallFailed(f"trainer process {gone[0]} exited", hung=False)
 
@@ -999,7 +1060,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             _signal(fault.pids, signal.SIGCONT)
         for group in groups.values():
             group.stop_all()
-        if trainer_procs is not None and trainer_host not in hosts.lost:
+        if trainer_procs is not None and not trainer_lost_host():
             stop_quietly(trainer_procs)
         for mesh in meshes:
             stop_quietly(mesh)

@@ -1,0 +1,175 @@
+"""Placement onto processes and devices, with real Monarch worker processes as hosts on this machine.
+
+- Procs given GPUs (`gpus_per_proc`) each get their own indices of their host, a mesh over two hosts
+  that are not neighbours in the worker list gets them on both, a full host is refused naming who
+  holds its GPUs, and released GPUs are handed out again.
+- A GRPO run whose trainer ranks go one to a host (`placement.trainer.procs_per_host: 1`) and whose
+  generator replicas are capped at one per host trains over both hosts, refuses a replica on a full
+  host, and restores the trainer after a rank on the second host is killed.
+- A role given a GPU on a host where CUDA shows none fails the run with that reason.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engine.conftest import ARITHMETIC
+from tests.engine.test_monarch_hosts import ancestors
+from workers.engine.metrics import MemorySink, Recorder
+from workers.engine.run_control import RunControl
+
+pytestmark = pytest.mark.slow
+
+
+def _assigned(procs: Any) -> dict[tuple[int, int], tuple[int, str | None]]:
+    """(host coordinate, proc coordinate) -> (pid, GPU indices), read in every proc of the mesh."""
+    from workers.engine.actors.proc_gpus import ProcGpus
+
+    probe = procs.spawn("gpus_probe", ProcGpus)
+    values = probe.assigned.call().get(timeout=60)
+    return {(int(point.get("hosts", 0)) if hasattr(point, "get") else 0, int(point["procs"])): value
+            for point, value in values.items()}
+
+
+def test_procs_hold_their_own_gpus_per_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers.engine.actors.devices import NoRoomForGpus
+    from workers.engine.actors.fleet import stop_quietly
+    from workers.engine.actors.hosts import Hosts, parse_workers
+    from workers.launch.monarch_hosts import environment_value, local_workers
+
+    monkeypatch.setenv("FORGEBOARD_GPUS_PER_HOST", "3")
+    with local_workers(count=3, log_dir=tmp_path) as workers:
+        hosts = Hosts.attach(workers=parse_workers(environment_value(workers)), timeout_s=60)
+        worker_pid = {w.name: w.pid for w in workers}
+        try:
+            trainer = hosts.spawn_across(hosts=["host0", "host2"], per_host=2, threads=1, gpus_per_proc=1, owner="trainer")
+            seen = _assigned(trainer)
+            assert {point: gpus for point, (_, gpus) in seen.items()} == {(0, 0): "0", (0, 1): "1", (1, 0): "0", (1, 1): "1"}
+            assert {point: worker_pid["host0" if point[0] == 0 else "host2"] in ancestors(pid)
+                    for point, (pid, _) in seen.items()} == dict.fromkeys(seen, True)
+
+            generator = hosts.spawn_procs(host="host0", count=1, threads=1, gpus_per_proc=1, owner="generator_0_1")
+            assert [gpus for _, gpus in _assigned(generator).values()] == ["2"]
+            with pytest.raises(NoRoomForGpus, match=r"generator_1_2 needs 1 GPU\(s\) on host host0, which has 3 and 0 "
+                                                    r"free \(held by generator_0_1: 2; trainer: 0,1\)"):
+                hosts.spawn_procs(host="host0", count=1, threads=1, gpus_per_proc=1, owner="generator_1_2")
+            assert (hosts.gpus_free("host0"), hosts.gpus_free("host1"), hosts.gpus_free("host2")) == (0, 3, 1)
+
+            stop_quietly(trainer)
+            hosts.release("trainer")
+            again = hosts.spawn_procs(host="host0", count=2, threads=1, gpus_per_proc=1, owner="reference_0_3")
+            assert sorted(gpus for _, gpus in _assigned(again).values()) == ["0", "1"]
+            plain = hosts.spawn_procs(host="host1", count=1, threads=1)  # no GPUs asked: none given
+            assert [gpus for _, gpus in _assigned(plain).values()] == [None]
+            assert hosts.gpus.holdings() == {"generator_0_1": {"host0": [2]}, "reference_0_3": {"host0": [0, 1]}}
+        finally:
+            hosts.stop()
+
+
+class LayoutScript:
+    """Between steps: ask for a replica on a full host (refused), then kill trainer rank 1 on host1."""
+
+    def __init__(self, workers: list[Any], sink: MemorySink) -> None:
+        self.workers, self.sink = workers, sink
+        self.control: RunControl | None = None
+        self.outcomes: list[tuple[int, str, Any]] = []
+        self.done: set[int] = set()
+        self.trainer_workers: list[str | None] = []  # the worker each rank's proc descends from
+
+    def worker_of(self, pid: int) -> str | None:
+        chain = ancestors(pid)
+        return next((w.name for w in self.workers if w.pid in chain), None)
+
+    def poll(self, handler) -> int:  # noqa: ANN001
+        step = self.control._step
+        if step in self.done:
+            return 0
+        self.done.add(step)
+        if step == 1:
+            ready = next(r for r in self.sink.records if r["kind"] == "event" and r["name"] == "meshes_ready")
+            self.trainer_workers = [self.worker_of(pid) for pid in ready["trainer_pids"]]
+            try:
+                handler("placement_change", {"action": "add", "host": "host0"})
+            except ValueError as refused:
+                self.outcomes.append((step, "add", str(refused)))
+            self.outcomes.append((step, "kill", handler("fault_drill", {"kind": "kill", "role": "trainer", "replica": 1})))
+            return 2
+        return 0
+
+
+@pytest.fixture(scope="module")
+def spread_run(sft_warm_start: tuple[Path, float], tmp_path_factory: pytest.TempPathFactory):
+    from workers.engine.actors.hosts import parse_workers
+    from workers.engine.config import load_config
+    from workers.engine.recipes.grpo_monarch import train_grpo_monarch
+    from workers.launch.monarch_hosts import environment_value, local_workers
+
+    folder, _ = sft_warm_start
+    root = tmp_path_factory.mktemp("monarch-layout")
+    config = load_config(f"recipe: grpo\nmodel: {{path: '{folder}'}}\n", overrides=[
+        *ARITHMETIC, "data.eval_size=8", "placement.backend=monarch", "placement.local_hosts=2",
+        "trainer.ranks=2", "placement.trainer.procs_per_host=1", "trainer.recover_failures=1",
+        "generator.replicas=2", "placement.generator.procs_per_host=1", "reference.enabled=true", "grpo.kl_coef=0.05",
+        "placement.reference.colocate_with=trainer", "trainer.steps=4", "trainer.batch_size=4",
+        "trainer.micro_batch_size=8", "grpo.group_size=4", "eval.every_steps=0", f"checkpoint.folder={root / 'ckpt'}",
+        "checkpoint.every_steps=1", "failover.call_timeout_s=90", "telemetry.console=false",
+        "trainer.threads_per_process=1",
+    ])
+    sink = MemorySink()
+    with local_workers(count=2, log_dir=root / "workers") as workers:
+        script = LayoutScript(workers, sink)
+        control = RunControl(script, poll_seconds=0.0)
+        script.control = control
+        result = train_grpo_monarch(config, Recorder([sink]), control=control,
+                                    workers=parse_workers(environment_value(workers)))
+    return result, [r for r in sink.records if r["kind"] == "event"], script
+
+
+def _named(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["name"] == name]
+
+
+def test_trainer_ranks_go_one_to_a_host(spread_run) -> None:
+    result, events, script = spread_run
+    ready = _named(events, "meshes_ready")[0]
+    assert ready["trainer_hosts"] == ["host0", "host1"]
+    assert script.trainer_workers == ["host0", "host1"]  # rank 0's proc is host0's worker's child, rank 1's host1's
+    assert _named(events, "placement_applied")[0]["plan"] == {"0": "host0", "1": "host1"}  # one replica per host
+    assert result.step == 4
+
+
+def test_a_replica_on_a_full_host_is_refused_and_the_run_goes_on(spread_run) -> None:
+    _, events, script = spread_run
+    assert (1, "add", "host 'host0' has no room for another generator replica "
+                      "(placement.generator.procs_per_host / gpus_per_proc)") in script.outcomes
+    assert not _named(events, "placement_changed")
+
+
+def test_a_killed_rank_on_the_second_host_restores_the_trainer_over_both(spread_run) -> None:
+    _, events, script = spread_run
+    kill = next(outcome for _, kind, outcome in script.outcomes if kind == "kill")
+    detected = [e for e in _named(events, "failure_detected") if e["role"] == "trainer"]
+    recovered = [e for e in _named(events, "recovered") if e["role"] == "trainer"]
+    assert [e["fault_id"] for e in detected] == [kill["fault_id"]] == [e["fault_id"] for e in recovered]
+    replaced = next(e for e in _named(events, "replica_replaced") if e["role"] == "trainer")
+    assert replaced["hosts"] == ["host0", "host1"] and replaced["path"] is not None
+    assert Counter(e["role"] for e in _named(events, "failure_detected")) == Counter({"trainer": 1})
+
+
+def test_a_gpu_where_cuda_shows_none_fails_the_run_with_the_reason(sft_warm_start: tuple[Path, float],
+                                                                   tmp_path: Path) -> None:
+    from workers.engine.config import load_config
+    from workers.engine.recipes.grpo_monarch import train_grpo_monarch
+
+    folder, _ = sft_warm_start
+    config = load_config(f"recipe: grpo\nmodel: {{path: '{folder}'}}\n", overrides=[
+        *ARITHMETIC, "placement.backend=monarch", "placement.generator.gpus_per_proc=1", "trainer.steps=1",
+        "trainer.batch_size=2", "grpo.group_size=2", "eval.every_steps=0", f"checkpoint.folder={tmp_path}",
+        "telemetry.console=false", "trainer.threads_per_process=1",
+    ])
+    with pytest.raises(Exception, match="given GPU 0 of its host .* but CUDA shows it 0"):
+        train_grpo_monarch(config, Recorder([MemorySink()]), workers=[])
