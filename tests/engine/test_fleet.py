@@ -293,15 +293,23 @@ def test_a_replacement_whose_host_dies_while_it_spawns_goes_to_the_next_host_pic
     assert [r["host"] for r in sink.records if r["name"] == "replica_replaced"] == ["b"]
 
 
-def test_a_hung_replica_on_another_machine_is_not_signalled_here(monkeypatch: pytest.MonkeyPatch) -> None:
-    import workers.engine.actors.fleet as fleet
+class RecordedSignals:
+    def __init__(self) -> None:
+        self.killed: list[list[int]] = []
 
-    signalled: list[list[int]] = []
-    monkeypatch.setattr(fleet, "_signal", lambda pids, sig: signalled.append(list(pids)))
+    def kill(self, pids: list[int]) -> None:
+        self.killed.append(list(pids))
+
+
+def test_a_hung_replica_is_killed_from_its_own_host() -> None:
     failover, _ = _failover(MemorySink())
-    group = FakeGroup("generator", 2)
-    group.replicas[0].pids, group.replicas[1].pids = [101], [202]
-    group.replicas[1].pids_visible = False  # pid 202 is a process of a remote host
-    failover.detect(group, group.replicas[0], "no answer within 10 s", hung=True)
-    failover.detect(group, group.replicas[1], "no answer within 10 s", hung=True)
-    assert signalled == [[101]]
+    group = FakeGroup("generator", 3)
+    for replica, pid, host in zip(group.replicas, (101, 202, 303), ("a", "b", "c")):
+        replica.pids, replica.host = [pid], host
+    agents = {"a": RecordedSignals(), "b": RecordedSignals()}
+    group.hosts.signals = agents.__getitem__  # with workers: an agent proc on each host sends them
+    group.hosts.lost.add("c")  # its procs went with it: nothing to kill, nothing to ask
+    for replica in group.replicas:
+        failover.detect(group, replica, "no answer within 10 s", hung=True)
+    assert (agents["a"].killed, agents["b"].killed) == ([[101]], [[202]])
+    assert failover.pending_repairs()

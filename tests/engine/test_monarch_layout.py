@@ -5,12 +5,14 @@
   holds its GPUs, and released GPUs are handed out again.
 - A GRPO run whose trainer ranks go one to a host (`placement.trainer.procs_per_host: 1`) and whose
   generator replicas are capped at one per host trains over both hosts, refuses a replica on a full
-  host, and restores the trainer after a rank on the second host is killed.
+  host, and restores the trainer after a rank on the second host is killed. The drills' signals are
+  sent by an agent proc on the target's host, which also keeps a slowdown's stop/continue cycle.
 - A role given a GPU on a host where CUDA shows none fails the run with that reason.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,7 @@ class LayoutScript:
         self.outcomes: list[tuple[int, str, Any]] = []
         self.done: set[int] = set()
         self.trainer_workers: list[str | None] = []  # the worker each rank's proc descends from
+        self.slowed_states: set[str] = set()  # /proc states of the slowed replica's proc while the drill runs
 
     def worker_of(self, pid: int) -> str | None:
         chain = ancestors(pid)
@@ -98,6 +101,16 @@ class LayoutScript:
                 self.outcomes.append((step, "add", str(refused)))
             self.outcomes.append((step, "kill", handler("fault_drill", {"kind": "kill", "role": "trainer", "replica": 1})))
             return 2
+        if step == 2:
+            applied = next(r for r in self.sink.records if r["kind"] == "event" and r["name"] == "placement_applied")
+            pid = applied["pids"]["1"][0]
+            self.outcomes.append((step, "slow", handler("fault_drill", {"kind": "slow_host", "role": "generator",
+                                                                        "replica": 1, "duration_s": 2.0, "duty_cycle": 0.9})))
+            deadline = time.monotonic() + 1.5
+            while time.monotonic() < deadline:
+                self.slowed_states.add(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0])
+                time.sleep(0.02)
+            return 1
         return 0
 
 
@@ -158,6 +171,19 @@ def test_a_killed_rank_on_the_second_host_restores_the_trainer_over_both(spread_
     replaced = next(e for e in _named(events, "replica_replaced") if e["role"] == "trainer")
     assert replaced["hosts"] == ["host0", "host1"] and replaced["path"] is not None
     assert Counter(e["role"] for e in _named(events, "failure_detected")) == Counter({"trainer": 1})
+    injected = next(e for e in _named(events, "fault_injected") if e["fault_id"] == kill["fault_id"])
+    assert injected["signalled_by"] == "agent on host1"
+
+
+def test_a_slowdown_is_kept_by_the_agent_on_the_replicas_host(spread_run) -> None:
+    _, events, script = spread_run
+    slow = next(outcome for _, kind, outcome in script.outcomes if kind == "slow")
+    injected = next(e for e in _named(events, "fault_injected") if e["fault_id"] == slow["fault_id"])
+    assert injected["signalled_by"] == "agent on host1" and injected["fault_kind"] == "slow_host"
+    assert "T" in script.slowed_states  # stopped by the agent's cycle; it ran in between (R or S)
+    assert script.slowed_states - {"T"}
+    recovered = [e for e in _named(events, "recovered") if e["fault_id"] == slow["fault_id"]]
+    assert len(recovered) == 1 and recovered[0]["caused_failure"] is False
 
 
 def test_a_gpu_where_cuda_shows_none_fails_the_run_with_the_reason(sft_warm_start: tuple[Path, float],

@@ -12,8 +12,9 @@ for it; a fault that wears off without a failure gets its `recovered` from `tick
 ends. So each fault yields exactly one `recovered`.
 
 Schedules: at a step (before it trains), every T seconds, at random (a seeded Poisson
-process), or now. Signals reach local processes only: on several machines, kill / hang /
-slow_host need an agent on each host. Monarch- and torch-free.
+process), or now. Signals are sent by the target's `Signals`: `LocalSignals` from this process
+for procs on this machine, or an agent on the target's host (`actors/host_signals.py`) with
+Monarch workers. Monarch- and torch-free.
 """
 
 from __future__ import annotations
@@ -26,11 +27,71 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from workers.engine.metrics import Recorder
 from workers.engine.operations import DURATION_KINDS, FaultDrillRequest
 
 SLOW_HOST_PERIOD_S = 1.0
+SIGNAL_KINDS = ("kill", "hang", "slow_host")  # drills that signal the target's processes
+
+
+def send_signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:  # already gone (replaced after a hang, or killed)
+            pass
+
+
+def continue_after(pids: list[int], seconds: float, stop: threading.Event) -> None:
+    """The end of a hang: SIGCONT after `seconds`, or as soon as `stop` is set."""
+    stop.wait(seconds)
+    send_signal(pids, signal.SIGCONT)
+
+
+def duty_cycle(pids: list[int], seconds: float, duty: float, stop: threading.Event) -> None:
+    """A slow host: stopped `duty` of every SLOW_HOST_PERIOD_S for `seconds` (or until `stop`), running after."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not stop.is_set():
+        send_signal(pids, signal.SIGSTOP)
+        stop.wait(SLOW_HOST_PERIOD_S * duty)
+        send_signal(pids, signal.SIGCONT)
+        stop.wait(SLOW_HOST_PERIOD_S * (1.0 - duty))
+    send_signal(pids, signal.SIGCONT)
+
+
+class Signals(Protocol):
+    """Who sends a drill's signals to its target's processes (and keeps a hang's or slowdown's time)."""
+
+    where: str
+
+    def kill(self, pids: list[int]) -> None: ...
+
+    def hang(self, pids: list[int], seconds: float, stop: threading.Event) -> None: ...
+
+    def slow(self, pids: list[int], seconds: float, duty: float, stop: threading.Event) -> None: ...
+
+    def resume(self, pids: list[int]) -> None: ...
+
+
+class LocalSignals:
+    """From this process, with threads here keeping time: for processes on this machine."""
+
+    where = "controller"
+
+    def kill(self, pids: list[int]) -> None:
+        send_signal(pids, signal.SIGKILL)
+
+    def hang(self, pids: list[int], seconds: float, stop: threading.Event) -> None:
+        send_signal(pids, signal.SIGSTOP)
+        threading.Thread(target=continue_after, args=(pids, seconds, stop), daemon=True).start()
+
+    def slow(self, pids: list[int], seconds: float, duty: float, stop: threading.Event) -> None:
+        threading.Thread(target=duty_cycle, args=(pids, seconds, duty, stop), daemon=True).start()
+
+    def resume(self, pids: list[int]) -> None:
+        send_signal(pids, signal.SIGCONT)
 
 
 @dataclass
@@ -41,6 +102,7 @@ class FaultTarget:
     replica: int
     pids: list[int]
     arm: Callable[..., None]  # arm(kind, duration_s=..., latency_ms=..., bandwidth_mbps=...) inside the actor(s)
+    signals: Signals = field(default_factory=LocalSignals)
 
 
 @dataclass
@@ -57,14 +119,16 @@ class ActiveFault:
     finished: bool = False  # its recovered event was emitted
     stop_signals: threading.Event = field(default_factory=threading.Event)
     before: dict[str, float] = field(default_factory=dict)  # the target's measurements when it was injected
+    signals: Signals = field(default_factory=LocalSignals)
 
-
-def _signal(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:  # already gone (replaced after a hang, or killed)
-            pass
+    def end_signals(self) -> None:
+        """No more stops for its processes: a hang or slowdown ends now (best effort: the host may be gone)."""
+        self.stop_signals.set()
+        if self.request.kind in ("hang", "slow_host"):
+            try:
+                self.signals.resume(self.pids)
+            except Exception:  # noqa: BLE001 - a lost host's agent is gone with the processes it would resume
+                pass
 
 
 class DrillPlan:
@@ -136,39 +200,26 @@ class FaultInjector:
         now = time.monotonic()
         duration = request.duration_s if request.kind in DURATION_KINDS else None
         fault = ActiveFault(id=len(self.faults) + 1, request=request, role=target.role, replica=target.replica,
-                            pids=list(target.pids), injected_at=now, ends_at=now + duration if duration else None, step=step)
+                            pids=list(target.pids), injected_at=now, ends_at=now + duration if duration else None, step=step,
+                            signals=target.signals)
         fault.before = self.measure(fault.role, fault.replica)
         self.faults.append(fault)
         kind = request.kind
+        signalled = kind in SIGNAL_KINDS
         if kind == "kill":
-            _signal(fault.pids, signal.SIGKILL)
+            target.signals.kill(fault.pids)
         elif kind == "hang":
-            _signal(fault.pids, signal.SIGSTOP)
-            threading.Thread(target=self._continue_after, args=(fault, duration), daemon=True).start()
+            target.signals.hang(fault.pids, duration, fault.stop_signals)
         elif kind == "slow_host":
-            threading.Thread(target=self._duty_cycle, args=(fault, duration, request.duty_cycle), daemon=True).start()
+            target.signals.slow(fault.pids, duration, request.duty_cycle, fault.stop_signals)
         else:
             target.arm(kind, duration_s=duration or 0.0, latency_ms=request.latency_ms, bandwidth_mbps=request.bandwidth_mbps)
         self.recorder.event("fault_injected", step=step, fault_id=fault.id, fault_kind=kind, role=fault.role,
                             replica=fault.replica, pids=fault.pids, duration_s=duration,
+                            **({"signalled_by": target.signals.where} if signalled else {}),
                             **{k: v for k, v in request.model_dump(include={"latency_ms", "bandwidth_mbps", "duty_cycle"}).items()
                                if v is not None})
         return fault
-
-    @staticmethod
-    def _continue_after(fault: ActiveFault, seconds: float) -> None:
-        fault.stop_signals.wait(seconds)
-        _signal(fault.pids, signal.SIGCONT)
-
-    @staticmethod
-    def _duty_cycle(fault: ActiveFault, seconds: float, duty_cycle: float) -> None:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end and not fault.stop_signals.is_set():
-            _signal(fault.pids, signal.SIGSTOP)
-            fault.stop_signals.wait(SLOW_HOST_PERIOD_S * duty_cycle)
-            _signal(fault.pids, signal.SIGCONT)
-            fault.stop_signals.wait(SLOW_HOST_PERIOD_S * (1.0 - duty_cycle))
-        _signal(fault.pids, signal.SIGCONT)
 
     def claim(self, role: str, replica: int | None = None) -> ActiveFault | None:
         """The newest unclaimed fault on this role (and replica) whose effect can still explain a failure."""
@@ -181,7 +232,7 @@ class FaultInjector:
             if fault.ends_at is not None and now > fault.ends_at + 1.0 and fault.request.kind != "hang":
                 continue
             fault.claimed = True
-            fault.stop_signals.set()  # a replaced process needs no more signals
+            fault.end_signals()  # a replaced process needs no more signals
             return fault
         return None
 
@@ -204,8 +255,7 @@ class FaultInjector:
         """At the end of the run: every fault still in effect ends now and gets its `recovered`."""
         now = time.monotonic()
         for fault in self.faults:
-            fault.stop_signals.set()
-            _signal(fault.pids, signal.SIGCONT)
+            fault.end_signals()
             if fault.claimed or fault.finished:
                 continue
             fault.finished = True

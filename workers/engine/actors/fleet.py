@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from typing import Any
 from workers.engine.actors.hosts import Hosts, HostsUnreachable
 from workers.engine.actors.service import Service
 from workers.engine.config import FailoverConfig
-from workers.engine.drills import ActiveFault, FaultInjector, _signal
+from workers.engine.drills import ActiveFault, FaultInjector
 from workers.engine.metrics import Recorder
 
 logger = logging.getLogger(__name__)
@@ -318,6 +317,15 @@ class ReplicaGroup:
                 self.stop(replica)
         self.retiring = keep
 
+    def kill(self, replica: Replica) -> None:
+        """SIGKILL the replica's procs, from its host (best effort: a lost host took them already)."""
+        if replica.host in self.hosts.lost:
+            return
+        try:
+            self.hosts.signals(replica.host).kill(replica.pids)
+        except Exception:  # noqa: BLE001 - stopping its mesh ends it too
+            logger.warning("could not kill %s replica %s on %s", self.role, replica.index, replica.host, exc_info=True)
+
     def stop(self, replica: Replica) -> None:
         if replica.host not in self.hosts.lost:  # a lost host's procs are gone, and stopping them would wait
             stop_quietly(replica.procs)
@@ -391,8 +399,8 @@ class Failover:
         replica.failed = True
         if group.replicas[replica.index] is replica:
             group.service.set_available(replica.index, False)
-            if hung and replica.pids_visible:  # another machine's pid must not be signalled here
-                _signal(replica.pids, signal.SIGKILL)  # a hung proc may wake up later: make sure it does not
+            if hung:
+                group.kill(replica)  # a hung proc may wake up later: make sure it does not
             self._queue.append((group, replica, incident))
         return incident
 

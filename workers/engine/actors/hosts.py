@@ -27,6 +27,7 @@ from typing import Any
 
 from workers.engine.actors.devices import DeviceLedger, gpus_per_host_from_env
 from workers.engine.actors.procs import apply_proc_env, proc_env, spawn_procs
+from workers.engine.drills import LocalSignals, Signals
 from workers.engine.config import PlacementConfig, unknown_host_errors
 from workers.engine.fields import ConfigError
 
@@ -139,6 +140,7 @@ class Hosts:
         self._probed_at = 0.0
         self.gpus = DeviceLedger(gpus_per_host=gpus_per_host)
         self._submeshes: dict[tuple[str, ...], Any] = {}
+        self._signals: dict[str, Signals] = {}
 
     @classmethod
     def attach(cls, *, workers: Sequence[Worker], timeout_s: float) -> Hosts:
@@ -223,6 +225,18 @@ class Hosts:
             mesh.initialized.get(timeout=SPAWN_TIMEOUT_S)
             self._submeshes[key] = mesh
         return self._submeshes[key]
+
+    def signals(self, host: str) -> Signals:
+        """Who sends drill signals to procs on `host`: this process without workers, else an agent proc on that host
+        (started at its first drill; HostsUnreachable when the host is lost)."""
+        if not self.workers:
+            return LocalSignals()
+        if host not in self._signals:
+            from workers.engine.actors.host_signals import AgentSignals, HostSignals
+
+            procs = self.spawn_procs(host=host, count=1, threads=1)
+            self._signals[host] = AgentSignals(procs.spawn("host_signals", HostSignals), host)
+        return self._signals[host]
 
     def gpus_free(self, host: str) -> int | None:
         """Free GPUs of `host` (None: its count is unknown)."""

@@ -42,7 +42,6 @@ last checkpoint (before the first checkpoint, the run fails: there is nothing to
 from __future__ import annotations
 
 import math
-import signal
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -66,7 +65,7 @@ from workers.engine.actors.reward import RewardActor
 from workers.engine.actors.trainer import TrainerActor
 from workers.engine.config import RunConfig
 from workers.engine.fields import ConfigError, FieldError
-from workers.engine.drills import DrillPlan, FaultInjector, FaultTarget, _signal
+from workers.engine.drills import SIGNAL_KINDS, DrillPlan, FaultInjector, FaultTarget
 from workers.engine.metrics import Recorder
 from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.operations import (FaultDrillRequest, LoadRedirectRequest, Operation, PlacementChangeRequest,
@@ -81,7 +80,6 @@ from workers.engine.training import EvalResult, PhaseTimer, mfu
 __all__ = ["FaultDrill", "ProcFailure", "train_grpo_monarch"]
 ARM_TIMEOUT_S = 10.0  # arming a fault waits for the target's current call to end
 ATTACH_TIMEOUT_S = 60.0
-SIGNAL_KINDS = ("kill", "hang", "slow_host")  # drills that signal the target's processes
 HOST_SETTLE_S = 2.0  # a killed worker's port can accept connections a moment longer than its procs live
 
 
@@ -200,10 +198,12 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 return actors.slice(hosts=rank // ranks_per_host, procs=rank % ranks_per_host)
             return actors.slice(procs=rank)
 
-        def trainer_pids_visible(rank: int | None = None) -> bool:
-            """Whether the trainer's pids (or one rank's) are this machine's, so that /proc and signals reach them."""
-            names = trainer_hosts if rank is None else trainer_hosts[rank // ranks_per_host:][:1]
-            return all(hosts.pids_visible(h) for h in names)
+        def trainer_pids_visible() -> bool:
+            """Whether the trainer's pids are this machine's, so that /proc shows when they exit."""
+            return all(hosts.pids_visible(h) for h in trainer_hosts)
+
+        def rank_host(rank: int) -> str:
+            return trainer_hosts[rank // ranks_per_host]
 
         def trainer_lost_host() -> str | None:
             return next((h for h in trainer_hosts if h in hosts.lost), None)
@@ -573,9 +573,12 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         def drill_target(request: FaultDrillRequest) -> FaultTarget:
             """What a drill acts on; ValueError (the command's reason) for a role or replica this run lacks."""
             target = signal_target(request)
-            if request.kind in SIGNAL_KINDS and not target.pids:
-                raise ValueError(f"a {request.kind} drill signals processes on this machine; {request.role} "
-                                 f"replica {request.replica} runs on another host")
+            if request.kind in SIGNAL_KINDS:
+                host = rank_host(request.replica) if request.role == "trainer" else groups[request.role].replicas[request.replica].host
+                try:
+                    target.signals = hosts.signals(host)  # an agent on the target's host, with workers
+                except HostsUnreachable as error:
+                    raise ValueError(f"{request.role} replica {request.replica}'s host cannot be signalled: {error}") from None
             return target
 
         def signal_target(request: FaultDrillRequest) -> FaultTarget:
@@ -589,8 +592,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                     # a raise on one rank would leave the others blocked in the gradient all-reduce: raise on all
                     (trainer if kind == "raise" else rank).inject_fault.call(kind, **fields).get(timeout=ARM_TIMEOUT_S)
 
-                visible = trainer_pids_visible(request.replica)  # a pid of another machine must not be signalled here
-                return FaultTarget("trainer", request.replica, [pids[request.replica]] if visible else [], arm_trainer)
+                return FaultTarget("trainer", request.replica, [pids[request.replica]], arm_trainer)
             group = groups.get(request.role)
             if group is None:
                 raise ValueError(f"this run has no {request.role} (reference.enabled is false)")
@@ -598,7 +600,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             if request.replica not in serving:
                 raise ValueError(f"{request.role} replica {request.replica} is not serving; serving replicas: {serving}")
             replica = group.replicas[request.replica]
-            return FaultTarget(request.role, replica.index, replica.pids if replica.pids_visible else [],
+            return FaultTarget(request.role, replica.index, replica.pids,
                                lambda kind, **fields: replica.actor.inject_fault.call_one(kind, **fields).get(timeout=ARM_TIMEOUT_S))
 
         def run_drill(request: FaultDrillRequest) -> dict[str, Any]:
@@ -761,6 +763,14 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             last_checkpoint = cfg.checkpoint.resume_from
             recorder.event("resumed", step=step, path=cfg.checkpoint.resume_from, policy_version=policy_version)
 
+        def kill_trainer_procs() -> None:
+            for rank, pid in enumerate(trainer_pids):
+                if rank_host(rank) not in hosts.lost:
+                    try:
+                        hosts.signals(rank_host(rank)).kill([pid])
+                    except Exception:  # noqa: BLE001 - stopping the mesh ends it too
+                        pass
+
         def recover_trainer(failure: CallFailed) -> None:
             """The trainer mesh lost a proc (or hangs): respawn it and go back to the last checkpoint."""
             nonlocal trainer_procs, trainer, trainer0
@@ -769,8 +779,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             if totals["trainer_recoveries"] > trainer_cfg.recover_failures:
                 raise ProcFailure(f"trainer failed at step {step + 1} ({trainer_cfg.recover_failures} recoveries allowed, "
                                   f"trainer.recover_failures): {failure.reason}")
-            if failure.hung and trainer_pids_visible():
-                _signal(trainer_pids, signal.SIGKILL)  # a stopped rank, and the ranks waiting for it in a collective
+            if failure.hung:  # a stopped rank, and the ranks waiting for it in a collective
+                kill_trainer_procs()
             settle(trainer_hosts[0])
             if not trainer_lost_host():  # stopping a mesh on a lost host would wait for it
                 stop_quietly(trainer_procs)
@@ -1056,8 +1066,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                           metrics=step_metrics, seconds=time.perf_counter() - loop_start, trained_samples=trained_samples)
     finally:
         for fault in injector.faults:
-            fault.stop_signals.set()  # no stopped process is left behind
-            _signal(fault.pids, signal.SIGCONT)
+            fault.end_signals()  # no stopped process is left behind
         for group in groups.values():
             group.stop_all()
         if trainer_procs is not None and not trainer_lost_host():
