@@ -62,6 +62,7 @@ def test_pod_gets_the_run_environment_and_worker_addresses():
         "FORGEBOARD_RUN_TOKEN_FILE": "/var/run/secrets/forgeboard/token", "NCCL_DEBUG": "WARN",
         "FORGEBOARD_MONARCH_WORKERS": ("tcp://forgeboard-run-42-0.forgeboard-run-42:26600,"
                                        "tcp://forgeboard-run-42-1.forgeboard-run-42:26600"),
+        "FORGEBOARD_GPUS_PER_HOST": "8",  # the engine hands each node's GPUs to procs (placement gpus_per_proc)
     }
 
 

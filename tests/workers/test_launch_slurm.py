@@ -52,6 +52,7 @@ def test_sbatch_environment_is_exported_and_quoted():
     assert "export FORGEBOARD_URL=https://forgeboard.example" in lines
     assert "export FORGEBOARD_RUN_TOKEN_FILE=/shared/tokens/run-42.token" in lines
     assert "export HF_HOME='/shared/hf cache'" in lines
+    assert f"export FORGEBOARD_GPUS_PER_HOST={REQUEST.gpus_per_node}" in lines
     assert 'export FORGEBOARD_MONARCH_WORKERS="$(IFS=,; echo "${workers[*]}")"' in lines
 
 
