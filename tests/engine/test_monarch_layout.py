@@ -82,6 +82,7 @@ class LayoutScript:
         self.done: set[int] = set()
         self.trainer_workers: list[str | None] = []  # the worker each rank's proc descends from
         self.slowed_states: set[str] = set()  # /proc states of the slowed replica's proc while the drill runs
+        self.reward_worker: str | None = None  # the worker the moved reward's proc descends from
 
     def worker_of(self, pid: int) -> str | None:
         chain = ancestors(pid)
@@ -111,6 +112,21 @@ class LayoutScript:
                 self.slowed_states.add(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0])
                 time.sleep(0.02)
             return 1
+        if step == 3:
+            for kind, payload in (("move_reward", {"action": "move", "role": "reward", "replica": 0, "host": "host1"}),
+                                  ("move_reference", {"action": "move", "role": "reference", "replica": 0, "host": "host1"}),
+                                  ("drain", None)):
+                try:
+                    if payload is None:
+                        outcome = handler("load_redirect", {"action": "drain", "host": "host1"})
+                    else:
+                        outcome = handler("placement_change", payload)
+                except ValueError as refused:
+                    outcome = str(refused)
+                self.outcomes.append((step, kind, outcome))
+            changed = [r for r in self.sink.records if r["kind"] == "event" and r["name"] == "placement_changed"]
+            self.reward_worker = self.worker_of(changed[-1]["pids"][0]) if changed else None
+            return 3
         return 0
 
 
@@ -159,7 +175,7 @@ def test_a_replica_on_a_full_host_is_refused_and_the_run_goes_on(spread_run) -> 
     _, events, script = spread_run
     assert (1, "add", "host 'host0' has no room for another generator replica "
                       "(placement.generator.procs_per_host / gpus_per_proc)") in script.outcomes
-    assert not _named(events, "placement_changed")
+    assert not [e for e in _named(events, "placement_changed") if e["role"] == "generator"]
 
 
 def test_a_killed_rank_on_the_second_host_restores_the_trainer_over_both(spread_run) -> None:
@@ -199,3 +215,63 @@ def test_a_gpu_where_cuda_shows_none_fails_the_run_with_the_reason(sft_warm_star
     ])
     with pytest.raises(Exception, match="given GPU 0 of its host .* but CUDA shows it 0"):
         train_grpo_monarch(config, Recorder([MemorySink()]), workers=[])
+
+
+def test_a_reward_replica_moves_host_and_a_colocated_role_stays_with_its_role(spread_run) -> None:
+    result, events, script = spread_run
+    outcomes = {kind: outcome for step, kind, outcome in script.outcomes if step == 3}
+    assert outcomes["move_reward"]["plan"] == {"0": "host1"} and outcomes["move_reward"]["role"] == "reward"
+    assert script.reward_worker == "host1"  # its new proc is host1's worker's child
+    changed = [e for e in _named(events, "placement_changed") if e["role"] == "reward"]
+    assert [(e["action"], e["replica"], e["host"]) for e in changed] == [("move", 0, "host1")]
+    assert outcomes["move_reference"] == "the reference follows the trainer's hosts (placement.reference.colocate_with)"
+    # host0 already holds a generator replica, and procs_per_host is 1: nothing moves, host1 is not drained
+    assert outcomes["drain"] == ("no other undrained host has room for 'host1''s 1 generator replica(s) (hosts host0; "
+                                 "placement.generator.procs_per_host / gpus_per_proc)")
+    assert not _named(events, "redirect_started")
+    assert result.metrics[-1]["faults/migrations"] == 1 and result.step == 4
+
+
+class DrainScript:
+    """After step 1: drain host1 (its generator and reward replicas move to host0); after step 2: undrain it."""
+
+    def __init__(self) -> None:
+        self.control: RunControl | None = None
+        self.outcomes: dict[int, Any] = {}
+
+    def poll(self, handler) -> int:  # noqa: ANN001
+        step = self.control._step
+        if step in self.outcomes or step not in (1, 2):
+            return 0
+        self.outcomes[step] = handler("load_redirect", {"action": "drain" if step == 1 else "undrain", "host": "host1"})
+        return 1
+
+
+def test_a_drain_moves_every_role_off_the_host(sft_warm_start: tuple[Path, float], tmp_path: Path) -> None:
+    from workers.engine.actors.hosts import parse_workers
+    from workers.engine.config import load_config
+    from workers.engine.recipes.grpo_monarch import train_grpo_monarch
+    from workers.launch.monarch_hosts import environment_value, local_workers
+
+    folder, _ = sft_warm_start
+    config = load_config(f"recipe: grpo\nmodel: {{path: '{folder}'}}\n", overrides=[
+        *ARITHMETIC, "data.eval_size=8", "placement.backend=monarch", "placement.local_hosts=2",
+        "placement.trainer.hosts=[host0]", "placement.reward.hosts=[host1, host0]", "generator.replicas=2",
+        "trainer.steps=3", "trainer.batch_size=4", "grpo.group_size=4", "eval.every_steps=0",
+        f"checkpoint.folder={tmp_path / 'ckpt'}", "telemetry.console=false", "trainer.threads_per_process=1",
+    ])
+    sink = MemorySink()
+    script = DrainScript()
+    with local_workers(count=2, log_dir=tmp_path / "workers") as workers:
+        control = RunControl(script, poll_seconds=0.0)
+        script.control = control
+        result = train_grpo_monarch(config, Recorder([sink]), control=control,
+                                    workers=parse_workers(environment_value(workers)))
+    events = [r for r in sink.records if r["kind"] == "event"]
+    started = _named(events, "redirect_started")
+    assert [(e["host"], e["replicas"], e["reward_replicas"]) for e in started] == [("host1", [1], [0])]
+    drained = script.outcomes[1]
+    assert drained["moved"] == {"1": "host0"} and drained["moved_roles"] == {"reward": {"0": "host0"}}
+    assert drained["plan"] == {"0": "host0", "1": "host0"}
+    assert script.outcomes[2]["plan"] == {"0": "host0", "1": "host0"}  # undrained: nothing moves back by itself
+    assert result.step == 3 and result.metrics[-1]["faults/migrations"] == 2

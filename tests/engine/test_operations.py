@@ -35,6 +35,8 @@ def test_valid_payloads_parse_to_typed_objects() -> None:
     assert random.schedule.random_seed == 3
     move = parse_operation("placement_change", {"action": "move", "replica": 0, "host": "node-b"})
     assert isinstance(move, PlacementChangeRequest) and (move.role, move.host) == ("generator", "node-b")
+    reward = parse_operation("placement_change", {"action": "add", "role": "reward", "host": "node-b"})
+    assert (reward.role, reward.action) == ("reward", "add")
     drain = parse_operation("load_redirect", {"action": "drain", "host": "node-a"})
     assert isinstance(drain, LoadRedirectRequest) and drain.action == "drain"
 

@@ -101,7 +101,7 @@ class FaultDrillRequest(StrictModel):
 
 class PlacementChangeRequest(StrictModel):
     action: Literal["move", "add", "remove"]
-    role: Literal["generator"] = "generator"
+    role: Literal["generator", "reward", "reference"] = "generator"
     replica: ReplicaIndex | None = Field(default=None, description="move, remove: which replica")
     host: HostName | None = Field(default=None, description="move, add: the target host")
 

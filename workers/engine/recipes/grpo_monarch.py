@@ -314,10 +314,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                        trainer_hosts=list(trainer_hosts), trainer_pids=list(trainer_pids), warm_spares=spares,
                        gpus=hosts.gpus.holdings())
 
-        def generator_plan() -> dict[str, str]:
-            return {str(r.index): r.host for r in generators.live()}
-
-        recorder.event("placement_applied", step=0, role="generator", hosts=generator_hosts, plan=generator_plan(),
+        recorder.event("placement_applied", step=0, role="generator", hosts=generator_hosts,
+                       plan={str(r.index): r.host for r in generators.live()},
                        pids={str(r.index): r.pids for r in generators.live()})
 
         sampling = SamplingParams(max_new_tokens=cfg.generator.max_new_tokens, temperature=cfg.generator.temperature,
@@ -617,93 +615,132 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                     recorder.event("message", step=step, text=f"fault drill not run: {error}")
 
         # --- placement and redirects (operator commands) ---------------------------------------
-        def check_host(host: str) -> None:
-            if host not in generator_hosts:
-                raise ValueError(f"unknown host {host!r}; hosts: {', '.join(generator_hosts)}")
+        prepare_new: dict[str, Callable[[Replica], int]] = {"generator": prepare_generator}
+        MOVABLE = ("generator", "reward", "reference")  # in this order: a role may follow the generators' hosts
+
+        def role_plan(role: str) -> dict[str, str]:
+            return {str(r.index): r.host for r in groups[role].live()}
+
+        def group_of(role: str) -> ReplicaGroup:
+            if role not in groups:
+                raise ValueError(f"this run has no {role} (reference.enabled is false)")
+            return groups[role]
+
+        def check_host(role: str, host: str) -> None:
+            rule = getattr(cfg.placement, role)
+            if rule.colocate_with is not None:
+                raise ValueError(f"the {role} follows the {rule.colocate_with}'s hosts (placement.{role}.colocate_with)")
+            known = list(rule.hosts) or hosts.names
+            if host not in known:
+                raise ValueError(f"unknown host {host!r}; hosts: {', '.join(known)}")
             if host in hosts.lost:
                 raise ValueError(f"host {host!r} is lost")
             if host in drained:
                 raise ValueError(f"host {host!r} is drained; undrain it first")
-            if not generators.has_room(host):
-                raise ValueError(f"host {host!r} has no room for another generator replica "
-                                 f"(placement.generator.procs_per_host / gpus_per_proc)")
+            if not groups[role].has_room(host):
+                raise ValueError(f"host {host!r} has no room for another {role} replica "
+                                 f"(placement.{role}.procs_per_host / gpus_per_proc)")
 
-        def serving_generator(index: int) -> Replica:
-            serving = [r.index for r in generators.live()]
-            if index not in serving:
-                raise ValueError(f"generator replica {index} is not serving; serving replicas: {serving}")
-            return generators.replicas[index]
+        def serving(role: str, index: int) -> Replica:
+            live = [r.index for r in group_of(role).live()]
+            if index not in live:
+                raise ValueError(f"{role} replica {index} is not serving; serving replicas: {live}")
+            return groups[role].replicas[index]
 
-        def move(replica: Replica, host: str) -> None:
-            """Start the replica again on `host` with the current weights; the old one stops once its requests are done."""
-            new = generators.spawn(replica.index, host)
-            new.version = prepare_generator(new)
-            generators.service.replace(replica.index, new)
-            generators.retire(replica)
+        def start_replica(group: ReplicaGroup, index: int, host: str) -> Replica:
+            """A new replica of the group's role on `host`, ready to serve (a generator at the current weights)."""
+            new = group.spawn(index, host)
+            new.version = prepare_new[group.role](new) if group.role in prepare_new else 0
+            return new
+
+        def move(group: ReplicaGroup, replica: Replica, host: str) -> None:
+            """Start the replica again on `host`; the old one stops once its requests are done."""
+            group.service.replace(replica.index, start_replica(group, replica.index, host))
+            group.retire(replica)
             totals["migrations"] += 1
 
         def change_placement(change: PlacementChangeRequest) -> dict[str, Any]:
             started = time.monotonic()
+            group = group_of(change.role)
             if change.action == "add":
-                check_host(change.host)
-                new = generators.spawn(len(generators.replicas), change.host)
-                new.version = prepare_generator(new)
-                replica_index = generators.service.add(new)
+                check_host(change.role, change.host)
+                replica_index = group.service.add(start_replica(group, len(group.replicas), change.host))
             elif change.action == "remove":
-                replica = serving_generator(change.replica)
-                if len(generators.live()) == 1:
-                    raise ValueError("cannot remove the last serving generator replica")
-                generators.service.set_available(replica.index, False)
-                generators.retire(replica)
+                replica = serving(change.role, change.replica)
+                if len(group.live()) == 1:
+                    raise ValueError(f"cannot remove the last serving {change.role} replica")
+                group.service.set_available(replica.index, False)
+                group.retire(replica)
                 replica_index = replica.index
             else:
-                replica = serving_generator(change.replica)
-                check_host(change.host)
+                replica = serving(change.role, change.replica)
+                check_host(change.role, change.host)
                 if replica.host == change.host:
-                    raise ValueError(f"generator replica {replica.index} is already on host {change.host!r}")
-                move(replica, change.host)
+                    raise ValueError(f"{change.role} replica {replica.index} is already on host {change.host!r}")
+                move(group, replica, change.host)
                 replica_index = replica.index
-            result = {"action": change.action, "replica": replica_index, "host": change.host, "plan": generator_plan()}
-            recorder.event("placement_changed", step=step, role="generator", seconds=round(time.monotonic() - started, 3),
-                           pids=generators.replicas[replica_index].pids, **result)
+            result = {"action": change.action, "role": change.role, "replica": replica_index, "host": change.host,
+                      "plan": role_plan(change.role)}
+            recorder.event("placement_changed", step=step, seconds=round(time.monotonic() - started, 3),
+                           pids=group.replicas[replica_index].pids, **result)
             return result
 
-        def redirect(command: LoadRedirectRequest) -> dict[str, Any]:
-            host = command.host
-            if host not in generator_hosts:
-                raise ValueError(f"unknown host {host!r}; hosts: {', '.join(generator_hosts)}")
-            if command.action == "undrain":
-                drained.discard(host)
-                recorder.event("redirect_finished", step=step, action="undrain", host=host, moved={}, plan=generator_plan())
-                return {"host": host, "plan": generator_plan()}
-            targets = [h for h in hosts.alive(generator_hosts) if h != host and h not in drained]
-            if not targets:
-                raise ValueError(f"no other undrained host to move {host!r}'s generator replicas to")
-            started = time.monotonic()
-            moving = [r for r in generators.live() if r.host == host]
-            room = {t: generators.room(t) for t in targets}
+        def drain_destinations(group: ReplicaGroup, host: str) -> list[str]:
+            """Where the group's replicas on `host` go: its other undrained hosts, round, each while it has room;
+            ValueError when they do not all fit."""
+            moving = [r for r in group.live() if r.host == host]
+            targets = [h for h in hosts.alive(role_hosts(group.role)) if h != host and h not in drained]
+            room = {t: group.room(t) for t in targets}
             destinations = []
             for i in range(len(moving)):
                 open_targets = [t for t in targets if room[t] >= 1]
                 if not open_targets:
-                    raise ValueError(f"{', '.join(targets)} have no room for {host!r}'s {len(moving)} generator replicas "
-                                     "(placement.generator.procs_per_host / gpus_per_proc)")
+                    raise ValueError(f"no other undrained host has room for {host!r}'s {len(moving)} {group.role} "
+                                     f"replica(s) (hosts {', '.join(targets) or 'none'}; "
+                                     f"placement.{group.role}.procs_per_host / gpus_per_proc)")
                 destinations.append(open_targets[i % len(open_targets)])
                 room[destinations[-1]] -= 1
+            return destinations
+
+        def redirect(command: LoadRedirectRequest) -> dict[str, Any]:
+            host = command.host
+            known = hosts.names if hosts.workers else generator_hosts  # without workers only generators have hosts
+            if host not in known:
+                raise ValueError(f"unknown host {host!r}; hosts: {', '.join(known)}")
+            if command.action == "undrain":
+                drained.discard(host)
+                recorder.event("redirect_finished", step=step, action="undrain", host=host, moved={},
+                               plan=role_plan("generator"))
+                return {"host": host, "plan": role_plan("generator")}
+            # roles that follow the trainer stay with it; a role that follows the generators goes where they went
+            roles = [role for role in MOVABLE if role in groups
+                     and getattr(cfg.placement, role).colocate_with in (None, "generator")]
+            first = {role: drain_destinations(groups[role], host) for role in roles
+                     if getattr(cfg.placement, role).colocate_with is None}  # checked before anything moves
+            started = time.monotonic()
+            moving = {role: [r for r in groups[role].live() if r.host == host] for role in roles}
             drained.add(host)
-            recorder.event("redirect_started", step=step, action="drain", host=host, replicas=[r.index for r in moving])
-            for replica in moving:  # stop routing to the host at once; replacements come up one by one
-                generators.service.set_available(replica.index, False)
+            recorder.event("redirect_started", step=step, action="drain", host=host,
+                           replicas=[r.index for r in moving.get("generator", [])],
+                           **{f"{role}_replicas": [r.index for r in moving[role]] for role in roles if role != "generator"})
+            for role in roles:  # stop routing to the host at once; replacements come up one by one
+                for replica in moving[role]:
+                    groups[role].service.set_available(replica.index, False)
             spares_dropped = sum(group.drop_spares_on(host) for group in groups.values())
-            moved = {}
-            for replica, target in zip(moving, destinations):
-                move(replica, target)
-                moved[str(replica.index)] = target
+            moved: dict[str, dict[str, str]] = {}
+            for role in roles:
+                destinations = first[role] if role in first else drain_destinations(groups[role], host)
+                for replica, target in zip(moving[role], destinations):
+                    move(groups[role], replica, target)
+                    moved.setdefault(role, {})[str(replica.index)] = target
             if spares_dropped:
                 warm_spares()  # after the moves: a spare must not take a moving replica's room
-            recorder.event("redirect_finished", step=step, action="drain", host=host, moved=moved, plan=generator_plan(),
-                           seconds=round(time.monotonic() - started, 3))
-            return {"host": host, "moved": moved, "plan": generator_plan()}
+            others = {role: plan for role, plan in moved.items() if role != "generator"}
+            recorder.event("redirect_finished", step=step, action="drain", host=host, moved=moved.get("generator", {}),
+                           plan=role_plan("generator"), seconds=round(time.monotonic() - started, 3),
+                           **({"moved_roles": others} if others else {}))
+            return {"host": host, "moved": moved.get("generator", {}), "plan": role_plan("generator"),
+                    **({"moved_roles": others} if others else {})}
 
         def operate(kind: str, operation: Operation) -> dict[str, Any]:
             if isinstance(operation, FaultDrillRequest):
