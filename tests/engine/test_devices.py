@@ -60,3 +60,11 @@ def test_a_proc_given_a_gpu_cuda_does_not_show_refuses_to_start(monkeypatch: pyt
     with pytest.raises(RuntimeError, match="given GPU 3 of its host .* but CUDA shows it 0"):
         bind_proc_gpus()
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"  # CUDA would have shown the proc its own GPU only
+
+
+def test_a_host_count_given_as_a_callable_is_asked_once_and_only_when_needed() -> None:
+    asked = []
+    ledger = DeviceLedger(gpus_per_host=lambda: asked.append(1) or 2)
+    assert asked == []  # a run without GPU roles never counts them (no CUDA in the controller)
+    assert ledger.take(host="a", owner="x", procs=2, gpus_per_proc=1) == [[0], [1]]
+    assert ledger.free("a") == 0 and ledger.free("b") == 2 and asked == [1]

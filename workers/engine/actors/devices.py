@@ -15,7 +15,7 @@ Django- and Monarch-free; imports torch only in `bind_proc_gpus`, in the proc.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 PROC_GPUS_ENV = "FORGEBOARD_PROC_GPUS"
 GPUS_PER_HOST_ENV = "FORGEBOARD_GPUS_PER_HOST"
@@ -26,11 +26,13 @@ class NoRoomForGpus(RuntimeError):
 
 
 class DeviceLedger:
-    def __init__(self, *, gpus_per_host: int | None = None):
-        self._capacity = gpus_per_host
+    def __init__(self, *, gpus_per_host: int | Callable[[], int | None] | None = None):
+        self._capacity = gpus_per_host  # a callable is asked once, when GPUs are first counted
         self._held: dict[tuple[str, str], list[list[int]]] = {}  # (owner, host) -> index groups
 
     def capacity(self, host: str) -> int | None:  # noqa: ARG002 - a job's hosts are alike
+        if callable(self._capacity):
+            self._capacity = self._capacity()
         return self._capacity
 
     def held_on(self, host: str) -> dict[str, list[int]]:

@@ -20,7 +20,7 @@ import re
 import socket
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -131,7 +131,7 @@ class Hosts:
     """Named hosts of one run: slices of one attached host mesh, or this machine under any name."""
 
     def __init__(self, *, workers: Sequence[Worker] = (), mesh: Any = None, attach_seconds: float = 0.0,
-                 gpus_per_host: int | None = None):
+                 gpus_per_host: int | Callable[[], int | None] | None = None):
         self.workers = {w.name: w for w in workers}
         self._index = {w.name: i for i, w in enumerate(workers)}
         self.mesh = mesh
@@ -146,7 +146,7 @@ class Hosts:
     def attach(cls, *, workers: Sequence[Worker], timeout_s: float) -> Hosts:
         """Attach to every worker once; HostsUnreachable naming those that do not answer."""
         if not workers:
-            return cls(gpus_per_host=_local_gpus())
+            return cls(gpus_per_host=_local_gpus)  # counted only if a role asks for GPUs
         started = time.monotonic()
         _raise_unreachable(workers, why="not accepting connections")
         _enable_transport(local_address_towards(workers[0]))
