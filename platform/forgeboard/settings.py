@@ -94,7 +94,7 @@ DATABASE_URL = env.url("DATABASE_URL", ("postgres", "postgresql", "sqlite"), sec
 CONN_MAX_AGE = env.int("FORGEBOARD_DB_CONN_MAX_AGE", 0 if FORGEBOARD_ENV == "test" else 60, minimum=0)
 # Postgres connections pooled per process (psycopg_pool), for the web server: under ASGI every request
 # runs in a thread of its own, so a persistent connection is never reused and each request would
-# connect anew. `forgeboard serve` sets it for daphne; 0 keeps Django's per-thread connections
+# connect anew. `forgeboard serve` sets it for the web server; 0 keeps Django's per-thread connections
 # (Celery workers and scripts, which fork or run one thread).
 DB_POOL_SIZE = env.int("FORGEBOARD_DB_POOL_SIZE", 0, minimum=0)
 _SQLITE_OPTIONS = {
@@ -124,9 +124,11 @@ if REDIS_URL:
     CELERY_BROKER_TRANSPORT_OPTIONS: dict = {}
     # redis-py 8 times out socket reads after 5 s by default: exactly the channel layer's blocking
     # receive (BZPOPMIN, 5 s), which then fails every idle websocket. Reads may block for longer.
-    # pubsub: one Redis PUBLISH per update, fanned out inside each web process (fast with many
-    # subscribers); core: a Redis list per subscriber. Either is best effort: the database holds everything.
-    _LAYER = env.str("FORGEBOARD_CHANNEL_LAYER", "pubsub")
+    # core: a Redis list per subscriber; pubsub: one Redis PUBLISH per update, fanned out inside each
+    # web process. With 100 subscribers on one uvicorn process core kept p99 at 34-52 ms and pubsub had
+    # 130-150 ms tails in three runs of four (tests/bench/test_bench_streams.py). Either is best effort:
+    # the database holds everything.
+    _LAYER = env.str("FORGEBOARD_CHANNEL_LAYER", "core")
     if _LAYER not in ("pubsub", "core"):
         raise ImproperlyConfigured(f"FORGEBOARD_CHANNEL_LAYER: expected pubsub or core, got {_LAYER!r}")
     CHANNEL_LAYERS = {

@@ -67,7 +67,7 @@ def test_emit_to_websocket_latency(tmp_path, running_run, team):
                 latencies = _measure(port, run, run_token, read_token, subscribers, seq)
                 seq += MESSAGES
                 rows.append((layer or "sqlite", subscribers, statistics.median(latencies), _percentile(latencies, 0.99)))
-    print(f"\nemit -> websocket client ({MESSAGES} messages, one daphne process)")
+    print(f"\nemit -> websocket client ({MESSAGES} messages, one web server process)")
     for layer, subscribers, p50, p99 in rows:
         print(f"  {layer:7s} {subscribers:4d} subscribers: p50 {p50 * 1000:7.1f} ms   p99 {p99 * 1000:7.1f} ms")
     if len(layers) == 2:

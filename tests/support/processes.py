@@ -13,6 +13,8 @@ from pathlib import Path
 
 from django.db import connection
 
+from forgeboard.cli import web_server_argv
+
 REPO_DIR = Path(__file__).resolve().parents[2]
 
 
@@ -84,7 +86,7 @@ def wait_for(predicate, *, timeout: float, interval: float = 0.2, what: str = "c
 
 @contextmanager
 def web_server(log_path: Path, *, port: int, ready_timeout: float = 60, **env: str) -> Iterator[subprocess.Popen]:
-    """daphne serving the platform (HTTP and websockets) on 127.0.0.1:port."""
+    """The platform's web server (HTTP and websockets, `forgeboard serve`'s) on 127.0.0.1:port."""
     process = start_web_server(log_path, port=port, ready_timeout=ready_timeout, **env)
     try:
         yield process
@@ -97,7 +99,7 @@ def start_web_server(log_path: Path, *, port: int, ready_timeout: float = 60, **
 
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "forgeboard.asgi:application"],
+            web_server_argv(host="127.0.0.1", port=port),
             cwd=REPO_DIR, env=platform_env(**({"FORGEBOARD_DB_POOL_SIZE": "4"} | env)), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     deadline = time.monotonic() + ready_timeout
