@@ -4,7 +4,7 @@
     FORGEBOARD_ENV=test DJANGO_ALLOW_ASYNC_UNSAFE=true \
         .venv/bin/python -m pytest tests/bench/test_bench_run_page.py -s -p no:cacheprovider
 
-Measures, in real Chromium against daphne, from navigation start until every chart has drawn its
+Measures, in real Chromium against the web server, from navigation start until every chart has drawn its
 points (the websocket backlog is downsampled to at most 500 points per series by the server), and
 the time to load a zoomed range at full resolution. Prints medians of 3 loads and the ratio.
 """

@@ -1,4 +1,4 @@
-"""Browser tests: Debian's Chromium driven by Playwright against a real daphne and Celery worker.
+"""Browser tests: Debian's Chromium driven by Playwright against the real web server and a Celery worker.
 
 Run in their own pytest invocation (scripts/test.sh does): Playwright's event loop breaks later
 pytest-asyncio tests in the same process. Screenshots go to test-artifacts/e2e/.
@@ -46,7 +46,7 @@ def browser_context_args(browser_context_args):
 
 @pytest.fixture(scope="module")
 def server(django_db_setup, django_db_blocker, tmp_path_factory):
-    """daphne and a Celery worker on the test database; engines they start are killed afterwards."""
+    """The web server and a Celery worker on the test database; engines they start are killed afterwards."""
     tmp = tmp_path_factory.mktemp("e2e-server")
     port = free_port()
     url = f"http://127.0.0.1:{port}"

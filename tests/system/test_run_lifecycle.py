@@ -1,4 +1,4 @@
-"""Runs end to end: a real Celery worker, the web server (daphne), the engine, Postgres/SQLite and the layer.
+"""Runs end to end: a real Celery worker, the web server (uvicorn), the engine, Postgres/SQLite and the layer.
 
 A run launched through the service trains a tiny model, reports every metric exactly once, pushes
 updates to a websocket client, obeys cancel, survives a killed web server, and a killed controller
