@@ -196,6 +196,10 @@ def test_a_slowdown_is_kept_by_the_agent_on_the_replicas_host(spread_run) -> Non
     slow = next(outcome for _, kind, outcome in script.outcomes if kind == "slow")
     injected = next(e for e in _named(events, "fault_injected") if e["fault_id"] == slow["fault_id"])
     assert injected["signalled_by"] == "agent on host1" and injected["fault_kind"] == "slow_host"
+    # the whole host slows down: generator 1 and trainer rank 1 (restarted after the kill), nothing of host0
+    generator_1 = _named(events, "placement_applied")[0]["pids"]["1"][0]
+    trainer = next(e for e in _named(events, "replica_replaced") if e["role"] == "trainer")["pids"]
+    assert sorted(injected["pids"]) == sorted([generator_1, trainer[1]])
     assert "T" in script.slowed_states  # stopped by the agent's cycle; it ran in between (R or S)
     assert script.slowed_states - {"T"}
     recovered = [e for e in _named(events, "recovered") if e["fault_id"] == slow["fault_id"]]

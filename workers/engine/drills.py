@@ -3,7 +3,8 @@
   kill       SIGKILL the target's processes
   hang       SIGSTOP them, SIGCONT after duration_s (past the call timeout, the controller
              declares them hung and replaces them)
-  slow_host  SIGSTOP / SIGCONT them in turn for duration_s, stopped `duty_cycle` of each second
+  slow_host  SIGSTOP / SIGCONT every process of the run on the target's host in turn for
+             duration_s, stopped `duty_cycle` of each second
   raise, latency, bandwidth   armed inside the target actor (`actors/faults.py`)
 
 Every injection emits `fault_injected` with a fault id. A fault that makes a call fail is

@@ -12,7 +12,8 @@ fault_drill (FaultDrillRequest)
     duration_s     float > 0, default 5; hang, latency, bandwidth, slow_host: how long the effect lasts
     latency_ms     float > 0; required by latency, refused otherwise: added before each call to the role
     bandwidth_mbps float > 0; required by bandwidth, refused otherwise: each call waits bytes / bandwidth
-    duty_cycle     0 < float < 1; required by slow_host, refused otherwise: fraction of time stopped
+    duty_cycle     0 < float < 1; required by slow_host, refused otherwise: fraction of time the processes of the
+                   target's host are stopped
     schedule       null (now) | {"at_step": int >= 1} | {"every_s": float > 0}
                    | {"random_seed": int >= 0, "rate_per_min": float > 0}
 

@@ -577,7 +577,18 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                     target.signals = hosts.signals(host)  # an agent on the target's host, with workers
                 except HostsUnreachable as error:
                     raise ValueError(f"{request.role} replica {request.replica}'s host cannot be signalled: {error}") from None
+                if request.kind == "slow_host":  # the whole host: every process of the run there
+                    target.pids = list(dict.fromkeys([*target.pids, *run_pids_on(host)]))
             return target
+
+        def run_pids_on(host: str) -> list[int]:
+            """The run's trainer ranks and replicas (spares and retiring ones too) on `host`."""
+            pids = [pid for rank, pid in enumerate(trainer_pids) if rank_host(rank) == host]
+            for group in groups.values():
+                for replica in [*group.replicas, *group.retiring, *group.spare_replicas()]:
+                    if replica.host == host:
+                        pids.extend(replica.pids)
+            return pids
 
         def signal_target(request: FaultDrillRequest) -> FaultTarget:
             if request.role == "trainer":
