@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from urllib.parse import parse_qs
 
+from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
@@ -62,7 +63,7 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
 
     async def dispatch(self, message: dict) -> None:
         if message["type"] in self.live_types:
-            await getattr(self, message["type"].replace(".", "_"))(message)
+            await getattr(self, get_handler_name(message))(message)
             return
         await super().dispatch(message)
 

@@ -516,11 +516,14 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             wait(replica.actor.load_weights.call_one(state, policy_version))
             return int(wait(replica.actor.policy_version.call_one()))
 
+        # what a new replica needs before it serves, per role (a generator: the current weights)
+        prepare_new: dict[str, Callable[[Replica], int]] = {"generator": prepare_generator}
+
         def repair() -> None:
             if not failover.pending_repairs():
                 return
             poll_spares()
-            failover.repair({"generator": prepare_generator}, host=pick_host)
+            failover.repair(prepare_new, host=pick_host)
             warm_spares()  # spares used up start again; their models load while training goes on
 
         def send(group: ReplicaGroup, call: Callable[[Any], Any], *, key: str | None = None, attempts: int = 0,
@@ -626,7 +629,6 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                     recorder.event("message", step=step, text=f"fault drill not run: {error}")
 
         # --- placement and redirects (operator commands) ---------------------------------------
-        prepare_new: dict[str, Callable[[Replica], int]] = {"generator": prepare_generator}
         MOVABLE = ("generator", "reward", "reference")  # in this order: a role may follow the generators' hosts
 
         def role_plan(role: str) -> dict[str, str]:
