@@ -206,6 +206,7 @@ SLURM_TIME_LIMIT = env.str("FORGEBOARD_SLURM_TIME_LIMIT")
 SLURM_GPUS_PER_NODE = env.int("FORGEBOARD_SLURM_GPUS_PER_NODE", 8, minimum=1)
 SLURM_CPUS_PER_NODE = env.int("FORGEBOARD_SLURM_CPUS_PER_NODE", 16, minimum=1)
 SLURM_MEMORY = env.str("FORGEBOARD_SLURM_MEMORY", "64G")
+SLURM_MONARCH_PORT = env.int("FORGEBOARD_SLURM_MONARCH_PORT", 22222, minimum=1024, maximum=65535)  # each node's Monarch worker
 SLURM_BIN_DIR = env.str("FORGEBOARD_SLURM_BIN_DIR")  # where sbatch, squeue, sacct and scancel are; unset: PATH
 # The Kubernetes launch backend (workers/launch/kubernetes_backend.py): a worker with an API URL and an
 # image creates the objects of runs whose config says placement.backend: kubernetes.
@@ -218,6 +219,8 @@ K8S_CA_FILE = env.str("FORGEBOARD_K8S_CA_FILE", "/var/run/secrets/kubernetes.io/
 K8S_GPUS_PER_NODE = env.int("FORGEBOARD_K8S_GPUS_PER_NODE", 8, minimum=1)
 K8S_CPUS_PER_NODE = env.int("FORGEBOARD_K8S_CPUS_PER_NODE", 16, minimum=1)
 K8S_MEMORY = env.str("FORGEBOARD_K8S_MEMORY", "64Gi")
+# The run pods' service account: the engine controller lists and watches its run's pods with it (infra/k8s/engine-rbac.yaml).
+K8S_ENGINE_SERVICE_ACCOUNT = env.str("FORGEBOARD_K8S_ENGINE_SERVICE_ACCOUNT", "forgeboard-engine")
 CELERY_BEAT_SCHEDULE = {
     "schedule-runs": {"task": "runs.schedule", "schedule": env.int("FORGEBOARD_SCHEDULE_SECONDS", 10, minimum=1)},
     "reconcile-runs": {"task": "runs.reconcile", "schedule": env.int("FORGEBOARD_RECONCILE_SECONDS", 15, minimum=1)},

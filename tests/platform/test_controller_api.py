@@ -51,6 +51,18 @@ def test_batches_apply_in_order_exactly_once(client, running_run):
     assert seqs == list(range(1, len(seqs) + 1)), "event sequence numbers stay dense across services and ingest"
 
 
+@pytest.mark.parametrize(("backend", "after"), [("slurm", RunState.RUNNING), ("kubernetes", RunState.RUNNING),
+                                                ("local", RunState.LAUNCHING)])
+def test_a_cluster_runs_first_report_marks_it_running(client, running_run, backend, after):
+    """Nothing else tells the platform a scheduler started the job; a local run's supervisor says so itself."""
+    run, token = running_run
+    Run.objects.filter(pk=run.pk).update(state=RunState.LAUNCHING, backend=backend)
+    assert post(client, run, token, {"batches": []}).status_code == 200
+    run.refresh_from_db()
+    assert run.state == after
+    assert (run.started_at is not None) == (after == RunState.RUNNING)
+
+
 def test_a_gap_is_refused_with_the_sequence_to_resend_from(client, running_run):
     run, token = running_run
     post(client, run, token, {"batches": [batch(1)]})

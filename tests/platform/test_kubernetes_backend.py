@@ -77,6 +77,7 @@ def k8s(settings, monkeypatch) -> FakeApiServer:
     settings.K8S_IMAGE = "registry.example/forgeboard:1.4"
     settings.K8S_NAMESPACE = "research"
     settings.K8S_GPUS_PER_NODE = 2
+    settings.K8S_ENGINE_SERVICE_ACCOUNT = "research-engine"
     server = FakeApiServer()
     api = KubernetesApi(base_url=settings.K8S_API_URL, namespace="research", token="sa-token",
                         transport=httpx.MockTransport(server.handle))
@@ -100,16 +101,22 @@ def test_a_kubernetes_run_is_created_through_the_api_and_failed_with_the_pods_re
     assert run.state == RunState.LAUNCHING and run.job_id == name
     posts = [(r.method, r.url.path) for r in k8s.requests]
     assert posts == [("POST", "/api/v1/namespaces/research/secrets"), ("POST", "/api/v1/namespaces/research/configmaps"),
-                     ("POST", "/api/v1/namespaces/research/services"), ("POST", "/apis/batch/v1/namespaces/research/jobs")]
+                     ("POST", "/apis/batch/v1/namespaces/research/jobs")]
     assert all(r.headers["authorization"] == "Bearer sa-token" for r in k8s.requests)
-    secret, config_map, _service, job = k8s.created
+    secret, config_map, job = k8s.created
     assert secret["metadata"]["name"] == f"{name}-token"
     token = run_token_authenticate(raw=secret["stringData"]["token"])
     assert token is not None and token.run_id == run.pk, "the Secret holds the run's own token"
     assert "backend: kubernetes" in config_map["data"]["config.yaml"]
     assert job["spec"]["completions"] == 2, "4 GPUs at 2 per node"
-    env = {e["name"]: e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    pod = job["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in pod["containers"][0]["env"]}
     assert env["FORGEBOARD_RUN_TOKEN_FILE"] == "/var/run/secrets/forgeboard/token" and env["FORGEBOARD_RUN_ID"] == str(run.pk)
+    # the engine in pod 0 finds its workers through the API, as the configured service account
+    assert pod["serviceAccountName"] == "research-engine"
+    assert (env["FORGEBOARD_MONARCH_JOB"], env["FORGEBOARD_RUN_NODES"], env["MONARCH_PORT"]) == ("kubernetes", "2", "26600")
+    assert env["FORGEBOARD_POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert "FORGEBOARD_MONARCH_WORKERS" not in env
     assert secret["stringData"]["token"] not in json.dumps(job), "the token is mounted, never written into the Job"
     submitted = RunEvent.objects.get(run=run, kind="message", payload__name="job_submitted")
     assert submitted.payload["job_id"] == name and submitted.payload["namespace"] == "research"
@@ -175,3 +182,18 @@ def test_an_unreachable_api_server_leaves_the_run_alone(team, k8s):
     assert poll_kubernetes_runs() == {run.pk: f"unreadable: reading Job forgeboard-run-{run.pk}: HTTP 500: "
                                               "etcdserver: request timed out"}
     assert Run.objects.get(pk=run.pk).state == RunState.LAUNCHING
+
+
+def test_the_default_engine_service_account_is_the_one_infra_creates_and_may_watch_pods():
+    import yaml
+    from django.conf import settings
+
+    manifests = list(yaml.safe_load_all((Path(__file__).resolve().parents[2] / "infra/k8s/engine-rbac.yaml").read_text()))
+    by_kind = {m["kind"]: m for m in manifests}
+    assert by_kind["ServiceAccount"]["metadata"]["name"] == settings.K8S_ENGINE_SERVICE_ACCOUNT == "forgeboard-engine"
+    assert by_kind["Role"]["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = by_kind["RoleBinding"]
+    assert binding["roleRef"]["name"] == by_kind["Role"]["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "forgeboard-engine", "namespace": "forgeboard"}]
+    kustomization = yaml.safe_load((Path(__file__).resolve().parents[2] / "infra/k8s/kustomization.yaml").read_text())
+    assert "engine-rbac.yaml" in kustomization["resources"]

@@ -44,7 +44,8 @@ here = Path(__file__).resolve().parent
 name = Path(sys.argv[0]).name
 stdin = sys.stdin.read() if name == "sbatch" else ""
 with open(here / "calls.jsonl", "a") as log:
-    log.write(json.dumps({{"program": name, "args": sys.argv[1:], "stdin": stdin}}) + "\\n")
+    log.write(json.dumps({{"program": name, "args": sys.argv[1:], "stdin": stdin, "cwd": os.getcwd(),
+                          "env": dict(os.environ)}}) + "\\n")
 answer = json.loads((here / "answers.json").read_text()).get(name, {{}})
 if answer.get("exit"):
     print(answer.get("stderr", ""), file=sys.stderr)
@@ -66,7 +67,7 @@ class FakeSlurm:
             program = folder / name
             program.write_text(FAKE.format(python=sys.executable))
             program.chmod(0o755)
-        self.answers: dict = {"sbatch": {"stdout": "18004"}, "squeue": {"jobs": []}, "sacct": {"jobs": []}}
+        self.answers: dict = {"sbatch": {"stdout": "Submitted batch job 18004"}, "squeue": {"jobs": []}, "sacct": {"jobs": []}}
         self._save()
 
     def _save(self) -> None:
@@ -116,14 +117,19 @@ def test_a_slurm_run_is_submitted_followed_and_failed_with_slurms_reason(team, s
     assert run.state == RunState.LAUNCHING and run.job_id == "18004"
     assert run.allocation == {"slurm": {"gpus": 4, "slots": 0}}, "its GPUs count against the project's quota"
     [sbatch] = slurm.calls("sbatch")
-    assert sbatch["args"] == ["--parsable"]
+    assert sbatch["args"] == [], "monarch's SlurmJob pipes its script to a bare sbatch"
     script = sbatch["stdin"]
     assert "#SBATCH --partition=gpu" in script and "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=2" in script
     assert f"#SBATCH --comment=forgeboard-run-id={run.pk}" in script
     folder = Path(run.log_path).parent
-    assert f"export FORGEBOARD_RUN_TOKEN_FILE={folder / 'run_token'}" in script
+    assert script.splitlines()[-1] == ("/shared/venvs/forgeboard/bin/python -m monarch._src.job._slurm_batch --port 22222 "
+                                       f"'/shared/venvs/forgeboard/bin/python -m workers.engine train --config "
+                                       f"{folder / 'config.yaml'}'")
+    assert sbatch["cwd"] == str(folder), "the job's working directory is the run's folder"
+    assert sbatch["env"]["FORGEBOARD_RUN_TOKEN_FILE"] == str(folder / "run_token")
+    assert sbatch["env"]["FORGEBOARD_MONARCH_JOB"] == "slurm" and "DATABASE_URL" not in sbatch["env"]
     assert (folder / "run_token").read_text() and "backend: slurm" in (folder / "config.yaml").read_text()
-    assert (folder / "job.sbatch").read_text() == script
+    assert (folder / ".monarch" / "job_state.pkl").is_file(), "the pickled job its engine attaches through"
     submitted = RunEvent.objects.get(run=run, kind="message", payload__name="job_submitted")
     assert submitted.payload | {} == {"name": "job_submitted", "backend": "slurm", "job_id": "18004", "nodes": 2,
                                       "gpus_per_node": 2, "partition": "gpu"}
@@ -171,7 +177,8 @@ def test_a_refused_submission_fails_the_run_with_sbatchs_error(team, slurm):
     slurm.answer("sbatch", exit=1, stderr="sbatch: error: invalid partition specified: gpu")
     run = _submitted(team)
     assert run.state == RunState.FAILED and run.job_id == ""
-    assert run.exit_reason == "SLURM refused the job: sbatch exited with 1: sbatch: error: invalid partition specified: gpu"
+    assert run.exit_reason == ("SLURM refused the job: Failed to submit SLURM job: "
+                               "sbatch: error: invalid partition specified: gpu")
 
 
 @pytest.mark.django_db
@@ -196,8 +203,7 @@ def test_sbatch_output_that_is_not_a_job_id_fails_the_run(team, slurm):
     slurm.answer("sbatch", stdout="Submitted batch job pending approval")
     run = _submitted(team)
     assert run.state == RunState.FAILED and run.job_id == ""
-    assert run.exit_reason == ("SLURM refused the job: sbatch printed 'Submitted batch job pending approval', "
-                               "not a job id")
+    assert run.exit_reason == "SLURM refused the job: sbatch answered 'approval', not a job id"
 
 
 @pytest.mark.django_db

@@ -1,8 +1,11 @@
-"""Kubernetes launch: the Job, Service and ConfigMap for a run, and Job/Pod status read as run states."""
+"""Kubernetes launch: the Job and ConfigMap for a run, and Job/Pod status read as run states."""
 
 from __future__ import annotations
 
 import json
+import shlex
+import sys
+import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,8 +26,8 @@ REQUEST = KubernetesLaunchRequest(
 
 
 def _job() -> dict:
-    config_map, service, job = kubernetes_objects(REQUEST)
-    assert (config_map["kind"], service["kind"], job["kind"]) == ("ConfigMap", "Service", "Job")
+    config_map, job = kubernetes_objects(REQUEST)
+    assert (config_map["kind"], job["kind"]) == ("ConfigMap", "Job")
     return job
 
 
@@ -41,7 +44,7 @@ def test_job_runs_once_one_pod_per_node():
         "Indexed", 2, 2, 0)
     assert spec["successPolicy"] == {"rules": [{"succeededIndexes": "0"}]}
     pod = spec["template"]["spec"]
-    assert pod["restartPolicy"] == "Never" and pod["subdomain"] == "forgeboard-run-42"
+    assert pod["restartPolicy"] == "Never" and "subdomain" not in pod
     assert job["metadata"]["labels"]["forgeboard.run-id"] == "42"
     assert spec["template"]["metadata"]["labels"]["forgeboard.run-id"] == "42"
 
@@ -55,15 +58,32 @@ def test_pod_requests_gpus_cpus_and_memory():
     assert _job()["spec"]["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
 
 
-def test_pod_gets_the_run_environment_and_worker_addresses():
-    env = {e["name"]: e["value"] for e in _container(_job())["env"]}
-    assert env == {
+def test_pod_gets_the_run_environment_and_what_the_engine_discovers_its_workers_with():
+    env = _container(_job())["env"]
+    assert {e["name"]: e["value"] for e in env if "value" in e} == {
         "FORGEBOARD_RUN_ID": "42", "FORGEBOARD_URL": "https://forgeboard.example",
         "FORGEBOARD_RUN_TOKEN_FILE": "/var/run/secrets/forgeboard/token", "NCCL_DEBUG": "WARN",
-        "FORGEBOARD_MONARCH_WORKERS": ("tcp://forgeboard-run-42-0.forgeboard-run-42:26600,"
-                                       "tcp://forgeboard-run-42-1.forgeboard-run-42:26600"),
+        "FORGEBOARD_MONARCH_JOB": "kubernetes", "FORGEBOARD_RUN_NODES": "2",
+        "MONARCH_PORT": "26600",  # KubernetesJob dials each pod at the port its MONARCH_PORT says
         "FORGEBOARD_GPUS_PER_HOST": "8",  # the engine hands each node's GPUs to procs (placement gpus_per_proc)
     }
+    assert {e["name"]: e["valueFrom"] for e in env if "valueFrom" in e} == {
+        "FORGEBOARD_POD_NAMESPACE": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+        "FORGEBOARD_POD_IP": {"fieldRef": {"fieldPath": "status.podIP"}},
+    }
+
+
+def test_pods_run_as_the_service_account_that_may_watch_pods():
+    pod = _job()["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "forgeboard-engine" and pod["automountServiceAccountToken"] is True
+    other = kubernetes_objects(replace(REQUEST, service_account="team-a-engine"))[1]
+    assert other["spec"]["template"]["spec"]["serviceAccountName"] == "team-a-engine"
+
+
+def test_pod_is_ready_when_its_worker_accepts_connections():
+    container = _container(_job())
+    assert container["ports"] == [{"name": "monarch", "containerPort": 26600}]
+    assert container["readinessProbe"]["tcpSocket"] == {"port": "monarch"}
 
 
 def test_token_comes_from_a_secret_volume_and_config_from_a_config_map():
@@ -77,9 +97,10 @@ def test_token_comes_from_a_secret_volume_and_config_from_a_config_map():
     assert mounts["run-token"] == {"name": "run-token", "mountPath": "/var/run/secrets/forgeboard", "readOnly": True}
     config_map = kubernetes_objects(REQUEST)[0]
     assert config_map["data"] == {"config.yaml": REQUEST.config_yaml}
+    assert "forgeboard-run-42-token" not in json.dumps(config_map)
 
 
-def test_pod_zero_runs_the_controller_and_every_pod_a_worker():
+def test_pod_zero_runs_the_controller_and_every_pod_a_worker_on_its_pod_ip():
     command = _container(_job())["command"]
     assert command[:2] == ["/bin/sh", "-c"]
     script = command[2].splitlines()
@@ -87,18 +108,30 @@ def test_pod_zero_runs_the_controller_and_every_pod_a_worker():
     assert script[2].endswith(" &") and "run_worker_loop_forever" in script[2]
     assert script[3] == ("  exec python -m workers.engine train --config /etc/forgeboard/run/config.yaml "
                          "trainer.steps=200")
-    assert script[-1].startswith("exec python -c ") and '".forgeboard-run-42:26600@tcp://0.0.0.0:26600"' in script[-1]
+    assert script[-1] == f"exec python -c {shlex.quote(kubernetes.WORKER_CODE)}"
+    assert script[2] == f"  python -c {shlex.quote(kubernetes.WORKER_CODE)} &"
 
 
-def test_headless_service_names_the_pods():
-    service = kubernetes_objects(REQUEST)[1]
-    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
-    assert service["spec"]["selector"] == {"forgeboard.run-id": "42"}
-    assert service["metadata"]["name"] == _job()["spec"]["template"]["spec"]["subdomain"]
+def test_the_worker_advertises_the_address_kubernetes_job_dials():
+    """tcp://<pod IP>:<MONARCH_PORT>, listening on every interface (tests/engine/test_kubernetes_workers.py runs it)."""
+    captured = {}
+    fake_monarch = types.ModuleType("monarch.actor")
+    fake_monarch.run_worker_loop_forever = lambda **kwargs: captured.update(kwargs)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "monarch.actor", fake_monarch)
+        patch.setenv("FORGEBOARD_POD_IP", "10.244.3.21")
+        patch.setenv("MONARCH_PORT", "26600")
+        exec(kubernetes.WORKER_CODE, {})  # noqa: S102 - the pod's own worker code, against a fake monarch.actor
+    assert captured == {"address": "tcp://10.244.3.21:26600@tcp://0.0.0.0:26600", "ca": "trust_all_connections"}
+
+
+def test_no_service_is_created_the_workers_are_found_by_label():
+    assert [obj["kind"] for obj in kubernetes_objects(REQUEST)] == ["ConfigMap", "Job"]
+    assert _job()["spec"]["template"]["metadata"]["labels"]["forgeboard.run-id"] == "42"
 
 
 def test_cpu_only_runs_request_no_gpus():
-    job = kubernetes_objects(replace(REQUEST, gpus_per_node=0, node_selector={"pool": "cpu"}))[2]
+    job = kubernetes_objects(replace(REQUEST, gpus_per_node=0, node_selector={"pool": "cpu"}))[1]
     container = _container(job)
     assert "nvidia.com/gpu" not in container["resources"]["requests"]
     assert "tolerations" not in job["spec"]["template"]["spec"]
@@ -115,6 +148,9 @@ def test_cpu_only_runs_request_no_gpus():
         ({"config_yaml": "  "}, "config_yaml"),
         ({"token_secret": "Bad_Secret"}, "token_secret"),
         ({"environment": {"FORGEBOARD_RUN_TOKEN_FILE": "/tmp/x"}}, "environment.FORGEBOARD_RUN_TOKEN_FILE"),
+        ({"environment": {"MONARCH_PORT": "1"}}, "environment.MONARCH_PORT"),
+        ({"environment": {"FORGEBOARD_POD_IP": "10.0.0.1"}}, "environment.FORGEBOARD_POD_IP"),
+        ({"service_account": "Engine SA"}, "service_account"),
         ({"control_plane_url": "forgeboard.example"}, "control_plane_url"),
     ],
 )

@@ -1,11 +1,13 @@
-"""SLURM launch: the sbatch script for a run, and squeue/sacct JSON read as run states."""
+"""SLURM launch: a run's monarch.job SlurmJob as sbatch receives it, and squeue/sacct JSON read as run states."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from dataclasses import replace
+import os
+import shlex
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import get_args
 
@@ -13,19 +15,10 @@ import pytest
 
 from forgeboard.runs.states import RunState
 from workers.launch import slurm
-from workers.launch.slurm import LaunchSpecError, SlurmLaunchRequest, sbatch_script
+from workers.launch.slurm import LaunchSpecError, SlurmLaunchRequest
 
 RECORDED = Path(slurm.__file__).parent / "recorded"
 REPO_DIR = Path(__file__).resolve().parents[2]
-
-REQUEST = SlurmLaunchRequest(
-    run_id=42, config_path="/shared/runs/42/config.yaml", nodes=2, gpus_per_node=8, cpus_per_node=96,
-    memory="1600G", partition="h200", control_plane_url="https://forgeboard.example",
-    token_file="/shared/tokens/run-42.token", log_dir="/shared/logs", venv="/shared/venvs/forgeboard",
-    environment={"NCCL_DEBUG": "WARN", "HF_HOME": "/shared/hf cache"}, time_limit="1-00:00:00", account="research",
-    overrides=("trainer.steps=200",),
-)
-
 
 def _recorded(name: str) -> dict:
     return json.loads((RECORDED / name).read_text())
@@ -35,59 +28,124 @@ def _directives(script: str) -> list[str]:
     return [line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH ")]
 
 
-def test_sbatch_directives_request_the_nodes_and_gpus():
-    script = sbatch_script(REQUEST)
-    assert script.startswith("#!/bin/bash\n")
-    assert _directives(script) == [
-        "--job-name=forgeboard-run-42", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8",
-        "--cpus-per-task=96", "--mem=1600G", "--partition=h200", "--exclusive",
-        "--output=/shared/logs/forgeboard-run-42-%j.out", "--comment=forgeboard-run-id=42",
-        "--time=1-00:00:00", "--account=research",
+def _request(tmp: Path, **change) -> SlurmLaunchRequest:
+    return replace(SlurmLaunchRequest(
+        run_id=42, config_path="/shared/runs/42/config.yaml", nodes=2, gpus_per_node=8, cpus_per_node=96,
+        memory="1600G", partition="h200", control_plane_url="https://forgeboard.example",
+        token_file="/shared/tokens/run-42.token", log_dir=str(tmp / "logs"), venv="/shared/venvs/forgeboard",
+        environment={"NCCL_DEBUG": "WARN", "HF_HOME": "/shared/hf cache"}, time_limit="1-00:00:00",
+        account="research", overrides=("trainer.steps=200",),
+    ), **change)
+
+
+FAKE_SBATCH = """#!{python}
+import json, os, sys
+here = os.path.dirname(os.path.abspath(__file__))
+json.dump({{"args": sys.argv[1:], "stdin": sys.stdin.read(), "cwd": os.getcwd(), "env": dict(os.environ)}},
+          open(os.path.join(here, "sbatch.json"), "w"))
+print("Submitted batch job 4242")
+"""
+
+
+@dataclass
+class Submitted:
+    job_id: str
+    script: str
+    cwd: str
+    env: dict[str, str]
+
+
+def _submit(tmp: Path, request: SlurmLaunchRequest) -> Submitted:
+    """Apply the request's SlurmJob as the backend does, against a fake sbatch that keeps what it was given."""
+    from workers.launch.slurm_backend import SlurmCli
+
+    fake = tmp / "bin" / "sbatch"
+    fake.parent.mkdir(parents=True, exist_ok=True)
+    fake.write_text(FAKE_SBATCH.format(python=sys.executable))
+    fake.chmod(0o755)
+    folder = tmp / "run"
+    folder.mkdir(exist_ok=True)
+    job_id = SlurmCli(bin_dir=str(fake.parent)).submit(request, folder=folder)
+    seen = json.loads((fake.parent / "sbatch.json").read_text())
+    assert seen["args"] == []
+    return Submitted(job_id=job_id, script=seen["stdin"], cwd=seen["cwd"], env=seen["env"])
+
+
+@pytest.fixture(scope="module")
+def submitted(tmp_path_factory) -> Submitted:
+    tmp = tmp_path_factory.mktemp("slurm-submit")
+    return _submit(tmp, _request(tmp))
+
+
+def test_the_job_asks_sbatch_for_the_nodes_gpus_and_accounting(submitted):
+    assert submitted.job_id == "4242"
+    assert submitted.script.startswith("#!/bin/bash\n")
+    directives = _directives(submitted.script)
+    [name] = [d for d in directives if d.startswith("--job-name=")]
+    assert name.startswith("--job-name=forgeboard-run-42_")  # monarch adds the submitting process's pid
+    assert [d for d in directives if not d.startswith(("--job-name=", "--output=", "--error="))] == [
+        "--ntasks-per-node=1", "--nodes=2", "--time=1-00:00:00", "--gpus-per-node=8", "--cpus-per-task=96",
+        "--mem=1600G", "--exclusive", "--partition=h200", "--account=research", "--comment=forgeboard-run-id=42",
     ]
+    [output] = [d for d in directives if d.startswith("--output=")]
+    assert output.startswith(f"--output={Path(submitted.cwd).parent / 'logs'}/slurm_%j_forgeboard-run-42_")
 
 
-def test_sbatch_environment_is_exported_and_quoted():
-    lines = sbatch_script(REQUEST).splitlines()
-    assert "export FORGEBOARD_RUN_ID=42" in lines
-    assert "export FORGEBOARD_URL=https://forgeboard.example" in lines
-    assert "export FORGEBOARD_RUN_TOKEN_FILE=/shared/tokens/run-42.token" in lines
-    assert "export HF_HOME='/shared/hf cache'" in lines
-    assert f"export FORGEBOARD_GPUS_PER_HOST={REQUEST.gpus_per_node}" in lines
-    assert 'export FORGEBOARD_MONARCH_WORKERS="$(IFS=,; echo "${workers[*]}")"' in lines
+def test_every_node_gets_a_service_identity_and_the_engine_runs_as_the_batch_client(submitted):
+    from monarch.job import deserialize_service_proc_ids
 
-
-def test_sbatch_runs_a_worker_on_every_node_and_the_controller_on_the_first():
-    lines = sbatch_script(REQUEST).splitlines()
-    worker = next(line for line in lines if "run_worker_loop_forever" in line)
-    assert worker.startswith("srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 "
-                             "/shared/venvs/forgeboard/bin/python -c ")
-    assert worker.endswith(" &")
-    assert 'address="tcp://" + socket.gethostname() + ":22222"' in worker
-    assert lines[-1] == ('srun --overlap --nodes=1 --ntasks=1 --nodelist="${nodes[0]}" '
-                         '/shared/venvs/forgeboard/bin/python '
-                         '-m workers.engine train --config /shared/runs/42/config.yaml trainer.steps=200')
-    assert "trap 'kill \"$workers_pid\" 2>/dev/null || true' EXIT" in lines
-
-
-def test_worker_bootstrap_is_valid_python():
-    code = slurm.worker_loop_code(port=22222, host_suffix=".svc", bind_all=True)
-    compile(code, "<worker>", "exec")
-    assert '".svc:22222@tcp://0.0.0.0:22222"' in code
-
-
-def test_sbatch_script_is_valid_bash():
-    script = sbatch_script(REQUEST)
-    result = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True, timeout=10)
+    lines = submitted.script.splitlines()
+    [identities] = [line for line in lines if line.startswith("export MONARCH_SERVICE_PROC_IDS=")]
+    ids = deserialize_service_proc_ids(shlex.split(identities.split("=", 1)[1])[0])
+    assert len(ids) == 2 and ids[0] != ids[1]
+    assert lines[-1] == ("/shared/venvs/forgeboard/bin/python -m monarch._src.job._slurm_batch --port 22222 "
+                         "'/shared/venvs/forgeboard/bin/python -m workers.engine train "
+                         "--config /shared/runs/42/config.yaml trainer.steps=200'")
+    result = subprocess.run(["bash", "-n"], input=submitted.script, capture_output=True, text=True, timeout=10)
     assert result.returncode == 0, result.stderr
 
 
-def test_container_image_runs_through_pyxis_with_the_token_and_config_mounted():
-    script = sbatch_script(replace(REQUEST, venv=None, image="registry.example/forgeboard:1.0", gpus_per_node=0))
-    assert "--gpus-per-node" not in script
-    controller = script.splitlines()[-1]
-    assert ("--container-image=registry.example/forgeboard:1.0 "
-            "--container-mounts=/shared/runs/42:/shared/runs/42:ro,/shared/tokens:/shared/tokens:ro") in controller
-    assert " python -m workers.engine train" in controller
+def test_the_job_inherits_the_run_environment_and_nothing_of_the_worker(submitted, monkeypatch):
+    env = submitted.env
+    assert {key: env[key] for key in ("FORGEBOARD_RUN_ID", "FORGEBOARD_URL", "FORGEBOARD_RUN_TOKEN_FILE", "HF_HOME",
+                                      "NCCL_DEBUG", "FORGEBOARD_GPUS_PER_HOST", "FORGEBOARD_MONARCH_JOB")} == {
+        "FORGEBOARD_RUN_ID": "42", "FORGEBOARD_URL": "https://forgeboard.example",
+        "FORGEBOARD_RUN_TOKEN_FILE": "/shared/tokens/run-42.token", "HF_HOME": "/shared/hf cache", "NCCL_DEBUG": "WARN",
+        "FORGEBOARD_GPUS_PER_HOST": "8", "FORGEBOARD_MONARCH_JOB": "slurm"}
+    assert env["PATH"].startswith(str(Path(submitted.cwd).parent / "bin") + os.pathsep)
+    assert not {"DATABASE_URL", "REDIS_URL", "DJANGO_SECRET_KEY"} & set(env), "the worker's secrets stay out of the job"
+
+
+def test_the_job_is_pickled_where_its_client_will_look(submitted):
+    """The batch client (the engine) loads the job from its working directory, which is sbatch's."""
+    from monarch.job import job_load
+
+    job = job_load(str(Path(submitted.cwd) / ".monarch" / "job_state.pkl"))
+    slurm_job = job._job
+    assert slurm_job._meshes == {"hosts": 2} and slurm_job._port == 22222
+    assert len(slurm_job._service_proc_ids) == 2
+
+
+def test_a_refusing_or_silent_sbatch_is_a_clear_error(tmp_path):
+    from workers.launch.slurm_backend import SlurmCommandFailed
+
+    request = _request(tmp_path)
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: h200' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    (tmp_path / "run").mkdir()
+    with pytest.raises(SlurmCommandFailed, match="invalid partition specified: h200"):
+        SlurmCli_submit(tmp_path, request)
+    fake.write_text("#!/bin/sh\necho 'queued for approval'\n")
+    with pytest.raises(SlurmCommandFailed, match="Failed to parse job ID from sbatch output: queued for approval"):
+        SlurmCli_submit(tmp_path, request)
+
+
+def SlurmCli_submit(tmp: Path, request: SlurmLaunchRequest) -> str:  # noqa: N802 - reads as the call it makes
+    from workers.launch.slurm_backend import SlurmCli
+
+    return SlurmCli(bin_dir=str(tmp / "bin")).submit(request, folder=tmp / "run")
 
 
 @pytest.mark.parametrize(
@@ -99,39 +157,29 @@ def test_container_image_runs_through_pyxis_with_the_token_and_config_mounted():
         ({"memory": "lots"}, "memory"),
         ({"partition": "h200; rm -rf /"}, "partition"),
         ({"time_limit": "forever"}, "time_limit"),
-        ({"image": "registry.example/fb:1"}, "venv"),  # both a venv and an image
-        ({"venv": None}, "venv"),  # neither
+        ({"image": "registry.example/fb:1"}, "image"),  # not through monarch's SlurmJob
+        ({"venv": None}, "venv"),
         ({"config_path": "runs/42.yaml"}, "config_path"),
         ({"control_plane_url": "ftp://x"}, "control_plane_url"),
         ({"environment": {"FORGEBOARD_URL": "http://elsewhere"}}, "environment.FORGEBOARD_URL"),
+        ({"environment": {"FORGEBOARD_MONARCH_JOB": "kubernetes"}}, "environment.FORGEBOARD_MONARCH_JOB"),
         ({"environment": {"BAD NAME": "x"}}, "environment.BAD NAME"),
         ({"monarch_port": 80}, "monarch_port"),
     ],
 )
-def test_bad_requests_name_the_field(change, field):
+def test_bad_requests_name_the_field(change, field, tmp_path):
+    request = _request(tmp_path, **change)
     with pytest.raises(LaunchSpecError) as caught:
-        sbatch_script(replace(REQUEST, **change))
+        request.check()
     assert caught.value.field == field
 
 
-def test_directives_agree_with_monarchs_slurm_job(tmp_path):
-    """monarch.job.SlurmJob asks sbatch for the same resources: its script, captured by a fake sbatch."""
-    fake = tmp_path / "bin" / "sbatch"
-    fake.parent.mkdir()
-    fake.write_text(f"#!/bin/sh\ncat > {tmp_path}/monarch.sbatch\necho 'Submitted batch job 123'\n")
-    fake.chmod(0o755)
-    code = ("from monarch.job import SlurmJob\n"
-            f"job = SlurmJob(meshes={{'workers': 2}}, gpus_per_node=8, cpus_per_task=96, mem='1600G', partition='h200',"
-            f" time_limit='1-00:00:00', account='research', log_dir={str(tmp_path)!r})\n"
-            "print(job._submit_slurm_job(2))\n")
-    env = {"PATH": f"{fake.parent}:/usr/bin:/bin", "HOME": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=60)
-    assert result.returncode == 0, result.stderr
-    theirs = {d for d in _directives((tmp_path / "monarch.sbatch").read_text())
-              if not d.startswith(("--job-name", "--output", "--error"))}
-    assert theirs <= set(_directives(sbatch_script(REQUEST)))
-    assert "--gpus-per-node=8" in theirs and "--nodes=2" in theirs
+def test_a_bad_request_is_refused_before_sbatch_runs(tmp_path):
+    from workers.launch.slurm_backend import SlurmCommandFailed
+
+    with pytest.raises(SlurmCommandFailed, match="memory: 'lots' is not an sbatch size"):
+        _submit(tmp_path, _request(tmp_path, memory="lots"))
+    assert not (tmp_path / "bin" / "sbatch.json").exists()
 
 
 # --- squeue and sacct ---------------------------------------------------------------------------

@@ -110,10 +110,11 @@ def _train(args: argparse.Namespace) -> int:
 @contextmanager
 def _local_hosts(count: int) -> Iterator[None]:
     """`placement.local_hosts` worker processes for the run, named in FORGEBOARD_MONARCH_WORKERS as a
-    cluster backend would; none when that is set already (a launcher provided the workers)."""
+    cluster backend would; none when a launcher provided the workers (that variable, or a monarch.job's)."""
     from workers.engine.actors.hosts import WORKERS_ENV
+    from workers.engine.actors.monarch_job import JOB_ENV
 
-    if not count or WORKERS_ENV in os.environ:
+    if not count or WORKERS_ENV in os.environ or os.environ.get(JOB_ENV):
         yield
         return
     from workers.launch.monarch_hosts import environment_value, local_workers

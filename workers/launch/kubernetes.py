@@ -1,16 +1,22 @@
 """Kubernetes: the objects that start a run, and run states read from Job and Pod status objects.
 
-Django-free, and it does not import Monarch or the `kubernetes` client. `monarch.job.KubernetesJob`
-needs the `kubernetes` package, a live API server and the MonarchMesh operator (CRD), and creates
-its worker pods itself; it cannot return a spec offline. This builder produces plain dicts for
-`kubectl apply` or the client's `create_namespaced_*` calls:
+Django-free, and it imports neither Monarch nor the `kubernetes` client. What goes through
+`monarch.job` is the attach: the engine controller finds the run's workers with
+`monarch.job.kubernetes.KubernetesJob` in attach-only mode (workers/engine/actors/kubernetes_workers.py),
+which watches the run's pods through the API and attaches a host mesh to them. Creating the pods does
+not: KubernetesJob creates workers only as MonarchMesh objects, which need the MonarchMesh CRD and its
+operator installed in the cluster, and it cannot hand back a spec offline. This builder produces plain
+dicts for `kubectl apply` or the API's create calls:
 
-- an Indexed Job, one pod per node: every pod serves a Monarch worker; pod 0 also runs the engine
-  controller, and the Job's success policy ends the run when pod 0 succeeds;
-- a headless Service giving pod N the stable name `<job>-N.<job>`, which the controller dials;
+- an Indexed Job, one pod per node: every pod serves a Monarch worker at `tcp://<pod IP>:<port>`
+  (the IP from the downward API; the port also in MONARCH_PORT, where KubernetesJob looks for it),
+  Ready once the worker accepts connections; pod 0 also runs the engine controller, and the Job's
+  success policy ends the run when pod 0 succeeds;
 - a ConfigMap holding the run's config file.
 
-The run token comes from an existing Secret (key `token`), mounted read-only.
+The pods run as a service account that may get, list and watch pods in the namespace (the
+controller's discovery; infra/k8s/engine-rbac.yaml). The run token comes from an existing Secret
+(key `token`), mounted read-only.
 """
 
 from __future__ import annotations
@@ -22,20 +28,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.engine.actors.devices import GPUS_PER_HOST_ENV
+from workers.engine.actors.monarch_job import JOB_ENV
+from workers.engine.actors.kubernetes_workers import (
+    NAMESPACE_ENV,
+    NODES_ENV,
+    POD_IP_ENV,
+    PORT_ENV,
+    RANK_LABEL,
+    RUN_LABEL,
+)
 from workers.launch.slurm import (
     LaunchSpecError,
     SchedulerStatus,
     check_environment,
     check_positive,
     run_environment,
-    worker_loop_code,
 )
 
 __all__ = ["KubernetesLaunchRequest", "kubernetes_objects", "kubernetes_job_status", "LaunchSpecError",
            "SchedulerStatus"]
 
 DEFAULT_MONARCH_PORT = 26600
-RUN_LABEL = "forgeboard.run-id"
+DEFAULT_SERVICE_ACCOUNT = "forgeboard-engine"  # infra/k8s/engine-rbac.yaml
+# Set by the pod spec for the engine's discovery; not for a run's `environment` to override.
+_DISCOVERY_ENVIRONMENT = frozenset({JOB_ENV, NODES_ENV, NAMESPACE_ENV, POD_IP_ENV, PORT_ENV})
 TOKEN_DIR = "/var/run/secrets/forgeboard"
 CONFIG_DIR = "/etc/forgeboard/run"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -62,7 +78,7 @@ class KubernetesLaunchRequest:
     environment: Mapping[str, str] = field(default_factory=dict)
     shared_memory: str = "64Gi"  # /dev/shm for NCCL
     node_selector: Mapping[str, str] = field(default_factory=dict)
-    service_account: str | None = None
+    service_account: str = DEFAULT_SERVICE_ACCOUNT  # may get, list and watch pods (the controller's discovery)
     active_deadline_s: int | None = None
     monarch_port: int = DEFAULT_MONARCH_PORT
 
@@ -81,9 +97,6 @@ class KubernetesLaunchRequest:
     def controller_argv(self) -> list[str]:
         return [self.python, "-m", "workers.engine", "train", "--config", self.config_path, *self.overrides]
 
-    def worker_addresses(self) -> list[str]:
-        return [f"tcp://{self.name}-{i}.{self.name}:{self.monarch_port}" for i in range(self.nodes)]
-
     def check(self) -> None:
         check_positive("run_id", self.run_id)
         check_positive("nodes", self.nodes)
@@ -94,7 +107,7 @@ class KubernetesLaunchRequest:
             raise LaunchSpecError("image", "must be an image reference without spaces")
         for name in ("namespace", "token_secret", "service_account"):
             value = getattr(self, name)
-            if value is not None and not _DNS_LABEL.match(value):
+            if not isinstance(value, str) or not _DNS_LABEL.match(value):
                 raise LaunchSpecError(name, f"{value!r} is not a DNS label (lowercase letters, digits, dashes)")
         for name in ("memory", "shared_memory"):
             if not _QUANTITY.match(getattr(self, name)):
@@ -106,11 +119,20 @@ class KubernetesLaunchRequest:
         if not 1024 <= self.monarch_port <= 65535:
             raise LaunchSpecError("monarch_port", "must be from 1024 to 65535")
         check_environment(self.environment)
+        for key in self.environment:
+            if key in _DISCOVERY_ENVIRONMENT:
+                raise LaunchSpecError(f"environment.{key}", "is set by Forgeboard itself")
+
+
+# The worker advertises exactly the address KubernetesJob dials (the pod IP and MONARCH_PORT), listening on
+# every interface; it runs until its host mesh shuts it down.
+WORKER_CODE = ("import os; from monarch.actor import run_worker_loop_forever; "
+               f'ip, port = os.environ["{POD_IP_ENV}"], os.environ["{PORT_ENV}"]; '
+               'run_worker_loop_forever(address=f"tcp://{ip}:{port}@tcp://0.0.0.0:{port}", ca="trust_all_connections")')
 
 
 def _container_script(request: KubernetesLaunchRequest) -> str:
-    worker = shlex.join([request.python, "-c", worker_loop_code(
-        port=request.monarch_port, host_suffix=f".{request.name}", bind_all=True)])
+    worker = shlex.join([request.python, "-c", WORKER_CODE])
     return "\n".join([
         "set -eu",
         'if [ "$JOB_COMPLETION_INDEX" = "0" ]; then',
@@ -122,16 +144,17 @@ def _container_script(request: KubernetesLaunchRequest) -> str:
 
 
 def kubernetes_objects(request: KubernetesLaunchRequest) -> list[dict[str, Any]]:
-    """The ConfigMap, headless Service and Job for a run, in the order to create them."""
+    """The ConfigMap and Job for a run, in the order to create them."""
     request.check()
     labels = {"app.kubernetes.io/name": "forgeboard", "app.kubernetes.io/component": "engine",
               RUN_LABEL: str(request.run_id)}
     metadata = {"name": request.name, "namespace": request.namespace, "labels": labels}
     environment = run_environment(run_id=request.run_id, control_plane_url=request.control_plane_url,
                                   token_file=request.token_file, extra=request.environment)
-    environment["FORGEBOARD_MONARCH_WORKERS"] = ",".join(request.worker_addresses())
+    environment |= {JOB_ENV: "kubernetes", NODES_ENV: str(request.nodes), PORT_ENV: str(request.monarch_port)}
     if request.gpus_per_node:  # the engine hands them to procs (placement gpus_per_proc)
         environment[GPUS_PER_HOST_ENV] = str(request.gpus_per_node)
+    from_pod = {NAMESPACE_ENV: "metadata.namespace", POD_IP_ENV: "status.podIP"}  # the downward API
     resources: dict[str, Any] = {
         "requests": {"cpu": str(request.cpus_per_node), "memory": request.memory},
         "limits": {"memory": request.memory},
@@ -141,14 +164,18 @@ def kubernetes_objects(request: KubernetesLaunchRequest) -> list[dict[str, Any]]
         resources["limits"]["nvidia.com/gpu"] = str(request.gpus_per_node)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
-        "subdomain": request.name,
         "enableServiceLinks": False,
+        "serviceAccountName": request.service_account,
+        "automountServiceAccountToken": True,  # the controller's in-cluster config reads its token
         "containers": [{
             "name": "engine",
             "image": request.image,
             "command": ["/bin/sh", "-c", _container_script(request)],
-            "env": [{"name": key, "value": value} for key, value in environment.items()],
+            "env": [*({"name": key, "value": value} for key, value in environment.items()),
+                    *({"name": key, "valueFrom": {"fieldRef": {"fieldPath": path}}} for key, path in from_pod.items())],
             "ports": [{"name": "monarch", "containerPort": request.monarch_port}],
+            # Ready (what the controller's discovery waits for) once the worker accepts connections.
+            "readinessProbe": {"tcpSocket": {"port": "monarch"}, "periodSeconds": 2},
             "resources": resources,
             "volumeMounts": [
                 {"name": "run-token", "mountPath": TOKEN_DIR, "readOnly": True},
@@ -168,8 +195,6 @@ def kubernetes_objects(request: KubernetesLaunchRequest) -> list[dict[str, Any]]
         pod_spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     if request.node_selector:
         pod_spec["nodeSelector"] = dict(request.node_selector)
-    if request.service_account:
-        pod_spec["serviceAccountName"] = request.service_account
     job_spec: dict[str, Any] = {
         "completionMode": "Indexed",
         "completions": request.nodes,
@@ -183,12 +208,8 @@ def kubernetes_objects(request: KubernetesLaunchRequest) -> list[dict[str, Any]]
         job_spec["activeDeadlineSeconds"] = request.active_deadline_s
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata,
                   "data": {"config.yaml": request.config_yaml}}
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": metadata,
-               "spec": {"clusterIP": "None", "selector": {RUN_LABEL: str(request.run_id)},
-                        "publishNotReadyAddresses": True,
-                        "ports": [{"name": "monarch", "port": request.monarch_port}]}}
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": job_spec}
-    return [config_map, service, job]
+    return [config_map, job]
 
 
 # --- run states from Job and Pod status ------------------------------------------------------------
@@ -244,8 +265,7 @@ def _pod_failure(pod: Mapping[str, Any]) -> tuple[int, SchedulerStatus] | None:
 
 def _index(pod: Mapping[str, Any]) -> str | None:
     metadata = pod.get("metadata") or {}
-    key = "batch.kubernetes.io/job-completion-index"
-    return (metadata.get("labels") or {}).get(key) or (metadata.get("annotations") or {}).get(key)
+    return (metadata.get("labels") or {}).get(RANK_LABEL) or (metadata.get("annotations") or {}).get(RANK_LABEL)
 
 
 def _unschedulable(pod: Mapping[str, Any]) -> str | None:

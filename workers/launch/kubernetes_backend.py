@@ -3,11 +3,13 @@
 A run whose config says `placement.backend: kubernetes` is placed by Kubernetes, not on the
 inventory. A worker configured for it (`FORGEBOARD_K8S_API_URL`, `FORGEBOARD_K8S_NAMESPACE`,
 `FORGEBOARD_K8S_IMAGE`; in a pod, the service account's token and CA) creates a Secret with the run
-token, then the ConfigMap, headless Service and Indexed Job built by `workers/launch/kubernetes.py`.
+token, then the ConfigMap and Indexed Job built by `workers/launch/kubernetes.py`. The Job's pods run as
+`FORGEBOARD_K8S_ENGINE_SERVICE_ACCOUNT`, which must exist in the namespace and may read its pods (the
+engine controller finds its workers through the API: infra/k8s/engine-rbac.yaml).
 `runs.poll_jobs` reads the Job and its pods and moves the run as `workers/launch/jobs.py` says; a run
 cancelled while its pods wait to be scheduled has its Job deleted.
 
-Plain HTTP through httpx (no `kubernetes` client package): four object kinds, create / get / delete.
+Plain HTTP through httpx (no `kubernetes` client package): three object kinds, create / get / delete.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ REQUEST_TIMEOUT_S = 30
 _PATHS = {  # kind -> collection path under a namespace
     "Secret": "/api/v1/namespaces/{ns}/secrets",
     "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
-    "Service": "/api/v1/namespaces/{ns}/services",
     "Job": "/apis/batch/v1/namespaces/{ns}/jobs",
 }
 
@@ -128,11 +129,12 @@ def kubernetes_request(*, run: Run) -> KubernetesLaunchRequest:
         nodes=nodes, gpus_per_node=gpus_per_node,
         cpus_per_node=settings.K8S_CPUS_PER_NODE, memory=settings.K8S_MEMORY, namespace=settings.K8S_NAMESPACE,
         control_plane_url=settings.PUBLIC_URL, token_secret=f"forgeboard-run-{run.pk}-token", python=settings.K8S_PYTHON,
+        service_account=settings.K8S_ENGINE_SERVICE_ACCOUNT,
     )
 
 
 def submit_kubernetes(*, run: Run, api: KubernetesApi | None = None) -> str:
-    """Create the run's Secret, ConfigMap, Service and Job; the Job's name (stored as the run's job id)."""
+    """Create the run's Secret, ConfigMap and Job; the Job's name (stored as the run's job id)."""
     api = api or kubernetes_api()
     try:
         request = kubernetes_request(run=run)

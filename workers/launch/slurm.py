@@ -1,14 +1,14 @@
-"""SLURM: the sbatch script that starts a run, and run states read from `squeue --json` / `sacct --json`.
+"""SLURM: a run as a `monarch.job.SlurmJob` in batch mode, and run states read from `squeue --json` / `sacct --json`.
 
-Django-free, and it does not import Monarch either. `monarch.job.SlurmJob` writes its sbatch script
-inside `apply()` and pipes it to `sbatch` in the same call, so it cannot produce a script without a
-cluster; its workers also wait for a client attaching from outside the allocation. This builder keeps
-SlurmJob's directives (nodes, one task per node, --gpus-per-node, --cpus-per-task, --mem, --exclusive,
---partition, --time, --account, --qos) and its worker bootstrap (`run_worker_loop_forever` on
-`tcp://<hostname>:<port>`), and runs the engine controller inside the allocation, on the first node.
+Django-free. `slurm_job` builds the SlurmJob for a run (one node per host of the run, one Monarch worker
+per node); `workers/launch/slurm_submit.py` applies it with the engine as its client script. Monarch
+then writes the sbatch script itself (the directives below, the hosts' service identities, and its
+batch runner: a worker on every node through `srun`, then the client on the first node with
+MONARCH_BATCH_JOB=1), pickles the job into `.monarch/job_state.pkl` in the submitting directory (the
+run's folder, which is also the job's working directory) and pipes the script to `sbatch`.
 
-The controller finds its workers in FORGEBOARD_MONARCH_WORKERS (comma-separated `tcp://host:port`;
-read by `workers/engine/actors/hosts.py`, which names each worker after its host).
+Inside the allocation the engine loads that file and attaches to the job's workers through
+`job.state()` (FORGEBOARD_MONARCH_JOB=slurm; `workers/engine/actors/monarch_job.py`).
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
 from workers.engine.actors.devices import GPUS_PER_HOST_ENV
+from workers.engine.actors.monarch_job import JOB_ENV
 
-__all__ = ["LaunchSpecError", "SchedulerStatus", "SlurmLaunchRequest", "sbatch_script", "parse_squeue", "parse_sacct",
+__all__ = ["LaunchSpecError", "SchedulerStatus", "SlurmLaunchRequest", "slurm_job", "client_script", "parse_squeue", "parse_sacct",
            "slurm_job_status", "job_ids_for_run"]
 
 # --- shared with workers/launch/kubernetes.py ------------------------------------------------------
@@ -30,7 +31,7 @@ __all__ = ["LaunchSpecError", "SchedulerStatus", "SlurmLaunchRequest", "sbatch_s
 RunStateName = Literal["queued", "launching", "running", "succeeded", "failed", "lost"]
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_ENVIRONMENT = frozenset({"FORGEBOARD_RUN_ID", "FORGEBOARD_URL", "FORGEBOARD_RUN_TOKEN_FILE",
-                                  "FORGEBOARD_MONARCH_WORKERS", GPUS_PER_HOST_ENV})
+                                  "FORGEBOARD_MONARCH_WORKERS", JOB_ENV, GPUS_PER_HOST_ENV})
 
 
 class LaunchSpecError(ValueError):
@@ -79,20 +80,8 @@ def run_environment(*, run_id: int, control_plane_url: str, token_file: str,
             "FORGEBOARD_RUN_TOKEN_FILE": token_file, **extra}
 
 
-def worker_loop_code(*, port: int, host_suffix: str = "", bind_all: bool = False) -> str:
-    """Python source (for `python -c`) serving one Monarch worker at tcp://<hostname><host_suffix>:<port>.
-
-    The worker runs until its host mesh shuts it down (`run_worker_loop_forever`, as in monarch.job).
-    """
-    if not re.fullmatch(r"[A-Za-z0-9.-]*", host_suffix):
-        raise LaunchSpecError("host_suffix", f"{host_suffix!r} is not part of a host name")
-    bind = f"@tcp://0.0.0.0:{port}" if bind_all else ""
-    return ("import socket; from monarch.actor import run_worker_loop_forever; "
-            f'run_worker_loop_forever(address="tcp://" + socket.gethostname() + "{host_suffix}:{port}{bind}", '
-            'ca="trust_all_connections")')
-
-
 DEFAULT_MONARCH_PORT = 22222
+HOST_MESH = "hosts"  # the SlurmJob's one mesh: every node of the run
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SLURM_MEMORY = re.compile(r"^[1-9][0-9]*[KMGT]?$")
 _SLURM_TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
@@ -110,8 +99,8 @@ class SlurmLaunchRequest:
     control_plane_url: str
     token_file: str  # the run token, readable by the job's user on every node
     log_dir: str
-    venv: str | None = None  # a virtualenv every node sees, or:
-    image: str | None = None  # a container image, run through pyxis (srun --container-image)
+    venv: str | None = None  # a virtualenv every node sees (its python runs monarch's batch runner and workers)
+    image: str | None = None  # refused: see check()
     overrides: tuple[str, ...] = ()  # section.key=value, passed to the engine
     environment: Mapping[str, str] = field(default_factory=dict)
     time_limit: str | None = None
@@ -136,8 +125,12 @@ class SlurmLaunchRequest:
         check_positive("cpus_per_node", self.cpus_per_node)
         if not isinstance(self.gpus_per_node, int) or isinstance(self.gpus_per_node, bool) or self.gpus_per_node < 0:
             raise LaunchSpecError("gpus_per_node", "must be an integer, 0 or more")
-        if (self.venv is None) == (self.image is None):
-            raise LaunchSpecError("venv", "give exactly one of venv and image")
+        if self.image is not None:
+            raise LaunchSpecError("image", "container images are not supported: runs go through monarch.job's "
+                                           "SlurmJob, whose batch runner starts the workers with a plain srun of the "
+                                           "venv's python (pyxis applies --container-image to srun only); set venv")
+        if self.venv is None:
+            raise LaunchSpecError("venv", "a virtualenv every node sees is required")
         if not _SLURM_MEMORY.match(self.memory):
             raise LaunchSpecError("memory", f"{self.memory!r} is not an sbatch size such as 512G")
         for name in ("partition", "account", "qos"):
@@ -150,68 +143,62 @@ class SlurmLaunchRequest:
             value = getattr(self, name)
             if value is not None and not PurePosixPath(value).is_absolute():
                 raise LaunchSpecError(name, f"must be an absolute path, got {value!r}")
-        if self.image is not None and (not self.image or any(c.isspace() for c in self.image)):
-            raise LaunchSpecError("image", "must be an image reference without spaces")
         if not 1024 <= self.monarch_port <= 65535:
-            raise LaunchSpecError("monarch_port", "must be from 1024 to 65535")
+            raise LaunchSpecError("monarch_port", f"must be from 1024 to 65535, got {self.monarch_port}")
         check_environment(self.environment)
+        run_environment(run_id=self.run_id, control_plane_url=self.control_plane_url, token_file=self.token_file,
+                        extra=self.environment)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "overrides": list(self.overrides), "environment": dict(self.environment)}
+
+    @classmethod
+    def from_json(cls, document: Mapping[str, Any]) -> SlurmLaunchRequest:
+        return cls(**{**document, "overrides": tuple(document.get("overrides", ())),
+                      "environment": dict(document.get("environment", {}))})
 
 
-def _srun(request: SlurmLaunchRequest, *options: str) -> list[str]:
-    argv = ["srun", *options]
-    if request.image is not None:
-        mounts = sorted({str(PurePosixPath(request.token_file).parent), str(PurePosixPath(request.config_path).parent)})
-        argv += [f"--container-image={request.image}", f"--container-mounts={','.join(f'{m}:{m}:ro' for m in mounts)}"]
-    return argv
+def run_comment(run_id: int) -> str:
+    """The job's --comment: how `job_ids_for_run` finds a run's jobs in squeue."""
+    return f"forgeboard-run-id={run_id}"
 
 
-def sbatch_script(request: SlurmLaunchRequest) -> str:
-    """The batch script: a Monarch worker on every node, the engine controller on the first."""
-    request.check()
-    log = PurePosixPath(request.log_dir) / f"{request.job_name}-%j.out"
-    directives = [
-        f"--job-name={request.job_name}",
-        f"--nodes={request.nodes}",
-        "--ntasks-per-node=1",
-        f"--cpus-per-task={request.cpus_per_node}",
-        f"--mem={request.memory}",
-        f"--partition={request.partition}",
-        "--exclusive",
-        f"--output={log}",
-        f"--comment=forgeboard-run-id={request.run_id}",
-    ]
-    if request.gpus_per_node:
-        directives.insert(3, f"--gpus-per-node={request.gpus_per_node}")
-    directives += [f"--{name.replace('_', '-')}={value}" for name, value in
-                   (("time", request.time_limit), ("account", request.account), ("qos", request.qos)) if value]
+def job_environment(request: SlurmLaunchRequest) -> dict[str, str]:
+    """What the job's processes get from the submitting process (sbatch exports its environment), besides PATH."""
     environment = run_environment(run_id=request.run_id, control_plane_url=request.control_plane_url,
                                   token_file=request.token_file, extra=request.environment)
+    environment[JOB_ENV] = "slurm"  # the engine takes its workers from the job
     if request.gpus_per_node:  # the engine hands them to procs (placement gpus_per_proc)
         environment[GPUS_PER_HOST_ENV] = str(request.gpus_per_node)
-    worker = _srun(request, f"--nodes={request.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1") + [
-        request.python, "-c", worker_loop_code(port=request.monarch_port)]
-    controller = _srun(request, "--overlap", "--nodes=1", "--ntasks=1") + request.controller_argv()
-    lines = [
-        "#!/bin/bash",
-        *(f"#SBATCH {d}" for d in directives),
-        "set -euo pipefail",
-        "",
-        *(f"export {key}={shlex.quote(value)}" for key, value in environment.items()),
-        'mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
-        "workers=()",
-        f'for node in "${{nodes[@]}}"; do workers+=("tcp://${{node}}:{request.monarch_port}"); done',
-        'export FORGEBOARD_MONARCH_WORKERS="$(IFS=,; echo "${workers[*]}")"',
-        "",
-        "# One Monarch worker per node, for as long as the controller runs.",
-        f"{shlex.join(worker)} &",
-        "workers_pid=$!",
-        "trap 'kill \"$workers_pid\" 2>/dev/null || true' EXIT",
-        "",
-        "# The engine controller on the first node; its exit status is the job's.",
-        f'{shlex.join(controller[:4])} --nodelist="${{nodes[0]}}" {shlex.join(controller[4:])}',
-        "",
-    ]
-    return "\n".join(lines)
+    return environment
+
+
+def client_script(request: SlurmLaunchRequest) -> str:
+    """The command monarch's batch runner starts on the first node once the workers are up: the engine."""
+    return shlex.join(request.controller_argv())
+
+
+def slurm_job(request: SlurmLaunchRequest) -> Any:
+    """The run's `monarch.job.SlurmJob` (not applied): every node a host, the run's resources and accounting."""
+    request.check()
+    from monarch.job import SlurmJob
+
+    return SlurmJob(
+        meshes={HOST_MESH: request.nodes},
+        python_exe=request.python,
+        slurm_args=[f"--comment={run_comment(request.run_id)}"],
+        monarch_port=request.monarch_port,
+        job_name=request.job_name,
+        time_limit=request.time_limit,
+        partition=request.partition,
+        log_dir=request.log_dir,
+        exclusive=True,
+        gpus_per_node=request.gpus_per_node or None,
+        cpus_per_task=request.cpus_per_node,
+        mem=request.memory,
+        account=request.account,
+        qos=request.qos,
+    )
 
 
 # --- run states from SLURM's JSON ----------------------------------------------------------------
@@ -313,8 +300,8 @@ def parse_sacct(document: Mapping[str, Any]) -> dict[str, SchedulerStatus]:
 
 
 def job_ids_for_run(document: Mapping[str, Any], run_id: int) -> Sequence[str]:
-    """The SLURM jobs whose comment names this run (set by `sbatch_script`)."""
-    tag = f"forgeboard-run-id={run_id}"
+    """The SLURM jobs whose comment names this run (set by `slurm_job`)."""
+    tag = run_comment(run_id)
     found = []
     for job in _jobs(document, "squeue"):
         comment = job.get("comment")

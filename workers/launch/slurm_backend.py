@@ -1,23 +1,26 @@
-"""The SLURM launch backend: submit a claimed run with sbatch, follow its job, cancel it with scancel.
+"""The SLURM launch backend: submit a claimed run as a monarch.job SlurmJob, follow its job, cancel it with scancel.
 
 A run whose config says `placement.backend: slurm` is queued by SLURM, not placed on the inventory:
 the scheduler claims it at once (within the project's quotas) and a worker configured for SLURM
-(`FORGEBOARD_SLURM_PARTITION` and the other `SLURM_*` settings) submits the script built by
-`workers/launch/slurm.py`. `runs.poll_jobs` then reads `squeue --json` (and `sacct --json` once the
-job has left the queue) and moves the run: a job that failed, timed out or was preempted fails or
+(`FORGEBOARD_SLURM_PARTITION` and the other `SLURM_*` settings) applies the run's SlurmJob
+(`workers/launch/slurm.py`) with the engine as its client, in a process of its own
+(`workers/launch/slurm_submit.py`). `runs.poll_jobs` then reads `squeue --json` (and `sacct --json` once
+the job has left the queue) and moves the run: a job that failed, timed out or was preempted fails or
 loses the run with SLURM's reason, and a run cancelled while its job waits in the queue is
 scancelled. A running engine reports its own progress and end through the API, as a local one does.
 
-The run's folder (config, token, logs) is under FORGEBOARD_DATA_DIR, which must be on a filesystem
-every node sees.
+The run's folder (config, token, logs, the pickled job) is under FORGEBOARD_DATA_DIR, which must be on
+a filesystem every node sees.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,11 +32,12 @@ from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append
 from workers.launch.jobs import FOLLOWED_STATES, fail_launch, follow_job, node_shape
 from workers.launch.local import run_dir, write_run_files
-from workers.launch.slurm import LaunchSpecError, SchedulerStatus, SlurmLaunchRequest, parse_sacct, parse_squeue, sbatch_script
+from workers.launch.slurm import LaunchSpecError, SchedulerStatus, SlurmLaunchRequest, job_environment, parse_sacct, parse_squeue
 
 logger = logging.getLogger(__name__)
 
 COMMAND_TIMEOUT_S = 60
+SUBMIT_TIMEOUT_S = 120  # the submitting process imports monarch before it runs sbatch
 
 
 class SlurmCommandFailed(RuntimeError):
@@ -46,6 +50,37 @@ class SlurmCli:
 
     bin_dir: str | None = None
 
+    def path(self) -> str:
+        """PATH for processes that run SLURM's commands themselves (monarch's SlurmJob calls them by name)."""
+        system = os.environ.get("PATH", os.defpath)
+        return f"{self.bin_dir}{os.pathsep}{system}" if self.bin_dir else system
+
+    def submit(self, request: SlurmLaunchRequest, *, folder: Path) -> str:
+        """Apply the run's SlurmJob from `folder` with the job's environment; the SLURM job id."""
+        environment = {"PATH": self.path(), "HOME": os.environ.get("HOME", str(folder)),
+                       "LANG": os.environ.get("LANG", "C.UTF-8"), **job_environment(request)}
+        try:
+            done = subprocess.run([sys.executable, "-m", "workers.launch.slurm_submit"], input=json.dumps(request.to_json()),
+                                  cwd=folder, env=environment, capture_output=True, text=True,
+                                  timeout=SUBMIT_TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired:
+            raise SlurmCommandFailed(f"sbatch did not answer within {SUBMIT_TIMEOUT_S} s") from None
+        except OSError as exc:
+            raise SlurmCommandFailed(f"the submission could not be run: {exc}") from None
+        lines = done.stdout.strip().splitlines()
+        try:
+            answer = json.loads(lines[-1]) if lines else {}
+        except json.JSONDecodeError:
+            answer = {}
+        if done.returncode != 0 or not isinstance(answer, dict) or "job_id" not in answer:
+            error = answer.get("error") if isinstance(answer, dict) else None
+            detail = error or (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise SlurmCommandFailed(detail[:500])
+        job_id = str(answer["job_id"])
+        if not job_id.isdigit():
+            raise SlurmCommandFailed(f"sbatch answered {job_id!r}, not a job id")
+        return job_id
+
     def _run(self, name: str, *args: str, stdin: str | None = None) -> str:
         program = str(Path(self.bin_dir) / name) if self.bin_dir else (shutil.which(name) or name)
         try:
@@ -57,14 +92,6 @@ class SlurmCli:
             detail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
             raise SlurmCommandFailed(f"{name} exited with {done.returncode}: {detail[0][:500]}")
         return done.stdout
-
-    def submit(self, script: str) -> str:
-        """sbatch the script (on stdin); the job id."""
-        out = self._run("sbatch", "--parsable", stdin=script).strip()
-        job_id = out.split(";", 1)[0]  # --parsable prints "id" or "id;cluster"
-        if not job_id.isdigit():
-            raise SlurmCommandFailed(f"sbatch printed {out[:200]!r}, not a job id")
-        return job_id
 
     def queue(self, job_id: str) -> dict[str, SchedulerStatus]:
         """The job's status while it is in the queue; {} once it has left (squeue says the id is invalid)."""
@@ -113,25 +140,24 @@ def slurm_request(*, run: Run, folder: Path) -> SlurmLaunchRequest:
         partition=settings.SLURM_PARTITION, control_plane_url=settings.PUBLIC_URL, token_file=str(folder / "run_token"),
         log_dir=str(folder / "slurm"), venv=settings.SLURM_VENV, image=settings.SLURM_IMAGE,
         time_limit=settings.SLURM_TIME_LIMIT, account=settings.SLURM_ACCOUNT, qos=settings.SLURM_QOS,
+        monarch_port=settings.SLURM_MONARCH_PORT,
     )
 
 
 def submit_slurm(*, run: Run, cli: SlurmCli | None = None) -> str:
-    """Write the run's files, sbatch its script and record the job id; a refused submission fails the run."""
+    """Write the run's files, apply its SlurmJob and record the job id; a refused submission fails the run."""
     cli = cli or slurm_cli()
     folder = run_dir(run).resolve()
     try:
         request = slurm_request(run=run, folder=folder)
         request.check()
-        script = sbatch_script(request)
     except LaunchSpecError as exc:
         fail_launch(run=run, reason=f"SLURM launch settings: {exc}")
         return ""
     (folder / "slurm").mkdir(parents=True, exist_ok=True)
     write_run_files(run=run, folder=folder)
-    (folder / "job.sbatch").write_text(script, encoding="utf-8")
     try:
-        job_id = cli.submit(script)
+        job_id = cli.submit(request, folder=folder)
     except SlurmCommandFailed as exc:
         fail_launch(run=run, reason=f"SLURM refused the job: {exc}")
         return ""

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from forgeboard.errors import FieldProblem, PermissionDenied, ServiceError, ValidationFailed
 from forgeboard.runs.models import Run, RunToken
 from forgeboard.runs.selectors import commands_pending
-from forgeboard.runs.services import command_acknowledge, command_finish
+from forgeboard.runs.services import command_acknowledge, command_finish, run_reported_in
 from forgeboard.telemetry.ingest import telemetry_ingest
 from workers.engine.telemetry_wire import MAX_REQUEST_BYTES, TelemetryRequest, TelemetryResponse
 
@@ -55,6 +55,7 @@ def post_telemetry(request: HttpRequest, run_id: int):  # noqa: ANN201
     """Batches are applied in order, each exactly once; an empty list is a heartbeat."""
     run = _run_of(request, run_id)
     body = _parse_body(request, TelemetryRequest)
+    run_reported_in(run=run)
     result = telemetry_ingest(run=run, batches=body.batches)
     pending = list(commands_pending(run=run).values_list("pk", flat=True)[:100])
     return TelemetryResponse(applied_seq=result.applied_seq, duplicates=result.duplicates, pending_commands=pending)

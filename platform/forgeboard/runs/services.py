@@ -126,6 +126,17 @@ def run_launch(
     return run
 
 
+def run_reported_in(*, run: Run) -> None:
+    """A report from a cluster run's engine while its run is launching: the scheduler started the job and the engine
+    is up, so the run is running. (A local run's supervisor says so itself when it starts the engine.)"""
+    if run.backend not in EXTERNAL_BACKENDS or run.state != RunState.LAUNCHING:
+        return
+    try:
+        run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
+    except IllegalTransition:
+        pass  # cancelled or failed meanwhile, or another report won
+
+
 def run_transition(
     *, run_id: int, from_state: RunState, to_state: RunState, reason: str = "", **fields: Any
 ) -> Run:

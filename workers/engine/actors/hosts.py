@@ -1,7 +1,7 @@
 """The run's hosts: where each process mesh is spawned, and whether a host is still there.
 
-FORGEBOARD_MONARCH_WORKERS (set by the SLURM and Kubernetes backends, and for
-`placement.local_hosts` simulated hosts) lists the Monarch workers of a multi-host run,
+FORGEBOARD_MONARCH_WORKERS (set for `placement.local_hosts` simulated hosts, or by hand) lists the
+Monarch workers of a multi-host run,
 comma-separated, each `tcp://host:port` or `name=tcp://host:port`. A bare entry is named after
 its host part; when bare entries share a host part (several workers on one machine) each of those
 is named `host:port`. Names must be unique; they are what `placement.<role>.hosts` refers to.
@@ -10,7 +10,9 @@ With workers, the controller attaches to all of them once (one host mesh, one ho
 spawns each proc mesh on its host's slice. A killed worker takes its procs with it, and Monarch
 then neither fails the calls pending there nor reports it (they just wait), so `check` probes each
 worker's port: a host that stops accepting connections is lost for the rest of the run.
-Without workers every host name labels procs on this machine (`this_host()`).
+Without workers every host name labels procs on this machine (`this_host()`). A run that a cluster
+started through `monarch.job` (FORGEBOARD_MONARCH_JOB, set by the SLURM and Kubernetes backends) gets
+its workers and host mesh from the job instead (`monarch_job.py`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ class Worker:
     address: str  # tcp://host:port
     host: str
     port: int
+    proc_id: str = ""  # the worker's service identity, when its launcher gave it one (monarch.job does)
+
+    @property
+    def attach_address(self) -> str:
+        return f"{self.proc_id}@{self.address}" if self.proc_id else self.address
 
 
 def parse_workers(text: str) -> list[Worker]:
@@ -152,13 +159,25 @@ class Hosts:
         _enable_transport(local_address_towards(workers[0]))
         from monarch.actor import attach_to_workers
 
-        mesh = attach_to_workers(ca="trust_all_connections", workers=[w.address for w in workers], name="hosts")
+        mesh = attach_to_workers(ca="trust_all_connections", workers=[w.attach_address for w in workers], name="hosts")
+        _wait_attached(mesh, workers, timeout_s=timeout_s)
+        return cls(workers=workers, mesh=mesh, attach_seconds=round(time.monotonic() - started, 3),
+                   gpus_per_host=gpus_per_host_from_env())
+
+    @classmethod
+    def from_job(cls, *, kind: str, timeout_s: float) -> Hosts:
+        """The workers of the run's monarch.job (FORGEBOARD_MONARCH_JOB), attached by the job; HostsUnreachable
+        naming the cause when the job cannot be attached."""
+        from workers.engine.actors.monarch_job import MonarchJobError, attach_job_workers
+
+        global _transport
+        started = time.monotonic()
         try:
-            mesh.initialized.get(timeout=timeout_s)
-        except Exception as error:  # noqa: BLE001 - a timeout or a refused attach: say which workers
-            _raise_unreachable(workers, why=f"not attached within {timeout_s:g} s")
-            raise HostsUnreachable(f"could not attach to Monarch workers "
-                                   f"{', '.join(w.name + ' (' + w.address + ')' for w in workers)}: {error}") from None
+            workers, mesh = attach_job_workers(kind=kind, timeout_s=timeout_s)
+        except MonarchJobError as exc:
+            raise HostsUnreachable(str(exc)) from None
+        _transport = kind  # the job chose the transport (tcp with this host's name)
+        _wait_attached(mesh, workers, timeout_s=timeout_s)
         return cls(workers=workers, mesh=mesh, attach_seconds=round(time.monotonic() - started, 3),
                    gpus_per_host=gpus_per_host_from_env())
 
@@ -220,7 +239,7 @@ class Hosts:
         if key not in self._submeshes:
             from monarch.actor import attach_to_workers
 
-            mesh = attach_to_workers(ca="trust_all_connections", workers=[self.workers[h].address for h in hosts],
+            mesh = attach_to_workers(ca="trust_all_connections", workers=[self.workers[h].attach_address for h in hosts],
                                      name="hosts_" + "_".join(str(i) for i in indices))
             mesh.initialized.get(timeout=SPAWN_TIMEOUT_S)
             self._submeshes[key] = mesh
@@ -286,6 +305,15 @@ def _local_gpus() -> int | None:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else None
+
+
+def _wait_attached(mesh: Any, workers: Sequence[Worker], *, timeout_s: float) -> None:
+    try:
+        mesh.initialized.get(timeout=timeout_s)
+    except Exception as error:  # noqa: BLE001 - a timeout or a refused attach: say which workers
+        _raise_unreachable(workers, why=f"not attached within {timeout_s:g} s")
+        raise HostsUnreachable(f"could not attach to Monarch workers "
+                               f"{', '.join(w.name + ' (' + w.address + ')' for w in workers)}: {error}") from None
 
 
 def _raise_unreachable(workers: Sequence[Worker], *, why: str) -> None:

@@ -58,6 +58,7 @@ from workers.engine.actors.fleet import (CallFailed, Failover, Incident, ProcFai
                                          request_deadline, stop_quietly, wait_all, wait_for)
 from workers.engine.actors.generator import GeneratorActor
 from workers.engine.actors.hosts import Hosts, HostsUnreachable, Worker, check_placement, workers_from_env
+from workers.engine.actors.monarch_job import job_kind
 from workers.engine.actors.procs import spawn_procs
 from workers.engine.actors.reference import ReferenceActor
 from workers.engine.actors.replay_buffer import ReplayBufferActor
@@ -135,9 +136,11 @@ class PendingGeneration:
 def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunControl | None = None,
                        drills: Sequence[FaultDrill | FaultDrillRequest] = (),
                        workers: Sequence[Worker] | None = None) -> GrpoResult:
-    """`workers`: the Monarch workers to place procs on; None: those in FORGEBOARD_MONARCH_WORKERS."""
-    workers = workers_from_env() if workers is None else list(workers)
-    check_placement(config.placement, workers=workers)
+    """`workers`: the Monarch workers to place procs on; None: those of the run's monarch.job (FORGEBOARD_MONARCH_JOB),
+    else those in FORGEBOARD_MONARCH_WORKERS."""
+    from_job = job_kind() if workers is None else None
+    workers = [] if from_job else workers_from_env() if workers is None else list(workers)
+    check_placement(config.placement, workers=workers)  # a job's workers are known once attached
     cfg, trainer_cfg, grpo, failover_cfg = config, config.trainer, config.grpo, config.failover
     threads = trainer_cfg.threads_per_process
     # A proc that dies must not kill this controller (monarch's default exits the client):
@@ -156,9 +159,14 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
     try:
         # --- setup: hosts, process meshes and actors -----------------------------------
         setup_start = time.perf_counter()
-        hosts = Hosts.attach(workers=workers, timeout_s=ATTACH_TIMEOUT_S)
+        if from_job:
+            hosts = Hosts.from_job(kind=from_job, timeout_s=ATTACH_TIMEOUT_S)
+            check_placement(cfg.placement, workers=list(hosts.workers.values()))
+        else:
+            hosts = Hosts.attach(workers=workers, timeout_s=ATTACH_TIMEOUT_S)
         if hosts.workers:
-            recorder.event("message", step=0, text=f"attached to {len(workers)} Monarch workers "
+            of_job = f"of the {from_job} job " if from_job else ""
+            recorder.event("message", step=0, text=f"attached to {len(hosts.workers)} Monarch workers {of_job}"
                            f"({', '.join(hosts.describe(n) for n in hosts.names)}) in {hosts.attach_seconds} s")
 
         def role_hosts(role: str) -> list[str]:

@@ -1,0 +1,125 @@
+"""A SLURM run end to end through monarch.job, on this machine: only the SLURM commands are fakes.
+
+The fakes stand in for a one-node cluster: `sbatch` runs the script it is given in the background (in
+the submitting directory, with SLURM_JOB_ID and the node list set, as slurmd would), `srun` runs its
+command on "the node" (this machine, SLURM_NODEID=0), `squeue` reports the job running on this host
+until the script has exited (then sacct-like, with its exit code); the test polls them as beat would. Everything else is real: the backend applies the run's SlurmJob, monarch's
+batch runner starts the worker with its service identity and then the engine as its client, the engine
+attaches to that worker through the pickled job (`job.state()`), trains, and reports to the web server.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+from django.utils import timezone
+
+from forgeboard.runs.models import Run
+from forgeboard.runs.scheduling import runs_schedule
+from forgeboard.runs.services import run_launch
+from forgeboard.runs.states import RunState
+from forgeboard.telemetry.models import MetricPoint, RunEvent
+from tests.support.processes import free_port, kill_processes_in, wait_for, web_server
+from workers.launch.backends import start_run
+from workers.launch.slurm_backend import poll_slurm_runs
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=list(settings.DATABASES))]
+
+JOB_ID = "7001"
+FAKE_SLURM = """#!{python}
+import json, os, signal, socket, subprocess, sys
+from pathlib import Path
+
+job = Path(__file__).resolve().parent.parent / "job"
+name = Path(sys.argv[0]).name
+host = socket.gethostname()
+if name == "sbatch":
+    job.mkdir(exist_ok=True)
+    (job / "script").write_text(sys.stdin.read())
+    env = dict(os.environ, SLURM_JOB_ID="{job_id}", SLURM_JOB_NODELIST=host, SLURM_NNODES="1")
+    with open(job / "out", "wb") as out:
+        run = subprocess.Popen(["bash", "-c", 'bash "$0/script"; echo $? > "$0/rc"', str(job)], env=env,
+                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    (job / "pid").write_text(str(run.pid))
+    print("Submitted batch job {job_id}")
+elif name == "srun":
+    args = sys.argv[1:]
+    while args and args[0].startswith("-"):
+        args.pop(0)
+    os.environ.update(SLURM_NODEID="0", SLURM_PROCID="0", SLURM_LOCALID="0")
+    os.execvp(args[0], args)
+elif name in ("squeue", "sacct"):
+    code = int((job / "rc").read_text()) if (job / "rc").exists() else None
+    state = "RUNNING" if code is None else "COMPLETED" if code == 0 else "FAILED"
+    record = {{"job_id": {job_id}, "job_state": [state], "nodes": host, "exit_code": {{"return_code": code}},
+              "job_resources": {{"nodes": {{"allocation": [{{"name": host}}]}}}}}}
+    print(json.dumps({{"jobs": [record], "errors": []}}))
+elif name == "scancel":
+    os.killpg(int((job / "pid").read_text()), signal.SIGTERM)
+"""
+
+SLURM_GRPO_YAML = """\
+recipe: grpo
+model:
+  family: qwen3
+  path: {model}
+placement:
+  backend: slurm
+trainer:
+  steps: 2
+  batch_size: 2
+  threads_per_process: 1
+grpo:
+  group_size: 4
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, settings) -> Path:
+    bin_dir = tmp_path / "slurm" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("sbatch", "srun", "squeue", "sacct", "scancel"):
+        program = bin_dir / name
+        program.write_text(FAKE_SLURM.format(python=sys.executable, job_id=JOB_ID))
+        program.chmod(0o755)
+    settings.SLURM_PARTITION = "debug"
+    settings.SLURM_VENV = sys.prefix
+    settings.SLURM_IMAGE = None
+    settings.SLURM_BIN_DIR = str(bin_dir)
+    settings.SLURM_MONARCH_PORT = free_port()
+    return bin_dir.parent / "job"
+
+
+def test_a_slurm_run_trains_on_the_worker_its_monarch_job_started(team, tiny_model, fake_slurm, settings, tmp_path):
+    port = free_port()
+    settings.PUBLIC_URL = f"http://127.0.0.1:{port}"
+    try:
+        with web_server(tmp_path / "web.log", port=port):
+            run = run_launch(actor=team.member, experiment=team.experiment,
+                             config_yaml=SLURM_GRPO_YAML.format(model=tiny_model))
+            assert run.pk in runs_schedule(now=timezone.now()), "SLURM queues it: no inventory host is needed"
+            start_run(run_id=run.pk)  # what the launch.slurm worker does
+            assert Run.objects.get(pk=run.pk).job_id == JOB_ID
+            ended = wait_for(lambda: poll_slurm_runs() is not None and Run.objects.get(pk=run.pk).state in (
+                RunState.SUCCEEDED, RunState.FAILED), timeout=240, interval=1, what="the SLURM run to end")
+            out = (fake_slurm / "out").read_text() if (fake_slurm / "out").exists() else ""
+            run.refresh_from_db()
+            assert ended and run.state == RunState.SUCCEEDED, f"{run.exit_reason}\n{out[-4000:]}"
+            wait_for(lambda: (fake_slurm / "rc").exists(), timeout=60, what="the batch script to exit")
+            assert (fake_slurm / "rc").read_text().strip() == "0", out[-4000:]
+    finally:
+        kill_processes_in(Path(settings.DATA_DIR) / "runs")
+
+    script = (fake_slurm / "script").read_text()
+    [identities] = [line for line in script.splitlines() if line.startswith("export MONARCH_SERVICE_PROC_IDS=")]
+    assert len(json.loads(identities.split("=", 1)[1].strip("'"))) == 1, "one service identity: the one node"
+    host = socket.gethostname()
+    attached = RunEvent.objects.filter(run=run, kind="message", payload__text__startswith="attached to").get()
+    assert attached.payload["text"].startswith(
+        f"attached to 1 Monarch workers of the slurm job ({host} (tcp://{host}:{settings.SLURM_MONARCH_PORT}))")
+    assert MetricPoint.objects.filter(series__run=run, series__key="loss").count() == 2

@@ -1,0 +1,95 @@
+"""The workers of a run that a cluster started through `monarch.job`, attached through the job itself.
+
+FORGEBOARD_MONARCH_JOB names the job kind (set by the launcher in the job's environment):
+- `slurm`: the engine is the client script of a `monarch.job.SlurmJob` in batch mode. Monarch's batch
+  runner started a worker on every node of the allocation (each with its service identity) and then
+  this process with MONARCH_BATCH_JOB=1, in the job's working directory, where the submitting process
+  pickled the job (`.monarch/job_state.pkl`). `job.state()` finds the allocation's nodes (squeue) and
+  attaches the host mesh.
+- `kubernetes`: see `kubernetes_workers.py`.
+
+Both return the workers in the host mesh's order, so that slices of the mesh and `Worker` entries agree.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+JOB_ENV = "FORGEBOARD_MONARCH_JOB"
+JOB_KINDS = ("slurm", "kubernetes")
+BATCH_ENV = "MONARCH_BATCH_JOB"  # set by monarch's batch runner for its client
+JOB_STATE_FILE = ".monarch/job_state.pkl"
+HOST_MESH = "hosts"  # the one mesh of the jobs Forgeboard submits
+
+
+class MonarchJobError(RuntimeError):
+    """The run's monarch.job cannot be used; the message says why."""
+
+
+def job_kind(environ: Mapping[str, str] | None = None) -> str | None:
+    """Which monarch.job started this run's workers (None: FORGEBOARD_MONARCH_WORKERS or this machine)."""
+    kind = (os.environ if environ is None else environ).get(JOB_ENV, "").strip()
+    if not kind:
+        return None
+    if kind not in JOB_KINDS:
+        raise MonarchJobError(f"{JOB_ENV}: {kind!r} is not one of {', '.join(JOB_KINDS)}")
+    return kind
+
+
+def attach_job_workers(*, kind: str, timeout_s: float) -> tuple[list[Any], Any]:
+    """(workers, host mesh) of the run's job, the mesh attached by monarch.job."""
+    if kind == "slurm":
+        return slurm_batch_workers(state_file=JOB_STATE_FILE)
+    from workers.engine.actors.kubernetes_workers import kubernetes_hosts
+
+    return kubernetes_hosts(environ=os.environ, timeout_s=timeout_s)
+
+
+def _listen_on_loopback_if_alone() -> None:
+    """Monarch's SlurmJob makes the client listen on what its hostname resolves to, and refuses a hostname that
+    resolves to loopback only. On a one-node allocation (every worker on this machine) loopback is the right
+    address; with more nodes the others could not reach this client, which is a fault of the node's naming."""
+    host = socket.gethostname()
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        addresses = set()
+    if any(not ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+        return
+    if int(os.environ.get("SLURM_NNODES", "1")) > 1:
+        raise MonarchJobError(f"this node's hostname {host!r} resolves to loopback only, so the other nodes' workers "
+                              "could not reach the engine: give the nodes routable names (DNS or /etc/hosts)")
+    from monarch.actor import enable_transport
+
+    enable_transport("tcp://127.0.0.1:0")
+
+
+def slurm_batch_workers(*, state_file: str) -> tuple[list[Any], Any]:
+    """The nodes of this SLURM allocation as workers, and the host mesh SlurmJob attached to them."""
+    from workers.engine.actors.hosts import Worker
+
+    if os.environ.get(BATCH_ENV) != "1":
+        raise MonarchJobError(f"{JOB_ENV}=slurm: this process is not the client of a SlurmJob in batch mode "
+                              f"({BATCH_ENV} is not 1); submit the run through the SLURM backend")
+    from monarch.job import job_load
+
+    try:
+        job = job_load(state_file)
+    except FileNotFoundError:
+        raise MonarchJobError(f"{JOB_ENV}=slurm: no {state_file} in {os.getcwd()} (the submitting process "
+                              "pickles the job there, in the job's working directory)") from None
+    _listen_on_loopback_if_alone()
+    try:
+        state = job.state(cached_path=None)
+    except RuntimeError as exc:  # squeue says the job is gone, or its nodes do not add up
+        raise MonarchJobError(f"SLURM job {os.environ.get('SLURM_JOB_ID', '?')}: {exc}") from None
+    mesh = getattr(state, HOST_MESH)
+    # What the job resolved while attaching: monarch 0.7 has no public accessor for it.
+    slurm = getattr(job, "_job", job)  # the pickle holds a BatchJob around the SlurmJob
+    hostnames, proc_ids, port = slurm._all_hostnames, slurm._service_proc_ids, slurm._port
+    return [Worker(name=host, address=f"tcp://{host}:{port}", host=host, port=port, proc_id=str(proc_id))
+            for host, proc_id in zip(hostnames, proc_ids, strict=True)], mesh
