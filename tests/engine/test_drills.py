@@ -110,3 +110,30 @@ def test_exited_sees_a_killed_process_before_it_is_reaped(sleeper) -> None:
     assert exited(sleeper.pid), "a killed child not yet waited for is a zombie"
     sleeper.wait()
     assert exited(sleeper.pid)
+
+
+class _GoneAgent:
+    """The signals of a host whose agent went with it: every call fails as an unreachable actor's would."""
+
+    where = "agent on host1"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def resume(self, pids: list[int]) -> None:
+        self.calls.append("resume")
+        raise RuntimeError("actor host_signals on host1 is unreachable")
+
+
+@pytest.mark.parametrize(("drill", "resumed"), [({"kind": "hang", "duration_s": 5}, True),
+                                               ({"kind": "slow_host", "duration_s": 5, "duty_cycle": 0.5}, True),
+                                               ({"kind": "kill"}, False)])
+def test_ending_a_fault_whose_host_agent_is_gone_stops_its_timers_and_raises_nothing(drill: dict, resumed: bool) -> None:
+    from workers.engine.drills import ActiveFault
+
+    agent = _GoneAgent()
+    fault = ActiveFault(id=1, request=_drill(replica=0, **drill), role="generator", replica=0,
+                        pids=[4242], injected_at=time.monotonic(), ends_at=None, step=3, signals=agent)
+    fault.end_signals()
+    assert fault.stop_signals.is_set(), "the hang's or slowdown's timer must not stop anything more"
+    assert agent.calls == (["resume"] if resumed else [])

@@ -105,6 +105,8 @@ def test_a_lost_host_is_reported_once() -> None:
     assert hosts.check(now=True) == [] and hosts.alive(["gone"]) == []
     with pytest.raises(HostsUnreachable, match="host gone"):
         hosts.spawn_procs(host="gone", count=1, threads=1)
+    with pytest.raises(HostsUnreachable, match=f"^host gone \\(tcp://127.0.0.1:{port}\\) is lost$"):
+        hosts.signals("gone")  # a drill there is refused with this reason; nothing is spawned on it
 
 
 def test_without_workers_every_name_is_this_machine() -> None:
@@ -112,3 +114,39 @@ def test_without_workers_every_name_is_this_machine() -> None:
     assert hosts.names == [LOCAL] and hosts.pids_visible("anything") and hosts.check(now=True) == []
     remote = Hosts(workers=parse_workers("a=tcp://10.1.2.3:1,b=tcp://localhost:2"))
     assert not remote.pids_visible("a") and remote.pids_visible("b")
+
+
+def test_hosts_that_are_not_neighbours_and_cannot_be_attached_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Procs over host0 and host2 need a mesh of their own (a slice takes neighbours only): when its attach fails,
+    the error names the worker that did not answer, not only Monarch's timeout."""
+    import monarch.actor
+
+    from workers.engine.actors import hosts as hosts_module
+
+    class NeverAttached:
+        class initialized:  # noqa: N801 - Monarch's attribute
+            @staticmethod
+            def get(timeout: float) -> None:
+                raise TimeoutError(f"not initialized within {timeout} s")
+
+    attached: list[list[str]] = []
+    monkeypatch.setattr(monarch.actor, "attach_to_workers",
+                        lambda *, ca, workers, name: attached.append(workers) or NeverAttached())
+    monkeypatch.setattr(hosts_module, "SPAWN_TIMEOUT_S", 0.5)
+    with socket.socket() as first, socket.socket() as second:
+        for listening in (first, second):
+            listening.bind(("127.0.0.1", 0))
+            listening.listen()
+        up0, up1, down = first.getsockname()[1], second.getsockname()[1], _closed_port()
+        hosts = Hosts(workers=parse_workers(f"host0=tcp://127.0.0.1:{up0},host1=tcp://127.0.0.1:{up1},"
+                                            f"host2=tcp://127.0.0.1:{down}"))
+        with pytest.raises(HostsUnreachable) as caught:
+            hosts._host_mesh(["host0", "host2"])
+        assert attached == [[f"tcp://127.0.0.1:{up0}", f"tcp://127.0.0.1:{down}"]]
+        assert str(caught.value) == ("Monarch workers not attached within 0.5 s: "
+                                     f"host2 (tcp://127.0.0.1:{down}) (from the run's hosts)")
+        with socket.socket() as third:  # every worker answers, the attach still fails: Monarch's reason
+            third.bind(("127.0.0.1", down))
+            third.listen()
+            with pytest.raises(HostsUnreachable, match="could not attach to Monarch workers host0 .* not initialized"):
+                hosts._host_mesh(["host0", "host2"])

@@ -167,6 +167,7 @@ def test_trainer_ranks_go_one_to_a_host(spread_run) -> None:
     ready = _named(events, "meshes_ready")[0]
     assert ready["trainer_hosts"] == ["host0", "host1"]
     assert script.trainer_workers == ["host0", "host1"]  # rank 0's proc is host0's worker's child, rank 1's host1's
+    assert ready["trainer_master_addr"] == "127.0.0.1", "the ranks meet at host0's worker address, not its hostname"
     assert _named(events, "placement_applied")[0]["plan"] == {"0": "host0", "1": "host1"}  # one replica per host
     assert result.step == 4
 
@@ -279,3 +280,52 @@ def test_a_drain_moves_every_role_off_the_host(sft_warm_start: tuple[Path, float
     assert drained["plan"] == {"0": "host0", "1": "host0"}
     assert script.outcomes[2]["plan"] == {"0": "host0", "1": "host0"}  # undrained: nothing moves back by itself
     assert result.step == 3 and result.metrics[-1]["faults/migrations"] == 2
+
+
+class HostLossScript:
+    """After step 1: host1 is lost whole (its worker and procs SIGKILLed)."""
+
+    def __init__(self, workers: list[Any]) -> None:
+        self.workers = {w.name: w for w in workers}
+        self.control: RunControl | None = None
+        self.killed = False
+
+    def poll(self, handler) -> int:  # noqa: ANN001
+        if self.control._step == 1 and not self.killed:
+            from workers.launch.monarch_hosts import kill_host
+
+            self.killed = True
+            kill_host(self.workers["host1"])
+        return 0
+
+
+def test_a_replica_with_no_host_that_has_room_fails_the_run_with_the_reason(sft_warm_start: tuple[Path, float],
+                                                                          tmp_path: Path) -> None:
+    """host1 takes generator replica 1 with it; host0 already holds its one generator (procs_per_host: 1)."""
+    from workers.engine.actors.fleet import ProcFailure
+    from workers.engine.actors.hosts import parse_workers
+    from workers.engine.config import load_config
+    from workers.engine.recipes.grpo_monarch import train_grpo_monarch
+    from workers.launch.monarch_hosts import environment_value, local_workers
+
+    folder, _ = sft_warm_start
+    config = load_config(f"recipe: grpo\nmodel: {{path: '{folder}'}}\n", overrides=[
+        *ARITHMETIC, "data.eval_size=8", "placement.backend=monarch", "placement.local_hosts=2",
+        "placement.trainer.hosts=[host0]", "placement.reward.hosts=[host0]", "placement.replay_buffer.hosts=[host0]",
+        "generator.replicas=2", "placement.generator.procs_per_host=1", "trainer.steps=4", "trainer.batch_size=4",
+        "grpo.group_size=4", "eval.every_steps=0", f"checkpoint.folder={tmp_path / 'ckpt'}", "telemetry.console=false",
+        "trainer.threads_per_process=1",
+    ])
+    sink = MemorySink()
+    with local_workers(count=2, log_dir=tmp_path / "workers") as workers:
+        script = HostLossScript(workers)
+        control = RunControl(script, poll_seconds=0.0)
+        script.control = control
+        with pytest.raises(ProcFailure) as caught:
+            train_grpo_monarch(config, Recorder([sink]), control=control,
+                               workers=parse_workers(environment_value(workers)))
+    assert str(caught.value) == ("generator replica 1 has no host with room left on host0 "
+                                 "(placement.generator.procs_per_host / gpus_per_proc)")
+    events = [r for r in sink.records if r["kind"] == "event"]
+    lost = [e for e in _named(events, "failure_detected") if e.get("role") == "generator"]
+    assert [e["replica"] for e in lost] == [1], "the loss was detected once before the run gave up"

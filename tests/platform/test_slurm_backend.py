@@ -213,3 +213,16 @@ def test_squeue_output_that_is_not_json_is_reported_and_the_run_left_alone(team,
     (slurm.folder / "squeue").write_text(f"#!{sys.executable}\nprint('JOBID PARTITION NAME')\n")
     assert poll_slurm_runs() == {run.pk: "unreadable: squeue did not print JSON (Expecting value at 0)"}
     assert Run.objects.get(pk=run.pk).state == RunState.LAUNCHING
+
+
+@pytest.mark.django_db
+def test_a_run_spread_one_rank_to_a_host_asks_for_a_node_per_rank_even_without_gpus(team, slurm):
+    yaml = ("recipe: grpo\nmodel: {family: qwen3, path: /shared/models/qwen3-0.6b}\n"
+            "placement: {backend: slurm, trainer: {procs_per_host: 1}}\ntrainer: {ranks: 3}\n")
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=yaml)
+    runs_schedule(now=timezone.now())
+    start_run(run_id=run.pk)
+    [sbatch] = slurm.calls("sbatch")
+    assert "#SBATCH --nodes=3" in sbatch["stdin"] and "--gpus-per-node" not in sbatch["stdin"]
+    submitted = RunEvent.objects.get(run=run, kind="message", payload__name="job_submitted")
+    assert (submitted.payload["nodes"], submitted.payload["gpus_per_node"]) == (3, 0)

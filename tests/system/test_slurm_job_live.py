@@ -11,7 +11,6 @@ attaches to that worker through the pickled job (`job.state()`), trains, and rep
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -31,36 +30,52 @@ from workers.launch.slurm_backend import poll_slurm_runs
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=list(settings.DATABASES))]
 
 JOB_ID = "7001"
+NODES = ("127.0.0.2", "127.0.0.3")  # two "nodes" of this machine, each named by a loopback address of its own
 FAKE_SLURM = """#!{python}
-import json, os, signal, socket, subprocess, sys
+import json, os, signal, subprocess, sys
 from pathlib import Path
 
-job = Path(__file__).resolve().parent.parent / "job"
+here = Path(__file__).resolve().parent.parent
+job = here / "job"
 name = Path(sys.argv[0]).name
-host = socket.gethostname()
+nodes = {nodes!r}
+
+
+def on_node(index):
+    # what slurmd gives a task on node `index`; sitecustomize makes the node's name its hostname
+    return dict(os.environ, SLURM_NODEID=str(index), SLURM_PROCID=str(index), SLURM_LOCALID="0",
+                FAKE_SLURM_HOSTNAME=nodes[index], PYTHONPATH=os.pathsep.join(filter(None, [
+                    str(here / "site"), os.environ.get("PYTHONPATH")])))
+
+
 if name == "sbatch":
     job.mkdir(exist_ok=True)
     (job / "script").write_text(sys.stdin.read())
-    env = dict(os.environ, SLURM_JOB_ID="{job_id}", SLURM_JOB_NODELIST=host, SLURM_NNODES="1")
+    env = dict(on_node(0), SLURM_JOB_ID="{job_id}", SLURM_JOB_NODELIST=",".join(nodes), SLURM_NNODES=str(len(nodes)))
     with open(job / "out", "wb") as out:
         run = subprocess.Popen(["bash", "-c", 'bash "$0/script"; echo $? > "$0/rc"', str(job)], env=env,
                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     (job / "pid").write_text(str(run.pid))
     print("Submitted batch job {job_id}")
-elif name == "srun":
+elif name == "srun":  # one task per node (all that monarch's batch runner asks for)
     args = sys.argv[1:]
     while args and args[0].startswith("-"):
         args.pop(0)
-    os.environ.update(SLURM_NODEID="0", SLURM_PROCID="0", SLURM_LOCALID="0")
-    os.execvp(args[0], args)
+    tasks = [subprocess.Popen(args, env=on_node(i)) for i in range(len(nodes))]
+    signal.signal(signal.SIGTERM, lambda *_: [t.terminate() for t in tasks])
+    sys.exit(max(t.wait() for t in tasks))
 elif name in ("squeue", "sacct"):
     code = int((job / "rc").read_text()) if (job / "rc").exists() else None
     state = "RUNNING" if code is None else "COMPLETED" if code == 0 else "FAILED"
-    record = {{"job_id": {job_id}, "job_state": [state], "nodes": host, "exit_code": {{"return_code": code}},
-              "job_resources": {{"nodes": {{"allocation": [{{"name": host}}]}}}}}}
+    record = {{"job_id": {job_id}, "job_state": [state], "nodes": ",".join(nodes), "exit_code": {{"return_code": code}},
+              "job_resources": {{"nodes": {{"allocation": [{{"name": node}} for node in nodes]}}}}}}
     print(json.dumps({{"jobs": [record], "errors": []}}))
 elif name == "scancel":
     os.killpg(int((job / "pid").read_text()), signal.SIGTERM)
+"""
+SITECUSTOMIZE = """import os, socket
+if os.environ.get("FAKE_SLURM_HOSTNAME"):
+    socket.gethostname = lambda: os.environ["FAKE_SLURM_HOSTNAME"]
 """
 
 SLURM_GRPO_YAML = """\
@@ -70,7 +85,10 @@ model:
   path: {model}
 placement:
   backend: slurm
+  trainer:
+    procs_per_host: 1
 trainer:
+  ranks: 2
   steps: 2
   batch_size: 2
   threads_per_process: 1
@@ -85,8 +103,10 @@ def fake_slurm(tmp_path, settings) -> Path:
     bin_dir.mkdir(parents=True)
     for name in ("sbatch", "srun", "squeue", "sacct", "scancel"):
         program = bin_dir / name
-        program.write_text(FAKE_SLURM.format(python=sys.executable, job_id=JOB_ID))
+        program.write_text(FAKE_SLURM.format(python=sys.executable, job_id=JOB_ID, nodes=NODES))
         program.chmod(0o755)
+    (bin_dir.parent / "site").mkdir()
+    (bin_dir.parent / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     settings.SLURM_PARTITION = "debug"
     settings.SLURM_VENV = sys.prefix
     settings.SLURM_IMAGE = None
@@ -116,10 +136,14 @@ def test_a_slurm_run_trains_on_the_worker_its_monarch_job_started(team, tiny_mod
         kill_processes_in(Path(settings.DATA_DIR) / "runs")
 
     script = (fake_slurm / "script").read_text()
+    assert "#SBATCH --nodes=2" in script, "trainer ranks one to a host: two nodes"
     [identities] = [line for line in script.splitlines() if line.startswith("export MONARCH_SERVICE_PROC_IDS=")]
-    assert len(json.loads(identities.split("=", 1)[1].strip("'"))) == 1, "one service identity: the one node"
-    host = socket.gethostname()
+    assert len(json.loads(identities.split("=", 1)[1].strip("'"))) == 2, "a service identity per node"
+    port = settings.SLURM_MONARCH_PORT
     attached = RunEvent.objects.filter(run=run, kind="message", payload__text__startswith="attached to").get()
     assert attached.payload["text"].startswith(
-        f"attached to 1 Monarch workers of the slurm job ({host} (tcp://{host}:{settings.SLURM_MONARCH_PORT}))")
+        f"attached to 2 Monarch workers of the slurm job ({NODES[0]} (tcp://{NODES[0]}:{port}), "
+        f"{NODES[1]} (tcp://{NODES[1]}:{port}))")
+    ready = RunEvent.objects.filter(run=run, kind="message", payload__name="meshes_ready").get().payload
+    assert ready["trainer_hosts"] == list(NODES) and ready["trainer_master_addr"] == NODES[0]
     assert MetricPoint.objects.filter(series__run=run, series__key="loss").count() == 2

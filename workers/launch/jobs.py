@@ -21,9 +21,12 @@ FOLLOWED_STATES = (RunState.LAUNCHING, RunState.RUNNING, RunState.PAUSED, RunSta
 
 
 def node_shape(*, run: Run, gpus_per_node: int) -> tuple[int, int]:
-    """(nodes, GPUs per node) for a run's GPUs on nodes of `gpus_per_node`: at least one node."""
-    gpus = run_demand(run.config.parsed).gpus
-    return max(1, math.ceil(gpus / gpus_per_node)), min(gpus, gpus_per_node)
+    """(nodes, GPUs per node) for a run on nodes of `gpus_per_node`: enough nodes for its GPUs and for every role whose
+    procs_per_host spreads it over hosts (trainer ranks one to a host, say), at least one."""
+    demand = run_demand(run.config.parsed)
+    spread = max((math.ceil(role.procs / role.group) for role in demand.roles if role.distinct_hosts), default=1)
+    nodes = max(1, math.ceil(demand.gpus / gpus_per_node), spread)
+    return nodes, min(gpus_per_node, math.ceil(demand.gpus / nodes))
 
 
 def fail_launch(*, run: Run, reason: str) -> None:

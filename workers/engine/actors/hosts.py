@@ -155,12 +155,12 @@ class Hosts:
         if not workers:
             return cls(gpus_per_host=_local_gpus)  # counted only if a role asks for GPUs
         started = time.monotonic()
-        _raise_unreachable(workers, why="not accepting connections")
+        _raise_unreachable(workers, why="not accepting connections", source=WORKERS_ENV)
         _enable_transport(local_address_towards(workers[0]))
         from monarch.actor import attach_to_workers
 
         mesh = attach_to_workers(ca="trust_all_connections", workers=[w.attach_address for w in workers], name="hosts")
-        _wait_attached(mesh, workers, timeout_s=timeout_s)
+        _wait_attached(mesh, workers, timeout_s=timeout_s, source=WORKERS_ENV)
         return cls(workers=workers, mesh=mesh, attach_seconds=round(time.monotonic() - started, 3),
                    gpus_per_host=gpus_per_host_from_env())
 
@@ -176,8 +176,8 @@ class Hosts:
             workers, mesh = attach_job_workers(kind=kind, timeout_s=timeout_s)
         except MonarchJobError as exc:
             raise HostsUnreachable(str(exc)) from None
-        _transport = kind  # the job chose the transport (tcp with this host's name)
-        _wait_attached(mesh, workers, timeout_s=timeout_s)
+        _transport = kind  # the job chose the transport
+        _wait_attached(mesh, workers, timeout_s=timeout_s, source=f"the {kind} job")
         return cls(workers=workers, mesh=mesh, attach_seconds=round(time.monotonic() - started, 3),
                    gpus_per_host=gpus_per_host_from_env())
 
@@ -241,7 +241,7 @@ class Hosts:
 
             mesh = attach_to_workers(ca="trust_all_connections", workers=[self.workers[h].attach_address for h in hosts],
                                      name="hosts_" + "_".join(str(i) for i in indices))
-            mesh.initialized.get(timeout=SPAWN_TIMEOUT_S)
+            _wait_attached(mesh, [self.workers[h] for h in hosts], timeout_s=SPAWN_TIMEOUT_S, source="the run's hosts")
             self._submeshes[key] = mesh
         return self._submeshes[key]
 
@@ -307,18 +307,17 @@ def _local_gpus() -> int | None:
     return torch.cuda.device_count() if torch.cuda.is_available() else None
 
 
-def _wait_attached(mesh: Any, workers: Sequence[Worker], *, timeout_s: float) -> None:
+def _wait_attached(mesh: Any, workers: Sequence[Worker], *, timeout_s: float, source: str) -> None:
     try:
         mesh.initialized.get(timeout=timeout_s)
     except Exception as error:  # noqa: BLE001 - a timeout or a refused attach: say which workers
-        _raise_unreachable(workers, why=f"not attached within {timeout_s:g} s")
+        _raise_unreachable(workers, why=f"not attached within {timeout_s:g} s", source=source)
         raise HostsUnreachable(f"could not attach to Monarch workers "
                                f"{', '.join(w.name + ' (' + w.address + ')' for w in workers)}: {error}") from None
 
 
-def _raise_unreachable(workers: Sequence[Worker], *, why: str) -> None:
+def _raise_unreachable(workers: Sequence[Worker], *, why: str, source: str) -> None:
     unreachable = [w for w in workers if not reachable(w, timeout_s=3.0)]
     if unreachable:
         raise HostsUnreachable(f"Monarch workers {why}: "
-                               f"{', '.join(f'{w.name} ({w.address})' for w in unreachable)} "
-                               f"(from {WORKERS_ENV})")
+                               f"{', '.join(f'{w.name} ({w.address})' for w in unreachable)} (from {source})")

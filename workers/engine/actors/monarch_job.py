@@ -49,18 +49,26 @@ def attach_job_workers(*, kind: str, timeout_s: float) -> tuple[list[Any], Any]:
     return kubernetes_hosts(environ=os.environ, timeout_s=timeout_s)
 
 
-def _listen_on_loopback_if_alone() -> None:
-    """Monarch's SlurmJob makes the client listen on what its hostname resolves to, and refuses a hostname that
-    resolves to loopback only. On a one-node allocation (every worker on this machine) loopback is the right
-    address; with more nodes the others could not reach this client, which is a fault of the node's naming."""
-    host = socket.gethostname()
+def _loopback_only(host: str) -> bool:
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
     except OSError:
-        addresses = set()
-    if any(not ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+def _listen_on_loopback_if_alone() -> None:
+    """Monarch's SlurmJob makes the client listen on what its hostname resolves to, and refuses a hostname that
+    resolves to loopback only. When every node of the allocation is this machine (one node, or a plain node list
+    of loopback names) loopback is the right address; otherwise the other nodes could not reach this client, which
+    is a fault of the nodes' naming."""
+    host = socket.gethostname()
+    if not _loopback_only(host):
         return
-    if int(os.environ.get("SLURM_NNODES", "1")) > 1:
+    nodes = [n for n in os.environ.get("SLURM_JOB_NODELIST", "").split(",") if n]
+    alone = int(os.environ.get("SLURM_NNODES", "1")) == 1 or (nodes and all(
+        "[" not in n and _loopback_only(n) for n in nodes))
+    if not alone:
         raise MonarchJobError(f"this node's hostname {host!r} resolves to loopback only, so the other nodes' workers "
                               "could not reach the engine: give the nodes routable names (DNS or /etc/hosts)")
     from monarch.actor import enable_transport

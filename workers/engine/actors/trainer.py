@@ -63,9 +63,14 @@ class TrainerActor(FaultInjectableActor):
         self.device = torch.device("cuda", 0) if self.own_gpu else resolve_device(config.trainer.device)
 
     @endpoint
-    def setup(self) -> dict[str, int]:
-        """Join the process group (env from monarch's setup_torch_elastic_env), then build the model."""
+    def setup(self, master_addr: str | None = None) -> dict[str, Any]:
+        """Join the process group (env from monarch's setup_torch_elastic_env), then build the model.
+
+        `master_addr`: how the other hosts reach rank 0's host, when the ranks span hosts (monarch names it by its
+        hostname, which a pod's peers cannot resolve)."""
         cfg = self.config
+        if master_addr:
+            os.environ["MASTER_ADDR"] = master_addr
         if self.device.type == "cuda" and not self.own_gpu:  # one GPU per rank on its host (LOCAL_RANK from monarch)
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         if self.device.type == "cuda":
@@ -83,7 +88,7 @@ class TrainerActor(FaultInjectableActor):
         self.optimizer = build_optimizer(self.model, cfg.trainer.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.trainer.optimizer, cfg.trainer.steps)
         self._step_so_far = _new_step()
-        return {"rank": self.rank, "world": self.world, "n_params": n_params}
+        return {"rank": self.rank, "world": self.world, "n_params": n_params, "master_addr": os.environ["MASTER_ADDR"]}
 
     def _rows(self, record: RolloutBatchRecord, ref_logprobs: torch.Tensor | None) -> tuple[Any, Any, list[Any] | None, int]:
         """(the whole padded batch, this rank's contiguous rows, their reference log-probs per micro-batch, rows per rank)."""

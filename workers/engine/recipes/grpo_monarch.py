@@ -216,6 +216,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         def trainer_lost_host() -> str | None:
             return next((h for h in trainer_hosts if h in hosts.lost), None)
 
+        trainer_master: list[str] = []  # MASTER_ADDR of the trainer's process group
+
         def start_trainer() -> tuple[Any, Any, int]:
             nonlocal trainer_hosts
             procs = None
@@ -236,7 +238,10 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                     check_hosts(now=True)  # it died meanwhile: the probe finds it lost now
             setup_torch_elastic_env(procs)
             actors = procs.spawn("trainer", TrainerActor, cfg)
-            info = list(actors.setup.call().get().values())
+            # Over several hosts, rank 0's host by the address its worker has (a pod IP, a node name).
+            master = hosts.workers[trainer_hosts[0]].host if len(trainer_hosts) > 1 else None
+            info = list(actors.setup.call(master).get().values())
+            trainer_master[:] = [info[0]["master_addr"]]
             trainer_pids[:] = list(actors.pids.call().get().values())
             return procs, actors, info[0]["n_params"]
 
@@ -319,7 +324,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             poll_spares(wait_s=1.0)
         recorder.event("meshes_ready", step=0, seconds=round(time.perf_counter() - setup_start, 2),
                        trainer_ranks=trainer_cfg.ranks, generator_replicas=cfg.generator.replicas, trainer_host=trainer_hosts[0],
-                       trainer_hosts=list(trainer_hosts), trainer_pids=list(trainer_pids), warm_spares=spares,
+                       trainer_hosts=list(trainer_hosts), trainer_pids=list(trainer_pids),
+                       trainer_master_addr=trainer_master[0], warm_spares=spares,
                        gpus=hosts.gpus.holdings())
 
         recorder.event("placement_applied", step=0, role="generator", hosts=generator_hosts,

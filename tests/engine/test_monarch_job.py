@@ -1,0 +1,82 @@
+"""Where a cluster run's workers come from (FORGEBOARD_MONARCH_JOB), and the errors when its job cannot be used.
+
+The SLURM path end to end (a SlurmJob's batch runner starting a worker and the engine) is in
+tests/system/test_slurm_job_live.py; Kubernetes discovery in test_kubernetes_workers.py.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from workers.engine.actors import monarch_job
+from workers.engine.actors.hosts import Hosts, HostsUnreachable
+from workers.engine.actors.monarch_job import MonarchJobError, job_kind, slurm_batch_workers
+
+
+def test_the_job_kind_is_read_and_checked():
+    assert job_kind({}) is None
+    assert job_kind({"FORGEBOARD_MONARCH_JOB": " slurm "}) == "slurm"
+    assert job_kind({"FORGEBOARD_MONARCH_JOB": "kubernetes"}) == "kubernetes"
+    with pytest.raises(MonarchJobError, match="'ray' is not one of slurm, kubernetes"):
+        job_kind({"FORGEBOARD_MONARCH_JOB": "ray"})
+
+
+def test_outside_a_batch_job_the_engine_says_how_to_submit(monkeypatch):
+    monkeypatch.delenv("MONARCH_BATCH_JOB", raising=False)
+    with pytest.raises(MonarchJobError, match="not the client of a SlurmJob in batch mode"):
+        slurm_batch_workers(state_file=".monarch/job_state.pkl")
+
+
+def test_a_missing_job_file_names_the_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("MONARCH_BATCH_JOB", "1")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(MonarchJobError, match=f"no .monarch/job_state.pkl in {tmp_path}"):
+        slurm_batch_workers(state_file=".monarch/job_state.pkl")
+
+
+def test_hosts_from_a_job_that_cannot_be_used_are_unreachable_with_the_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("MONARCH_BATCH_JOB", "1")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(HostsUnreachable, match="no .monarch/job_state.pkl"):
+        Hosts.from_job(kind="slurm", timeout_s=5)
+
+
+def _resolving_to(monkeypatch, names: dict[str, str]) -> None:
+    """Names resolve as `names` says; any other (this host's own name among them) to loopback only."""
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, port, *a, **k: [
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", (names.get(host, "127.0.1.1"), 0))])
+
+
+@pytest.mark.parametrize("nodelist", [None, "gpu[001-002]", "gpu001,gpu002"])
+def test_a_multi_node_job_on_a_loopback_hostname_is_refused(monkeypatch, nodelist):
+    _resolving_to(monkeypatch, {"gpu001": "10.0.0.1", "gpu002": "10.0.0.2"})
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    if nodelist is None:
+        monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_JOB_NODELIST", nodelist)
+    with pytest.raises(MonarchJobError, match="resolves to loopback only, so the other nodes' workers"):
+        monarch_job._listen_on_loopback_if_alone()
+
+
+@pytest.mark.parametrize(("nodes", "nodelist"), [("1", "vm"), ("2", "127.0.0.2,127.0.0.3")])
+def test_an_allocation_all_on_this_machine_listens_on_loopback(monkeypatch, nodes, nodelist):
+    _resolving_to(monkeypatch, {})
+    monkeypatch.setenv("SLURM_NNODES", nodes)
+    monkeypatch.setenv("SLURM_JOB_NODELIST", nodelist)
+    chosen = []
+    monkeypatch.setattr("monarch.actor.enable_transport", chosen.append)
+    monarch_job._listen_on_loopback_if_alone()
+    assert chosen == ["tcp://127.0.0.1:0"]
+
+
+def test_a_routable_hostname_keeps_monarchs_own_transport(monkeypatch):
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu001")
+    _resolving_to(monkeypatch, {"gpu001": "10.0.0.1"})
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    chosen = []
+    monkeypatch.setattr("monarch.actor.enable_transport", chosen.append)
+    monarch_job._listen_on_loopback_if_alone()
+    assert chosen == []
