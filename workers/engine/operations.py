@@ -27,8 +27,8 @@ load_redirect (LoadRedirectRequest)
     action   "drain" (stop routing to the host's replicas, start replacements elsewhere) | "undrain"
     host     host name
 
-A host is one of `placement.generator.hosts`: with Monarch workers (FORGEBOARD_MONARCH_WORKERS,
-`placement.local_hosts`) a worker's name, else a label on this machine's procs; when none are
+A host is one of `placement.generator.hosts`: with Monarch workers (a cluster job's,
+FORGEBOARD_MONARCH_WORKERS, `placement.local_hosts`) a worker's name, else a label on this machine's procs; when none are
 named, every worker, or "local".
 """
 

@@ -8,8 +8,8 @@ The same algorithm as `recipes/grpo.py`, with each role in its own processes:
   dataset, replay buffer   actors sharing one small "control" proc, on this machine unless
              `placement.replay_buffer.hosts` names a host
 
-Hosts (`actors/hosts.py`) are the Monarch workers in FORGEBOARD_MONARCH_WORKERS (or `workers=`),
-attached once; a role's hosts are `placement.<role>.hosts`, or every host when none are named,
+Hosts (`actors/hosts.py`) are the Monarch workers of the run's monarch.job (FORGEBOARD_MONARCH_JOB: a
+SLURM or Kubernetes run), else those in FORGEBOARD_MONARCH_WORKERS (or `workers=`), attached once; a role's hosts are `placement.<role>.hosts`, or every host when none are named,
 and a role placed on one host takes the first one still there. Without workers every host name
 is a label on this machine's procs.
 
