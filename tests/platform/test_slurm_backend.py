@@ -38,7 +38,7 @@ trainer:
 """
 
 FAKE = """#!{python}
-import json, os, sys
+import json, os, sys, time
 from pathlib import Path
 here = Path(__file__).resolve().parent
 name = Path(sys.argv[0]).name
@@ -47,12 +47,14 @@ with open(here / "calls.jsonl", "a") as log:
     log.write(json.dumps({{"program": name, "args": sys.argv[1:], "stdin": stdin, "cwd": os.getcwd(),
                           "env": dict(os.environ)}}) + "\\n")
 answer = json.loads((here / "answers.json").read_text()).get(name, {{}})
+if answer.get("sleep"):
+    time.sleep(answer["sleep"])
 if answer.get("exit"):
     print(answer.get("stderr", ""), file=sys.stderr)
     sys.exit(answer["exit"])
 if name in ("squeue", "sacct"):
-    job = next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--jobs="))
-    jobs = [j for j in answer["jobs"] if str(j["job_id"]) == job]
+    job = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--jobs=")), None)
+    jobs = [j for j in answer["jobs"] if job is None or str(j["job_id"]) == job]
     print(json.dumps({{"jobs": jobs, "errors": [] if jobs or name == "sacct" else
                       [{{"error": "Invalid job id specified", "error_number": 2017}}]}}))
 else:
@@ -226,3 +228,26 @@ def test_a_run_spread_one_rank_to_a_host_asks_for_a_node_per_rank_even_without_g
     assert "#SBATCH --nodes=3" in sbatch["stdin"] and "--gpus-per-node" not in sbatch["stdin"]
     submitted = RunEvent.objects.get(run=run, kind="message", payload__name="job_submitted")
     assert (submitted.payload["nodes"], submitted.payload["gpus_per_node"]) == (3, 0)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("queued", [True, False])
+def test_a_job_queued_by_an_sbatch_that_then_went_quiet_is_found_by_the_runs_comment(team, slurm, monkeypatch, queued):
+    monkeypatch.setattr("workers.launch.slurm_backend.SUBMIT_TIMEOUT_S", 3)
+    slurm.answer("sbatch", sleep=6, stdout="Submitted batch job 18004")
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=SLURM_YAML)
+    runs_schedule(now=timezone.now())
+    jobs = json.loads((RECORDED / "squeue_23.11.json").read_text())["jobs"]
+    mine = next(j for j in jobs if j["job_id"] == 18004) | {"job_id": 18077, "comment": f"forgeboard-run-id={run.pk}"}
+    others = [j | {"comment": "someone else's job"} for j in jobs if j["job_id"] != 18004]
+    slurm.answer("squeue", jobs=others + ([mine] if queued else []))
+    start_run(run_id=run.pk)
+    run.refresh_from_db()
+    if queued:
+        assert run.state == RunState.LAUNCHING and run.job_id == "18077", run.exit_reason
+        submitted = RunEvent.objects.get(run=run, kind="message", payload__name="job_submitted")
+        assert submitted.payload["found"].startswith("sbatch did not answer in time")
+    else:
+        assert run.state == RunState.FAILED and run.job_id == ""
+        assert run.exit_reason == "SLURM refused the job: sbatch did not answer within 3 s"
+    assert [c["args"] for c in slurm.calls("squeue")] == [["--json"]]

@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,16 +33,24 @@ from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append
 from workers.launch.jobs import FOLLOWED_STATES, fail_launch, follow_job, node_shape
 from workers.launch.local import run_dir, write_run_files
-from workers.launch.slurm import LaunchSpecError, SchedulerStatus, SlurmLaunchRequest, job_environment, parse_sacct, parse_squeue
+from workers.launch.slurm import (LaunchSpecError, SchedulerStatus, SlurmLaunchRequest, job_environment, job_ids_for_run,
+                                  parse_sacct, parse_squeue)
 
 logger = logging.getLogger(__name__)
 
 COMMAND_TIMEOUT_S = 60
 SUBMIT_TIMEOUT_S = 120  # the submitting process imports monarch before it runs sbatch
+# This code's own checkout first on the submitting process's path, without a PYTHONPATH that sbatch would hand on.
+SUBMIT_CODE = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r}); "
+               "from workers.launch.slurm_submit import main; sys.exit(main())")
 
 
 class SlurmCommandFailed(RuntimeError):
     """sbatch, squeue, sacct or scancel exited non-zero, or could not be run: the reason says which and why."""
+
+
+class SubmitTimedOut(SlurmCommandFailed):
+    """sbatch did not answer in time: it may still have queued the job."""
 
 
 @dataclass(frozen=True)
@@ -60,11 +69,11 @@ class SlurmCli:
         environment = {"PATH": self.path(), "HOME": os.environ.get("HOME", str(folder)),
                        "LANG": os.environ.get("LANG", "C.UTF-8"), **job_environment(request)}
         try:
-            done = subprocess.run([sys.executable, "-m", "workers.launch.slurm_submit"], input=json.dumps(request.to_json()),
+            done = subprocess.run([sys.executable, "-c", SUBMIT_CODE], input=json.dumps(request.to_json()),
                                   cwd=folder, env=environment, capture_output=True, text=True,
                                   timeout=SUBMIT_TIMEOUT_S, check=False)
         except subprocess.TimeoutExpired:
-            raise SlurmCommandFailed(f"sbatch did not answer within {SUBMIT_TIMEOUT_S} s") from None
+            raise SubmitTimedOut(f"sbatch did not answer within {SUBMIT_TIMEOUT_S} s") from None
         except OSError as exc:
             raise SlurmCommandFailed(f"the submission could not be run: {exc}") from None
         lines = done.stdout.strip().splitlines()
@@ -105,6 +114,10 @@ class SlurmCli:
         if "invalid job id" in errors.lower():
             return {}
         return parse_squeue(document)
+
+    def jobs_of_run(self, run_id: int) -> Sequence[str]:
+        """The queued or running jobs whose comment names the run (every job submitted for it carries one)."""
+        return job_ids_for_run(self._json("squeue", "--json"), run_id)
 
     def accounting(self, job_id: str) -> dict[str, SchedulerStatus]:
         return parse_sacct(self._json("sacct", "--json", f"--jobs={job_id}"))
@@ -156,17 +169,35 @@ def submit_slurm(*, run: Run, cli: SlurmCli | None = None) -> str:
         return ""
     (folder / "slurm").mkdir(parents=True, exist_ok=True)
     write_run_files(run=run, folder=folder)
+    found = ""
     try:
         job_id = cli.submit(request, folder=folder)
+    except SubmitTimedOut as exc:
+        job_id = found = _queued_anyway(run=run, cli=cli)
+        if not job_id:
+            fail_launch(run=run, reason=f"SLURM refused the job: {exc}")
+            return ""
     except SlurmCommandFailed as exc:
         fail_launch(run=run, reason=f"SLURM refused the job: {exc}")
         return ""
     Run.objects.filter(pk=run.pk).update(job_id=job_id, log_path=str(folder / "slurm"))
-    event_append(run=run, kind=EventKind.MESSAGE,
-                 payload={"name": "job_submitted", "backend": "slurm", "job_id": job_id, "nodes": request.nodes,
-                          "gpus_per_node": request.gpus_per_node, "partition": request.partition})
+    payload = {"name": "job_submitted", "backend": "slurm", "job_id": job_id, "nodes": request.nodes,
+               "gpus_per_node": request.gpus_per_node, "partition": request.partition}
+    if found:
+        payload["found"] = "sbatch did not answer in time; the job was found in squeue by the run's comment"
+    event_append(run=run, kind=EventKind.MESSAGE, payload=payload)
     logger.info("run %s submitted as SLURM job %s", run.pk, job_id, extra={"run_id": run.pk})
     return job_id
+
+
+def _queued_anyway(*, run: Run, cli: SlurmCli) -> str:
+    """The job sbatch queued for the run before it went quiet, if squeue has it (the newest); "" when none."""
+    try:
+        found = cli.jobs_of_run(run.pk)
+    except (SlurmCommandFailed, LaunchSpecError) as exc:
+        logger.warning("run %s: squeue could not be asked for its job: %s", run.pk, exc, extra={"run_id": run.pk})
+        return ""
+    return max(found, key=int, default="")
 
 
 def job_status(*, job_id: str, cli: SlurmCli) -> SchedulerStatus | None:

@@ -1,4 +1,4 @@
-"""Applies a run's `monarch.job.SlurmJob` (batch mode) in a process of its own; `python -m workers.launch.slurm_submit`.
+"""Applies a run's `monarch.job.SlurmJob` (batch mode) in a process of its own (`main`, run by the SLURM backend).
 
 Run by `slurm_backend.submit_slurm` with the run's folder as working directory (SlurmJob pickles the
 job into `.monarch/job_state.pkl` there, and sbatch makes it the job's working directory) and with just
