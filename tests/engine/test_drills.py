@@ -137,3 +137,5 @@ def test_ending_a_fault_whose_host_agent_is_gone_stops_its_timers_and_raises_not
     fault.end_signals()
     assert fault.stop_signals.is_set(), "the hang's or slowdown's timer must not stop anything more"
     assert agent.calls == (["resume"] if resumed else [])
+    fault.end_signals()  # the run's end after a repair ended it: no second call to a host that may be gone
+    assert agent.calls == (["resume"] if resumed else [])

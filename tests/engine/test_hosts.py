@@ -107,6 +107,13 @@ def test_a_lost_host_is_reported_once() -> None:
         hosts.spawn_procs(host="gone", count=1, threads=1)
     with pytest.raises(HostsUnreachable, match=f"^host gone \\(tcp://127.0.0.1:{port}\\) is lost$"):
         hosts.signals("gone")  # a drill there is refused with this reason; nothing is spawned on it
+    hosts._signals["gone"] = object()  # an agent started there before the host was lost went with it
+    with pytest.raises(HostsUnreachable, match="is lost"):
+        hosts.signals("gone")
+    asked: list[str] = []
+    hosts.signals = asked.append  # type: ignore[method-assign]
+    hosts.kill("gone", [4242])
+    assert asked == [], "nothing to kill on a lost host, and nothing asked of it"
 
 
 def test_without_workers_every_name_is_this_machine() -> None:

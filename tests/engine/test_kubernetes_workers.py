@@ -43,7 +43,7 @@ DISCOVERY_ENV = {"FORGEBOARD_MONARCH_JOB": "kubernetes", "FORGEBOARD_RUN_ID": "4
                  "FORGEBOARD_POD_NAMESPACE": NAMESPACE, "FORGEBOARD_POD_IP": "127.0.0.1"}
 
 # The controller: the in-cluster config becomes the fake API server over plain HTTP (the real one needs the
-# service-account files and https); then discovery, and one proc per host through the engine's Hosts.
+# service-account files and https); then the engine's own discovery (Hosts.from_job), and one proc per host.
 CONTROLLER = r"""
 import json, os, sys
 import kubernetes
@@ -56,16 +56,15 @@ def load_fake_config():
 
 kubernetes.config.load_incluster_config = load_fake_config
 
-from workers.engine.actors.hosts import Hosts
-from workers.engine.actors.kubernetes_workers import KubernetesWorkersError, kubernetes_hosts
+from workers.engine.actors.hosts import Hosts, HostsUnreachable
 from workers.engine.actors.proc_gpus import ProcGpus
 
 try:
-    workers, mesh = kubernetes_hosts(environ=os.environ, timeout_s=float(sys.argv[2]))
-except KubernetesWorkersError as error:
+    hosts = Hosts.from_job(kind="kubernetes", timeout_s=float(sys.argv[2]))  # as the engine does
+except HostsUnreachable as error:
     print(json.dumps({"error": str(error)}))
     sys.exit(0)
-hosts = Hosts(workers=workers, mesh=mesh)
+workers = list(hosts.workers.values())
 pids = {}
 for worker in workers:
     procs = hosts.spawn_procs(host=worker.name, count=1, threads=1)

@@ -97,6 +97,12 @@ grpo:
 """
 
 
+def _polled_state(run: Run) -> str:
+    """The run's state after beat's SLURM poll has looked at its job."""
+    poll_slurm_runs()
+    return Run.objects.get(pk=run.pk).state
+
+
 @pytest.fixture
 def fake_slurm(tmp_path, settings) -> Path:
     bin_dir = tmp_path / "slurm" / "bin"
@@ -125,8 +131,8 @@ def test_a_slurm_run_trains_on_the_worker_its_monarch_job_started(team, tiny_mod
             assert run.pk in runs_schedule(now=timezone.now()), "SLURM queues it: no inventory host is needed"
             start_run(run_id=run.pk)  # what the launch.slurm worker does
             assert Run.objects.get(pk=run.pk).job_id == JOB_ID
-            ended = wait_for(lambda: poll_slurm_runs() is not None and Run.objects.get(pk=run.pk).state in (
-                RunState.SUCCEEDED, RunState.FAILED), timeout=240, interval=1, what="the SLURM run to end")
+            ended = wait_for(lambda: _polled_state(run) in (RunState.SUCCEEDED, RunState.FAILED), timeout=240,
+                             interval=1, what="the SLURM run to end")
             out = (fake_slurm / "out").read_text() if (fake_slurm / "out").exists() else ""
             run.refresh_from_db()
             assert ended and run.state == RunState.SUCCEEDED, f"{run.exit_reason}\n{out[-4000:]}"

@@ -123,7 +123,10 @@ class ActiveFault:
     signals: Signals = field(default_factory=LocalSignals)
 
     def end_signals(self) -> None:
-        """No more stops for its processes: a hang or slowdown ends now (best effort: the host may be gone)."""
+        """No more stops for its processes: a hang or slowdown ends now (best effort: the host may be gone). Once:
+        the run's end and a repair may both end the same fault, and an agent call to a lost host waits."""
+        if self.stop_signals.is_set():
+            return
         self.stop_signals.set()
         if self.request.kind in ("hang", "slow_host"):
             try:

@@ -38,10 +38,12 @@ from workers.engine.actors.kubernetes_workers import (
     RUN_LABEL,
 )
 from workers.launch.slurm import (
+    RESERVED_ENVIRONMENT,
     LaunchSpecError,
     SchedulerStatus,
     check_environment,
     check_positive,
+    engine_argv,
     run_environment,
 )
 
@@ -95,7 +97,7 @@ class KubernetesLaunchRequest:
         return f"{CONFIG_DIR}/config.yaml"
 
     def controller_argv(self) -> list[str]:
-        return [self.python, "-m", "workers.engine", "train", "--config", self.config_path, *self.overrides]
+        return engine_argv(python=self.python, config_path=self.config_path, overrides=self.overrides)
 
     def check(self) -> None:
         check_positive("run_id", self.run_id)
@@ -118,10 +120,7 @@ class KubernetesLaunchRequest:
             check_positive("active_deadline_s", self.active_deadline_s)
         if not 1024 <= self.monarch_port <= 65535:
             raise LaunchSpecError("monarch_port", "must be from 1024 to 65535")
-        check_environment(self.environment)
-        for key in self.environment:
-            if key in _DISCOVERY_ENVIRONMENT:
-                raise LaunchSpecError(f"environment.{key}", "is set by Forgeboard itself")
+        check_environment(self.environment, reserved=RESERVED_ENVIRONMENT | _DISCOVERY_ENVIRONMENT)
 
 
 # The worker advertises exactly the address KubernetesJob dials (the pod IP and MONARCH_PORT), listening on

@@ -21,7 +21,7 @@ from pathlib import PurePosixPath
 from typing import Any, Literal
 
 from workers.engine.actors.devices import GPUS_PER_HOST_ENV
-from workers.engine.actors.monarch_job import JOB_ENV
+from workers.engine.actors.monarch_job import HOST_MESH, JOB_ENV
 
 __all__ = ["LaunchSpecError", "SchedulerStatus", "SlurmLaunchRequest", "slurm_job", "client_script", "parse_squeue", "parse_sacct",
            "slurm_job_status", "job_ids_for_run"]
@@ -61,27 +61,36 @@ def check_positive(name: str, value: int) -> None:
         raise LaunchSpecError(name, f"must be a positive integer, got {value!r}")
 
 
-def check_environment(environment: Mapping[str, str]) -> None:
+def check_environment(environment: Mapping[str, str], *, reserved: frozenset[str] = RESERVED_ENVIRONMENT) -> None:
+    """A run's extra variables: valid names, text values, none of those the launcher sets itself (`reserved`)."""
     for key, value in environment.items():
         if not isinstance(key, str) or not _ENV_NAME.match(key):
             raise LaunchSpecError(f"environment.{key}", "is not a valid variable name")
-        if key in RESERVED_ENVIRONMENT:
+        if key in reserved:
             raise LaunchSpecError(f"environment.{key}", "is set by Forgeboard itself")
         if not isinstance(value, str):
             raise LaunchSpecError(f"environment.{key}", "must be text")
 
 
+def check_control_plane_url(url: str) -> None:
+    if not url.startswith(("http://", "https://")):
+        raise LaunchSpecError("control_plane_url", f"must be an http(s) URL, got {url!r}")
+
+
+def engine_argv(*, python: str, config_path: str, overrides: Sequence[str]) -> list[str]:
+    """The engine controller's command line, on any launcher."""
+    return [python, "-m", "workers.engine", "train", "--config", config_path, *overrides]
+
+
 def run_environment(*, run_id: int, control_plane_url: str, token_file: str,
                     extra: Mapping[str, str]) -> dict[str, str]:
     """The variables every process of a run gets: who it is, where to report, and its credential."""
-    if not control_plane_url.startswith(("http://", "https://")):
-        raise LaunchSpecError("control_plane_url", f"must be an http(s) URL, got {control_plane_url!r}")
+    check_control_plane_url(control_plane_url)
     return {"FORGEBOARD_RUN_ID": str(run_id), "FORGEBOARD_URL": control_plane_url,
             "FORGEBOARD_RUN_TOKEN_FILE": token_file, **extra}
 
 
 DEFAULT_MONARCH_PORT = 22222
-HOST_MESH = "hosts"  # the SlurmJob's one mesh: every node of the run
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SLURM_MEMORY = re.compile(r"^[1-9][0-9]*[KMGT]?$")
 _SLURM_TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
@@ -117,7 +126,7 @@ class SlurmLaunchRequest:
         return str(PurePosixPath(self.venv) / "bin" / "python") if self.venv else "python"
 
     def controller_argv(self) -> list[str]:
-        return [self.python, "-m", "workers.engine", "train", "--config", self.config_path, *self.overrides]
+        return engine_argv(python=self.python, config_path=self.config_path, overrides=self.overrides)
 
     def check(self) -> None:
         check_positive("run_id", self.run_id)
@@ -146,8 +155,7 @@ class SlurmLaunchRequest:
         if not 1024 <= self.monarch_port <= 65535:
             raise LaunchSpecError("monarch_port", f"must be from 1024 to 65535, got {self.monarch_port}")
         check_environment(self.environment)
-        run_environment(run_id=self.run_id, control_plane_url=self.control_plane_url, token_file=self.token_file,
-                        extra=self.environment)
+        check_control_plane_url(self.control_plane_url)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "overrides": list(self.overrides), "environment": dict(self.environment)}

@@ -169,17 +169,15 @@ def submit_slurm(*, run: Run, cli: SlurmCli | None = None) -> str:
         return ""
     (folder / "slurm").mkdir(parents=True, exist_ok=True)
     write_run_files(run=run, folder=folder)
-    found = ""
+    found = False
     try:
         job_id = cli.submit(request, folder=folder)
-    except SubmitTimedOut as exc:
-        job_id = found = _queued_anyway(run=run, cli=cli)
+    except SlurmCommandFailed as exc:
+        job_id = _queued_anyway(run=run, cli=cli) if isinstance(exc, SubmitTimedOut) else ""
         if not job_id:
             fail_launch(run=run, reason=f"SLURM refused the job: {exc}")
             return ""
-    except SlurmCommandFailed as exc:
-        fail_launch(run=run, reason=f"SLURM refused the job: {exc}")
-        return ""
+        found = True
     Run.objects.filter(pk=run.pk).update(job_id=job_id, log_path=str(folder / "slurm"))
     payload = {"name": "job_submitted", "backend": "slurm", "job_id": job_id, "nodes": request.nodes,
                "gpus_per_node": request.gpus_per_node, "partition": request.partition}

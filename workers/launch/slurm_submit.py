@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 
-from workers.launch.slurm import LaunchSpecError, SlurmLaunchRequest, client_script, slurm_job
+from workers.launch.slurm import SlurmLaunchRequest, client_script, slurm_job
 
 EXIT_REFUSED = 3
 
@@ -23,7 +23,7 @@ def main() -> int:
         request = SlurmLaunchRequest.from_json(json.load(sys.stdin))
         job = slurm_job(request)
         job.apply(client_script=client_script(request))
-    except (LaunchSpecError, RuntimeError, OSError, TypeError, ValueError) as exc:
+    except (RuntimeError, OSError, TypeError, ValueError) as exc:  # LaunchSpecError is a ValueError
         print(json.dumps({"error": str(exc).strip()}))
         return EXIT_REFUSED
     # monarch 0.7 keeps the SLURM job id it parsed from sbatch's answer only here (apply_id is its own uuid).

@@ -73,7 +73,7 @@ class RoleDemand:
         if self.procs_per_host is not None:
             per_host = f", ≤{self.procs_per_host} per host"
         else:
-            per_host = ", on one host" if self.role == "trainer" and self.procs > 1 else ""
+            per_host = ", on one host" if self.group > 1 else ""
         return f"{self.role} {self.procs}×{self.gpus_per_proc} GPU{per_host}{where}"
 
 

@@ -56,7 +56,8 @@ class DeviceLedger:
             raise ValueError(f"{owner} already holds GPUs on {host}")
         taken = {i for indices in self.held_on(host).values() for i in indices}
         need = procs * gpus_per_proc
-        free, capacity = self.free(host), self.capacity(host)
+        capacity = self.capacity(host)
+        free = None if capacity is None else capacity - len(taken)
         if free is not None and free < need:
             holders = "; ".join(f"{o}: {','.join(map(str, sorted(ix)))}" for o, ix in sorted(self.held_on(host).items()))
             raise NoRoomForGpus(f"{owner} needs {need} GPU(s) on host {host}, which has {capacity} and {free} free"

@@ -319,12 +319,7 @@ class ReplicaGroup:
 
     def kill(self, replica: Replica) -> None:
         """SIGKILL the replica's procs, from its host (best effort: a lost host took them already)."""
-        if replica.host in self.hosts.lost:
-            return
-        try:
-            self.hosts.signals(replica.host).kill(replica.pids)
-        except Exception:  # noqa: BLE001 - stopping its mesh ends it too
-            logger.warning("could not kill %s replica %s on %s", self.role, replica.index, replica.host, exc_info=True)
+        self.hosts.kill(replica.host, replica.pids)
 
     def stop(self, replica: Replica) -> None:
         if replica.host not in self.hosts.lost:  # a lost host's procs are gone, and stopping them would wait

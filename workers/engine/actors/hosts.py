@@ -17,6 +17,7 @@ its workers and host mesh from the job instead (`monarch_job.py`).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -32,6 +33,8 @@ from workers.engine.actors.procs import apply_proc_env, proc_env, spawn_procs
 from workers.engine.drills import LocalSignals, Signals
 from workers.engine.config import PlacementConfig, unknown_host_errors
 from workers.engine.fields import ConfigError
+
+logger = logging.getLogger(__name__)
 
 WORKERS_ENV = "FORGEBOARD_MONARCH_WORKERS"
 LOCAL = "local"  # the one host of a run without workers
@@ -116,8 +119,9 @@ def local_address_towards(worker: Worker) -> str:
 _transport: str | None = None
 
 
-def _enable_transport(address: str) -> None:
-    """Monarch's transport can be chosen once per process."""
+def choose_transport(address: str) -> None:
+    """Listen at `address` (this machine's, as the workers reach it); Monarch's transport can be chosen once per
+    process, so later calls keep the first choice."""
     global _transport
     if _transport is None:
         from monarch.actor import enable_transport
@@ -156,7 +160,7 @@ class Hosts:
             return cls(gpus_per_host=_local_gpus)  # counted only if a role asks for GPUs
         started = time.monotonic()
         _raise_unreachable(workers, why="not accepting connections", source=WORKERS_ENV)
-        _enable_transport(local_address_towards(workers[0]))
+        choose_transport(local_address_towards(workers[0]))
         from monarch.actor import attach_to_workers
 
         mesh = attach_to_workers(ca="trust_all_connections", workers=[w.attach_address for w in workers], name="hosts")
@@ -170,13 +174,11 @@ class Hosts:
         naming the cause when the job cannot be attached."""
         from workers.engine.actors.monarch_job import MonarchJobError, attach_job_workers
 
-        global _transport
         started = time.monotonic()
         try:
             workers, mesh = attach_job_workers(kind=kind, timeout_s=timeout_s)
         except MonarchJobError as exc:
             raise HostsUnreachable(str(exc)) from None
-        _transport = kind  # the job chose the transport
         _wait_attached(mesh, workers, timeout_s=timeout_s, source=f"the {kind} job")
         return cls(workers=workers, mesh=mesh, attach_seconds=round(time.monotonic() - started, 3),
                    gpus_per_host=gpus_per_host_from_env())
@@ -247,15 +249,26 @@ class Hosts:
 
     def signals(self, host: str) -> Signals:
         """Who sends drill signals to procs on `host`: this process without workers, else an agent proc on that host
-        (started at its first drill; HostsUnreachable when the host is lost)."""
+        (started at its first drill; HostsUnreachable when the host is lost, its agent with it)."""
         if not self.workers:
             return LocalSignals()
+        if host in self.lost:
+            raise HostsUnreachable(f"host {self.describe(host)} is lost")
         if host not in self._signals:
             from workers.engine.actors.host_signals import AgentSignals, HostSignals
 
             procs = self.spawn_procs(host=host, count=1, threads=1)
             self._signals[host] = AgentSignals(procs.spawn("host_signals", HostSignals), host)
         return self._signals[host]
+
+    def kill(self, host: str, pids: list[int]) -> None:
+        """SIGKILL `pids` from their host (best effort: a lost host took them already, stopping a mesh ends them too)."""
+        if host in self.lost or not pids:
+            return
+        try:
+            self.signals(host).kill(pids)
+        except Exception:  # noqa: BLE001 - see above
+            logger.warning("could not kill pids %s on %s", pids, host, exc_info=True)
 
     def gpus_free(self, host: str) -> int | None:
         """Free GPUs of `host` (None: its count is unknown)."""

@@ -26,7 +26,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from workers.engine.actors.hosts import HostsUnreachable, Worker
+from workers.engine.actors.hosts import Worker, choose_transport
+from workers.engine.actors.monarch_job import MonarchJobError
 
 RUN_ID_ENV = "FORGEBOARD_RUN_ID"
 NODES_ENV = "FORGEBOARD_RUN_NODES"
@@ -38,7 +39,7 @@ RUN_LABEL = "forgeboard.run-id"
 RANK_LABEL = "batch.kubernetes.io/job-completion-index"
 
 
-class KubernetesWorkersError(HostsUnreachable):
+class KubernetesWorkersError(MonarchJobError):
     """The run's pods could not be found or attached: the message says which and why."""
 
 
@@ -61,17 +62,15 @@ def kubernetes_hosts(*, environ: Mapping[str, str], timeout_s: float) -> tuple[l
     selector = f"{RUN_LABEL}={run_id}"
     where = f"pods {selector} in namespace {namespace}"
     try:
-        from monarch.actor import enable_transport
         from monarch.job.kubernetes import KubernetesJob
 
         job = KubernetesJob(namespace=namespace, timeout=max(1, math.ceil(timeout_s)))
         # KubernetesJob chose TCP on whatever the hostname resolves to (refused when that is loopback only);
         # the pod's own IP is the address the workers can reach.
-        enable_transport(f"tcp://[{pod_ip}]:0" if ":" in pod_ip else f"tcp://{pod_ip}:0")
+        choose_transport(f"[{pod_ip}]" if ":" in pod_ip else pod_ip)
         mesh_name = f"run{run_id}"  # lowercase letters and digits only
         job.add_mesh(mesh_name, nodes, label_selector=selector, pod_rank_label=RANK_LABEL)
         mesh = getattr(job.state(cached_path=None), mesh_name)  # no job cache file in the working directory
-        mesh.initialized.get(timeout=timeout_s)
     except Exception as error:  # the package missing, the API refusing or unreachable, pods not Ready, the attach
         raise KubernetesWorkersError(f"Monarch workers of {where} not attached within {timeout_s:g} s: "
                                      f"{type(error).__name__}: {error}") from error

@@ -71,9 +71,9 @@ def _listen_on_loopback_if_alone() -> None:
     if not alone:
         raise MonarchJobError(f"this node's hostname {host!r} resolves to loopback only, so the other nodes' workers "
                               "could not reach the engine: give the nodes routable names (DNS or /etc/hosts)")
-    from monarch.actor import enable_transport
+    from workers.engine.actors.hosts import choose_transport
 
-    enable_transport("tcp://127.0.0.1:0")
+    choose_transport("127.0.0.1")
 
 
 def slurm_batch_workers(*, state_file: str) -> tuple[list[Any], Any]:

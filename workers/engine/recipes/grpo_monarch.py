@@ -216,9 +216,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         def trainer_lost_host() -> str | None:
             return next((h for h in trainer_hosts if h in hosts.lost), None)
 
-        trainer_master: list[str] = []  # MASTER_ADDR of the trainer's process group
-
-        def start_trainer() -> tuple[Any, Any, int]:
+        def start_trainer() -> tuple[Any, Any, dict[str, Any]]:
+            """(procs, actors, what rank 0's setup said: its n_params and the group's MASTER_ADDR)."""
             nonlocal trainer_hosts
             procs = None
             while procs is None:
@@ -241,11 +240,11 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             # Over several hosts, rank 0's host by the address its worker has (a pod IP, a node name).
             master = hosts.workers[trainer_hosts[0]].host if len(trainer_hosts) > 1 else None
             info = list(actors.setup.call(master).get().values())
-            trainer_master[:] = [info[0]["master_addr"]]
             trainer_pids[:] = list(actors.pids.call().get().values())
-            return procs, actors, info[0]["n_params"]
+            return procs, actors, info[0]
 
-        trainer_procs, trainer, n_params = start_trainer()
+        trainer_procs, trainer, trainer_setup = start_trainer()
+        n_params = trainer_setup["n_params"]
         trainer0 = trainer_rank(trainer, 0)
 
         if cfg.generator.backend == "vllm":
@@ -325,7 +324,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         recorder.event("meshes_ready", step=0, seconds=round(time.perf_counter() - setup_start, 2),
                        trainer_ranks=trainer_cfg.ranks, generator_replicas=cfg.generator.replicas, trainer_host=trainer_hosts[0],
                        trainer_hosts=list(trainer_hosts), trainer_pids=list(trainer_pids),
-                       trainer_master_addr=trainer_master[0], warm_spares=spares,
+                       trainer_master_addr=trainer_setup["master_addr"], warm_spares=spares,
                        gpus=hosts.gpus.holdings())
 
         recorder.event("placement_applied", step=0, role="generator", hosts=generator_hosts,
@@ -619,13 +618,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                     (trainer if kind == "raise" else rank).inject_fault.call(kind, **fields).get(timeout=ARM_TIMEOUT_S)
 
                 return FaultTarget("trainer", request.replica, [pids[request.replica]], arm_trainer)
-            group = groups.get(request.role)
-            if group is None:
-                raise ValueError(f"this run has no {request.role} (reference.enabled is false)")
-            serving = [r.index for r in group.live()]
-            if request.replica not in serving:
-                raise ValueError(f"{request.role} replica {request.replica} is not serving; serving replicas: {serving}")
-            replica = group.replicas[request.replica]
+            replica = serving(request.role, request.replica)
             return FaultTarget(request.role, replica.index, replica.pids,
                                lambda kind, **fields: replica.actor.inject_fault.call_one(kind, **fields).get(timeout=ARM_TIMEOUT_S))
 
@@ -828,12 +821,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             recorder.event("resumed", step=step, path=cfg.checkpoint.resume_from, policy_version=policy_version)
 
         def kill_trainer_procs() -> None:
-            for rank, pid in enumerate(trainer_pids):
-                if rank_host(rank) not in hosts.lost:
-                    try:
-                        hosts.signals(rank_host(rank)).kill([pid])
-                    except Exception:  # noqa: BLE001 - stopping the mesh ends it too
-                        pass
+            for host in trainer_hosts:
+                hosts.kill(host, [pid for rank, pid in enumerate(trainer_pids) if rank_host(rank) == host])
 
         def recover_trainer(failure: CallFailed) -> None:
             """The trainer mesh lost a proc (or hangs): respawn it and go back to the last checkpoint."""
