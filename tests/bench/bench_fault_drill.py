@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -98,6 +99,9 @@ class EventPrinter:
 
 def run_once(*, out: Path, model: Path, spares: int, straggler: float, straggler_min_s: float, calm_s: float,
              faulty_s: float, every_s: float, faults: list[dict[str, Any]], generator: str) -> dict[str, Any]:
+    # a fresh folder: checkpoints left by an earlier run of the bench have higher steps, so keeping the newest
+    # would prune this run's own latest checkpoint before its trainer restores from it
+    shutil.rmtree(out / f"checkpoints-{spares}", ignore_errors=True)
     config = load_config_file(REPO / "examples" / "configs" / "cpu_demo_grpo.yaml", overrides=[
         f"generator.backend={generator}",
         f"model.path={model}", "placement.backend=monarch", "generator.replicas=2", "trainer.steps=100000",
