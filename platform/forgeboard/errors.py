@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from workers.engine.wire_limits import unstorable_reason
+
 
 @dataclass(frozen=True)
 class FieldProblem:
@@ -64,6 +66,9 @@ def clean_text(*, field: str, value: object, max_length: int, required: bool = T
     """Stripped text within a length, or ValidationFailed naming the field (names, descriptions)."""
     if not isinstance(value, str):
         raise ValidationFailed.on(field, "must be text")
+    reason = unstorable_reason(value)
+    if reason:
+        raise ValidationFailed.on(field, reason)
     cleaned = value.strip()
     if required and not cleaned:
         raise ValidationFailed.on(field, "must not be empty")

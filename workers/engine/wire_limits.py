@@ -1,0 +1,94 @@
+"""Limits on what crosses the wire, shared by the control plane (which enforces them) and the engine
+(which keeps under them). Django-free and torch-free.
+
+- one request-size limit for every HTTP body the control plane accepts;
+- a nesting bound for every JSON body (checked before parsing: a deep body would exhaust the parser's stack);
+- text that a database can store: no NUL (PostgreSQL refuses it in text and jsonb) and no lone surrogates
+  (they cannot be encoded as UTF-8).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
+MAX_JSON_DEPTH = 32
+
+
+class JsonBodyProblem(ValueError):
+    """A body that is not JSON, or nests deeper than allowed; `message` says which, for a field error."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+def json_depth(raw: str | bytes) -> int:
+    """How deep the arrays and objects of a JSON text nest (0 for a scalar), without parsing it.
+
+    Brackets inside strings are skipped; the text need not be valid JSON.
+    """
+    text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes | bytearray) else raw
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def loads_bounded(raw: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """json.loads that refuses bodies nested deeper than `max_depth` instead of exhausting the stack."""
+    if json_depth(raw) > max_depth:
+        raise JsonBodyProblem(f"nested deeper than {max_depth} levels")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise JsonBodyProblem(f"not valid JSON: {exc}") from None
+    except RecursionError:  # pragma: no cover - the depth check comes first
+        raise JsonBodyProblem(f"nested deeper than {max_depth} levels") from None
+
+
+def unstorable_reason(text: str) -> str | None:
+    """Why this text cannot be stored as it is (a NUL, a lone surrogate), or None when it can."""
+    if "\x00" in text:
+        return "must not contain NUL characters"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "must be valid Unicode (no lone surrogates)"
+    return None
+
+
+def unstorable_in(value: Any, *, max_depth: int = MAX_JSON_DEPTH) -> str | None:
+    """The first problem found in a JSON-like value's keys and strings (or its depth), else None."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > max_depth:
+            return f"nested deeper than {max_depth} levels"
+        if isinstance(item, str):
+            reason = unstorable_reason(item)
+            if reason:
+                return reason
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if isinstance(key, str) and unstorable_reason(key):
+                    return f"key: {unstorable_reason(key)}"
+                stack.append((child, depth + 1))
+        elif isinstance(item, list | tuple):
+            stack.extend((child, depth + 1) for child in item)
+    return None
