@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from forgeboard.supervisor import Child, supervise
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 
@@ -25,7 +26,8 @@ def web_server_argv(*, host: str, port: int) -> list[str]:
     socket (daphne's twisted reactor took two selector updates and a loop turn per message: with 100 live
     subscribers its p99 went past 100 ms). Channels does not speak ASGI lifespan."""
     return [sys.executable, "-m", "uvicorn", "--host", host, "--port", str(port), "--lifespan", "off",
-            "--no-access-log", "--timeout-graceful-shutdown", "5", "forgeboard.asgi:application"]
+            "--no-access-log", "--no-proxy-headers",  # X-Forwarded-For: trusted proxies only (api/ratelimit.py)
+            "--timeout-graceful-shutdown", "5", "forgeboard.asgi:application"]
 
 
 def _manage(*args: str) -> None:
@@ -33,7 +35,8 @@ def _manage(*args: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Migrate, seed the demo, then run the web server and a Celery worker until interrupted."""
+    """Migrate, seed the demo, then run the web server and a Celery worker (with beat) until interrupted,
+    starting either again when it dies (forgeboard/supervisor.py)."""
     _manage("migrate", "--noinput")
     _manage("createcachetable")  # the database cache of the embedded default (no-op with Redis)
     if "channels" in _database_aliases():
@@ -42,40 +45,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _manage("seed_demo", "--launch")
     env = _django_env()
     env.setdefault("FORGEBOARD_PUBLIC_URL", f"http://{args.host}:{args.port}")  # where engines report
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "workers.celery", "worker", "--loglevel", "info",
-         "--concurrency", str(args.worker_concurrency), "--queues", "default,launch", "--beat"],
-        env=env, cwd=REPO_DIR, start_new_session=True,
-    )
-    web = subprocess.Popen(
-        web_server_argv(host=args.host, port=args.port),
-        env={"FORGEBOARD_DB_POOL_SIZE": "8"} | env, cwd=REPO_DIR, start_new_session=True,
-    )
+    worker = Child("celery worker+beat", [
+        sys.executable, "-m", "celery", "-A", "workers.celery", "worker", "--loglevel", "info",
+        "--concurrency", str(args.worker_concurrency), "--queues", "default,launch", "--beat",
+    ], env=env, cwd=REPO_DIR)
+    web = Child("web server", web_server_argv(host=args.host, port=args.port),
+                env={"FORGEBOARD_DB_POOL_SIZE": "8"} | env, cwd=REPO_DIR)
     print(f"Forgeboard on http://{args.host}:{args.port}/ (log in as demo / forgeboard-demo); Ctrl-C stops it",
           flush=True)
-
-    def stop(*_: object) -> None:
-        for proc in (web, worker):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, lambda *_: (stop(), sys.exit(0)))
-    try:
-        while web.poll() is None and worker.poll() is None:
-            try:
-                web.wait(timeout=1)
-            except subprocess.TimeoutExpired:
-                pass
-    except KeyboardInterrupt:
-        pass
-    finally:
-        stop()
-        for proc in (web, worker):
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-    return web.returncode or worker.returncode or 0
+    return supervise([worker, web])  # restarts a child that dies; SIGTERM or Ctrl-C stops both
 
 
 def _database_aliases() -> list[str]:
@@ -85,6 +63,12 @@ def _database_aliases() -> list[str]:
         env=_django_env(), capture_output=True, text=True, check=True,
     )
     return out.stdout.split()
+
+
+def token_main(argv: list[str]) -> int:
+    """`forgeboard token create|list|revoke --user U …`: API tokens, on the server host (accounts api_token)."""
+    return subprocess.run([sys.executable, str(REPO_DIR / "manage.py"), "api_token", *argv],
+                          env=_django_env()).returncode
 
 
 def cmd_manage(args: argparse.Namespace) -> int:
@@ -109,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_ci_parser(sub)
     # Listed for --help; main() hands `agent ...` to workers/agent.py (Django-free) before parsing.
     sub.add_parser("agent", help="run the node agent: register this host and report its devices", add_help=False)
+    sub.add_parser("token", help="create, list or revoke API tokens: token create --user U --project P --name N",
+                   add_help=False)
     return parser
 
 
@@ -118,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         from workers.agent import main as agent_main
 
         return agent_main(argv[1:])
+    if argv[:1] == ["token"]:
+        return token_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

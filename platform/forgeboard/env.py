@@ -6,6 +6,7 @@ may come from `NAME_FILE`, a path to a file holding it.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from urllib.parse import urlsplit
@@ -78,6 +79,16 @@ class Env:
         if value is None:
             return list(default or [])
         return [item.strip() for item in value.split(",") if item.strip()]
+
+    def networks(self, name: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+        """A comma-separated list of addresses or CIDRs (`10.0.0.0/8, ::1`)."""
+        networks = []
+        for item in self.list(name):
+            try:
+                networks.append(ipaddress.ip_network(item, strict=False))
+            except ValueError:
+                raise ImproperlyConfigured(f"{name}: expected IP addresses or CIDRs, got {item!r}") from None
+        return networks
 
     def choice(self, name: str, choices: tuple[str, ...], default: str) -> str:
         value = self._raw(name)

@@ -39,6 +39,13 @@ class ValidationFailed(ServiceError):
         return cls(f"{field}: {message}" if field else message, problems=[FieldProblem(field, message)])
 
 
+class AlreadyExists(ValidationFailed):
+    """A name already taken: a field error like any other (forms show it at the field), answered 409."""
+
+    status = 409
+    code = "conflict"
+
+
 class PermissionDenied(ServiceError):
     status = 403
     code = "permission_denied"

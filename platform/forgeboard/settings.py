@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 from django.core.exceptions import ImproperlyConfigured
 
 from forgeboard.env import Env, database_from_url
+from workers.engine.wire_limits import MAX_REQUEST_BYTES
 
 env = Env()
 
@@ -51,11 +52,14 @@ INSTALLED_APPS = [
     "forgeboard.audit",
     "forgeboard.regressions",
     "forgeboard.alerts",
+    "forgeboard.artifacts",
     "forgeboard.web",
 ]
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "forgeboard.api_errors.ApiErrorShapeMiddleware",
+    "forgeboard.body_limits.BodyLimitMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "forgeboard.logs.RequestContextMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -70,6 +74,7 @@ ROOT_URLCONF = "forgeboard.urls"
 WSGI_APPLICATION = "forgeboard.wsgi.application"
 ASGI_APPLICATION = "forgeboard.asgi.application"
 AUTH_USER_MODEL = "accounts.User"
+AUTHENTICATION_BACKENDS = ["forgeboard.accounts.backends.ThrottledModelBackend"]  # the failed-login brake
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "home"
 LOGOUT_REDIRECT_URL = "login"
@@ -175,6 +180,12 @@ else:
 _UNLIMITED_IN_TESTS = 10**9 if FORGEBOARD_ENV == "test" else None
 API_RATE_PER_MINUTE = env.int("FORGEBOARD_API_RATE_PER_MINUTE", _UNLIMITED_IN_TESTS or 600, minimum=1)
 API_AUTH_FAILURES_PER_MINUTE = env.int("FORGEBOARD_API_AUTH_FAILURES_PER_MINUTE", _UNLIMITED_IN_TESTS or 20, minimum=1)
+# Failed logins: past these counts in one window a login is refused (429), even with the right password.
+LOGIN_FAILURES_PER_ACCOUNT = env.int("FORGEBOARD_LOGIN_FAILURES_PER_ACCOUNT", _UNLIMITED_IN_TESTS or 10, minimum=1)
+LOGIN_FAILURES_PER_ADDRESS = env.int("FORGEBOARD_LOGIN_FAILURES_PER_ADDRESS", _UNLIMITED_IN_TESTS or 100, minimum=1)
+LOGIN_FAILURE_WINDOW_S = env.int("FORGEBOARD_LOGIN_FAILURE_WINDOW_S", 300, minimum=10, maximum=3600)
+# Peers whose X-Forwarded-For names the client (reverse proxies, the ingress): addresses or CIDRs. Others' is ignored.
+TRUSTED_PROXIES = env.networks("FORGEBOARD_TRUSTED_PROXIES")
 
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = True
@@ -221,6 +232,12 @@ K8S_CPUS_PER_NODE = env.int("FORGEBOARD_K8S_CPUS_PER_NODE", 16, minimum=1)
 K8S_MEMORY = env.str("FORGEBOARD_K8S_MEMORY", "64Gi")
 # The run pods' service account: the engine controller lists and watches its run's pods with it (infra/k8s/engine-rbac.yaml).
 K8S_ENGINE_SERVICE_ACCOUNT = env.str("FORGEBOARD_K8S_ENGINE_SERVICE_ACCOUNT", "forgeboard-engine")
+# Where a run config's raw paths (model.path, data.path, checkpoint.resume_from) and registered artifacts may
+# point: folders on the workers' hosts (artifacts/resolver.py). A run's own files are reached by `run:` references.
+# In tests "/" is a root too: every path is inside except DATA_DIR's (only roots inside DATA_DIR reach into it).
+ARTIFACT_ROOTS = [Path(p) for p in env.list(
+    "FORGEBOARD_ARTIFACT_ROOTS",
+    ["/"] * (FORGEBOARD_ENV == "test") + [str(DATA_DIR / name) for name in ("models", "datasets", "artifacts")])]
 CELERY_BEAT_SCHEDULE = {
     "schedule-runs": {"task": "runs.schedule", "schedule": env.int("FORGEBOARD_SCHEDULE_SECONDS", 10, minimum=1)},
     "reconcile-runs": {"task": "runs.reconcile", "schedule": env.int("FORGEBOARD_RECONCILE_SECONDS", 15, minimum=1)},
@@ -302,4 +319,7 @@ LOGGING = {
 }
 
 # --- limits ---------------------------------------------------------------------------------
-DATA_UPLOAD_MAX_MEMORY_SIZE = 5 * 1024 * 1024
+# One limit for every body (workers/engine/wire_limits.py), enforced by forgeboard.body_limits; Django's own is
+# set to the same so that it is not a second, lower one.
+DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BYTES
+CSRF_FAILURE_VIEW = "forgeboard.api_errors.csrf_failure"  # JSON on /api/ paths

@@ -86,7 +86,7 @@ def test_experiments_and_pagination(client, team, tokens):
                     {"name": f"exp-{i}", "recipe": "sft", "tags": ["a"]})
         assert made.status_code == 201
     duplicate = call(client, "post", "/projects/alpha/experiments", tokens["write"], {"name": "exp-1", "recipe": "sft"})
-    assert duplicate.status_code == 400 and duplicate.json()["errors"][0]["field"] == "name"
+    assert duplicate.status_code == 409 and duplicate.json()["errors"][0]["field"] == "name"  # a taken name
     page = call(client, "get", "/projects/alpha/experiments?limit=2&offset=2", tokens["read"]).json()
     assert page["count"] == 6 and len(page["items"]) == 2
 
@@ -144,13 +144,16 @@ def test_repeated_invalid_tokens_are_rate_limited(client, tokens, settings):
 
     cache.clear()
     settings.API_AUTH_FAILURES_PER_MINUTE = 5
-    codes = [call(client, "get", "/projects", f"fb_{i:012d}_wrong").status_code for i in range(8)]
+    codes = [call(client, "get", "/projects", f"fb_{7:012d}_wrong").status_code for _ in range(8)]
     assert codes == [401] * 5 + [429] * 3
-    limited = call(client, "get", "/projects", tokens["write"])
-    assert limited.status_code == 429 and limited.json()["code"] == "rate_limited", \
-        "even a valid token is refused from an address that keeps failing"
+    limited = call(client, "get", "/projects", f"fb_{7:012d}_wrong")
+    assert limited.status_code == 429 and limited.json()["code"] == "rate_limited"
+    assert call(client, "get", "/projects", tokens["write"]).status_code == 200, \
+        "a valid token is checked first and never refused by the brake"
+    malformed = [call(client, "get", "/projects", f"nonsense-{i}").status_code for i in range(7)]
+    assert malformed == [401] * 5 + [429] * 2, "malformed tokens are counted per address"
+    assert call(client, "get", "/projects", tokens["read"]).status_code == 200
     cache.clear()
-    assert call(client, "get", "/projects", tokens["write"]).status_code == 200
 
 
 def test_each_token_has_a_request_budget(client, tokens, settings):

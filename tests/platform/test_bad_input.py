@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import select
+import socket
+
 import pytest
 
+from forgeboard.accounts.services import api_token_create
 from forgeboard.audit.models import AuditEvent
 from forgeboard.errors import ValidationFailed
 from forgeboard.experiments.models import ConfigSnapshot, Experiment
 from forgeboard.experiments.services import experiment_create
-from forgeboard.runs.models import Run
+from forgeboard.regressions.models import Suite
+from forgeboard.runs.models import Command, Run
 from forgeboard.runs.services import run_launch
 from forgeboard.telemetry.models import RunEvent
+from tests.support.processes import free_port, web_server
+from workers.engine.wire_limits import MAX_JSON_DEPTH, MAX_REQUEST_BYTES
 from workers.engine.yaml_safe import MAX_CONFIG_BYTES, MAX_DEPTH
 
 ALIAS_BOMB = """\
@@ -127,3 +135,258 @@ def test_duplicate_project_slug_is_refused(team):
     with pytest.raises(ValidationFailed) as caught:
         project_create(actor=team.outsider, slug="Not A Slug", name="x")
     assert caught.value.problems[0].field == "slug"
+
+
+# --- hostile bodies through the API: too big, NUL, too deep; each a 4xx naming the field, nothing stored ----------
+
+FIFTY_MB_YAML = "recipe: grpo\n# " + "x" * (50 * 1024 * 1024) + "\n"
+NINE_MIB = 9 * 1024 * 1024
+
+
+@pytest.fixture
+def bearer(team) -> dict[str, str]:
+    _, token = api_token_create(actor=team.member, project=team.project, name="hostile", scope="write")
+    return {"HTTP_AUTHORIZATION": f"Bearer {token}"}
+
+
+def _post(client, path: str, body: dict | str | bytes, headers: dict, **extra):
+    data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return client.post(f"/api/v1{path}", data=data, content_type="application/json", **headers, **extra)
+
+
+def _assert_refused(response, status: int, code: str, field: str) -> dict:
+    assert response.status_code == status, response.content[:500]
+    body = response.json()
+    assert set(body) >= {"code", "message", "errors"} and body["code"] == code, body
+    assert field in [e["field"] for e in body["errors"]], body
+    return body
+
+
+def _everything_stored() -> tuple[int, ...]:
+    return (*_stored(), Command.objects.count(), Suite.objects.count())
+
+
+@pytest.mark.parametrize("endpoint", ["validate", "launch"])
+def test_a_50_mb_config_is_refused_with_413_before_it_is_read(client, team, bearer, endpoint):
+    before = _everything_stored()
+    if endpoint == "validate":
+        response = _post(client, "/configs/validate", {"recipe": "grpo", "yaml": FIFTY_MB_YAML}, bearer)
+    else:
+        response = _post(client, f"/experiments/{team.experiment.pk}/runs", {"config_yaml": FIFTY_MB_YAML}, bearer)
+    body = _assert_refused(response, 413, "payload_too_large", "body")
+    assert str(MAX_REQUEST_BYTES) in body["message"]
+    assert _everything_stored() == before
+
+
+def test_a_9_mib_body_is_refused_with_and_without_content_length(client, team, bearer):
+    before = _everything_stored()
+    path = f"/experiments/{team.experiment.pk}/runs"
+    payload = json.dumps({"config_yaml": "x" * NINE_MIB})
+    _assert_refused(_post(client, path, payload, bearer), 413, "payload_too_large", "body")
+    # Chunked: no Content-Length; the body is read only up to the limit.
+    chunked = _post(client, path, payload, bearer, CONTENT_LENGTH="", HTTP_TRANSFER_ENCODING="chunked")
+    _assert_refused(chunked, 413, "payload_too_large", "body")
+    assert _everything_stored() == before
+
+
+def test_a_chunked_body_under_the_limit_is_read_whole(client, team, bearer):
+    payload = json.dumps({"recipe": "grpo", "yaml": "recipe: grpo\n# " + "x" * (7 * 1024 * 1024) + "\n"})
+    response = _post(client, "/configs/validate", payload, bearer, CONTENT_LENGTH="", HTTP_TRANSFER_ENCODING="chunked")
+    _assert_refused(response, 400, "validation_failed", "yaml")  # read whole: over the config's own limit
+
+
+def test_a_page_body_over_the_limit_gets_a_plain_413(client, team):
+    client.force_login(team.member)
+    response = client.post("/login/", data="x" * NINE_MIB, content_type="text/plain")
+    assert response.status_code == 413 and response["Content-Type"].startswith("text/plain")
+
+
+def test_the_openapi_document_states_the_limit(client):
+    document = client.get("/api/v1/openapi.json").json()
+    assert str(MAX_REQUEST_BYTES) in document["info"]["description"]
+    with_body = [(path, method, operation) for path, item in document["paths"].items()
+                 for method, operation in item.items() if "requestBody" in operation]
+    assert len(with_body) >= 5
+    for path, method, operation in with_body:
+        too_large = operation["responses"].get("413")
+        assert too_large, f"{method.upper()} {path} does not state the 413"
+        assert too_large["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorOut")
+
+
+@pytest.mark.slow
+def test_uvicorn_refuses_a_chunked_body_over_the_limit_as_it_arrives(tmp_path, transactional_db):
+    port = free_port()
+    with web_server(tmp_path / "web.log", port=port), socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /api/v1/configs/validate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"x" * (256 * 1024)
+        sent, answered = 0, b""
+        while sent < 64 * 1024 * 1024 and not answered:  # far past the limit if nobody stops us
+            try:
+                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                sent += len(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if select.select([sock], [], [], 0)[0]:
+                answered = sock.recv(65536)
+        while b"}" not in answered:  # the head and the JSON body may come in separate reads
+            part = sock.recv(65536)
+            if not part:
+                break
+            answered += part
+        # A declared length over the limit is refused at once, before a byte of the body is sent.
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as declared:
+            declared.sendall(b"POST /api/v1/configs/validate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % NINE_MIB)
+            at_once = declared.recv(65536)
+    head, _, rest = answered.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), answered[:300]
+    assert json.loads(rest)["code"] == "payload_too_large"
+    assert MAX_REQUEST_BYTES <= sent < MAX_REQUEST_BYTES + 8 * 1024 * 1024, sent  # refused soon after the limit
+    assert at_once.startswith(b"HTTP/1.1 413"), at_once[:300]
+
+
+NUL = "bad\x00text"
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"name": NUL, "recipe": "grpo"}, "name"),
+    ({"name": "fine", "recipe": "grpo", "description": NUL}, "description"),
+    ({"name": "fine", "recipe": "grpo", "tags": ["ok", NUL]}, "tags.1"),
+    ({"name": "lone \ud800 surrogate", "recipe": "grpo"}, "name"),
+])
+def test_unstorable_text_in_an_experiment_is_a_field_error(client, team, bearer, body, field):
+    before = _everything_stored()
+    _assert_refused(_post(client, "/projects/alpha/experiments", body, bearer), 400, "validation_failed", field)
+    assert _everything_stored() == before
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"name": NUL}, "name"), ({"description": NUL}, "description"), ({"tags": ["ok", NUL]}, "tags"),
+])
+def test_the_service_refuses_unstorable_experiment_text_too(team, kwargs, field):
+    before = _everything_stored()
+    with pytest.raises(ValidationFailed) as caught:
+        experiment_create(actor=team.member, project=team.project, **({"name": "n", "recipe": "grpo"} | kwargs))
+    assert caught.value.problems[0].field == field and "NUL" in caught.value.message
+    assert _everything_stored() == before
+
+
+def test_an_override_with_a_nul_is_refused_by_the_api_and_the_service(client, team, bearer, grpo_yaml):
+    before = _everything_stored()
+    body = {"config_yaml": grpo_yaml, "overrides": ["model.path=/models/x\x00y"]}
+    _assert_refused(_post(client, f"/experiments/{team.experiment.pk}/runs", body, bearer), 400,
+                    "validation_failed", "overrides.0")
+    with pytest.raises(ValidationFailed) as caught:
+        run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml,
+                   overrides=["model.path=/models/x\x00y"])
+    assert caught.value.problems[0].field == "overrides.0"
+    assert _everything_stored() == before
+
+
+def test_a_command_payload_with_a_nul_is_refused(client, running_run, bearer):
+    run, _ = running_run
+    before = _everything_stored()
+    for payload in ({"note": NUL}, {NUL: 1}, {"deep": [{"x": NUL}]}):
+        response = _post(client, f"/runs/{run.pk}/commands", {"kind": "pause", "payload": payload}, bearer)
+        _assert_refused(response, 400, "validation_failed", "payload")
+    assert _everything_stored() == before
+
+
+def test_a_suite_spec_with_a_nul_is_refused(client, team, bearer, grpo_yaml):
+    before = _everything_stored()
+    stage = {"name": "s", "experiment_id": team.experiment.pk, "config_yaml": grpo_yaml,
+             "checks": [{"name": "c", "metric": NUL, "direction": "higher_is_better"}]}
+    response = _post(client, "/projects/alpha/suites", {"name": "smoke", "spec": {"stages": [stage]}}, bearer)
+    _assert_refused(response, 400, "validation_failed", "spec.stages.0.checks.0.metric")
+    response = _post(client, "/projects/alpha/suites", {"name": "smoke", "description": NUL,
+                                                         "spec": {"stages": [stage | {"checks": []}]}}, bearer)
+    assert response.status_code == 400
+    assert _everything_stored() == before
+
+
+def _deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("path", ["/projects/alpha/experiments", "/configs/validate", "/projects/alpha/suites"])
+def test_a_5000_level_body_is_refused_before_it_is_parsed(client, team, bearer, path):
+    before = _everything_stored()
+    body = '{"name": ' + _deep(5000) + ', "recipe": "grpo"}'
+    response = _post(client, path, body, bearer)
+    answer = _assert_refused(response, 400, "validation_failed", "body")
+    assert f"deeper than {MAX_JSON_DEPTH}" in answer["message"]
+    assert _everything_stored() == before
+
+
+def test_a_deep_body_to_the_agent_api_is_a_field_error(client, team):
+    from forgeboard.cluster.services import agent_token_create
+
+    token = agent_token_create(actor=team.operator, name="rack")[1]
+    response = client.post("/api/agent/v1/hosts/register", data='{"hostname": ' + _deep(5000) + "}",
+                           content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {token}")
+    _assert_refused(response, 400, "validation_failed", "body")
+    response = client.post("/api/agent/v1/hosts/register", content_type="application/json",
+                           HTTP_AUTHORIZATION=f"Bearer {token}",
+                           data=json.dumps({"hostname": "h1", "cpu_count": 1, "memory_bytes": 1, "labels": {"a": NUL}}))
+    _assert_refused(response, 400, "validation_failed", "labels.a")
+
+
+def test_invalid_json_is_a_field_error(client, team, bearer):
+    _assert_refused(_post(client, "/projects/alpha/experiments", b"{not json", bearer), 400, "validation_failed",
+                    "body")
+
+
+# --- every error from /api/ has the same shape ------------------------------------------------------------------
+
+def _shaped(response, status: int, code: str) -> None:
+    assert response.status_code == status
+    assert response["Content-Type"].startswith("application/json"), response.content[:300]
+    body = response.json()
+    assert body["code"] == code and isinstance(body["message"], str) and isinstance(body["errors"], list), body
+
+
+def test_unknown_api_urls_and_methods_answer_json(client, bearer):
+    _shaped(client.get("/api/v1/no-such-thing", **bearer), 404, "not_found")
+    _shaped(client.get("/api/nothing-here"), 404, "not_found")
+    response = client.delete("/api/v1/projects", **bearer)
+    _shaped(response, 405, "method_not_allowed")
+    assert "GET" in response["Allow"]
+    assert client.get("/no-such-page/").status_code == 404  # pages keep Django's page
+
+
+def test_a_csrf_failure_answers_json(team):
+    from django.test import Client
+
+    browser = Client(enforce_csrf_checks=True)
+    browser.force_login(team.member)
+    response = browser.post("/api/v1/projects/alpha/experiments", data=json.dumps({"name": "x", "recipe": "grpo"}),
+                            content_type="application/json")
+    _assert_refused(response, 403, "csrf_failed", "X-CSRFToken")
+    assert not Experiment.objects.filter(name="x").exists()
+
+
+def test_an_unexpected_exception_answers_json_without_a_traceback(client, bearer, monkeypatch):
+    from forgeboard.api import public
+
+    def broken():
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setattr(public, "hosts_with_devices", broken)  # a fault injected where the view calls out
+    response = client.get("/api/v1/hosts", **bearer)
+    _shaped(response, 500, "internal_error")
+    assert b"secret internals" not in response.content and b"Traceback" not in response.content
+
+
+@pytest.mark.parametrize(("field", "url", "secret"), [
+    ("url", "https://example.com/hook\x00", None),
+    ("secret", "https://example.com/hook", "sixteen-chars-ok\x00"),
+])
+def test_a_webhook_with_a_nul_is_refused_at_its_field(team, field, url, secret):
+    from forgeboard.alerts.models import Webhook
+    from forgeboard.alerts.services import webhook_create
+
+    with pytest.raises(ValidationFailed) as caught:
+        webhook_create(actor=team.owner, project=team.project, url=url, events=["run_failed"], secret=secret)
+    assert caught.value.problems[0].field == field and "NUL" in caught.value.message
+    assert not Webhook.objects.exists()

@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from forgeboard.audit.models import AuditEvent
 from forgeboard.errors import NotFound, PermissionDenied, ValidationFailed
@@ -25,7 +26,7 @@ from forgeboard.runs.models import Run
 from forgeboard.runs.services import run_launch
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append
-from workers.launch.local import REPO_DIR, run_dir
+from workers.launch.local import REPO_DIR, engine_config_yaml, run_dir
 
 
 @pytest.fixture
@@ -129,7 +130,9 @@ def test_launch_from_checkpoint_makes_a_child_run(team, run_with_checkpoints):
 
     child = run_launch_from_checkpoint(actor=team.member, run=parent, step=2, overrides=["trainer.steps=3"])
     assert (child.parent, child.experiment, child.number, child.priority) == (parent, parent.experiment, 2, 7)
-    assert child.config.parsed["model"]["path"] == str(out)
+    assert child.config.parsed["model"]["artifact"] == f"run:{parent.pk}@step:2"
+    assert child.artifact_paths["model.path"] == str(out)
+    assert yaml.safe_load(engine_config_yaml(child))["model"]["path"] == str(out)
     assert child.config.parsed["checkpoint"]["resume_from"] is None
     assert child.config.parsed["trainer"]["steps"] == 3
     assert child.config.parsed["grpo"] == parent.config.parsed["grpo"]
@@ -167,12 +170,13 @@ def test_a_real_engine_checkpoint_is_exported_and_a_run_starts_from_it(team, dat
     assert saved.step == 2 and saved.size_bytes > 0
 
     child = run_launch_from_checkpoint(actor=team.member, run=parent, step=2)
-    exported = Path(child.config.parsed["model"]["path"])
+    engine_config = yaml.safe_load(engine_config_yaml(child))
+    exported = Path(engine_config["model"]["path"])
     assert exported == run_dir(parent) / "exports" / "step_2"
     trained, initial = load_file(exported / "model.safetensors"), load_file(tiny / "model.safetensors")
     assert trained.keys() == initial.keys()
     assert any((trained[k] != initial[k]).any() for k in trained), "the export holds the untrained weights"
-    assert preflight_errors(parse_config_mapping(child.config.parsed)) == []
+    assert preflight_errors(parse_config_mapping(engine_config)) == []
     assert [p.name for p in exported.parent.iterdir()] == ["step_2"]  # no temp folder left
 
 
@@ -346,7 +350,8 @@ def test_start_a_new_run_from_here_exports_in_a_worker_then_starts_the_run(dashb
 
     _work(dashboard.sent)
     child = Run.objects.get(parent=parent)
-    assert child.config.parsed["model"]["path"] == str(run_dir(parent) / "exports" / "step_2")
+    assert child.config.parsed["model"]["artifact"] == f"run:{parent.pk}@step:2"
+    assert yaml.safe_load(engine_config_yaml(child))["model"]["path"] == str(run_dir(parent) / "exports" / "step_2")
     started = RunEvent.objects.get(run=parent, kind="message", payload__name="child_run_started")
     assert started.payload == {"name": "child_run_started", "step": 2, "run": child.pk, "number": child.number,
                                "experiment": parent.experiment.name}

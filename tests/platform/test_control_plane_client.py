@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
 from forgeboard.runs.models import Command
 from forgeboard.runs.services import command_create
-from forgeboard.telemetry.models import MetricPoint, RunEvent
+from forgeboard.telemetry.models import LogLine, MetricPoint, RunEvent
 from tests.support.processes import free_port
-from workers.engine.control_plane import CommandChannel, ControlPlaneSink, ControlPlaneTarget
+from workers.engine.control_plane import CommandChannel, ControlPlaneSink, ControlPlaneTarget, record_to_wire
 from workers.engine.metrics import Recorder
+from workers.engine.telemetry_wire import MAX_REQUEST_BYTES, TelemetryRequest, WireEvent
+from workers.engine.wire_limits import json_depth
 
 
 def _record(recorder: Recorder, steps: range) -> None:
@@ -118,8 +121,6 @@ def test_records_of_a_killed_controller_are_sent_by_the_next_one(live_server, ru
 @pytest.mark.django_db(transaction=True)
 def test_a_spool_ahead_of_the_control_plane_is_renumbered_not_lost(live_server, running_run, tmp_path):
     """The control plane expects batch 1 but the spool starts at 3 (its earlier batches went elsewhere)."""
-    import json
-
     run, token = running_run
     spool = tmp_path / "spool"
     spool.mkdir()
@@ -134,3 +135,161 @@ def test_a_spool_ahead_of_the_control_plane_is_renumbered_not_lost(live_server, 
     assert steps == [3, 4]
     run.refresh_from_db()
     assert run.telemetry_seq == 2
+
+
+def _dropped_events(run) -> list[dict]:
+    return [e.payload for e in RunEvent.objects.filter(run=run, kind="message").order_by("seq")
+            if e.payload.get("name") == "telemetry_dropped"]
+
+
+def _dropped_metric(run) -> dict[int, float]:
+    return dict(MetricPoint.objects.filter(series__run=run, series__key="telemetry/dropped")
+                .values_list("step", "value"))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_poison_item_in_the_middle_does_not_stop_later_batches(live_server, running_run, tmp_path):
+    run, token = running_run
+    target = ControlPlaneTarget(url=live_server.url, run_id=run.pk, token=token)
+    sink = ControlPlaneSink(target, spool_dir=tmp_path / "spool", flush_seconds=0.05, max_backoff_s=0.2)
+    recorder = Recorder([sink])
+    for step in range(30):
+        recorder.log("loss", 1.0 / (step + 1), step=step)
+    time.sleep(0.3)
+    recorder.log("loss", 0.5, step=30)
+    recorder.log("bad\x07key", 1.0, step=30)  # a control character: the control plane refuses this point
+    recorder.log("loss", 0.4, step=31)
+    time.sleep(0.3)
+    for step in range(32, 60):
+        recorder.log("loss", 1.0 / (step + 1), step=step)
+    assert sink.close(timeout_s=30) is True
+    assert MetricPoint.objects.filter(series__run=run, series__key="loss").count() == 60
+    assert not MetricPoint.objects.filter(series__run=run, series__key__startswith="bad").exists()
+    assert sink.dropped == 1 and sink.dropped_by_section["metrics"] == 1
+    [event] = _dropped_events(run)
+    assert event["items"] == 1 and event["total"] == 1 and "batches.0.metrics.1.key" in event["reasons"][0]
+    assert _dropped_metric(run) == {1: 1.0}
+    assert (tmp_path / "spool" / "dropped").read_text() == "1"
+    assert list((tmp_path / "spool").glob("batch-*.json")) == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_duplicate_points_the_control_plane_dropped_are_recorded(live_server, running_run, tmp_path):
+    run, token = running_run
+    target = ControlPlaneTarget(url=live_server.url, run_id=run.pk, token=token)
+    sink = ControlPlaneSink(target, spool_dir=tmp_path / "spool", flush_seconds=3600)
+    recorder = Recorder([sink])
+    recorder.log("loss", 0.9, step=1)
+    recorder.log("loss", 0.8, step=1)
+    recorder.log("loss", 0.7, step=2)
+    assert sink.close(timeout_s=30) is True
+    assert dict(MetricPoint.objects.filter(series__run=run, series__key="loss").values_list("step", "value")) == \
+        {1: 0.8, 2: 0.7}
+    assert sink.dropped == 1 and _dropped_metric(run) == {1: 1.0}
+    assert "step 1" in _dropped_events(run)[0]["reasons"][0]
+
+
+def _spool_batch(spool, seq: int, **sections) -> None:
+    batch = {"seq": seq, "metrics": [], "events": [], "logs": []} | sections
+    (spool / f"batch-{seq:012d}.json").write_text(json.dumps(batch))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_refused_forever_is_quarantined_and_the_next_ones_applied(live_server, running_run, tmp_path):
+    run, token = running_run
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    _spool_batch(spool, 1, metrics=[{"key": "loss", "step": 1, "value": 0.5, "time": 1.0}])
+    _spool_batch(spool, 2, metrics="not a list", logs=[{"line": "lost with its batch", "time": 1.0}])
+    _spool_batch(spool, 3, metrics=[{"key": "loss", "step": 3, "value": 0.5, "time": 1.0}])
+    (spool / "last_seq").write_text("3")
+    target = ControlPlaneTarget(url=live_server.url, run_id=run.pk, token=token)
+    sink = ControlPlaneSink(target, spool_dir=spool, flush_seconds=0.05, max_backoff_s=0.1)
+    assert sink.close(timeout_s=30) is True
+    assert sorted(MetricPoint.objects.filter(series__run=run, series__key="loss").values_list("step", flat=True)) \
+        == [1, 3]
+    assert json.loads((spool / "refused" / "batch-000000000002.json").read_text())["metrics"] == "not a list"
+    assert sink.dropped == 1 and sink.dropped_by_section["logs"] == 1
+    assert "HTTP 400" in _dropped_events(run)[0]["reasons"][0]
+    run.refresh_from_db()
+    assert run.telemetry_seq >= 4, "the refused batch's number is taken by an empty batch, then the drop is reported"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_5xx_answers_keep_the_batch_for_later(running_run, tmp_path):
+    """A control plane that answers 503 (restarting) loses nothing: the batch waits, nothing is dropped."""
+    import httpx
+
+    run, token = running_run
+    answers = iter([503, 502, 500])
+    seen: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        status = next(answers, 503)
+        seen.append(status)
+        return httpx.Response(status, json={"code": "internal_error", "message": "down", "errors": []})
+
+    target = ControlPlaneTarget(url="http://control-plane", run_id=run.pk, token=token)
+    sink = ControlPlaneSink(target, spool_dir=tmp_path / "spool", flush_seconds=0.02, max_backoff_s=0.05,
+                            transport=httpx.MockTransport(handler))
+    Recorder([sink]).log("loss", 0.5, step=1)
+    assert sink.close(timeout_s=2) is False
+    assert len(seen) >= 4 and sink.dropped == 0
+    assert not (tmp_path / "spool" / "refused").exists()
+    [kept] = (tmp_path / "spool").glob("batch-*.json")
+    assert json.loads(kept.read_text())["metrics"][0]["key"] == "loss"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_over_the_size_limit_is_split_and_the_later_ones_renumbered(live_server, running_run, tmp_path):
+    run, token = running_run
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    _spool_batch(spool, 1, logs=[{"line": f"{i:05d}" + "x" * 8000, "time": 1.0} for i in range(1100)])
+    _spool_batch(spool, 2, metrics=[{"key": "loss", "step": 2, "value": 0.5, "time": 1.0}])
+    (spool / "last_seq").write_text("2")
+    assert (spool / "batch-000000000001.json").stat().st_size > MAX_REQUEST_BYTES
+    target = ControlPlaneTarget(url=live_server.url, run_id=run.pk, token=token)
+    assert ControlPlaneSink(target, spool_dir=spool, flush_seconds=0.05).close(timeout_s=60) is True
+    lines = [line[:5] for line in LogLine.objects.filter(run=run).order_by("batch_seq", "index")
+             .values_list("line", flat=True)]
+    assert lines == [f"{i:05d}" for i in range(1100)], "every line once, in order"
+    assert MetricPoint.objects.filter(series__run=run, series__key="loss").count() == 1
+    run.refresh_from_db()
+    assert run.telemetry_seq == 3
+
+
+def test_a_sealed_batch_stays_within_the_limits(tmp_path):
+    """Records are packed into batches under the size limit and the per-section counts."""
+    down = ControlPlaneTarget(url=f"http://127.0.0.1:{free_port()}", run_id=1, token="fbr_x")
+    sink = ControlPlaneSink(down, spool_dir=tmp_path / "spool", flush_seconds=3600)
+    for i in range(1500):
+        sink.log_line(f"{i} " + "y" * 8000)
+        sink.write({"kind": "event", "name": "message", "seq": i, "time": 1.0, "i": i})
+    sink.close(timeout_s=0.1)
+    batches = [json.loads(p.read_text()) for p in sorted((tmp_path / "spool").glob("batch-*.json"))]
+    assert [b["seq"] for b in batches] == list(range(1, len(batches) + 1)) and len(batches) >= 3
+    assert all(len(json.dumps(b)) <= MAX_REQUEST_BYTES // 2 + 9000 and len(b["events"]) <= 1000 for b in batches)
+    assert sum(len(b["logs"]) for b in batches) == 1500 and sum(len(b["events"]) for b in batches) == 1500
+    TelemetryRequest.model_validate({"batches": batches[:1]})
+
+
+def test_what_the_engine_records_itself_never_breaks_the_sink():
+    deep: dict = {}
+    inner = deep
+    for _ in range(5000):
+        inner["x"] = {}
+        inner = inner["x"]
+    cycle: list = []
+    cycle.append(cycle)
+    record = {"kind": "event", "name": "checkpoint_saved", "seq": 1, "time": 1.0, "deep": deep, "cycle": cycle,
+              float("nan"): 1, ("a", 1): 2, "reward": float("inf"), "text": "a\x00b\ud800", "obj": object()}
+    section, item = record_to_wire(record)
+    text = json.dumps(item, allow_nan=False)
+    assert section == "events" and json_depth(text) <= 33
+    event = WireEvent.model_validate(json.loads(text))
+    assert event.payload["nan"] == 1 and event.payload["reward"] is None and event.payload["text"] == "a\ufffdb?"
+    assert event.payload["cycle"] == ["<list: a cycle>"]
+    section, item = record_to_wire({"kind": "metric", "key": float("nan"), "step": None, "value": "x", "time": 1.0})
+    assert section == "metrics" and item["key"] == "nan" and item["step"] == "None"
+    json.dumps(item)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -40,7 +41,8 @@ def test_batches_apply_in_order_exactly_once(client, running_run):
     run, token = running_run
     response = post(client, run, token, {"batches": [batch(1), batch(2)]})
     assert response.status_code == 200, response.content
-    assert response.json() == {"applied_seq": 2, "duplicates": 0, "pending_commands": []}
+    assert response.json() == {"applied_seq": 2, "duplicates": 0, "duplicates_dropped": [],
+                               "duplicates_dropped_total": 0, "pending_commands": []}
     assert stored(run) == (6, 2, 2)
     again = post(client, run, token, {"batches": [batch(3), batch(2), batch(1)]})
     assert again.json()["applied_seq"] == 3 and again.json()["duplicates"] == 2
@@ -81,35 +83,30 @@ def test_empty_request_is_a_heartbeat_that_lists_pending_commands(client, runnin
     assert Run.objects.get(pk=run.pk).last_heartbeat_at is not None
 
 
+def nested(depth: int) -> dict:
+    payload: dict = {}
+    for _ in range(depth - 1):
+        payload = {"x": payload}
+    return payload
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [
         ("{not json", "body"),
+        ('{"batches": [' * 3000 + "]" * 3000 + "}", "body"),
+        ("[1, 2]", "body"),
+        ('{"batches": [{"seq": 1, "metrics": [{"key": "k", "step": 1' + "0" * 5000 + ', "value": 1, "time": 1}]}]}',
+         "body"),
         ({"batches": [batch(1) | {"seq": 0}]}, "batches.0.seq"),
-        ({"batches": [batch(1) | {"metrics": [{"key": "x", "step": -1, "value": 1.0, "time": 1.0}]}]},
-         "batches.0.metrics.0.step"),
-        ({"batches": [batch(1) | {"events": [{"kind": "explode", "time": 1.0}]}]}, "batches.0.events.0.kind"),
         ({"batches": [batch(1) | {"extra": 1}]}, "batches.0.extra"),
-        ({"batches": [batch(1) | {"logs": [{"line": "x" * 9000, "time": 1.0}]}]}, "batches.0.logs.0.line"),
         ({"batches": "nope"}, "batches"),
-        ({"batches": [batch(1) | {"metrics": [{"key": "k" * 201, "step": 1, "value": 1.0, "time": 1.0}]}]},
-         "batches.0.metrics.0.key"),
-        ({"batches": [batch(1) | {"metrics": [{"key": "", "step": 1, "value": 1.0, "time": 1.0}]}]},
-         "batches.0.metrics.0.key"),
-        ({"batches": [batch(1) | {"metrics": [{"key": "k", "step": 2**63, "value": 1.0, "time": 1.0}]}]},
-         "batches.0.metrics.0.step"),
-        ('{"batches": [{"seq": 1, "metrics": [{"key": "k", "step": 1, "value": 1.0, "time": NaN}]}]}',
-         "batches.0.metrics.0.time"),
-        ({"batches": [batch(1) | {"metrics": [{"key": "k", "step": True, "value": 1.0, "time": 1.0}]}]},
-         "batches.0.metrics.0.step"),
-        ({"batches": [batch(1) | {"metrics": [{"key": "k", "step": 1, "value": "2", "time": 1.0}]}]},
-         "batches.0.metrics.0.value"),
-        ({"batches": [batch(1) | {"metrics": [{"key": "k", "step": 1, "value": False, "time": 1.0}]}]},
-         "batches.0.metrics.0.value"),
+        ({"batches": [batch(1) | {"metrics": "nope"}]}, "batches.0.metrics"),
         ({"batches": [batch(1) | {"seq": "1"}]}, "batches.0.seq"),
+        ({"batches": [batch(1) | {"events": [{"kind": "message", "time": 1.0}] * 1001}]}, "batches.0.events"),
     ],
 )
-def test_malformed_batches_are_refused_and_nothing_is_stored(client, running_run, body, field):
+def test_a_request_that_is_not_numbered_batches_is_refused_whole(client, running_run, body, field):
     run, token = running_run
     response = post(client, run, token, body)
     assert response.status_code == 400, response.content
@@ -119,10 +116,177 @@ def test_malformed_batches_are_refused_and_nothing_is_stored(client, running_run
     assert Run.objects.get(pk=run.pk).telemetry_seq == 0
 
 
+def metric(key: object = "loss", step: object = 1, value: object = 1.0, time: object = 1.0) -> dict:
+    return {"key": key, "step": step, "value": value, "time": time}
+
+
+POISON = [
+    ("metrics", metric(key="bad\x00key"), "key"),
+    ("metrics", metric(key="bad\nkey"), "key"),
+    ("metrics", metric(key="k" * 201), "key"),
+    ("metrics", metric(key=""), "key"),
+    ("metrics", metric(step=-1), "step"),
+    ("metrics", metric(step=2**63), "step"),
+    ("metrics", metric(step=True), "step"),
+    ("metrics", metric(value=True), "value"),
+    ("metrics", metric(value="2"), "value"),
+    ("metrics", metric(time=float("nan")), "time"),
+    ("metrics", {"key": "loss", "step": 1, "value": 1.0}, "time"),
+    ("events", {"kind": "explode", "time": 1.0}, "kind"),
+    ("events", {"kind": "message", "payload": nested(34), "time": 1.0}, "payload"),
+    ("events", {"kind": "message", "payload": {"k\x00": 1}, "time": 1.0}, "payload"),
+    ("events", {"kind": "message", "payload": {"reward": float("nan")}, "time": 1.0}, "payload"),
+    ("events", {"kind": "message", "payload": {"s": "\ud800"}, "time": 1.0}, "payload"),
+    ("logs", {"line": "x" * 9000, "time": 1.0}, "line"),
+    ("logs", {"line": "\udc00", "time": 1.0}, "line"),
+    ("logs", "a bare string", None),
+]
+
+
+@pytest.mark.parametrize(("section", "item", "attribute"), POISON)
+def test_a_poison_item_is_refused_by_position_and_the_rest_applies_when_sent_again(
+        client, running_run, section, item, attribute):
+    run, token = running_run
+    assert post(client, run, token, {"batches": [batch(1)]}).status_code == 200
+    poisoned = batch(3)
+    poisoned[section] = [*poisoned[section], item, *poisoned[section]]
+    bad_index = len(batch(3)[section])
+    response = post(client, run, token, {"batches": [batch(2), poisoned]})
+    assert response.status_code == 422, response.content
+    body = response.json()
+    assert body["code"] == "items_refused" and body["applied_seq"] == 1
+    assert [(r["seq"], r["section"], r["index"]) for r in body["refused"]] == [(3, section, bad_index)]
+    where = f"batches.1.{section}.{bad_index}" + (f".{attribute}" if attribute else "")
+    assert [e["field"] for e in body["errors"]] == [where] and body["refused"][0]["field"] == where
+    assert body["refused"][0]["reason"]
+    assert stored(run) == (3, 1, 1), "batch 1 is kept; nothing of the refused request is stored"
+    assert Run.objects.get(pk=run.pk).telemetry_seq == 1
+
+    del poisoned[section][bad_index]
+    again = post(client, run, token, {"batches": [batch(2), poisoned]})
+    assert again.status_code == 200, again.content
+    assert again.json()["applied_seq"] == 3
+    expected = [9, 3, 3]
+    if section == "metrics":  # the item's neighbours are the same points twice: reported, the later kept
+        assert again.json()["duplicates_dropped_total"] == 3
+    else:
+        expected[["metrics", "events", "logs"].index(section)] += 1
+    assert stored(run) == tuple(expected)
+
+
+def test_refusals_list_every_bad_item_of_every_pending_batch(client, running_run):
+    run, token = running_run
+    first, second = batch(1), batch(2)
+    first["metrics"][0]["key"] = "a\x01"
+    first["logs"].append({"line": "y" * 9000, "time": 1.0})
+    second["events"][0]["kind"] = "nope"
+    response = post(client, run, token, {"batches": [first, second]})
+    assert response.status_code == 422
+    refused = [(r["seq"], r["section"], r["index"]) for r in response.json()["refused"]]
+    assert refused == [(1, "metrics", 0), (1, "logs", 1), (2, "events", 0)]
+    assert stored(run) == (0, 0, 0)
+
+
+def test_a_refused_item_of_a_batch_already_applied_does_not_refuse_the_request(client, running_run):
+    """A batch is applied once: sent again (a lost answer) it is skipped, whatever it holds now."""
+    run, token = running_run
+    assert post(client, run, token, {"batches": [batch(1)]}).status_code == 200
+    stale = batch(1)
+    stale["metrics"][0]["key"] = "a\x01"
+    response = post(client, run, token, {"batches": [stale, batch(2)]})
+    assert response.status_code == 200, response.content
+    assert response.json()["applied_seq"] == 2 and response.json()["duplicates"] == 1
+
+
+def test_duplicate_points_in_a_batch_are_reported_with_the_value_kept(client, running_run):
+    run, token = running_run
+    metrics = [metric(step=1, value=1.0), metric(step=2, value=2.0), metric(step=1, value=3.0),
+               metric(key="reward", step=1, value=4.0), metric(step=1, value=5.0)]
+    response = post(client, run, token, {"batches": [{"seq": 1, "metrics": metrics}]})
+    assert response.status_code == 200, response.content
+    body = response.json()
+    assert body["duplicates_dropped_total"] == 2
+    assert body["duplicates_dropped"] == [{"seq": 1, "key": "loss", "step": 1, "index": 0},
+                                          {"seq": 1, "key": "loss", "step": 1, "index": 2}]
+    values = dict(MetricPoint.objects.filter(series__run=run, series__key="loss").values_list("step", "value"))
+    assert values == {1: 5.0, 2: 2.0}, "the last value for a key and step is the one kept"
+    assert MetricPoint.objects.filter(series__run=run).count() == 3
+
+
 def test_oversized_payload_is_refused(client, running_run):
     run, token = running_run
     response = post(client, run, token, {"batches": []}, CONTENT_LENGTH=str(MAX_REQUEST_BYTES + 1))
     assert response.status_code == 413 and response.json()["code"] == "payload_too_large"
+    too_big = post(client, run, token, {"batches": [batch(1) | {"logs": [{"line": "x" * 8000, "time": 1.0}] * 1100}]})
+    assert too_big.status_code == 413 and too_big.json()["code"] == "payload_too_large"
+    assert stored(run) == (0, 0, 0)
+
+
+def test_a_body_under_the_limit_but_over_djangos_default_is_applied(client, running_run):
+    """7.2 MB: under the advertised limit, over Django's default upload size (which gave a 500)."""
+    run, token = running_run
+    logs = [{"line": "x" * 7000, "time": 1.7e9}] * 1000
+    body = json.dumps({"batches": [{"seq": 1, "logs": logs}, {"seq": 2, "logs": logs[:20]}]})
+    assert 7_000_000 < len(body) < MAX_REQUEST_BYTES
+    response = post(client, run, token, body)
+    assert response.status_code == 200, response.content[:500]
+    assert LogLine.objects.filter(run=run).count() == 1020
+
+
+def _asgi_post(path: str, token: str, chunks: list[bytes]) -> tuple[int, dict]:
+    """POST through Django's ASGI handler (as uvicorn calls it) with a chunked body: no Content-Length."""
+    from asgiref.sync import async_to_sync
+    from django.core.handlers.asgi import ASGIHandler
+
+    messages = [{"type": "http.request", "body": chunk, "more_body": i < len(chunks) - 1}
+                for i, chunk in enumerate(chunks)]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(60)  # the client waits for the answer (Django stops listening once it is sent)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"),
+                         (b"transfer-encoding", b"chunked"), (b"authorization", f"Bearer {token}".encode())],
+             "client": ("127.0.0.1", 5000), "server": ("testserver", 80)}
+    async_to_sync(ASGIHandler())(scope, receive, send)
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, json.loads(body)
+
+
+def test_a_chunked_body_over_the_limit_without_content_length_is_refused(running_run, wsgi_in_process):
+    run, token = running_run
+    path = f"/api/v1/controller/runs/{run.pk}/telemetry"
+    head = b'{"batches": [{"seq": 1, "logs": ['
+    line = json.dumps({"line": "x" * 8000, "time": 1.7e9}).encode()
+    chunks = [head] + [line + b", "] * 1200 + [line + b"]}]}"]
+    assert sum(map(len, chunks)) > MAX_REQUEST_BYTES
+    status, body = _asgi_post(path, token, chunks)
+    assert status == 413 and body["code"] == "payload_too_large"
+    assert stored(run) == (0, 0, 0)
+    small = [b'{"batches": [{"seq": 1, ', b'"metrics": [{"key": "loss", "step": 1, "value": 0.5, "time": 1.0}]}]}']
+    assert _asgi_post(path, token, small)[0] == 200
+    assert stored(run) == (1, 0, 0)
+
+
+def test_the_openapi_document_states_the_telemetry_body_and_its_refusals(client):
+    operation = client.get("/api/v1/openapi.json").json()["paths"]["/api/v1/controller/runs/{run_id}/telemetry"]["post"]
+    schema = operation["requestBody"]["content"]["application/json"]["schema"]
+    batch_schema = schema["properties"]["batches"]["items"]
+    assert schema["properties"]["batches"]["maxItems"] == 64
+    assert batch_schema["properties"]["metrics"]["items"]["properties"]["key"]["maxLength"] == 200
+    assert "$ref" not in json.dumps(schema)
+    assert {"400", "413", "422"} <= set(operation["responses"])
+    refusal = json.dumps(operation["responses"]["422"])
+    assert "items_refused" in refusal or "TelemetryRefusal" in refusal
 
 
 def test_wrong_tokens_are_refused(client, running_run, team, grpo_yaml):
@@ -182,11 +346,11 @@ def test_nul_characters_from_a_random_model_are_stored_not_refused(client, runni
     run, token = running_run
     body = batch(1)
     body["events"] = [{"kind": "rollout", "time": 1.7e9,
-                       "payload": {"step": 3, "prompt": "11+6=", "completion": "\ufffd\f\x00x", "k\x00": ["\x00"]}}]
+                       "payload": {"step": 3, "prompt": "11+6=", "completion": "\ufffd\f\x00x", "k": ["\x00"]}}]
     body["logs"] = [{"line": "bad \x00 byte", "time": 1.7e9}]
     assert post(client, run, token, {"batches": [body]}).status_code == 200
     payload = RunEvent.objects.get(run=run, kind="rollout").payload
-    assert payload["completion"] == "\ufffd\f\ufffdx" and payload["k\ufffd"] == ["\ufffd"]
+    assert payload["completion"] == "\ufffd\f\ufffdx" and payload["k"] == ["\ufffd"]
     assert LogLine.objects.get(run=run).line == "bad \ufffd byte"
 
 

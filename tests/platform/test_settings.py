@@ -103,6 +103,9 @@ def test_check_deploy_passes_with_production_settings():
         ({"FORGEBOARD_HSTS_SECONDS": "a year"}, "FORGEBOARD_HSTS_SECONDS: expected an integer"),
         ({"FORGEBOARD_LOG_FORMAT": "xml"}, "FORGEBOARD_LOG_FORMAT: expected one of json, text"),
         ({"REDIS_URL": "http://cache"}, "REDIS_URL: expected a URL with scheme redis or rediss"),
+        ({"FORGEBOARD_TRUSTED_PROXIES": "10.0.0.0/8, ingress"},
+         "FORGEBOARD_TRUSTED_PROXIES: expected IP addresses or CIDRs, got 'ingress'"),
+        ({"FORGEBOARD_LOGIN_FAILURE_WINDOW_S": "5"}, "FORGEBOARD_LOGIN_FAILURE_WINDOW_S: must be at least 10"),
     ],
 )
 def test_bad_production_environment_stops_startup_naming_the_variable(env, message):

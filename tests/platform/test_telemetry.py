@@ -85,3 +85,34 @@ def test_downsampling_keeps_the_envelope(run):
     assert buckets[0].mean == pytest.approx(4.5)
     assert buckets[-1].step == 999
     assert metric_downsampled(run=run, key="absent", buckets=10) == []
+
+
+def test_refused_items_of_a_pending_batch_store_nothing_of_the_request(run):
+    from forgeboard.telemetry.ingest import ItemsRefused
+    from workers.engine.telemetry_wire import screen_request
+
+    assert _ingest(run, 1, [("loss", 0, 1.0)]) == 1
+    screened = screen_request({"batches": [
+        {"seq": 2, "metrics": [{"key": "loss", "step": 1, "value": 0.5, "time": 1.0}]},
+        {"seq": 3, "metrics": [{"key": "loss\x00", "step": 2, "value": 0.5, "time": 1.0},
+                               {"key": "loss", "step": 3, "value": 0.5, "time": 1.0}]},
+    ]})
+    assert [(r.seq, r.section, r.index) for r in screened.refused] == [(3, "metrics", 0)]
+    assert [len(b.metrics) for b in screened.request.batches] == [1, 1], "the good items are kept for the caller"
+    with pytest.raises(ItemsRefused) as refused:
+        telemetry_ingest(run=run, batches=screened.request.batches, refused=screened.refused)
+    assert refused.value.status == 422 and refused.value.as_dict()["applied_seq"] == 1
+    assert refused.value.as_dict()["refused"][0]["field"] == "batches.1.metrics.0.key"
+    run.refresh_from_db()
+    assert run.telemetry_seq == 1 and MetricPoint.objects.filter(series__run=run).count() == 1
+
+
+def test_duplicate_points_in_a_batch_are_counted_and_the_last_kept(run):
+    points = [("loss", 1, 1.0), ("loss", 1, 2.0), ("loss", 2, 3.0), ("loss", 1, 4.0)]
+    metrics = [{"key": k, "step": step, "value": value, "time": 1000.0} for k, step, value in points]
+    result = telemetry_ingest(run=run, batches=[TelemetryBatch(seq=1, metrics=metrics)])
+    assert result.points == 2 and result.duplicates_dropped_total == 2
+    assert [(d.seq, d.key, d.step, d.index) for d in result.duplicates_dropped] == [(1, "loss", 1, 0), (1, "loss", 1, 1)]
+    series = MetricSeries.objects.get(run=run, key="loss")
+    assert series.point_count == 2 and series.last_value == 3.0
+    assert MetricPoint.objects.get(series=series, step=1).value == 4.0

@@ -7,13 +7,14 @@ this module must not import torch: the web process validates configs with it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from workers.engine.fields import ConfigError, FieldError, StrictModel, field_errors
 from workers.engine.operations import FaultDrillRequest
@@ -35,15 +36,53 @@ NonNegativeInt = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
+# A registered artifact: `<name>` or `<project-slug>/<name>`; a run's own files: `run:<run id>@step:<step>`.
+ARTIFACT_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}"
+ARTIFACT_REFERENCE = re.compile(rf"^(?:(?P<project>[a-z0-9][a-z0-9-]{{0,62}})/)?(?P<name>{ARTIFACT_NAME_PATTERN})$")
+RUN_REFERENCE = re.compile(r"^run:(?P<run>[1-9][0-9]{0,18})@step:(?P<step>0|[1-9][0-9]{0,18})$")
+REFERENCE_HELP = "'<name>' or '<project>/<name>' (a registered artifact) or 'run:<run id>@step:<step>'"
+
+
+def _check_reference(value: str | None, *, runs: bool = True, names: bool = True) -> str | None:
+    if value is None:
+        return None
+    if (runs and RUN_REFERENCE.match(value)) or (names and ARTIFACT_REFERENCE.match(value)):
+        return value
+    raise ValueError(f"{value[:60]!r} is not a reference: " + (REFERENCE_HELP if names and runs else
+                                                             "'run:<run id>@step:<step>'" if runs else
+                                                             "'<name>' or '<project>/<name>'"))
+
+
+def is_run_reference(value: str | None) -> bool:
+    return bool(value) and RUN_REFERENCE.match(value) is not None
+
+
 class ModelConfig(_Section):
     family: Literal["qwen3", "llama3"] = "qwen3"
-    path: str = Field(description="Local Hugging Face folder: config.json, *.safetensors, tokenizer.json")
+    path: str | None = Field(default=None, description="Local Hugging Face folder: config.json, *.safetensors, "
+                                                       "tokenizer.json (or model.artifact)")
+    artifact: str | None = Field(default=None, description="instead of path: a registered model, '<name>' or "
+                                                           "'<project>/<name>', or a run's export, "
+                                                           "'run:<run id>@step:<step>' (resolved by the control plane)")
     dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.path is None) == (self.artifact is None):
+            raise ValueError("set exactly one of model.path and model.artifact")
+        return self
+
+    @field_validator("artifact")
+    @classmethod
+    def _reference(cls, value: str | None) -> str | None:
+        return _check_reference(value)
 
 
 class DataConfig(_Section):
     source: Literal["arithmetic", "jsonl"] = "arithmetic"
-    path: str | None = Field(default=None, description="JSONL file, required when source is jsonl")
+    path: str | None = Field(default=None, description="JSONL file, required when source is jsonl (or data.artifact)")
+    artifact: str | None = Field(default=None, description="instead of path: a registered JSONL dataset, '<name>' or "
+                                                           "'<project>/<name>' (resolved by the control plane)")
     max_operand: PositiveInt = Field(default=20, description="arithmetic: largest operand of a+b")
     train_size: PositiveInt = 2000
     eval_size: PositiveInt = 64
@@ -53,9 +92,19 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _jsonl_needs_path(self) -> DataConfig:
-        if self.source == "jsonl" and not self.path:
-            raise ValueError("path is required when source is 'jsonl'")
+        if self.artifact is not None:
+            if self.source != "jsonl":
+                raise ValueError("artifact is a JSONL dataset: set source: jsonl")
+            if self.path:
+                raise ValueError("set exactly one of data.path and data.artifact")
+        elif self.source == "jsonl" and not self.path:
+            raise ValueError("path (or artifact) is required when source is 'jsonl'")
         return self
+
+    @field_validator("artifact")
+    @classmethod
+    def _reference(cls, value: str | None) -> str | None:
+        return _check_reference(value, runs=False)
 
 
 class GeneratorConfig(_Section):
@@ -203,7 +252,8 @@ class CheckpointConfig(_Section):
     folder: str = Field(default="checkpoints", description="where step_NNNNNN checkpoint folders are written")
     every_steps: NonNegativeInt = Field(default=0, description="0: only at the end")
     keep_last: PositiveInt = 3
-    resume_from: str | None = None
+    resume_from: str | None = Field(default=None, description="a checkpoint folder (or a folder of step_N ones), or "
+                                                              "a run's checkpoint: 'run:<run id>@step:<step>'")
 
 
 class EvalConfig(_Section):
@@ -385,6 +435,9 @@ def load_config_file(path: str | Path, *, overrides: Sequence[str] = ()) -> RunC
 
 def check_model_folder(config: RunConfig) -> None:
     """Field-level error for a model folder that is missing or incomplete, before any process starts."""
+    if config.model.path is None:
+        raise ConfigError([FieldError("model.artifact", "an artifact reference is resolved by the control plane; "
+                                                        "run from the engine's CLI with model.path")])
     folder = Path(config.model.path)
     if not folder.is_dir():
         raise ConfigError([FieldError("model.path", f"folder {folder} does not exist")])

@@ -5,12 +5,20 @@ with retries and backoff. The control plane applies each batch exactly once, so 
 (a lost response, a restart) is harmless, and a control plane that is down loses nothing: the
 spool is replayed when it is back, or by the next controller that opens the same spool folder.
 Django-free: this runs on GPU nodes.
+
+A batch the control plane cannot take never blocks the ones after it: items it refuses (422
+`items_refused`, named by seq, section and index) are removed from the spooled batch, which is sent
+again; a batch refused as a whole (another 4xx) is retried a few times, alone, then moved to
+`spool/refused/` (an empty batch keeps its number). Every drop is recorded: a `message` event named
+`telemetry_dropped` and the `telemetry/dropped` metric (items dropped so far). A batch over the
+request-size limit is split. 5xx answers and network errors are retried with backoff, forever.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import threading
@@ -22,11 +30,70 @@ from typing import Any
 import httpx
 
 from workers.engine.metrics import Record
-from workers.engine.telemetry_wire import MAX_METRICS_PER_BATCH, EventKindName, TelemetryResponse
+from workers.engine.telemetry_wire import (
+    MAX_EVENTS_PER_BATCH,
+    MAX_LOG_LINE_CHARS,
+    MAX_LOGS_PER_BATCH,
+    MAX_METRICS_PER_BATCH,
+    MAX_REQUEST_BYTES,
+    EventKindName,
+    TelemetryResponse,
+)
+from workers.engine.wire_limits import MAX_JSON_DEPTH, unstorable_reason
 
 logger = logging.getLogger(__name__)
 EVENT_KINDS = set(EventKindName.__args__)
 BATCH_FILE_DIGITS = 12
+SECTION_LIMITS = {"metrics": MAX_METRICS_PER_BATCH, "events": MAX_EVENTS_PER_BATCH, "logs": MAX_LOGS_PER_BATCH}
+REQUEST_BUDGET = MAX_REQUEST_BYTES - 64 * 1024  # room for the request's envelope
+MAX_BATCH_BYTES = MAX_REQUEST_BYTES // 2  # a sealed batch is split above this
+MAX_BATCHES_SENT = 16
+MAX_REFUSALS = 3  # answers refusing one batch as a whole before it is quarantined
+RETRYABLE_STATUSES = {401, 403, 404, 408, 425, 429}  # a new token, a run not yet visible, a brake: try later
+MAX_PAYLOAD_TEXT = 65_536
+MAX_PAYLOAD_NODES = 10_000
+DROPPED_KEY = "telemetry/dropped"
+
+
+def _text(value: str) -> str:
+    """Text a database can store: NUL and lone surrogates become U+FFFD."""
+    if unstorable_reason(value) is None:
+        return value
+    return value.replace("\x00", "\ufffd").encode("utf-8", errors="replace").decode("utf-8")
+
+
+def _wire_value(value: Any, *, depth: int = 0, budget: list[int] | None = None, path: frozenset = frozenset()) -> Any:
+    """A JSON value the control plane stores as it is: nesting bounded, no cycles, finite numbers, storable text."""
+    budget = [MAX_PAYLOAD_NODES] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0:
+        return "..."
+    if value is None or isinstance(value, bool | int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, str):
+        return _text(value[:MAX_PAYLOAD_TEXT])
+    if id(value) in path:
+        return f"<{type(value).__name__}: a cycle>"
+    if depth >= MAX_JSON_DEPTH - 1:
+        return f"<{type(value).__name__} nested deeper than {MAX_JSON_DEPTH} levels>"
+    if isinstance(value, dict):
+        inner = path | {id(value)}
+        return {_text(k if isinstance(k, str) else str(k)): _wire_value(v, depth=depth + 1, budget=budget, path=inner)
+                for k, v in list(value.items())[:MAX_PAYLOAD_NODES]}
+    if isinstance(value, list | tuple | set | frozenset):
+        inner = path | {id(value)}
+        return [_wire_value(v, depth=depth + 1, budget=budget, path=inner) for v in list(value)[:MAX_PAYLOAD_NODES]]
+    return _text(str(value)[:MAX_PAYLOAD_TEXT])
+
+
+def _number(value: Any, kind: type) -> Any:
+    """The value as `kind` when it converts, else as text: the control plane refuses it, and says so."""
+    try:
+        return kind(value)
+    except (TypeError, ValueError, OverflowError):
+        return _text(str(value)[:200])
 
 
 @dataclass(frozen=True)
@@ -46,17 +113,21 @@ class ControlPlaneTarget:
 
 
 def record_to_wire(record: Record) -> tuple[str, dict[str, Any]]:
-    """('metrics' | 'events', wire item) for one recorder record."""
-    if record["kind"] == "metric":
-        return "metrics", {"key": record["key"], "step": int(record["step"]), "value": float(record["value"]),
-                           "time": record["time"]}
+    """('metrics' | 'events', wire item) for one recorder record; never raises, whatever the record holds."""
+    when = _number(record.get("time", time.time()), float)
+    if record.get("kind") == "metric":
+        key = record.get("key")
+        return "metrics", {"key": _text(key if isinstance(key, str) else str(key)),
+                           "step": _number(record.get("step"), int), "value": _number(record.get("value"), float),
+                           "time": when}
     fields = {k: v for k, v in record.items() if k not in ("seq", "time", "kind", "name")}
-    if record["kind"] == "rollout":
-        return "events", {"kind": "rollout", "payload": fields, "time": record["time"]}
+    if record.get("kind") == "rollout":
+        return "events", {"kind": "rollout", "payload": _wire_value(fields), "time": when}
     name = record.get("name", "message")
+    name = name if isinstance(name, str) else str(name)
     kind = name if name in EVENT_KINDS else "message"
     payload = fields if kind == name else {"name": name, **fields}
-    return "events", {"kind": kind, "payload": json.loads(json.dumps(payload, default=str)), "time": record["time"]}
+    return "events", {"kind": kind, "payload": _wire_value(payload), "time": when}
 
 
 class ControlPlaneSink:
@@ -87,6 +158,11 @@ class ControlPlaneSink:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._next_seq = self._highest_spooled_seq() + 1
+        self._window = MAX_BATCHES_SENT
+        self._narrow_until = 0
+        self._refusals: dict[int, int] = {}
+        self.dropped = self._dropped_so_far()
+        self.dropped_by_section: dict[str, int] = {"metrics": 0, "events": 0, "logs": 0}
         self._seal_batch()  # what a previous controller recorded but did not seal
         self._client = httpx.Client(
             base_url=target.url, timeout=timeout_s, transport=transport,
@@ -100,7 +176,7 @@ class ControlPlaneSink:
         self._append(*record_to_wire(record))
 
     def log_line(self, line: str) -> None:
-        self._append("logs", {"line": line[:8192], "time": time.time()})
+        self._append("logs", {"line": _text(str(line)[:MAX_LOG_LINE_CHARS]), "time": time.time()})
 
     def _append(self, section: str, item: dict) -> None:
         with self._lock:
@@ -116,11 +192,14 @@ class ControlPlaneSink:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=timeout_s)
-        self._seal_batch()
         deadline = time.monotonic() + timeout_s
-        while self._spooled() and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            self._seal_batch()  # again each time: a drop is reported as records of its own
+            if not self._spooled():
+                break
             if not self._send_spooled():
                 time.sleep(0.5)
+        self._seal_batch()
         self._client.close()
         self._journal.close()
         return not self._spooled()
@@ -136,58 +215,211 @@ class ControlPlaneSink:
             seqs.append(int(marker.read_text().strip() or 0))
         return max(seqs, default=0)
 
+    def _batch_path(self, seq: int) -> Path:
+        return self.spool / f"batch-{seq:0{BATCH_FILE_DIGITS}d}.json"
+
+    def _write_batch(self, batch: dict, path: Path | None = None) -> None:
+        path = path or self._batch_path(batch["seq"])
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(batch))
+        os.replace(tmp, path)
+
     def _seal_batch(self) -> None:
-        """Turn the open journal into the next numbered batch file (written atomically)."""
+        """Turn the open journal into the next numbered batch files (written atomically), each within the limits."""
         with self._lock:
             self._journal.close()
-            batch: dict = {"seq": self._next_seq, "metrics": [], "events": [], "logs": []}
+            items = []
             for line in self._journal_path.read_text(encoding="utf-8").splitlines():
                 try:
                     section, item = json.loads(line)
                 except ValueError:
                     continue  # a line cut short by a kill
-                batch[section].append(item)
-            if any(batch[k] for k in ("metrics", "events", "logs")):
-                path = self.spool / f"batch-{batch['seq']:0{BATCH_FILE_DIGITS}d}.json"
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(batch))
-                os.replace(tmp, path)
+                if section in SECTION_LIMITS:
+                    items.append((section, item, len(line)))
+            for batch in _pack(items, first_seq=self._next_seq):
+                self._write_batch(batch)
                 (self.spool / "last_seq").write_text(str(batch["seq"]))
                 self._next_seq += 1
             self._journal = open(self._journal_path, "w", encoding="utf-8")
             self._journal_metrics = 0
 
     def _send_spooled(self) -> bool:
-        """Send spooled batches in order (a few per request). False on a failure worth a retry later."""
-        files = self._spooled()[:16]
+        """Send spooled batches in order (a few per request, within the size limit). False: retry later."""
+        files = self._spooled()[:self._window]
         if not files:
             return self._heartbeat()
-        batches = [json.loads(p.read_text()) for p in files]
+        texts: list[str] = []
+        sent: list[Path] = []
+        size = 0
+        for path in files:
+            text = path.read_text(encoding="utf-8")
+            length = len(text.encode("utf-8")) + 2
+            if length > REQUEST_BUDGET and not sent:
+                self._split(path)
+                return True
+            if size + length > REQUEST_BUDGET:
+                break
+            texts.append(text)
+            sent.append(path)
+            size += length
+        body = ('{"batches": [' + ", ".join(texts) + "]}").encode("utf-8")
         try:
-            response = self._client.post(f"/api/v1/controller/runs/{self.target.run_id}/telemetry", json={"batches": batches})
+            response = self._client.post(f"/api/v1/controller/runs/{self.target.run_id}/telemetry", content=body,
+                                         headers={"Content-Type": "application/json"})
         except httpx.HTTPError as exc:
             logger.warning("control plane unreachable (%s); %d batches spooled", exc, len(self._spooled()))
             return False
-        if response.status_code == 409 and response.json().get("code") == "sequence_gap":
-            self._realign(files, expected=int(response.json()["expected_seq"]))
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = {}
+        answer = answer if isinstance(answer, dict) else {}
+        status, code = response.status_code, answer.get("code")
+        if status == 409 and code == "sequence_gap":
+            self._realign(sent, expected=int(answer["expected_seq"]))
             return True
-        if response.status_code != 200:
-            logger.error("control plane refused telemetry: %s %s", response.status_code, response.text[:500])
-            return False
-        result = TelemetryResponse.model_validate(response.json())
+        if status == 422 and code == "items_refused":
+            return self._drop_refused(sent, answer)
+        if status == 413 and len(sent) == 1:
+            self._split(sent[0])
+            return True
+        if status != 200:
+            logger.error("control plane refused telemetry: %s %s", status, response.text[:500])
+            if status >= 500 or status in RETRYABLE_STATUSES:
+                return False
+            return self._refused_whole(sent, reason=f"HTTP {status}: {str(answer.get('message', ''))[:300]}")
+        result = TelemetryResponse.model_validate(answer)
         self.pending_commands = result.pending_commands
-        for path in files:
-            if int(path.stem.split("-")[1]) <= result.applied_seq:
+        for path in sent:
+            if _seq_of(path) <= result.applied_seq:
                 path.unlink(missing_ok=True)
+                self._refusals.pop(_seq_of(path), None)
+        if result.applied_seq >= self._narrow_until:
+            self._window = MAX_BATCHES_SENT
+        if result.duplicates_dropped_total:
+            seqs = sorted({d.seq for d in result.duplicates_dropped})
+            self._record_dropped(
+                {"metrics": result.duplicates_dropped_total}, seq=seqs[0] if seqs else 0,
+                reasons=[f"{d.key} step {d.step}: a later value in the same batch was kept"
+                         for d in result.duplicates_dropped[:5]])
         return True
+
+    # --- what the control plane refuses ---------------------------------------------------------
+    def _drop_refused(self, sent: list[Path], answer: dict) -> bool:
+        """Remove the refused items from their spooled batches (rewritten atomically); the rest is sent again."""
+        by_seq: dict[int, set[tuple[str, int]]] = {}
+        reasons: dict[int, list[str]] = {}
+        for item in answer.get("refused") or []:
+            try:
+                seq, section, index = int(item["seq"]), str(item["section"]), int(item["index"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            by_seq.setdefault(seq, set()).add((section, index))
+            reasons.setdefault(seq, []).append(f"{item.get('field', section)}: {item.get('reason', '')}"[:300])
+        removed_any = False
+        for path in sent:
+            seq = _seq_of(path)
+            if seq not in by_seq:
+                continue
+            batch = json.loads(path.read_text(encoding="utf-8"))
+            counts = {}
+            for section in SECTION_LIMITS:
+                items = batch.get(section) or []
+                batch[section] = [item for i, item in enumerate(items) if (section, i) not in by_seq[seq]]
+                counts[section] = len(items) - len(batch[section])
+            if not any(counts.values()):
+                continue
+            removed_any = True
+            self._write_batch(batch, path)
+            self._record_dropped(counts, seq=seq, reasons=reasons[seq][:5])
+        if not removed_any:  # the answer names nothing we hold: count it as a refusal of the batch
+            return self._refused_whole(sent, reason="items refused that this spool does not hold")
+        return True
+
+    def _refused_whole(self, sent: list[Path], *, reason: str) -> bool:
+        """A batch refused as a whole: find which (one batch a request), retry it a few times, then quarantine it."""
+        if len(sent) > 1:
+            self._window, self._narrow_until = 1, _seq_of(sent[-1])
+            return True
+        seq = _seq_of(sent[0])
+        self._refusals[seq] = self._refusals.get(seq, 0) + 1
+        if self._refusals[seq] < MAX_REFUSALS:
+            return False
+        self._quarantine(sent[0], reason=reason)
+        return True
+
+    def _quarantine(self, path: Path, *, reason: str) -> None:
+        """Move a batch to spool/refused/ and leave an empty batch of the same number, so the next ones follow."""
+        batch = json.loads(path.read_text(encoding="utf-8"))
+        seq = _seq_of(path)
+        refused_dir = self.spool / "refused"
+        refused_dir.mkdir(exist_ok=True)
+        empty = {"seq": seq, "metrics": [], "events": [], "logs": []}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(empty))
+        os.replace(path, refused_dir / path.name)
+        os.replace(tmp, path)
+        self._refusals.pop(seq, None)
+        logger.error("telemetry batch %d refused %d times (%s); moved to %s", seq, MAX_REFUSALS, reason, refused_dir)
+        counts = {s: len(batch[s]) if isinstance(batch.get(s), list) else 0 for s in SECTION_LIMITS}
+        self._record_dropped(counts if any(counts.values()) else {"batches": 1}, seq=seq, reasons=[reason])
+
+    def _split(self, path: Path) -> None:
+        """Split a spooled batch over the size limit in two and renumber the batches after it."""
+        batch = json.loads(path.read_text(encoding="utf-8"))
+        items = [(section, item) for section in SECTION_LIMITS for item in batch.get(section) or []]
+        if len(items) < 2:
+            self._quarantine(path, reason="a single item over the request-size limit")
+            return
+        seq = _seq_of(path)
+        halves = items[: len(items) // 2], items[len(items) // 2:]
+        with self._lock:
+            for later in sorted((p for p in self._spooled() if _seq_of(p) > seq), key=_seq_of, reverse=True):
+                moved = json.loads(later.read_text(encoding="utf-8")) | {"seq": _seq_of(later) + 1}
+                self._write_batch(moved)
+                later.unlink()
+            for offset, half in reversed(list(enumerate(halves))):
+                part: dict = {"seq": seq + offset, "metrics": [], "events": [], "logs": []}
+                for section, item in half:
+                    part[section].append(item)
+                self._write_batch(part)
+            self._next_seq += 1
+            (self.spool / "last_seq").write_text(str(self._next_seq - 1))
+        logger.warning("telemetry batch %d was over the size limit: split in two", seq)
+
+    def _dropped_so_far(self) -> int:
+        try:
+            return int((self.spool / "dropped").read_text().strip() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def _record_dropped(self, counts: dict[str, int], *, seq: int, reasons: list[str]) -> None:
+        """Count what the control plane will never have, and report it (an event and the telemetry/dropped metric)."""
+        count = sum(counts.values())
+        if count <= 0:
+            return
+        with self._lock:
+            self.dropped += count
+            for section, n in counts.items():
+                self.dropped_by_section[section] = self.dropped_by_section.get(section, 0) + n
+            total = self.dropped
+            tmp = self.spool / "dropped.tmp"
+            tmp.write_text(str(total))
+            os.replace(tmp, self.spool / "dropped")
+        logger.warning("telemetry dropped: %d items of batch %d (%s)", count, seq, "; ".join(reasons)[:500])
+        now = time.time()
+        self._append("events", {"kind": "message", "time": now, "payload": _wire_value(
+            {"name": "telemetry_dropped", "seq": seq, "items": count, "total": total,
+             "by_section": {k: v for k, v in counts.items() if v}, "reasons": reasons[:5]})})
+        self._append("metrics", {"key": DROPPED_KEY, "step": total, "value": float(total), "time": now})
 
     def _realign(self, files: list[Path], *, expected: int) -> None:
         """Drop batches the control plane already has; renumber if it lacks batches we no longer hold."""
         for path in files:
-            if int(path.stem.split("-")[1]) < expected:
+            if _seq_of(path) < expected:
                 path.unlink(missing_ok=True)
         remaining = self._spooled()
-        if remaining and int(remaining[0].stem.split("-")[1]) > expected:
+        if remaining and _seq_of(remaining[0]) > expected:
             logger.error("control plane expects batch %d but the spool starts later; renumbering", expected)
             with self._lock:
                 for offset, path in enumerate(remaining):
@@ -221,6 +453,26 @@ class ControlPlaneSink:
                 backoff = self.flush_seconds
             else:
                 backoff = min(self.max_backoff_s, backoff * 2) * random.uniform(0.8, 1.2)
+
+
+def _seq_of(path: Path) -> int:
+    return int(path.stem.split("-")[1])
+
+
+def _pack(items: list[tuple[str, dict, int]], *, first_seq: int) -> list[dict]:
+    """Journal items (section, item, size) in order, as consecutive batches within the count and size limits."""
+    batches: list[dict] = []
+    batch: dict | None = None
+    size = 0
+    for section, item, length in items:
+        full = batch is not None and (len(batch[section]) >= SECTION_LIMITS[section] or size + length > MAX_BATCH_BYTES)
+        if batch is None or (full and size > 0):  # a batch holds at least one item, however large
+            batch = {"seq": first_seq + len(batches), "metrics": [], "events": [], "logs": []}
+            batches.append(batch)
+            size = 0
+        batch[section].append(item)
+        size += length
+    return batches
 
 
 class CommandChannel:

@@ -14,6 +14,42 @@ from pathlib import Path
 from workers.engine.config import ConfigError, FieldError, RunConfig, check_model_folder
 
 _MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama3"}
+# Set by the control plane's launchers (a JSON list of folders and files): every path the config names must
+# resolve inside one of them. Unset (the engine run by hand from its CLI): plain local paths.
+ALLOWED_PATHS_ENV = "FORGEBOARD_ALLOWED_PATHS"
+PATH_FIELDS = ("model.path", "data.path", "checkpoint.resume_from", "checkpoint.folder", "telemetry.jsonl_path")
+
+
+def allowed_paths() -> list[Path] | None:
+    """The allowed folders and files from FORGEBOARD_ALLOWED_PATHS, resolved; None when it is unset."""
+    raw = os.environ.get(ALLOWED_PATHS_ENV)
+    if raw is None:
+        return None
+    try:
+        entries = json.loads(raw)
+    except ValueError:
+        entries = None
+    if not isinstance(entries, list) or not all(isinstance(e, str) and e for e in entries):
+        raise ConfigError([FieldError("", f"{ALLOWED_PATHS_ENV} must be a JSON list of paths")])
+    return [Path(os.path.realpath(entry)) for entry in entries]
+
+
+def confinement_errors(config: RunConfig, allowed: list[Path]) -> list[FieldError]:
+    """A FieldError for each path field that does not resolve (symlinks, `..`, relative to here) inside `allowed`."""
+    errors = []
+    if config.model.artifact is not None or config.data.artifact is not None:
+        field = "model.artifact" if config.model.artifact is not None else "data.artifact"
+        errors.append(FieldError(field, "artifact references are resolved by the control plane before launch"))
+    for field in PATH_FIELDS:
+        section, key = field.split(".")
+        value = getattr(getattr(config, section), key)
+        if value is None:
+            continue
+        real = Path(os.path.realpath(value))
+        if not any(real == root or root in real.parents for root in allowed):
+            errors.append(FieldError(field, f"{real} is outside the paths this run may use "
+                                            f"({', '.join(str(root) for root in allowed) or 'none'})"))
+    return errors
 
 
 def _unsupported(config: RunConfig) -> list[FieldError]:
@@ -57,6 +93,14 @@ def _unsupported(config: RunConfig) -> list[FieldError]:
 
 
 def preflight_errors(config: RunConfig) -> list[FieldError]:
+    try:
+        allowed = allowed_paths()
+    except ConfigError as exc:
+        return exc.errors
+    if allowed is not None:
+        confined = confinement_errors(config, allowed)
+        if confined:
+            return confined  # nothing outside is opened, not even to check it
     errors: list[FieldError] = []
     try:
         check_model_folder(config)

@@ -2,26 +2,41 @@
 
 Shared by the engine's HTTP client and the control plane's ingestion endpoint, so both validate
 against the same bounds. Batches are applied exactly once, in order: batch N+1 only after N.
+
+A request is checked item by item (`screen_request`): a malformed envelope (not a list of numbered
+batches) refuses the whole request, while a bad metric, event or log line is named by its batch
+seq, section and index, so the engine can drop just that item and send the rest again.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from workers.engine.wire_limits import MAX_JSON_DEPTH, MAX_REQUEST_BYTES, unstorable_reason
 
 MAX_METRICS_PER_BATCH = 20_000
 MAX_EVENTS_PER_BATCH = 1_000
 MAX_LOGS_PER_BATCH = 2_000
 MAX_BATCHES_PER_REQUEST = 64
 MAX_LOG_LINE_CHARS = 8_192
-MAX_REQUEST_BYTES = 8 * 1024 * 1024
+MAX_REFUSED_PER_ANSWER = 10_000
+MAX_DUPLICATES_LISTED = 1_000
+# How deep a request body may nest at all (the parser's stack is the limit): deeper than a payload may, so that a
+# payload nested too deep is refused as one item, not as the whole request.
+MAX_BODY_DEPTH = 2 * MAX_JSON_DEPTH
+METRIC_KEY_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+__all__ = ["MAX_REQUEST_BYTES"]  # the one request-size limit, re-exported for the engine and the endpoint
 
 EventKindName = Literal[
     "placement_applied", "placement_changed", "fault_injected", "failure_detected", "replica_replaced",
     "recovered", "redirect_started", "redirect_finished", "checkpoint_saved", "command_finished",
     "restarted", "eval", "rollout", "message",
 ]
+Section = Literal["metrics", "events", "logs"]
 
 
 def _no_text_or_bool(value: Any) -> Any:
@@ -33,11 +48,55 @@ def _no_text_or_bool(value: Any) -> Any:
     return value
 
 
+def payload_problem(value: Any, *, max_depth: int = MAX_JSON_DEPTH) -> str | None:
+    """Why an event payload cannot be stored, else None.
+
+    Keys must be storable text; string values may hold NUL (a random model's completions do: it is
+    replaced on storage) but not lone surrogates; numbers must be finite (jsonb has no NaN).
+    """
+    stack: list[tuple[Any, int, str]] = [(value, 0, "payload")]
+    while stack:
+        item, depth, where = stack.pop()
+        if depth > max_depth:
+            return f"{where}: nested deeper than {max_depth} levels"
+        if isinstance(item, str):
+            reason = unstorable_reason(item.replace("\x00", ""))
+            if reason:
+                return f"{where}: {reason}"
+        elif isinstance(item, float) and not math.isfinite(item):
+            return f"{where}: must be a finite number (JSON has no NaN or infinity)"
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                reason = unstorable_reason(key) if isinstance(key, str) else "keys must be text"
+                if reason:
+                    return f"{where}: key {key!r} {reason}"
+                stack.append((child, depth + 1, f"{where}.{key}"))
+        elif isinstance(item, list | tuple):
+            stack.extend((child, depth + 1, f"{where}.{i}") for i, child in enumerate(item))
+    return None
+
+
+def _storable_payload(payload: dict[str, Any]) -> dict[str, Any]:
+    reason = payload_problem(payload)
+    if reason:
+        raise ValueError(reason)
+    return payload
+
+
+def _storable_line(line: str) -> str:
+    reason = unstorable_reason(line.replace("\x00", ""))
+    if reason:
+        raise ValueError(reason)
+    return line
+
+
 # Field bounds go before the validator, or they drop out of the OpenAPI document.
 WholeNumber = BeforeValidator(_no_text_or_bool)
 Step = Annotated[int, Field(ge=0, le=2**63 - 1), WholeNumber]
 WallTime = Annotated[float, Field(ge=0.0, le=1e11, allow_inf_nan=False), WholeNumber]
 Number = Annotated[float, WholeNumber]
+MetricKey = Annotated[str, Field(min_length=1, max_length=200, pattern=METRIC_KEY_PATTERN),
+                      AfterValidator(lambda key: _storable_line(key))]
 
 
 class _Wire(BaseModel):
@@ -45,7 +104,7 @@ class _Wire(BaseModel):
 
 
 class WireMetric(_Wire):
-    key: Annotated[str, Field(min_length=1, max_length=200)]
+    key: MetricKey
     step: Step
     value: Number
     time: WallTime
@@ -53,12 +112,13 @@ class WireMetric(_Wire):
 
 class WireEvent(_Wire):
     kind: EventKindName
-    payload: dict[str, Any] = Field(default_factory=dict)
+    payload: Annotated[dict[str, Any], AfterValidator(_storable_payload)] = Field(
+        default_factory=dict, description=f"JSON nested at most {MAX_JSON_DEPTH} levels; keys without NUL")
     time: WallTime
 
 
 class WireLog(_Wire):
-    line: Annotated[str, Field(max_length=MAX_LOG_LINE_CHARS)]
+    line: Annotated[str, Field(max_length=MAX_LOG_LINE_CHARS), AfterValidator(_storable_line)]
     time: WallTime
 
 
@@ -73,7 +133,109 @@ class TelemetryRequest(_Wire):
     batches: Annotated[list[TelemetryBatch], Field(max_length=MAX_BATCHES_PER_REQUEST)] = Field(default_factory=list)
 
 
+class DroppedDuplicate(_Wire):
+    """A metric point not stored because the same batch holds a later value for its key and step."""
+
+    seq: int
+    key: str
+    step: int
+    index: int
+
+
 class TelemetryResponse(_Wire):
     applied_seq: int
-    duplicates: int = 0
+    duplicates: int = Field(0, description="batches already applied before, skipped")
+    duplicates_dropped: list[DroppedDuplicate] = Field(
+        default_factory=list, description=f"the first {MAX_DUPLICATES_LISTED} points dropped for a later value "
+                                          "of the same key and step in the same batch (the later value is kept)")
+    duplicates_dropped_total: int = 0
     pending_commands: list[int] = Field(default_factory=list)
+
+
+class RefusedItem(_Wire):
+    seq: int
+    section: Section
+    index: int
+    field: str
+    reason: str
+
+
+class FieldError(_Wire):
+    field: str
+    message: str
+
+
+class TelemetryRefusal(_Wire):
+    """The 422 answer: nothing of the request was stored; send it again without the refused items."""
+
+    code: Literal["items_refused"]
+    message: str
+    errors: list[FieldError]
+    applied_seq: int
+    refused: list[RefusedItem]
+
+
+# --- screening ------------------------------------------------------------------------------------
+class _BatchEnvelope(_Wire):
+    seq: Annotated[int, Field(ge=1, le=2**63 - 1), WholeNumber]
+    metrics: Annotated[list[Any], Field(max_length=MAX_METRICS_PER_BATCH)] = Field(default_factory=list)
+    events: Annotated[list[Any], Field(max_length=MAX_EVENTS_PER_BATCH)] = Field(default_factory=list)
+    logs: Annotated[list[Any], Field(max_length=MAX_LOGS_PER_BATCH)] = Field(default_factory=list)
+
+
+class _RequestEnvelope(_Wire):
+    batches: Annotated[list[_BatchEnvelope], Field(max_length=MAX_BATCHES_PER_REQUEST)] = Field(default_factory=list)
+
+
+SECTION_MODELS: dict[str, type[_Wire]] = {"metrics": WireMetric, "events": WireEvent, "logs": WireLog}
+
+
+@dataclass(frozen=True)
+class Screened:
+    request: TelemetryRequest  # the good items only
+    refused: list[RefusedItem]
+
+
+def screen_request(data: Any) -> Screened:
+    """Validate a decoded request item by item. Raises pydantic's ValidationError for a bad envelope."""
+    try:
+        return Screened(request=TelemetryRequest.model_validate(data), refused=[])
+    except ValidationError:
+        pass  # find out which items, below
+    envelope = _RequestEnvelope.model_validate(data)
+    batches: list[TelemetryBatch] = []
+    refused: list[RefusedItem] = []
+    for position, batch in enumerate(envelope.batches):
+        kept: dict[str, list] = {}
+        for section, model in SECTION_MODELS.items():
+            kept[section] = []
+            for index, item in enumerate(getattr(batch, section)):
+                try:
+                    kept[section].append(model.model_validate(item))
+                except ValidationError as exc:
+                    error = exc.errors()[0]
+                    where = ".".join(str(p) for p in error["loc"])
+                    refused.append(RefusedItem(
+                        seq=batch.seq, section=section, index=index,
+                        field=f"batches.{position}.{section}.{index}" + (f".{where}" if where else ""),
+                        reason=error["msg"].removeprefix("Value error, ")[:300]))
+        batches.append(TelemetryBatch.model_construct(seq=batch.seq, **kept))
+    return Screened(request=TelemetryRequest.model_construct(batches=batches), refused=refused)
+
+
+def inline_schema(model: type[BaseModel]) -> dict:
+    """A model's JSON schema with its definitions inlined (for an OpenAPI request body)."""
+    schema = model.model_json_schema()
+    definitions = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return resolve(definitions[ref.removeprefix("#/$defs/")])
+            return {k: resolve(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [resolve(v) for v in node]
+        return node
+
+    return resolve(schema)

@@ -56,7 +56,7 @@ def loads_bounded(raw: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
         raise JsonBodyProblem(f"nested deeper than {max_depth} levels")
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer past Python's digit limit
         raise JsonBodyProblem(f"not valid JSON: {exc}") from None
     except RecursionError:  # pragma: no cover - the depth check comes first
         raise JsonBodyProblem(f"nested deeper than {max_depth} levels") from None

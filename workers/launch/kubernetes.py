@@ -56,6 +56,7 @@ DEFAULT_SERVICE_ACCOUNT = "forgeboard-engine"  # infra/k8s/engine-rbac.yaml
 _DISCOVERY_ENVIRONMENT = frozenset({JOB_ENV, NODES_ENV, NAMESPACE_ENV, POD_IP_ENV, PORT_ENV})
 TOKEN_DIR = "/var/run/secrets/forgeboard"
 CONFIG_DIR = "/etc/forgeboard/run"
+RUN_DIR = "/var/lib/forgeboard/run"  # the engine's working directory: its checkpoints and files (an emptyDir)
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[1-9][0-9]*(Ki|Mi|Gi|Ti)?$")
 # Waiting reasons after which a pod will not start without someone fixing the spec or the image.
@@ -78,6 +79,7 @@ class KubernetesLaunchRequest:
     python: str = "python"  # the interpreter inside the image (a venv path, if the image has one)
     overrides: tuple[str, ...] = ()
     environment: Mapping[str, str] = field(default_factory=dict)
+    allowed_paths: tuple[str, ...] = ()  # what the engine's preflight accepts besides RUN_DIR (FORGEBOARD_ALLOWED_PATHS)
     shared_memory: str = "64Gi"  # /dev/shm for NCCL
     node_selector: Mapping[str, str] = field(default_factory=dict)
     service_account: str = DEFAULT_SERVICE_ACCOUNT  # may get, list and watch pods (the controller's discovery)
@@ -149,7 +151,9 @@ def kubernetes_objects(request: KubernetesLaunchRequest) -> list[dict[str, Any]]
               RUN_LABEL: str(request.run_id)}
     metadata = {"name": request.name, "namespace": request.namespace, "labels": labels}
     environment = run_environment(run_id=request.run_id, control_plane_url=request.control_plane_url,
-                                  token_file=request.token_file, extra=request.environment)
+                                  token_file=request.token_file, extra=request.environment,
+                                  allowed_paths=list(dict.fromkeys((RUN_DIR, *request.allowed_paths)))
+                                  if request.allowed_paths else ())
     environment |= {JOB_ENV: "kubernetes", NODES_ENV: str(request.nodes), PORT_ENV: str(request.monarch_port)}
     if request.gpus_per_node:  # the engine hands them to procs (placement gpus_per_proc)
         environment[GPUS_PER_HOST_ENV] = str(request.gpus_per_node)
@@ -170,6 +174,7 @@ def kubernetes_objects(request: KubernetesLaunchRequest) -> list[dict[str, Any]]
             "name": "engine",
             "image": request.image,
             "command": ["/bin/sh", "-c", _container_script(request)],
+            "workingDir": RUN_DIR,
             "env": [*({"name": key, "value": value} for key, value in environment.items()),
                     *({"name": key, "valueFrom": {"fieldRef": {"fieldPath": path}}} for key, path in from_pod.items())],
             "ports": [{"name": "monarch", "containerPort": request.monarch_port}],
@@ -180,6 +185,7 @@ def kubernetes_objects(request: KubernetesLaunchRequest) -> list[dict[str, Any]]
                 {"name": "run-token", "mountPath": TOKEN_DIR, "readOnly": True},
                 {"name": "run-config", "mountPath": CONFIG_DIR, "readOnly": True},
                 {"name": "dshm", "mountPath": "/dev/shm"},
+                {"name": "run", "mountPath": RUN_DIR},
             ],
         }],
         "volumes": [
@@ -188,6 +194,7 @@ def kubernetes_objects(request: KubernetesLaunchRequest) -> list[dict[str, Any]]
                                              "items": [{"key": "token", "path": "token"}]}},
             {"name": "run-config", "configMap": {"name": request.name}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": request.shared_memory}},
+            {"name": "run", "emptyDir": {}},
         ],
     }
     if request.gpus_per_node:

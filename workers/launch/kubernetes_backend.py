@@ -28,8 +28,8 @@ from forgeboard.runs.tokens import run_token_issue
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append
 from workers.launch.jobs import FOLLOWED_STATES, fail_launch, follow_job, node_shape
-from workers.launch.kubernetes import RUN_LABEL, KubernetesLaunchRequest, kubernetes_job_status, kubernetes_objects
-from workers.launch.local import engine_config_yaml
+from workers.launch.kubernetes import RUN_DIR, RUN_LABEL, KubernetesLaunchRequest, kubernetes_job_status, kubernetes_objects
+from workers.launch.local import engine_allowed_paths, engine_config_yaml
 from workers.launch.slurm import LaunchSpecError
 
 logger = logging.getLogger(__name__)
@@ -130,6 +130,7 @@ def kubernetes_request(*, run: Run) -> KubernetesLaunchRequest:
         cpus_per_node=settings.K8S_CPUS_PER_NODE, memory=settings.K8S_MEMORY, namespace=settings.K8S_NAMESPACE,
         control_plane_url=settings.PUBLIC_URL, token_secret=f"forgeboard-run-{run.pk}-token", python=settings.K8S_PYTHON,
         service_account=settings.K8S_ENGINE_SERVICE_ACCOUNT,
+        allowed_paths=tuple(engine_allowed_paths(run=run, run_folder=RUN_DIR)),
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +14,7 @@ from django.conf import settings
 
 from forgeboard.runs.models import Run
 from forgeboard.runs.tokens import run_token_issue
+from workers.engine.preflight import ALLOWED_PATHS_ENV
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 
@@ -21,8 +24,24 @@ def run_dir(run: Run) -> Path:
 
 
 def engine_config_yaml(run: Run) -> str:
-    """The run's resolved config for its engine. Restarts are the control plane's job (the reconciler): the engine runs once."""
-    return yaml.safe_dump(run.config.parsed | {"max_restarts": 0}, sort_keys=False)
+    """The run's config for its engine, with the paths resolved in its project at launch (Run.artifact_paths) in
+    place of its paths and artifact references. Restarts are the control plane's job (the reconciler): the
+    engine runs once."""
+    parsed = copy.deepcopy(run.config.parsed)
+    for section in ("model", "data"):
+        if isinstance(parsed.get(section), dict):
+            parsed[section]["artifact"] = None
+    for field, path in (run.artifact_paths or {}).items():
+        section, key = field.split(".")
+        parsed.setdefault(section, {})[key] = path
+    return yaml.safe_dump(parsed | {"max_restarts": 0}, sort_keys=False)
+
+
+def engine_allowed_paths(*, run: Run, run_folder: str) -> list[str]:
+    """FORGEBOARD_ALLOWED_PATHS for the run's engine: its own folder, its resolved paths, the artifact roots."""
+    from forgeboard.artifacts.resolver import engine_allowed_paths as allowed
+
+    return allowed(artifact_paths=(run.artifact_paths or {}).values(), run_folder=run_folder)
 
 
 def write_run_files(*, run: Run, folder: Path) -> Path:
@@ -46,6 +65,7 @@ def start_local(*, run: Run) -> int:
         "FORGEBOARD_RUN_ID": str(run.pk),
         "FORGEBOARD_RUN_TOKEN_FILE": str(token_file),
         "FORGEBOARD_SPOOL_DIR": str(folder / "spool"),
+        ALLOWED_PATHS_ENV: json.dumps(engine_allowed_paths(run=run, run_folder=str(folder))),
     }
     with open(folder / "supervisor.log", "ab") as log:
         supervisor = subprocess.Popen(

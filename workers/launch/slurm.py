@@ -13,6 +13,7 @@ Inside the allocation the engine loads that file and attaches to the job's worke
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from collections.abc import Mapping, Sequence
@@ -22,6 +23,7 @@ from typing import Any, Literal
 
 from workers.engine.actors.devices import GPUS_PER_HOST_ENV
 from workers.engine.actors.monarch_job import HOST_MESH, JOB_ENV
+from workers.engine.preflight import ALLOWED_PATHS_ENV
 
 __all__ = ["LaunchSpecError", "SchedulerStatus", "SlurmLaunchRequest", "slurm_job", "client_script", "parse_squeue", "parse_sacct",
            "slurm_job_status", "job_ids_for_run"]
@@ -31,7 +33,7 @@ __all__ = ["LaunchSpecError", "SchedulerStatus", "SlurmLaunchRequest", "slurm_jo
 RunStateName = Literal["queued", "launching", "running", "succeeded", "failed", "lost"]
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_ENVIRONMENT = frozenset({"FORGEBOARD_RUN_ID", "FORGEBOARD_URL", "FORGEBOARD_RUN_TOKEN_FILE",
-                                  "FORGEBOARD_MONARCH_WORKERS", JOB_ENV, GPUS_PER_HOST_ENV})
+                                  "FORGEBOARD_MONARCH_WORKERS", JOB_ENV, GPUS_PER_HOST_ENV, ALLOWED_PATHS_ENV})
 
 
 class LaunchSpecError(ValueError):
@@ -83,11 +85,15 @@ def engine_argv(*, python: str, config_path: str, overrides: Sequence[str]) -> l
 
 
 def run_environment(*, run_id: int, control_plane_url: str, token_file: str,
-                    extra: Mapping[str, str]) -> dict[str, str]:
-    """The variables every process of a run gets: who it is, where to report, and its credential."""
+                    extra: Mapping[str, str], allowed_paths: Sequence[str] = ()) -> dict[str, str]:
+    """The variables every process of a run gets: who it is, where to report, its credential, and the paths its
+    engine may use (FORGEBOARD_ALLOWED_PATHS, checked by its preflight; none given: unconfined)."""
     check_control_plane_url(control_plane_url)
-    return {"FORGEBOARD_RUN_ID": str(run_id), "FORGEBOARD_URL": control_plane_url,
-            "FORGEBOARD_RUN_TOKEN_FILE": token_file, **extra}
+    environment = {"FORGEBOARD_RUN_ID": str(run_id), "FORGEBOARD_URL": control_plane_url,
+                   "FORGEBOARD_RUN_TOKEN_FILE": token_file, **extra}
+    if allowed_paths:
+        environment[ALLOWED_PATHS_ENV] = json.dumps(list(allowed_paths))
+    return environment
 
 
 DEFAULT_MONARCH_PORT = 22222
@@ -112,6 +118,7 @@ class SlurmLaunchRequest:
     image: str | None = None  # refused: see check()
     overrides: tuple[str, ...] = ()  # section.key=value, passed to the engine
     environment: Mapping[str, str] = field(default_factory=dict)
+    allowed_paths: tuple[str, ...] = ()  # what the engine's preflight accepts (FORGEBOARD_ALLOWED_PATHS)
     time_limit: str | None = None
     account: str | None = None
     qos: str | None = None
@@ -158,12 +165,14 @@ class SlurmLaunchRequest:
         check_control_plane_url(self.control_plane_url)
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "overrides": list(self.overrides), "environment": dict(self.environment)}
+        return {**asdict(self), "overrides": list(self.overrides), "environment": dict(self.environment),
+                "allowed_paths": list(self.allowed_paths)}
 
     @classmethod
     def from_json(cls, document: Mapping[str, Any]) -> SlurmLaunchRequest:
         return cls(**{**document, "overrides": tuple(document.get("overrides", ())),
-                      "environment": dict(document.get("environment", {}))})
+                      "environment": dict(document.get("environment", {})),
+                      "allowed_paths": tuple(document.get("allowed_paths", ()))})
 
 
 def run_comment(run_id: int) -> str:
@@ -174,7 +183,8 @@ def run_comment(run_id: int) -> str:
 def job_environment(request: SlurmLaunchRequest) -> dict[str, str]:
     """What the job's processes get from the submitting process (sbatch exports its environment), besides PATH."""
     environment = run_environment(run_id=request.run_id, control_plane_url=request.control_plane_url,
-                                  token_file=request.token_file, extra=request.environment)
+                                  token_file=request.token_file, extra=request.environment,
+                                  allowed_paths=request.allowed_paths)
     environment[JOB_ENV] = "slurm"  # the engine takes its workers from the job
     if request.gpus_per_node:  # the engine hands them to procs (placement gpus_per_proc)
         environment[GPUS_PER_HOST_ENV] = str(request.gpus_per_node)

@@ -32,7 +32,7 @@ from forgeboard.runs.models import LaunchBackend, Run
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append
 from workers.launch.jobs import FOLLOWED_STATES, fail_launch, follow_job, node_shape
-from workers.launch.local import run_dir, write_run_files
+from workers.launch.local import engine_allowed_paths, run_dir, write_run_files
 from workers.launch.slurm import (LaunchSpecError, SchedulerStatus, SlurmLaunchRequest, job_environment, job_ids_for_run,
                                   parse_sacct, parse_squeue)
 
@@ -154,6 +154,7 @@ def slurm_request(*, run: Run, folder: Path) -> SlurmLaunchRequest:
         log_dir=str(folder / "slurm"), venv=settings.SLURM_VENV, image=settings.SLURM_IMAGE,
         time_limit=settings.SLURM_TIME_LIMIT, account=settings.SLURM_ACCOUNT, qos=settings.SLURM_QOS,
         monarch_port=settings.SLURM_MONARCH_PORT,
+        allowed_paths=tuple(engine_allowed_paths(run=run, run_folder=str(folder))),
     )
 
 

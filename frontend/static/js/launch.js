@@ -127,7 +127,7 @@
     const mine = ++sequence;
     try {
       const result = await window.FB.api(form.dataset.validateUrl,
-        { method: "POST", body: { recipe: recipe(), yaml: editor.value, overrides: overrideLines() } });
+        { method: "POST", body: { recipe: recipe(), project: form.dataset.project, yaml: editor.value, overrides: overrideLines() } });
       if (mine === sequence) await show(result.errors);
     } catch (error) {
       if (mine !== sequence) return;

@@ -15,6 +15,7 @@ from forgeboard.bearer import mint_token, token_matches, token_prefix
 from forgeboard.errors import Conflict, PermissionDenied, ValidationFailed, clean_text
 
 TOKEN_LAST_USED_RESOLUTION = timedelta(minutes=1)
+MAX_TOKEN_LIFETIME = timedelta(days=3650)
 
 
 def project_create(*, actor: User, slug: str, name: str, description: str = "") -> Project:
@@ -81,12 +82,15 @@ def api_token_create(
     *, actor: User, project: Project, name: str, scope: TokenScope | str, expires_at: datetime | None = None
 ) -> tuple[ApiToken, str]:
     """Create a token; the plaintext is returned once and never stored."""
+    _require_person(actor, "creating API tokens")
     require_project_role(actor=actor, project=project, minimum=Role.MEMBER, action="creating API tokens")
     name = clean_text(field="name", value=name, max_length=100)
     if scope not in TokenScope.values:
         raise ValidationFailed.on("scope", f"unknown scope {scope!r}: choose read or write")
     if expires_at is not None and expires_at <= timezone.now():
         raise ValidationFailed.on("expires_at", "must be in the future")
+    if expires_at is not None and expires_at > timezone.now() + MAX_TOKEN_LIFETIME:
+        raise ValidationFailed.on("expires_at", f"must be within {MAX_TOKEN_LIFETIME.days} days")
     minted = mint_token("fb")
     prefix, raw = minted.prefix, minted.raw
     try:
@@ -102,7 +106,14 @@ def api_token_create(
     return token, raw
 
 
+def _require_person(actor: object, action: str) -> None:
+    """Tokens are managed by people: a token may not mint or revoke tokens."""
+    if not isinstance(actor, User) or not actor.is_active:
+        raise PermissionDenied(f"{action} needs a logged-in user, not an API token")
+
+
 def api_token_revoke(*, actor: User, token: ApiToken) -> ApiToken:
+    _require_person(actor, "revoking API tokens")
     role = require_project_role(actor=actor, project=token.project, minimum=Role.MEMBER, action="revoking tokens")
     if role != Role.OWNER and token.created_by_id != actor.pk:
         raise PermissionDenied("only an owner or the token's creator may revoke it")
@@ -117,7 +128,7 @@ def api_token_revoke(*, actor: User, token: ApiToken) -> ApiToken:
 def api_token_authenticate(*, raw: str) -> ApiToken | None:
     """The live token for a bearer string, or None. Constant-time on the secret part."""
     prefix = token_prefix(raw, "fb")
-    if prefix is None:
+    if prefix is None or not all(c in "0123456789abcdef" for c in prefix):
         return None
     token = ApiToken.objects.select_related("project", "created_by").filter(prefix=prefix).first()
     if token is None or not token_matches(raw, token.token_hash):

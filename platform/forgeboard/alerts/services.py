@@ -36,6 +36,7 @@ from forgeboard.audit.services import audit_record
 from forgeboard.errors import ValidationFailed
 from forgeboard.runs.models import Run
 from forgeboard.runs.states import RunState
+from workers.engine.wire_limits import unstorable_reason
 
 SIGNATURE_HEADER = "X-Forgeboard-Signature"
 EVENT_HEADER = "X-Forgeboard-Event"
@@ -58,6 +59,8 @@ def _clean_url(url: object) -> str:
     if not isinstance(url, str) or not url.strip():
         raise ValidationFailed.on("url", "is required")
     url = url.strip()
+    if reason := unstorable_reason(url):
+        raise ValidationFailed.on("url", reason)
     if len(url) > MAX_URL_LENGTH:
         raise ValidationFailed.on("url", f"at most {MAX_URL_LENGTH} characters")
     if urlsplit(url).scheme not in ("http", "https"):
@@ -162,6 +165,8 @@ def webhook_create(
         secret = secrets.token_urlsafe(32)
     elif not isinstance(secret, str) or not 16 <= len(secret) <= 128:
         raise ValidationFailed.on("secret", "16 to 128 characters")
+    elif reason := unstorable_reason(secret):
+        raise ValidationFailed.on("secret", reason)
     with transaction.atomic():
         webhook = Webhook.objects.create(project=project, url=url, events=events, secret=secret,
                                          created_by=actor_user(actor))

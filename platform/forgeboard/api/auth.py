@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from django.http import HttpRequest
-from ninja.security import SessionAuth
 
 from forgeboard.accounts.models import TokenScope
 from forgeboard.accounts.permissions import Actor
-from forgeboard.api.base import ApiTokenAuth
+from forgeboard.api.base import ApiTokenAuth, BrowserSessionAuth
 from forgeboard.errors import PermissionDenied
 
-USER_AUTH = [ApiTokenAuth(), SessionAuth()]
+USER_AUTH = [ApiTokenAuth(), BrowserSessionAuth()]
 
 
 def actor_of(request: HttpRequest) -> Actor:

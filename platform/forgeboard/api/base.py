@@ -8,20 +8,51 @@ from django.http import HttpRequest, HttpResponse
 from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, HttpError
 from ninja.errors import ValidationError as NinjaValidationError
-from ninja.security import HttpBearer
+from ninja.parser import Parser
+from ninja.security import HttpBearer, SessionAuth
 
 from forgeboard.accounts.services import api_token_authenticate
-from forgeboard.api.ratelimit import count_token_request, record_auth_failure, refuse_if_failing_too_often
+from forgeboard.api.ratelimit import count_token_request, refuse_failed_authentication, well_formed_prefix
+from forgeboard.api_errors import CODES, api_internal_error, csrf_failure
 from forgeboard.errors import ServiceError
 from forgeboard.runs.tokens import run_token_authenticate
+from workers.engine.wire_limits import MAX_JSON_DEPTH, MAX_REQUEST_BYTES, JsonBodyProblem, loads_bounded
 
 logger = logging.getLogger(__name__)
 
-api = NinjaAPI(
+
+class BoundedJsonParser(Parser):
+    """JSON bodies nested at most MAX_JSON_DEPTH deep (a deeper one would exhaust the parser's stack)."""
+
+    def parse_body(self, request: HttpRequest):  # noqa: ANN201
+        return loads_bounded(request.body)
+
+
+class ForgeboardAPI(NinjaAPI):
+    def get_openapi_schema(self, *, path_prefix: str | None = None, path_params: dict | None = None):  # noqa: ANN201
+        """The generated document, with the 413 that every operation taking a body answers (body_limits.py)."""
+        schema = super().get_openapi_schema(path_prefix=path_prefix, path_params=path_params)
+        too_large = {"description": f"the body is over {MAX_REQUEST_BYTES} bytes", "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/ErrorOut"}}}}
+        for item in schema.get("paths", {}).values():
+            for operation in item.values():
+                if isinstance(operation, dict) and "requestBody" in operation:
+                    operation.setdefault("responses", {}).setdefault("413", too_large)
+        return schema
+
+
+api = ForgeboardAPI(
     title="Forgeboard API",
     version="1",
-    description="Projects, experiments, runs, metrics, events, inventory, and the run controller's channel.",
+    description=(
+        "Projects, experiments, runs, metrics, events, inventory, and the run controller's channel.\n\n"
+        f"Every request body is at most {MAX_REQUEST_BYTES} bytes (a larger one, with or without Content-Length, "
+        f"is answered 413 `payload_too_large` before it is read) and its JSON nests at most {MAX_JSON_DEPTH} "
+        "levels. Text must not contain NUL characters or lone surrogates. Every error is "
+        "`{code, message, errors: [{field, message}]}`."
+    ),
     urls_namespace="api-v1",
+    parser=BoundedJsonParser(),
 )
 
 
@@ -38,7 +69,9 @@ def _service_error(request: HttpRequest, exc: ServiceError) -> HttpResponse:
 def _validation_error(request: HttpRequest, exc: NinjaValidationError) -> HttpResponse:
     errors = []
     for err in exc.errors:
-        loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "payload")]
+        loc = [str(p) for p in err.get("loc", ())]
+        if loc[:1] and loc[0] in ("body", "query", "path", "header", "cookie", "form"):  # where, then the
+            loc = loc[2:] if loc[0] == "body" and len(loc) > 2 else loc[1:]  # view's parameter: not fields
         errors.append({"field": ".".join(loc), "message": err.get("msg", "invalid")})
     message = "; ".join(f"{e['field']}: {e['message']}" for e in errors) or "invalid request"
     return api.create_response(request, error_body("validation_failed", message, errors), status=400)
@@ -53,28 +86,48 @@ def _auth_error(request: HttpRequest, exc: AuthenticationError) -> HttpResponse:
 
 @api.exception_handler(HttpError)
 def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
-    return api.create_response(request, error_body("error", str(exc)), status=exc.status_code)
+    if isinstance(exc.__cause__, ValueError):  # the body could not be parsed (not JSON, or nested too deep)
+        reason = exc.__cause__.message if isinstance(exc.__cause__, JsonBodyProblem) else "not valid JSON"
+        body = error_body("validation_failed", f"body: {reason}", [{"field": "body", "message": reason}])
+        return api.create_response(request, body, status=400)
+    if exc.status_code == 403 and str(exc).startswith("CSRF"):  # ninja's session check: same body as Django's
+        return csrf_failure(request, reason=str(exc))
+    code = CODES.get(exc.status_code, "error")
+    return api.create_response(request, error_body(code, str(exc)), status=exc.status_code)
+
+
+@api.exception_handler(Exception)
+def _unexpected_error(request: HttpRequest, exc: Exception) -> HttpResponse:
+    return api_internal_error(request, exc)
 
 
 class RunTokenAuth(HttpBearer):
     """A run controller's token (`fbr_…`); the view checks that it belongs to the run in the path."""
 
     def authenticate(self, request: HttpRequest, token: str):  # noqa: ANN201
-        refuse_if_failing_too_often(request)
-        found = run_token_authenticate(raw=token)
+        found = run_token_authenticate(raw=token) if well_formed_prefix(token, "fbr") else None
         if found is None:
-            record_auth_failure(request)
+            refuse_failed_authentication(request, raw=token, kind="fbr")
         return found
+
+
+class BrowserSessionAuth(SessionAuth):
+    """A logged-in browser session (CSRF-checked for writes). A request that presents a bearer token is judged by
+    the token alone, so a bad token gets 401, not a CSRF refusal."""
+
+    def __call__(self, request: HttpRequest):  # noqa: ANN204
+        if request.headers.get("Authorization", "").lower().startswith("bearer "):
+            return None
+        return super().__call__(request)
 
 
 class ApiTokenAuth(HttpBearer):
     """A project API token (`fb_…`), read-only or read-write, limited in requests per minute."""
 
     def authenticate(self, request: HttpRequest, token: str):  # noqa: ANN201
-        refuse_if_failing_too_often(request)
         found = api_token_authenticate(raw=token)
         if found is None:
-            record_auth_failure(request)
+            refuse_failed_authentication(request, raw=token, kind="fb")
             return None
         count_token_request(found.prefix)
         return found

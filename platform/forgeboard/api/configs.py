@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated
 
 import yaml
 from django.http import HttpRequest
@@ -17,8 +17,10 @@ from ninja import Router, Schema
 from pydantic import Field
 from yaml.nodes import MappingNode, Node, SequenceNode
 
-from forgeboard.api.auth import USER_AUTH
-from forgeboard.api.schemas import ERRORS
+from forgeboard.accounts.models import Project
+from forgeboard.accounts.selectors import project_get
+from forgeboard.api.auth import USER_AUTH, actor_of
+from forgeboard.api.schemas import BODY_ERRORS, RecipeName, text
 from forgeboard.errors import ValidationFailed
 from forgeboard.experiments.services import MAX_OVERRIDES, validate_run_config
 from workers.engine.yaml_safe import MAX_CONFIG_BYTES, YamlProblem, load_yaml_mapping
@@ -81,8 +83,10 @@ def _override_index(overrides: Sequence[str], field: str) -> int | None:
     return found
 
 
-def config_problems(*, yaml_text: str, overrides: Sequence[str], recipe: str) -> list[ConfigProblem]:
-    """Every problem with this config for an experiment of this recipe, located; [] when it can be launched."""
+def config_problems(*, yaml_text: str, overrides: Sequence[str], recipe: str,
+                    project: Project | None = None) -> list[ConfigProblem]:
+    """Every problem with this config for an experiment of this recipe in `project` (its paths and artifact
+    references resolved there), located; [] when it can be launched."""
     problems = []
     if len(overrides) > MAX_OVERRIDES:
         return [ConfigProblem("overrides", f"at most {MAX_OVERRIDES} overrides, got {len(overrides)}")]
@@ -100,7 +104,7 @@ def config_problems(*, yaml_text: str, overrides: Sequence[str], recipe: str) ->
     if problems:
         return problems
     try:
-        validate_run_config(yaml_text=yaml_text, overrides=overrides, recipe=recipe)
+        validate_run_config(yaml_text=yaml_text, overrides=overrides, recipe=recipe, project=project)
     except ValidationFailed as exc:
         for problem in exc.problems:
             field = problem.field.removeprefix("config").removeprefix(".")
@@ -110,10 +114,13 @@ def config_problems(*, yaml_text: str, overrides: Sequence[str], recipe: str) ->
 
 
 class ConfigCheckIn(Schema):
-    recipe: Literal["grpo", "sft"]
-    yaml: Annotated[str, Field(max_length=MAX_CONFIG_BYTES)]
-    overrides: Annotated[list[Annotated[str, Field(max_length=MAX_OVERRIDE_LENGTH)]],
-                         Field(max_length=MAX_OVERRIDES)] = []
+    recipe: RecipeName
+    project: text(min_length=1, max_length=63) | None = Field(
+        default=None, description="slug of the project the run would be launched in: its artifact references and "
+                                  "run: references resolve there; without it they are reported unresolved")
+    yaml: text(max_length=MAX_CONFIG_BYTES)
+    # Any text: a malformed override (being typed) is answered 200 with a located problem, not refused.
+    overrides: Annotated[list[text(max_length=MAX_OVERRIDE_LENGTH)], Field(max_length=MAX_OVERRIDES)] = []
 
 
 class ConfigProblemOut(Schema):
@@ -128,8 +135,9 @@ class ConfigCheckOut(Schema):
     errors: list[ConfigProblemOut]
 
 
-@router.post("/configs/validate", response={200: ConfigCheckOut, **ERRORS})
+@router.post("/configs/validate", response={200: ConfigCheckOut, **BODY_ERRORS})
 def validate_config(request: HttpRequest, body: ConfigCheckIn):  # noqa: ANN201
     """Check a run config as a launch would (nothing is stored); each problem with its field and YAML line."""
-    problems = config_problems(yaml_text=body.yaml, overrides=body.overrides, recipe=body.recipe)
+    project = project_get(actor=actor_of(request), slug=body.project) if body.project is not None else None
+    problems = config_problems(yaml_text=body.yaml, overrides=body.overrides, recipe=body.recipe, project=project)
     return {"ok": not problems, "errors": [p.as_dict() for p in problems]}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 from django.http import HttpRequest
 from ninja import Router, Schema
 from pydantic import ValidationError
@@ -13,7 +11,16 @@ from forgeboard.runs.models import Run, RunToken
 from forgeboard.runs.selectors import commands_pending
 from forgeboard.runs.services import command_acknowledge, command_finish, run_reported_in
 from forgeboard.telemetry.ingest import telemetry_ingest
-from workers.engine.telemetry_wire import MAX_REQUEST_BYTES, TelemetryRequest, TelemetryResponse
+from workers.engine.telemetry_wire import (
+    MAX_BODY_DEPTH,
+    MAX_REQUEST_BYTES,
+    TelemetryRefusal,
+    TelemetryRequest,
+    TelemetryResponse,
+    inline_schema,
+    screen_request,
+)
+from workers.engine.wire_limits import JsonBodyProblem, loads_bounded
 
 from forgeboard.api.base import RunTokenAuth
 from forgeboard.api.schemas import ERRORS, ErrorOut
@@ -35,30 +42,61 @@ def _run_of(request: HttpRequest, run_id: int) -> Run:
     return token.run
 
 
-def _parse_body(request: HttpRequest, model: type) -> object:
-    length = int(request.headers.get("Content-Length") or 0)
-    if length > MAX_REQUEST_BYTES:
-        raise PayloadTooLarge(f"request body is {length} bytes, over the limit of {MAX_REQUEST_BYTES}")
+def _too_large(size: int | None) -> PayloadTooLarge:
+    told = f"{size} bytes" if size is not None else "more than that"
+    return PayloadTooLarge(f"request body is over the limit of {MAX_REQUEST_BYTES} bytes ({told})",
+                           problems=[FieldProblem("body", f"must be at most {MAX_REQUEST_BYTES} bytes")])
+
+
+def _read_json(request: HttpRequest) -> object:
+    """The decoded body, read at most MAX_REQUEST_BYTES + 1 bytes far (with or without a Content-Length)."""
+    declared = (request.headers.get("Content-Length") or "").strip()
+    if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
+        raise _too_large(int(declared))
+    raw = request.read(MAX_REQUEST_BYTES + 1)
+    if len(raw) > MAX_REQUEST_BYTES:
+        raise _too_large(None)
     try:
-        data = json.loads(request.body or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return loads_bounded(raw or b"{}", max_depth=MAX_BODY_DEPTH)
+    except JsonBodyProblem as exc:
+        raise ValidationFailed.on("body", exc.message) from None
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
         raise ValidationFailed.on("body", f"not valid JSON: {exc}") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        problems = [FieldProblem(".".join(str(p) for p in e["loc"]), e["msg"]) for e in exc.errors()[:50]]
-        raise ValidationFailed("; ".join(f"{p.field}: {p.message}" for p in problems[:5]), problems=problems) from None
 
 
-@router.post("/controller/runs/{run_id}/telemetry", response={200: TelemetryResponse, **CONTROLLER_ERRORS}, summary="Report telemetry batches")
+def _field_problems(exc: ValidationError) -> ValidationFailed:
+    problems = [FieldProblem(".".join(str(p) for p in e["loc"]) or "body", e["msg"]) for e in exc.errors()[:50]]
+    return ValidationFailed("; ".join(f"{p.field}: {p.message}" for p in problems[:5]), problems=problems)
+
+
+TELEMETRY_BODY = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": inline_schema(TelemetryRequest)}}}}
+
+
+@router.post("/controller/runs/{run_id}/telemetry",
+             response={200: TelemetryResponse, 422: TelemetryRefusal, **CONTROLLER_ERRORS},
+             summary="Report telemetry batches", openapi_extra=TELEMETRY_BODY)
 def post_telemetry(request: HttpRequest, run_id: int):  # noqa: ANN201
-    """Batches are applied in order, each exactly once; an empty list is a heartbeat."""
+    """Batches are applied in order, each exactly once; an empty list is a heartbeat.
+
+    A bad item (metric, event or log line) refuses the request with 422 `items_refused`, naming each refused
+    item by batch seq, section and index; nothing of the request is stored, and the same batches sent again
+    without those items are applied. A body that is not JSON or not a list of numbered batches gets a 400; one
+    over the request-size limit a 413. Points of the same key and step in one batch: the last one is kept, the
+    others are listed in `duplicates_dropped`.
+    """
     run = _run_of(request, run_id)
-    body = _parse_body(request, TelemetryRequest)
+    data = _read_json(request)
+    try:
+        screened = screen_request(data)
+    except ValidationError as exc:
+        raise _field_problems(exc) from None
     run_reported_in(run=run)
-    result = telemetry_ingest(run=run, batches=body.batches)
+    result = telemetry_ingest(run=run, batches=screened.request.batches, refused=screened.refused)
     pending = list(commands_pending(run=run).values_list("pk", flat=True)[:100])
-    return TelemetryResponse(applied_seq=result.applied_seq, duplicates=result.duplicates, pending_commands=pending)
+    return TelemetryResponse(applied_seq=result.applied_seq, duplicates=result.duplicates,
+                             duplicates_dropped=result.duplicates_dropped,
+                             duplicates_dropped_total=result.duplicates_dropped_total, pending_commands=pending)
 
 
 class CommandOut(Schema):

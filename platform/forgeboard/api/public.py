@@ -6,7 +6,7 @@ and audits). A read-only token may read; writes need a read-write token or a ses
 
 
 from django.http import HttpRequest
-from ninja import Query, Router, Status
+from ninja import Path, Query, Router, Status
 from ninja.pagination import paginate
 
 from forgeboard.accounts.models import ApiToken, Project
@@ -14,6 +14,7 @@ from forgeboard.accounts.selectors import project_get, projects_for_user
 from forgeboard.api.auth import USER_AUTH, actor_of, require_write_scope
 from forgeboard.api.pagination import Pages
 from forgeboard.api.schemas import (
+    BODY_ERRORS,
     ERRORS,
     CheckpointExportOut,
     CommandIn,
@@ -66,7 +67,7 @@ def list_experiments(request: HttpRequest, slug: str):  # noqa: ANN201
     return experiments_for_project(project=project_get(actor=actor_of(request), slug=slug))
 
 
-@router.post("/projects/{slug}/experiments", response={201: ExperimentOut, **ERRORS}, tags=["experiments"])
+@router.post("/projects/{slug}/experiments", response={201: ExperimentOut, **BODY_ERRORS}, tags=["experiments"])
 def create_experiment(request: HttpRequest, slug: str, body: ExperimentIn):  # noqa: ANN201
     require_write_scope(request)
     project = project_get(actor=actor_of(request), slug=slug)
@@ -80,9 +81,13 @@ def get_experiment(request: HttpRequest, experiment_id: int):  # noqa: ANN201
     return experiment_get(actor=actor_of(request), experiment_id=experiment_id)
 
 
-@router.post("/experiments/{experiment_id}/runs", response={201: RunDetailOut, **ERRORS}, tags=["runs"])
+@router.post("/experiments/{experiment_id}/runs", response={201: RunDetailOut, **BODY_ERRORS}, tags=["runs"])
 def launch_run(request: HttpRequest, experiment_id: int, body: RunIn):  # noqa: ANN201
-    """Validate the config against the engine's schema, snapshot it, and queue the run."""
+    """Validate the config against the engine's schema, snapshot it, and queue the run.
+
+    `config_yaml` is checked beyond what this document's JSON Schema can say (it is YAML validated against
+    the run config schema, `GET /config-schema`, with the overrides applied): a body that matches this
+    document can still be refused with 400 and each problem at its field (`config.trainer.steps`, ...)."""
     require_write_scope(request)
     experiment = experiment_get(actor=actor_of(request), experiment_id=experiment_id)
     run = run_launch(actor=actor_of(request), experiment=experiment, config_yaml=body.config_yaml,
@@ -113,9 +118,12 @@ def list_commands(request: HttpRequest, run_id: int):  # noqa: ANN201
     return Command.objects.filter(run=run_get(actor=actor_of(request), run_id=run_id)).order_by("-pk")
 
 
-@router.post("/runs/{run_id}/commands", response={201: CommandOut, **ERRORS}, tags=["commands"])
+@router.post("/runs/{run_id}/commands", response={201: CommandOut, **BODY_ERRORS}, tags=["commands"])
 def send_command(request: HttpRequest, run_id: int, body: CommandIn):  # noqa: ANN201
-    """Pause, resume, checkpoint, placement change, fault drill or load redirect for a live run."""
+    """Pause, resume, checkpoint, placement change, fault drill or load redirect for a live run.
+
+    The payload of a fault drill, placement change or load redirect is checked against the engine's
+    operation (400 with the field when it is not one); those need a run placed on Monarch (409 otherwise)."""
     require_write_scope(request)
     run = run_get(actor=actor_of(request), run_id=run_id)
     return Status(201, command_create(actor=actor_of(request), run=run, kind=body.kind, payload=body.payload))
@@ -123,7 +131,7 @@ def send_command(request: HttpRequest, run_id: int, body: CommandIn):  # noqa: A
 
 @router.post("/runs/{run_id}/checkpoints/{step}/export", response={200: CheckpointExportOut, 202: CheckpointExportOut,
                                                                   **ERRORS}, tags=["checkpoints"])
-def export_checkpoint(request: HttpRequest, run_id: int, step: int):  # noqa: ANN201
+def export_checkpoint(request: HttpRequest, run_id: int, step: int = Path(..., ge=0, le=MAX_STEP)):  # noqa: ANN201
     """Export the checkpoint at `step` as a Hugging Face folder, off the request.
 
     200 with `state: done` and the folder's `path` when it is already exported. Otherwise the export is
@@ -139,7 +147,7 @@ def export_checkpoint(request: HttpRequest, run_id: int, step: int):  # noqa: AN
 
 @router.get("/runs/{run_id}/checkpoints/{step}/export", response={200: CheckpointExportOut, **ERRORS},
             tags=["checkpoints"])
-def get_checkpoint_export(request: HttpRequest, run_id: int, step: int):  # noqa: ANN201
+def get_checkpoint_export(request: HttpRequest, run_id: int, step: int = Path(..., ge=0, le=MAX_STEP)):  # noqa: ANN201
     """How the export of the checkpoint at `step` stands: queued, running, done (with `path`) or failed (`error`);
     404 when it was never asked for."""
     run = run_get(actor=actor_of(request), run_id=run_id)

@@ -1,20 +1,25 @@
-"""Per-token request limits and a brake on repeated bad tokens, counted in the shared cache.
+"""Per-token request limits and brakes on repeated bad tokens and failed logins, counted in the shared cache.
 
 The cache is Redis when REDIS_URL is set, else the database: either way every web process counts
-into the same fixed one-minute windows.
+into the same fixed windows. Only failures are counted and only failures are refused: a valid
+credential is checked before any brake and always gets through.
 """
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
 import time
 
 from django.conf import settings
 from django.core.cache import cache
 from django.http import HttpRequest
 
+from forgeboard.bearer import token_prefix
 from forgeboard.errors import ServiceError
 
 WINDOW_S = 60
+HEX = frozenset("0123456789abcdef")
 
 
 class RateLimited(ServiceError):
@@ -22,29 +27,88 @@ class RateLimited(ServiceError):
     code = "rate_limited"
 
 
-def _count(key: str) -> int:
-    bucket = f"ratelimit:{key}:{int(time.time() // WINDOW_S)}"
-    cache.add(bucket, 0, timeout=2 * WINDOW_S)
-    return cache.incr(bucket)
+def _bucket(key: str, window_s: int) -> str:
+    return f"ratelimit:{key}:{window_s}:{int(time.time() // window_s)}"
 
 
-def _peek(key: str) -> int:
-    return cache.get(f"ratelimit:{key}:{int(time.time() // WINDOW_S)}", 0)
+def _count(key: str, window_s: int = WINDOW_S) -> int:
+    bucket = _bucket(key, window_s)
+    cache.add(bucket, 0, timeout=2 * window_s)
+    try:
+        return cache.incr(bucket)
+    except ValueError:  # gone between add and incr (expired, evicted, or the add lost to a locked database)
+        cache.set(bucket, 1, timeout=2 * window_s)
+        return 1
+
+
+def _peek(key: str, window_s: int = WINDOW_S) -> int:
+    return cache.get(_bucket(key, window_s), 0)
+
+
+def _trusted(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip in network for network in settings.TRUSTED_PROXIES)
 
 
 def client_address(request: HttpRequest) -> str:
-    return request.META.get("REMOTE_ADDR", "unknown")
+    """The peer's address; behind a configured proxy, the nearest untrusted address in its X-Forwarded-For."""
+    peer = request.META.get("REMOTE_ADDR") or "unknown"
+    if not _trusted(peer):
+        return peer
+    forwarded = [part.strip() for part in request.META.get("HTTP_X_FORWARDED_FOR", "").split(",") if part.strip()]
+    for hop in reversed(forwarded):
+        if not _trusted(hop):
+            try:
+                return str(ipaddress.ip_address(hop))
+            except ValueError:
+                return peer  # a proxy passed on garbage: count it against the proxy's own address
+    return forwarded[0] if forwarded else peer
 
 
-def refuse_if_failing_too_often(request: HttpRequest) -> None:
-    if _peek(f"authfail:{client_address(request)}") >= settings.API_AUTH_FAILURES_PER_MINUTE:
-        raise RateLimited("too many requests with invalid tokens from this address; wait a minute")
+def well_formed_prefix(raw: str, kind: str) -> str | None:
+    """The prefix of a token that could have been minted (hex), else None: nothing else is worth a query."""
+    prefix = token_prefix(raw, kind)
+    return prefix if prefix and all(c in HEX for c in prefix) else None
 
 
-def record_auth_failure(request: HttpRequest) -> None:
-    _count(f"authfail:{client_address(request)}")
+def _failure_key(request: HttpRequest, raw: str, kind: str) -> str:
+    """A well-formed token's failures count against its prefix, a malformed one's against the address."""
+    prefix = well_formed_prefix(raw, kind)
+    return f"authfail:{kind}:{prefix}" if prefix else f"authfail:addr:{client_address(request)}"
+
+
+def refuse_failed_authentication(request: HttpRequest, *, raw: str, kind: str) -> None:
+    """Count a bearer token that did not authenticate; past the limit, answer 429 instead of 401."""
+    if _count(_failure_key(request, raw, kind)) > settings.API_AUTH_FAILURES_PER_MINUTE:
+        raise RateLimited("too many requests with this invalid token; wait a minute")
 
 
 def count_token_request(prefix: str) -> None:
     if _count(f"token:{prefix}") > settings.API_RATE_PER_MINUTE:
         raise RateLimited(f"this token is over {settings.API_RATE_PER_MINUTE} requests a minute; slow down")
+
+
+def _account_key(username: str) -> str:
+    digest = hashlib.sha256(username.strip().lower().encode("utf-8", "replace")).hexdigest()[:32]
+    return f"loginfail:user:{digest}"
+
+
+def login_refusal(request: HttpRequest, *, username: str) -> str | None:
+    """Why a login attempt is refused before its password is checked, or None."""
+    window = settings.LOGIN_FAILURE_WINDOW_S
+    minutes = max(1, round(window / 60))
+    if _peek(_account_key(username), window) >= settings.LOGIN_FAILURES_PER_ACCOUNT:
+        return (f"Too many failed logins for this account. Try again in {minutes} minute{'s' * (minutes > 1)} "
+                "(an administrator can also reset the password).")
+    if _peek(f"loginfail:addr:{client_address(request)}", window) >= settings.LOGIN_FAILURES_PER_ADDRESS:
+        return f"Too many failed logins from your address. Try again in {minutes} minute{'s' * (minutes > 1)}."
+    return None
+
+
+def record_login_failure(request: HttpRequest, *, username: str) -> None:
+    window = settings.LOGIN_FAILURE_WINDOW_S
+    _count(_account_key(username), window)
+    _count(f"loginfail:addr:{client_address(request)}", window)

@@ -1,27 +1,27 @@
 """/api/v1 regression suites: define, launch (202 with a status URL), and read verdicts."""
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Any
 
 from django.http import HttpRequest
 from ninja import Router, Schema, Status
-from pydantic import Field
 
 from forgeboard.accounts.selectors import project_get
 from forgeboard.api.auth import USER_AUTH, actor_of, require_write_scope
-from forgeboard.api.schemas import ERRORS
+from forgeboard.api.schemas import BODY_ERRORS, ERRORS, NOT_BLANK, text
 from forgeboard.errors import NotFound, is_db_id
 from forgeboard.accounts.permissions import project_role
 from forgeboard.regressions.models import Suite, SuiteRun
+from forgeboard.regressions.spec import SuiteSpec
 from forgeboard.regressions.services import suite_create, suite_launch, suite_run_refresh
 
 router = Router(auth=USER_AUTH, tags=["regressions"])
 
 
 class SuiteIn(Schema):
-    name: Annotated[str, Field(min_length=1, max_length=100)]
-    description: Annotated[str, Field(max_length=10_000)] = ""
-    spec: dict[str, Any]
+    name: text(min_length=1, max_length=100, pattern=NOT_BLANK)
+    description: text(max_length=10_000) = ""
+    spec: SuiteSpec
 
 
 class SuiteOut(Schema):
@@ -89,11 +89,15 @@ def _suite(request: HttpRequest, slug: str, name: str) -> Suite:
     return suite
 
 
-@router.post("/projects/{slug}/suites", response={201: SuiteOut, **ERRORS})
+@router.post("/projects/{slug}/suites", response={201: SuiteOut, **BODY_ERRORS})
 def create_suite(request: HttpRequest, slug: str, body: SuiteIn):
+    """Define a suite. Beyond the spec's shape, each stage must name an experiment of this project and a
+    config that experiment can run (YAML checked as a launch checks it), and names must be unique: a body
+    that matches this document can still be refused with 400 and the field (`spec.stages.0.config_yaml`)."""
     require_write_scope(request)
     project = project_get(actor=actor_of(request), slug=slug)
-    suite = suite_create(actor=actor_of(request), project=project, name=body.name, spec=body.spec,
+    suite = suite_create(actor=actor_of(request), project=project, name=body.name,
+                         spec=body.spec.model_dump(mode="json", exclude_unset=True),
                          description=body.description)
     return Status(201, suite)
 

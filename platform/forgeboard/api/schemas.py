@@ -2,17 +2,76 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from ninja import Schema
+from pydantic import AfterValidator, Field, GetCoreSchemaHandler, GetJsonSchemaHandler
+from pydantic_core import core_schema
 
 from forgeboard.telemetry.ingest import wire_number
 from workers.engine.telemetry_wire import WholeNumber
-from pydantic import Field
+from workers.engine.wire_limits import MAX_REQUEST_BYTES, unstorable_in, unstorable_reason
 
-Name = Annotated[str, Field(min_length=1, max_length=200)]
+
+def _storable_json(value: Any) -> Any:
+    reason = unstorable_in(value)
+    if reason:
+        raise ValueError(reason)
+    return value
+
+
+StorableJson = AfterValidator(_storable_json)
+JsonObject = Annotated[dict[str, Any], StorableJson]
+
+# The patterns the document states for text: no NUL (PostgreSQL cannot store it); NOT_BLANK: also a character
+# that str.strip() keeps (\s, plus the separators \x1c-\x1f that Python strips too); OVERRIDE: section.key=value
+# with a key that is not blank before the first "=".
+STORABLE = r"^[^\x00]*$"
+NOT_BLANK = r"^[^\x00]*[^\s\x00\x1c-\x1f][^\x00]*$"
+OVERRIDE = r"^[^=\x00]*[^=\s\x00\x1c-\x1f][^=\x00]*=[^\x00]*$"
+PATTERN_MESSAGES = {NOT_BLANK: "must not be blank", OVERRIDE: "must look like section.key=value"}
+
+
+@dataclass(frozen=True)
+class _StorableText:
+    """Refuses what the database cannot store (NUL, lone surrogates) and what `pattern` does not match, with a
+    message that says which; the document states the pattern. Runs after the str checks, so Field's bounds
+    stay in the document."""
+
+    pattern: str
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:  # noqa: ANN401
+        return core_schema.no_info_after_validator_function(self._check, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler) -> dict:
+        return handler(schema) | {"pattern": self.pattern}
+
+    def _check(self, value: str) -> str:
+        reason = unstorable_reason(value)
+        if reason:
+            raise ValueError(reason)
+        if self.pattern != STORABLE and not re.search(self.pattern, value):
+            raise ValueError(PATTERN_MESSAGES.get(self.pattern, f"must match {self.pattern}"))
+        return value
+
+
+Storable = _StorableText(STORABLE)
+
+
+def text(*, max_length: int, min_length: int = 0, pattern: str = STORABLE) -> Any:  # noqa: ANN401
+    """A text field the database can store (no NUL, no lone surrogate), its bounds and pattern in the schema."""
+    return Annotated[str, Field(min_length=min_length, max_length=max_length), _StorableText(pattern)]
+
+
+Name = text(min_length=1, max_length=200, pattern=NOT_BLANK)
+Override = text(max_length=1000, pattern=OVERRIDE)
 Priority = Annotated[int, Field(ge=-100, le=100), WholeNumber]
+RecipeName = Literal["grpo", "sft"]
+# Every kind an operator may send here (a cancel goes through POST /runs/{id}/cancel).
+CommandKindName = Literal["pause", "resume", "checkpoint", "placement_change", "fault_drill", "load_redirect"]
 
 
 class ProjectOut(Schema):
@@ -24,9 +83,9 @@ class ProjectOut(Schema):
 
 class ExperimentIn(Schema):
     name: Name
-    recipe: Annotated[str, Field(max_length=16)]
-    description: Annotated[str, Field(max_length=10_000)] = ""
-    tags: Annotated[list[Annotated[str, Field(max_length=50)]], Field(max_length=20)] = []
+    recipe: RecipeName
+    description: text(max_length=10_000) = ""
+    tags: Annotated[list[text(max_length=50)], Field(max_length=20)] = []
 
 
 class ExperimentOut(Schema):
@@ -39,8 +98,8 @@ class ExperimentOut(Schema):
 
 
 class RunIn(Schema):
-    config_yaml: Annotated[str, Field(max_length=64 * 1024)]
-    overrides: Annotated[list[Annotated[str, Field(max_length=1000)]], Field(max_length=100)] = []
+    config_yaml: text(max_length=64 * 1024)
+    overrides: Annotated[list[Override], Field(max_length=100)] = []
     priority: Priority = 0
 
 
@@ -79,8 +138,9 @@ class RunDetailOut(RunOut):
 
 
 class CommandIn(Schema):
-    kind: Annotated[str, Field(max_length=32)]
-    payload: dict[str, Any] = {}
+    kind: CommandKindName
+    payload: JsonObject = Field({}, description="the command's options (fault_drill, placement_change and "
+                                "load_redirect: see the engine's operations; at most 64 KiB as JSON)")
 
 
 class CommandOut(Schema):
@@ -168,3 +228,6 @@ class CheckpointExportOut(Schema):
 
 
 ERRORS = {400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut, 409: ErrorOut, 429: ErrorOut}
+# Operations with a request body also answer 413 `payload_too_large` for a body over MAX_REQUEST_BYTES.
+BODY_ERRORS = {**ERRORS, 413: ErrorOut}
+BODY_LIMIT_NOTE = f"The body is at most {MAX_REQUEST_BYTES} bytes (413 `payload_too_large` above it)."

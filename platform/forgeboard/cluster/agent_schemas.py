@@ -6,13 +6,15 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from forgeboard.api.schemas import Storable
+
 HealthName = Literal["healthy", "degraded", "unhealthy", "unknown"]
 Hostname = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
 Percent = Annotated[float, Field(ge=0, le=100)]
 # Bounds keep every integer inside the database column it lands in.
 Bytes = Annotated[int, Field(ge=0, le=2**60)]
-LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=100)]
-LabelValue = Annotated[str, StringConstraints(max_length=200)]
+LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=100), Storable]
+LabelValue = Annotated[str, StringConstraints(max_length=200), Storable]
 
 MAX_DEVICES = 256
 
@@ -24,9 +26,9 @@ class _Strict(BaseModel):
 class DeviceIn(_Strict):
     kind: Literal["gpu", "cpu"]
     index: int = Field(ge=0, le=4095)
-    model: str = Field(min_length=1, max_length=200)
+    model: Annotated[str, Field(min_length=1, max_length=200), Storable]
     memory_bytes: Bytes = 0
-    uuid: str = Field(default="", max_length=100)
+    uuid: Annotated[str, Field(max_length=100), Storable] = ""
     health: HealthName = "healthy"
     utilization: Percent | None = None
     memory_used_bytes: Bytes | None = None
@@ -40,7 +42,7 @@ class RegisterIn(_Strict):
     memory_bytes: Bytes
     cpu_utilization: Percent | None = None
     memory_utilization: Percent | None = None
-    agent_version: str = Field(default="", max_length=50)
+    agent_version: Annotated[str, Field(max_length=50), Storable] = ""
     devices: list[DeviceIn] = Field(default_factory=list, max_length=MAX_DEVICES)
 
 

@@ -22,6 +22,7 @@ from forgeboard.cluster.services import (
     host_register,
 )
 from forgeboard.errors import ServiceError
+from workers.engine.wire_limits import MAX_JSON_DEPTH, json_depth
 
 MAX_BODY_BYTES = 256 * 1024
 
@@ -64,6 +65,9 @@ def _parse(request: HttpRequest, schema: type[Body]) -> Body:
     body = request.body
     if len(body) > MAX_BODY_BYTES:
         raise _Refused(413, "body_too_large", f"the body is {len(body)} bytes; the limit is {MAX_BODY_BYTES}")
+    if json_depth(body) > MAX_JSON_DEPTH:
+        message = f"nested deeper than {MAX_JSON_DEPTH} levels"
+        raise _Refused(400, "validation_failed", f"body: {message}", [{"field": "body", "message": message}])
     try:
         return schema.model_validate_json(body)
     except ValidationError as exc:

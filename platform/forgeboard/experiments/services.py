@@ -11,9 +11,10 @@ from django.db import IntegrityError, transaction
 from forgeboard.accounts.models import Project, Role
 from forgeboard.accounts.permissions import Actor, actor_user, require_project_role
 from forgeboard.audit.services import audit_record
-from forgeboard.errors import FieldProblem, ValidationFailed, clean_text
+from forgeboard.errors import AlreadyExists, FieldProblem, ValidationFailed, clean_text
 from forgeboard.experiments.models import ConfigSnapshot, Experiment, Recipe
 from workers.engine.config import ConfigError, RunConfig, load_config
+from workers.engine.wire_limits import unstorable_reason
 
 MAX_TAGS = 20
 MAX_TAG_LENGTH = 50
@@ -29,6 +30,9 @@ def _clean_recipe(recipe: str) -> Recipe:
 def _clean_tags(tags: Sequence[str]) -> list[str]:
     if isinstance(tags, str) or not all(isinstance(tag, str) for tag in tags):
         raise ValidationFailed.on("tags", "must be a list of text tags")
+    unstorable = next((reason for tag in tags if (reason := unstorable_reason(tag))), None)
+    if unstorable:
+        raise ValidationFailed.on("tags", f"a tag {unstorable}")
     cleaned = sorted({tag.strip() for tag in tags if tag.strip()})
     if len(cleaned) > MAX_TAGS:
         raise ValidationFailed.on("tags", f"at most {MAX_TAGS} tags, got {len(cleaned)}")
@@ -36,6 +40,17 @@ def _clean_tags(tags: Sequence[str]) -> list[str]:
     if too_long:
         raise ValidationFailed.on("tags", f"tag {too_long[0][:20]!r}… is over {MAX_TAG_LENGTH} characters")
     return cleaned
+
+
+def _refuse_unstorable(*, yaml_text: str, overrides: Sequence[str]) -> None:
+    """A config the database could not store (NUL, lone surrogates), refused at its field."""
+    if reason := unstorable_reason(yaml_text):
+        raise ValidationFailed.on("config", reason)
+    for index, override in enumerate(overrides):
+        if not isinstance(override, str):
+            raise ValidationFailed.on(f"overrides.{index}", "must be text")
+        if reason := unstorable_reason(override):
+            raise ValidationFailed.on(f"overrides.{index}", reason)
 
 
 def experiment_create(
@@ -53,7 +68,7 @@ def experiment_create(
             audit_record(actor=actor, action="experiment.create", target=experiment, project=project,
                          payload={"name": name, "recipe": recipe})
     except IntegrityError:
-        raise ValidationFailed.on("name", f"an experiment named {name!r} already exists in {project.slug}") from None
+        raise AlreadyExists.on("name", f"an experiment named {name!r} already exists in {project.slug}") from None
     return experiment
 
 
@@ -76,12 +91,23 @@ def experiment_update(
     return experiment
 
 
-def validate_run_config(*, yaml_text: str, overrides: Sequence[str] = (), recipe: str) -> RunConfig:
-    """The engine's validation plus the experiment's recipe; field-level ValidationFailed on any problem."""
+def validate_run_config(*, yaml_text: str, overrides: Sequence[str] = (), recipe: str,
+                        project: Project | None = None) -> RunConfig:
+    """The engine's validation, the experiment's recipe and the config's paths and artifact references resolved
+    in `project` (artifacts/resolver.py); field-level ValidationFailed on any problem."""
+    return validate_and_resolve(yaml_text=yaml_text, overrides=overrides, recipe=recipe, project=project)[0]
+
+
+def validate_and_resolve(*, yaml_text: str, overrides: Sequence[str] = (), recipe: str,
+                         project: Project | None) -> tuple[RunConfig, dict[str, str]]:
+    """`validate_run_config`, and the resolved paths: {engine field ("model.path"): absolute path}."""
+    from forgeboard.artifacts.resolver import resolve_run_paths
+
     if not isinstance(yaml_text, str):
         raise ValidationFailed.on("config", "must be YAML text")
     if len(overrides) > MAX_OVERRIDES:
         raise ValidationFailed.on("overrides", f"at most {MAX_OVERRIDES} overrides, got {len(overrides)}")
+    _refuse_unstorable(yaml_text=yaml_text, overrides=overrides)
     try:
         config = load_config(yaml_text, overrides=list(overrides))
     except ConfigError as exc:
@@ -92,12 +118,15 @@ def validate_run_config(*, yaml_text: str, overrides: Sequence[str] = (), recipe
         raise ValidationFailed.on(
             "config.recipe", f"is {config.recipe!r} but the experiment's recipe is {recipe!r}"
         )
-    return config
+    return config, resolve_run_paths(config=config, project=project)
 
 
-def config_snapshot_create(*, yaml_text: str, overrides: Sequence[str] = (), recipe: str) -> ConfigSnapshot:
-    """Validate and store a config; the same text and overrides give back the same snapshot."""
-    config = validate_run_config(yaml_text=yaml_text, overrides=overrides, recipe=recipe)
+def config_snapshot_create(*, yaml_text: str, overrides: Sequence[str] = (), recipe: str,
+                           config: RunConfig | None = None) -> ConfigSnapshot:
+    """Validate (unless `config` is this text already validated) and store a config; the same text and overrides
+    give back the same snapshot, in every project: the paths a run resolved are the run's (Run.artifact_paths)."""
+    if config is None:
+        config = validate_run_config(yaml_text=yaml_text, overrides=overrides, recipe=recipe)
     digest = hashlib.sha256(json.dumps([yaml_text, list(overrides)]).encode("utf-8")).hexdigest()
     existing = ConfigSnapshot.objects.filter(content_hash=digest).first()
     if existing is not None:

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from forgeboard.accounts.models import Project, Role
 from forgeboard.accounts.permissions import Actor, actor_user, require_project_role
 from forgeboard.audit.services import audit_record
-from forgeboard.errors import FieldProblem, ValidationFailed, clean_text
+from forgeboard.errors import AlreadyExists, FieldProblem, ValidationFailed, clean_text
 from forgeboard.experiments.models import Experiment
 from forgeboard.experiments.services import validate_run_config
 from forgeboard.regressions.models import CheckResult, StageResult, Suite, SuiteRun, Verdict
@@ -41,7 +41,8 @@ def _check_stages(*, project: Project, spec: SuiteSpec) -> None:
             raise ValidationFailed.on(f"spec.stages.{i}.experiment_id", f"no experiment {stage.experiment_id} in "
                                                                         f"{project.slug}")
         try:
-            validate_run_config(yaml_text=stage.config_yaml, overrides=stage.overrides, recipe=experiment.recipe)
+            validate_run_config(yaml_text=stage.config_yaml, overrides=stage.overrides, recipe=experiment.recipe,
+                                project=project)
         except ValidationFailed as exc:
             problems = [FieldProblem(f"spec.stages.{i}.{p.field}", p.message) for p in exc.problems]
             raise ValidationFailed(f"stage {stage.name!r}: {exc.message}", problems=problems) from None
@@ -55,6 +56,7 @@ def _check_stages(*, project: Project, spec: SuiteSpec) -> None:
 def suite_create(*, actor: Actor, project: Project, name: str, spec: Any, description: str = "") -> Suite:
     require_project_role(actor=actor, project=project, minimum=Role.MEMBER, action="defining regression suites")
     name = clean_text(field="name", value=name, max_length=100)
+    description = clean_text(field="description", value=description, max_length=10_000, required=False)
     parsed = _parse_spec(spec)
     _check_stages(project=project, spec=parsed)
     try:
@@ -63,7 +65,7 @@ def suite_create(*, actor: Actor, project: Project, name: str, spec: Any, descri
                                          spec=parsed.model_dump(mode="json"), created_by=actor_user(actor))
             audit_record(actor=actor, action="suite.create", target=suite, project=project, payload={"name": name})
     except IntegrityError:
-        raise ValidationFailed.on("name", f"a suite named {name!r} already exists in {project.slug}") from None
+        raise AlreadyExists.on("name", f"a suite named {name!r} already exists in {project.slug}") from None
     return suite
 
 

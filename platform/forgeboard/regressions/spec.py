@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from forgeboard.api.schemas import Override, text
+
 Name = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
 
 
@@ -34,8 +36,8 @@ class HistoryBaseline(_Spec):
 
 class CheckSpec(_Spec):
     name: Name
-    metric: Annotated[str, Field(min_length=1, max_length=200)]
-    at: Literal["last", "min", "max", "mean"] | Annotated[int, Field(ge=0)] = Field(
+    metric: text(min_length=1, max_length=200)
+    at: Literal["last", "min", "max", "mean"] | Annotated[int, Field(ge=0, le=2**63 - 1)] = Field(
         "last", description="the value at a step, or last/min/max/mean over the run")
     direction: Literal["higher_is_better", "lower_is_better"]
     gate: bool = True
@@ -45,8 +47,8 @@ class CheckSpec(_Spec):
 class StageSpec(_Spec):
     name: Name
     experiment_id: Annotated[int, Field(ge=1, le=2**63 - 1)]
-    config_yaml: Annotated[str, Field(max_length=64 * 1024)]
-    overrides: Annotated[list[Annotated[str, Field(max_length=1000)]], Field(max_length=100)] = []
+    config_yaml: text(max_length=64 * 1024)
+    overrides: Annotated[list[Override], Field(max_length=100)] = []
     checks: Annotated[list[CheckSpec], Field(min_length=1, max_length=50)]
 
     @model_validator(mode="after")

@@ -164,14 +164,20 @@ def checkpoint_export(*, actor: Actor, run: Run, step: int) -> Path:
 
 
 def _child_overrides(*, run: Run, step: int, overrides: Sequence[str]) -> list[str]:
-    """The parent's overrides, then the exported weights as the model, then `overrides`: checked before any export."""
+    """The parent's overrides, then the exported weights as the model (`model.artifact=run:<id>@step:<n>`, which the
+    resolver turns into the export folder), then `overrides`: checked before any export."""
     if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):
         raise ValidationFailed.on("overrides", "must be a list of section.key=value strings")
-    model_path = export_folder(run=run, step=step)
-    child_overrides = [*run.config.overrides, f"model.path={json.dumps(str(model_path))}", "checkpoint.resume_from=",
-                       *overrides]
-    validate_run_config(yaml_text=run.config.yaml_text, overrides=child_overrides, recipe=run.experiment.recipe)
+    child_overrides = [*run.config.overrides, "model.path=", f"model.artifact={run_reference(run=run, step=step)}",
+                       "checkpoint.resume_from=", *overrides]
+    validate_run_config(yaml_text=run.config.yaml_text, overrides=child_overrides, recipe=run.experiment.recipe,
+                        project=run.experiment.project)
     return child_overrides
+
+
+def run_reference(*, run: Run, step: int) -> str:
+    """How a config of the run's project names its checkpoint (checkpoint.resume_from) or export (model.artifact)."""
+    return f"run:{run.pk}@step:{step}"
 
 
 def run_launch_from_checkpoint_request(*, actor: Actor, run: Run, step: int,

@@ -29,6 +29,10 @@ class Run(models.Model):
     config = models.ForeignKey(ConfigSnapshot, on_delete=models.PROTECT, related_name="runs")
     state = models.CharField(max_length=16, choices=RunState.choices, default=RunState.QUEUED)
     placement_plan = models.JSONField(default=dict, blank=True)
+    artifact_paths = models.JSONField(
+        default=dict, blank=True,
+        help_text="The config's paths and artifact references resolved in the run's project at launch: "
+                  '{"model.path": "/abs", ...}; what its engine is given (artifacts/resolver.py)')
     allocation = models.JSONField(
         default=dict, blank=True, help_text="What the scheduler reserved while the run is active: {hostname: {gpus, slots}}"
     )

@@ -17,12 +17,13 @@ from forgeboard.alerts.services import alerts_for_run_state
 from forgeboard.audit.services import audit_record
 from forgeboard.errors import Conflict, FieldProblem, NotFound, ValidationFailed, is_db_id
 from forgeboard.experiments.models import Experiment
-from forgeboard.experiments.services import config_snapshot_create
+from forgeboard.experiments.services import config_snapshot_create, validate_and_resolve
 from forgeboard.runs.models import EXTERNAL_BACKENDS, Command, CommandKind, CommandState, LaunchBackend, Run
 from forgeboard.runs.states import ACTIVE_STATES, TERMINAL_STATES, TRANSITIONS, RunState
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append, storable
 from workers.engine.operations import OperationError, parse_operation
+from workers.engine.wire_limits import unstorable_in
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +109,11 @@ def run_launch(
     require_project_role(actor=actor, project=experiment.project, minimum=Role.MEMBER, action="launching runs")
     if not isinstance(priority, int) or isinstance(priority, bool) or not -100 <= priority <= 100:
         raise ValidationFailed.on("priority", "must be an integer from -100 to 100")
+    config, artifact_paths = validate_and_resolve(yaml_text=config_yaml, overrides=overrides, recipe=experiment.recipe,
+                                                  project=experiment.project)
     with transaction.atomic():
-        snapshot = config_snapshot_create(yaml_text=config_yaml, overrides=overrides, recipe=experiment.recipe)
+        snapshot = config_snapshot_create(yaml_text=config_yaml, overrides=overrides, recipe=experiment.recipe,
+                                          config=config)
         # Lock the experiment row so concurrent launches get distinct run numbers.
         Experiment.objects.select_for_update().filter(pk=experiment.pk).first()
         number = (Run.objects.filter(experiment=experiment).aggregate(n=Max("number"))["n"] or 0) + 1
@@ -117,10 +121,12 @@ def run_launch(
             experiment=experiment, number=number, config=snapshot, state=RunState.QUEUED, priority=priority,
             launched_by=actor_user(actor), parent=parent, max_restarts=snapshot.parsed.get("max_restarts", 0),
             placement_plan=snapshot.parsed.get("placement", {}), backend=launch_backend(snapshot.parsed),
+            artifact_paths=artifact_paths,
         )
         event_append(run=run, kind=EventKind.STATE_CHANGED, payload={"from": None, "to": RunState.QUEUED})
         audit_record(actor=actor, action="run.launch", target=run, project=experiment.project,
-                     payload={"config": snapshot.content_hash, "overrides": list(overrides)})
+                     payload={"config": snapshot.content_hash, "overrides": list(overrides),
+                              "paths": artifact_paths})
         transaction.on_commit(lambda: run_enqueue_launch(run.pk))
     logger.info("run %s queued", run.pk, extra={"run_id": run.pk})
     return run
@@ -198,6 +204,8 @@ def command_create(*, actor: Actor, run: Run, kind: str, payload: dict[str, Any]
     payload = payload or {}
     if not isinstance(payload, dict):
         raise ValidationFailed.on("payload", "must be an object")
+    if unstorable := unstorable_in(payload):
+        raise ValidationFailed.on("payload", unstorable)
     if len(json.dumps(payload)) > MAX_COMMAND_PAYLOAD_BYTES:
         raise ValidationFailed.on("payload", f"over {MAX_COMMAND_PAYLOAD_BYTES} bytes")
     if kind in OPERATION_KINDS:

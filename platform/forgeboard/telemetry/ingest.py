@@ -14,12 +14,19 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from forgeboard.alerts.services import alerts_for_recovery
-from forgeboard.errors import Conflict
+from forgeboard.errors import Conflict, FieldProblem, ServiceError
 from forgeboard.runs.models import Run
 from forgeboard.telemetry.models import EventKind, LogLine, MetricPoint, MetricSeries, RunEvent
 from forgeboard.telemetry.services import event_to_wire, storable
 from forgeboard.telemetry.streams import publish_run_update
-from workers.engine.telemetry_wire import TelemetryBatch, WireMetric
+from workers.engine.telemetry_wire import (
+    MAX_DUPLICATES_LISTED,
+    MAX_REFUSED_PER_ANSWER,
+    DroppedDuplicate,
+    RefusedItem,
+    TelemetryBatch,
+    WireMetric,
+)
 
 logger = logging.getLogger(__name__)
 WIRE_POINTS_PER_KEY = 50
@@ -36,17 +43,48 @@ class SequenceGap(Conflict):
         return super().as_dict() | {"expected_seq": self.expected}
 
 
+class ItemsRefused(ServiceError):
+    """Items of batches not yet applied were refused: nothing of the request is stored, so the engine can send
+    the same batches again without them and every batch is still applied once, in order."""
+
+    status = 422
+    code = "items_refused"
+
+    def __init__(self, *, refused: Sequence[RefusedItem], applied_seq: int):
+        shown = list(refused[:MAX_REFUSED_PER_ANSWER])
+        super().__init__(
+            f"{len(refused)} telemetry items refused; nothing stored: send the batches again without them",
+            problems=[FieldProblem(r.field, r.reason) for r in shown[:50]],
+        )
+        self.refused = shown
+        self.applied_seq = applied_seq
+
+    def as_dict(self) -> dict:
+        return super().as_dict() | {"applied_seq": self.applied_seq,
+                                    "refused": [r.model_dump() for r in self.refused]}
+
+
 @dataclass
 class IngestResult:
     applied_seq: int
     duplicates: int = 0
     points: int = 0
     events: list[RunEvent] = field(default_factory=list)
+    duplicates_dropped: list[DroppedDuplicate] = field(default_factory=list)
+    duplicates_dropped_total: int = 0
 
 
-def telemetry_ingest(*, run: Run, batches: Sequence[TelemetryBatch]) -> IngestResult:
-    """Apply batches in sequence order. A batch already applied is skipped; a gap is refused."""
+def telemetry_ingest(
+    *, run: Run, batches: Sequence[TelemetryBatch], refused: Sequence[RefusedItem] = ()
+) -> IngestResult:
+    """Apply batches in sequence order. A batch already applied is skipped; a gap is refused; refused items of a
+    batch not yet applied refuse the request (ItemsRefused) before anything is stored."""
     result = IngestResult(applied_seq=run.telemetry_seq)
+    if refused:
+        applied = Run.objects.filter(pk=run.pk).values_list("telemetry_seq", flat=True).get()
+        pending = [r for r in refused if r.seq > applied]
+        if pending:
+            raise ItemsRefused(refused=pending, applied_seq=applied)
     for batch in sorted(batches, key=lambda b: b.seq):
         with transaction.atomic():
             locked = Run.objects.select_for_update().only("pk", "telemetry_seq", "last_event_seq").get(pk=run.pk)
@@ -56,7 +94,10 @@ def telemetry_ingest(*, run: Run, batches: Sequence[TelemetryBatch]) -> IngestRe
                 continue
             if batch.seq != locked.telemetry_seq + 1:
                 raise SequenceGap(expected=locked.telemetry_seq + 1, got=batch.seq)
-            result.points += _store_metrics(run_id=run.pk, metrics=batch.metrics)
+            metrics, dropped = _last_value_per_step(batch)
+            result.points += _store_metrics(run_id=run.pk, metrics=metrics)
+            result.duplicates_dropped_total += len(dropped)
+            result.duplicates_dropped.extend(dropped[:MAX_DUPLICATES_LISTED - len(result.duplicates_dropped)])
             events = _store_events(run=locked, batch=batch)
             _alert_slow_recoveries(run=run, events=events)
             LogLine.objects.bulk_create(
@@ -73,6 +114,20 @@ def telemetry_ingest(*, run: Run, batches: Sequence[TelemetryBatch]) -> IngestRe
     if not batches:
         Run.objects.filter(pk=run.pk).update(last_heartbeat_at=timezone.now())
     return result
+
+
+def _last_value_per_step(batch: TelemetryBatch) -> tuple[list[WireMetric], list[DroppedDuplicate]]:
+    """Within a batch the last value for a key and step wins; the earlier ones are reported as dropped."""
+    last: dict[tuple[str, int], int] = {}
+    dropped: list[DroppedDuplicate] = []
+    for index, metric in enumerate(batch.metrics):
+        earlier = last.get((metric.key, metric.step))
+        if earlier is not None:
+            dropped.append(DroppedDuplicate(seq=batch.seq, key=metric.key, step=metric.step, index=earlier))
+        last[(metric.key, metric.step)] = index
+    if not dropped:
+        return list(batch.metrics), []
+    return [batch.metrics[i] for i in sorted(last.values())], dropped
 
 
 def _store_events(*, run: Run, batch: TelemetryBatch) -> list[RunEvent]:
@@ -104,7 +159,7 @@ def _store_metrics(*, run_id: int, metrics: Sequence[WireMetric]) -> int:
     if not metrics:
         return 0
     series = _series_ids(run_id=run_id, keys={m.key for m in metrics})
-    unique = {(series[m.key], m.step): m for m in metrics}  # within a batch the last value for a step wins
+    unique = {(series[m.key], m.step): m for m in metrics}  # unique already (_last_value_per_step)
     rows = [(sid, step, None if math.isnan(m.value) else m.value, m.time) for (sid, step), m in unique.items()]
     inserted = _insert_points_postgres(rows) if connection.vendor == "postgresql" else _insert_points_generic(rows)
     by_series: dict[int, list[WireMetric]] = {}

@@ -1,15 +1,17 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from forgeboard.web.views import cluster, compare, launch, pages, runs
+from forgeboard.web.views import artifacts, cluster, compare, launch, pages, runs, tokens
+from forgeboard.web.views.login import ThrottledLoginView
 
 urlpatterns = [
     path("healthz", pages.healthz, name="healthz"),
-    path("login/", auth_views.LoginView.as_view(template_name="web/login.html"), name="login"),
+    path("login/", ThrottledLoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("", pages.home, name="home"),
     path("p/<slug:slug>/", runs.run_list, name="project_detail"),
     path("p/<slug:slug>/members/", pages.members, name="project_members"),
+    path("p/<slug:slug>/artifacts/", artifacts.artifacts, name="project_artifacts"),
     path("p/<slug:slug>/launch/", launch.launch, name="launch"),
     path("p/<slug:slug>/compare/", compare.compare, name="compare"),
     path("runs/<int:run_id>/", runs.run_detail, name="run_detail"),
@@ -20,4 +22,6 @@ urlpatterns = [
     path("runs/<int:run_id>/checkpoints/<int:step>/launch/", runs.run_from_checkpoint, name="run_from_checkpoint"),
     path("runs/<int:run_id>/clone/", launch.clone, name="run_clone"),
     path("cluster/", cluster.cluster, name="cluster"),
+    path("settings/tokens/", tokens.tokens, name="settings_tokens"),
+    path("settings/tokens/<int:token_id>/revoke/", tokens.token_revoke, name="settings_token_revoke"),
 ]

@@ -97,7 +97,8 @@ def _set_yaml_scalar(text: str, path: list[str], value: str) -> str:
 
 
 def launch_presets() -> list[Preset]:
-    """Model presets from examples/configs; the CPU demo ones point model.path at the demo model folder."""
+    """Model presets from examples/configs; the CPU demo ones point model.path at the demo model folder (inside the
+    default artifact roots, FORGEBOARD_ARTIFACT_ROOTS; seed_demo also registers it as the demo project's `tiny-qwen3`)."""
     presets = []
     for path in sorted((Path(settings.REPO_DIR) / "examples" / "configs").glob("*.yaml")):
         text = path.read_text(encoding="utf-8")
@@ -211,7 +212,8 @@ def _submit(request: HttpRequest, *, project: Project, form: LaunchForm, parent:
         form.add("hosts", f"not in the cluster inventory: {', '.join(unknown)}")
     overrides = _split_overrides(form.overrides) + placement_overrides(recipe=recipe, hosts=form.hosts)
     if recipe in Recipe.values:
-        form.config_errors = config_problems(yaml_text=form.config_yaml, overrides=overrides, recipe=recipe)
+        form.config_errors = config_problems(yaml_text=form.config_yaml, overrides=overrides, recipe=recipe,
+                                             project=project)
     if form.errors or form.config_errors:
         return None
     try:

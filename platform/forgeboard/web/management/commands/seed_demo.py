@@ -19,6 +19,11 @@ from forgeboard.accounts.services import project_create
 from forgeboard.experiments.models import Experiment
 from forgeboard.experiments.services import experiment_create
 
+from forgeboard.artifacts.models import Artifact, ArtifactKind
+from forgeboard.artifacts.services import artifact_register
+
+DEMO_MODEL = "tiny-qwen3"  # the demo project's model artifact (DATA_DIR/models is a default artifact root)
+
 
 class Command(BaseCommand):
     help = "Create the demo user (demo / forgeboard-demo), its project and experiments."
@@ -60,6 +65,10 @@ class Command(BaseCommand):
             self.stdout.write(f"building the tiny demo model in {model}")
             subprocess.run([sys.executable, "-m", "workers.engine", "make-tiny-model", "--family", "qwen3",
                             "--out", str(model)], check=True, cwd=settings.REPO_DIR)
+        if not Artifact.objects.filter(project=experiment.project, name=DEMO_MODEL).exists():
+            artifact_register(actor=user, project=experiment.project, name=DEMO_MODEL, kind=ArtifactKind.MODEL,
+                              path=str(model), description="the CPU demo's tiny random Qwen3 (make-tiny-model)")
         config = (settings.REPO_DIR / "examples" / "configs" / "cpu_demo_sft.yaml").read_text(encoding="utf-8")
-        run = run_launch(actor=user, experiment=experiment, config_yaml=config, overrides=[f"model.path={model}"])
+        run = run_launch(actor=user, experiment=experiment, config_yaml=config,
+                         overrides=["model.path=", f"model.artifact={DEMO_MODEL}"])
         self.stdout.write(f"queued the CPU demo run: {experiment.name} #{run.number}")

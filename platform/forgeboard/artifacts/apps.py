@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class ArtifactsConfig(AppConfig):
+    name = "forgeboard.artifacts"
+    label = "artifacts"
