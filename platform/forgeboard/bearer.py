@@ -28,10 +28,14 @@ def mint_token(kind: str) -> MintedToken:
     return MintedToken(prefix=prefix, raw=raw, token_hash=hash_token(raw))
 
 
+HEX_DIGITS = frozenset("0123456789abcdef")
+
+
 def token_prefix(raw: object, kind: str) -> str | None:
-    """The prefix of a well-formed token of this kind, else None."""
+    """The prefix of a token of this kind that could have been minted (lowercase hex), else None: nothing else
+    is worth a database query (a NUL or other junk in it would not even be storable)."""
     parts = raw.split("_", 2) if isinstance(raw, str) else []
-    if len(parts) != 3 or parts[0] != kind or len(parts[1]) != 2 * PREFIX_BYTES:
+    if len(parts) != 3 or parts[0] != kind or len(parts[1]) != 2 * PREFIX_BYTES or not HEX_DIGITS.issuperset(parts[1]):
         return None
     return parts[1]
 

@@ -125,7 +125,8 @@ def test_heartbeat_for_unknown_host_or_device_asks_to_register(client, raw_token
 
 # --- refusals -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("header", [None, "Bearer", "Basic abc", "Bearer fba_000000000000_nope", "Bearer fb_x_y"])
+@pytest.mark.parametrize("header", [None, "Bearer", "Basic abc", "Bearer fba_000000000000_nope", "Bearer fb_x_y",
+                                    "Bearer fba_00000000000\x00_nope", "Bearer fba_ABCDEF000000_nope"])
 def test_missing_or_wrong_tokens_get_401(client, team, header):
     extra = {"HTTP_AUTHORIZATION": header} if header else {}
     response = client.post(REGISTER, data=json.dumps(_register_body()), content_type="application/json", **extra)
@@ -196,7 +197,7 @@ def test_heartbeat_body_is_strict_too(client, raw_token):
 def test_bodies_over_256_kib_get_413(client, raw_token):
     body = json.dumps(_register_body(labels={"pad": "x" * 200})) + " " * (256 * 1024)
     status, answer = _post(client, REGISTER, body, raw_token)
-    assert status == 413 and answer["code"] == "body_too_large"
+    assert status == 413 and answer["code"] == "payload_too_large"
     assert not Host.objects.exists()
 
 

@@ -12,7 +12,7 @@ from ninja.parser import Parser
 from ninja.security import HttpBearer, SessionAuth
 
 from forgeboard.accounts.services import api_token_authenticate
-from forgeboard.api.ratelimit import count_token_request, refuse_failed_authentication, well_formed_prefix
+from forgeboard.api.ratelimit import count_token_request, refuse_failed_authentication
 from forgeboard.api_errors import CODES, api_internal_error, csrf_failure
 from forgeboard.errors import ServiceError
 from forgeboard.runs.tokens import run_token_authenticate
@@ -105,7 +105,7 @@ class RunTokenAuth(HttpBearer):
     """A run controller's token (`fbr_…`); the view checks that it belongs to the run in the path."""
 
     def authenticate(self, request: HttpRequest, token: str):  # noqa: ANN201
-        found = run_token_authenticate(raw=token) if well_formed_prefix(token, "fbr") else None
+        found = run_token_authenticate(raw=token)
         if found is None:
             refuse_failed_authentication(request, raw=token, kind="fbr")
         return found

@@ -19,7 +19,6 @@ from forgeboard.bearer import token_prefix
 from forgeboard.errors import ServiceError
 
 WINDOW_S = 60
-HEX = frozenset("0123456789abcdef")
 
 
 class RateLimited(ServiceError):
@@ -68,15 +67,9 @@ def client_address(request: HttpRequest) -> str:
     return forwarded[0] if forwarded else peer
 
 
-def well_formed_prefix(raw: str, kind: str) -> str | None:
-    """The prefix of a token that could have been minted (hex), else None: nothing else is worth a query."""
-    prefix = token_prefix(raw, kind)
-    return prefix if prefix and all(c in HEX for c in prefix) else None
-
-
 def _failure_key(request: HttpRequest, raw: str, kind: str) -> str:
     """A well-formed token's failures count against its prefix, a malformed one's against the address."""
-    prefix = well_formed_prefix(raw, kind)
+    prefix = token_prefix(raw, kind)
     return f"authfail:{kind}:{prefix}" if prefix else f"authfail:addr:{client_address(request)}"
 
 

@@ -61,10 +61,10 @@ def _parse(request: HttpRequest, schema: type[Body]) -> Body:
     except ValueError:
         raise _Refused(400, "validation_failed", "Content-Length is not a number") from None
     if length > MAX_BODY_BYTES:
-        raise _Refused(413, "body_too_large", f"the body is {length} bytes; the limit is {MAX_BODY_BYTES}")
+        raise _Refused(413, "payload_too_large", f"the body is {length} bytes; the limit is {MAX_BODY_BYTES}")
     body = request.body
     if len(body) > MAX_BODY_BYTES:
-        raise _Refused(413, "body_too_large", f"the body is {len(body)} bytes; the limit is {MAX_BODY_BYTES}")
+        raise _Refused(413, "payload_too_large", f"the body is {len(body)} bytes; the limit is {MAX_BODY_BYTES}")
     if json_depth(body) > MAX_JSON_DEPTH:
         message = f"nested deeper than {MAX_JSON_DEPTH} levels"
         raise _Refused(400, "validation_failed", f"body: {message}", [{"field": "body", "message": message}])
