@@ -29,7 +29,8 @@ UNNAMED = """() => Array.from(document.querySelectorAll('input:not([type=hidden]
 @pytest.fixture
 def pages(team, grpo_yaml_monarch):
     run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml_monarch)
-    return ["/", "/p/alpha/", f"/runs/{run.pk}/", "/p/alpha/launch/", "/cluster/", "/p/alpha/members/"]
+    return ["/", "/p/alpha/", f"/runs/{run.pk}/", "/p/alpha/launch/", "/cluster/", "/p/alpha/members/",
+            "/p/alpha/artifacts/", "/settings/tokens/"]
 
 
 @pytest.fixture
