@@ -51,9 +51,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ], env=env, cwd=REPO_DIR)
     web = Child("web server", web_server_argv(host=args.host, port=args.port),
                 env={"FORGEBOARD_DB_POOL_SIZE": "8"} | env, cwd=REPO_DIR)
+    children = [worker, web]
+    if args.demo:  # sees the demo's SFT run through, starts GRPO from its export, and prints both runs' figures
+        children.append(Child("demo chain", [sys.executable, str(REPO_DIR / "manage.py"), "seed_demo", "--follow"],
+                              env=env, cwd=REPO_DIR, once=True))
     print(f"Forgeboard on http://{args.host}:{args.port}/ (log in as demo / forgeboard-demo); Ctrl-C stops it",
           flush=True)
-    return supervise([worker, web])  # restarts a child that dies; SIGTERM or Ctrl-C stops both
+    return supervise(children)  # restarts a child that dies; SIGTERM or Ctrl-C stops them all
 
 
 def _database_aliases() -> list[str]:

@@ -1,6 +1,6 @@
 """`forgeboard serve`'s supervisor: keeps its children (web server, Celery worker with beat) running.
 
-A child that exits is started again after a backoff (1 s, doubling to 30 s; back to 1 s once a child has
+A child that exits is started again after a backoff (a one-shot child, `once`, only when it fails) (1 s, doubling to 30 s; back to 1 s once a child has
 stayed up a minute), each restart logged. SIGTERM or Ctrl-C stops them all. Each child runs in its own
 process group (so a terminal's Ctrl-C reaches only this supervisor); engines that the worker launched run
 in their own sessions and are never stopped from here: they spool their telemetry while the web server is
@@ -37,6 +37,7 @@ class Child:
     argv: list[str]
     env: dict[str, str]
     cwd: Path
+    once: bool = False  # a job that ends: an exit with 0 is final, not restarted
     process: subprocess.Popen | None = None
     started_at: float = 0.0
     restarts: int = 0
@@ -55,6 +56,10 @@ class Child:
             return False
         code, uptime = self.process.returncode, now - self.started_at
         self.history.append(code)
+        if self.once and code == 0:
+            log(f"{self.name} (pid {self.process.pid}) finished after {uptime:.0f} s")
+            self.process = None
+            return True
         if uptime >= STABLE_AFTER_S:
             self.backoff_s = FIRST_BACKOFF_S
         self.next_start_at = now + self.backoff_s

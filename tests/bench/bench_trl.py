@@ -112,7 +112,7 @@ def _ours(args: argparse.Namespace, mode: str, threads: int) -> dict:
         from workers.engine.recipes.grpo import train_grpo as train
     train(config, Recorder([StepSink()]))
     measured = [s for s in sorted(steps) if s > args.warmup]
-    train_tokens = sum(round(steps[s]["throughput/train_tokens_per_s"] * steps[s]["time/train_s"]) for s in measured)
+    train_tokens = sum(round(steps[s]["data/train_tokens"]) for s in measured)
     return {
         "processes": "trainer+generator+control" if monarch else "1 process",
         "threads": f"{threads}+{threads}" if monarch else str(threads),
@@ -134,11 +134,12 @@ def _trl(args: argparse.Namespace, threads: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from workers.engine.config import DataConfig
+    from workers.engine.config import ARITHMETIC_TRAIN_SIZE
     from workers.engine.rewards import exact_math
-    from workers.engine.tasks import Problem, build_task
+    from workers.engine.tasks import Problem
+    from workers.engine.tasks.arithmetic import arithmetic_task
 
-    task = build_task(DataConfig(max_operand=args.max_operand, eval_size=64), seed=0)
+    task = arithmetic_task(max_operand=args.max_operand, train_size=ARITHMETIC_TRAIN_SIZE, eval_size=64, seed=0)
     dataset = Dataset.from_list([{"prompt": p.messages, "answer": p.answer} for p in task.train])
 
     def exact_math_reward(prompts, completions, answer, **kwargs) -> list[float]:  # noqa: ANN001

@@ -39,6 +39,7 @@ def _watch_zoom_and_reconnect(page, server, run) -> None:
     page.wait_for_selector("#checkpoints button:has-text('Start a new run from here')", timeout=60_000)
 
     chart = page.locator('figure.chart[data-key="loss"] .u-over')
+    chart.scroll_into_view_if_needed()  # the mouse only reaches what the window shows
     box = chart.bounding_box()
     page.mouse.move(box["x"] + box["width"] * 0.2, box["y"] + box["height"] / 2)
     page.mouse.down()

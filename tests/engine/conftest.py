@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -78,6 +79,29 @@ def sft_warm_start(tiny_trainable_qwen3: Path, tmp_path_factory: pytest.TempPath
     result = train_sft(config, Recorder())
     assert result.checkpoint is not None and result.eval is not None
     return export_hf(result.checkpoint, root / "hf"), result.eval.accuracy
+
+
+@pytest.fixture(scope="session")
+def monarch_mode_runs(tiny_trainable_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Any]]:
+    """mode -> (GrpoResult, MemorySink) of one small Monarch GRPO run per mode (sync, async, pipelined), the same
+    config otherwise: one trainer rank, one generator replica, 6 steps. The random model's completions run to
+    max_new_tokens, so every mode trains on as many tokens per step."""
+    from workers.engine.config import load_config
+    from workers.engine.metrics import MemorySink, Recorder
+    from workers.engine.recipes.grpo_monarch import train_grpo_monarch
+
+    runs = {}
+    for mode, extra in {"sync": [], "async": ["grpo.max_policy_age=1"], "pipelined": ["grpo.pipeline_chunks=4"]}.items():
+        root = tmp_path_factory.mktemp(f"monarch-{mode}")
+        config = load_config(f"recipe: grpo\nmodel: {{path: '{tiny_trainable_qwen3}'}}\n", overrides=[
+            *ARITHMETIC, "data.eval_size=8", "placement.backend=monarch", "trainer.ranks=1", "generator.replicas=1",
+            f"grpo.mode={mode}", *extra, "trainer.steps=6", "trainer.batch_size=8", "trainer.micro_batch_size=16",
+            "grpo.group_size=4", "eval.every_steps=0", f"checkpoint.folder={root / 'checkpoints'}",
+            "telemetry.console=false", "trainer.threads_per_process=1",
+        ])
+        sink = MemorySink()
+        runs[mode] = (train_grpo_monarch(config, Recorder([sink])), sink)
+    return runs
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -58,7 +58,7 @@ def test_monarch_run_trains_with_stale_rollouts(monarch_run: tuple[GrpoResult, M
     assert result.eval is not None and 0.0 <= result.eval.accuracy <= 1.0
     assert result.checkpoint is not None and result.checkpoint.name == "step_000005"
     events = {r["name"] for r in sink.records if r["kind"] == "event"}
-    assert {"meshes_ready", "checkpoint_saved", "staleness_histogram"} <= events
+    assert {"meshes_ready", "checkpoint_saved", "staleness_histogram", "dataset"} <= events
 
 
 def test_monarch_run_recovers_from_a_killed_trainer_rank(monarch_run: tuple[GrpoResult, MemorySink, RunConfig]) -> None:

@@ -32,7 +32,7 @@ def layout(tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     root = tmp_path / "models"
     model = _copy_model(tiny_qwen3, root / "tiny")
     dataset = root / "train.jsonl"
-    dataset.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    dataset.write_text('{"prompt": "1+1=", "response": "2"}\n{"prompt": "1+2=", "response": "3"}\n')
     other = _copy_model(tiny_qwen3, tmp_path / "runs" / "8-def" / "exports" / "step_2")
     (root / "escape").symlink_to("/etc")
     monkeypatch.setenv(ALLOWED_PATHS_ENV, json.dumps([str(run), str(root)]))
@@ -46,7 +46,7 @@ def _errors(*overrides: str) -> dict[str, str]:
 
 
 def test_paths_inside_the_allowed_ones_pass(layout: dict[str, Path]) -> None:
-    assert _errors(f"model.path={layout['model']}", "data.source=jsonl", f"data.path={layout['dataset']}",
+    assert _errors(f"model.path={layout['model']}", "data.source=jsonl", f"data.path={layout['dataset']}", "data.eval_size=1",
                    f"checkpoint.resume_from={layout['run'] / 'checkpoints'}", "checkpoint.folder=checkpoints",
                    f"telemetry.jsonl_path={layout['run'] / 'metrics.jsonl'}") == {}
 

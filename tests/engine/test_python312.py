@@ -96,7 +96,7 @@ from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
 import workers.engine.telemetry_wire  # noqa: F401
 
-task = build_task(cfg.data, seed=0)
+task = build_task(cfg)
 stream = ProblemStream(task.train, seed=0)
 problems = stream.take(4)
 reward = CombinedReward(["exact_math", "format"])

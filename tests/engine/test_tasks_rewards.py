@@ -9,9 +9,8 @@ import pytest
 
 from workers.engine.config import DataConfig
 from workers.engine.rewards import REWARDS, CombinedReward, answer_format, exact_math, register_reward
-from workers.engine.tasks import build_task
 from workers.engine.tasks.arithmetic import arithmetic_problem, arithmetic_task
-from workers.engine.tasks.jsonl_chat import DataError, read_jsonl_problems
+from workers.engine.tasks.jsonl_chat import DataError, Needs, jsonl_task, read_jsonl_problems
 from workers.engine.tasks.stream import ProblemStream
 
 
@@ -52,25 +51,27 @@ def test_jsonl_chat_and_instruction_lines(tmp_path: Path) -> None:
         {"instruction": "say x", "output": "x"},
     ]
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
-    problems = read_jsonl_problems(path)
+    data = DataConfig(source="jsonl", path=str(path), eval_size=1)
+    problems = read_jsonl_problems(path, data=data, needs=Needs(response="SFT trains on the reply"))
     assert [p.response for p in problems] == ["hello", "4", "x"]
     assert problems[0].messages == lines[0]["messages"][:2]
     assert problems[1].answer == "4" and problems[2].answer is None
-    task = build_task(DataConfig(source="jsonl", path=str(path), eval_size=1, train_size=10), seed=0)
+    task = jsonl_task(data, seed=0, needs=Needs())
     assert len(task.train) == 2 and len(task.held_out) == 1
 
 
 @pytest.mark.parametrize("line, message", [
     ("not json", "line 2: not JSON"),
-    (json.dumps({"messages": [{"role": "user", "content": "only a prompt"}]}), "line 2: the last message"),
-    (json.dumps({"prompt": "p"}), "line 2: needs"),
-    (json.dumps({"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]}), "line 2: each message"),
+    (json.dumps({"messages": [{"role": "user", "content": "only a prompt"}]}), "line 2: 'response' is missing"),
+    (json.dumps({"prompt": "p"}), "line 2: 'response' is missing"),
+    (json.dumps({"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]}),
+     "line 2: 'messages' message 0 needs a role"),
 ])
 def test_jsonl_errors_name_the_line(tmp_path: Path, line: str, message: str) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"prompt": "ok", "response": "ok"}) + "\n" + line + "\n")
     with pytest.raises(DataError, match=message):
-        read_jsonl_problems(path)
+        read_jsonl_problems(path, data=DataConfig(source="jsonl", path=str(path)), needs=Needs(response="SFT"))
 
 
 @pytest.mark.parametrize("text, reward", [
@@ -107,3 +108,14 @@ def test_combined_reward_and_registry() -> None:
         assert CombinedReward(["test_length"])(problem, "abc", True).total == 3.0
     finally:
         del REWARDS["test_length"]
+
+
+def test_the_final_number_reads_thousands_separators_as_people_write_them():
+    from workers.engine.rewards import extract_final_number
+
+    assert extract_final_number("so the total is 1,042.") == "1042"
+    assert extract_final_number("-1,000,000.5") == "-1000000.5"
+    assert extract_final_number(r"\boxed{2,000} and then 7") == "2000"
+    assert extract_final_number("3, 4") == "4"  # a list, not a separator
+    assert extract_final_number("12,34") == "34"
+    assert extract_final_number("no number") is None

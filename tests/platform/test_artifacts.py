@@ -38,7 +38,7 @@ def world(team, settings, tmp_path):
     model = _model_folder(root / "tiny")
     other_model = _model_folder(root / "other")
     dataset = root / "train.jsonl"
-    dataset.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    dataset.write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(100)))
     (root / "escape").symlink_to("/etc")
     settings.ARTIFACT_ROOTS = [root]
     beta = project_create(actor=team.outsider, slug="beta", name="Beta")
@@ -117,8 +117,9 @@ def test_own_artifact_and_own_run_resolve_and_the_engine_config_carries_the_path
     assert run.artifact_paths == {"model.path": str(world["model"]), "data.path": str(world["dataset"]),
                                   "checkpoint.resume_from": str(checkpoint)}
     engine = yaml.safe_load(engine_config_yaml(run))
-    assert engine["model"] == {"family": "qwen3", "path": str(world["model"]), "artifact": None, "dtype": "float32"}
-    assert (engine["data"]["path"], engine["data"]["artifact"]) == (str(world["dataset"]), None)
+    # as written, the references replaced by their paths, no defaults restated
+    assert engine["model"] == {"family": "qwen3", "path": str(world["model"])}
+    assert engine["data"] == {"source": "jsonl", "path": str(world["dataset"])}
     assert engine["checkpoint"]["resume_from"] == str(checkpoint)
     folder = run_dir(run)
     write_run_files(run=run, folder=folder)
@@ -289,3 +290,29 @@ def test_the_local_launcher_sets_the_variable_for_its_supervisor_and_engine(team
     run = world["own_run"]
     assert local.start_local(run=run) == 4242
     assert json.loads(seen["FORGEBOARD_ALLOWED_PATHS"]) == [str(run_dir(run)), str(world["model"]), str(world["root"])]
+
+
+def test_a_dataset_row_the_run_cannot_use_is_a_field_error_with_its_line_before_anything_is_queued(client, team, world):
+    """The launch form's live check reads the JSONL as the engine would: the bad row's line and reason, at data."""
+    world["dataset"].write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    artifact_register(actor=team.operator, project=team.project, name="rows", kind="dataset",
+                      path=str(world["dataset"]))
+    config = _grpo(f"path: {world['model']}", "data: {source: jsonl, artifact: rows, eval_size: 1}\n")
+    client.force_login(team.member)
+    answer = client.post(VALIDATE, {"yaml": config, "recipe": "grpo", "project": "alpha"},
+                         content_type="application/json").json()
+    problems = [(e["field"], e["message"]) for e in answer["errors"]]
+    assert answer["ok"] is False
+    [(field, message)] = [(f, m) for f, m in problems if "line 2" in m]
+    assert field.startswith("data") and "'answer' is missing" in message, problems
+    runs_before = Run.objects.count()
+    with pytest.raises(ValidationFailed, match="line 2"):
+        run_launch(actor=team.member, experiment=team.experiment, config_yaml=config)
+    assert Run.objects.count() == runs_before
+
+    world["dataset"].write_text('{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "4"}\n')
+    mapped = _grpo(f"path: {world['model']}", "data: {source: jsonl, artifact: rows, eval_size: 1, "
+                                              "fields: {prompt: question}}\n")
+    answer = client.post(VALIDATE, {"yaml": mapped, "recipe": "grpo", "project": "alpha"},
+                         content_type="application/json").json()
+    assert any("line 1" in e["message"] for e in answer["errors"]), answer  # line 1 has no 'question'

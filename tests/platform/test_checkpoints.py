@@ -21,6 +21,7 @@ from forgeboard.runs.checkpoints import (
     checkpoints_reported,
     run_checkpoints,
     run_launch_from_checkpoint,
+    run_launch_from_checkpoint_request,
 )
 from forgeboard.runs.models import Run
 from forgeboard.runs.services import run_launch
@@ -389,3 +390,141 @@ def test_start_from_a_checkpoint_is_checked_before_anything_is_queued(dashboard,
         refused = dashboard.client.post(dashboard.url)
     assert refused.status_code == 403
     assert dashboard.sent == [] and Run.objects.count() == 1
+
+
+# --- any checkpoint starts any recipe: another experiment, another config, the checkpoint as the model ---------
+
+SFT_YAML = """\
+recipe: sft
+model: {family: qwen3, path: /models/tiny-qwen3}
+trainer: {steps: 4, batch_size: 2}
+"""
+
+
+@pytest.fixture
+def sft_parent(team, data_dir) -> Run:
+    """A finished SFT run with a checkpoint at step 4 (and its export, so a child starts at once)."""
+    sft = experiment_create(actor=team.owner, project=team.project, name="warm-start", recipe="sft")
+    run = run_launch(actor=team.member, experiment=sft, config_yaml=SFT_YAML, overrides=["trainer.steps=4"], priority=3)
+    _write(run_dir(run) / "checkpoints" / "step_000004" / "trainer.pt", 50)
+    return run
+
+
+def test_an_sft_checkpoint_starts_a_grpo_run_in_another_experiment(team, sft_parent, grpo_yaml):
+    _fake_export(sft_parent, 4)
+    child = run_launch_from_checkpoint_request(actor=team.member, run=sft_parent, step=4, experiment=team.experiment,
+                                               config_yaml=grpo_yaml, overrides=["trainer.steps=2"], priority=-5)
+    assert isinstance(child, Run)
+    assert (child.parent, child.experiment, child.priority) == (sft_parent, team.experiment, -5)
+    assert child.config.yaml_text == grpo_yaml, "the chosen config, not the parent's"
+    assert child.config.overrides == ["model.path=", f"model.artifact=run:{sft_parent.pk}@step:4",
+                                      "checkpoint.resume_from=", "trainer.steps=2"], "not the parent's overrides"
+    parsed = child.config.parsed
+    assert parsed["recipe"] == "grpo" and parsed["model"]["path"] is None and parsed["trainer"]["steps"] == 2
+    assert parsed["grpo"]["group_size"] == 4
+    assert child.artifact_paths["model.path"] == str(run_dir(sft_parent) / "exports" / "step_4")
+
+
+def test_a_checkpoint_starts_runs_only_in_its_own_project_and_for_members(team, sft_parent, grpo_yaml):
+    from forgeboard.accounts.services import project_create
+
+    _fake_export(sft_parent, 4)
+    other = project_create(actor=team.owner, slug="beta", name="Beta")
+    foreign = experiment_create(actor=team.owner, project=other, name="elsewhere", recipe="grpo")
+    with pytest.raises(ValidationFailed) as raised:
+        run_launch_from_checkpoint_request(actor=team.owner, run=sft_parent, step=4, experiment=foreign,
+                                           config_yaml=grpo_yaml)
+    assert raised.value.problems[0].field == "experiment" and "its own project" in raised.value.problems[0].message
+    for actor in (team.viewer, team.outsider):
+        with pytest.raises(PermissionDenied):
+            run_launch_from_checkpoint_request(actor=actor, run=sft_parent, step=4, experiment=team.experiment,
+                                               config_yaml=grpo_yaml)
+    with pytest.raises(ValidationFailed) as raised:  # an SFT config in a GRPO experiment
+        run_launch_from_checkpoint_request(actor=team.member, run=sft_parent, step=4, experiment=team.experiment)
+    assert raised.value.problems[0].field == "config.recipe"
+    with pytest.raises(ValidationFailed) as raised:
+        run_launch_from_checkpoint_request(actor=team.member, run=sft_parent, step=4, experiment=team.experiment,
+                                           config_yaml=grpo_yaml, priority=500)
+    assert raised.value.problems[0].field == "priority"
+    assert Run.objects.count() == 1
+
+
+@pytest.fixture
+def checkpoint_form(client, team, sft_parent, monkeypatch, tmp_path):
+    """A member on the launch form of the SFT run's checkpoint; queued tasks recorded instead of sent."""
+    from workers.celery import app
+
+    sent: list[tuple[str, list, dict]] = []
+    monkeypatch.setattr(app, "send_task", lambda name, args, **kw: sent.append((name, args, kw.get("kwargs") or {})))
+    exporter = tmp_path / "exporter.py"
+    exporter.write_text(SUCCEEDING_EXPORTER)
+    monkeypatch.setattr(checkpoints, "ENGINE_COMMAND", (sys.executable, str(exporter)))
+    client.force_login(team.member)
+    return SimpleNamespace(client=client, sent=sent, url=f"/runs/{sft_parent.pk}/checkpoints/4/new/")
+
+
+def test_the_checkpoint_form_is_prefilled_with_the_checkpoint_as_the_model(checkpoint_form, team, sft_parent):
+    page = checkpoint_form.client.get(checkpoint_form.url)
+    html = page.content.decode()
+    assert page.status_code == 200 and 'id="from-checkpoint"' in html
+    assert f"<code>model.artifact=run:{sft_parent.pk}@step:4</code>" in html
+    assert f'<option value="{sft_parent.experiment_id}" data-recipe="sft" selected' in html, "the parent's experiment"
+    assert "trainer.steps=4\nmodel.path=\nmodel.artifact=run:%d@step:4\ncheckpoint.resume_from=</textarea>" % sft_parent.pk \
+        in html, "the parent's overrides, then the checkpoint as the model"
+    assert "recipe: sft\nmodel: {family: qwen3, path: /models/tiny-qwen3}" in html, "the parent's config"
+
+    grpo = checkpoint_form.client.get(f"{checkpoint_form.url}?experiment={team.experiment.pk}").content.decode()
+    assert f'<option value="{team.experiment.pk}" data-recipe="grpo" selected' in grpo
+    assert '<option value="cpu_demo_grpo" data-recipe="grpo" selected' in grpo, "another recipe: its first preset"
+    assert "# CPU demo, part 2" in grpo and "preset-needs-sft" not in grpo, "the checkpoint is the model, not the artifact"
+    assert ">model.path=\nmodel.artifact=run:%d@step:4\ncheckpoint.resume_from=</textarea>" % sft_parent.pk in grpo, \
+        "another recipe's config: the parent's overrides stay with the parent's config"
+
+
+def test_the_checkpoint_form_launches_another_recipe_after_the_export(checkpoint_form, team, sft_parent, grpo_yaml,
+                                                                      django_capture_on_commit_callbacks):
+    from forgeboard.telemetry.models import RunEvent
+
+    form = {"experiment": str(team.experiment.pk), "config_yaml": grpo_yaml, "priority": "2",
+            "overrides": f"model.path=\nmodel.artifact=run:{sft_parent.pk}@step:4\ncheckpoint.resume_from=\ntrainer.steps=3"}
+    with django_capture_on_commit_callbacks(execute=True):
+        answer = checkpoint_form.client.post(checkpoint_form.url, form)
+    assert answer.status_code == 302 and answer.url == f"/runs/{sft_parent.pk}/", "back on the parent: exporting"
+    assert "the new run starts when the export is done" in checkpoint_form.client.get(answer.url).content.decode()
+    [(name, _, kwargs)] = checkpoint_form.sent
+    assert name == "checkpoints.export" and kwargs["experiment_id"] == team.experiment.pk and kwargs["priority"] == 2
+
+    _work(checkpoint_form.sent)
+    child = Run.objects.get(parent=sft_parent)
+    assert (child.experiment, child.priority, child.config.yaml_text) == (team.experiment, 2, grpo_yaml)
+    assert child.config.parsed["model"]["artifact"] == f"run:{sft_parent.pk}@step:4"
+    assert child.config.parsed["trainer"]["steps"] == 3
+    started = RunEvent.objects.get(run=sft_parent, kind="message", payload__name="child_run_started")
+    assert started.payload["run"] == child.pk and started.payload["experiment"] == team.experiment.name
+
+    with django_capture_on_commit_callbacks(execute=True):  # exported now: the run starts at once
+        again = checkpoint_form.client.post(checkpoint_form.url, form)
+    second = Run.objects.filter(parent=sft_parent).order_by("-pk").first()
+    assert second != child and again.url == f"/runs/{second.pk}/" and second.experiment == team.experiment
+
+
+def test_the_checkpoint_form_refuses_viewers_outsiders_and_missing_checkpoints(checkpoint_form, team, sft_parent,
+                                                                             grpo_yaml):
+    client = checkpoint_form.client
+    assert client.get(f"/runs/{sft_parent.pk}/checkpoints/3/new/").status_code == 404
+    client.force_login(team.viewer)
+    assert client.get(checkpoint_form.url).status_code == 200  # a viewer may look (read-only form)
+    refused = client.post(checkpoint_form.url, {"experiment": str(team.experiment.pk), "config_yaml": grpo_yaml})
+    assert refused.status_code == 403
+    client.force_login(team.outsider)
+    assert client.get(checkpoint_form.url).status_code == 404
+    assert checkpoint_form.sent == [] and Run.objects.count() == 1
+
+
+def test_the_checkpoints_table_offers_both_ways_to_start_from_a_checkpoint(client, team, sft_parent):
+    client.force_login(team.member)
+    html = client.get(f"/runs/{sft_parent.pk}/checkpoints/").content.decode()
+    assert "Start a new run from here</button>" in html
+    assert f'href="/runs/{sft_parent.pk}/checkpoints/4/new/"' in html and "Choose recipe and config" in html
+    client.force_login(team.viewer)
+    assert "/checkpoints/4/new/" not in client.get(f"/runs/{sft_parent.pk}/checkpoints/").content.decode()

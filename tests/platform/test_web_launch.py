@@ -233,15 +233,55 @@ def test_viewer_may_read_a_clone_page_but_not_launch_it(client, team):
 # --- presets ----------------------------------------------------------------------------------------------------
 
 
-def test_every_preset_is_valid_for_its_recipe_and_cpu_demos_use_the_demo_model():
+def _register_sft_model(team, tmp_path: Path) -> None:
+    from forgeboard.artifacts.services import artifact_register
+
+    folder = tmp_path / "tiny-qwen3-sft"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    artifact_register(actor=team.operator, project=team.project, name="tiny-qwen3-sft", kind="model", path=str(folder))
+
+
+def test_every_preset_is_valid_for_its_recipe_and_the_grpo_demo_starts_from_the_sft_export(team, tmp_path):
+    _register_sft_model(team, tmp_path)
     presets = {p.key: p for p in launch_presets()}
     assert {"cpu_demo_sft", "cpu_demo_grpo", "qwen3_1_7b_grpo", "llama3_8b_grpo"} <= set(presets)
-    for preset in presets.values():
-        assert config_problems(yaml_text=preset.yaml, overrides=[], recipe=preset.recipe) == [], preset.key
+    for preset in presets.values():  # (GPU presets: refused at validation on this CPU machine, issue #14 item 6)
+        if preset.key.startswith("cpu_demo"):
+            assert config_problems(yaml_text=preset.yaml, overrides=[], recipe=preset.recipe,
+                                   project=team.project) == [], preset.key
     demo = str(Path(settings.DATA_DIR) / "models" / "tiny-qwen3")
+    assert yaml.safe_load(presets["cpu_demo_sft"].yaml)["model"]["path"] == demo
+    grpo_model = yaml.safe_load(presets["cpu_demo_grpo"].yaml)["model"]
+    assert grpo_model == {"family": "qwen3", "artifact": "tiny-qwen3-sft"}, "not the raw random model"
+    for key in ("cpu_demo_grpo_drills", "cpu_demo_grpo_two_hosts"):  # the Monarch demos start from it too
+        assert yaml.safe_load(presets[key].yaml)["model"] == grpo_model, key
     for key in ("cpu_demo_sft", "cpu_demo_grpo"):
-        assert yaml.safe_load(presets[key].yaml)["model"]["path"] == demo
         assert presets[key].yaml.startswith("# CPU demo")  # the example's comments are kept
+
+
+def test_the_grpo_demo_preset_says_it_needs_the_sft_export_and_offers_to_make_it(client, team, tmp_path):
+    client.force_login(team.member)
+    grpo = next(p for p in launch_presets() if p.key == "cpu_demo_grpo")
+    problems = config_problems(yaml_text=grpo.yaml, overrides=[], recipe="grpo", project=team.project)
+    assert [(p.field, p.message) for p in problems] == [("model.artifact", "no artifact 'tiny-qwen3-sft' in project alpha")]
+    html = client.get("/p/alpha/launch/").content.decode()  # the first experiment is GRPO: its preset is the demo's
+    assert 'id="preset-needs-sft" data-presets="cpu_demo_grpo cpu_demo_grpo_drills cpu_demo_grpo_two_hosts">' in html, "shown, not hidden"
+    assert "needs the SFT demo's export, the model artifact <code>tiny-qwen3-sft</code>" in html
+    assert 'id="launch-sft-demo-button"' in html
+
+    # the offer: one click launches the SFT demo in a new SFT experiment
+    sft = next(p for p in launch_presets() if p.key == "cpu_demo_sft")
+    answer = client.post("/p/alpha/launch/", {"experiment": "new", "new_name": "arithmetic-sft", "new_recipe": "sft",
+                                              "preset": "cpu_demo_sft", "priority": "0", "config_yaml": sft.yaml})
+    run = Run.objects.get(experiment__name="arithmetic-sft")
+    assert answer.status_code == 302 and answer["Location"] == f"/runs/{run.pk}/"
+    html = client.get("/p/alpha/launch/").content.decode()
+    assert '<input type="hidden" name="experiment" value="%d">' % run.experiment_id in html, "the SFT experiment now"
+
+    _register_sft_model(team, tmp_path)
+    html = client.get("/p/alpha/launch/").content.decode()
+    assert "preset-needs-sft" not in html and "launch-sft-demo" not in html
 
 
 # --- the validate API -------------------------------------------------------------------------------------------

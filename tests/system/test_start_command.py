@@ -1,8 +1,10 @@
-"""The README's start command, run in a fresh clone, serves the login page (embedded default, no services)."""
+"""The README's start command, run in a fresh clone, serves the login page (embedded default, no services) and runs
+the demo's SFT-then-GRPO chain, printing the GRPO run's held-out reward at its start and end."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -15,6 +17,8 @@ from tests.support.processes import REPO_DIR, free_port, kill_processes_in, stop
 
 START_TIMEOUT_S = 240
 DEMO_RUN_TIMEOUT_S = 300
+DEMO_CHAIN_TIMEOUT_S = 300  # after the SFT run: its export, then the GRPO run (200 steps)
+CHAIN_DONE = re.compile(rb"GRPO run arithmetic-grpo #1 \(from SFT step \d+\) done, held-out reward (-?[0-9.]+) -> (-?[0-9.]+)")
 
 
 def _readme_start_command() -> str:
@@ -25,7 +29,7 @@ def _readme_start_command() -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(START_TIMEOUT_S + DEMO_RUN_TIMEOUT_S + 120)
+@pytest.mark.timeout(START_TIMEOUT_S + DEMO_RUN_TIMEOUT_S + DEMO_CHAIN_TIMEOUT_S + 120)
 def test_fresh_clone_starts_and_serves_the_login_page(tmp_path):
     clone = tmp_path / "forgeboard"
     subprocess.run(["git", "clone", "--quiet", str(REPO_DIR), str(clone)], check=True, timeout=120)
@@ -69,6 +73,16 @@ def test_fresh_clone_starts_and_serves_the_login_page(tmp_path):
             time.sleep(2)
         assert "arithmetic-sft #1" in page and "state-succeeded" in page, log_path.read_text()[-4000:]
         assert b"celery@" in log_path.read_bytes() or _wait_worker_ready(log_path)
+        # Then the GRPO run from the SFT run's export: the start command prints both held-out figures.
+        deadline = time.monotonic() + DEMO_CHAIN_TIMEOUT_S
+        done = None
+        while time.monotonic() < deadline and done is None and process.poll() is None:
+            done = CHAIN_DONE.search(log_path.read_bytes())
+            time.sleep(2)
+        assert done is not None, log_path.read_text()[-4000:]
+        start, end = float(done.group(1)), float(done.group(2))
+        assert end > start, done.group(0)
+        assert "arithmetic-grpo #1" in login.get("/p/demo/").text
     finally:
         stop_group(process, timeout=45)  # serve stops its web server and worker first
         kill_processes_in(clone)

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from workers.engine.fields import ConfigError, FieldError, StrictModel, field_errors
+from workers.engine.fields import ConfigError, FieldError, FieldProblems, StrictModel, field_errors
 from workers.engine.operations import FaultDrillRequest
 from workers.engine.yaml_safe import MAX_CONFIG_BYTES, YamlProblem, load_yaml_mapping
 
@@ -78,13 +78,47 @@ class ModelConfig(_Section):
         return _check_reference(value)
 
 
+RowKey = Annotated[str, Field(min_length=1, max_length=200)]
+
+
+class DataFields(_Section):
+    """Which key of a JSONL row holds each part of an example."""
+
+    prompt: RowKey = Field(default="prompt", description="the prompt: a string (one user message) or a list of "
+                                                         "{role, content} messages; when this is 'prompt', "
+                                                         "'instruction' is read too")
+    response: RowKey = Field(default="response", description="the reference reply SFT trains on (GRPO needs none); "
+                                                             "when this is 'response', 'output' and 'completion' are read too")
+    answer: RowKey = Field(default="answer", description="what a verifiable reward (exact_math) compares against")
+    messages: RowKey = Field(default="messages", description="a whole conversation, a list of {role, content}: a "
+                                                             "final assistant message is the reply, the messages "
+                                                             "before it the prompt (GRPO: it may end without one)")
+
+    @model_validator(mode="after")
+    def _messages_apart(self) -> DataFields:
+        same = [name for name in ("prompt", "response", "answer") if getattr(self, name) == self.messages]
+        if same:
+            raise FieldProblems([("messages", f"names the same key as fields.{same[0]}")])
+        return self
+
+
+ARITHMETIC_TRAIN_SIZE = 2000  # a generated task has no natural size
+
+
 class DataConfig(_Section):
     source: Literal["arithmetic", "jsonl"] = "arithmetic"
     path: str | None = Field(default=None, description="JSONL file, required when source is jsonl (or data.artifact)")
     artifact: str | None = Field(default=None, description="instead of path: a registered JSONL dataset, '<name>' or "
                                                            "'<project>/<name>' (resolved by the control plane)")
+    fields: DataFields = Field(default=DataFields(), description="jsonl: the row keys of prompt, response, answer "
+                                                                 "and messages, e.g. {prompt: question}")
+    answer_extractor: Literal["gsm8k"] | None = Field(
+        default=None, description="jsonl: how the answer field becomes the answer; gsm8k: the text after its last "
+                                  "'####', stripped, thousands commas removed; unset: the field as it is")
     max_operand: PositiveInt = Field(default=20, description="arithmetic: largest operand of a+b")
-    train_size: PositiveInt = 2000
+    train_size: PositiveInt | None = Field(
+        default=None, description="examples to train on, after eval_size are held out; unset: every other row of a "
+                                  f"JSONL file, or {ARITHMETIC_TRAIN_SIZE} arithmetic problems (at most all pairs)")
     eval_size: PositiveInt = 64
     max_prompt_tokens: PositiveInt = Field(default=64, description="GRPO: longest prompt in tokens; a longer one stops the run with an error")
     packing: bool = Field(default=True, description="SFT: pack several examples into one sequence")
@@ -99,7 +133,19 @@ class DataConfig(_Section):
                 raise ValueError("set exactly one of data.path and data.artifact")
         elif self.source == "jsonl" and not self.path:
             raise ValueError("path (or artifact) is required when source is 'jsonl'")
+        if self.source != "jsonl":
+            problems = [(name, "applies to source: jsonl") for name, unset in
+                        (("fields", DataFields()), ("answer_extractor", None)) if getattr(self, name) != unset]
+            if problems:
+                raise FieldProblems(problems)
         return self
+
+    @property
+    def train_limit(self) -> int | None:
+        """The most examples to train on; None: every row left after the held-out ones."""
+        if self.train_size is None and self.source == "arithmetic":
+            return ARITHMETIC_TRAIN_SIZE
+        return self.train_size
 
     @field_validator("artifact")
     @classmethod
@@ -183,13 +229,24 @@ class RewardConfig(_Section):
             raise ValueError(f"weights has {len(self.weights)} entries for {len(self.functions)} functions")
         return self
 
+    @property
+    def needs_answer(self) -> bool:
+        """exact_math compares against each problem's answer."""
+        return "exact_math" in self.functions
+
 
 class ReplayBufferConfig(_Section):
     capacity: PositiveInt = 1024
 
 
 class RolePlacement(_Section):
-    hosts: list[str] = Field(default_factory=list, description="host names; empty: any host")
+    hosts: list[str] = Field(
+        default_factory=list,
+        description="host names, the same to the control plane's scheduler and the engine; empty: any host. With "
+                    "placement.local_hosts: N, host0..host{N-1}: the run's simulated hosts, all on the one inventory "
+                    "host the run is given. backend slurm / kubernetes: the job's node / pod names. backend monarch: an "
+                    "inventory host's name pins the role there (a Monarch worker of that name, FORGEBOARD_MONARCH_WORKERS); "
+                    "a generator's other names label its procs on the run's own host. backend local: inventory hosts")
     procs_per_host: PositiveInt | None = Field(
         default=None, description="Monarch GRPO: the most procs of this role on one host. Trainer: its ranks go this many "
                                   "to a host, over trainer.ranks / procs_per_host hosts; replicas: a host takes at most "
@@ -216,7 +273,8 @@ class PlacementConfig(_Section):
     backend: Literal["local", "monarch", "slurm", "kubernetes"] = "local"
     local_hosts: Annotated[int, Field(ge=0, le=MAX_LOCAL_HOSTS)] = Field(
         default=0, description="Monarch GRPO: simulate this many hosts (host0, host1, ...) as Monarch worker "
-                                "processes on this machine; 0: no worker processes, host names label local procs")
+                                "processes on the run's host (one inventory host holds the whole run); 0: none "
+                                "(see placement.<role>.hosts)")
     trainer: RolePlacement = RolePlacement()
     generator: RolePlacement = RolePlacement()
     reference: RolePlacement = RolePlacement()
@@ -415,15 +473,20 @@ def parse_config_mapping(data: dict[str, Any]) -> RunConfig:
     return config
 
 
-def load_config(text: str, *, overrides: Sequence[str] = ()) -> RunConfig:
-    """Parse YAML text plus `section.key=value` overrides into a validated RunConfig."""
+def config_mapping(text: str, *, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The YAML text as written, with `section.key=value` overrides applied; not yet validated."""
     try:
         data = load_yaml_mapping(text, max_bytes=MAX_CONFIG_BYTES)
     except YamlProblem as exc:
         raise ConfigError([FieldError("", str(exc))]) from None
     for override in overrides:
         _apply_override(data, override)
-    return parse_config_mapping(data)
+    return data
+
+
+def load_config(text: str, *, overrides: Sequence[str] = ()) -> RunConfig:
+    """Parse YAML text plus `section.key=value` overrides into a validated RunConfig."""
+    return parse_config_mapping(config_mapping(text, overrides=overrides))
 
 
 def load_config_file(path: str | Path, *, overrides: Sequence[str] = ()) -> RunConfig:

@@ -9,7 +9,8 @@ fault_drill (FaultDrillRequest)
     kind           "kill" | "hang" | "raise" | "latency" | "bandwidth" | "slow_host"
     role           "generator" | "trainer" | "reference" | "reward"
     replica        int >= 0, default 0 (a trainer rank when role is trainer)
-    duration_s     float > 0, default 5; hang, latency, bandwidth, slow_host: how long the effect lasts
+    duration_s     float > 0; hang, latency, bandwidth, slow_host: how long the effect lasts (default 5), refused
+                   otherwise (null there)
     latency_ms     float > 0; required by latency, refused otherwise: added before each call to the role
     bandwidth_mbps float > 0; required by bandwidth, refused otherwise: each call waits bytes / bandwidth
     duty_cycle     0 < float < 1; required by slow_host, refused otherwise: fraction of time the processes of the
@@ -47,6 +48,7 @@ ReplicaIndex = Annotated[int, Field(ge=0, le=4096)]
 PositiveSeconds = Annotated[float, Field(gt=0.0, le=86_400.0)]
 
 DURATION_KINDS = ("hang", "latency", "bandwidth", "slow_host")  # faults that wear off after duration_s
+DEFAULT_DURATION_S = 5.0
 FAILING_KINDS = ("kill", "hang", "raise")  # faults that make calls fail (hang: once past the call timeout)
 
 
@@ -77,11 +79,21 @@ class FaultDrillRequest(StrictModel):
     kind: DrillKind
     role: DrillRole
     replica: ReplicaIndex = Field(default=0, description="replica index (trainer: rank)")
-    duration_s: PositiveSeconds = Field(default=5.0, description="hang, latency, bandwidth, slow_host: how long it lasts")
+    duration_s: PositiveSeconds | None = Field(
+        default=None, description=f"hang, latency, bandwidth, slow_host: how long it lasts (default {DEFAULT_DURATION_S:g}); "
+                                  "other kinds: none")
     latency_ms: Annotated[float, Field(gt=0.0, le=600_000.0)] | None = Field(default=None, description="latency: added per call")
     bandwidth_mbps: Annotated[float, Field(gt=0.0, le=1e6)] | None = Field(default=None, description="bandwidth: megabits/s")
     duty_cycle: Annotated[float, Field(gt=0.0, lt=1.0)] | None = Field(default=None, description="slow_host: fraction of time stopped")
     schedule: DrillSchedule | None = Field(default=None, description="null: now (a config drill: at the first step)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_duration(cls, data: Any) -> Any:
+        """Only a fault that wears off has a duration: its default is filled in, so a dump of the drill validates again."""
+        if isinstance(data, dict) and data.get("kind") in DURATION_KINDS and data.get("duration_s") is None:
+            return {**data, "duration_s": DEFAULT_DURATION_S}
+        return data
 
     @model_validator(mode="after")
     def _parameters_fit_the_kind(self) -> FaultDrillRequest:
@@ -93,7 +105,7 @@ class FaultDrillRequest(StrictModel):
                 problems.append((name, f"required for kind {kind!r}"))
             elif self.kind != kind and given:
                 problems.append((name, f"applies only to kind {kind!r}"))
-        if "duration_s" in self.model_fields_set and self.kind not in DURATION_KINDS:
+        if self.duration_s is not None and self.kind not in DURATION_KINDS:
             problems.append(("duration_s", f"does not apply to kind {self.kind!r}"))
         if problems:
             raise FieldProblems(problems)

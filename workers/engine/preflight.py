@@ -1,7 +1,8 @@
 """Checks that a valid config can run here, before anything is loaded or spawned.
 
 Field-level, like schema errors: the model folder exists and holds the family the config
-names, the data file exists, and the config asks only for what this runner implements.
+names, every row of the data file can be used (else its line and why not), and the config
+asks only for what this runner implements.
 Importing this module does not import torch.
 """
 
@@ -12,6 +13,7 @@ import os
 from pathlib import Path
 
 from workers.engine.config import ConfigError, FieldError, RunConfig, check_model_folder
+from workers.engine.tasks import data_errors
 
 _MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama3"}
 # Set by the control plane's launchers (a JSON list of folders and files): every path the config names must
@@ -120,6 +122,8 @@ def preflight_errors(config: RunConfig) -> list[FieldError]:
                 errors.append(FieldError("model.family", f"the folder holds a {family} model, not {config.model.family}"))
     if config.data.source == "jsonl" and config.data.path and not Path(config.data.path).is_file():
         errors.append(FieldError("data.path", f"file {config.data.path} does not exist"))
+    elif config.data.source == "arithmetic" or config.data.path:
+        errors.extend(data_errors(config))  # every row read and checked: cheap beside loading the model
     if config.checkpoint.resume_from and not Path(config.checkpoint.resume_from).exists():
         errors.append(FieldError("checkpoint.resume_from", f"{config.checkpoint.resume_from} does not exist"))
     errors.extend(_unsupported(config))

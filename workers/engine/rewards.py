@@ -28,7 +28,8 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     return register
 
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+# Thousands separators as people write them ("1,042"); a comma not followed by three digits ends the number.
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?!\d)|-?\d+(?:\.\d+)?")
 _BOXED = re.compile(r"\\boxed\{([^}]*)\}")
 
 
@@ -36,7 +37,7 @@ def extract_final_number(text: str) -> str | None:
     """The content of the last \\boxed{...} if any, else the last number in the text."""
     boxed = _BOXED.findall(text)
     candidates = _NUMBER.findall(boxed[-1]) if boxed else _NUMBER.findall(text)
-    return candidates[-1] if candidates else None
+    return candidates[-1].replace(",", "") if candidates else None
 
 
 def _same_number(a: str, b: str) -> bool:

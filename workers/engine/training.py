@@ -83,6 +83,14 @@ def mfu(*, n_params: int, tokens: int, seconds: float, peak_flops_per_second: fl
     return 6.0 * n_params * tokens / max(seconds, 1e-9) / peak_flops_per_second
 
 
+def train_tokens_per_second(*, tokens: int, step_seconds: float) -> float:
+    """`throughput/train_tokens_per_s` in every recipe and mode: the step's trained tokens (the padded
+    rows the trainer ran forward and backward, prompts included) over the step's wall time (`time/step_s`:
+    generation, scoring and training, overlapped or not; evaluation and checkpoints excluded). Runs compare
+    by it whatever overlaps inside a step, and a run's tokens are the sum of rate x step time."""
+    return tokens / max(step_seconds, 1e-9)
+
+
 def grad_norm_and_clip(model: nn.Module, max_norm: float | None) -> float:
     """The gradient's global norm (over every shard of a sharded model), clipped to max_norm when given."""
     params = [p for p in model.parameters() if p.grad is not None]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -14,6 +13,7 @@ from django.conf import settings
 
 from forgeboard.runs.models import Run
 from forgeboard.runs.tokens import run_token_issue
+from workers.engine.config import config_mapping
 from workers.engine.preflight import ALLOWED_PATHS_ENV
 
 REPO_DIR = Path(__file__).resolve().parents[2]
@@ -24,17 +24,17 @@ def run_dir(run: Run) -> Path:
 
 
 def engine_config_yaml(run: Run) -> str:
-    """The run's config for its engine, with the paths resolved in its project at launch (Run.artifact_paths) in
-    place of its paths and artifact references. Restarts are the control plane's job (the reconciler): the
-    engine runs once."""
-    parsed = copy.deepcopy(run.config.parsed)
+    """The run's config as its user wrote it, overrides applied, for its engine: the paths resolved in its project at
+    launch (Run.artifact_paths) in place of its paths and artifact references, and no restarts (the control plane's
+    job, the reconciler's: the engine runs once). Defaults are the engine's schema's, never restated here."""
+    config = config_mapping(run.config.yaml_text, overrides=run.config.overrides)
     for section in ("model", "data"):
-        if isinstance(parsed.get(section), dict):
-            parsed[section]["artifact"] = None
+        if isinstance(config.get(section), dict):
+            config[section].pop("artifact", None)
     for field, path in (run.artifact_paths or {}).items():
         section, key = field.split(".")
-        parsed.setdefault(section, {})[key] = path
-    return yaml.safe_dump(parsed | {"max_restarts": 0}, sort_keys=False)
+        config.setdefault(section, {})[key] = path
+    return yaml.safe_dump(config | {"max_restarts": 0}, sort_keys=False)
 
 
 def engine_allowed_paths(*, run: Run, run_folder: str) -> list[str]:

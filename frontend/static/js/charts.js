@@ -7,14 +7,31 @@
   const PALETTE = ["#0b57d0", "#c5221f", "#188038", "#e37400", "#8430ce", "#007b83", "#b3165d", "#5f6368",
     "#1e8e3e", "#a142f4"];
 
-  // Merge [step, value] points into a sorted Map-backed series (a repeated step replaces its value).
+  // [step, value] points by step (a repeated step replaces its value), kept as sorted columns: points that
+  // arrive in step order are appended, anything else re-sorts once at the next read.
   class Series {
-    constructor() { this.points = new Map(); }
+    constructor() { this.points = new Map(); this.xs = []; this.ys = []; this.ordered = true; }
     add(points) {
-      for (const [x, y] of points) this.points.set(x, y);
+      for (const [x, y] of points) {
+        const n = this.xs.length;
+        if (this.ordered && (n === 0 || x > this.xs[n - 1])) { this.xs.push(x); this.ys.push(y); }
+        else if (this.ordered && x === this.xs[n - 1]) this.ys[n - 1] = y;
+        else this.ordered = false;
+        this.points.set(x, y);
+      }
     }
-    sorted() {
-      return Array.from(this.points.entries()).sort((a, b) => a[0] - b[0]);
+    deleteRange(lo, hi) {
+      Array.from(this.points.keys()).forEach((x) => { if (x >= lo && x <= hi) this.points.delete(x); });
+      this.ordered = false;
+    }
+    columns() {
+      if (!this.ordered) {
+        const entries = Array.from(this.points.entries()).sort((a, b) => a[0] - b[0]);
+        this.xs = entries.map((e) => e[0]);
+        this.ys = entries.map((e) => e[1]);
+        this.ordered = true;
+      }
+      return [this.xs, this.ys];
     }
   }
 
@@ -42,29 +59,111 @@
     return [min - span * 0.05, max + span * 0.05];
   }
 
-  // Align several sorted series on the union of their x values (uPlot wants one x array).
-  function align(seriesList) {
-    const xs = new Set();
-    seriesList.forEach((s) => s.forEach(([x]) => xs.add(x)));
-    const x = Array.from(xs).sort((a, b) => a - b);
-    const index = new Map(x.map((v, i) => [v, i]));
-    const ys = seriesList.map((s) => {
-      const column = new Array(x.length).fill(null);
-      s.forEach(([px, py]) => { column[index.get(px)] = py; });
-      return column;
-    });
+  // Align several series' sorted, duplicate-free columns on the union of their x values (uPlot wants one x
+  // array): a k-way merge, linear in the points.
+  function align(columnsList) {
+    if (columnsList.length === 1) return [columnsList[0][0].slice(), columnsList[0][1].slice()];
+    const at = columnsList.map(() => 0), x = [], ys = columnsList.map(() => []);
+    for (;;) {
+      let next = null;
+      columnsList.forEach(([cx], k) => { if (at[k] < cx.length && (next === null || cx[at[k]] < next)) next = cx[at[k]]; });
+      if (next === null) break;
+      x.push(next);
+      columnsList.forEach(([cx, cy], k) => {
+        if (at[k] < cx.length && cx[at[k]] === next) { ys[k].push(cy[at[k]]); at[k]++; } else ys[k].push(null);
+      });
+    }
     return [x, ...ys];
+  }
+
+  // Fewest decimals (up to 6) that write `step` exactly, so neighbouring ticks never read the same.
+  function decimalsFor(step) {
+    for (let d = 0; d < 6; d++) {
+      const scaled = step * 10 ** d;
+      if (Math.abs(scaled - Math.round(scaled)) < 1e-6 * Math.max(1, scaled)) return d;
+    }
+    return 6;
+  }
+
+  const PREFIXES = [[1e12, "T"], [1e9, "G"], [1e6, "M"], [1e3, "k"]];
+  const MINUS = "-";
+
+  // Tick labels for one axis: a sign on negatives, 1.2k / 3.4M for large values, 1e-4 for small ones,
+  // all ticks of an axis in the same scale.
+  function tickLabels(splits, increment) {
+    const biggest = splits.reduce((m, v) => Math.max(m, Math.abs(v)), 0);
+    const step = increment || biggest || 1;
+    const prefix = PREFIXES.find(([scale]) => biggest >= scale);
+    if (prefix) {
+      const [scale, suffix] = prefix;
+      const d = decimalsFor(step / scale);
+      return splits.map((v) => (v === 0 ? "0" : `${v < 0 ? MINUS : ""}${(Math.abs(v) / scale).toFixed(d)}${suffix}`));
+    }
+    if (biggest > 0 && biggest < 1e-3) {
+      const exponent = Math.floor(Math.log10(biggest));
+      const d = decimalsFor(step / 10 ** exponent);
+      return splits.map((v) => (v === 0 ? "0"
+        : `${v < 0 ? MINUS : ""}${(Math.abs(v) / 10 ** exponent).toFixed(d)}e${exponent}`));
+    }
+    const d = decimalsFor(step);
+    return splits.map((v) => (v === 0 ? "0" : `${v < 0 ? MINUS : ""}${Math.abs(v).toFixed(d)}`));
+  }
+
+  // One value (legend, cursor): four significant digits in the same notation as the ticks.
+  function valueLabel(v) {
+    if (v === null || v === undefined || !isFinite(v)) return "—";
+    if (v === 0) return "0";
+    const a = Math.abs(v), sign = v < 0 ? MINUS : "";
+    const prefix = PREFIXES.find(([scale]) => a >= scale);
+    if (prefix) return sign + String(Number((a / prefix[0]).toPrecision(4))) + prefix[1];
+    if (a < 1e-3) {
+      const [mantissa, exponent] = a.toExponential(3).split("e");
+      return `${sign}${Number(mantissa)}e${Number(exponent)}`;
+    }
+    return sign + String(Number(a.toPrecision(4)));
+  }
+
+  // The unit a metric's name says it has ("time/step_s": seconds, "train_tokens_per_s": tok/s), or "".
+  function unitOf(key) {
+    const name = key.toLowerCase();
+    if (/tok(en)?s?(_per_s|\/s)$/.test(name)) return "tok/s";
+    if (/steps?(_per_s|\/s)$/.test(name)) return "steps/s";
+    if (/(^|[_/])s$/.test(name) || /(^|[_/])seconds$/.test(name)) return "s";
+    return "";
+  }
+
+  // An axis as wide as its longest label (uPlot's fixed 50 px cut the sign off "-0.0015").
+  function axisSize(u, values, axisIndex, cycle) {
+    const axis = u.axes[axisIndex];
+    if (cycle > 1) return axis._size;
+    let size = axis.ticks.size + axis.gap + (axis.label ? axis.labelSize : 0);
+    const longest = (values || []).reduce((acc, v) => (v.length > acc.length ? v : acc), "");
+    if (longest) {
+      u.ctx.font = axis.font[0];
+      size += u.ctx.measureText(longest).width / devicePixelRatio;
+    }
+    return Math.ceil(size) + 4;
+  }
+
+  const HEIGHT = 220;
+  const MIN_WIDTH = 160;
+
+  // The width a chart may take: its figure's content box (inside padding and border).
+  function contentWidth(element) {
+    const style = getComputedStyle(element);
+    return element.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
   }
 
   class Chart {
     // labels: one per series. options.xLabel: "step" or "seconds". options.onZoom(min, max|null).
-    constructor(container, { title, labels, xLabel = "step", onZoom = null, height = 220 }) {
+    constructor(container, { title, labels, xLabel = "step", onZoom = null, height = HEIGHT }) {
       this.title = title;
       this.labels = labels;
       this.series = labels.map(() => new Series());
       this.smoothing = 0;
       this.zoomed = false;
       this.onZoom = onZoom;
+      this.height = height;
       const figure = document.createElement("figure");
       figure.className = "chart";
       figure.dataset.key = title;
@@ -73,16 +172,19 @@
       figure.appendChild(caption);
       container.appendChild(figure);
       this.figure = figure;
-      const width = Math.max(260, Math.min(container.clientWidth || 520, 560) - 24);
+      const unit = unitOf(title);
+      if (unit) figure.dataset.unit = unit;
       const chart = this;
+      const ticks = (u, splits, axisIndex, space, increment) => tickLabels(splits, increment);
       this.plot = new uPlot({
-        width, height,
+        width: this.fittingWidth() || MIN_WIDTH, height,
         scales: { x: { time: false }, y: { range: yRange } },
-        axes: [{ label: xLabel }, {}],
+        axes: [{ label: xLabel, values: ticks }, { label: unit || undefined, labelSize: 20, values: ticks, size: axisSize }],
         cursor: { drag: { x: true, y: false } },
         legend: { live: true },
-        series: [{ label: xLabel }].concat(labels.map((label, i) => ({
+        series: [{ label: xLabel, value: (u, v) => valueLabel(v) }].concat(labels.map((label, i) => ({
           label, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true, points: { show: false },
+          value: (u, v) => valueLabel(v),
         }))),
         hooks: {
           setSelect: [(u) => {
@@ -97,6 +199,34 @@
         },
       }, [[], ...labels.map(() => [])], figure);
       figure.addEventListener("dblclick", () => this.resetZoom());
+      // uPlot caches where its plot is and refreshes that only on window scroll and resize: re-measure when a
+      // pointer arrives, as the page above (startup panel, flash) may have moved the chart since.
+      const remeasure = () => this.plot.syncRect(true);
+      figure.addEventListener("pointerenter", remeasure);
+      figure.addEventListener("pointerdown", remeasure, true);
+      // Follow the card's size (grid reflow, window resize, a filter showing it again), once per frame.
+      this.resizeFrame = null;
+      this.observer = new ResizeObserver(() => {
+        if (this.resizeFrame !== null) return;
+        this.resizeFrame = requestAnimationFrame(() => { this.resizeFrame = null; this.fit(); });
+      });
+      this.observer.observe(figure);
+    }
+
+    fittingWidth() {
+      const width = Math.floor(contentWidth(this.figure));
+      return width > 0 ? Math.max(MIN_WIDTH, width) : 0;  // 0: not laid out (hidden)
+    }
+
+    fit() {
+      const width = this.fittingWidth();
+      if (width && width !== this.plot.width) this.plot.setSize({ width, height: this.height });
+    }
+
+    destroy() {
+      this.observer.disconnect();
+      if (this.resizeFrame !== null) cancelAnimationFrame(this.resizeFrame);
+      this.plot.destroy();
     }
 
     add(seriesIndex, points) {
@@ -117,7 +247,7 @@
     }
 
     redraw() {
-      const data = align(this.series.map((s) => s.sorted()));
+      const data = align(this.series.map((s) => s.columns()));
       for (let i = 1; i < data.length; i++) data[i] = smooth(data[i], this.smoothing);
       if (this.zoomed) {
         const { min, max } = this.plot.scales.x;
@@ -127,6 +257,7 @@
         this.plot.setData(data, true);
       }
       this.figure.dataset.points = String(this.pointCount());
+      this.figure.dataset.lastX = data[0].length ? String(data[0][data[0].length - 1]) : "";
     }
   }
 
@@ -178,5 +309,5 @@
     }
   }
 
-  window.FBCharts = { Chart, ChartGrid, smooth, align, yRange, PALETTE };
+  window.FBCharts = { Chart, ChartGrid, Series, smooth, align, yRange, tickLabels, valueLabel, unitOf, PALETTE };
 })();

@@ -78,7 +78,7 @@
       if (grid !== target || !points.length) return;  // the axis changed meanwhile, or nothing there
       // The finer points replace the coarse ones in their range (a mix of both would zigzag).
       const series = grid.chart(key).series[i], lo = points[0][0], hi = points[points.length - 1][0];
-      Array.from(series.points.keys()).forEach((x) => { if (x >= lo && x <= hi) series.points.delete(x); });
+      series.deleteRange(lo, hi);
       grid.add(key, points, i);
     }));
     if (grid === target) markDrawn(key);
@@ -90,7 +90,7 @@
     if (grid) {
       grid.charts.forEach((chart, key) => {
         hidden.set(key, chart.plot.series.map((s) => s.show === false));
-        chart.plot.destroy();
+        chart.destroy();
       });
     }
     container.replaceChildren();

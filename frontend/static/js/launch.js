@@ -152,6 +152,13 @@
   function showNewExperiment() {
     newBox.hidden = experiment.value !== "new";
     for (const option of preset.options) if (option.value) option.hidden = option.dataset.recipe !== recipe();
+    showPresetNeeds();
+  }
+
+  // A preset that starts from the SFT demo's export, in a project without one, says so (and offers to make it).
+  const needsSft = $("preset-needs-sft");
+  function showPresetNeeds() {
+    if (needsSft) needsSft.hidden = !needsSft.dataset.presets.split(" ").includes(preset.value);
   }
 
   function loadPreset(key) {
@@ -159,6 +166,8 @@
     if (!chosen) return;
     editor.value = chosen.yaml;
     loadedText = chosen.yaml;
+    // From a checkpoint: a preset replaces the parent's config, and with it the parent's own overrides.
+    if (overrides.dataset.checkpointOverrides !== undefined) overrides.value = overrides.dataset.checkpointOverrides;
     drawGutter();
     schedule();
   }
@@ -168,12 +177,13 @@
     const current = presets.find((p) => p.key === preset.value);
     if (editor.value === loadedText && (!current || current.recipe !== recipe())) {
       const first = presets.find((p) => p.recipe === recipe());
-      if (first) { preset.value = first.key; loadPreset(first.key); return; }
+      if (first) { preset.value = first.key; loadPreset(first.key); showPresetNeeds(); return; }
     }
     schedule();
   }
 
   preset.addEventListener("change", () => {
+    showPresetNeeds();
     if (!preset.value) return;
     if (editor.value !== loadedText && !window.confirm("Replace your edited config with this preset?")) return;
     loadPreset(preset.value);

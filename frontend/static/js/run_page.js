@@ -11,6 +11,10 @@
   const ZOOM_BUCKETS = 600;
 
   let lastSeq = 0, lastStep = 0, socket = null, attempts = 0, closedByPage = false;
+  let currentState = run.state;
+  let startedAt = run.startedAt ? Date.parse(run.startedAt) : null;
+  let finishedAt = run.finishedAt ? Date.parse(run.finishedAt) : null;
+  const startup = { phases: [], done: false, total: null };
 
   const grid = new FBCharts.ChartGrid($("charts"), { labels: ["value"], xLabel: "step", onZoom: loadDetail });
   window.FBRunPage = { grid, cursors: () => ({ lastSeq, lastStep }), reconnect: () => socket && socket.close() };
@@ -25,6 +29,102 @@
     badge.textContent = state.charAt(0).toUpperCase() + state.slice(1);
     badge.className = "state state-" + state;
     badge.dataset.state = state;
+    currentState = state;
+    updateLaunchFlash(state);
+  }
+
+  // The launch page's "Launched … #N: queued." flash follows the run's state instead of going stale.
+  const launchFlashes = Array.from(document.querySelectorAll(".messages li"))
+    .filter((li) => li.textContent.trim().endsWith(`#${run.number}: queued.`));
+  function updateLaunchFlash(state) {
+    launchFlashes.forEach((li) => { li.textContent = li.textContent.replace(/: [a-z]+\.\s*$/, `: ${state}.`); });
+  }
+
+  const number = (v) => (v === null || v === undefined || v === "" || !isFinite(Number(v)) ? null : Number(v));
+  const seconds = (v) => `${Number(v).toFixed(v > 0 && v < 0.1 ? 2 : 1)} s`;  // 0.03 s, 0.1 s, 12.4 s
+
+  // Mirrors the template filter `duration`: 1h 02m, 3m 05s, 12s.
+  function formatDuration(total) {
+    const t = Math.max(0, Math.floor(total));
+    const h = Math.floor(t / 3600), m = Math.floor((t % 3600) / 60), sec = t % 60;
+    if (h) return `${h}h ${String(m).padStart(2, "0")}m`;
+    return m ? `${m}m ${String(sec).padStart(2, "0")}s` : `${sec}s`;
+  }
+
+  // Runs from started_at until the end state (as the server computes it), ticking while the run goes on.
+  function showDuration() {
+    if (startedAt === null) return;
+    $("run-duration").textContent = formatDuration(((finishedAt !== null ? finishedAt : Date.now()) - startedAt) / 1000);
+  }
+
+  function followStateTimes(event) {
+    const p = event.payload || {}, time = Date.parse(event.time);
+    if (isNaN(time)) return;
+    if (p.from === "launching" && p.to === "running") { startedAt = time; finishedAt = null; }
+    if (TERMINAL.has(p.to)) finishedAt = time;
+  }
+
+  // Startup: the engine's startup_phase events as a list with each phase's duration and a live counter on
+  // the current one; one line ("Started in 12.4 s (…)") once the run is ready or its first metric arrives.
+  function addStartupPhase(event) {
+    const p = event.payload, elapsed = number(p.elapsed_s) ?? 0, previousS = number(p.previous_s);
+    const phase = String(p.phase || "");
+    const last = startup.phases[startup.phases.length - 1];
+    if ((startup.done && phase !== "ready") || (last && elapsed < last.elapsed)) {  // a restart starts again
+      startup.phases = []; startup.done = false; startup.total = null;
+    }
+    const current = startup.phases[startup.phases.length - 1];
+    if (current && current.duration === null) current.duration = previousS ?? Math.max(0, elapsed - current.elapsed);
+    if (phase === "ready") {
+      startup.done = true;
+      startup.total = elapsed;
+    } else {
+      startup.phases.push({ phase, label: String(p.label || phase.replace(/_/g, " ")), elapsed,
+        at: Date.parse(event.time) || Date.now(), duration: null });
+    }
+    renderStartup();
+  }
+
+  function startupFinishedByMetrics() {
+    if (!startup.phases.length || startup.done) return;
+    startup.done = true;
+    renderStartup();
+  }
+
+  function renderStartup() {
+    const panel = $("startup"), list = $("startup-phases"), summary = $("startup-summary");
+    if (!startup.phases.length) { panel.hidden = true; return; }
+    panel.hidden = false;
+    const current = startup.phases[startup.phases.length - 1];
+    const parts = startup.phases.map((ph) => (ph.duration === null ? ph.label : `${ph.label} ${seconds(ph.duration)}`));
+    if (startup.done) {
+      panel.open = false;
+      panel.dataset.state = "started";
+      summary.textContent = startup.total !== null ? `Started in ${seconds(startup.total)} (${parts.join(", ")})`
+        : `Started (${parts.join(", ")})`;
+    } else {
+      const end = TERMINAL.has(currentState) ? (finishedAt ?? Date.now()) : Date.now();
+      const running = Math.max(0, (end - current.at) / 1000);
+      panel.dataset.state = TERMINAL.has(currentState) ? "stopped" : "starting";
+      summary.textContent = TERMINAL.has(currentState)
+        ? `Stopped while ${current.label}, after ${seconds(current.elapsed + running)}`
+        : `Starting: ${current.label}… ${seconds(running)}`;
+    }
+    list.replaceChildren(...startup.phases.map((ph) => {
+      const item = document.createElement("li");
+      item.dataset.phase = ph.phase;
+      const pending = ph.duration === null && !startup.done;
+      item.className = pending ? "phase-current" : "phase-done";
+      const time = pending ? Math.max(0, ((TERMINAL.has(currentState) ? (finishedAt ?? Date.now()) : Date.now()) - ph.at) / 1000)
+        : ph.duration;
+      item.textContent = time === null ? ph.label : `${ph.label}: ${seconds(time)}${pending ? "…" : ""}`;
+      return item;
+    }));
+  }
+
+  function tick() {
+    if (startedAt !== null && finishedAt === null) showDuration();
+    if (startup.phases.length && !startup.done) renderStartup();
   }
 
   function addMetrics(metrics) {
@@ -35,7 +135,7 @@
       grid.add(key, points);
       lastStep = Math.max(lastStep, points[points.length - 1][0]);
     });
-    if (keys.length) $("charts-empty").hidden = true;
+    if (keys.length) { $("charts-empty").hidden = true; startupFinishedByMetrics(); }
     applyChartFilter();
   }
 
@@ -59,6 +159,11 @@
       }
       case "checkpoint_saved": return `checkpoint at step ${p.step}`;
       case "message":
+        if (p.name === "startup_phase") {
+          if (p.phase === "ready") return `ready: started in ${seconds(number(p.elapsed_s) ?? 0)}`;
+          return `${p.label || p.phase} (at ${seconds(number(p.elapsed_s) ?? 0)}` +
+            `${number(p.previous_s) !== null ? `; the previous phase took ${seconds(number(p.previous_s))}` : ""})`;
+        }
         if (p.name === "child_run_started") return `started ${p.experiment} #${p.number} from step ${p.step}`;
         if (p.name === "child_run_failed") return `no run started from step ${p.step}: ${p.reason}`;
         if (p.name === "job_submitted") return `submitted as ${p.backend} job ${p.job_id}`;
@@ -77,7 +182,13 @@
     events.forEach((event) => {
       if (event.seq <= lastSeq) return;
       lastSeq = event.seq;
-      if (event.kind === "state_changed" && event.payload && event.payload.to) setState(event.payload.to);
+      if (event.kind === "state_changed" && event.payload && event.payload.to) {
+        followStateTimes(event);
+        setState(event.payload.to);
+        showDuration();
+      }
+      const isStartup = event.kind === "message" && event.payload && event.payload.name === "startup_phase";
+      if (isStartup) addStartupPhase(event);
       if (event.kind === "checkpoint_saved") document.body.dispatchEvent(new CustomEvent("checkpoint-saved"));
       const item = document.createElement("li");
       item.className = "ev-" + event.kind;
@@ -88,7 +199,7 @@
       time.dateTime = event.time;
       time.textContent = new Date(event.time).toLocaleTimeString();
       const kind = document.createElement("strong");
-      kind.textContent = " " + event.kind.replace(/_/g, " ") + " ";
+      kind.textContent = " " + (isStartup ? "startup" : event.kind.replace(/_/g, " ")) + " ";
       item.append(time, kind, document.createTextNode(describe(event)));
       list.prepend(item);
     });
@@ -106,8 +217,8 @@
   function onMessage(message) {
     const data = JSON.parse(message.data);
     if (data.type === "pong") return;
-    if (data.type === "run.backlog" && data.state) setState(data.state);
     addEvents(data.events || []);
+    if (data.type === "run.backlog" && data.state) setState(data.state);  // current, whatever events the backlog held
     addMetrics(data.metrics || {});
     addLogs(data.logs);
   }
@@ -187,5 +298,7 @@
 
   window.addEventListener("beforeunload", () => { closedByPage = true; if (socket) socket.close(); });
   setState(run.state);
+  showDuration();
+  setInterval(tick, 250);
   connect();
 })();

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 
 from django.db import IntegrityError, transaction
@@ -93,8 +94,9 @@ def experiment_update(
 
 def validate_run_config(*, yaml_text: str, overrides: Sequence[str] = (), recipe: str,
                         project: Project | None = None) -> RunConfig:
-    """The engine's validation, the experiment's recipe and the config's paths and artifact references resolved
-    in `project` (artifacts/resolver.py); field-level ValidationFailed on any problem."""
+    """The engine's validation, the experiment's recipe, the config's paths and artifact references resolved
+    in `project` (artifacts/resolver.py), and whether the cluster's inventory could ever run it (its GPUs, the hosts
+    it names: runs/scheduling.py); field-level ValidationFailed on any problem."""
     return validate_and_resolve(yaml_text=yaml_text, overrides=overrides, recipe=recipe, project=project)[0]
 
 
@@ -102,7 +104,45 @@ def validate_and_resolve(*, yaml_text: str, overrides: Sequence[str] = (), recip
                          project: Project | None) -> tuple[RunConfig, dict[str, str]]:
     """`validate_run_config`, and the resolved paths: {engine field ("model.path"): absolute path}."""
     from forgeboard.artifacts.resolver import resolve_run_paths
+    from forgeboard.runs.scheduling import config_schedule_problems
 
+    config = _engine_validated(yaml_text=yaml_text, overrides=overrides, recipe=recipe)
+    problems: list[FieldProblem] = []
+    try:
+        paths = resolve_run_paths(config=config, project=project)
+    except ValidationFailed as exc:
+        problems.extend(exc.problems)
+    else:
+        problems.extend(_data_problems(config=config, paths=paths))
+    problems.extend(config_schedule_problems(config=config, project=project))
+    if problems:
+        raise ValidationFailed("invalid config: " + "; ".join(f"{p.field}: {p.message}" for p in problems),
+                               problems=problems)
+    return config, paths
+
+
+# A JSONL dataset up to this size is read at validation (the launch form checks as one types); a larger one is
+# checked by the engine's preflight, still before its model loads.
+DATA_CHECK_MAX_BYTES = 16 * 2**20
+
+
+def _data_problems(*, config: RunConfig, paths: dict[str, str]) -> list[FieldProblem]:
+    """The first row of the run's dataset that it cannot use (line and reason), as the engine's preflight finds it."""
+    from workers.engine.tasks import data_errors
+
+    data_path = paths.get("data.path") or config.data.path
+    if config.data.source == "jsonl":
+        try:
+            if data_path is None or os.path.getsize(data_path) > DATA_CHECK_MAX_BYTES:
+                return []
+        except OSError:
+            return []  # the resolver has said what is wrong with the path, or the engine's host holds the file
+        config = config.model_copy(update={"data": config.data.model_copy(update={"path": data_path})})
+    return [FieldProblem(f"config.{e.field}" if e.field else "config", e.message) for e in data_errors(config)]
+
+
+def _engine_validated(*, yaml_text: str, overrides: Sequence[str], recipe: str) -> RunConfig:
+    """The engine's schema and the experiment's recipe: what a config is wherever it runs."""
     if not isinstance(yaml_text, str):
         raise ValidationFailed.on("config", "must be YAML text")
     if len(overrides) > MAX_OVERRIDES:
@@ -118,15 +158,16 @@ def validate_and_resolve(*, yaml_text: str, overrides: Sequence[str] = (), recip
         raise ValidationFailed.on(
             "config.recipe", f"is {config.recipe!r} but the experiment's recipe is {recipe!r}"
         )
-    return config, resolve_run_paths(config=config, project=project)
+    return config
 
 
 def config_snapshot_create(*, yaml_text: str, overrides: Sequence[str] = (), recipe: str,
                            config: RunConfig | None = None) -> ConfigSnapshot:
     """Validate (unless `config` is this text already validated) and store a config; the same text and overrides
-    give back the same snapshot, in every project: the paths a run resolved are the run's (Run.artifact_paths)."""
+    give back the same snapshot, in every project and cluster: the paths a run resolved are the run's
+    (Run.artifact_paths), and whether it fits the inventory is the launch's question."""
     if config is None:
-        config = validate_run_config(yaml_text=yaml_text, overrides=overrides, recipe=recipe)
+        config = _engine_validated(yaml_text=yaml_text, overrides=overrides, recipe=recipe)
     digest = hashlib.sha256(json.dumps([yaml_text, list(overrides)]).encode("utf-8")).hexdigest()
     existing = ConfigSnapshot.objects.filter(content_hash=digest).first()
     if existing is not None:

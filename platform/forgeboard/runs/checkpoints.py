@@ -33,6 +33,7 @@ from forgeboard.accounts.models import ApiToken, Role, User
 from forgeboard.accounts.permissions import Actor, require_project_role
 from forgeboard.audit.services import audit_record
 from forgeboard.errors import NotFound, ServiceError, ValidationFailed
+from forgeboard.experiments.models import Experiment
 from forgeboard.experiments.services import validate_run_config
 from forgeboard.runs.models import Run
 from forgeboard.runs.services import run_launch, run_launch_queue
@@ -163,16 +164,39 @@ def checkpoint_export(*, actor: Actor, run: Run, step: int) -> Path:
     return out
 
 
-def _child_overrides(*, run: Run, step: int, overrides: Sequence[str]) -> list[str]:
-    """The parent's overrides, then the exported weights as the model (`model.artifact=run:<id>@step:<n>`, which the
-    resolver turns into the export folder), then `overrides`: checked before any export."""
+@dataclass(frozen=True)
+class ChildSpec:
+    """What a run started from a checkpoint is: its experiment, config text and overrides, and priority."""
+
+    experiment: Experiment
+    yaml_text: str
+    overrides: list[str]
+    priority: int
+
+
+def _child_spec(*, run: Run, step: int, overrides: Sequence[str], experiment: Experiment | None = None,
+                config_yaml: str | None = None, priority: int | None = None) -> ChildSpec:
+    """The child's experiment (the parent's unless given: one of the same project), its config (the parent's, with the
+    parent's overrides, unless `config_yaml` is given), the exported weights as the model (`model.artifact=run:<id>@step:<n>`,
+    which the resolver turns into the export folder), then `overrides`: checked before any export."""
     if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):
         raise ValidationFailed.on("overrides", "must be a list of section.key=value strings")
-    child_overrides = [*run.config.overrides, "model.path=", f"model.artifact={run_reference(run=run, step=step)}",
+    if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool) or not -100 <= priority <= 100):
+        raise ValidationFailed.on("priority", "must be an integer from -100 to 100")
+    experiment = run.experiment if experiment is None else experiment
+    if experiment.project_id != run.experiment.project_id:
+        raise ValidationFailed.on("experiment", f"must be an experiment of project {run.experiment.project.slug}: a "
+                                                "checkpoint starts runs in its own project")
+    if config_yaml is None:
+        yaml_text, base = run.config.yaml_text, list(run.config.overrides)
+    else:
+        yaml_text, base = config_yaml, []
+    child_overrides = [*base, "model.path=", f"model.artifact={run_reference(run=run, step=step)}",
                        "checkpoint.resume_from=", *overrides]
-    validate_run_config(yaml_text=run.config.yaml_text, overrides=child_overrides, recipe=run.experiment.recipe,
-                        project=run.experiment.project)
-    return child_overrides
+    validate_run_config(yaml_text=yaml_text, overrides=child_overrides, recipe=experiment.recipe,
+                        project=experiment.project)
+    return ChildSpec(experiment=experiment, yaml_text=yaml_text, overrides=child_overrides,
+                     priority=run.priority if priority is None else priority)
 
 
 def run_reference(*, run: Run, step: int) -> str:
@@ -180,46 +204,57 @@ def run_reference(*, run: Run, step: int) -> str:
     return f"run:{run.pk}@step:{step}"
 
 
-def run_launch_from_checkpoint_request(*, actor: Actor, run: Run, step: int,
-                                       overrides: Sequence[str] = ()) -> Run | ExportStatus:
+def run_launch_from_checkpoint_request(*, actor: Actor, run: Run, step: int, overrides: Sequence[str] = (),
+                                       experiment: Experiment | None = None, config_yaml: str | None = None,
+                                       priority: int | None = None) -> Run | ExportStatus:
     """Start a child run from the checkpoint at `step` without exporting inside the caller's request.
 
-    The checkpoint already exported: the child run, now. Otherwise the export is queued (the
-    `checkpoints.export` task) and the child starts when it is done; the parent's timeline then says
-    which run started, or why none could. Permission, the step and the overrides are checked here first.
+    The child is a run of `experiment` (any recipe, the parent's experiment by default) with `config_yaml` (the
+    parent's config by default) starting from the checkpoint's weights. The checkpoint already exported: the
+    child run, now. Otherwise the export is queued (the `checkpoints.export` task) and the child starts when it
+    is done; the parent's timeline then says which run started, or why none could. Permission, the step, the
+    experiment and the config are checked here first.
     """
     require_project_role(actor=actor, project=run.experiment.project, minimum=Role.MEMBER, action="launching runs")
     step = _clean_step(step)
     _checkpoint_at(run=run, step=step)
-    _child_overrides(run=run, step=step, overrides=overrides)
+    _child_spec(run=run, step=step, overrides=overrides, experiment=experiment, config_yaml=config_yaml,
+                priority=priority)
     status = _read_status(run=run, step=step)
     if status is not None and status.state == ExportState.DONE:
-        return run_launch_from_checkpoint(actor=actor, run=run, step=step, overrides=overrides)
+        return run_launch_from_checkpoint(actor=actor, run=run, step=step, overrides=overrides, experiment=experiment,
+                                          config_yaml=config_yaml, priority=priority)
     if status is None or status.state == ExportState.FAILED:
         _write_status(run=run, step=step, state=ExportState.QUEUED)
+    child = {key: value for key, value in (("experiment_id", experiment.pk if experiment else None),
+                                           ("config_yaml", config_yaml), ("priority", priority)) if value is not None}
     with transaction.atomic():
         audit_record(actor=actor, action="checkpoint.launch_request", target=run, project=run.experiment.project,
-                     payload={"step": step, "overrides": list(overrides)})
+                     payload={"step": step, "overrides": list(overrides)}
+                     | ({"experiment": experiment.pk} if experiment else {}))
         transaction.on_commit(lambda: _enqueue_export(run_id=run.pk, step=step, actor=actor,
-                                                      launch_child=True, overrides=list(overrides)))
+                                                      launch_child=True, overrides=list(overrides), child=child))
     return _read_status(run=run, step=step)  # type: ignore[return-value]
 
 
-def run_launch_from_checkpoint(*, actor: Actor, run: Run, step: int, overrides: Sequence[str] = ()) -> Run:
-    """A new run in the same experiment, with the parent's config starting from the weights at `step`.
+def run_launch_from_checkpoint(*, actor: Actor, run: Run, step: int, overrides: Sequence[str] = (),
+                               experiment: Experiment | None = None, config_yaml: str | None = None,
+                               priority: int | None = None) -> Run:
+    """A new run starting from the weights at `step`: in the parent's experiment with the parent's config, unless
+    `experiment` (same project, any recipe) and `config_yaml` say otherwise.
 
-    The checkpoint is exported as an HF folder and becomes `model.path`; the optimizer starts afresh
+    The checkpoint is exported as an HF folder and becomes the model; the optimizer starts afresh
     (`checkpoint.resume_from` is cleared). `overrides` apply last. The new run's parent is `run`.
     """
     require_project_role(actor=actor, project=run.experiment.project, minimum=Role.MEMBER, action="launching runs")
     step = _clean_step(step)
-    child_overrides = _child_overrides(run=run, step=step, overrides=overrides)
+    spec = _child_spec(run=run, step=step, overrides=overrides, experiment=experiment, config_yaml=config_yaml,
+                       priority=priority)
     model_path = export_folder(run=run, step=step)
-    snapshot = run.config
     checkpoint_export(actor=actor, run=run, step=step)
     with transaction.atomic():
-        child = run_launch(actor=actor, experiment=run.experiment, config_yaml=snapshot.yaml_text,
-                           overrides=child_overrides, priority=run.priority, parent=run)
+        child = run_launch(actor=actor, experiment=spec.experiment, config_yaml=spec.yaml_text,
+                           overrides=spec.overrides, priority=spec.priority, parent=run)
         audit_record(actor=actor, action="run.launch_from_checkpoint", target=child, project=run.experiment.project,
                      payload={"parent": run.pk, "step": step, "model_path": str(model_path)})
     return child
@@ -290,14 +325,14 @@ def checkpoint_export_status(*, actor: Actor, run: Run, step: int) -> ExportStat
 
 
 def _enqueue_export(*, run_id: int, step: int, actor: Actor, launch_child: bool = False,
-                    overrides: Sequence[str] = ()) -> None:
+                    overrides: Sequence[str] = (), child: dict[str, Any] | None = None) -> None:
     from workers.celery import app  # the Celery app lives in the data plane package
 
     kind = "token" if isinstance(actor, ApiToken) else "user"
     # The checkpoint is on the disk where the run ran: a worker of that host's pool exports it.
     queue = run_launch_queue(run_id=run_id)
     app.send_task("checkpoints.export", args=[run_id, step, kind, actor.pk],
-                  kwargs={"launch_child": launch_child, "overrides": list(overrides)},
+                  kwargs={"launch_child": launch_child, "overrides": list(overrides), **(child or {})},
                   **({"queue": queue} if queue else {}))
 
 
@@ -323,11 +358,12 @@ def checkpoint_export_request(*, actor: Actor, run: Run, step: int) -> ExportSta
 
 
 def checkpoint_export_queued(*, run_id: int, step: int, actor_kind: str, actor_id: int, launch_child: bool = False,
-                             overrides: Sequence[str] = ()) -> ExportStatus:
+                             overrides: Sequence[str] = (), experiment_id: int | None = None,
+                             config_yaml: str | None = None, priority: int | None = None) -> ExportStatus:
     """The task's side: export as the actor who asked, recording running, then done or failed with the reason.
 
-    `launch_child`: then start a run from the export (`run_launch_from_checkpoint_request`), and say so
-    on the parent's timeline, with the child or the reason none started.
+    `launch_child`: then start a run from the export (`run_launch_from_checkpoint`, in `experiment_id` with
+    `config_yaml` when given), and say so on the parent's timeline, with the child or the reason none started.
     """
     run = Run.objects.select_related("experiment__project").get(pk=run_id)
     model: Any = ApiToken if actor_kind == "token" else User
@@ -345,19 +381,27 @@ def checkpoint_export_queued(*, run_id: int, step: int, actor_kind: str, actor_i
         _status_file(run=run, step=step).unlink(missing_ok=True)  # the export folder now says done
     status = _read_status(run=run, step=step)
     if launch_child:
-        _launch_child(run=run, step=step, actor=actor, status=status, overrides=overrides)
+        _launch_child(run=run, step=step, actor=actor, status=status, overrides=overrides,
+                      experiment_id=experiment_id, config_yaml=config_yaml, priority=priority)
     return status  # type: ignore[return-value]
 
 
 def _launch_child(*, run: Run, step: int, actor: Actor | None, status: ExportStatus | None,
-                  overrides: Sequence[str]) -> None:
+                  overrides: Sequence[str], experiment_id: int | None, config_yaml: str | None,
+                  priority: int | None) -> None:
     if status is None or status.state != ExportState.DONE or actor is None:
         reason = status.error if status is not None and status.error else "the export did not finish"
         event_append(run=run, kind=EventKind.MESSAGE,
                      payload={"name": "child_run_failed", "step": step, "reason": f"exporting step {step}: {reason}"})
         return
     try:
-        child = run_launch_from_checkpoint(actor=actor, run=run, step=step, overrides=overrides)
+        experiment = None
+        if experiment_id is not None:
+            experiment = Experiment.objects.filter(pk=experiment_id).first()
+            if experiment is None:
+                raise NotFound(f"experiment {experiment_id} no longer exists")
+        child = run_launch_from_checkpoint(actor=actor, run=run, step=step, overrides=overrides, experiment=experiment,
+                                           config_yaml=config_yaml, priority=priority)
     except ServiceError as exc:
         event_append(run=run, kind=EventKind.MESSAGE, payload={"name": "child_run_failed", "step": step, "reason": exc.message})
         return

@@ -21,6 +21,7 @@ urlpatterns = [
     path("runs/<int:run_id>/commands/", runs.run_command, name="run_command"),
     path("runs/<int:run_id>/checkpoints/<int:step>/launch/", runs.run_from_checkpoint, name="run_from_checkpoint"),
     path("runs/<int:run_id>/clone/", launch.clone, name="run_clone"),
+    path("runs/<int:run_id>/checkpoints/<int:step>/new/", launch.from_checkpoint, name="run_from_checkpoint_form"),
     path("cluster/", cluster.cluster, name="cluster"),
     path("settings/tokens/", tokens.tokens, name="settings_tokens"),
     path("settings/tokens/<int:token_id>/revoke/", tokens.token_revoke, name="settings_token_revoke"),

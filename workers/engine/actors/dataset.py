@@ -5,7 +5,7 @@ from typing import Any
 
 from monarch.actor import Actor, endpoint
 
-from workers.engine.config import DataConfig
+from workers.engine.config import RunConfig
 from workers.engine.tasks import Problem, build_task
 from workers.engine.tasks.stream import ProblemStream
 
@@ -13,9 +13,9 @@ from workers.engine.tasks.stream import ProblemStream
 class DatasetActor(Actor):
     """Serves training problems in a seeded, resumable order, and the held-out set."""
 
-    def __init__(self, data: DataConfig, seed: int):
-        self.task = build_task(data, seed=seed)
-        self.stream = ProblemStream(self.task.train, seed=seed)
+    def __init__(self, config: RunConfig):
+        self.task = build_task(config)
+        self.stream = ProblemStream(self.task.train, seed=config.trainer.seed)
 
     @endpoint
     def take(self, n: int) -> list[Problem]:
@@ -30,6 +30,10 @@ class DatasetActor(Actor):
     @endpoint
     def held_out(self) -> list[Problem]:
         return self.task.held_out
+
+    @endpoint
+    def summary(self) -> dict[str, Any]:
+        return self.task.summary()
 
     @endpoint
     def state_dict(self) -> dict[str, Any]:

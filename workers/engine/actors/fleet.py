@@ -196,10 +196,17 @@ class ReplicaGroup:
         self.warming: list[tuple[Replica, Any]] = []  # (spare, future of its pid once its model is loaded)
 
     def start(self, hosts: list[str]) -> None:
-        replicas = [self._spawn(index, host) for index, host in enumerate(hosts)]
-        for replica in replicas:
+        self.launch(hosts)
+        self.await_started()
+
+    def launch(self, hosts: list[str]) -> None:
+        """Spawn the first replicas' procs and actors, one per host given; their models load meanwhile."""
+        self.service = Service([self._spawn(index, host) for index, host in enumerate(hosts)], routing=self.routing)
+
+    def await_started(self) -> None:
+        """Wait until every launched replica's model has loaded."""
+        for replica in self.replicas:
             self._ready(replica)
-        self.service = Service(replicas, routing=self.routing)
 
     def _start(self, index: int, host: str, name: str) -> Replica:
         """A new proc mesh with the role's actor on `host`; its model may still be loading."""

@@ -55,7 +55,9 @@ class ChatTokenizer:
         """(prompt ids, response ids) for supervised training on the assistant's reply only.
 
         The response ids run to the end of the rendered conversation, so they include the
-        template's end-of-turn token: the model learns to stop.
+        template's end of turn; when that holds no end-of-sequence token (a template that ends
+        turns with ordinary text), the EOS follows it. Either way the model learns to stop
+        where the sampler stops.
         """
         prompt_text = self.render(messages, add_generation_prompt=True)
         full_text = self.render([*messages, {"role": "assistant", "content": response}], add_generation_prompt=False)
@@ -63,4 +65,6 @@ class ChatTokenizer:
             raise ValueError("chat template does not render the prompt as a prefix of the full conversation")
         prompt_ids = self.encode(prompt_text)
         response_ids = self.encode(full_text[len(prompt_text):])
+        if not set(response_ids) & set(self.eos_token_ids):
+            response_ids.append(self.eos_token_ids[0])
         return prompt_ids, response_ids

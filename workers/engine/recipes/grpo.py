@@ -43,11 +43,12 @@ from workers.engine.replay_buffer import ReplayBuffer, RolloutBatchRecord
 from workers.engine.rewards import CombinedReward
 from workers.engine.sampler import Completion, SamplingParams, TorchSampler
 from workers.engine.sharding import set_gradient_sync
+from workers.engine.startup import StartupPhases
 from workers.engine.tasks import Problem, build_task
 from workers.engine.tasks.stream import ProblemStream
 from workers.engine.training import (
     EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, grad_norm_and_clip, mfu, resolve_device,
-    setup_process,
+    setup_process, train_tokens_per_second,
 )
 
 
@@ -231,7 +232,12 @@ def update_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
 
 def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | None = None) -> GrpoResult:
     cfg, trainer_cfg, grpo = config, config.trainer, config.grpo
+    startup = StartupPhases(recorder)
+    startup.enter("loading_model", "loading the model and data")
     setup_process(threads=trainer_cfg.threads_per_process, seed=trainer_cfg.seed)
+
+    task = build_task(cfg)  # a row it cannot use stops the run before the model loads
+    recorder.event("dataset", step=0, **task.summary())
 
     # --- setup: policy (trainer), generator copy, optional frozen reference -------------
     device = resolve_device(trainer_cfg.device)
@@ -248,11 +254,8 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
             load_pretrained(cfg.model.path, dtype=cfg.model.dtype, device=device).model.eval().requires_grad_(False)
     eval_sampler = TorchSampler(model, eos_token_ids=tokenizer.eos_token_ids, pad_id=tokenizer.pad_id)
 
-    task = build_task(cfg.data, seed=trainer_cfg.seed)
     stream = ProblemStream(task.train, seed=trainer_cfg.seed)
     reward = CombinedReward(cfg.reward.functions, cfg.reward.weights)
-    if "exact_math" in reward.names and any(p.answer is None for p in task.train + task.held_out):
-        raise ValueError("reward exact_math needs an 'answer' on every problem of the data set")
     optimizer = build_optimizer(model, trainer_cfg.optimizer)
     scheduler = build_scheduler(optimizer, trainer_cfg.optimizer, trainer_cfg.steps)
     max_age = grpo.max_policy_age if grpo.mode == "async" else 0
@@ -310,6 +313,7 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
         recorder.event("checkpoint_saved", step=step, path=str(path), policy_version=policy_version)
         return path
 
+    startup.ready()
     first_eval = last_eval = run_eval(start_step) if cfg.eval.every_steps and start_step == 0 else None
     loop_start = time.perf_counter()
     losses: list[float] = []
@@ -365,7 +369,8 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
             "buffer/dropped_stale": buffer.dropped_stale,
             "time/step_s": step_seconds,
             **timer.metrics(),
-            "throughput/train_tokens_per_s": train_tokens / max(timer.seconds["train"], 1e-9),
+            "throughput/train_tokens_per_s": train_tokens_per_second(tokens=train_tokens, step_seconds=step_seconds),
+            "data/train_tokens": train_tokens,
             "mfu": mfu(n_params=n_params, tokens=train_tokens, seconds=step_seconds, peak_flops_per_second=trainer_cfg.peak_flops_per_second),
         }
         if "generate" in timer.seconds:

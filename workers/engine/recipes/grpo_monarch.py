@@ -75,8 +75,9 @@ from workers.engine.recipes.grpo import GrpoResult, check_prompt_lengths, rollou
 from workers.engine.replay_buffer import concat_records
 from workers.engine.run_control import RunControl
 from workers.engine.sampler import SamplingParams
+from workers.engine.startup import StartupPhases
 from workers.engine.tasks import Problem
-from workers.engine.training import EvalResult, PhaseTimer, mfu
+from workers.engine.training import EvalResult, PhaseTimer, mfu, train_tokens_per_second
 
 __all__ = ["FaultDrill", "ProcFailure", "train_grpo_monarch"]
 ARM_TIMEOUT_S = 10.0  # arming a fault waits for the target's current call to end
@@ -138,6 +139,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                        workers: Sequence[Worker] | None = None) -> GrpoResult:
     """`workers`: the Monarch workers to place procs on; None: those of the run's monarch.job (FORGEBOARD_MONARCH_JOB),
     else those in FORGEBOARD_MONARCH_WORKERS."""
+    startup = StartupPhases(recorder)
+    startup.enter("placing", "placing roles on hosts")
     from_job = job_kind() if workers is None else None
     workers = [] if from_job else workers_from_env() if workers is None else list(workers)
     check_placement(config.placement, workers=workers)  # a job's workers are known once attached
@@ -216,17 +219,25 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         def trainer_lost_host() -> str | None:
             return next((h for h in trainer_hosts if h in hosts.lost), None)
 
+        def place_trainer() -> list[str]:
+            """The hosts the trainer's ranks go to: the first of its hosts still there."""
+            candidates = hosts.alive(role_hosts("trainer"))
+            if len(candidates) < trainer_host_count or not candidates:
+                raise ProcFailure(f"the trainer needs {trainer_host_count} host(s) ({trainer_cfg.ranks} ranks, "
+                                  f"{ranks_per_host} per host): {', '.join(candidates) or 'none'} of "
+                                  f"{', '.join(role_hosts('trainer'))} (placement.trainer.hosts) left")
+            return candidates[:trainer_host_count]
+
         def start_trainer() -> tuple[Any, Any, dict[str, Any]]:
             """(procs, actors, what rank 0's setup said: its n_params and the group's MASTER_ADDR)."""
+            return trainer_started(*launch_trainer())
+
+        def launch_trainer() -> tuple[Any, Any, Any]:
+            """(procs, actors, every rank's pending setup): the trainer's procs spawned, its model loading."""
             nonlocal trainer_hosts
             procs = None
             while procs is None:
-                candidates = hosts.alive(role_hosts("trainer"))
-                if len(candidates) < trainer_host_count or not candidates:
-                    raise ProcFailure(f"the trainer needs {trainer_host_count} host(s) ({trainer_cfg.ranks} ranks, "
-                                      f"{ranks_per_host} per host): {', '.join(candidates) or 'none'} of "
-                                      f"{', '.join(role_hosts('trainer'))} (placement.trainer.hosts) left")
-                trainer_hosts = candidates[:trainer_host_count]
+                trainer_hosts = place_trainer()
                 hosts.release("trainer")
                 try:
                     procs = hosts.spawn_across(hosts=trainer_hosts, per_host=ranks_per_host, threads=threads,
@@ -239,13 +250,12 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             actors = procs.spawn("trainer", TrainerActor, cfg)
             # Over several hosts, rank 0's host by the address its worker has (a pod IP, a node name).
             master = hosts.workers[trainer_hosts[0]].host if len(trainer_hosts) > 1 else None
-            info = list(actors.setup.call(master).get().values())
+            return procs, actors, actors.setup.call(master)
+
+        def trainer_started(procs: Any, actors: Any, setup: Any) -> tuple[Any, Any, dict[str, Any]]:
+            info = list(setup.get().values())
             trainer_pids[:] = list(actors.pids.call().get().values())
             return procs, actors, info[0]
-
-        trainer_procs, trainer, trainer_setup = start_trainer()
-        n_params = trainer_setup["n_params"]
-        trainer0 = trainer_rank(trainer, 0)
 
         if cfg.generator.backend == "vllm":
             from workers.engine.actors.vllm_generator import VllmGeneratorActor, vllm_proc_env
@@ -260,6 +270,18 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 return procs.spawn(name, GeneratorActor, cfg.model.path, cfg.model.dtype, role_device("generator"))
 
         spares = failover_cfg.warm_spares
+        # Every proc is spawned before any is waited for: their imports and model loads overlap.
+        trainer_hosts = place_trainer()
+        first_generators = layout("generator", cfg.generator.replicas)
+        scorers = ("reward", "reference") if cfg.reference.enabled else ("reward",)
+        used = {*trainer_hosts, *first_generators, *cfg.placement.replay_buffer.hosts[:1],
+                *(h for role in scorers if getattr(cfg.placement, role).colocate_with is None for h in layout(role, 1))}
+        procs_count = trainer_cfg.ranks + cfg.generator.replicas + len(scorers) + 1 + spares * (1 + len(scorers))
+        where = ("1 host" if len(used) == 1 else f"{len(used)} hosts") if hosts.workers else "this machine"
+        startup.enter("spawning_procs", f"spawning {procs_count} procs on {where}")  # the control proc and spares too
+        trainer_launch = launch_trainer()
+        trainer_procs = trainer_launch[0]
+
         def placed(role: str) -> dict[str, Any]:
             rule = getattr(cfg.placement, role)
             return {"gpus_per_proc": rule.gpus_per_proc, "per_host": rule.procs_per_host}
@@ -267,18 +289,18 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         generators = groups["generator"] = ReplicaGroup("generator", spawn_actor=spawn_generator, hosts=hosts,
                                                         threads=threads, routing=cfg.generator.routing, spares=spares,
                                                         **placed("generator"))
-        generators.start(layout("generator", cfg.generator.replicas))
+        generators.launch(first_generators)
         groups["reward"] = ReplicaGroup("reward", hosts=hosts, threads=threads, routing="round_robin", spares=spares,
                                         spawn_actor=lambda procs, name: procs.spawn(
                                             name, RewardActor, cfg.model.path, list(cfg.reward.functions), cfg.reward.weights),
                                         **placed("reward"))
-        groups["reward"].start(layout("reward", 1))
+        groups["reward"].launch(layout("reward", 1))
         if cfg.reference.enabled:
             groups["reference"] = ReplicaGroup("reference", hosts=hosts, threads=threads, routing="round_robin",
                                                spares=spares, spawn_actor=lambda procs, name: procs.spawn(
                                                    name, ReferenceActor, cfg.model.path, cfg.model.dtype,
                                                    role_device("reference")), **placed("reference"))
-            groups["reference"].start(layout("reference", 1))
+            groups["reference"].launch(layout("reference", 1))
 
         max_age = grpo.max_policy_age if grpo.mode == "async" else 0
 
@@ -293,13 +315,10 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             host = candidates[0]
             procs = hosts.spawn_procs(host=host, count=1, threads=threads) if host else spawn_procs(1, threads=threads)
             meshes.append(procs)
-            return (host, procs, procs.spawn("dataset", DatasetActor, cfg.data, trainer_cfg.seed),
+            return (host, procs, procs.spawn("dataset", DatasetActor, cfg),
                     procs.spawn("replay_buffer", ReplayBufferActor,
                                 max(cfg.replay_buffer.capacity, trainer_cfg.batch_size * grpo.group_size), max_age))
 
-        control_host, control_procs, dataset, buffer = start_control()
-        held_out = dataset.held_out.call_one().get()
-        tokenizer = ChatTokenizer(cfg.model.path)
         def spare_host(role: str) -> str | None:
             """Where a role's spares start: its first host that is up, not drained and has room for them."""
             alive = [h for h in hosts.alive(role_hosts(role)) if groups[role].has_room(h)]
@@ -318,7 +337,18 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
 
         step = 0
         drained: set[str] = set()
+        control_host, control_procs, dataset, buffer = start_control()
         warm_spares()
+        startup.enter("loading_model", "loading the model" + (" (vLLM compiles on its first generation)"
+                                                              if cfg.generator.backend == "vllm" else ""))
+        trainer_procs, trainer, trainer_setup = trainer_started(*trainer_launch)
+        n_params = trainer_setup["n_params"]
+        trainer0 = trainer_rank(trainer, 0)
+        for group in groups.values():
+            group.await_started()
+        held_out = dataset.held_out.call_one().get()
+        recorder.event("dataset", step=0, **dataset.summary.call_one().get())
+        tokenizer = ChatTokenizer(cfg.model.path)
         while any(group.warming for group in groups.values()):  # the run starts with its spares ready
             poll_spares(wait_s=1.0)
         recorder.event("meshes_ready", step=0, seconds=round(time.perf_counter() - setup_start, 2),
@@ -1001,6 +1031,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             recorder.event("checkpoint_saved", step=step, path=str(path), policy_version=policy_version)
             return path
 
+        startup.ready()
         first_eval = last_eval = run_eval(step) if cfg.eval.every_steps and step == 0 else None
         loop_start = time.perf_counter()
         losses: list[float] = []
@@ -1071,7 +1102,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                     "generations_in_flight": len(pending),
                     "time/step_s": step_seconds,
                     **timer.metrics(),
-                    "throughput/train_tokens_per_s": train_tokens / max(timer.seconds["train"], 1e-9),
+                    "throughput/train_tokens_per_s": train_tokens_per_second(tokens=train_tokens, step_seconds=step_seconds),
+                    "data/train_tokens": train_tokens,
                     "mfu": mfu(n_params=n_params, tokens=train_tokens, seconds=step_seconds,
                                peak_flops_per_second=trainer_cfg.peak_flops_per_second * trainer_cfg.ranks),
                     **fault_metrics(failover, injector, totals),

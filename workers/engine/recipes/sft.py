@@ -21,11 +21,12 @@ from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.models.titan import count_parameters
 from workers.engine.rewards import CombinedReward
 from workers.engine.sampler import TorchSampler
+from workers.engine.startup import StartupPhases
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
 from workers.engine.training import (
     EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, grad_norm_and_clip, held_out_nll, mfu,
-    resolve_device, setup_process,
+    resolve_device, setup_process, train_tokens_per_second,
 )
 
 
@@ -45,14 +46,17 @@ class SftResult:
 
 def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | None = None) -> SftResult:
     cfg, trainer_cfg = config, config.trainer
+    startup = StartupPhases(recorder)
+    startup.enter("loading_model", "loading the model and data")
     setup_process(threads=trainer_cfg.threads_per_process, seed=trainer_cfg.seed)
 
+    task = build_task(cfg)  # a row it cannot use stops the run before the model loads
+    recorder.event("dataset", step=0, **task.summary())
     device = resolve_device(trainer_cfg.device)
     loaded = load_pretrained(cfg.model.path, family=cfg.model.family, dtype=cfg.model.dtype, device=device)
     model, tokenizer = loaded.model, loaded.tokenizer
     model.train()
     n_params = count_parameters(model)
-    task = build_task(cfg.data, seed=trainer_cfg.seed)
     stream = ProblemStream(task.train, seed=trainer_cfg.seed)
     optimizer = build_optimizer(model, trainer_cfg.optimizer)
     scheduler = build_scheduler(optimizer, trainer_cfg.optimizer, trainer_cfg.steps)
@@ -92,6 +96,7 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
         recorder.event("checkpoint_saved", step=step, path=str(path))
         return path
 
+    startup.ready()
     first_eval = last_eval = run_eval(start_step) if cfg.eval.every_steps and start_step == 0 else None
     loop_start = time.perf_counter()
     losses: list[float] = []
@@ -130,7 +135,8 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
             "lr": lr,
             "time/step_s": step_seconds,
             **timer.metrics(),
-            "throughput/train_tokens_per_s": tokens / max(timer.seconds["train"], 1e-9),
+            "throughput/train_tokens_per_s": train_tokens_per_second(tokens=tokens, step_seconds=step_seconds),
+            "data/train_tokens": tokens,
             "data/response_tokens": response_tokens,
             "mfu": mfu(n_params=n_params, tokens=tokens, seconds=step_seconds, peak_flops_per_second=trainer_cfg.peak_flops_per_second),
             "data/epoch": stream.epoch,

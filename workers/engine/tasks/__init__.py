@@ -1,6 +1,6 @@
 """Training data: verifiable prompts for GRPO, chat examples for SFT."""
 
-from workers.engine.tasks.problem import Problem, Task
-from workers.engine.tasks.build import build_task
+from workers.engine.tasks.problem import DataError, Problem, Task
+from workers.engine.tasks.build import build_task, data_errors, needs_of
 
-__all__ = ["Problem", "Task", "build_task"]
+__all__ = ["DataError", "Problem", "Task", "build_task", "data_errors", "needs_of"]

@@ -1,4 +1,5 @@
-"""The Launch page: pick or create an experiment, edit a config (validated live), place it, launch; and cloning a run.
+"""The Launch page: pick or create an experiment, edit a config (validated live), place it, launch; cloning a run;
+and starting a run of any recipe from a run's checkpoint.
 
 Thin: reads through selectors, writes through `experiment_create` and `run_launch` (which check the role and
 audit). Bad input comes back at its field: config problems with their YAML line, the rest by form field.
@@ -22,13 +23,21 @@ from django.views.decorators.http import require_http_methods
 from yaml.nodes import MappingNode, ScalarNode
 
 from forgeboard.accounts.models import Project, Role
+from forgeboard.artifacts.models import Artifact
 from forgeboard.accounts.permissions import project_role, require_project_role
 from forgeboard.api.configs import ConfigProblem, config_problems, yaml_line_of
 from forgeboard.cluster.selectors import hosts_with_devices
-from forgeboard.errors import PermissionDenied, ServiceError, ValidationFailed
+from forgeboard.errors import NotFound, PermissionDenied, ServiceError, ValidationFailed
 from forgeboard.experiments.models import Experiment, Recipe
 from forgeboard.experiments.selectors import experiments_for_project
 from forgeboard.experiments.services import experiment_create
+from forgeboard.runs.checkpoints import (
+    ExportStatus,
+    checkpoints_on_disk,
+    run_launch_from_checkpoint_request,
+    run_reference,
+)
+from forgeboard.runs.demo import SFT_MODEL, demo_model_dir
 from forgeboard.runs.models import Run
 from forgeboard.runs.services import run_launch
 from forgeboard.web.errors import error_page, project_or_404, run_or_404
@@ -78,11 +87,6 @@ class LaunchForm:
         return [p for p in self.config_errors if p.override or p.field == "overrides"]
 
 
-def demo_model_dir() -> Path:
-    """Where the CPU demo's tiny Qwen3 lives (seed_demo --launch builds it)."""
-    return Path(settings.DATA_DIR) / "models" / "tiny-qwen3"
-
-
 def _set_yaml_scalar(text: str, path: list[str], value: str) -> str:
     """The YAML text with the scalar at `path` replaced, comments and layout kept."""
     node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -96,14 +100,35 @@ def _set_yaml_scalar(text: str, path: list[str], value: str) -> str:
     return text[:node.start_mark.index] + literal + text[node.end_mark.index:]
 
 
+def _model_path_to_artifact(text: str, artifact: str) -> str:
+    """The YAML text with `model.path: ...` turned into `model.artifact: <artifact>`, comments and layout kept."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    model = next((v for k, v in node.value if getattr(k, "value", None) == "model"), None) \
+        if isinstance(node, MappingNode) else None
+    pair = next(((k, v) for k, v in model.value if k.value == "path"), None) if isinstance(model, MappingNode) else None
+    if pair is None or not isinstance(pair[1], ScalarNode):
+        return text
+    key, value = pair
+    return (text[:key.start_mark.index] + "artifact" + text[key.end_mark.index:value.start_mark.index] + artifact
+            + text[value.end_mark.index:])
+
+
+# The GRPO demo starts from the SFT demo's export (the demo chain registers it as this model artifact).
+SFT_WARM_START_PRESETS = {"cpu_demo_grpo", "cpu_demo_grpo_drills", "cpu_demo_grpo_two_hosts"}
+SFT_DEMO_PRESET = "cpu_demo_sft"
+
+
 def launch_presets() -> list[Preset]:
-    """Model presets from examples/configs; the CPU demo ones point model.path at the demo model folder (inside the
-    default artifact roots, FORGEBOARD_ARTIFACT_ROOTS; seed_demo also registers it as the demo project's `tiny-qwen3`)."""
+    """Model presets from examples/configs. The CPU demo SFT preset points model.path at the demo model folder
+    (inside the default artifact roots, FORGEBOARD_ARTIFACT_ROOTS; seed_demo also registers it as the demo project's
+    `tiny-qwen3`); the GRPO demo preset starts from the SFT demo's export, the model artifact `tiny-qwen3-sft`."""
     presets = []
     for path in sorted((Path(settings.REPO_DIR) / "examples" / "configs").glob("*.yaml")):
         text = path.read_text(encoding="utf-8")
         recipe = str((yaml.safe_load(text) or {}).get("recipe", ""))
-        if path.stem.startswith("cpu_demo"):
+        if path.stem in SFT_WARM_START_PRESETS:
+            text = _model_path_to_artifact(text, SFT_MODEL)
+        elif path.stem.startswith("cpu_demo"):
             text = _set_yaml_scalar(text, ["model", "path"], str(demo_model_dir()))
         label = PRESET_LABELS.get(path.stem, f"{path.stem.replace('_', ' ')} ({recipe})")
         presets.append(Preset(key=path.stem, label=label, recipe=recipe, yaml=text))
@@ -121,11 +146,13 @@ def _split_overrides(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
-def _context(request: HttpRequest, *, project: Project, form: LaunchForm, clone_of: Run | None = None) -> dict:
+def _context(request: HttpRequest, *, project: Project, form: LaunchForm, clone_of: Run | None = None,
+             checkpoint: int | None = None) -> dict:
     role = project_role(actor=request.user, project=project)
     can_launch = role is not None and role.rank >= Role.MEMBER.rank
     experiments = list(experiments_for_project(project=project).order_by("name"))
     presets = launch_presets()
+    sft_demo = next((p for p in presets if p.key == SFT_DEMO_PRESET), None)
     return {
         "project": project,
         "role": role,
@@ -140,7 +167,15 @@ def _context(request: HttpRequest, *, project: Project, form: LaunchForm, clone_
         "form": form,
         "config_lines": range(1, form.config_yaml.count("\n") + 2),
         "clone_of": clone_of,
+        "checkpoint": checkpoint,
+        "checkpoint_reference": run_reference(run=clone_of, step=checkpoint) if checkpoint is not None else "",
+        "checkpoint_overrides": "\n".join(checkpoint_overrides(run=clone_of, step=checkpoint)) if checkpoint is not None else "",
         "demo_model": demo_model_dir(),
+        "sft_model": SFT_MODEL,
+        "sft_model_missing": not Artifact.objects.filter(project=project, name=SFT_MODEL).exists(),
+        "sft_warm_start_presets": sorted(SFT_WARM_START_PRESETS),
+        "sft_demo": sft_demo,
+        "sft_experiment": next((e for e in experiments if e.recipe == Recipe.SFT), None),
         "demo_model_missing": not (demo_model_dir() / "config.json").is_file(),
         "new_experiment": NEW_EXPERIMENT,
     }
@@ -175,6 +210,37 @@ def _clone_form(run: Run) -> LaunchForm:
                       overrides="\n".join(overrides), priority=str(run.priority), hosts=hosts)
 
 
+# Overrides of a parent's starting point, which the checkpoint replaces.
+_STARTING_POINT_KEYS = ("model.path=", "model.artifact=", "checkpoint.resume_from=")
+
+
+def checkpoint_overrides(*, run: Run, step: int) -> list[str]:
+    """What starts a config from a run's checkpoint: its export as the model, and no optimizer state to resume."""
+    return ["model.path=", f"model.artifact={run_reference(run=run, step=step)}", "checkpoint.resume_from="]
+
+
+def _checkpoint_form(project: Project, run: Run, step: int, *, experiment_id: str = "", preset_key: str = "") -> LaunchForm:
+    """The parent's config and overrides (or, for another recipe, that recipe's first preset, or the preset asked
+    for), in the parent's experiment unless another of the project's is asked for, starting from the checkpoint."""
+    form = _clone_form(run)
+    chosen = experiments_for_project(project=project).filter(pk=experiment_id).first() \
+        if experiment_id.isdigit() and len(experiment_id) < 19 else None
+    if chosen is not None:
+        form.experiment, form.new_recipe = str(chosen.pk), chosen.recipe
+    recipe = chosen.recipe if chosen else run.experiment.recipe
+    presets = [p for p in launch_presets() if p.recipe == recipe]
+    preset = next((p for p in presets if p.key == preset_key), None)
+    if preset is None and recipe != run.experiment.recipe:
+        preset = presets[0] if presets else None
+    kept = [] if preset is not None else [  # the parent's own overrides go with the parent's config only
+        line for line in form.overrides.splitlines() if line and not line.startswith(_STARTING_POINT_KEYS)]
+    if preset is not None:
+        form.preset, form.config_yaml = preset.key, preset.yaml
+    lines = kept + checkpoint_overrides(run=run, step=step)
+    form.overrides = "\n".join(lines)
+    return form
+
+
 def _form_from_post(request: HttpRequest) -> LaunchForm:
     post = request.POST
     return LaunchForm(
@@ -185,8 +251,12 @@ def _form_from_post(request: HttpRequest) -> LaunchForm:
     )
 
 
-def _submit(request: HttpRequest, *, project: Project, form: LaunchForm, parent: Run | None) -> Run | None:
-    """Check every field, then create the experiment (if new) and launch, all or nothing; None if the form has errors."""
+def _submit(request: HttpRequest, *, project: Project, form: LaunchForm, parent: Run | None,
+            checkpoint: int | None = None) -> Run | ExportStatus | None:
+    """Check every field, then create the experiment (if new) and launch, all or nothing; None if the form has errors.
+
+    From a checkpoint (`parent` and `checkpoint`), the run starts from its weights (exported first, off the request,
+    if they are not yet: then the export's status is returned and the run starts when it is done)."""
     experiment: Experiment | None = None
     if form.experiment == NEW_EXPERIMENT:
         if form.new_recipe not in Recipe.values:
@@ -220,6 +290,10 @@ def _submit(request: HttpRequest, *, project: Project, form: LaunchForm, parent:
         with transaction.atomic():
             if experiment is None:
                 experiment = experiment_create(actor=request.user, project=project, name=form.new_name, recipe=recipe)
+            if parent is not None and checkpoint is not None:
+                return run_launch_from_checkpoint_request(actor=request.user, run=parent, step=checkpoint,
+                                                          experiment=experiment, config_yaml=form.config_yaml,
+                                                          overrides=overrides, priority=priority)
             return run_launch(actor=request.user, experiment=experiment, config_yaml=form.config_yaml,
                               overrides=overrides, priority=priority, parent=parent)
     except ValidationFailed as exc:
@@ -235,22 +309,35 @@ def _submit(request: HttpRequest, *, project: Project, form: LaunchForm, parent:
         return None
 
 
-def _launch_page(request: HttpRequest, *, project: Project, clone_of: Run | None = None) -> HttpResponse:
+def _launch_page(request: HttpRequest, *, project: Project, clone_of: Run | None = None,
+                 checkpoint: int | None = None) -> HttpResponse:
     if request.method == "GET":
-        form = _clone_form(clone_of) if clone_of else _initial_form(project, experiment_id=request.GET.get("experiment", ""))
-        return render(request, "web/launch.html", _context(request, project=project, form=form, clone_of=clone_of))
+        if clone_of is not None and checkpoint is not None:
+            form = _checkpoint_form(project, clone_of, checkpoint, experiment_id=request.GET.get("experiment", ""),
+                                    preset_key=request.GET.get("preset", ""))
+        elif clone_of is not None:
+            form = _clone_form(clone_of)
+        else:
+            form = _initial_form(project, experiment_id=request.GET.get("experiment", ""))
+        return render(request, "web/launch.html", _context(request, project=project, form=form, clone_of=clone_of,
+                                                           checkpoint=checkpoint))
     try:
         require_project_role(actor=request.user, project=project, minimum=Role.MEMBER, action="launching runs")
     except PermissionDenied as exc:  # a viewer's forged POST: refused before anything is read or stored
         return error_page(request, exc)
     form = _form_from_post(request)
     try:
-        run = _submit(request, project=project, form=form, parent=clone_of)
+        run = _submit(request, project=project, form=form, parent=clone_of, checkpoint=checkpoint)
     except ServiceError as exc:  # refused by a service (e.g. the role changed meanwhile)
         return error_page(request, exc)
     if run is None:
-        context = _context(request, project=project, form=form, clone_of=clone_of)
+        context = _context(request, project=project, form=form, clone_of=clone_of, checkpoint=checkpoint)
         return render(request, "web/launch.html", context, status=400)
+    if isinstance(run, ExportStatus):
+        assert clone_of is not None
+        messages.info(request, f"exporting step {checkpoint}; the new run starts when the export is done (the "
+                               "timeline says which run started)")
+        return redirect("run_detail", clone_of.pk)
     messages.success(request, f"Launched {run.experiment.name} #{run.number}: queued.")
     return redirect("run_detail", run.pk)
 
@@ -267,3 +354,13 @@ def launch(request: HttpRequest, slug: str) -> HttpResponse:
 def clone(request: HttpRequest, run_id: int) -> HttpResponse:
     run = run_or_404(request, run_id)
     return _launch_page(request, project=run.experiment.project, clone_of=run)
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
+def from_checkpoint(request: HttpRequest, run_id: int, step: int) -> HttpResponse:
+    """The launch form starting from a checkpoint of the run: any experiment of the project, any recipe and config."""
+    run = run_or_404(request, run_id)
+    if step not in {c.step for c in checkpoints_on_disk(run=run)}:
+        return error_page(request, NotFound(f"run {run.pk} has no checkpoint at step {step} in its run folder"))
+    return _launch_page(request, project=run.experiment.project, clone_of=run, checkpoint=step)

@@ -107,7 +107,9 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "generator_replicas": parsed.get("generator", {}).get("replicas", 1),
         "trainer_ranks": parsed.get("trainer", {}).get("ranks", 1),
         "hosts": list(Host.objects.order_by("hostname").values_list("hostname", flat=True)),
-        "run_data": {"id": run.pk, "state": run.state, "active": run.state in ACTIVE_STATES,
+        "run_data": {"id": run.pk, "number": run.number, "state": run.state, "active": run.state in ACTIVE_STATES,
+                     "startedAt": run.started_at.isoformat() if run.started_at else None,
+                     "finishedAt": run.finished_at.isoformat() if run.finished_at else None,
                      "wsPath": f"/ws/runs/{run.pk}/", "apiPath": f"/api/v1/runs/{run.pk}/"},
     }
     return render(request, "web/run.html", context)

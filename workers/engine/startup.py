@@ -1,0 +1,48 @@
+"""What a run does before its first step, as `startup_phase` events a run page can show.
+
+    phases = StartupPhases(recorder)
+    phases.enter("loading_model", "loading the model")
+    ...
+    phases.enter("ready", "ready")
+
+Each event says the phase now starting: `phase` (one of PHASES, in that order; a recipe skips those
+that do not apply), `label` (what a person reads), `elapsed_s` (seconds since the recipe started the
+run) and `previous_s` (seconds the previous phase took; None for the first).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from workers.engine.metrics import Recorder
+
+PHASES = ("placing", "spawning_procs", "loading_model", "warming_generator", "ready")
+
+
+class StartupPhases:
+    def __init__(self, recorder: Recorder, *, clock: Callable[[], float] = time.perf_counter):
+        self.recorder = recorder
+        self.clock = clock
+        self.started = clock()
+        self.current: str | None = None
+        self.current_since = self.started
+        self.seconds: dict[str, float] = {}  # phases that ended -> how long each took
+
+    def enter(self, phase: str, label: str) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"unknown startup phase {phase!r}; phases: {', '.join(PHASES)}")
+        if self.current is not None and PHASES.index(phase) <= PHASES.index(self.current):
+            raise ValueError(f"startup phase {phase!r} cannot follow {self.current!r}")
+        now = self.clock()
+        previous_s = None
+        if self.current is not None:
+            previous_s = round(now - self.current_since, 3)
+            self.seconds[self.current] = previous_s
+        self.current, self.current_since = phase, now
+        self.recorder.event("startup_phase", step=0, phase=phase, label=label, elapsed_s=round(now - self.started, 3),
+                            previous_s=previous_s)
+
+    def ready(self) -> None:
+        """Setup is done: the next thing the run does is its first step (or the step-0 held-out evaluation)."""
+        self.enter("ready", "ready")
