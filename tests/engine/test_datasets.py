@@ -107,6 +107,24 @@ def test_after_a_short_sft_the_model_emits_eos_and_stops(byte_eot_model: Path, t
         assert completion.finished and completion.token_ids[-1] == tokenizer.eos_token_ids[0]
         assert len(completion.token_ids) < max_new_tokens
         assert tokenizer.decode(completion.token_ids).endswith(END_OF_TURN)
+        reply = tokenizer.decode_reply(completion.token_ids)  # what rewards and the rollouts table see
+        assert "<|end|>" not in reply and tokenizer.decode(completion.token_ids) == reply + END_OF_TURN
+
+
+def test_a_reply_is_decoded_without_the_templates_end_of_turn(byte_eot_model: Path, tiny_qwen3: Path) -> None:
+    from workers.engine.rewards import answer_format
+
+    spelled = ChatTokenizer(byte_eot_model)
+    assert spelled.turn_end_text == "<|end|>"
+    ids = spelled.encode("42" + END_OF_TURN)
+    assert spelled.decode_reply(ids) == "42"
+    assert answer_format(None, spelled.decode_reply(ids), True) == 1.0  # a bare number, as the format reward wants
+    assert answer_format(None, spelled.decode(ids), True) == 0.0
+    assert spelled.decode_reply(spelled.encode("42")) == "42", "an unfinished reply is left as it is"
+    assert spelled.decode_reply(spelled.encode("a <|end|> b")) == "a <|end|> b", "only at the end"
+    chatml = ChatTokenizer(tiny_qwen3)  # ends turns with a special token, which decoding drops anyway
+    assert chatml.turn_end_text == ""
+    assert chatml.decode_reply(chatml.encode("42<|im_end|>\n")) == chatml.decode(chatml.encode("42<|im_end|>\n"))
 
 
 def test_grpo_trains_on_prompt_answer_rows_and_chat_prompts(tiny_trainable_qwen3: Path, tmp_path: Path) -> None:

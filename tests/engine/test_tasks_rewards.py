@@ -119,3 +119,19 @@ def test_the_final_number_reads_thousands_separators_as_people_write_them():
     assert extract_final_number("3, 4") == "4"  # a list, not a separator
     assert extract_final_number("12,34") == "34"
     assert extract_final_number("no number") is None
+
+
+def test_a_large_arithmetic_range_draws_only_the_pairs_the_run_uses():
+    """max_operand 9999 (the Llama example) has 10^8 pairs: the task holds the 2256 the run uses, not all of them."""
+    from workers.engine.tasks.arithmetic import arithmetic_task
+
+    task = arithmetic_task(max_operand=9999, train_size=2000, eval_size=256, seed=3)  # (all 10^8: minutes, gigabytes)
+    assert (len(task.train), len(task.held_out), task.rows) == (2000, 256, 10_000 ** 2)
+    assert task.summary()["unused"] == 10_000 ** 2 - 2256
+    prompts = [p.messages[-1]["content"] for p in task.train + task.held_out]
+    assert len(set(prompts)) == 2256, "distinct pairs; held-out ones never trained on"
+    for problem in task.train[:50]:
+        a, b = problem.messages[-1]["content"].rstrip("=").split("+")
+        assert problem.answer == str(int(a) + int(b)) and 0 <= int(a) <= 9999 and 0 <= int(b) <= 9999
+    again = arithmetic_task(max_operand=9999, train_size=2000, eval_size=256, seed=3)
+    assert [p.messages for p in again.held_out] == [p.messages for p in task.held_out], "seeded"

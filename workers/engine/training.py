@@ -140,7 +140,7 @@ def evaluate(
         prompts = [tokenizer.encode_prompt(p.messages) for p in chunk]
         completions = sampler.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, greedy=True), seed=0)
         for problem, completion in zip(chunk, completions):
-            text = tokenizer.decode(completion.token_ids)
+            text = tokenizer.decode_reply(completion.token_ids)
             score = reward(problem, text, completion.finished)
             total_reward += score.total
             if problem.answer is not None:

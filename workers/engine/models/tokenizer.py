@@ -19,6 +19,7 @@ class ChatTokenizer:
         self.eos_token_ids = self._eos_token_ids()
         pad = self.hf.pad_token_id
         self.pad_id: int = pad if pad is not None else self.eos_token_ids[0]
+        self.turn_end_text = self._turn_end_text()
 
     def _eos_token_ids(self) -> list[int]:
         ids: list[int] = []
@@ -35,6 +36,15 @@ class ChatTokenizer:
             raise ValueError(f"tokenizer in {self.folder} defines no end-of-sequence token")
         return ids
 
+    def _turn_end_text(self) -> str:
+        """What the chat template writes after an assistant's reply, as text a decoded reply keeps (special tokens
+        dropped): "" for templates that end turns with a special token, "<|end|>" for one that spells it out."""
+        marker = "\u2063reply\u2063"
+        rendered = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}],
+                               add_generation_prompt=False)
+        after = rendered[rendered.find(marker) + len(marker):] if marker in rendered else ""
+        return self.decode(self.encode(after)).strip()
+
     def __len__(self) -> int:
         return len(self.hf)
 
@@ -43,6 +53,13 @@ class ChatTokenizer:
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_reply(self, ids: list[int]) -> str:
+        """A generated reply as text, without the template's end of turn (what a reward and a reader should see)."""
+        text = self.decode(ids)
+        if self.turn_end_text and text.rstrip().endswith(self.turn_end_text):
+            return text.rstrip()[: -len(self.turn_end_text)]
+        return text
 
     def render(self, messages: list[Message], *, add_generation_prompt: bool) -> str:
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)

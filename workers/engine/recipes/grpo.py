@@ -78,7 +78,7 @@ def score_rollouts(
     tokenizer: ChatTokenizer, *, group_size: int,
 ) -> RolloutBatchRecord:
     """Reward every completion and normalise advantages within each prompt's group."""
-    texts = [tokenizer.decode(c.token_ids) for c in completions]
+    texts = [tokenizer.decode_reply(c.token_ids) for c in completions]
     scores = [reward(problems[i // group_size], text, c.finished) for i, (text, c) in enumerate(zip(texts, completions))]
     rewards = torch.tensor([s.total for s in scores])
     advantages = group_advantages(rewards, group_size)
