@@ -528,3 +528,57 @@ def test_the_checkpoints_table_offers_both_ways_to_start_from_a_checkpoint(clien
     assert f'href="/runs/{sft_parent.pk}/checkpoints/4/new/"' in html and "Choose recipe and config" in html
     client.force_login(team.viewer)
     assert "/checkpoints/4/new/" not in client.get(f"/runs/{sft_parent.pk}/checkpoints/").content.decode()
+
+
+def test_the_api_starts_any_recipe_from_a_checkpoint(client, team, sft_parent, grpo_yaml, monkeypatch, tmp_path,
+                                                      django_capture_on_commit_callbacks):
+    """POST /runs/{id}/checkpoints/{step}/runs: 202 while the export is queued, then the child starts; 201 at once
+    when exported; checked (field, reason) before anything is queued."""
+    from forgeboard.accounts.services import api_token_create
+    from forgeboard.accounts.services import project_create
+    from forgeboard.telemetry.models import RunEvent
+    from workers.celery import app
+    from workers.tasks import export_checkpoint
+
+    _, write = api_token_create(actor=team.member, project=team.project, name="ci-write", scope="write")
+    _, read = api_token_create(actor=team.member, project=team.project, name="ci-read", scope="read")
+    sent: list[tuple[str, list, dict]] = []
+    monkeypatch.setattr(app, "send_task", lambda name, args, **kw: sent.append((name, args, kw.get("kwargs") or {})))
+    exporter = tmp_path / "exporter.py"
+    exporter.write_text(SUCCEEDING_EXPORTER)
+    monkeypatch.setattr(checkpoints, "ENGINE_COMMAND", (sys.executable, str(exporter)))
+    url = f"/api/v1/runs/{sft_parent.pk}/checkpoints/4/runs"
+
+    def post(body: dict, token: str = write, step_url: str = url):
+        with django_capture_on_commit_callbacks(execute=True):
+            return client.post(step_url, body, content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {token}")
+
+    body = {"experiment_id": team.experiment.pk, "config_yaml": grpo_yaml, "overrides": ["trainer.steps=2"]}
+    foreign = experiment_create(actor=team.owner, project=project_create(actor=team.owner, slug="beta", name="Beta"),
+                                name="elsewhere", recipe="grpo")
+    refusals = [
+        (post({**body, "experiment_id": foreign.pk}), 404),  # the token's project cannot see beta
+        (post({"experiment_id": team.experiment.pk}), 400),  # the parent's SFT config in a GRPO experiment
+        (post({**body, "overrides": ["trainer.steps=0"]}), 400),
+        (post({**body, "priority": 500}), 400),
+        (post(body, step_url=f"/api/v1/runs/{sft_parent.pk}/checkpoints/3/runs"), 404),
+        (post(body, token=read), 403),
+    ]
+    assert [answer.status_code for answer, _ in refusals] == [status for _, status in refusals], \
+        [answer.content for answer, _ in refusals]
+    assert refusals[1][0].json()["errors"][0]["field"] == "config.recipe"
+    assert sent == [] and Run.objects.count() == 1, "nothing queued or stored"
+
+    queued = post(body)
+    assert queued.status_code == 202 and queued.json()["state"] == "queued", queued.content
+    [(name, args, kwargs)] = sent
+    export_checkpoint.apply(args=args, kwargs=kwargs)
+    child = Run.objects.get(parent=sft_parent)
+    assert (child.experiment, child.config.yaml_text) == (team.experiment, grpo_yaml)
+    assert child.config.overrides[-1] == "trainer.steps=2"
+    assert RunEvent.objects.filter(run=sft_parent, payload__name="child_run_started", payload__run=child.pk).exists()
+
+    at_once = post({**body, "priority": 2})
+    assert at_once.status_code == 201, at_once.content
+    second = Run.objects.get(pk=at_once.json()["id"])
+    assert (second.parent, second.priority, second.experiment) == (sft_parent, 2, team.experiment)

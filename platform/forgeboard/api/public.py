@@ -17,6 +17,7 @@ from forgeboard.api.schemas import (
     BODY_ERRORS,
     ERRORS,
     CheckpointExportOut,
+    CheckpointRunIn,
     CommandIn,
     CommandOut,
     EventOut,
@@ -33,7 +34,13 @@ from forgeboard.api.schemas import (
 from forgeboard.cluster.selectors import hosts_with_devices
 from forgeboard.experiments.selectors import experiment_get, experiments_for_project
 from forgeboard.experiments.services import experiment_create
-from forgeboard.runs.checkpoints import ExportState, checkpoint_export_request, checkpoint_export_status
+from forgeboard.runs.checkpoints import (
+    ExportState,
+    ExportStatus,
+    checkpoint_export_request,
+    checkpoint_export_status,
+    run_launch_from_checkpoint_request,
+)
 from forgeboard.runs.models import Command
 from forgeboard.runs.selectors import run_get, runs_for_project
 from forgeboard.runs.services import command_create, run_cancel, run_launch
@@ -143,6 +150,27 @@ def export_checkpoint(request: HttpRequest, run_id: int, step: int = Path(..., g
     run = run_get(actor=actor_of(request), run_id=run_id)
     status = checkpoint_export_request(actor=actor_of(request), run=run, step=step)
     return Status(200 if status.state == ExportState.DONE else 202, status)
+
+
+@router.post("/runs/{run_id}/checkpoints/{step}/runs", response={201: RunDetailOut, 202: CheckpointExportOut,
+                                                                **BODY_ERRORS}, tags=["checkpoints"])
+def launch_from_checkpoint(request: HttpRequest, run_id: int, body: CheckpointRunIn,  # noqa: ANN201
+                           step: int = Path(..., ge=0, le=MAX_STEP)):
+    """Start a run of any recipe from the checkpoint at `step`: its weights are the child's model
+    (`model.artifact: run:<run_id>@step:<step>`), its optimizer starts afresh, and the child's parent is this run.
+
+    201 with the child when the checkpoint is already exported. Otherwise the export is queued and the answer is
+    202 with its status: the child starts when it is done, and this run's events say which run started
+    (`child_run_started`) or why none could (`child_run_failed`). The experiment, config and overrides are
+    checked before anything is queued (400 with each problem at its field)."""
+    require_write_scope(request)
+    actor = actor_of(request)
+    run = run_get(actor=actor, run_id=run_id)
+    experiment = None if body.experiment_id is None else experiment_get(actor=actor, experiment_id=body.experiment_id)
+    started = run_launch_from_checkpoint_request(actor=actor, run=run, step=step, experiment=experiment,
+                                                 config_yaml=body.config_yaml, overrides=body.overrides,
+                                                 priority=body.priority)
+    return Status(202, started) if isinstance(started, ExportStatus) else Status(201, started)
 
 
 @router.get("/runs/{run_id}/checkpoints/{step}/export", response={200: CheckpointExportOut, **ERRORS},

@@ -103,6 +103,16 @@ class RunIn(Schema):
     priority: Priority = 0
 
 
+class CheckpointRunIn(Schema):
+    experiment_id: int | None = Field(default=None, ge=1, le=2**63 - 1,
+                                      description="the child's experiment, any recipe, in the parent's project "
+                                                  "(default: the parent's)")
+    config_yaml: text(max_length=64 * 1024) | None = Field(
+        default=None, description="the child's config (default: the parent's, with the parent's overrides)")
+    overrides: Annotated[list[Override], Field(max_length=100)] = []
+    priority: Priority | None = Field(default=None, description="default: the parent's")
+
+
 class RunOut(Schema):
     id: int
     experiment_id: int
