@@ -7,6 +7,7 @@ pytest-asyncio tests in the same process. Screenshots go to test-artifacts/e2e/.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -66,6 +67,16 @@ def tiny_model(tmp_path_factory) -> Path:
     subprocess.run([sys.executable, "-m", "workers.engine", "make-tiny-model", "--family", "qwen3", "--out", str(out)],
                    cwd=REPO_DIR, check=True, capture_output=True, timeout=300)
     return out
+
+
+@pytest.fixture
+def demo_model(tiny_model) -> Path:
+    """The CPU demo presets' model folder (DATA_DIR/models/tiny-qwen3), built like seed_demo --launch does."""
+    folder = Path(settings.DATA_DIR) / "models" / "tiny-qwen3"
+    if not (folder / "config.json").is_file():
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(tiny_model, folder)
+    return folder
 
 
 @pytest.fixture(autouse=True)

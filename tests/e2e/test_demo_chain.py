@@ -4,11 +4,7 @@ checkpoint opens the launch form for another recipe with the checkpoint as the s
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
-from django.conf import settings
 
 from forgeboard.runs.demo import GRPO_METRIC, Phase, demo_chain_advance, demo_chain_summary, demo_seed, demo_sft_launch
 from forgeboard.runs.models import Run
@@ -16,15 +12,6 @@ from tests.e2e.conftest import screenshot
 from tests.support.processes import wait_for
 
 CHAIN_TIMEOUT_S = 600
-
-
-@pytest.fixture
-def demo_model(tiny_model) -> Path:
-    folder = Path(settings.DATA_DIR) / "models" / "tiny-qwen3"
-    if not (folder / "config.json").is_file():
-        shutil.rmtree(folder, ignore_errors=True)
-        shutil.copytree(tiny_model, folder)
-    return folder
 
 
 def _chain(user):

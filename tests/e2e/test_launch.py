@@ -4,27 +4,13 @@ fixed, the run launches and the browser lands on its page; a viewer cannot launc
 from __future__ import annotations
 
 import re
-import shutil
-from pathlib import Path
 
-import pytest
 import yaml
-from django.conf import settings
 
 from forgeboard.experiments.models import Experiment
 from forgeboard.runs.models import Run
 from tests.e2e.conftest import login, screenshot
 from tests.support.processes import wait_for
-
-
-@pytest.fixture
-def demo_model(tiny_model) -> Path:
-    """The CPU demo presets' model folder (DATA_DIR/models/tiny-qwen3), built like seed_demo --launch does."""
-    folder = Path(settings.DATA_DIR) / "models" / "tiny-qwen3"
-    if not (folder / "config.json").is_file():
-        shutil.rmtree(folder, ignore_errors=True)
-        shutil.copytree(tiny_model, folder)
-    return folder
 
 
 def _line_of(text: str, needle: str) -> int:

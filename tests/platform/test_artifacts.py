@@ -316,3 +316,23 @@ def test_a_dataset_row_the_run_cannot_use_is_a_field_error_with_its_line_before_
     answer = client.post(VALIDATE, {"yaml": mapped, "recipe": "grpo", "project": "alpha"},
                          content_type="application/json").json()
     assert any("line 1" in e["message"] for e in answer["errors"]), answer  # line 1 has no 'question'
+
+
+def test_a_dataset_is_read_again_only_when_it_or_the_data_settings_change(team, world, monkeypatch):
+    """The launch form validates on every pause in typing: the verdict on a file version is kept."""
+    import workers.engine.tasks as tasks
+    from forgeboard.experiments.services import validate_run_config
+
+    reads: list[str] = []
+    real = tasks.data_errors
+    monkeypatch.setattr(tasks, "data_errors", lambda config: reads.append(config.data.path) or real(config))
+    config = _grpo(f"path: {world['model']}", f"data: {{source: jsonl, path: {world['dataset']}}}\n")
+    for _ in range(3):
+        validate_run_config(yaml_text=config, recipe="grpo", project=team.project)
+    assert len(reads) == 1
+    validate_run_config(yaml_text=config, overrides=["data.eval_size=10"], recipe="grpo", project=team.project)
+    assert len(reads) == 2, "other data settings: read again"
+    world["dataset"].write_text('{"prompt": "1+1="}\n' * 100)
+    with pytest.raises(ValidationFailed, match="line 1: 'answer' is missing"):
+        validate_run_config(yaml_text=config, recipe="grpo", project=team.project)
+    assert len(reads) == 3, "a changed file: read again"

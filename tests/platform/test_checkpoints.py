@@ -313,8 +313,9 @@ def test_an_export_goes_to_the_pool_of_the_host_the_run_ran_on(export_api, team,
 # --- the dashboard's "start a new run from here": the export runs in a worker, then the run starts -----
 
 @pytest.fixture
-def dashboard(client, team, run_with_checkpoints, monkeypatch, tmp_path):
-    """A member logged in; queued tasks recorded (with their keyword arguments) instead of sent."""
+def export_worker(monkeypatch, tmp_path) -> SimpleNamespace:
+    """Queued tasks recorded (name, args, keyword arguments) instead of sent; the exporter succeeds unless its
+    script (`exporter`) is rewritten."""
     from workers.celery import app
 
     sent: list[tuple[str, list, dict]] = []
@@ -322,9 +323,15 @@ def dashboard(client, team, run_with_checkpoints, monkeypatch, tmp_path):
     exporter = tmp_path / "exporter.py"
     exporter.write_text(SUCCEEDING_EXPORTER)
     monkeypatch.setattr(checkpoints, "ENGINE_COMMAND", (sys.executable, str(exporter)))
+    return SimpleNamespace(sent=sent, exporter=exporter)
+
+
+@pytest.fixture
+def dashboard(client, team, run_with_checkpoints, export_worker):
+    """A member logged in; queued tasks recorded (with their keyword arguments) instead of sent."""
     client.force_login(team.member)
     parent = run_with_checkpoints
-    return SimpleNamespace(client=client, sent=sent, exporter=exporter, parent=parent,
+    return SimpleNamespace(client=client, sent=export_worker.sent, exporter=export_worker.exporter, parent=parent,
                            url=f"/runs/{parent.pk}/checkpoints/2/launch/")
 
 
@@ -450,17 +457,10 @@ def test_a_checkpoint_starts_runs_only_in_its_own_project_and_for_members(team, 
 
 
 @pytest.fixture
-def checkpoint_form(client, team, sft_parent, monkeypatch, tmp_path):
+def checkpoint_form(client, team, sft_parent, export_worker):
     """A member on the launch form of the SFT run's checkpoint; queued tasks recorded instead of sent."""
-    from workers.celery import app
-
-    sent: list[tuple[str, list, dict]] = []
-    monkeypatch.setattr(app, "send_task", lambda name, args, **kw: sent.append((name, args, kw.get("kwargs") or {})))
-    exporter = tmp_path / "exporter.py"
-    exporter.write_text(SUCCEEDING_EXPORTER)
-    monkeypatch.setattr(checkpoints, "ENGINE_COMMAND", (sys.executable, str(exporter)))
     client.force_login(team.member)
-    return SimpleNamespace(client=client, sent=sent, url=f"/runs/{sft_parent.pk}/checkpoints/4/new/")
+    return SimpleNamespace(client=client, sent=export_worker.sent, url=f"/runs/{sft_parent.pk}/checkpoints/4/new/")
 
 
 def test_the_checkpoint_form_is_prefilled_with_the_checkpoint_as_the_model(checkpoint_form, team, sft_parent):
@@ -530,23 +530,17 @@ def test_the_checkpoints_table_offers_both_ways_to_start_from_a_checkpoint(clien
     assert "/checkpoints/4/new/" not in client.get(f"/runs/{sft_parent.pk}/checkpoints/").content.decode()
 
 
-def test_the_api_starts_any_recipe_from_a_checkpoint(client, team, sft_parent, grpo_yaml, monkeypatch, tmp_path,
+def test_the_api_starts_any_recipe_from_a_checkpoint(client, team, sft_parent, grpo_yaml, export_worker,
                                                       django_capture_on_commit_callbacks):
     """POST /runs/{id}/checkpoints/{step}/runs: 202 while the export is queued, then the child starts; 201 at once
     when exported; checked (field, reason) before anything is queued."""
-    from forgeboard.accounts.services import api_token_create
-    from forgeboard.accounts.services import project_create
+    from forgeboard.accounts.services import api_token_create, project_create
     from forgeboard.telemetry.models import RunEvent
-    from workers.celery import app
     from workers.tasks import export_checkpoint
 
     _, write = api_token_create(actor=team.member, project=team.project, name="ci-write", scope="write")
     _, read = api_token_create(actor=team.member, project=team.project, name="ci-read", scope="read")
-    sent: list[tuple[str, list, dict]] = []
-    monkeypatch.setattr(app, "send_task", lambda name, args, **kw: sent.append((name, args, kw.get("kwargs") or {})))
-    exporter = tmp_path / "exporter.py"
-    exporter.write_text(SUCCEEDING_EXPORTER)
-    monkeypatch.setattr(checkpoints, "ENGINE_COMMAND", (sys.executable, str(exporter)))
+    sent = export_worker.sent
     url = f"/api/v1/runs/{sft_parent.pk}/checkpoints/4/runs"
 
     def post(body: dict, token: str = write, step_url: str = url):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from django.db import IntegrityError, transaction
@@ -14,7 +15,7 @@ from forgeboard.accounts.permissions import Actor, actor_user, require_project_r
 from forgeboard.audit.services import audit_record
 from forgeboard.errors import AlreadyExists, FieldProblem, ValidationFailed, clean_text
 from forgeboard.experiments.models import ConfigSnapshot, Experiment, Recipe
-from workers.engine.config import ConfigError, RunConfig, load_config
+from workers.engine.config import ConfigError, FieldError, RunConfig, load_config
 from workers.engine.wire_limits import unstorable_reason
 
 MAX_TAGS = 20
@@ -124,21 +125,52 @@ def validate_and_resolve(*, yaml_text: str, overrides: Sequence[str] = (), recip
 # A JSONL dataset up to this size is read at validation (the launch form checks as one types); a larger one is
 # checked by the engine's preflight, still before its model loads.
 DATA_CHECK_MAX_BYTES = 16 * 2**20
+DATA_CHECKS_KEPT = 32  # the verdicts on the last datasets read, by file version and data settings
+
+
+class _DataChecks:
+    """The verdicts on recently read datasets: the form validates on every pause in typing, and a file is read
+    again only when it or the run's data settings change."""
+
+    def __init__(self, *, kept: int) -> None:
+        self.kept = kept
+        self.verdicts: OrderedDict[tuple, list[FieldProblem]] = OrderedDict()
+
+    def problems(self, *, config: RunConfig, path: str) -> list[FieldProblem]:
+        from workers.engine.tasks import data_errors
+
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return []  # the resolver has said what is wrong with the path, or the engine's host holds the file
+        if stat.st_size > DATA_CHECK_MAX_BYTES:
+            return []
+        config = config.model_copy(update={"data": config.data.model_copy(update={"path": path})})
+        key = (path, stat.st_mtime_ns, stat.st_size, config.data.model_dump_json(), config.recipe,
+               config.reward.needs_answer, config.trainer.seed)
+        if key not in self.verdicts:
+            self.verdicts[key] = _config_problems(data_errors(config))
+            while len(self.verdicts) > self.kept:
+                self.verdicts.popitem(last=False)
+        self.verdicts.move_to_end(key)
+        return self.verdicts[key]
+
+
+DATA_CHECKS = _DataChecks(kept=DATA_CHECKS_KEPT)
+
+
+def _config_problems(errors: Sequence[FieldError]) -> list[FieldProblem]:
+    return [FieldProblem(f"config.{e.field}" if e.field else "config", e.message) for e in errors]
 
 
 def _data_problems(*, config: RunConfig, paths: dict[str, str]) -> list[FieldProblem]:
     """The first row of the run's dataset that it cannot use (line and reason), as the engine's preflight finds it."""
     from workers.engine.tasks import data_errors
 
-    data_path = paths.get("data.path") or config.data.path
-    if config.data.source == "jsonl":
-        try:
-            if data_path is None or os.path.getsize(data_path) > DATA_CHECK_MAX_BYTES:
-                return []
-        except OSError:
-            return []  # the resolver has said what is wrong with the path, or the engine's host holds the file
-        config = config.model_copy(update={"data": config.data.model_copy(update={"path": data_path})})
-    return [FieldProblem(f"config.{e.field}" if e.field else "config", e.message) for e in data_errors(config)]
+    if config.data.source != "jsonl":
+        return _config_problems(data_errors(config))
+    path = paths.get("data.path") or config.data.path
+    return DATA_CHECKS.problems(config=config, path=path) if path else []
 
 
 def _engine_validated(*, yaml_text: str, overrides: Sequence[str], recipe: str) -> RunConfig:
@@ -151,7 +183,7 @@ def _engine_validated(*, yaml_text: str, overrides: Sequence[str], recipe: str) 
     try:
         config = load_config(yaml_text, overrides=list(overrides))
     except ConfigError as exc:
-        problems = [FieldProblem(f"config.{e.field}" if e.field else "config", e.message) for e in exc.errors]
+        problems = _config_problems(exc.errors)
         raise ValidationFailed("invalid config: " + "; ".join(str(e) for e in exc.errors), problems=problems) from None
     recipe = Recipe(recipe).value
     if config.recipe != recipe:

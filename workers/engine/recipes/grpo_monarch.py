@@ -65,12 +65,12 @@ from workers.engine.actors.replay_buffer import ReplayBufferActor
 from workers.engine.actors.reward import RewardActor
 from workers.engine.actors.trainer import TrainerActor
 from workers.engine.config import RunConfig
-from workers.engine.fields import ConfigError, FieldError
 from workers.engine.drills import SIGNAL_KINDS, DrillPlan, FaultInjector, FaultTarget
 from workers.engine.metrics import Recorder
 from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.operations import (FaultDrillRequest, LoadRedirectRequest, Operation, PlacementChangeRequest,
                                        DrillSchedule)
+from workers.engine.recipes.monarch_placement import Placer
 from workers.engine.recipes.grpo import GrpoResult, check_prompt_lengths, rollout_metrics, update_metrics
 from workers.engine.replay_buffer import concat_records
 from workers.engine.run_control import RunControl
@@ -158,7 +158,6 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
     groups: dict[str, ReplicaGroup] = {}
     meshes: list[Any] = []
     trainer_procs: Any = None
-    trainer_hosts: list[str] = []
     try:
         # --- setup: hosts, process meshes and actors -----------------------------------
         setup_start = time.perf_counter()
@@ -172,37 +171,13 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             recorder.event("message", step=0, text=f"attached to {len(hosts.workers)} Monarch workers {of_job}"
                            f"({', '.join(hosts.describe(n) for n in hosts.names)}) in {hosts.attach_seconds} s")
 
-        def role_hosts(role: str) -> list[str]:
-            """Where a role's procs may go: the host of the role it follows (colocate_with) while that host is up, else
-            placement.<role>.hosts, else every host."""
-            placement = getattr(cfg.placement, role)
-            if placement.colocate_with is not None and hosts.alive(followed := colocated_hosts(placement.colocate_with)):
-                return followed
-            return list(placement.hosts) or hosts.names
-
-        def colocated_hosts(role: str) -> list[str]:
-            if role == "trainer":
-                return list(trainer_hosts)
-            return list(dict.fromkeys(replica.host for replica in groups[role].live())) if role in groups else []
-
-        def role_device(role: str) -> str:
-            return "cuda" if getattr(cfg.placement, role).gpus_per_proc else device
-
-        def layout(role: str, count: int) -> list[str]:
-            """Hosts of a role's first `count` replicas: round its hosts, or with procs_per_host, each host filled in turn."""
-            names, per_host = role_hosts(role), getattr(cfg.placement, role).procs_per_host
-            if per_host is None:
-                return [names[i % len(names)] for i in range(count)]
-            if count > per_host * len(names):
-                raise ConfigError([FieldError(f"placement.{role}.procs_per_host",
-                                              f"{count} {role} replicas do not fit {len(names)} host(s) at {per_host} each")])
-            return [names[i // per_host] for i in range(count)]
-
-        generator_hosts = role_hosts("generator")
-        trainer_pids: list[int] = []
         # the trainer's ranks: procs_per_host to a host (with workers), over as many hosts as that takes
         ranks_per_host = (cfg.placement.trainer.procs_per_host or trainer_cfg.ranks) if hosts.workers else trainer_cfg.ranks
-        trainer_host_count = trainer_cfg.ranks // ranks_per_host
+        placer = Placer(placement=cfg.placement, hosts=hosts, device=device, trainer_ranks=trainer_cfg.ranks,
+                        ranks_per_host=ranks_per_host, groups=groups)
+        generator_hosts = placer.role_hosts("generator")
+        trainer_pids: list[int] = []
+        trainer_host_count = placer.trainer_host_count
 
         def trainer_rank(actors: Any, rank: int) -> Any:
             if trainer_host_count > 1:
@@ -211,22 +186,10 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
 
         def trainer_pids_visible() -> bool:
             """Whether the trainer's pids are this machine's, so that /proc shows when they exit."""
-            return all(hosts.pids_visible(h) for h in trainer_hosts)
-
-        def rank_host(rank: int) -> str:
-            return trainer_hosts[rank // ranks_per_host]
+            return all(hosts.pids_visible(h) for h in placer.trainer_hosts)
 
         def trainer_lost_host() -> str | None:
-            return next((h for h in trainer_hosts if h in hosts.lost), None)
-
-        def place_trainer() -> list[str]:
-            """The hosts the trainer's ranks go to: the first of its hosts still there."""
-            candidates = hosts.alive(role_hosts("trainer"))
-            if len(candidates) < trainer_host_count or not candidates:
-                raise ProcFailure(f"the trainer needs {trainer_host_count} host(s) ({trainer_cfg.ranks} ranks, "
-                                  f"{ranks_per_host} per host): {', '.join(candidates) or 'none'} of "
-                                  f"{', '.join(role_hosts('trainer'))} (placement.trainer.hosts) left")
-            return candidates[:trainer_host_count]
+            return next((h for h in placer.trainer_hosts if h in hosts.lost), None)
 
         def start_trainer() -> tuple[Any, Any, dict[str, Any]]:
             """(procs, actors, what rank 0's setup said: its n_params and the group's MASTER_ADDR)."""
@@ -234,13 +197,12 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
 
         def launch_trainer() -> tuple[Any, Any, Any]:
             """(procs, actors, every rank's pending setup): the trainer's procs spawned, its model loading."""
-            nonlocal trainer_hosts
             procs = None
             while procs is None:
-                trainer_hosts = place_trainer()
+                placer.trainer_hosts = placer.place_trainer()
                 hosts.release("trainer")
                 try:
-                    procs = hosts.spawn_across(hosts=trainer_hosts, per_host=ranks_per_host, threads=threads,
+                    procs = hosts.spawn_across(hosts=placer.trainer_hosts, per_host=ranks_per_host, threads=threads,
                                                gpus_per_proc=cfg.placement.trainer.gpus_per_proc, owner="trainer")
                 except HostsUnreachable:
                     if not groups:
@@ -249,7 +211,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             setup_torch_elastic_env(procs)
             actors = procs.spawn("trainer", TrainerActor, cfg)
             # Over several hosts, rank 0's host by the address its worker has (a pod IP, a node name).
-            master = hosts.workers[trainer_hosts[0]].host if len(trainer_hosts) > 1 else None
+            master = hosts.workers[placer.trainer_hosts[0]].host if len(placer.trainer_hosts) > 1 else None
             return procs, actors, actors.setup.call(master)
 
         def trainer_started(procs: Any, actors: Any, setup: Any) -> tuple[Any, Any, dict[str, Any]]:
@@ -267,15 +229,15 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                 return procs.spawn(name, VllmGeneratorActor, cfg.model.path, cfg.model.dtype, max_len, trainer_cfg.seed)
         else:
             def spawn_generator(procs: Any, name: str) -> Any:
-                return procs.spawn(name, GeneratorActor, cfg.model.path, cfg.model.dtype, role_device("generator"))
+                return procs.spawn(name, GeneratorActor, cfg.model.path, cfg.model.dtype, placer.role_device("generator"))
 
         spares = failover_cfg.warm_spares
         # Every proc is spawned before any is waited for: their imports and model loads overlap.
-        trainer_hosts = place_trainer()
-        first_generators = layout("generator", cfg.generator.replicas)
+        placer.trainer_hosts = placer.place_trainer()
+        first_generators = placer.layout("generator", cfg.generator.replicas)
         scorers = ("reward", "reference") if cfg.reference.enabled else ("reward",)
-        used = {*trainer_hosts, *first_generators, *cfg.placement.replay_buffer.hosts[:1],
-                *(h for role in scorers if getattr(cfg.placement, role).colocate_with is None for h in layout(role, 1))}
+        used = {*placer.trainer_hosts, *first_generators, *cfg.placement.replay_buffer.hosts[:1],
+                *(h for role in scorers if getattr(cfg.placement, role).colocate_with is None for h in placer.layout(role, 1))}
         procs_count = trainer_cfg.ranks + cfg.generator.replicas + len(scorers) + 1 + spares * (1 + len(scorers))
         where = ("1 host" if len(used) == 1 else f"{len(used)} hosts") if hosts.workers else "this machine"
         startup.enter("spawning_procs", f"spawning {procs_count} procs on {where}")  # the control proc and spares too
@@ -294,13 +256,13 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                                         spawn_actor=lambda procs, name: procs.spawn(
                                             name, RewardActor, cfg.model.path, list(cfg.reward.functions), cfg.reward.weights),
                                         **placed("reward"))
-        groups["reward"].launch(layout("reward", 1))
+        groups["reward"].launch(placer.layout("reward", 1))
         if cfg.reference.enabled:
             groups["reference"] = ReplicaGroup("reference", hosts=hosts, threads=threads, routing="round_robin",
                                                spares=spares, spawn_actor=lambda procs, name: procs.spawn(
                                                    name, ReferenceActor, cfg.model.path, cfg.model.dtype,
-                                                   role_device("reference")), **placed("reference"))
-            groups["reference"].launch(layout("reference", 1))
+                                                   placer.role_device("reference")), **placed("reference"))
+            groups["reference"].launch(placer.layout("reference", 1))
 
         max_age = grpo.max_policy_age if grpo.mode == "async" else 0
 
@@ -321,7 +283,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
 
         def spare_host(role: str) -> str | None:
             """Where a role's spares start: its first host that is up, not drained and has room for them."""
-            alive = [h for h in hosts.alive(role_hosts(role)) if groups[role].has_room(h)]
+            alive = [h for h in hosts.alive(placer.role_hosts(role)) if groups[role].has_room(h)]
             return next((h for h in alive if h not in drained), alive[0] if alive else None)
 
         def warm_spares() -> None:
@@ -352,8 +314,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
         while any(group.warming for group in groups.values()):  # the run starts with its spares ready
             poll_spares(wait_s=1.0)
         recorder.event("meshes_ready", step=0, seconds=round(time.perf_counter() - setup_start, 2),
-                       trainer_ranks=trainer_cfg.ranks, generator_replicas=cfg.generator.replicas, trainer_host=trainer_hosts[0],
-                       trainer_hosts=list(trainer_hosts), trainer_pids=list(trainer_pids),
+                       trainer_ranks=trainer_cfg.ranks, generator_replicas=cfg.generator.replicas, trainer_host=placer.trainer_hosts[0],
+                       trainer_hosts=list(placer.trainer_hosts), trainer_pids=list(trainer_pids),
                        trainer_master_addr=trainer_setup["master_addr"], warm_spares=spares,
                        gpus=hosts.gpus.holdings())
 
@@ -449,7 +411,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             if not trainer_failure:
                 detected, fault, ttd = claim_fault("trainer")
                 recorder.event("failure_detected", step=step + 1, role="trainer", replica=fault.replica if fault else None,
-                               host=trainer_lost_host() or trainer_hosts[0], fault_id=fault.id if fault else None, reason=failure.reason,
+                               host=trainer_lost_host() or placer.trainer_hosts[0], fault_id=fault.id if fault else None, reason=failure.reason,
                                hung=failure.hung, time_to_detect_s=ttd)
                 trainer_failure["noticed"] = (detected, fault, ttd)
             return trainer_failure["noticed"]
@@ -460,7 +422,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             recorder.event("message", step=step, text=f"{reason}: its procs are lost")
             if name == control_host:  # noticed now; restored from the last checkpoint on the next dataset or buffer call
                 detect_control(f"{reason}: the dataset and replay buffer ran there")
-            if name in trainer_hosts:  # noticed now; restored once the controller next needs the trainer
+            if name in placer.trainer_hosts:  # noticed now; restored once the controller next needs the trainer
                 detect_trainer(CallFailed(f"host {hosts.describe(name)} of the trainer was lost", hung=False))
             for group in groups.values():
                 live = group.live()
@@ -538,10 +500,10 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             if replica.failed:
                 settle(replica.host)
             check_hosts(now=True)  # a proc spawned on a lost host would wait for it
-            alive = hosts.alive(role_hosts(replica.role))
+            alive = hosts.alive(placer.role_hosts(replica.role))
             if not alive:
                 raise ProcFailure(f"{replica.role} replica {replica.index} has no host left: "
-                                  f"{', '.join(role_hosts(replica.role))} (placement.{replica.role}.hosts) are lost")
+                                  f"{', '.join(placer.role_hosts(replica.role))} (placement.{replica.role}.hosts) are lost")
             group = groups[replica.role]
             roomy = [h for h in alive if group.has_room(h, replacing=replica)]
             if not roomy:
@@ -618,7 +580,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             """What a drill acts on; ValueError (the command's reason) for a role or replica this run lacks."""
             target = signal_target(request)
             if request.kind in SIGNAL_KINDS:
-                host = rank_host(request.replica) if request.role == "trainer" else groups[request.role].replicas[request.replica].host
+                host = placer.rank_host(request.replica) if request.role == "trainer" else groups[request.role].replicas[request.replica].host
                 try:
                     target.signals = hosts.signals(host)  # an agent on the target's host, with workers
                 except HostsUnreachable as error:
@@ -629,7 +591,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
 
         def run_pids_on(host: str) -> list[int]:
             """The run's trainer ranks and replicas (spares and retiring ones too) on `host`."""
-            pids = [pid for rank, pid in enumerate(trainer_pids) if rank_host(rank) == host]
+            pids = [pid for rank, pid in enumerate(trainer_pids) if placer.rank_host(rank) == host]
             for group in groups.values():
                 for replica in [*group.replicas, *group.retiring, *group.spare_replicas()]:
                     if replica.host == host:
@@ -739,7 +701,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             """Where the group's replicas on `host` go: its other undrained hosts, round, each while it has room;
             ValueError when they do not all fit."""
             moving = [r for r in group.live() if r.host == host]
-            targets = [h for h in hosts.alive(role_hosts(group.role)) if h != host and h not in drained]
+            targets = [h for h in hosts.alive(placer.role_hosts(group.role)) if h != host and h not in drained]
             room = {t: group.room(t) for t in targets}
             destinations = []
             for i in range(len(moving)):
@@ -851,8 +813,8 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             recorder.event("resumed", step=step, path=cfg.checkpoint.resume_from, policy_version=policy_version)
 
         def kill_trainer_procs() -> None:
-            for host in trainer_hosts:
-                hosts.kill(host, [pid for rank, pid in enumerate(trainer_pids) if rank_host(rank) == host])
+            for host in placer.trainer_hosts:
+                hosts.kill(host, [pid for rank, pid in enumerate(trainer_pids) if placer.rank_host(rank) == host])
 
         def recover_trainer(failure: CallFailed) -> None:
             """The trainer mesh lost a proc (or hangs): respawn it and go back to the last checkpoint."""
@@ -864,7 +826,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                                   f"trainer.recover_failures): {failure.reason}")
             if failure.hung:  # a stopped rank, and the ranks waiting for it in a collective
                 kill_trainer_procs()
-            settle(trainer_hosts[0])
+            settle(placer.trainer_hosts[0])
             if not trainer_lost_host():  # stopping a mesh on a lost host would wait for it
                 stop_quietly(trainer_procs)
             lost_from = step
@@ -874,7 +836,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
             restore(last_checkpoint)
             totals["steps_lost"] += lost_from - step
             recorder.event("replica_replaced", step=step, role="trainer", replica=None, ranks=trainer_cfg.ranks,
-                           host=trainer_hosts[0], hosts=list(trainer_hosts), pids=list(trainer_pids), path=last_checkpoint,
+                           host=placer.trainer_hosts[0], hosts=list(placer.trainer_hosts), pids=list(trainer_pids), path=last_checkpoint,
                            policy_version=policy_version,
                            seconds=round(time.monotonic() - detected, 3))
             if ttd is not None:
