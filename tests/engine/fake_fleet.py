@@ -1,0 +1,187 @@
+"""A fake set of Monarch hosts and actors for the controller's parts: the real replica groups, services, failover
+and fault injector run over them, with no process spawned."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from types import SimpleNamespace
+from typing import Any
+
+from workers.engine.actors.fleet import Failover, ReplicaGroup
+from workers.engine.actors.hosts import HostsUnreachable
+from workers.engine.config import FailoverConfig, RunConfig, load_config
+from workers.engine.controller.placement import Placer
+from workers.engine.controller.state import RunState
+from workers.engine.drills import FaultInjector, LocalSignals
+from workers.engine.metrics import MemorySink, Recorder
+
+PIDS = itertools.count(50_000)
+
+
+class Done:
+    """A future that has its value already."""
+
+    def __init__(self, value: Any = None, error: Exception | None = None):
+        self.value, self.error = value, error
+
+    def get(self, timeout: float | None = None) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class FakeEndpoint:
+    def __init__(self, answer: Any):
+        self.answer, self.calls = answer, []
+
+    def call_one(self, *args: Any, **kwargs: Any) -> Done:
+        self.calls.append(args)
+        return Done(self.answer(*args) if callable(self.answer) else self.answer)
+
+    call = call_one
+
+
+class FakeActor:
+    """An actor (or a mesh of them, answering as one): `pid`, `inject_fault`, and the endpoints a test gives it."""
+
+    def __init__(self, pid: int, **endpoints: Any):
+        self.pid = FakeEndpoint(pid)
+        self.inject_fault = FakeEndpoint(None)
+        for name, answer in endpoints.items():
+            setattr(self, name, FakeEndpoint(answer))
+
+    def slice(self, **_: int) -> FakeActor:
+        return self
+
+
+CONTROL_ENDPOINTS = {"state_dict": {"position": 0}, "load_state_dict": None, "stats": {"batches": 0, "dropped_stale": 0}}
+
+
+class FakeProcs:
+    def __init__(self, host: str):
+        self.host, self.stopped = host, False
+        self.actors: dict[str, FakeActor] = {}
+
+    def spawn(self, name: str, actor_class: type, *args: Any) -> FakeActor:
+        self.actors[name] = FakeActor(next(PIDS), **CONTROL_ENDPOINTS)
+        return self.actors[name]
+
+    def stop(self) -> Done:
+        self.stopped = True
+        return Done()
+
+
+class FakeHosts:
+    """Named hosts; `fail(name)` makes the next check find the host unreachable."""
+
+    def __init__(self, names: Iterable[str], *, workers: bool = True):
+        self.names = list(names)
+        self.workers = {name: SimpleNamespace(host=f"{name}.cluster") for name in self.names} if workers else {}
+        self.lost: set[str] = set()
+        self._failing: list[str] = []
+        self.killed: list[tuple[str, list[int]]] = []
+        self.spawned: list[tuple[str, str]] = []  # (host, owner)
+
+    def fail(self, name: str) -> None:
+        self._failing.append(name)
+
+    def check(self, *, now: bool = False) -> list[str]:
+        newly = [name for name in dict.fromkeys(self._failing) if name not in self.lost]
+        self.lost.update(newly)
+        self._failing = []
+        return newly
+
+    def alive(self, names: Iterable[str]) -> list[str]:
+        return [name for name in names if name not in self.lost]
+
+    def describe(self, name: str) -> str:
+        return name
+
+    def spawn_procs(self, *, host: str, count: int, threads: int, gpus_per_proc: int = 0, owner: str = "") -> FakeProcs:
+        if host in self.lost:
+            raise HostsUnreachable(f"host {host} is lost")
+        self.spawned.append((host, owner))
+        return FakeProcs(host)
+
+    def pids_visible(self, host: str) -> bool:
+        return False  # the pids are not this machine's: failures show through reports and lost hosts only
+
+    def gpus_free(self, host: str) -> int | None:
+        return None
+
+    def kill(self, host: str, pids: list[int]) -> None:
+        self.killed.append((host, list(pids)))
+
+    def release(self, owner: str) -> None:
+        pass
+
+    def signals(self, host: str) -> LocalSignals:
+        if host in self.lost:
+            raise HostsUnreachable(f"host {host} is lost")
+        signals = LocalSignals()
+        signals.where = host
+        return signals
+
+
+def fake_group(role: str, hosts: FakeHosts, placement: list[str], *, per_host: int | None = None,
+               spares: int = 0, **endpoints: Any) -> ReplicaGroup:
+    """A started replica group of `role` with one replica on each host of `placement`."""
+    group = ReplicaGroup(role, spawn_actor=lambda procs, name: FakeActor(next(PIDS), **endpoints), threads=1,
+                         routing="round_robin", hosts=hosts, spares=spares, per_host=per_host)
+    group.start(placement)
+    return group
+
+
+def grpo_config(placement: str = "", **sections: str) -> RunConfig:
+    extra = "".join(f"{name}: {body}\n" for name, body in sections.items())
+    return load_config(f"recipe: grpo\nmodel: {{path: /m}}\nplacement: {{backend: monarch, {placement}}}\n{extra}")
+
+
+class Fleet:
+    """The parts every controller test needs: hosts, groups, placer, state, failover, injector and the events."""
+
+    def __init__(self, config: RunConfig, hosts: FakeHosts, groups: dict[str, ReplicaGroup], *, trainer_hosts=("a",)):
+        self.config, self.hosts, self.groups = config, hosts, groups
+        self.sink = MemorySink()
+        self.recorder = Recorder([self.sink])
+        self.state = RunState()
+        self.injector = FaultInjector(self.recorder)
+        self.failover = Failover(recorder=self.recorder, injector=self.injector,
+                                 config=FailoverConfig(retry_backoff_s=0.0), step=lambda: self.state.step,
+                                 policy_version=lambda: self.state.policy_version)
+        ranks = config.trainer.ranks
+        self.placer = Placer(placement=config.placement, hosts=hosts, device="cpu", trainer_ranks=ranks,
+                             ranks_per_host=config.placement.trainer.procs_per_host or ranks, groups=groups,
+                             trainer_hosts=list(trainer_hosts))
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [r for r in self.sink.records if r["kind"] == "event" and r["name"] == name]
+
+
+def controller_parts(config: RunConfig, hosts: FakeHosts, groups: dict[str, ReplicaGroup], *,
+                     trainer_hosts: Iterable[str] = ("a",), trainer_pids: Iterable[int] = (7,),
+                     control_host: str | None = None) -> Fleet:
+    """A Fleet with the controller's trainer handle (over a fake trainer actor), control procs (on `control_host`)
+    and supervisor."""
+    from workers.engine.controller.control_procs import ControlProcs
+    from workers.engine.controller.incidents import RecoveryLog
+    from workers.engine.controller.supervision import Supervisor
+    from workers.engine.controller.trainer import TrainerHandle
+    from workers.engine.controller.waits import Waits
+
+    fleet = Fleet(config, hosts, groups, trainer_hosts=tuple(trainer_hosts))
+    fleet.waits = Waits(config=config.failover)
+    fleet.log = RecoveryLog(recorder=fleet.recorder, injector=fleet.injector, failover=fleet.failover, state=fleet.state)
+    trainer = fleet.trainer = TrainerHandle(config=config, hosts=hosts, placer=fleet.placer, waits=fleet.waits,
+                                            recorder=fleet.recorder, log=fleet.log, state=fleet.state)
+    trainer.pids = list(trainer_pids)
+    trainer.actors = FakeActor(0, state_dict={"w": 1}, pids=dict(enumerate(trainer.pids)))
+    control = fleet.control = ControlProcs(config=config, hosts=hosts, waits=fleet.waits, recorder=fleet.recorder,
+                                           state=fleet.state)
+    control.host = control_host
+    control.dataset, control.buffer = FakeActor(8, **CONTROL_ENDPOINTS), FakeActor(8, **CONTROL_ENDPOINTS)
+    fleet.supervisor = Supervisor(recorder=fleet.recorder, hosts=hosts, groups=groups, failover=fleet.failover,
+                                  placer=fleet.placer, trainer=trainer, control=control, waits=fleet.waits,
+                                  state=fleet.state, reports=[])
+    return fleet

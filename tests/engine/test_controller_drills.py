@@ -1,0 +1,102 @@
+"""Which process, host and replica a drill hits, and when planned drills fire, over fake hosts (no process is
+spawned or signalled: signal drills are only targeted here; the in-actor kinds are injected)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from tests.engine.fake_fleet import FakeHosts, Fleet, controller_parts, fake_group, grpo_config
+from workers.engine.controller.drill_targets import DrillTargets, measure_replica
+from workers.engine.drills import DrillPlan
+from workers.engine.operations import parse_operation
+
+
+def drill(**fields) -> object:
+    return parse_operation("fault_drill", fields)
+
+
+def _targets(*, ranks: int = 2, plan: DrillPlan | None = None) -> tuple[Fleet, DrillTargets]:
+    config = grpo_config("trainer: {procs_per_host: 1}", trainer=f"{{ranks: {ranks}}}")
+    hosts = FakeHosts(["a", "b", "c"])
+    groups = {"generator": fake_group("generator", hosts, ["b", "c"], spares=1), "reward": fake_group("reward", hosts, ["b"])}
+    fleet = controller_parts(config, hosts, groups, trainer_hosts=["a", "b"][:ranks], trainer_pids=[101, 102][:ranks])
+    groups["generator"].warm("b")
+    targets = DrillTargets(plan=plan or DrillPlan([]), injector=fleet.injector, recorder=fleet.recorder, hosts=hosts,
+                           groups=groups, placer=fleet.placer, trainer=fleet.trainer, state=fleet.state)
+    return fleet, targets
+
+
+def test_a_kill_hits_the_replicas_process_through_its_hosts_agent():
+    fleet, targets = _targets()
+    generator = fleet.groups["generator"].replicas[1]
+    target = targets.target(drill(kind="kill", role="generator", replica=1))
+    assert (target.role, target.replica, target.pids, target.signals.where) == ("generator", 1, generator.pids, "c")
+    rank1 = targets.target(drill(kind="hang", role="trainer", replica=1))
+    assert (rank1.pids, rank1.signals.where) == ([102], "b"), "a trainer rank by its rank's host"
+
+
+def test_a_slow_host_drill_hits_every_process_of_the_run_on_that_host():
+    fleet, targets = _targets()
+    target = targets.target(drill(kind="slow_host", role="generator", replica=0, duration_s=5, duty_cycle=0.5))
+    generators, reward = fleet.groups["generator"], fleet.groups["reward"].replicas[0]
+    spare = generators.spare_replicas()[0]
+    on_b = [*generators.replicas[0].pids, 102, *reward.pids, *spare.pids]
+    assert sorted(target.pids) == sorted(on_b), "the trainer rank, the replicas and the spare on host b"
+    assert len(target.pids) == len(set(target.pids))
+
+
+def test_a_drill_on_something_the_run_lacks_is_refused_with_its_reason():
+    fleet, targets = _targets()
+    refusals = {
+        "trainer has ranks 0..1, not 5": drill(kind="kill", role="trainer", replica=5),
+        "this run has no reference (reference.enabled is false)": drill(kind="kill", role="reference", replica=0),
+        "generator replica 4 is not serving; serving replicas: [0, 1]": drill(kind="raise", role="generator", replica=4),
+    }
+    for reason, request in refusals.items():
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            targets.target(request)
+    fleet.hosts.lost.add("c")
+    with pytest.raises(ValueError, match="generator replica 1's host cannot be signalled: host c is lost"):
+        targets.target(drill(kind="kill", role="generator", replica=1))
+    assert targets.target(drill(kind="raise", role="generator", replica=1)).pids, "an in-actor drill needs no agent"
+
+
+def test_planned_drills_fire_when_due_and_a_waiting_controller_fires_only_timed_ones():
+    at_step = drill(kind="raise", role="reward", replica=0, schedule={"at_step": 2})
+    trainer = drill(kind="raise", role="trainer", replica=0, schedule={"every_s": 0.01})
+    timed = drill(kind="latency", role="generator", replica=0, latency_ms=50, duration_s=1, schedule={"every_s": 0.01})
+    plan = DrillPlan([at_step, trainer, timed], start=time.monotonic() - 1)
+    fleet, targets = _targets(plan=plan)
+    targets.inject_due(timed_only=True)
+    assert [(f.role, f.replica) for f in fleet.injector.faults] == [("generator", 0)], "not the step or trainer drills"
+    assert fleet.groups["generator"].replicas[0].actor.inject_fault.calls[0][0] == "latency"
+    fleet.state.step = 1  # step 2 is about to train
+    targets.inject_due()
+    roles = [f.role for f in fleet.injector.faults]
+    assert (roles.count("reward"), roles.count("trainer")) == (1, 1), "the step drill and the trainer's, between steps"
+    assert fleet.events("fault_injected")[-1]["step"] == 2
+
+
+def test_a_scheduled_operator_drill_is_checked_now_and_a_failing_one_is_reported_not_raised():
+    fleet, targets = _targets()
+    assert targets.schedule(drill(kind="raise", role="reward", replica=0, schedule={"at_step": 3})) == \
+        {"scheduled": {"at_step": 3}}
+    with pytest.raises(ValueError, match="reward replica 2 is not serving"):
+        targets.schedule(drill(kind="raise", role="reward", replica=2, schedule={"at_step": 3}))
+    fleet.groups["reward"].service.set_available(0, False)  # the replica went away before its drill was due
+    fleet.state.step = 2
+    targets.inject_due()
+    assert fleet.injector.faults == []
+    assert any("fault drill not run: reward replica 0 is not serving" in e["text"] for e in fleet.events("message"))
+
+
+def test_a_replicas_measure_is_its_served_requests_and_recent_seconds():
+    fleet, _ = _targets()
+    service = fleet.groups["generator"].service
+    index, _ = service.submit(lambda replica: None)
+    service.done(index, 0.25)
+    assert measure_replica(fleet.groups, "generator", index) == {"requests_served": 1, "seconds_per_request": 0.25}
+    assert measure_replica(fleet.groups, "reference", 0) == {} and measure_replica(fleet.groups, "generator", 9) == {}

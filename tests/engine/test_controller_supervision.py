@@ -1,0 +1,99 @@
+"""The Monarch controller's supervision and failover decisions over fake hosts: what a lost host, a failure report
+or a dead control proc means, and where replacements and spares go. The replica groups, their services, failover
+and the fault injector are the real ones; no process is spawned."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tests.engine.fake_fleet import Done, FakeHosts, Fleet, controller_parts, fake_group, grpo_config
+from workers.engine.controller.control_procs import ControlLost
+from workers.engine.controller.supervision import Supervisor
+
+GENERATOR = {"load_weights": None, "policy_version": 3}
+
+
+def _supervised(*, spares: int = 0) -> tuple[Fleet, Supervisor]:
+    hosts = FakeHosts(["a", "b", "c"])
+    groups = {"generator": fake_group("generator", hosts, ["a", "b"], spares=spares, **GENERATOR),
+              "reward": fake_group("reward", hosts, ["c"], spares=spares)}
+    fleet = controller_parts(grpo_config(), hosts, groups, trainer_hosts=["a"], control_host="c")
+    return fleet, fleet.supervisor
+
+
+def test_a_lost_host_takes_every_role_on_it_and_its_replicas_are_replaced_elsewhere_at_the_current_weights():
+    fleet, supervisor = _supervised()
+    fleet.state.step, fleet.state.policy_version = 4, 3
+    generators = fleet.groups["generator"]
+    lost = generators.replicas[0]
+    fleet.hosts.fail("a")
+    supervisor.scan()
+    assert lost.lost_with_host == "host a is unreachable" and lost.failed
+    assert generators.service.routable() == [1]
+    detected = fleet.events("failure_detected")
+    assert [(e["role"], e["replica"], e["host"]) for e in detected] == [("trainer", None, "a"), ("generator", 0, "a")]
+    assert detected[0]["step"] == 5, "the trainer's failure counts against the step it was about to train"
+    assert fleet.trainer.noticed is not None and fleet.control.noticed is None
+    fleet.hosts.fail("a")
+    supervisor.scan()
+    assert len(fleet.events("failure_detected")) == 2, "a host is lost once"
+
+    supervisor.repair()
+    replaced = fleet.events("replica_replaced")
+    assert [(e["role"], e["replica"], e["host"], e["policy_version"]) for e in replaced] == [("generator", 0, "c", 3)]
+    new = generators.replicas[0]
+    assert new is not lost and new.host == "c" and generators.service.routable() == [0, 1]
+    assert new.actor.load_weights.calls == [({"w": 1}, 3)], "the replacement gets the trainer's weights first"
+
+
+def test_losing_the_control_host_is_noticed_once_for_the_dataset_and_buffer():
+    fleet, supervisor = _supervised()
+    fleet.hosts.fail("c")
+    supervisor.scan()
+    detected = fleet.events("failure_detected")
+    assert [(e["role"], e["host"]) for e in detected] == [("replay_buffer", "c"), ("reward", "c")]
+    assert "the dataset and replay buffer ran there" in detected[0]["reason"]
+    with pytest.raises(ControlLost, match="host c of the dataset and replay buffer was lost"):
+        fleet.control.call(Done(error=TimeoutError()))  # a call that never answers, on a lost host
+    assert len(fleet.events("failure_detected")) == 2
+
+
+def test_failure_reports_name_the_replica_or_spare_they_are_about():
+    fleet, supervisor = _supervised(spares=1)
+    supervisor.warm_spares()
+    supervisor.poll_spares()
+    generators, rewards = fleet.groups["generator"], fleet.groups["reward"]
+    spare = generators.ready_spares[0]
+    assert [(e["role"], e["host"]) for e in fleet.events("spares_started")] == [("generator", "a"), ("reward", "a")], "the first host up with room"
+    assert len(fleet.events("spare_ready")) == 2
+    supervisor.reports.extend([SimpleNamespace(mesh_name=f"{spare.name}-0"),
+                               SimpleNamespace(mesh_name=f"{rewards.replicas[0].name}-0"),
+                               SimpleNamespace(mesh_name="trainer-0"),
+                               SimpleNamespace(mesh_name="logger-3")])
+    supervisor.scan()
+    assert generators.ready_spares == [], "a failed spare is dropped"
+    assert any("a generator spare failed" in e["text"] for e in fleet.events("message"))
+    assert [(e["role"], e["replica"]) for e in fleet.events("failure_detected")] == [("reward", 0)]
+    assert supervisor.unexplained == [], "trainer and logger reports surface elsewhere"
+
+    supervisor.repair()
+    assert fleet.events("replica_replaced")[0]["from_spare"], "the reward's ready spare took the failed one's place"
+    assert [e["role"] for e in fleet.events("spares_started")][2:] == ["generator", "reward"], \
+        "the dropped spare and the one used up start again"
+
+
+def test_a_report_no_replica_explains_fails_the_control_proc_only_when_it_stops_answering():
+    fleet, supervisor = _supervised()
+    supervisor.reports.append(SimpleNamespace(mesh_name="dataset_9-0"))
+    supervisor.scan()
+    supervisor.check_control_procs()  # dataset and buffer answer: the run goes on
+    assert supervisor.unexplained == [] and fleet.events("failure_detected") == []
+    supervisor.reports.append(SimpleNamespace(mesh_name="dataset_9-0", detail="killed"))
+    supervisor.scan()
+    fleet.control.buffer.stats.answer = None
+    fleet.control.buffer.stats.call_one = lambda *a: Done(error=RuntimeError("actor is dead"))
+    with pytest.raises(ControlLost, match="a process of the run failed"):
+        supervisor.check_control_procs()
+    assert [e["role"] for e in fleet.events("failure_detected")] == ["replay_buffer"]

@@ -1,0 +1,122 @@
+"""An operator's commands to a running Monarch GRPO run: fault drills, placement changes (add, remove or move a
+replica) and load redirects (drain a host, undrain it). Each returns the command's result or raises ValueError
+with the reason it was refused (`run_control.py` reports either back)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from workers.engine.actors.fleet import Replica, ReplicaGroup
+from workers.engine.actors.hosts import Hosts
+from workers.engine.config import RunConfig
+from workers.engine.controller.drill_targets import DrillTargets
+from workers.engine.controller.placement import Placer
+from workers.engine.controller.roles import MOVABLE, role_group, role_plan, serving
+from workers.engine.controller.state import RunState
+from workers.engine.controller.supervision import Supervisor
+from workers.engine.metrics import Recorder
+from workers.engine.operations import FaultDrillRequest, LoadRedirectRequest, Operation, PlacementChangeRequest
+
+
+class Operator:
+    def __init__(self, *, config: RunConfig, placer: Placer, hosts: Hosts, groups: Mapping[str, ReplicaGroup],
+                 supervisor: Supervisor, drills: DrillTargets, recorder: Recorder, state: RunState):
+        self.config, self.placer, self.hosts, self.groups = config, placer, hosts, groups
+        self.supervisor, self.drills, self.recorder, self.state = supervisor, drills, recorder, state
+
+    def operate(self, kind: str, operation: Operation) -> dict[str, Any]:
+        """`RunControl.operator`: run one command between (or during) steps."""
+        if isinstance(operation, FaultDrillRequest):
+            return self.drills.schedule(operation)
+        if isinstance(operation, PlacementChangeRequest):
+            return self.change_placement(operation)
+        return self.redirect(operation)
+
+    # --- placement changes --------------------------------------------------------------
+    def change_placement(self, change: PlacementChangeRequest) -> dict[str, Any]:
+        started = time.monotonic()
+        group = role_group(self.groups, change.role)
+        if change.action == "add":
+            self._check_host(change.role, change.host)
+            replica_index = group.service.add(self.start_replica(group, len(group.replicas), change.host))
+        elif change.action == "remove":
+            replica = serving(self.groups, change.role, change.replica)
+            if len(group.live()) == 1:
+                raise ValueError(f"cannot remove the last serving {change.role} replica")
+            group.service.set_available(replica.index, False)
+            group.retire(replica)
+            replica_index = replica.index
+        else:
+            replica = serving(self.groups, change.role, change.replica)
+            self._check_host(change.role, change.host)
+            if replica.host == change.host:
+                raise ValueError(f"{change.role} replica {replica.index} is already on host {change.host!r}")
+            self.move(group, replica, change.host)
+            replica_index = replica.index
+        result = {"action": change.action, "role": change.role, "replica": replica_index, "host": change.host,
+                  "plan": role_plan(self.groups, change.role)}
+        self.recorder.event("placement_changed", step=self.state.step, seconds=round(time.monotonic() - started, 3),
+                            pids=group.replicas[replica_index].pids, **result)
+        return result
+
+    def _check_host(self, role: str, host: str) -> None:
+        refusal = self.placer.add_refusal(role, host)
+        if refusal is not None:
+            raise ValueError(refusal)
+
+    def start_replica(self, group: ReplicaGroup, index: int, host: str) -> Replica:
+        """A new replica of the group's role on `host`, ready to serve (a generator at the current weights)."""
+        new = group.spawn(index, host)
+        new.version = self.supervisor.prepare(new)
+        return new
+
+    def move(self, group: ReplicaGroup, replica: Replica, host: str) -> None:
+        """Start the replica again on `host`; the old one stops once its requests are done."""
+        group.service.replace(replica.index, self.start_replica(group, replica.index, host))
+        group.retire(replica)
+        self.state.totals.migrations += 1
+
+    # --- redirects ----------------------------------------------------------------------
+    def redirect(self, command: LoadRedirectRequest) -> dict[str, Any]:
+        host, placement, groups = command.host, self.config.placement, self.groups
+        # without workers only generators have hosts
+        known = self.hosts.names if self.hosts.workers else list(placement.generator.hosts) or self.hosts.names
+        if host not in known:
+            raise ValueError(f"unknown host {host!r}; hosts: {', '.join(known)}")
+        if command.action == "undrain":
+            self.placer.drained.discard(host)
+            self.recorder.event("redirect_finished", step=self.state.step, action="undrain", host=host, moved={},
+                                plan=role_plan(groups, "generator"))
+            return {"host": host, "plan": role_plan(groups, "generator")}
+        # roles that follow the trainer stay with it; a role that follows the generators goes where they went
+        roles = [role for role in MOVABLE if role in groups
+                 and getattr(placement, role).colocate_with in (None, "generator")]
+        moving = {role: [r for r in groups[role].live() if r.host == host] for role in roles}
+        first = {role: self.placer.drain_destinations(role, host) for role in roles
+                 if getattr(placement, role).colocate_with is None}  # checked before anything moves
+        started = time.monotonic()
+        self.placer.drained.add(host)
+        self.recorder.event("redirect_started", step=self.state.step, action="drain", host=host,
+                            replicas=[r.index for r in moving.get("generator", [])],
+                            **{f"{role}_replicas": [r.index for r in moving[role]] for role in roles if role != "generator"})
+        for role in roles:  # stop routing to the host at once; replacements come up one by one
+            for replica in moving[role]:
+                groups[role].service.set_available(replica.index, False)
+        spares_dropped = sum(group.drop_spares_on(host) for group in groups.values())
+        moved: dict[str, dict[str, str]] = {}
+        for role in roles:
+            destinations = first[role] if role in first else \
+                self.placer.drain_destinations(role, host, count=len(moving[role]))  # where the generators went
+            for replica, target in zip(moving[role], destinations):
+                self.move(groups[role], replica, target)
+                moved.setdefault(role, {})[str(replica.index)] = target
+        if spares_dropped:
+            self.supervisor.warm_spares()  # after the moves: a spare must not take a moving replica's room
+        others = {role: plan for role, plan in moved.items() if role != "generator"}
+        self.recorder.event("redirect_finished", step=self.state.step, action="drain", host=host,
+                            moved=moved.get("generator", {}), plan=role_plan(groups, "generator"),
+                            seconds=round(time.monotonic() - started, 3), **({"moved_roles": others} if others else {}))
+        return {"host": host, "moved": moved.get("generator", {}), "plan": role_plan(groups, "generator"),
+                **({"moved_roles": others} if others else {})}

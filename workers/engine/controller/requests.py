@@ -1,0 +1,92 @@
+"""Calls to a role's replicas: routed by the group's Service, and when the replica fails or hangs, reported to
+failover and sent again to a healthy replica (while the failed one is replaced)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from workers.engine.actors.fleet import CallFailed, Failover, Incident, Replica, ReplicaGroup, request_deadline, wait_for
+from workers.engine.controller.waits import Waits
+
+
+class Repairs(Protocol):
+    """What the router asks of supervision (`supervision.Supervisor`)."""
+
+    def repair(self) -> None: ...
+
+    def check_hosts(self, *, now: bool = False) -> None: ...
+
+
+@dataclass
+class Request:
+    """One call routed to a replica of a group; retried elsewhere when it fails."""
+
+    group: ReplicaGroup
+    call: Callable[[Any], Any]  # actor -> future
+    key: str | None
+    replica: Replica
+    index: int
+    future: Any
+    sent_at: float
+    attempts: int = 0
+    incident: Incident | None = None
+
+
+class Router:
+    def __init__(self, *, failover: Failover, waits: Waits, supervisor: Repairs):
+        self.failover, self.waits, self.supervisor = failover, waits, supervisor
+
+    def send(self, group: ReplicaGroup, call: Callable[[Any], Any], *, key: str | None = None, attempts: int = 0,
+             incident: Incident | None = None) -> Request:
+        if not group.service.routable():
+            self.supervisor.repair()  # every replica of the role is down: nothing can serve until one is replaced
+        index, future = group.service.submit(lambda replica: call(replica.actor), key=key)
+        replica = group.replicas[index]
+        replica.outstanding += 1
+        return Request(group, call, key, replica, index, future, time.monotonic(), attempts, incident)
+
+    def receive(self, request: Request) -> Any:
+        """The request's result; a failed or hung replica is reported and the request retried elsewhere."""
+        config = self.failover.config
+        while True:
+            deadline = request_deadline(typical_s=request.group.service.typical_seconds(), config=config)
+            try:
+                result = wait_for(request.future, timeout_s=max(0.01, deadline - (time.monotonic() - request.sent_at)),
+                                  poll_s=config.poll_seconds, tick=self.waits.tick,
+                                  gone=lambda replica=request.replica: replica.lost_with_host)
+            except CallFailed as failure:
+                self._finish(request, None)
+                self.supervisor.check_hosts(now=True)  # asking a replica on a lost host whether it answers would wait
+                alive = not failure.hung and request.replica.lost_with_host is None and answers(request.replica)
+                incident = self.failover.detect(request.group, request.replica, failure.reason, hung=failure.hung,
+                                                alive=alive)
+                attempts = request.attempts + 1
+                self.failover.backoff(attempts, what=f"a {request.group.role} request")
+                request = self.send(request.group, request.call, key=request.key, attempts=attempts, incident=incident)
+                if self.failover.pending_repairs():
+                    self.supervisor.repair()  # while the retry runs on a healthy replica
+                continue
+            self._finish(request, time.monotonic() - request.sent_at)
+            self.failover.served(request.incident)
+            return result
+
+    def call(self, group: ReplicaGroup, call: Callable[[Any], Any], *, key: str | None = None) -> Any:
+        """Send and receive."""
+        return self.receive(self.send(group, call, key=key))
+
+    def _finish(self, request: Request, seconds: float | None) -> None:
+        same = request.group.replicas[request.index] is request.replica
+        request.group.service.done(request.index, seconds if same else None)
+        request.replica.outstanding -= 1
+        request.group.reap()
+
+
+def answers(replica: Replica) -> bool:
+    try:
+        replica.actor.pid.call_one().get(timeout=10)
+        return True
+    except Exception:  # noqa: BLE001 - dead or hung
+        return False

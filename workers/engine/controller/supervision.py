@@ -1,0 +1,146 @@
+"""Supervision and failover of a Monarch GRPO run's replicas: what failed (Monarch's failure reports, hosts that stop
+accepting connections, procs gone from /proc), where a replacement goes, and warm spares. The detection and
+replacement bookkeeping of one replica is `actors.fleet.Failover`'s; the trainer's and the control proc's failures
+end in a restore (`recovery.py`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from workers.engine.actors.fleet import CallFailed, Failover, Replica, ReplicaGroup, exited
+from workers.engine.actors.hosts import Hosts
+from workers.engine.controller.control_procs import ControlLost, ControlProcs
+from workers.engine.controller.placement import Placer
+from workers.engine.controller.state import RunState
+from workers.engine.controller.trainer import TrainerHandle
+from workers.engine.controller.waits import Waits
+from workers.engine.metrics import Recorder
+
+HOST_SETTLE_S = 2.0  # a killed worker's port can accept connections a moment longer than its procs live
+
+
+class Supervisor:
+    def __init__(self, *, recorder: Recorder, hosts: Hosts, groups: Mapping[str, ReplicaGroup], failover: Failover,
+                 placer: Placer, trainer: TrainerHandle, control: ControlProcs, waits: Waits, state: RunState,
+                 reports: list[Any]):
+        self.recorder, self.hosts, self.groups, self.failover = recorder, hosts, groups, failover
+        self.placer, self.trainer, self.control, self.waits, self.state = placer, trainer, control, waits, state
+        self.reports = reports  # Monarch's failure reports (monarch.actor.unhandled_fault_hook), not yet read
+        self.unexplained: list[str] = []  # reports no replica explains
+        # what a new replica needs before it serves, per role
+        self.prepare_new: dict[str, Callable[[Replica], int]] = {"generator": self.prepare_generator}
+
+    def tick(self) -> None:
+        """While waiting: notice dead replicas and loaded spares."""
+        self.scan()
+        self.poll_spares()
+
+    # --- detection ----------------------------------------------------------------------
+    def scan(self) -> None:
+        self.check_hosts()
+        while self.reports:
+            report = self.reports.pop(0)
+            name = str(getattr(report, "mesh_name", ""))
+            for group in self.groups.values():
+                replica = group.find(name)
+                if replica is not None and replica in group.spare_replicas():
+                    group.drop_spare(replica)
+                    self.recorder.event("message", step=self.state.step,
+                                        text=f"a {group.role} spare failed; another is started: {str(report)[:200]}")
+                    break
+                if replica is not None:
+                    current = group.replicas[replica.index] is replica and replica not in group.retiring
+                    if current and not replica.failed:
+                        self.failover.detect(group, replica, str(report), hung=False,
+                                             request_failed=replica.outstanding > 0)
+                    break
+            else:
+                if not name.startswith(("logger", "trainer")):  # trainer failures surface in its train step
+                    self.unexplained.append(str(report)[:500])
+        for group in self.groups.values():  # local procs: a killed one shows in /proc before Monarch reports it
+            for spare in group.ready_spares:
+                if spare.pids_visible and any(exited(pid) for pid in spare.pids):
+                    group.drop_spare(spare)
+            for replica in group.live():
+                gone = [pid for pid in replica.pids if replica.pids_visible and exited(pid)]
+                if gone and not replica.failed:
+                    self.failover.detect(group, replica, f"process {gone[0]} exited", hung=False,
+                                         request_failed=replica.outstanding > 0)
+
+    def check_hosts(self, *, now: bool = False) -> None:
+        for name in self.hosts.check(now=now):
+            self.host_lost(name)
+
+    def host_lost(self, name: str) -> None:
+        """Every proc on the host is gone: detect its replicas (their replacements go elsewhere)."""
+        reason = f"host {self.hosts.describe(name)} is unreachable"
+        self.recorder.event("message", step=self.state.step, text=f"{reason}: its procs are lost")
+        if name == self.control.host:  # noticed now; restored from the last checkpoint on the next dataset or buffer call
+            self.control.detect(f"{reason}: the dataset and replay buffer ran there")
+        if name in self.placer.trainer_hosts:  # noticed now; restored once the controller next needs the trainer
+            self.trainer.detect(CallFailed(f"host {self.hosts.describe(name)} of the trainer was lost", hung=False))
+        for group in self.groups.values():
+            live = group.live()
+            for replica in [*group.replicas, *group.retiring]:
+                if replica.host != name:
+                    continue
+                replica.lost_with_host = reason
+                if replica in live and not replica.failed:
+                    self.failover.detect(group, replica, reason, hung=False, request_failed=replica.outstanding > 0)
+
+    def settle(self, host: str) -> None:
+        """A proc on `host` died: if the whole host did, its port is closed a moment later; look then."""
+        self.check_hosts(now=True)
+        if host in self.hosts.workers and host not in self.hosts.lost:
+            time.sleep(HOST_SETTLE_S)
+            self.check_hosts(now=True)
+
+    def check_control_procs(self) -> None:
+        """A failure report no replica explains: the run goes on only if dataset and buffer still answer."""
+        if not self.unexplained:
+            return
+        reason = f"a process of the run failed: {self.unexplained[0]}"
+        answers = self.control.answers()
+        self.unexplained.clear()
+        if not answers:
+            self.control.detect(reason)
+            raise ControlLost(reason)
+
+    # --- replacement --------------------------------------------------------------------
+    def replacement_host(self, replica: Replica) -> str:
+        if replica.failed:
+            self.settle(replica.host)
+        self.check_hosts(now=True)  # a proc spawned on a lost host would wait for it
+        return self.placer.replacement_host(replica)
+
+    def prepare_generator(self, replica: Replica) -> int:
+        """Give a new generator replica the trainer's current weights; the version it reports."""
+        weights = self.trainer.state_dict()
+        self.waits.wait(replica.actor.load_weights.call_one(weights, self.state.policy_version))
+        return int(self.waits.wait(replica.actor.policy_version.call_one()))
+
+    def prepare(self, replica: Replica) -> int:
+        """Bring a new replica to serving state; its policy version (0 for roles without weights to sync)."""
+        return self.prepare_new[replica.role](replica) if replica.role in self.prepare_new else 0
+
+    def repair(self) -> None:
+        """Replace the failed replicas queued for it; spares used up start again."""
+        if not self.failover.pending_repairs():
+            return
+        self.poll_spares()
+        self.failover.repair(self.prepare_new, host=self.replacement_host)
+        self.warm_spares()  # their models load while training goes on
+
+    def warm_spares(self) -> None:
+        for group in self.groups.values():
+            host = self.placer.spare_host(group.role)
+            if host is not None and (started := group.warm(host)):
+                self.recorder.event("spares_started", step=self.state.step, role=group.role, host=host, count=started)
+
+    def poll_spares(self, wait_s: float = 0.001) -> None:
+        for group in self.groups.values():
+            for spare in group.poll_spares(wait_s=wait_s):
+                self.recorder.event("spare_ready", step=self.state.step, role=group.role, host=spare.host,
+                                    pids=spare.pids)

@@ -1,0 +1,169 @@
+"""The trainer's mesh as the controller sees it: `trainer.ranks` procs, `ranks_per_host` to a host, data parallel.
+Its calls fail with TrainerLost; the step loop then restores it from the last checkpoint (`recovery.py`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from monarch.spmd import setup_torch_elastic_env
+
+from workers.engine.actors.fleet import CallFailed, exited, stop_quietly
+from workers.engine.actors.hosts import Hosts
+from workers.engine.actors.trainer import TrainerActor
+from workers.engine.config import RunConfig
+from workers.engine.controller.incidents import Noticed, RecoveryLog
+from workers.engine.controller.placement import Placer
+from workers.engine.controller.state import RunState
+from workers.engine.controller.waits import Waits
+from workers.engine.metrics import Recorder
+
+
+class TrainerLost(Exception):
+    """A trainer call failed (a proc died or hangs, or its host was lost)."""
+
+    def __init__(self, failure: CallFailed):
+        super().__init__(str(failure))
+        self.failure = failure
+
+
+class TrainerHandle:
+    def __init__(self, *, config: RunConfig, hosts: Hosts, placer: Placer, waits: Waits, recorder: Recorder,
+                 log: RecoveryLog, state: RunState):
+        self.config, self.hosts, self.placer, self.waits = config, hosts, placer, waits
+        self.recorder, self.log, self.state = recorder, log, state
+        self.procs: Any = None
+        self.actors: Any = None
+        self.pids: list[int] = []  # by rank
+        self.n_params = 0
+        self.master_addr: str | None = None
+        self.noticed: Noticed | None = None  # a failure seen, not yet recovered from
+        self._setup: Any = None  # every rank's pending setup
+
+    # --- start ------------------------------------------------------------------------
+    def launch(self) -> None:
+        """Spawn the procs on the first of the trainer's hosts still there; the model loads while the caller goes on.
+        HostsUnreachable when a host died meanwhile."""
+        placer, cfg = self.placer, self.config
+        placer.trainer_hosts = placer.place_trainer()
+        self.hosts.release("trainer")
+        procs = self.hosts.spawn_across(hosts=placer.trainer_hosts, per_host=placer.ranks_per_host,
+                                        threads=cfg.trainer.threads_per_process,
+                                        gpus_per_proc=cfg.placement.trainer.gpus_per_proc, owner="trainer")
+        self.procs = procs
+        setup_torch_elastic_env(procs)
+        self.actors = procs.spawn("trainer", TrainerActor, cfg)
+        # Over several hosts, rank 0's host by the address its worker has (a pod IP, a node name).
+        master = self.hosts.workers[placer.trainer_hosts[0]].host if len(placer.trainer_hosts) > 1 else None
+        self._setup = self.actors.setup.call(master)
+
+    def await_started(self) -> None:
+        rank0 = list(self._setup.get().values())[0]
+        self.n_params, self.master_addr = rank0["n_params"], rank0["master_addr"]
+        self.pids = list(self.actors.pids.call().get().values())
+
+    def rank(self, rank: int) -> Any:
+        """One rank's actor."""
+        if self.placer.trainer_host_count > 1:
+            per_host = self.placer.ranks_per_host
+            return self.actors.slice(hosts=rank // per_host, procs=rank % per_host)
+        return self.actors.slice(procs=rank)
+
+    # --- failures ---------------------------------------------------------------------
+    def lost_host(self) -> str | None:
+        return next((h for h in self.placer.trainer_hosts if h in self.hosts.lost), None)
+
+    def gone(self) -> str | None:
+        lost = self.lost_host()
+        return f"host {self.hosts.describe(lost)} of the trainer was lost" if lost else None
+
+    def exited_pid(self) -> int | None:
+        """A rank that exited, when the trainer's pids are this machine's (so /proc shows it)."""
+        if not all(self.hosts.pids_visible(h) for h in self.placer.trainer_hosts):
+            return None
+        return next((pid for pid in self.pids if exited(pid)), None)
+
+    def check(self) -> None:
+        """Between train steps: a lost host or an exited rank is a TrainerLost now, not after the next call times out."""
+        if (reason := self.gone()) is not None:
+            raise TrainerLost(CallFailed(reason, hung=False))
+        if (pid := self.exited_pid()) is not None:
+            raise TrainerLost(CallFailed(f"trainer process {pid} exited", hung=False))
+
+    def train_tick(self) -> None:
+        """While a step trains: a rank that exited fails the step now (its peers would wait in the all-reduce)."""
+        self.waits.tick()
+        if (reason := self.gone()) is not None:
+            raise CallFailed(reason, hung=False)
+        if (pid := self.exited_pid()) is not None:
+            raise CallFailed(f"trainer process {pid} exited", hung=False)
+
+    def detect(self, failure: CallFailed) -> Noticed:
+        """The failure_detected event, once per failure."""
+        if self.noticed is None:
+            noticed = self.noticed = self.log.notice("trainer", failure.reason)
+            fault = noticed.fault
+            self.recorder.event("failure_detected", step=self.state.step + 1, role="trainer",
+                                replica=fault.replica if fault else None,
+                                host=self.lost_host() or self.placer.trainer_hosts[0],
+                                fault_id=fault.id if fault else None, reason=failure.reason, hung=failure.hung,
+                                time_to_detect_s=noticed.time_to_detect_s)
+        return self.noticed
+
+    def kill_procs(self) -> None:
+        for host in self.placer.trainer_hosts:
+            self.hosts.kill(host, [pid for rank, pid in enumerate(self.pids) if self.placer.rank_host(rank) == host])
+
+    def stop(self) -> None:
+        if self.procs is not None and not self.lost_host():  # stopping a mesh on a lost host would wait for it
+            stop_quietly(self.procs)
+
+    # --- calls ------------------------------------------------------------------------
+    def result(self, future: Any) -> Any:
+        try:
+            return self.waits.wait(future, gone=self.gone)
+        except CallFailed as failure:
+            raise TrainerLost(failure) from None
+
+    def from_rank0(self, endpoint: str, *args: Any) -> Any:
+        """Rank 0's answer. Every rank of a sharded (FSDP) trainer takes part: its weights are gathered from all."""
+        if self.config.trainer.sharding == "fsdp":
+            return list(self.result(getattr(self.actors, endpoint).call(*args)).values())[0]
+        return self.result(getattr(self.rank(0), endpoint).call_one(*args))
+
+    def every_rank(self, call: Callable[[], Any], *, what: str, sent: Any = None) -> list[Any]:
+        """Every rank's answer to `call` (or to `sent`, the same call made already). A raise drill refuses the call on
+        every rank before any collective: it is made again once."""
+        try:
+            return list(self.waits.wait(sent if sent is not None else call(), tick=self.train_tick).values())
+        except CallFailed as failure:
+            if failure.hung or "InjectedFault" not in str(failure):
+                raise TrainerLost(failure) from None
+        noticed = self.log.notice("trainer", f"{what} raised")
+        fault = noticed.fault
+        self.recorder.event("failure_detected", step=self.state.step + 1, role="trainer",
+                            replica=fault.replica if fault else None, fault_id=fault.id if fault else None,
+                            reason=f"{what} raised", hung=False, time_to_detect_s=noticed.time_to_detect_s)
+        try:
+            results = list(self.waits.wait(call()).values())
+        except CallFailed as failure:
+            raise TrainerLost(failure) from None
+        self.log.recovered("trainer", noticed, at_step=self.state.step + 1, action="retried")
+        return results
+
+    def train_step(self, record: Any, ref_logprobs: Any) -> list[dict[str, Any]]:
+        return self.every_rank(lambda: self.actors.train_step.call(record, ref_logprobs), what="a train step")
+
+    def state_dict(self) -> Any:
+        return self.from_rank0("state_dict")
+
+    def save(self, step: int, progress: dict[str, Any]) -> Path:
+        return Path(self.from_rank0("save", step, progress))
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Every rank back to a checkpoint; the progress saved with it."""
+        return list(self.actors.load.call(path).get().values())[0]
+
+    def shutdown(self) -> None:
+        self.actors.shutdown.call().get()
