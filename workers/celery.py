@@ -1,11 +1,8 @@
-"""The Celery app. Imported by the worker (`celery -A workers.celery worker`), never by the engine.
+"""The Celery app. Imported by the worker (`celery -A workers.celery worker`) and by the control plane's
+dispatch module (platform/forgeboard/dispatch.py), never by the engine; it imports no service.
 
-Every worker also consumes, whatever `-Q` says, `launch.<FORGEBOARD_WORKER_POOL>` (default
-`launch.default`): the runs that the scheduler placed on hosts of that pool are started from there;
-and `probe.<its hostname>`: the `cluster.probe` beat task asks each worker-reported host to report
-itself there, and a worker reports its host as soon as it is ready. A worker with
-FORGEBOARD_SLURM_PARTITION also consumes `launch.slurm` (it submits SLURM runs and polls their jobs),
-and one with FORGEBOARD_K8S_API_URL and FORGEBOARD_K8S_IMAGE `launch.kubernetes`.
+Its tasks, and the queues each worker consumes besides those of `-Q`, are in workers/tasks.py (imported
+here, by name, when the app is made); the task and queue names in forgeboard/dispatch.py.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "forgeboard.settings")
 
 import django  # noqa: E402
 from celery import Celery  # noqa: E402
-from celery.signals import celeryd_after_setup, worker_ready  # noqa: E402
 from django.apps import apps  # noqa: E402
 
 if not apps.ready:
@@ -30,35 +26,3 @@ if not apps.ready:
 app = Celery("forgeboard")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks(["workers"], related_name="tasks", force=True)
-
-
-@celeryd_after_setup.connect
-def _consume_pool_queue(sender: str, instance, **_kwargs) -> None:
-    """Subscribe this worker to its pool's launch queue and its host's probe queue (besides those of -Q)."""
-    from django.conf import settings
-
-    from forgeboard.runs.services import pool_launch_queue
-
-    instance.app.amqp.queues.select_add(pool_launch_queue(settings.WORKER_POOL))
-    instance.app.amqp.queues.select_add(_probe_queue())
-    if settings.SLURM_PARTITION:  # this worker submits and follows SLURM jobs
-        instance.app.amqp.queues.select_add(pool_launch_queue("slurm"))
-    if settings.K8S_API_URL and settings.K8S_IMAGE:  # ... and Kubernetes Jobs
-        instance.app.amqp.queues.select_add(pool_launch_queue("kubernetes"))
-
-
-def _probe_queue() -> str:
-    import socket
-
-    from workers.tasks import probe_queue
-
-    return probe_queue(socket.gethostname())  # the agent's Collector reports under this name too
-
-
-@worker_ready.connect
-def _report_own_host(sender, **_kwargs) -> None:
-    """A new worker's host joins the inventory without waiting for beat (if probes are on)."""
-    from django.conf import settings
-
-    if settings.PROBE_SECONDS:
-        sender.app.send_task("cluster.probe_host", queue=_probe_queue(), expires=max(settings.PROBE_SECONDS, 60))

@@ -1,24 +1,61 @@
-"""Celery tasks: thin, take IDs, call services. Long runs are never held inside a task."""
+"""Celery tasks: thin, take IDs, call services. Long runs are never held inside a task.
+
+Also the queues a worker consumes besides those of `-Q` (see forgeboard/dispatch.py), and its report of its
+own host as soon as it is ready: this module is imported when the app is made (workers/celery.py).
+"""
 
 from __future__ import annotations
 
 import logging
+import socket
 
 from celery import shared_task
+from celery.signals import celeryd_after_setup, worker_ready
 from django.conf import settings
 
+from forgeboard.dispatch import (
+    ALERTS_DELIVER,
+    CHECKPOINTS_EXPORT,
+    CLUSTER_MARK_DOWN_HOSTS,
+    CLUSTER_PROBE,
+    CLUSTER_PROBE_HOST,
+    RUNS_LAUNCH,
+    RUNS_POLL_JOBS,
+    RUNS_RECONCILE,
+    RUNS_SCHEDULE,
+    RUNS_START,
+    enqueue,
+    pool_launch_queue,
+    probe_queue,
+)
 from forgeboard.logs import run_log_context
 from forgeboard.runs.models import Run
-from forgeboard.runs.services import (
-    IllegalTransition,
-    pool_launch_queue,
-    run_enqueue_start,
-    run_launch_queue,
-    run_transition,
-)
+from forgeboard.runs.services import IllegalTransition, run_enqueue_start, run_launch_queue, run_transition
 from forgeboard.runs.states import RunState
 
 logger = logging.getLogger(__name__)
+
+
+def _own_probe_queue() -> str:
+    return probe_queue(socket.gethostname())  # the agent's Collector reports under this name too
+
+
+@celeryd_after_setup.connect
+def worker_queues(sender: str, instance, **_kwargs) -> None:
+    """Subscribe this worker to its pool's launch queue and its host's probe queue (besides those of -Q)."""
+    instance.app.amqp.queues.select_add(pool_launch_queue(settings.WORKER_POOL))
+    instance.app.amqp.queues.select_add(_own_probe_queue())
+    if settings.SLURM_PARTITION:  # this worker submits and follows SLURM jobs
+        instance.app.amqp.queues.select_add(pool_launch_queue("slurm"))
+    if settings.K8S_API_URL and settings.K8S_IMAGE:  # ... and Kubernetes Jobs
+        instance.app.amqp.queues.select_add(pool_launch_queue("kubernetes"))
+
+
+@worker_ready.connect
+def _report_own_host(sender, **_kwargs) -> None:
+    """A new worker's host joins the inventory without waiting for beat (if probes are on)."""
+    if settings.PROBE_SECONDS:
+        enqueue(CLUSTER_PROBE_HOST, queue=_own_probe_queue(), expires=max(settings.PROBE_SECONDS, 60))
 
 
 def _start_scheduled() -> list[int]:
@@ -51,7 +88,7 @@ def _start_scheduled() -> list[int]:
     return started
 
 
-@shared_task(name="runs.launch", acks_late=True)
+@shared_task(name=RUNS_LAUNCH, acks_late=True)
 def launch_run(run_id: int) -> str:
     """A run was queued: start what fits now (this run only if it fits; otherwise it stays queued)."""
     with run_log_context(run_id):
@@ -66,7 +103,7 @@ def launch_run(run_id: int) -> str:
         return "skipped"
 
 
-@shared_task(name="runs.start", acks_late=False)
+@shared_task(name=RUNS_START, acks_late=False)
 def start_claimed_run(run_id: int) -> str:
     """A scheduler claimed this run for a host of this worker's pool: start it here.
 
@@ -92,13 +129,13 @@ def start_claimed_run(run_id: int) -> str:
         return "skipped"
 
 
-@shared_task(name="runs.schedule")
+@shared_task(name=RUNS_SCHEDULE)
 def schedule_runs() -> list[int]:
     """Periodic: start queued runs that fit now that other runs have ended or hosts came back."""
     return _start_scheduled()
 
 
-@shared_task(name="runs.reconcile")
+@shared_task(name=RUNS_RECONCILE)
 def reconcile_runs() -> dict:
     """Periodic: lost runs are restarted from their checkpoint or failed (see runs/reconcile.py)."""
     from django.utils import timezone
@@ -111,7 +148,7 @@ def reconcile_runs() -> dict:
     return {"lost": report.lost, "restarted": report.restarted, "failed": report.failed}
 
 
-@shared_task(name="runs.poll_jobs")
+@shared_task(name=RUNS_POLL_JOBS)
 def poll_jobs(backend: str) -> dict[int, str]:
     """Periodic, on the workers of a cluster scheduler: follow the jobs of active runs (workers/launch/jobs.py)."""
     if backend == "slurm":
@@ -123,7 +160,7 @@ def poll_jobs(backend: str) -> dict[int, str]:
     return poll_kubernetes_runs()
 
 
-@shared_task(name="cluster.mark_down_hosts")
+@shared_task(name=CLUSTER_MARK_DOWN_HOSTS)
 def mark_down_hosts() -> list[int]:
     """Periodic: hosts that stopped heartbeating are marked down; returns the active runs that were on them."""
     from django.conf import settings
@@ -140,12 +177,7 @@ def mark_down_hosts() -> list[int]:
 _collector = None  # one per worker process: NVML is initialised once, CPU use is measured between probes
 
 
-def probe_queue(hostname: str) -> str:
-    """The queue only the workers on `hostname` consume (see workers/celery.py)."""
-    return f"probe.{hostname}"
-
-
-@shared_task(name="cluster.probe_host", acks_late=False)
+@shared_task(name=CLUSTER_PROBE_HOST, acks_late=False)
 def probe_own_host() -> str:
     """Report the host this worker runs on (CPUs, memory, utilization, GPUs through NVML), as the node agent does."""
     global _collector
@@ -165,24 +197,23 @@ def probe_own_host() -> str:
     return host.hostname
 
 
-@shared_task(name="cluster.probe")
+@shared_task(name=CLUSTER_PROBE)
 def probe_hosts() -> list[str]:
     """Periodic: report this worker's host, and ask the workers of every other host that probes reported (and
     that is not down) to report theirs, through their host's queue. Returns the hosts asked."""
     from forgeboard.cluster.models import Host, HostState
     from forgeboard.cluster.services import PROBE_AGENT_PREFIX
-    from workers.celery import app
 
     own = probe_own_host()
     others = list(Host.objects.filter(agent_version__startswith=PROBE_AGENT_PREFIX).exclude(state=HostState.DOWN)
                   .exclude(hostname=own).order_by("hostname").values_list("hostname", flat=True))
     for hostname in others:
         # A probe not taken before the next one is pointless: it expires instead of piling up.
-        app.send_task("cluster.probe_host", queue=probe_queue(hostname), expires=settings.PROBE_SECONDS or None)
+        enqueue(CLUSTER_PROBE_HOST, queue=probe_queue(hostname), expires=settings.PROBE_SECONDS or None)
     return others
 
 
-@shared_task(name="checkpoints.export", acks_late=False)
+@shared_task(name=CHECKPOINTS_EXPORT, acks_late=False)
 def export_checkpoint(run_id: int, step: int, actor_kind: str, actor_id: int, launch_child: bool = False,
                       overrides: list[str] | None = None, experiment_id: int | None = None,
                       config_yaml: str | None = None, priority: int | None = None) -> str:
@@ -199,7 +230,7 @@ def export_checkpoint(run_id: int, step: int, actor_kind: str, actor_id: int, la
         return status.state
 
 
-@shared_task(name="alerts.deliver", bind=True, acks_late=True, max_retries=5)
+@shared_task(name=ALERTS_DELIVER, bind=True, acks_late=True, max_retries=5)
 def deliver_alert(self, delivery_id: int) -> str:
     """POST one webhook delivery; a failed attempt is retried after RETRY_DELAYS_S, then given up (recorded)."""
     from forgeboard.alerts.services import RETRY_DELAYS_S, delivery_attempt

@@ -12,6 +12,14 @@ from urllib.parse import urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
 
+from forgeboard.dispatch import (
+    CLUSTER_MARK_DOWN_HOSTS,
+    CLUSTER_PROBE,
+    RUNS_POLL_JOBS,
+    RUNS_RECONCILE,
+    RUNS_SCHEDULE,
+    pool_launch_queue,
+)
 from forgeboard.env import Env, database_from_url
 from workers.engine.wire_limits import MAX_REQUEST_BYTES
 
@@ -193,7 +201,7 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # The node pool of this worker's host: the worker also consumes `launch.<pool>`, where the runs
-# allocated to hosts of that pool are started (see workers/celery.py and runs/services.py).
+# allocated to hosts of that pool are started (see forgeboard/dispatch.py and runs/services.py).
 WORKER_POOL = env.str("FORGEBOARD_WORKER_POOL", "default")
 if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", WORKER_POOL):
     raise ImproperlyConfigured(
@@ -203,7 +211,7 @@ WEBHOOK_ALLOW_PRIVATE = env.bool("FORGEBOARD_WEBHOOK_ALLOW_PRIVATE", False)
 HOST_HEARTBEAT_TIMEOUT_S = env.int("FORGEBOARD_HOST_HEARTBEAT_TIMEOUT_S", 60, minimum=10)
 # A recovery (after a fault drill or a real failure) slower than this fires drill_recovery_slow webhooks.
 RECOVERY_ALERT_S = env.int("FORGEBOARD_RECOVERY_ALERT_S", 30, minimum=1)
-# Concurrent CPU-only runs (engine controllers) per host; see runs/scheduling.py.
+# Concurrent CPU-only runs (engine controllers) per host; see runs/demand.py.
 LOCAL_RUN_SLOTS = env.int("FORGEBOARD_LOCAL_RUN_SLOTS", 2, minimum=1)
 # The SLURM launch backend (workers/launch/slurm_backend.py): a worker with a partition set submits the
 # runs whose config says placement.backend: slurm. FORGEBOARD_DATA_DIR must then be on a filesystem
@@ -239,22 +247,22 @@ ARTIFACT_ROOTS = [Path(p) for p in env.list(
     "FORGEBOARD_ARTIFACT_ROOTS",
     ["/"] * (FORGEBOARD_ENV == "test") + [str(DATA_DIR / name) for name in ("models", "datasets", "artifacts")])]
 CELERY_BEAT_SCHEDULE = {
-    "schedule-runs": {"task": "runs.schedule", "schedule": env.int("FORGEBOARD_SCHEDULE_SECONDS", 10, minimum=1)},
-    "reconcile-runs": {"task": "runs.reconcile", "schedule": env.int("FORGEBOARD_RECONCILE_SECONDS", 15, minimum=1)},
-    "mark-down-hosts": {"task": "cluster.mark_down_hosts", "schedule": 30.0},
+    "schedule-runs": {"task": RUNS_SCHEDULE, "schedule": env.int("FORGEBOARD_SCHEDULE_SECONDS", 10, minimum=1)},
+    "reconcile-runs": {"task": RUNS_RECONCILE, "schedule": env.int("FORGEBOARD_RECONCILE_SECONDS", 15, minimum=1)},
+    "mark-down-hosts": {"task": CLUSTER_MARK_DOWN_HOSTS, "schedule": 30.0},
 }
 POLL_JOBS_SECONDS = env.int("FORGEBOARD_POLL_JOBS_SECONDS", 30, minimum=5)
 for _backend, _configured in (("slurm", SLURM_PARTITION), ("kubernetes", K8S_API_URL and K8S_IMAGE)):
     if _configured:  # followed by the workers that submit to that scheduler
         CELERY_BEAT_SCHEDULE[f"poll-{_backend}-jobs"] = {
-            "task": "runs.poll_jobs", "args": [_backend], "options": {"queue": f"launch.{_backend}"},
+            "task": RUNS_POLL_JOBS, "args": [_backend], "options": {"queue": pool_launch_queue(_backend)},
             "schedule": POLL_JOBS_SECONDS}
 # Workers report their own hosts this often (cluster.probe), so a cluster without node agents has an
 # inventory; 0 turns the probe off (the default in tests, whose inventory each test builds itself).
 # Keep it well under FORGEBOARD_HOST_HEARTBEAT_TIMEOUT_S.
 PROBE_SECONDS = env.int("FORGEBOARD_PROBE_SECONDS", 0 if FORGEBOARD_ENV == "test" else 20, minimum=0)
 if PROBE_SECONDS:
-    CELERY_BEAT_SCHEDULE["probe-hosts"] = {"task": "cluster.probe", "schedule": PROBE_SECONDS}
+    CELERY_BEAT_SCHEDULE["probe-hosts"] = {"task": CLUSTER_PROBE, "schedule": PROBE_SECONDS}
 CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
 
 # --- security -------------------------------------------------------------------------------

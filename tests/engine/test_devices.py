@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from workers.engine.actors.devices import (GPUS_PER_HOST_ENV, PROC_GPUS_ENV, DeviceLedger, NoRoomForGpus,
-                                           bind_proc_gpus, gpus_per_host_from_env)
+from workers.engine.actors.devices import DeviceLedger, NoRoomForGpus, bind_proc_gpus, gpus_per_host_from_env
+from workers.engine.env import GPUS_PER_HOST_ENV, PROC_GPUS_ENV
 
 
 def test_procs_take_the_lowest_free_gpus_of_their_host_until_released() -> None:

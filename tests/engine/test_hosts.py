@@ -6,8 +6,9 @@ import socket
 
 import pytest
 
-from workers.engine.actors.hosts import (LOCAL, Hosts, HostsUnreachable, Worker, WorkerListError, check_placement,
-                                         parse_workers, reachable, workers_from_env)
+from workers.engine.actors.hosts import (LOCAL, Hosts, HostsUnreachable, WorkerListError, check_placement, parse_workers,
+                                         reachable, workers_from_env)
+from workers.engine.actors.worker import Worker
 from workers.engine.config import ConfigError, load_config
 
 BASE = "recipe: grpo\nmodel: {path: /models/tiny}\n"

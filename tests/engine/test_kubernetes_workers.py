@@ -31,8 +31,8 @@ import pytest
 from tests.engine.test_monarch_hosts import ancestors
 from workers.engine.actors.hosts import port_open
 from workers.engine.actors.kubernetes_workers import KubernetesWorkersError, kubernetes_hosts
+from workers.engine.actors.local_workers import REPO_DIR, LocalWorker, free_port, stop_workers
 from workers.launch.kubernetes import KubernetesLaunchRequest, kubernetes_objects
-from workers.launch.monarch_hosts import REPO_DIR, LocalWorker, free_port, stop_workers
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from workers.engine.checkpoint import load_checkpoint, save_checkpoint
 from workers.engine.config import RunConfig, load_config
 from workers.engine.metrics import MemorySink, Recorder
 from workers.engine.models.hf_folder import load_pretrained
-from workers.engine.recipes.grpo import loss_normalizer, policy_update
+from workers.engine.grpo_math import loss_normalizer, policy_update
 from workers.engine.replay_buffer import RolloutBatchRecord
 from workers.engine.sampler import SamplingParams, TorchSampler
 from workers.engine.training import build_optimizer, build_scheduler

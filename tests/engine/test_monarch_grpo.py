@@ -14,9 +14,10 @@ import torch
 from tests.engine.conftest import ARITHMETIC
 from workers.engine.batching import collate_rollouts
 from workers.engine.config import RunConfig
+from workers.engine.grpo_math import loss_normalizer, policy_update
 from workers.engine.metrics import MemorySink, Recorder
 from workers.engine.models.hf_folder import load_pretrained
-from workers.engine.recipes.grpo import GrpoResult, loss_normalizer, policy_update
+from workers.engine.recipes.grpo import GrpoResult
 from workers.engine.replay_buffer import RolloutBatchRecord
 from workers.engine.training import build_optimizer, build_scheduler
 

@@ -71,7 +71,7 @@ class HostScript:
             moved = self.events("placement_changed")[-1]
             self.seen["moved"] = {str(moved["replica"]): self.worker_of(moved["pids"][0])}
         if step == 3:
-            from workers.launch.monarch_hosts import kill_host
+            from workers.engine.actors.local_workers import kill_host
 
             self.killed_at = time.time()
             kill_host(self.workers["host1"])
@@ -89,7 +89,7 @@ def two_host_run(sft_warm_start: tuple[Path, float], tmp_path_factory: pytest.Te
     from workers.engine.actors.hosts import parse_workers
     from workers.engine.config import load_config
     from workers.engine.recipes.grpo_monarch import train_grpo_monarch
-    from workers.launch.monarch_hosts import environment_value, local_workers
+    from workers.engine.actors.local_workers import environment_value, local_workers
 
     folder, _ = sft_warm_start
     root = tmp_path_factory.mktemp("monarch-hosts")
@@ -181,7 +181,7 @@ def test_the_trainer_of_a_killed_host_restores_its_checkpoint_on_the_other_host(
 
 
 def test_no_worker_process_or_proc_is_left(two_host_run) -> None:
-    from workers.launch.monarch_hosts import session_pids
+    from workers.engine.actors.local_workers import session_pids
 
     _, _, _, worker_pids = two_host_run
     assert all(not session_pids(pid) for pid in worker_pids)
@@ -193,7 +193,7 @@ def test_workers_stop_when_the_run_fails_before_it_starts(tmp_path: Path) -> Non
     from workers.engine.actors.hosts import parse_workers
     from workers.engine.config import ConfigError, load_config
     from workers.engine.recipes.grpo_monarch import train_grpo_monarch
-    from workers.launch.monarch_hosts import environment_value, local_workers, session_pids
+    from workers.engine.actors.local_workers import environment_value, local_workers, session_pids
 
     config = load_config("recipe: grpo\nmodel: {path: /nowhere}\n", overrides=[
         "placement.backend=monarch", "placement.generator.hosts=[host0, gpu7]"])

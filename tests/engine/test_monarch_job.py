@@ -68,7 +68,7 @@ def test_an_allocation_all_on_this_machine_listens_on_loopback(monkeypatch, node
     monkeypatch.setenv("SLURM_JOB_NODELIST", nodelist)
     chosen = []
     monkeypatch.setattr("monarch.actor.enable_transport", chosen.append)
-    monkeypatch.setattr("workers.engine.actors.hosts._transport", None)  # not chosen yet in this process
+    monkeypatch.setattr("workers.engine.actors.worker._transport", None)  # not chosen yet in this process
     monarch_job._listen_on_loopback_if_alone()
     assert chosen == ["tcp://127.0.0.1:0"]
 
@@ -79,6 +79,6 @@ def test_a_routable_hostname_keeps_monarchs_own_transport(monkeypatch):
     monkeypatch.setenv("SLURM_NNODES", "2")
     chosen = []
     monkeypatch.setattr("monarch.actor.enable_transport", chosen.append)
-    monkeypatch.setattr("workers.engine.actors.hosts._transport", None)
+    monkeypatch.setattr("workers.engine.actors.worker._transport", None)
     monarch_job._listen_on_loopback_if_alone()
     assert chosen == []

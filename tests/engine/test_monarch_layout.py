@@ -41,7 +41,7 @@ def test_procs_hold_their_own_gpus_per_host(tmp_path: Path, monkeypatch: pytest.
     from workers.engine.actors.devices import NoRoomForGpus
     from workers.engine.actors.fleet import stop_quietly
     from workers.engine.actors.hosts import Hosts, parse_workers
-    from workers.launch.monarch_hosts import environment_value, local_workers
+    from workers.engine.actors.local_workers import environment_value, local_workers
 
     monkeypatch.setenv("FORGEBOARD_GPUS_PER_HOST", "3")
     with local_workers(count=3, log_dir=tmp_path) as workers:
@@ -135,7 +135,7 @@ def spread_run(sft_warm_start: tuple[Path, float], tmp_path_factory: pytest.Temp
     from workers.engine.actors.hosts import parse_workers
     from workers.engine.config import load_config
     from workers.engine.recipes.grpo_monarch import train_grpo_monarch
-    from workers.launch.monarch_hosts import environment_value, local_workers
+    from workers.engine.actors.local_workers import environment_value, local_workers
 
     folder, _ = sft_warm_start
     root = tmp_path_factory.mktemp("monarch-layout")
@@ -256,7 +256,7 @@ def test_a_drain_moves_every_role_off_the_host(sft_warm_start: tuple[Path, float
     from workers.engine.actors.hosts import parse_workers
     from workers.engine.config import load_config
     from workers.engine.recipes.grpo_monarch import train_grpo_monarch
-    from workers.launch.monarch_hosts import environment_value, local_workers
+    from workers.engine.actors.local_workers import environment_value, local_workers
 
     folder, _ = sft_warm_start
     config = load_config(f"recipe: grpo\nmodel: {{path: '{folder}'}}\n", overrides=[
@@ -292,7 +292,7 @@ class HostLossScript:
 
     def poll(self, handler) -> int:  # noqa: ANN001
         if self.control._step == 1 and not self.killed:
-            from workers.launch.monarch_hosts import kill_host
+            from workers.engine.actors.local_workers import kill_host
 
             self.killed = True
             kill_host(self.workers["host1"])
@@ -306,7 +306,7 @@ def test_a_replica_with_no_host_that_has_room_fails_the_run_with_the_reason(sft_
     from workers.engine.actors.hosts import parse_workers
     from workers.engine.config import load_config
     from workers.engine.recipes.grpo_monarch import train_grpo_monarch
-    from workers.launch.monarch_hosts import environment_value, local_workers
+    from workers.engine.actors.local_workers import environment_value, local_workers
 
     folder, _ = sft_warm_start
     config = load_config(f"recipe: grpo\nmodel: {{path: '{folder}'}}\n", overrides=[

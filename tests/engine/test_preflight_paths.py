@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from workers.engine.config import load_config
-from workers.engine.preflight import ALLOWED_PATHS_ENV, preflight_errors
+from workers.engine.env import ALLOWED_PATHS_ENV
+from workers.engine.preflight import preflight_errors
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ import torch
 from workers.engine.batching import collate_rollouts
 from workers.engine.config import GrpoConfig, OptimizerConfig
 from workers.engine.models.hf_folder import load_pretrained
-from workers.engine.recipes.grpo import accumulate_gradients
+from workers.engine.grpo_math import accumulate_gradients
 from workers.engine.replay_buffer import RolloutBatchRecord, concat_records
 from workers.engine.sharding import full_optimizer_state, load_full_state, optimizer_state_for
 from workers.engine.training import build_optimizer

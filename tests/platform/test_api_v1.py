@@ -108,6 +108,14 @@ def test_commands_metrics_and_events(client, team, tokens, running_run):
     coarse = call(client, "get", f"/runs/{run.pk}/metrics/loss?buckets=10", tokens["read"]).json()
     assert coarse["downsampled"] and len(coarse["steps"]) == 10 and coarse["high"][0] == 1.0
     assert call(client, "get", f"/runs/{run.pk}/metrics/loss?buckets=0", tokens["read"]).status_code == 400
+    # a whole number in exponent form is the number (JSON Schema reads it so); a fraction is refused
+    exponent = call(client, "get", f"/runs/{run.pk}/metrics/loss?start_step=1e%2B1&end_step=1.9e1", tokens["read"])
+    assert exponent.status_code == 200 and exponent.json()["steps"] == full["steps"]
+    far = call(client, "get", f"/runs/{run.pk}/metrics/loss?end_step=1e%2B18", tokens["read"])
+    assert far.status_code == 200 and len(far.json()["steps"]) == 100
+    for bad in ("start_step=1.5e0", "buckets=1e5", "end_step=1e%2B99"):
+        refused = call(client, "get", f"/runs/{run.pk}/metrics/loss?{bad}", tokens["read"])
+        assert refused.status_code == 400 and refused.json()["errors"][0]["field"] == bad.split("=")[0], bad
     events = call(client, "get", f"/runs/{run.pk}/events?after_seq=0", tokens["read"]).json()
     kinds = [e["kind"] for e in events]
     assert kinds[-1] == "eval" and "command_issued" in kinds

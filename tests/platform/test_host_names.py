@@ -15,7 +15,8 @@ from django.utils import timezone
 from forgeboard.cluster.models import Device, DeviceKind, Health, Host, HostState
 from forgeboard.experiments.services import experiment_create
 from forgeboard.runs.models import Run
-from forgeboard.runs.scheduling import LOCAL_HOST, runs_schedule
+from forgeboard.runs.demand import LOCAL_HOST
+from forgeboard.runs.scheduling import runs_schedule
 from forgeboard.runs.services import run_launch
 from forgeboard.runs.states import RunState
 

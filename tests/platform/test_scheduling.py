@@ -17,9 +17,11 @@ from forgeboard.errors import PermissionDenied, ValidationFailed
 from forgeboard.experiments.models import Experiment
 from forgeboard.experiments.services import config_snapshot_create, experiment_create
 from forgeboard.runs.models import Run
-from forgeboard.runs.scheduling import LOCAL_HOST, project_quota_set, run_demand, runs_schedule
+from forgeboard.runs.demand import LOCAL_HOST, run_demand
+from forgeboard.runs.scheduling import project_quota_set, runs_schedule
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import RunEvent
+from workers.engine.config import RunConfig
 
 
 def _queued(team, grpo_yaml, *overrides: str, priority: int = 0, experiment: Experiment | None = None) -> Run:
@@ -60,15 +62,16 @@ def two_slots(settings):
 
 
 def test_demand_counts_processes_and_gpus_per_role(team, grpo_yaml):
-    parsed = _queued(team, grpo_yaml, *_gpus(4, per_host=2), "generator.replicas=2",
+    config = _queued(team, grpo_yaml, *_gpus(4, per_host=2), "generator.replicas=2",
                      "placement.generator.gpus_per_proc=1", "reference.enabled=true",
-                     "placement.backend=monarch", "placement.reward.colocate_with=trainer").config.parsed
-    demand = run_demand(parsed)
+                     "placement.backend=monarch", "placement.reward.colocate_with=trainer").config.run_config
+    demand = run_demand(config)
     # the reward follows the trainer's host in procs of its own
     assert {r.role: r.procs for r in demand.roles} == {"trainer": 4, "generator": 2, "reference": 1, "reward": 1,
                                                        "replay_buffer": 1}
     assert (demand.processes, demand.gpus, demand.resource) == (9, 6, "gpus")
-    sft = run_demand({"recipe": "sft", "trainer": {"ranks": 1}, "generator": {"replicas": 3}})
+    sft = run_demand(RunConfig.model_validate({"recipe": "sft", "model": {"path": "/models/m"}, "trainer": {"ranks": 1},
+                                               "generator": {"replicas": 3}}))
     assert [(r.role, r.procs, r.gpus) for r in sft.roles] == [("trainer", 1, 0)]
     assert sft.resource == "slots"
 
@@ -256,7 +259,7 @@ def test_without_procs_per_host_trainer_ranks_share_a_host_and_replicas_may_too(
     _host("b", 2)
     run = _queued(team, grpo_yaml, "placement.backend=monarch", "trainer.ranks=4", "placement.trainer.gpus_per_proc=1",
                   "generator.replicas=2", "placement.generator.gpus_per_proc=1")
-    demand = run_demand(run.config.parsed)
+    demand = run_demand(run.config.run_config)
     assert [r.describe() for r in demand.roles if r.gpus] == ["trainer 4×1 GPU, on one host", "generator 2×1 GPU"]
     assert _schedule() == [run.pk]
     assert Run.objects.get(pk=run.pk).allocation == {"a": {"gpus": 4, "slots": 0}, "b": {"gpus": 2, "slots": 0}}

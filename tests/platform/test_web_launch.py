@@ -9,7 +9,7 @@ import pytest
 import yaml
 from django.conf import settings
 
-from forgeboard.api.configs import config_problems, yaml_line_of
+from forgeboard.experiments.config_problems import config_problems, yaml_line_of
 from forgeboard.cluster.models import Host
 from forgeboard.experiments.models import Experiment
 from forgeboard.runs.models import Run

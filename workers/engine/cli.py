@@ -38,14 +38,13 @@ def load_and_check(path: str, overrides: Sequence[str]) -> RunConfig:
 
 def _control_plane_sink(config: RunConfig):  # noqa: ANN202 - ControlPlaneSink | None
     """Report to the control plane when a launch backend started this process (FORGEBOARD_* variables)."""
-    import os
-
     from workers.engine.control_plane import ControlPlaneSink, ControlPlaneTarget
+    from workers.engine.env import SPOOL_DIR_ENV, read_env
 
     target = ControlPlaneTarget.from_environment()
     if target is None:
         return None
-    spool = os.environ.get("FORGEBOARD_SPOOL_DIR", f".forgeboard-spool-{target.run_id}")
+    spool = read_env(SPOOL_DIR_ENV) or f".forgeboard-spool-{target.run_id}"
     return ControlPlaneSink(target, spool_dir=spool, flush_seconds=config.telemetry.flush_seconds)
 
 
@@ -111,13 +110,12 @@ def _train(args: argparse.Namespace) -> int:
 def _local_hosts(count: int) -> Iterator[None]:
     """`placement.local_hosts` worker processes for the run, named in FORGEBOARD_MONARCH_WORKERS as a
     cluster backend would; none when a launcher provided the workers (that variable, or a monarch.job's)."""
-    from workers.engine.actors.hosts import WORKERS_ENV
-    from workers.engine.actors.monarch_job import JOB_ENV
+    from workers.engine.env import JOB_ENV, WORKERS_ENV, env_is_set, read_env
 
-    if not count or WORKERS_ENV in os.environ or os.environ.get(JOB_ENV):
+    if not count or env_is_set(WORKERS_ENV) or read_env(JOB_ENV):
         yield
         return
-    from workers.launch.monarch_hosts import environment_value, local_workers
+    from workers.engine.actors.local_workers import environment_value, local_workers
 
     with local_workers(count=count) as workers:
         os.environ[WORKERS_ENV] = environment_value(workers)

@@ -346,6 +346,14 @@ class RunConfig(_Section):
         description="fault drills scheduled from the start (Monarch GRPO); the same shape as a fault_drill command",
     )
 
+    def role_processes(self) -> dict[str, int]:
+        """The processes this run starts for each role of its recipe, in PLACED_ROLES order (0: a reference not
+        enabled)."""
+        counts = {"trainer": self.trainer.ranks, "generator": self.generator.replicas,
+                  "reference": self.reference.replicas if self.reference.enabled else 0, "reward": 1,
+                  "replay_buffer": 1}
+        return {role: counts[role] for role in RECIPE_ROLES[self.recipe]}
+
 
 def _apply_override(data: dict, override: str) -> None:
     key, sep, raw = override.partition("=")
@@ -398,6 +406,8 @@ def _cross_field_errors(config: RunConfig) -> list[FieldError]:
 
 
 PLACED_ROLES = ("trainer", "generator", "reference", "reward", "replay_buffer")
+# The roles whose processes each recipe starts (the SFT recipe trains in one process).
+RECIPE_ROLES: dict[str, tuple[str, ...]] = {Recipe.GRPO: PLACED_ROLES, Recipe.SFT: ("trainer",)}
 
 
 # roles start in this order (trainer, generators, reward, reference): a role follows one started before it

@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from workers.engine.env import CONTROL_PLANE_URL_ENV, RUN_ID_ENV, RUN_TOKEN_FILE_ENV, read_env, read_number
 from workers.engine.metrics import Record
 from workers.engine.telemetry_wire import (
     MAX_EVENTS_PER_BATCH,
@@ -105,11 +106,10 @@ class ControlPlaneTarget:
     @classmethod
     def from_environment(cls) -> ControlPlaneTarget | None:
         """FORGEBOARD_URL, FORGEBOARD_RUN_ID and FORGEBOARD_RUN_TOKEN_FILE, as the launch backends set them."""
-        url, run_id, token_file = (os.environ.get(n) for n in
-                                   ("FORGEBOARD_URL", "FORGEBOARD_RUN_ID", "FORGEBOARD_RUN_TOKEN_FILE"))
+        url, run_id, token_file = (read_env(n) for n in (CONTROL_PLANE_URL_ENV, RUN_ID_ENV, RUN_TOKEN_FILE_ENV))
         if not (url and run_id and token_file):
             return None
-        return cls(url=url.rstrip("/"), run_id=int(run_id), token=Path(token_file).read_text().strip())
+        return cls(url=url.rstrip("/"), run_id=read_number(RUN_ID_ENV), token=Path(token_file).read_text().strip())
 
 
 def record_to_wire(record: Record) -> tuple[str, dict[str, Any]]:

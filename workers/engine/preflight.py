@@ -13,18 +13,16 @@ import os
 from pathlib import Path
 
 from workers.engine.config import ConfigError, FieldError, RunConfig, check_model_folder
+from workers.engine.env import ALLOWED_PATHS_ENV, WORKERS_ENV, read_env
 from workers.engine.tasks import data_errors
 
 _MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama3"}
-# Set by the control plane's launchers (a JSON list of folders and files): every path the config names must
-# resolve inside one of them. Unset (the engine run by hand from its CLI): plain local paths.
-ALLOWED_PATHS_ENV = "FORGEBOARD_ALLOWED_PATHS"
 PATH_FIELDS = ("model.path", "data.path", "checkpoint.resume_from", "checkpoint.folder", "telemetry.jsonl_path")
 
 
 def allowed_paths() -> list[Path] | None:
     """The allowed folders and files from FORGEBOARD_ALLOWED_PATHS, resolved; None when it is unset."""
-    raw = os.environ.get(ALLOWED_PATHS_ENV)
+    raw = read_env(ALLOWED_PATHS_ENV)
     if raw is None:
         return None
     try:
@@ -61,7 +59,7 @@ def _unsupported(config: RunConfig) -> list[FieldError]:
     monarch = config.placement.runs_on_monarch and config.recipe == "grpo"
     # hosts to place roles on: simulated ones, a cluster job's workers, or workers a launcher named
     named_hosts = monarch and (config.placement.local_hosts > 0 or config.placement.backend in ("slurm", "kubernetes")
-                               or bool(os.environ.get("FORGEBOARD_MONARCH_WORKERS")))
+                               or bool(read_env(WORKERS_ENV)))
     if config.placement.backend == "monarch" and config.recipe != "grpo":
         errors.append(FieldError("placement.backend", "the monarch backend runs GRPO; SFT runs with 'local' "
                                                       "(or in one process on a slurm / kubernetes job)"))

@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 
 from forgeboard.runs.models import Run
-from forgeboard.runs.scheduling import run_demand
+from forgeboard.runs.demand import run_demand
 from forgeboard.runs.services import IllegalTransition, run_transition
 from forgeboard.runs.states import RunState
 from workers.launch.slurm import SchedulerStatus
@@ -23,7 +23,7 @@ FOLLOWED_STATES = (RunState.LAUNCHING, RunState.RUNNING, RunState.PAUSED, RunSta
 def node_shape(*, run: Run, gpus_per_node: int) -> tuple[int, int]:
     """(nodes, GPUs per node) for a run on nodes of `gpus_per_node`: enough nodes for its GPUs and for every role whose
     procs_per_host spreads it over hosts (trainer ranks one to a host, say), at least one."""
-    demand = run_demand(run.config.parsed)
+    demand = run_demand(run.config.run_config)
     spread = max((math.ceil(role.procs / role.group) for role in demand.roles if role.distinct_hosts), default=1)
     nodes = max(1, math.ceil(demand.gpus / gpus_per_node), spread)
     return nodes, min(gpus_per_node, math.ceil(demand.gpus / nodes))

@@ -27,16 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.engine.actors.devices import GPUS_PER_HOST_ENV
-from workers.engine.actors.monarch_job import JOB_ENV
-from workers.engine.actors.kubernetes_workers import (
-    NAMESPACE_ENV,
-    NODES_ENV,
-    POD_IP_ENV,
-    PORT_ENV,
-    RANK_LABEL,
-    RUN_LABEL,
-)
+from workers.engine.actors.kubernetes_workers import PORT_ENV, RANK_LABEL, RUN_LABEL
+from workers.engine.env import GPUS_PER_HOST_ENV, JOB_ENV, NAMESPACE_ENV, NODES_ENV, POD_IP_ENV
 from workers.launch.slurm import (
     RESERVED_ENVIRONMENT,
     LaunchSpecError,

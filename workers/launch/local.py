@@ -11,16 +11,13 @@ from pathlib import Path
 import yaml
 from django.conf import settings
 
+from forgeboard.runs.folders import run_dir
 from forgeboard.runs.models import Run
 from forgeboard.runs.tokens import run_token_issue
 from workers.engine.config import config_mapping
-from workers.engine.preflight import ALLOWED_PATHS_ENV
+from workers.engine.env import ALLOWED_PATHS_ENV, CONTROL_PLANE_URL_ENV, RUN_ID_ENV, RUN_TOKEN_FILE_ENV, SPOOL_DIR_ENV
 
 REPO_DIR = Path(__file__).resolve().parents[2]
-
-
-def run_dir(run: Run) -> Path:
-    return Path(settings.DATA_DIR) / "runs" / f"{run.pk}-{run.uid.hex[:12]}"
 
 
 def engine_config_yaml(run: Run) -> str:
@@ -61,10 +58,10 @@ def start_local(*, run: Run) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_DIR / "platform"), str(REPO_DIR)])
     env |= {
-        "FORGEBOARD_URL": settings.PUBLIC_URL,
-        "FORGEBOARD_RUN_ID": str(run.pk),
-        "FORGEBOARD_RUN_TOKEN_FILE": str(token_file),
-        "FORGEBOARD_SPOOL_DIR": str(folder / "spool"),
+        CONTROL_PLANE_URL_ENV: settings.PUBLIC_URL,
+        RUN_ID_ENV: str(run.pk),
+        RUN_TOKEN_FILE_ENV: str(token_file),
+        SPOOL_DIR_ENV: str(folder / "spool"),
         ALLOWED_PATHS_ENV: json.dumps(engine_allowed_paths(run=run, run_folder=str(folder))),
     }
     with open(folder / "supervisor.log", "ab") as log:

@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
-from workers.engine.actors.devices import GPUS_PER_HOST_ENV
-from workers.engine.actors.monarch_job import HOST_MESH, JOB_ENV
-from workers.engine.preflight import ALLOWED_PATHS_ENV
+from workers.engine.actors.monarch_job import HOST_MESH
+from workers.engine.env import (ALLOWED_PATHS_ENV, CONTROL_PLANE_URL_ENV, GPUS_PER_HOST_ENV, JOB_ENV, RUN_ID_ENV,
+                                RUN_TOKEN_FILE_ENV, WORKERS_ENV)
 
 __all__ = ["LaunchSpecError", "SchedulerStatus", "SlurmLaunchRequest", "slurm_job", "client_script", "parse_squeue", "parse_sacct",
            "slurm_job_status", "job_ids_for_run"]
@@ -32,8 +32,8 @@ __all__ = ["LaunchSpecError", "SchedulerStatus", "SlurmLaunchRequest", "slurm_jo
 
 RunStateName = Literal["queued", "launching", "running", "succeeded", "failed", "lost"]
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-RESERVED_ENVIRONMENT = frozenset({"FORGEBOARD_RUN_ID", "FORGEBOARD_URL", "FORGEBOARD_RUN_TOKEN_FILE",
-                                  "FORGEBOARD_MONARCH_WORKERS", JOB_ENV, GPUS_PER_HOST_ENV, ALLOWED_PATHS_ENV})
+RESERVED_ENVIRONMENT = frozenset({RUN_ID_ENV, CONTROL_PLANE_URL_ENV, RUN_TOKEN_FILE_ENV, WORKERS_ENV, JOB_ENV,
+                                  GPUS_PER_HOST_ENV, ALLOWED_PATHS_ENV})
 
 
 class LaunchSpecError(ValueError):
@@ -89,8 +89,8 @@ def run_environment(*, run_id: int, control_plane_url: str, token_file: str,
     """The variables every process of a run gets: who it is, where to report, its credential, and the paths its
     engine may use (FORGEBOARD_ALLOWED_PATHS, checked by its preflight; none given: unconfined)."""
     check_control_plane_url(control_plane_url)
-    environment = {"FORGEBOARD_RUN_ID": str(run_id), "FORGEBOARD_URL": control_plane_url,
-                   "FORGEBOARD_RUN_TOKEN_FILE": token_file, **extra}
+    environment = {RUN_ID_ENV: str(run_id), CONTROL_PLANE_URL_ENV: control_plane_url, RUN_TOKEN_FILE_ENV: token_file,
+                   **extra}
     if allowed_paths:
         environment[ALLOWED_PATHS_ENV] = json.dumps(list(allowed_paths))
     return environment

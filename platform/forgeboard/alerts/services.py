@@ -33,6 +33,7 @@ from forgeboard.accounts.models import Project, Role
 from forgeboard.accounts.permissions import Actor, actor_user, require_project_role
 from forgeboard.alerts.models import AlertEvent, Webhook, WebhookDelivery
 from forgeboard.audit.services import audit_record
+from forgeboard.dispatch import ALERTS_DELIVER, enqueue
 from forgeboard.errors import ValidationFailed
 from forgeboard.runs.models import Run
 from forgeboard.runs.states import RunState
@@ -189,9 +190,7 @@ def webhook_set_active(*, actor: Actor, webhook: Webhook, active: bool) -> Webho
 
 
 def _enqueue_delivery(delivery_id: int) -> None:
-    from workers.celery import app  # the Celery app lives in the data plane package
-
-    app.send_task("alerts.deliver", args=[delivery_id])
+    enqueue(ALERTS_DELIVER, args=[delivery_id])
 
 
 def _queue(*, project: Project, event: AlertEvent, payload: dict[str, Any]) -> list[WebhookDelivery]:

@@ -13,6 +13,7 @@ from forgeboard.accounts.models import ApiToken, Project
 from forgeboard.accounts.selectors import project_get, projects_for_user
 from forgeboard.api.auth import USER_AUTH, actor_of, require_write_scope
 from forgeboard.api.pagination import Pages
+from forgeboard.api.query import OptionalQueryInt, QueryInt
 from forgeboard.api.schemas import (
     BODY_ERRORS,
     ERRORS,
@@ -192,9 +193,9 @@ def get_points(
     request: HttpRequest,
     run_id: int,
     key: str,
-    start_step: int | None = Query(None, ge=0, le=MAX_STEP),
-    end_step: int | None = Query(None, ge=0, le=MAX_STEP),
-    buckets: int | None = Query(None, ge=1, le=MAX_POINTS),
+    start_step: OptionalQueryInt = Query(None, ge=0, le=MAX_STEP),
+    end_step: OptionalQueryInt = Query(None, ge=0, le=MAX_STEP),
+    buckets: OptionalQueryInt = Query(None, ge=1, le=MAX_POINTS),
 ):
     """Points of one metric in a step range; with `buckets`, at most that many (mean, low, high) per slice."""
     run = run_get(actor=actor_of(request), run_id=run_id)
@@ -212,8 +213,8 @@ def get_points(
 def list_events(
     request: HttpRequest,
     run_id: int,
-    after_seq: int = Query(0, ge=0, le=MAX_STEP),
-    limit: int = Query(1000, ge=1, le=5000),
+    after_seq: QueryInt = Query(0, ge=0, le=MAX_STEP),
+    limit: QueryInt = Query(1000, ge=1, le=5000),
 ):
     """Events after a sequence number, in order: fetch state, then follow from the last `seq` you saw."""
     return list(events_after(run=run_get(actor=actor_of(request), run_id=run_id), after_seq=after_seq, limit=limit))

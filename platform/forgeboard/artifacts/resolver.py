@@ -95,7 +95,7 @@ def _registered(*, reference: str, kind: str, project: Project | None) -> tuple[
 
 def _of_run(*, reference: str, field: str, project: Project | None) -> tuple[Path | None, str | None]:
     from forgeboard.runs.models import Run
-    from workers.launch.local import run_dir
+    from forgeboard.runs.folders import run_dir
 
     match = RUN_REFERENCE.match(reference)
     assert match is not None

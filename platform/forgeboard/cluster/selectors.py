@@ -14,6 +14,7 @@ from forgeboard.errors import NotFound
 from forgeboard.runs.models import Run
 from forgeboard.runs.states import ACTIVE_STATES
 from forgeboard.telemetry.models import EventKind, RunEvent
+from workers.engine.config import PLACED_ROLES
 
 
 def hosts_with_devices() -> QuerySet[Host]:
@@ -30,7 +31,6 @@ def agent_tokens() -> QuerySet[AgentToken]:
 
 
 PLACEMENT_EVENT_KINDS = (EventKind.PLACEMENT_APPLIED, EventKind.PLACEMENT_CHANGED)
-PLAN_ROLES = ("trainer", "generator", "reference", "reward", "replay_buffer")
 LOCAL_HOST_NAMES = ("", "local", "localhost", "127.0.0.1")
 
 
@@ -39,7 +39,7 @@ def placement_actors(*, payload: Mapping[str, Any], default_host: str) -> list[t
 
     Understood forms: `{"actors": [{"role", "replica" or "rank", "host"}, ...]}`; a plan
     `{role: {"hosts": [...], "procs_per_host": n}}` (no hosts: the run's own host); `{role: host}` or
-    `{role: [host, ...]}` (one replica per host), for the roles of PLAN_ROLES; and a change
+    `{role: [host, ...]}` (one replica per host), for the roles of PLACED_ROLES; and a change
     `{"action": "move"|"add", "role", "replica", "host"}` (a removal places nothing). A host named "local"
     (or none) is the run's own host. Anything else is skipped, not guessed at.
     """
@@ -60,7 +60,7 @@ def placement_actors(*, payload: Mapping[str, Any], default_host: str) -> list[t
             placed.append((where(payload["host"]), actor(payload.get("role", "generator"), payload.get("replica"))))
     else:
         for role, spec in payload.items():
-            if role not in PLAN_ROLES:
+            if role not in PLACED_ROLES:
                 continue
             if isinstance(spec, Mapping) and isinstance(spec.get("hosts"), list):
                 hosts = spec["hosts"] or [default_host]
@@ -112,8 +112,8 @@ def _run_actors(run: Run, placement: RunEvent | None) -> list[tuple[str, str]]:
     if placement is not None and isinstance(placement.payload, Mapping):
         return placement_actors(payload=placement.payload, default_host=run.host)
     plan = run.placement_plan if isinstance(run.placement_plan, Mapping) else {}
-    parsed = run.config.parsed if isinstance(run.config.parsed, Mapping) else {}
-    enabled = {role for role in PLAN_ROLES if role != "reference" or (parsed.get("reference") or {}).get("enabled")}
+    reference = run.config.run_config.reference.enabled
+    enabled = {role for role in PLACED_ROLES if role != "reference" or reference}
     return placement_actors(payload={k: v for k, v in plan.items() if k in enabled}, default_host=run.host)
 
 

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from django.conf import settings
 from django.db import models
 
 from forgeboard.accounts.models import Project
+from workers.engine.config import Recipe as EngineRecipe
+from workers.engine.config import RunConfig
 
-
-class Recipe(models.TextChoices):
-    GRPO = "grpo", "GRPO"
-    SFT = "sft", "SFT"
+# The engine's recipes, labelled by their names ("GRPO").
+Recipe = models.TextChoices("Recipe", [(recipe.name, (recipe.value, recipe.name)) for recipe in EngineRecipe])
 
 
 class Experiment(models.Model):
@@ -51,6 +53,12 @@ class ConfigSnapshot(models.Model):
         if self.pk is not None:
             raise ImmutableError("a config snapshot cannot be changed")
         super().save(*args, **kwargs)
+
+    @cached_property
+    def run_config(self) -> RunConfig:
+        """The engine's typed config of this snapshot: what the platform asks about a run's config after launch
+        (its roles, processes, backend, hosts), defaults and all from the engine's schema."""
+        return RunConfig.model_validate(self.parsed)
 
     def __str__(self) -> str:
         return f"config {self.content_hash[:12]}"

@@ -97,7 +97,7 @@ def validate_run_config(*, yaml_text: str, overrides: Sequence[str] = (), recipe
                         project: Project | None = None) -> RunConfig:
     """The engine's validation, the experiment's recipe, the config's paths and artifact references resolved
     in `project` (artifacts/resolver.py), and whether the cluster's inventory could ever run it (its GPUs, the hosts
-    it names: runs/scheduling.py); field-level ValidationFailed on any problem."""
+    it names: runs/demand.py); field-level ValidationFailed on any problem."""
     return validate_and_resolve(yaml_text=yaml_text, overrides=overrides, recipe=recipe, project=project)[0]
 
 
@@ -105,7 +105,7 @@ def validate_and_resolve(*, yaml_text: str, overrides: Sequence[str] = (), recip
                          project: Project | None) -> tuple[RunConfig, dict[str, str]]:
     """`validate_run_config`, and the resolved paths: {engine field ("model.path"): absolute path}."""
     from forgeboard.artifacts.resolver import resolve_run_paths
-    from forgeboard.runs.scheduling import config_schedule_problems
+    from forgeboard.runs.demand import config_schedule_problems
 
     config = _engine_validated(yaml_text=yaml_text, overrides=overrides, recipe=recipe)
     problems: list[FieldProblem] = []

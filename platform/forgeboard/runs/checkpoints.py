@@ -32,14 +32,16 @@ from django.utils import timezone
 from forgeboard.accounts.models import ApiToken, Role, User
 from forgeboard.accounts.permissions import Actor, require_project_role
 from forgeboard.audit.services import audit_record
+from forgeboard.dispatch import CHECKPOINTS_EXPORT, enqueue
 from forgeboard.errors import NotFound, ServiceError, ValidationFailed
 from forgeboard.experiments.models import Experiment
 from forgeboard.experiments.services import validate_run_config
+from forgeboard.runs.folders import run_dir
 from forgeboard.runs.models import Run
 from forgeboard.runs.services import run_launch, run_launch_queue
 from forgeboard.telemetry.models import EventKind, RunEvent
 from forgeboard.telemetry.services import event_append
-from workers.launch.local import REPO_DIR, run_dir
+from workers.launch.local import REPO_DIR
 
 STATE_FILE = "trainer.pt"  # workers.engine.checkpoint.STATE_FILE (importing that module imports torch)
 STEP_FOLDER = re.compile(r"^step_(\d+)$")
@@ -326,14 +328,11 @@ def checkpoint_export_status(*, actor: Actor, run: Run, step: int) -> ExportStat
 
 def _enqueue_export(*, run_id: int, step: int, actor: Actor, launch_child: bool = False,
                     overrides: Sequence[str] = (), child: dict[str, Any] | None = None) -> None:
-    from workers.celery import app  # the Celery app lives in the data plane package
-
     kind = "token" if isinstance(actor, ApiToken) else "user"
     # The checkpoint is on the disk where the run ran: a worker of that host's pool exports it.
     queue = run_launch_queue(run_id=run_id)
-    app.send_task("checkpoints.export", args=[run_id, step, kind, actor.pk],
-                  kwargs={"launch_child": launch_child, "overrides": list(overrides), **(child or {})},
-                  **({"queue": queue} if queue else {}))
+    enqueue(CHECKPOINTS_EXPORT, args=[run_id, step, kind, actor.pk],
+            kwargs={"launch_child": launch_child, "overrides": list(overrides), **(child or {})}, queue=queue)
 
 
 def checkpoint_export_request(*, actor: Actor, run: Run, step: int) -> ExportStatus:

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import uuid
+from typing import get_args
 
 from django.conf import settings
 from django.db import models
 
 from forgeboard.experiments.models import ConfigSnapshot, Experiment
 from forgeboard.runs.states import RunState
+from workers.engine.config import PlacementConfig
 
 
-class LaunchBackend(models.TextChoices):
-    LOCAL = "local", "Local subprocess"
-    MONARCH = "monarch", "Monarch multi-host"
-    SLURM = "slurm", "SLURM"
-    KUBERNETES = "kubernetes", "Kubernetes"
+_BACKEND_LABELS = {"local": "Local subprocess", "monarch": "Monarch multi-host", "slurm": "SLURM",
+                   "kubernetes": "Kubernetes"}
+# The engine's placement backends (placement.backend), with their labels here.
+LaunchBackend = models.TextChoices("LaunchBackend", [
+    (backend.upper(), (backend, _BACKEND_LABELS[backend]))
+    for backend in get_args(PlacementConfig.model_fields["backend"].annotation)])
 
 
 # Runs queued and placed by a cluster scheduler, not on Forgeboard's inventory.

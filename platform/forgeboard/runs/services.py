@@ -15,6 +15,7 @@ from forgeboard.accounts.models import Role
 from forgeboard.accounts.permissions import Actor, actor_user, require_project_role
 from forgeboard.alerts.services import alerts_for_run_state
 from forgeboard.audit.services import audit_record
+from forgeboard.dispatch import RUNS_LAUNCH, RUNS_START, enqueue, pool_launch_queue
 from forgeboard.errors import Conflict, FieldProblem, NotFound, ValidationFailed, is_db_id
 from forgeboard.experiments.models import Experiment
 from forgeboard.experiments.services import config_snapshot_create, validate_and_resolve
@@ -22,6 +23,7 @@ from forgeboard.runs.models import EXTERNAL_BACKENDS, Command, CommandKind, Comm
 from forgeboard.runs.states import ACTIVE_STATES, TERMINAL_STATES, TRANSITIONS, RunState
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append, storable
+from workers.engine.config import RunConfig
 from workers.engine.operations import OperationError, parse_operation
 from workers.engine.wire_limits import unstorable_in
 
@@ -34,14 +36,6 @@ OPERATION_KINDS = frozenset({CommandKind.FAULT_DRILL, CommandKind.PLACEMENT_CHAN
 
 class IllegalTransition(Conflict):
     code = "illegal_transition"
-
-
-LAUNCH_QUEUE_PREFIX = "launch."
-
-
-def pool_launch_queue(pool: str) -> str:
-    """The Celery queue whose workers start runs on the hosts of `pool` (`launch.<pool>`)."""
-    return f"{LAUNCH_QUEUE_PREFIX}{pool}"
 
 
 def launch_queue_for(*, allocation: Mapping[str, Mapping[str, int]], host_pools: Mapping[str, str]) -> str | None:
@@ -78,21 +72,17 @@ def run_enqueue_launch(run_id: int) -> None:
     Any worker may schedule (the scheduler is global), so this goes to the default queue; the run's
     allocation is only known once a scheduler claims it, and then `run_enqueue_start` routes the start.
     """
-    from workers.celery import app  # the Celery app lives in the data plane package
-
-    app.send_task("runs.launch", args=[run_id])
+    enqueue(RUNS_LAUNCH, args=[run_id])
 
 
 def run_enqueue_start(*, run_id: int, queue: str) -> None:
     """Hand a claimed (launching) run to a worker of its host's pool, through that pool's queue."""
-    from workers.celery import app
-
-    app.send_task("runs.start", args=[run_id], queue=queue)
+    enqueue(RUNS_START, args=[run_id], queue=queue)
 
 
-def launch_backend(parsed: Mapping[str, Any]) -> str:
+def launch_backend(config: RunConfig) -> str:
     """Where a run is started: by a cluster scheduler its config names, else as a local engine (Monarch runs too)."""
-    backend = (parsed.get("placement") or {}).get("backend")
+    backend = config.placement.backend
     return backend if backend in EXTERNAL_BACKENDS else LaunchBackend.LOCAL
 
 
@@ -104,13 +94,15 @@ def run_launch(
     overrides: Sequence[str] = (),
     priority: int = 0,
     parent: Run | None = None,
+    validated: tuple[RunConfig, dict[str, str]] | None = None,
 ) -> Run:
-    """Validate and snapshot the config, create the run as queued, and enqueue its launch once committed."""
+    """Validate (unless `validated` is what `validate_and_resolve` made of this text and these overrides for the
+    experiment) and snapshot the config, create the run as queued, and enqueue its launch once committed."""
     require_project_role(actor=actor, project=experiment.project, minimum=Role.MEMBER, action="launching runs")
     if not isinstance(priority, int) or isinstance(priority, bool) or not -100 <= priority <= 100:
         raise ValidationFailed.on("priority", "must be an integer from -100 to 100")
-    config, artifact_paths = validate_and_resolve(yaml_text=config_yaml, overrides=overrides, recipe=experiment.recipe,
-                                                  project=experiment.project)
+    config, artifact_paths = validated or validate_and_resolve(
+        yaml_text=config_yaml, overrides=overrides, recipe=experiment.recipe, project=experiment.project)
     with transaction.atomic():
         snapshot = config_snapshot_create(yaml_text=config_yaml, overrides=overrides, recipe=experiment.recipe,
                                           config=config)
@@ -119,8 +111,8 @@ def run_launch(
         number = (Run.objects.filter(experiment=experiment).aggregate(n=Max("number"))["n"] or 0) + 1
         run = Run.objects.create(
             experiment=experiment, number=number, config=snapshot, state=RunState.QUEUED, priority=priority,
-            launched_by=actor_user(actor), parent=parent, max_restarts=snapshot.parsed.get("max_restarts", 0),
-            placement_plan=snapshot.parsed.get("placement", {}), backend=launch_backend(snapshot.parsed),
+            launched_by=actor_user(actor), parent=parent, max_restarts=snapshot.run_config.max_restarts,
+            placement_plan=snapshot.parsed["placement"], backend=launch_backend(snapshot.run_config),
             artifact_paths=artifact_paths,
         )
         event_append(run=run, kind=EventKind.STATE_CHANGED, payload={"from": None, "to": RunState.QUEUED})
@@ -228,8 +220,8 @@ def _check_operation(*, run: Run, kind: str, payload: dict[str, Any]) -> None:
         problems = [FieldProblem(f"payload.{e.field}" if e.field else "payload", e.message) for e in error.errors]
         raise ValidationFailed("invalid " + kind.replace("_", " ") + ": " + "; ".join(
             f"{p.field}: {p.message}" for p in problems), problems=problems) from None
-    backend = run.config.parsed.get("placement", {}).get("backend", "local")
-    if backend == "local":
+    backend = run.config.run_config.placement.backend
+    if backend == LaunchBackend.LOCAL:
         raise Conflict(f"run {run.pk} runs in a single process (placement.backend {backend!r}): "
                        f"{kind.replace('_', ' ')} needs placement.backend monarch")
 

@@ -17,8 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 
-PROC_GPUS_ENV = "FORGEBOARD_PROC_GPUS"
-GPUS_PER_HOST_ENV = "FORGEBOARD_GPUS_PER_HOST"
+from workers.engine.env import GPUS_PER_HOST_ENV, PROC_GPUS_ENV, read_env, read_number
 
 
 class NoRoomForGpus(RuntimeError):
@@ -73,19 +72,14 @@ class DeviceLedger:
 
 
 def gpus_per_host_from_env(environ: Mapping[str, str] | None = None) -> int | None:
-    raw = (os.environ if environ is None else environ).get(GPUS_PER_HOST_ENV, "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit():
-        raise ValueError(f"{GPUS_PER_HOST_ENV}: expected a number of GPUs, got {raw!r}")
-    return int(raw)
+    return read_number(GPUS_PER_HOST_ENV, environ)
 
 
 def bind_proc_gpus() -> list[int] | None:
     """In a proc, before CUDA starts: show CUDA only this proc's GPUs; None when the proc was given none.
 
     RuntimeError when CUDA does not see them all (a host with fewer GPUs than the plan assumed)."""
-    raw = os.environ.get(PROC_GPUS_ENV)
+    raw = read_env(PROC_GPUS_ENV)
     if not raw:
         return None
     os.environ["CUDA_VISIBLE_DEVICES"] = raw

@@ -24,19 +24,21 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from workers.engine.actors.devices import DeviceLedger, gpus_per_host_from_env
+from workers.engine.actors.kubernetes_workers import kubernetes_hosts
+from workers.engine.actors.monarch_job import JOB_STATE_FILE, MonarchJobError, slurm_batch_workers
 from workers.engine.actors.procs import apply_proc_env, proc_env, spawn_procs
+from workers.engine.actors.worker import Worker, choose_transport
 from workers.engine.drills import LocalSignals, Signals
+from workers.engine.env import WORKERS_ENV, read_env
 from workers.engine.config import PlacementConfig, unknown_host_errors
 from workers.engine.fields import ConfigError
 
 logger = logging.getLogger(__name__)
 
-WORKERS_ENV = "FORGEBOARD_MONARCH_WORKERS"
 LOCAL = "local"  # the one host of a run without workers
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 PROBE_TIMEOUT_S = 1.0
@@ -52,19 +54,6 @@ class WorkerListError(ValueError):
 
 class HostsUnreachable(RuntimeError):
     """Some workers did not answer when the run started; the message names them."""
-
-
-@dataclass(frozen=True)
-class Worker:
-    name: str
-    address: str  # tcp://host:port
-    host: str
-    port: int
-    proc_id: str = ""  # the worker's service identity, when its launcher gave it one (monarch.job does)
-
-    @property
-    def attach_address(self) -> str:
-        return f"{self.proc_id}@{self.address}" if self.proc_id else self.address
 
 
 def parse_workers(text: str) -> list[Worker]:
@@ -92,7 +81,7 @@ def parse_workers(text: str) -> list[Worker]:
 
 
 def workers_from_env(environ: Mapping[str, str] | None = None) -> list[Worker]:
-    return parse_workers((os.environ if environ is None else environ).get(WORKERS_ENV, ""))
+    return parse_workers(read_env(WORKERS_ENV, environ) or "")
 
 
 def port_open(host: str, port: int, *, timeout_s: float) -> bool:
@@ -114,20 +103,6 @@ def local_address_towards(worker: Worker) -> str:
         probe.connect((worker.host, worker.port))  # UDP: no packet is sent
         address = probe.getsockname()[0]
     return f"[{address}]" if family == socket.AF_INET6 else address
-
-
-_transport: str | None = None
-
-
-def choose_transport(address: str) -> None:
-    """Listen at `address` (this machine's, as the workers reach it); Monarch's transport can be chosen once per
-    process, so later calls keep the first choice."""
-    global _transport
-    if _transport is None:
-        from monarch.actor import enable_transport
-
-        enable_transport(f"tcp://{address}:0")
-        _transport = address
 
 
 def check_placement(placement: PlacementConfig, *, workers: Sequence[Worker]) -> None:
@@ -172,8 +147,6 @@ class Hosts:
     def from_job(cls, *, kind: str, timeout_s: float) -> Hosts:
         """The workers of the run's monarch.job (FORGEBOARD_MONARCH_JOB), attached by the job; HostsUnreachable
         naming the cause when the job cannot be attached."""
-        from workers.engine.actors.monarch_job import MonarchJobError, attach_job_workers
-
         started = time.monotonic()
         try:
             workers, mesh = attach_job_workers(kind=kind, timeout_s=timeout_s)
@@ -308,6 +281,13 @@ class Hosts:
             self.mesh.shutdown().get(timeout=10)
         except Exception:  # noqa: BLE001 - the run is over either way; the launcher stops what is left
             pass
+
+
+def attach_job_workers(*, kind: str, timeout_s: float) -> tuple[list[Worker], Any]:
+    """(workers, host mesh) of the run's job, the mesh attached by monarch.job."""
+    if kind == "slurm":
+        return slurm_batch_workers(state_file=JOB_STATE_FILE)
+    return kubernetes_hosts(environ=os.environ, timeout_s=timeout_s)
 
 
 def _local_gpus() -> int | None:

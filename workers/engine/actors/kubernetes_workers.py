@@ -26,13 +26,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from workers.engine.actors.hosts import Worker, choose_transport
 from workers.engine.actors.monarch_job import MonarchJobError
+from workers.engine.actors.worker import Worker, choose_transport
+from workers.engine.env import NAMESPACE_ENV, NODES_ENV, POD_IP_ENV, RUN_ID_ENV, read_env
 
-RUN_ID_ENV = "FORGEBOARD_RUN_ID"
-NODES_ENV = "FORGEBOARD_RUN_NODES"
-NAMESPACE_ENV = "FORGEBOARD_POD_NAMESPACE"
-POD_IP_ENV = "FORGEBOARD_POD_IP"
 PORT_ENV = "MONARCH_PORT"  # on each pod's container; KubernetesJob reads it from the pod spec
 DEFAULT_PORT = 26600  # KubernetesJob's port for a pod without MONARCH_PORT
 RUN_LABEL = "forgeboard.run-id"
@@ -44,10 +41,10 @@ class KubernetesWorkersError(MonarchJobError):
 
 
 def _positive(environ: Mapping[str, str], name: str) -> int:
-    value = environ.get(name, "")
-    if not value.isdigit() or int(value) < 1:
-        raise KubernetesWorkersError(f"{name} must be a positive integer (set by the pod spec), got {value!r}")
-    return int(value)
+    raw = read_env(name, environ) or ""
+    if not raw.isdigit() or int(raw) < 1:
+        raise KubernetesWorkersError(f"{name} must be a positive integer (set by the pod spec), got {raw!r}")
+    return int(raw)
 
 
 def kubernetes_hosts(*, environ: Mapping[str, str], timeout_s: float) -> tuple[list[Worker], Any]:
@@ -55,7 +52,7 @@ def kubernetes_hosts(*, environ: Mapping[str, str], timeout_s: float) -> tuple[l
 
     Waits up to `timeout_s` for every pod to be Ready; KubernetesWorkersError naming the cause when not."""
     run_id, nodes = _positive(environ, RUN_ID_ENV), _positive(environ, NODES_ENV)
-    namespace, pod_ip = environ.get(NAMESPACE_ENV, ""), environ.get(POD_IP_ENV, "")
+    namespace, pod_ip = read_env(NAMESPACE_ENV, environ) or "", read_env(POD_IP_ENV, environ) or ""
     for name, value, source in ((NAMESPACE_ENV, namespace, "metadata.namespace"), (POD_IP_ENV, pod_ip, "status.podIP")):
         if not value:
             raise KubernetesWorkersError(f"{name} is not set (the pod spec sets it from {source})")

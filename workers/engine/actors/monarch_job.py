@@ -19,9 +19,11 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-JOB_ENV = "FORGEBOARD_MONARCH_JOB"
+from workers.engine.actors.worker import Worker, choose_transport
+from workers.engine.env import (BATCH_ENV, JOB_ENV, SLURM_JOB_ID_ENV, SLURM_NNODES_ENV, SLURM_NODELIST_ENV, read_env,
+                                read_number)
+
 JOB_KINDS = ("slurm", "kubernetes")
-BATCH_ENV = "MONARCH_BATCH_JOB"  # set by monarch's batch runner for its client
 JOB_STATE_FILE = ".monarch/job_state.pkl"
 HOST_MESH = "hosts"  # the one mesh of the jobs Forgeboard submits
 
@@ -32,21 +34,12 @@ class MonarchJobError(RuntimeError):
 
 def job_kind(environ: Mapping[str, str] | None = None) -> str | None:
     """Which monarch.job started this run's workers (None: FORGEBOARD_MONARCH_WORKERS or this machine)."""
-    kind = (os.environ if environ is None else environ).get(JOB_ENV, "").strip()
+    kind = (read_env(JOB_ENV, environ) or "").strip()
     if not kind:
         return None
     if kind not in JOB_KINDS:
         raise MonarchJobError(f"{JOB_ENV}: {kind!r} is not one of {', '.join(JOB_KINDS)}")
     return kind
-
-
-def attach_job_workers(*, kind: str, timeout_s: float) -> tuple[list[Any], Any]:
-    """(workers, host mesh) of the run's job, the mesh attached by monarch.job."""
-    if kind == "slurm":
-        return slurm_batch_workers(state_file=JOB_STATE_FILE)
-    from workers.engine.actors.kubernetes_workers import kubernetes_hosts
-
-    return kubernetes_hosts(environ=os.environ, timeout_s=timeout_s)
 
 
 def _loopback_only(host: str) -> bool:
@@ -65,22 +58,18 @@ def _listen_on_loopback_if_alone() -> None:
     host = socket.gethostname()
     if not _loopback_only(host):
         return
-    nodes = [n for n in os.environ.get("SLURM_JOB_NODELIST", "").split(",") if n]
-    alone = int(os.environ.get("SLURM_NNODES", "1")) == 1 or (nodes and all(
+    nodes = [n for n in (read_env(SLURM_NODELIST_ENV) or "").split(",") if n]
+    alone = read_number(SLURM_NNODES_ENV) == 1 or (nodes and all(
         "[" not in n and _loopback_only(n) for n in nodes))
     if not alone:
         raise MonarchJobError(f"this node's hostname {host!r} resolves to loopback only, so the other nodes' workers "
                               "could not reach the engine: give the nodes routable names (DNS or /etc/hosts)")
-    from workers.engine.actors.hosts import choose_transport
-
     choose_transport("127.0.0.1")
 
 
-def slurm_batch_workers(*, state_file: str) -> tuple[list[Any], Any]:
+def slurm_batch_workers(*, state_file: str) -> tuple[list[Worker], Any]:
     """The nodes of this SLURM allocation as workers, and the host mesh SlurmJob attached to them."""
-    from workers.engine.actors.hosts import Worker
-
-    if os.environ.get(BATCH_ENV) != "1":
+    if read_env(BATCH_ENV) != "1":
         raise MonarchJobError(f"{JOB_ENV}=slurm: this process is not the client of a SlurmJob in batch mode "
                               f"({BATCH_ENV} is not 1); submit the run through the SLURM backend")
     from monarch.job import job_load
@@ -94,7 +83,7 @@ def slurm_batch_workers(*, state_file: str) -> tuple[list[Any], Any]:
     try:
         state = job.state(cached_path=None)
     except RuntimeError as exc:  # squeue says the job is gone, or its nodes do not add up
-        raise MonarchJobError(f"SLURM job {os.environ.get('SLURM_JOB_ID', '?')}: {exc}") from None
+        raise MonarchJobError(f"SLURM job {read_env(SLURM_JOB_ID_ENV) or '?'}: {exc}") from None
     mesh = getattr(state, HOST_MESH)
     # What the job resolved while attaching: monarch 0.7 has no public accessor for it.
     slurm = getattr(job, "_job", job)  # the pickle holds a BatchJob around the SlurmJob

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from monarch.actor import Actor, endpoint
 
-from workers.engine.actors.devices import PROC_GPUS_ENV
+from workers.engine.env import PROC_GPUS_ENV, read_env
 
 
 def assign_gpus(procs, groups_by_host: list[list[list[int]]]) -> None:  # noqa: ANN001 - a Monarch ProcMesh
@@ -26,4 +26,4 @@ class ProcGpus(Actor):
     @endpoint
     def assigned(self) -> tuple[int, str | None]:
         """(this proc's pid, the GPU indices it was given)."""
-        return os.getpid(), os.environ.get(PROC_GPUS_ENV)
+        return os.getpid(), read_env(PROC_GPUS_ENV)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import workers
+from workers.engine.env import TORCH_THREADS_ENV, read_number
 
 REPO_ROOT = str(Path(workers.__file__).resolve().parent.parent)
 
@@ -22,7 +23,7 @@ def prepare_proc_env(*, threads: int) -> None:
     if REPO_ROOT not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, *paths])
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ["ENGINE_TORCH_THREADS"] = str(threads)
+    os.environ[TORCH_THREADS_ENV] = str(threads)
     os.environ["HF_HUB_OFFLINE"] = "1"
     # notice a dead proc within ~1 s instead of ~10 s
     os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
@@ -31,7 +32,7 @@ def prepare_proc_env(*, threads: int) -> None:
 def proc_env(*, threads: int) -> dict[str, str]:
     """What a proc on another host needs from this one: thread counts, offline Hub, vLLM's settings."""
     prepare_proc_env(threads=threads)
-    keys = ("OMP_NUM_THREADS", "ENGINE_TORCH_THREADS", "HF_HUB_OFFLINE")
+    keys = ("OMP_NUM_THREADS", TORCH_THREADS_ENV, "HF_HUB_OFFLINE")
     return {k: v for k, v in os.environ.items() if k in keys or k.startswith("VLLM_")}
 
 
@@ -54,4 +55,4 @@ def set_proc_threads() -> None:
     """Called in every actor's __init__: the procs of a run share the machine's cores."""
     import torch
 
-    torch.set_num_threads(int(os.environ.get("ENGINE_TORCH_THREADS", "1")))
+    torch.set_num_threads(read_number(TORCH_THREADS_ENV))

@@ -8,7 +8,7 @@ from workers.engine.actors.devices import bind_proc_gpus
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.batching import collate_rollouts
 from workers.engine.models.hf_folder import load_pretrained
-from workers.engine.recipes.grpo import reference_logprobs
+from workers.engine.grpo_math import reference_logprobs
 from workers.engine.replay_buffer import RolloutBatchRecord
 
 

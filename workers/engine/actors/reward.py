@@ -5,7 +5,7 @@ from monarch.actor import endpoint
 from workers.engine.actors.faults import FaultInjectableActor
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.models.tokenizer import ChatTokenizer
-from workers.engine.recipes.grpo import score_rollouts
+from workers.engine.grpo_math import score_rollouts
 from workers.engine.replay_buffer import RolloutBatchRecord
 from workers.engine.rewards import CombinedReward
 from workers.engine.sampler import Completion

@@ -32,9 +32,10 @@ from workers.engine.actors.procs import set_proc_threads
 from workers.engine.batching import collate_rollouts
 from workers.engine.checkpoint import load_checkpoint, save_checkpoint
 from workers.engine.config import RunConfig
+from workers.engine.env import LOCAL_RANK_ENV, MASTER_ADDR_ENV, read_env, read_number
+from workers.engine.grpo_math import accumulate_gradients, apply_update, loss_normalizer, policy_update, zero_weighted_pass
 from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.models.titan import count_parameters
-from workers.engine.recipes.grpo import accumulate_gradients, apply_update, loss_normalizer, policy_update, zero_weighted_pass
 from workers.engine.replay_buffer import RolloutBatchRecord
 from workers.engine.rewards import CombinedReward
 from workers.engine.sampler import TorchSampler
@@ -70,9 +71,9 @@ class TrainerActor(FaultInjectableActor):
         hostname, which a pod's peers cannot resolve)."""
         cfg = self.config
         if master_addr:
-            os.environ["MASTER_ADDR"] = master_addr
+            os.environ[MASTER_ADDR_ENV] = master_addr
         if self.device.type == "cuda" and not self.own_gpu:  # one GPU per rank on its host (LOCAL_RANK from monarch)
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+            self.device = torch.device("cuda", read_number(LOCAL_RANK_ENV) % torch.cuda.device_count())
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         # bounded: a rank whose peer died must not wait in a collective for the default 30 min
@@ -88,7 +89,7 @@ class TrainerActor(FaultInjectableActor):
         self.optimizer = build_optimizer(self.model, cfg.trainer.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.trainer.optimizer, cfg.trainer.steps)
         self._step_so_far = _new_step()
-        return {"rank": self.rank, "world": self.world, "n_params": n_params, "master_addr": os.environ["MASTER_ADDR"]}
+        return {"rank": self.rank, "world": self.world, "n_params": n_params, "master_addr": read_env(MASTER_ADDR_ENV)}
 
     def _rows(self, record: RolloutBatchRecord, ref_logprobs: torch.Tensor | None) -> tuple[Any, Any, list[Any] | None, int]:
         """(the whole padded batch, this rank's contiguous rows, their reference log-probs per micro-batch, rows per rank)."""

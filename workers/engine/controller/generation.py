@@ -27,8 +27,8 @@ from workers.engine.controller.state import PendingGeneration, RunState
 from workers.engine.controller.supervision import Supervisor
 from workers.engine.controller.trainer import TrainerHandle, TrainerLost
 from workers.engine.controller.waits import Waits
+from workers.engine.grpo_math import check_prompt_lengths
 from workers.engine.models.tokenizer import ChatTokenizer
-from workers.engine.recipes.grpo import check_prompt_lengths
 from workers.engine.replay_buffer import concat_records
 from workers.engine.sampler import SamplingParams
 from workers.engine.training import PhaseTimer

@@ -14,8 +14,9 @@ generator run max_policy_age batches ahead, so the trainer learns from rollouts 
 weights up to max_policy_age updates old; the ratio corrects for that, and the buffer
 drops anything older. max_policy_age = 0 is the on-policy case of the same loop.
 
-The helpers above `train_grpo` (scoring, the policy update, metrics) are shared with the
-Monarch controller (`recipes/grpo_monarch.py`) and its actors.
+The step's maths (scoring, reference log-probs, the policy update) is in `grpo_math.py`, shared
+with the Monarch controller (`recipes/grpo_monarch.py`) and its actors, and so are the step's metrics
+(`grpo_metrics.py`) and its end (`step_end.py`: rollouts, eval, checkpoint, operator commands).
 """
 
 from __future__ import annotations
@@ -23,32 +24,30 @@ from __future__ import annotations
 import copy
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
 
-from workers.engine.batching import RolloutBatch, collate_rollouts
+from workers.engine.batching import collate_rollouts
 from workers.engine.checkpoint import load_checkpoint, save_checkpoint
-from workers.engine.config import GrpoConfig, RunConfig
-from workers.engine.losses import group_advantages, grpo_loss, token_logprobs
+from workers.engine.config import RunConfig
+from workers.engine.grpo_math import (check_prompt_lengths, loss_normalizer, policy_update, reference_logprobs,
+                                      score_rollouts)
+from workers.engine.grpo_metrics import rollout_metrics, update_metrics
 from workers.engine.metrics import Recorder
 from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.models.titan import count_parameters
-from workers.engine.models.tokenizer import ChatTokenizer
-from workers.engine.replay_buffer import ReplayBuffer, RolloutBatchRecord
+from workers.engine.replay_buffer import ReplayBuffer
 from workers.engine.rewards import CombinedReward
-from workers.engine.sampler import Completion, SamplingParams, TorchSampler
-from workers.engine.sharding import set_gradient_sync
+from workers.engine.sampler import SamplingParams, TorchSampler
 from workers.engine.startup import StartupPhases
-from workers.engine.tasks import Problem, build_task
+from workers.engine.step_end import StepEnd
+from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
 from workers.engine.training import (
-    EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, grad_norm_and_clip, mfu, resolve_device,
-    setup_process, train_tokens_per_second,
+    EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, mfu, resolve_device, setup_process,
+    train_tokens_per_second,
 )
 
 
@@ -66,168 +65,6 @@ class GrpoResult:
     metrics: list[dict[str, float]]  # per step run by this call
     seconds: float = 0.0  # wall time of the training loop (evaluations and checkpoints included)
     trained_samples: dict[int, list[str]] = field(default_factory=dict)  # step -> sample ids it trained on (Monarch)
-
-
-def _weighted_mean(parts: list[dict[str, float]], key: str) -> float:
-    total = sum(p["tokens"] for p in parts if key in p)
-    return sum(p[key] * p["tokens"] for p in parts if key in p) / max(total, 1.0)
-
-
-def score_rollouts(
-    problems: list[Problem], prompts: list[list[int]], completions: list[Completion], reward: CombinedReward,
-    tokenizer: ChatTokenizer, *, group_size: int,
-) -> RolloutBatchRecord:
-    """Reward every completion and normalise advantages within each prompt's group."""
-    texts = [tokenizer.decode_reply(c.token_ids) for c in completions]
-    scores = [reward(problems[i // group_size], text, c.finished) for i, (text, c) in enumerate(zip(texts, completions))]
-    rewards = torch.tensor([s.total for s in scores])
-    advantages = group_advantages(rewards, group_size)
-    return RolloutBatchRecord(
-        prompts=prompts, responses=[c.token_ids for c in completions], logprobs=[c.logprobs for c in completions],
-        rewards=rewards.tolist(), advantages=advantages.tolist(), policy_version=min(c.policy_version for c in completions),
-        prompt_texts=[problems[i // group_size].messages[-1]["content"] for i in range(len(prompts))],
-        response_texts=texts, reward_parts={name: [s.parts[name] for s in scores] for name in reward.names},
-        sample_ids=[p.meta.get("sample_id", "") for p in problems],
-    )
-
-
-def check_prompt_lengths(prompts: list[list[int]], limit: int) -> None:
-    longest = max(len(p) for p in prompts)
-    if longest > limit:
-        raise ValueError(f"a prompt has {longest} tokens, more than data.max_prompt_tokens ({limit})")
-
-
-def loss_normalizer(batch: RolloutBatch, aggregation: str) -> float:
-    """Response tokens (token aggregation) or sequences (sequence aggregation) of the whole step's batch."""
-    return float(batch.response_mask.sum()) if aggregation == "token" else float(len(batch))
-
-
-@torch.no_grad()
-def reference_logprobs(reference: nn.Module, batch: RolloutBatch, *, micro_batch_size: int, temperature: float) -> list[torch.Tensor]:
-    out = []
-    for start in range(0, len(batch), micro_batch_size):
-        micro = batch.rows(start, start + micro_batch_size)
-        out.append(token_logprobs(reference(micro.inputs), micro.targets, temperature)[0])
-    return out
-
-
-@dataclass
-class UpdateResult:
-    loss: float
-    parts: list[dict[str, float]]  # grpo_loss metrics per micro-batch
-    grad_norm: float
-    lr: float
-
-
-def policy_update(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    batch: RolloutBatch,
-    *,
-    grpo: GrpoConfig,
-    temperature: float,
-    micro_batch_size: int,
-    grad_clip: float | None,
-    normalizer: float,
-    ref_logprobs: list[torch.Tensor] | None = None,
-    reduce_gradients: Callable[[nn.Module], None] | None = None,
-    passes: int = 0,
-    filler: RolloutBatch | None = None,
-) -> UpdateResult:
-    """One optimizer step on a rollout batch, gradients accumulated over micro-batches.
-
-    `normalizer` counts the whole step's batch (over all data-parallel ranks), so summing
-    the ranks' gradients (`reduce_gradients`, or FSDP's reduce-scatter) gives the full batch's
-    gradient. A sharded model needs the same number of forward/backward passes on every rank:
-    with `passes` more than this rank's micro-batches, the rest run on `filler` with weight 0.
-    """
-    optimizer.zero_grad(set_to_none=True)
-    step_loss, parts = accumulate_gradients(
-        model, batch, grpo=grpo, temperature=temperature, micro_batch_size=micro_batch_size, normalizer=normalizer,
-        ref_logprobs=ref_logprobs, passes=passes, filler=filler, sync=True)
-    if reduce_gradients is not None:
-        reduce_gradients(model)
-    grad_norm, lr = apply_update(model, optimizer, scheduler, grad_clip=grad_clip)
-    return UpdateResult(loss=step_loss, parts=parts, grad_norm=grad_norm, lr=lr)
-
-
-def accumulate_gradients(
-    model: nn.Module,
-    batch: RolloutBatch,
-    *,
-    grpo: GrpoConfig,
-    temperature: float,
-    micro_batch_size: int,
-    normalizer: float,
-    ref_logprobs: list[torch.Tensor] | None = None,
-    passes: int = 0,
-    filler: RolloutBatch | None = None,
-    sync: bool,
-) -> tuple[float, list[dict[str, float]]]:
-    """Forward and backward over `batch` in micro-batches, adding to the gradients; (loss, per-micro-batch stats).
-    A sharded model reduces its gradients in the last pass when `sync`, else keeps accumulating locally."""
-    step_loss, parts = 0.0, []
-    starts = list(range(0, len(batch), micro_batch_size))
-    total = max(len(starts), passes)
-    for i in range(total):
-        set_gradient_sync(model, enabled=sync and i == total - 1)
-        if i >= len(starts):
-            if filler is None:
-                raise ValueError("passes beyond this rank's rows need a filler row")
-            zero_weighted_pass(model, filler)
-            continue
-        micro = batch.rows(starts[i], starts[i] + micro_batch_size)
-        logprobs, entropy = token_logprobs(model(micro.inputs), micro.targets, temperature)
-        loss, part = grpo_loss(
-            logprobs, micro.behaviour_logprobs, micro.advantages, micro.response_mask,
-            clip_epsilon=grpo.clip_epsilon, aggregation=grpo.loss_aggregation, kl_coef=grpo.kl_coef,
-            ref_logprobs=None if ref_logprobs is None else ref_logprobs[i], entropy=entropy.detach(),
-            normalizer=normalizer,
-        )
-        loss.backward()
-        step_loss += float(loss.detach())
-        parts.append(part)
-    return step_loss, parts
-
-
-def zero_weighted_pass(model: nn.Module, filler: RolloutBatch) -> None:
-    """A forward and backward that adds nothing to the gradients: a sharded rank's share of a collective."""
-    (model(filler.inputs).float().sum() * 0.0).backward()
-
-
-def apply_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, *,
-                 grad_clip: float | None) -> tuple[float, float]:
-    """Clip, step the optimizer and the schedule; (gradient norm before clipping, learning rate used)."""
-    grad_norm = grad_norm_and_clip(model, grad_clip)
-    lr = scheduler.get_last_lr()[0]
-    optimizer.step()
-    scheduler.step()
-    return grad_norm, lr
-
-
-def rollout_metrics(record: RolloutBatchRecord) -> dict[str, float]:
-    rewards = torch.tensor(record.rewards)
-    lengths = [len(r) for r in record.responses]
-    return {
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std(unbiased=False)),
-        **{f"reward/{name}": sum(v) / len(v) for name, v in record.reward_parts.items()},
-        "response_length/mean": sum(lengths) / len(lengths),
-    }
-
-
-def update_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
-    metrics = {
-        "ratio/mean": _weighted_mean(parts, "ratio_mean"),
-        "ratio/max": max(p["ratio_max"] for p in parts),
-        "ratio/min": min(p["ratio_min"] for p in parts),
-        "clip_fraction": _weighted_mean(parts, "clip_fraction"),
-        "entropy": _weighted_mean(parts, "entropy"),
-    }
-    if any("kl" in p for p in parts):
-        metrics["kl"] = _weighted_mean(parts, "kl")
-    return metrics
 
 
 def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | None = None) -> GrpoResult:
@@ -314,11 +151,11 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
         return path
 
     startup.ready()
-    first_eval = last_eval = run_eval(start_step) if cfg.eval.every_steps and start_step == 0 else None
+    step_end = StepEnd(config=cfg, recorder=recorder, evaluate=run_eval, checkpoint=checkpoint, control=control)
+    step_end.before_first(start_step)
     loop_start = time.perf_counter()
     losses: list[float] = []
     step_metrics: list[dict[str, float]] = []
-    saved: Path | None = None
     step = start_step
     for step in range(start_step + 1, trainer_cfg.steps + 1):
         timer = PhaseTimer()
@@ -376,19 +213,11 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
         if "generate" in timer.seconds:
             metrics["throughput/gen_tokens_per_s"] = generated_tokens / max(timer.seconds["generate"], 1e-9)
         recorder.log_many(metrics, step)
-        for i in range(min(cfg.eval.rollout_samples, len(batch_record))):
-            recorder.rollout(step=step, prompt=batch_record.prompt_texts[i], completion=batch_record.response_texts[i],
-                             reward=batch_record.rewards[i], policy_version=batch_record.policy_version, split="train")
         losses.append(update.loss)
         step_metrics.append(metrics)
-
-        if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or step == trainer_cfg.steps):
-            last_eval = run_eval(step)
-        if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or step == trainer_cfg.steps:
-            saved = checkpoint(step)
-        if control is not None and not control.between_steps(step=step, checkpoint=lambda: checkpoint(step)):
+        if not step_end.after(step, rollouts=batch_record):  # rollouts, eval, checkpoint, operator commands
             break
 
     recorder.event("staleness_histogram", step=trainer_cfg.steps, counts={str(k): v for k, v in sorted(staleness.items())})
-    return GrpoResult(step=step, losses=losses, first_eval=first_eval, eval=last_eval,
-                      checkpoint=saved, metrics=step_metrics, seconds=time.perf_counter() - loop_start)
+    return GrpoResult(step=step, losses=losses, first_eval=step_end.first_eval, eval=step_end.last_eval,
+                      checkpoint=step_end.saved, metrics=step_metrics, seconds=time.perf_counter() - loop_start)

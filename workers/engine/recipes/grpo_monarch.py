@@ -45,10 +45,11 @@ import monarch.actor  # noqa: I001
 
 from workers.engine.actors.fleet import Failover, ProcFailure, ReplicaGroup
 from workers.engine.actors.generator import GeneratorActor
-from workers.engine.actors.hosts import Hosts, Worker, check_placement, workers_from_env
+from workers.engine.actors.hosts import Hosts, check_placement, workers_from_env
 from workers.engine.actors.monarch_job import job_kind
 from workers.engine.actors.reference import ReferenceActor
 from workers.engine.actors.reward import RewardActor
+from workers.engine.actors.worker import Worker
 from workers.engine.config import RunConfig
 from workers.engine.controller.control_procs import ControlLost, ControlProcs
 from workers.engine.controller.drill_targets import DrillTargets, measure_replica
@@ -66,7 +67,8 @@ from workers.engine.drills import DrillPlan, FaultInjector
 from workers.engine.metrics import Recorder
 from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.operations import DrillSchedule, FaultDrillRequest
-from workers.engine.recipes.grpo import GrpoResult, rollout_metrics, update_metrics
+from workers.engine.grpo_metrics import rollout_metrics, update_metrics
+from workers.engine.recipes.grpo import GrpoResult
 from workers.engine.run_control import RunControl
 from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd

@@ -22,6 +22,7 @@ from workers.engine.models.titan import count_parameters
 from workers.engine.rewards import CombinedReward
 from workers.engine.sampler import TorchSampler
 from workers.engine.startup import StartupPhases
+from workers.engine.step_end import StepEnd
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
 from workers.engine.training import (
@@ -97,10 +98,10 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
         return path
 
     startup.ready()
-    first_eval = last_eval = run_eval(start_step) if cfg.eval.every_steps and start_step == 0 else None
+    step_end = StepEnd(config=cfg, recorder=recorder, evaluate=run_eval, checkpoint=checkpoint, control=control)
+    step_end.before_first(start_step)
     loop_start = time.perf_counter()
     losses: list[float] = []
-    saved: Path | None = None
     step = start_step
     for step in range(start_step + 1, trainer_cfg.steps + 1):
         timer = PhaseTimer()
@@ -142,12 +143,8 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
             "data/epoch": stream.epoch,
         }, step)
 
-        if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or step == trainer_cfg.steps):
-            last_eval = run_eval(step)
-        if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or step == trainer_cfg.steps:
-            saved = checkpoint(step)
-        if control is not None and not control.between_steps(step=step, checkpoint=lambda: checkpoint(step)):
+        if not step_end.after(step):  # eval, checkpoint, operator commands
             break
 
-    return SftResult(step=step, losses=losses, eval=last_eval, checkpoint=saved, first_eval=first_eval,
-                     seconds=time.perf_counter() - loop_start)
+    return SftResult(step=step, losses=losses, eval=step_end.last_eval, checkpoint=step_end.saved,
+                     first_eval=step_end.first_eval, seconds=time.perf_counter() - loop_start)

@@ -1,14 +1,16 @@
 """The Launch page: pick or create an experiment, edit a config (validated live), place it, launch; cloning a run;
 and starting a run of any recipe from a run's checkpoint.
 
-Thin: reads through selectors, writes through `experiment_create` and `run_launch` (which check the role and
-audit). Bad input comes back at its field: config problems with their YAML line, the rest by form field.
+Thin: reads through selectors; a launch is `run_launch_submit`'s (runs/launching.py: it checks the role, every
+field and the config, once, then creates and audits). Bad input comes back at its field: config problems with
+their YAML line, the rest by form field.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +18,6 @@ import yaml
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.db import transaction
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods
@@ -24,27 +25,26 @@ from yaml.nodes import MappingNode, ScalarNode
 
 from forgeboard.accounts.models import Project, Role
 from forgeboard.artifacts.models import Artifact
-from forgeboard.accounts.permissions import project_role, require_project_role
-from forgeboard.api.configs import ConfigProblem, config_problems, yaml_line_of
+from forgeboard.accounts.permissions import project_role
+from forgeboard.experiments.config_problems import ConfigProblem, yaml_line_of
 from forgeboard.cluster.selectors import hosts_with_devices
-from forgeboard.errors import NotFound, PermissionDenied, ServiceError, ValidationFailed
-from forgeboard.experiments.models import Experiment, Recipe
+from forgeboard.errors import FieldProblem, NotFound, ServiceError, ValidationFailed
+from forgeboard.experiments.models import Recipe
 from forgeboard.experiments.selectors import experiments_for_project
-from forgeboard.experiments.services import experiment_create
 from forgeboard.runs.checkpoints import (
     ExportStatus,
     checkpoints_on_disk,
-    run_launch_from_checkpoint_request,
     run_reference,
 )
 from forgeboard.runs.demo import SFT_MODEL, demo_model_dir
 from forgeboard.runs.models import Run
-from forgeboard.runs.services import run_launch
+from forgeboard.runs.launching import LaunchRefused, NewExperiment, run_launch_submit
 from forgeboard.web.errors import error_page, project_or_404, run_or_404
+from workers.engine.config import RECIPE_ROLES
 
 NEW_EXPERIMENT = "new"
-# The roles whose processes a recipe starts (see runs/scheduling.py:run_demand): pinning a run to hosts pins these.
-PLACEMENT_ROLES = {"sft": ["trainer"], "grpo": ["trainer", "generator", "reference", "reward", "replay_buffer"]}
+# The roles whose processes a recipe starts (the engine's RECIPE_ROLES): pinning a run to hosts pins these.
+PLACEMENT_ROLES = {str(recipe): list(roles) for recipe, roles in RECIPE_ROLES.items()}
 _PLACEMENT_OVERRIDE = re.compile(r"^placement\.(\w+)\.hosts=(.*)$")
 PRESET_LABELS = {"cpu_demo_sft": "CPU demo: tiny Qwen3, SFT", "cpu_demo_grpo": "CPU demo: tiny Qwen3, GRPO",
                  "qwen3_1_7b_grpo": "Qwen3 1.7B, GRPO (one GPU)", "llama3_8b_grpo": "Llama 3.1 8B, GRPO (one GPU)"}
@@ -133,13 +133,6 @@ def launch_presets() -> list[Preset]:
         label = PRESET_LABELS.get(path.stem, f"{path.stem.replace('_', ' ')} ({recipe})")
         presets.append(Preset(key=path.stem, label=label, recipe=recipe, yaml=text))
     return sorted(presets, key=lambda p: (not p.key.startswith("cpu_demo"), p.key))
-
-
-def placement_overrides(*, recipe: str, hosts: list[str]) -> list[str]:
-    """Overrides that pin every role of the recipe to these hosts (nothing when no host is chosen)."""
-    if not hosts:
-        return []
-    return [f"placement.{role}.hosts={json.dumps(hosts)}" for role in PLACEMENT_ROLES.get(recipe, ["trainer"])]
 
 
 def _split_overrides(text: str) -> list[str]:
@@ -253,60 +246,44 @@ def _form_from_post(request: HttpRequest) -> LaunchForm:
 
 def _submit(request: HttpRequest, *, project: Project, form: LaunchForm, parent: Run | None,
             checkpoint: int | None = None) -> Run | ExportStatus | None:
-    """Check every field, then create the experiment (if new) and launch, all or nothing; None if the form has errors.
-
-    From a checkpoint (`parent` and `checkpoint`), the run starts from its weights (exported first, off the request,
-    if they are not yet: then the export's status is returned and the run starts when it is done)."""
-    experiment: Experiment | None = None
+    """The launch (`run_launch_submit`) of what the form says; None, with the problems on the form, if refused."""
+    new_experiment, experiment = None, None
     if form.experiment == NEW_EXPERIMENT:
-        if form.new_recipe not in Recipe.values:
-            form.add("new_recipe", f"choose one of {', '.join(Recipe.values)}")
-        if not form.new_name.strip():
-            form.add("new_name", "name the new experiment")
-        recipe = form.new_recipe
-    else:
-        experiment = experiments_for_project(project=project).filter(pk=form.experiment).first() \
-            if form.experiment.isdigit() and len(form.experiment) < 19 else None
-        if experiment is None:
-            form.add("experiment", "choose an experiment of this project, or create one")
-        recipe = experiment.recipe if experiment else ""
+        new_experiment = NewExperiment(name=form.new_name, recipe=form.new_recipe)
+    elif form.experiment.isdigit() and len(form.experiment) < 19:
+        experiment = experiments_for_project(project=project).filter(pk=form.experiment).first()
     try:
         priority = int(form.priority)
     except ValueError:
         priority = None
-    if priority is None or not -100 <= priority <= 100:
-        form.add("priority", "must be a whole number from -100 to 100")
-    known = set(hosts_with_devices().values_list("hostname", flat=True))
-    unknown = [h for h in form.hosts if h not in known]
-    if unknown:
-        form.add("hosts", f"not in the cluster inventory: {', '.join(unknown)}")
-    overrides = _split_overrides(form.overrides) + placement_overrides(recipe=recipe, hosts=form.hosts)
-    if recipe in Recipe.values:
-        form.config_errors = config_problems(yaml_text=form.config_yaml, overrides=overrides, recipe=recipe,
-                                             project=project)
-    if form.errors or form.config_errors:
-        return None
     try:
-        with transaction.atomic():
-            if experiment is None:
-                experiment = experiment_create(actor=request.user, project=project, name=form.new_name, recipe=recipe)
-            if parent is not None and checkpoint is not None:
-                return run_launch_from_checkpoint_request(actor=request.user, run=parent, step=checkpoint,
-                                                          experiment=experiment, config_yaml=form.config_yaml,
-                                                          overrides=overrides, priority=priority)
-            return run_launch(actor=request.user, experiment=experiment, config_yaml=form.config_yaml,
-                              overrides=overrides, priority=priority, parent=parent)
-    except ValidationFailed as exc:
-        for problem in exc.problems:
-            name = {"name": "new_name", "recipe": "new_recipe"}.get(problem.field, problem.field)
-            if name.startswith("config"):
-                path = name.removeprefix("config").removeprefix(".")
-                form.config_errors.append(ConfigProblem(path, problem.message, line=yaml_line_of(form.config_yaml, path)))
-            else:
-                form.add(name if name in {"new_name", "new_recipe", "priority", "overrides"} else "form", problem.message)
+        return run_launch_submit(actor=request.user, project=project, experiment=experiment,
+                                 new_experiment=new_experiment, config_yaml=form.config_yaml,
+                                 overrides=_split_overrides(form.overrides), hosts=form.hosts, priority=priority,
+                                 parent=parent, checkpoint=checkpoint)
+    except LaunchRefused as exc:
+        _show_problems(form, exc.problems, fields=LAUNCH_FIELDS)
+        form.config_errors = exc.config_problems
+    except ValidationFailed as exc:  # refused once checked (a name taken meanwhile, the checkpoint's child config)
+        _show_problems(form, exc.problems, fields=LAUNCHED_FIELDS)
         if not exc.problems:
             form.add("form", exc.message)
-        return None
+    return None
+
+
+# The form fields that show the problems of a refused launch, and those of one refused once checked (else: the form).
+LAUNCH_FIELDS = frozenset({"experiment", "new_name", "new_recipe", "priority", "hosts"})
+LAUNCHED_FIELDS = frozenset({"new_name", "new_recipe", "priority", "overrides"})
+
+
+def _show_problems(form: LaunchForm, problems: Sequence[FieldProblem], *, fields: frozenset[str]) -> None:
+    for problem in problems:
+        name = {"name": "new_name", "recipe": "new_recipe"}.get(problem.field, problem.field)
+        if name.startswith("config"):
+            path = name.removeprefix("config").removeprefix(".")
+            form.config_errors.append(ConfigProblem(path, problem.message, line=yaml_line_of(form.config_yaml, path)))
+        else:
+            form.add(name if name in fields else "form", problem.message)
 
 
 def _launch_page(request: HttpRequest, *, project: Project, clone_of: Run | None = None,
@@ -321,14 +298,10 @@ def _launch_page(request: HttpRequest, *, project: Project, clone_of: Run | None
             form = _initial_form(project, experiment_id=request.GET.get("experiment", ""))
         return render(request, "web/launch.html", _context(request, project=project, form=form, clone_of=clone_of,
                                                            checkpoint=checkpoint))
-    try:
-        require_project_role(actor=request.user, project=project, minimum=Role.MEMBER, action="launching runs")
-    except PermissionDenied as exc:  # a viewer's forged POST: refused before anything is read or stored
-        return error_page(request, exc)
     form = _form_from_post(request)
     try:
         run = _submit(request, project=project, form=form, parent=clone_of, checkpoint=checkpoint)
-    except ServiceError as exc:  # refused by a service (e.g. the role changed meanwhile)
+    except ServiceError as exc:  # refused by a service: a viewer's forged POST, before anything is read or stored
         return error_page(request, exc)
     if run is None:
         context = _context(request, project=project, form=form, clone_of=clone_of, checkpoint=checkpoint)

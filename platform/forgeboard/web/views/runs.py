@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, get_args
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
@@ -20,17 +20,22 @@ from forgeboard.cluster.models import Host
 from forgeboard.errors import ServiceError
 from forgeboard.experiments.selectors import experiments_for_project
 from forgeboard.runs.checkpoints import run_checkpoints, run_launch_from_checkpoint_request
-from forgeboard.runs.models import Run
+from forgeboard.runs.models import LaunchBackend, Run
 from forgeboard.runs.selectors import RunFilters, runs_search
 from forgeboard.runs.services import command_create, run_cancel
 from forgeboard.runs.states import ACTIVE_STATES, RunState
 from forgeboard.telemetry.models import EventKind, MetricSeries, RunEvent
 from forgeboard.telemetry.selectors import KEY_METRICS
 from forgeboard.web.errors import project_or_404, refusal_or_flash, run_or_404
+from workers.engine.operations import DrillKind, DrillRole
 
 RUNS_PER_PAGE = 50
 ROLLOUTS_SHOWN = 40
 PLACEMENT_EVENTS = (EventKind.PLACEMENT_APPLIED, EventKind.PLACEMENT_CHANGED)
+# The operator controls' words for the engine's drill kinds (DrillKind).
+DRILL_KIND_LABELS = {"kill": "kill a process (SIGKILL)", "hang": "hang (SIGSTOP, then SIGCONT)",
+                     "raise": "raise in an endpoint", "latency": "add message latency", "bandwidth": "cap bandwidth",
+                     "slow_host": "slow the host (stop/continue)"}
 
 
 def _filters(request: HttpRequest) -> RunFilters:
@@ -95,17 +100,19 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     project = run.experiment.project
     role = project_role(actor=request.user, project=project)
     can_operate = role is not None and role.rank >= Role.MEMBER.rank
-    parsed = run.config.parsed
+    config = run.config.run_config
     placement = _placement(run)
     context = {
         "run": run, "project": project, "role": role, "can_operate": can_operate,
         "active": run.state in ACTIVE_STATES, "duration": duration_of(run),
-        "multi_process": parsed.get("placement", {}).get("backend") == "monarch",
+        "multi_process": config.placement.backend == LaunchBackend.MONARCH,
         "checkpoints": run_checkpoints(run=run), "placement": placement,
         "placement_json": json.dumps(placement["plan"], indent=2, sort_keys=True),
         "commands": run.commands.select_related("created_by").order_by("-id")[:20],
-        "generator_replicas": parsed.get("generator", {}).get("replicas", 1),
-        "trainer_ranks": parsed.get("trainer", {}).get("ranks", 1),
+        "generator_replicas": config.generator.replicas,
+        "trainer_ranks": config.trainer.ranks,
+        "drill_kinds": [(kind, DRILL_KIND_LABELS[kind]) for kind in get_args(DrillKind)],
+        "drill_roles": get_args(DrillRole),
         "hosts": list(Host.objects.order_by("hostname").values_list("hostname", flat=True)),
         "run_data": {"id": run.pk, "number": run.number, "state": run.state, "active": run.state in ACTIVE_STATES,
                      "startedAt": run.started_at.isoformat() if run.started_at else None,

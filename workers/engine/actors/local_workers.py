@@ -1,4 +1,4 @@
-"""Monarch worker processes on this machine: several simulated hosts for one run.
+"""Monarch worker processes on this machine: several simulated hosts for one run (`placement.local_hosts`).
 
 `local_workers(count=2)` starts `count` processes serving Monarch's worker loop on 127.0.0.1, each
 on a free port, and yields them once each accepts connections; on exit (also when the run failed)
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from workers.engine.actors.hosts import port_open
 
-REPO_DIR = Path(__file__).resolve().parents[2]
+REPO_DIR = Path(__file__).resolve().parents[3]
 # argv: address, the starter's pid. The worker asks for SIGKILL when its parent dies (PR_SET_PDEATHSIG
 # is 1), then checks that the parent did not die before it asked.
 WORKER_CODE = """

@@ -1,0 +1,36 @@
+"""What a GRPO step reports about its rollouts and its policy update, in every recipe."""
+
+from __future__ import annotations
+
+import torch
+
+from workers.engine.replay_buffer import RolloutBatchRecord
+
+
+def _weighted_mean(parts: list[dict[str, float]], key: str) -> float:
+    total = sum(p["tokens"] for p in parts if key in p)
+    return sum(p[key] * p["tokens"] for p in parts if key in p) / max(total, 1.0)
+
+
+def rollout_metrics(record: RolloutBatchRecord) -> dict[str, float]:
+    rewards = torch.tensor(record.rewards)
+    lengths = [len(r) for r in record.responses]
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std(unbiased=False)),
+        **{f"reward/{name}": sum(v) / len(v) for name, v in record.reward_parts.items()},
+        "response_length/mean": sum(lengths) / len(lengths),
+    }
+
+
+def update_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    metrics = {
+        "ratio/mean": _weighted_mean(parts, "ratio_mean"),
+        "ratio/max": max(p["ratio_max"] for p in parts),
+        "ratio/min": min(p["ratio_min"] for p in parts),
+        "clip_fraction": _weighted_mean(parts, "clip_fraction"),
+        "entropy": _weighted_mean(parts, "entropy"),
+    }
+    if any("kl" in p for p in parts):
+        metrics["kl"] = _weighted_mean(parts, "kl")
+    return metrics
