@@ -1,8 +1,9 @@
 """The import contract: no import cycle, and no arrow from a lower layer to a higher one.
 
 Read statically from the source (tests/support/import_graph.py), every import counted, also one inside a
-function: the engine imports nothing of the control plane or its launchers, the actors nothing of the recipes,
-and the control plane reaches Celery only through its dispatch module.
+function: the engine imports nothing of the control plane or its launchers, the actors nothing of the recipes or
+the Monarch controller's parts, those parts nothing of the recipes, and the control plane reaches Celery only
+through its dispatch module.
 """
 
 from __future__ import annotations
@@ -45,6 +46,16 @@ def test_the_engine_imports_no_control_plane_launcher_or_celery() -> None:
 
 def test_the_actors_import_no_recipe() -> None:
     assert _arrows(IMPORTS, from_=("workers.engine.actors",), to=("workers.engine.recipes",)) == []
+
+
+def test_the_controller_sits_between_the_actors_and_the_recipes() -> None:
+    """actors -> the Monarch controller's parts (workers.engine.controller) -> recipes/grpo_monarch.py."""
+    assert _arrows(IMPORTS, from_=("workers.engine.controller",), to=("workers.engine.recipes",)) == []
+    assert _arrows(IMPORTS, from_=("workers.engine.actors",), to=("workers.engine.controller",)) == []
+    outside = ("workers.engine.recipes.grpo_monarch", "workers.engine.controller")
+    users = {imp.importer for imp in IMPORTS if within(imp.imported, ("workers.engine.controller",))
+             and not within(imp.importer, outside)}
+    assert {user for user in users if user.startswith("workers.")} == set(), "only the Monarch recipe wires the parts"
 
 
 def test_the_control_plane_reaches_celery_only_through_its_dispatch_module() -> None:
