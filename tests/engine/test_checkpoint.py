@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.engine.conftest import ARITHMETIC
-from workers.engine.checkpoint import export_hf, list_checkpoints, resolve_checkpoint
+from workers.engine.checkpoint import export_hf, list_checkpoints, resolve_checkpoint, save_checkpoint
 from workers.engine.metrics import MemorySink, Recorder
 from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.recipes.grpo import train_grpo
@@ -67,3 +67,28 @@ def test_export_is_an_hf_folder_that_starts_a_new_run(tiny_trainable_qwen3: Path
     again = train_sft(make_config("sft", exported, *ARITHMETIC, "trainer.steps=1", "trainer.batch_size=4",
                                   "eval.every_steps=0", f"checkpoint.folder={tmp_path / 'again'}"), Recorder())
     assert again.losses[0] < result.losses[0]  # continues from the trained weights
+
+
+def _save(folder: Path, step: int, keep_last: int) -> Path:
+    return save_checkpoint(folder, step=step, model_state={"w": torch.zeros(1)}, optimizer_state={}, scheduler_state={},
+                           progress={"step": step}, model_folder=folder, keep_last=keep_last)
+
+
+def test_pruning_keeps_this_runs_newest_by_step_and_the_one_just_written(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints"
+    for step in (4, 6):  # an older run's later steps
+        _save(folder, step, keep_last=2)
+    written = _save(folder, 3, keep_last=2)  # a rerun into the same folder
+    assert (written / "trainer.pt").is_file()
+    assert [p.name for p in list_checkpoints(folder)] == ["step_000003", "step_000004", "step_000006"]
+
+    _save(folder, 5, keep_last=2)  # the steps up to 5 count as this run's: 4 and 5 are the newest two
+    assert [p.name for p in list_checkpoints(folder)] == ["step_000004", "step_000005", "step_000006"]
+
+
+def test_checkpoints_are_ordered_by_step_not_by_name(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints"
+    _save(folder, 999_999, keep_last=1)
+    newest = _save(folder, 1_000_000, keep_last=1)
+    assert list_checkpoints(folder) == [newest]
+    assert resolve_checkpoint(folder) == newest

@@ -1,10 +1,11 @@
-"""GRPO advantages and clipped-ratio loss, k3 KL, aggregation, SFT loss: exact small cases."""
+"""GRPO advantages and clipped-ratio loss, dual clip, k3 KL, aggregation, chunked log-probs, SFT loss: exact small cases."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from workers.engine.config import GrpoConfig
 from workers.engine.losses import group_advantages, grpo_loss, k3_kl, sft_loss, token_logprobs
 
 
@@ -59,6 +60,50 @@ def test_clip_does_not_bound_a_ratio_moving_against_the_advantage() -> None:
     loss, metrics = grpo_loss(logprobs, behaviour, torch.tensor([-1.0]), mask, clip_epsilon=0.2)
     assert loss.item() == pytest.approx(2.0, abs=1e-5)  # min(2 * -1, 1.2 * -1) = -2: pessimistic bound
     assert metrics["clip_fraction"] == 0.0
+
+
+def test_dual_clip_bounds_an_extreme_ratio_against_a_negative_advantage() -> None:
+    # the generator scored the token at -12, the trainer at -1: ratio e^11, about 6e4
+    mask = torch.tensor([[True, True]])
+    behaviour = torch.tensor([[-12.0, -1.0]])
+    logprobs = torch.tensor([[-1.0, -1.1]], requires_grad=True)
+    plain, plain_metrics = grpo_loss(logprobs, behaviour, torch.tensor([-1.0]), mask, clip_epsilon=0.2)
+    assert plain.item() == pytest.approx((torch.exp(torch.tensor(11.0)).item() + torch.exp(torch.tensor(-0.1)).item()) / 2, rel=1e-5)
+    assert plain.item() > 2e4 and plain_metrics["dual_clip_fraction"] == 0.0
+    loss, metrics = grpo_loss(logprobs, behaviour, torch.tensor([-1.0]), mask, clip_epsilon=0.2, dual_clip=3.0)
+    # token 0: max(min(r * -1, 1.2 * -1), 3 * -1) = -3; token 1 (ratio 0.905, inside the clip): r * -1
+    assert loss.item() == pytest.approx((3.0 + torch.exp(torch.tensor(-0.1)).item()) / 2, abs=1e-6)
+    assert metrics["dual_clip_fraction"] == pytest.approx(1 / 2) and metrics["clip_fraction"] == 0.0
+    loss.backward()
+    assert logprobs.grad[0, 0] == 0.0  # the dual-clipped token passes no gradient
+    assert logprobs.grad[0, 1].item() == pytest.approx(torch.exp(torch.tensor(-0.1)).item() / 2, abs=1e-6)
+    assert logprobs.grad.abs().max() <= 3.0
+
+
+@pytest.mark.parametrize("ratio", [0.5, 1.0, 2.0, 2.99])
+def test_dual_clip_leaves_ratios_below_c_alone(ratio: float) -> None:
+    mask = torch.tensor([[True], [True]])
+    behaviour = torch.log(torch.tensor([[0.2], [0.2]]))
+    logprobs = behaviour + torch.log(torch.tensor(ratio))
+    advantages = torch.tensor([-1.0, 2.0])
+    plain, _ = grpo_loss(logprobs, behaviour, advantages, mask, clip_epsilon=0.2)
+    dual, metrics = grpo_loss(logprobs, behaviour, advantages, mask, clip_epsilon=0.2, dual_clip=3.0)
+    assert dual.item() == pytest.approx(plain.item(), abs=1e-6) and metrics["dual_clip_fraction"] == 0.0
+
+
+def test_dual_clip_does_not_touch_positive_advantages() -> None:
+    mask = torch.tensor([[True]])
+    behaviour = torch.tensor([[-12.0]])
+    logprobs = torch.tensor([[-1.0]], requires_grad=True)
+    loss, metrics = grpo_loss(logprobs, behaviour, torch.tensor([1.0]), mask, clip_epsilon=0.2, dual_clip=3.0)
+    assert loss.item() == pytest.approx(-1.2) and metrics["clip_fraction"] == 1.0 and metrics["dual_clip_fraction"] == 0.0
+
+
+def test_dual_clip_is_on_by_default_with_the_papers_constant() -> None:
+    assert GrpoConfig().dual_clip == 3.0
+    assert GrpoConfig(dual_clip=None).dual_clip is None
+    with pytest.raises(ValueError):
+        GrpoConfig(dual_clip=1.0)
 
 
 def test_token_and_sequence_aggregation() -> None:
@@ -117,3 +162,60 @@ def test_sft_loss_counts_response_tokens_only() -> None:
     changed[0, :2] += 5.0  # prompt positions do not matter
     assert sft_loss(changed, targets, mask)[0].item() == pytest.approx(loss.item(), abs=1e-6)
     assert metrics["tokens"] == 2.0
+
+
+def _plain_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(dim=-1)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 3, 5, 7, 64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
+def test_chunked_logprobs_match_the_plain_formula_in_value_and_gradient(chunk_tokens: int, temperature: float) -> None:
+    gen = torch.Generator().manual_seed(chunk_tokens)
+    logits = (3.0 * torch.randn(2, 5, 11, generator=gen)).requires_grad_(True)  # L = 5, B * L = 10
+    targets = torch.randint(0, 11, (2, 5), generator=gen)
+    weights = torch.randn(2, 5, generator=gen)
+    chosen, entropy = token_logprobs(logits, targets, temperature, chunk_tokens=chunk_tokens)
+    (chosen * weights).sum().backward()
+    grad = logits.grad.clone()
+    logits.grad = None
+    plain_chosen, plain_entropy = _plain_logprobs(logits, targets, temperature)
+    (plain_chosen * weights).sum().backward()
+    assert torch.allclose(chosen, plain_chosen, atol=1e-6) and torch.allclose(entropy, plain_entropy, atol=1e-5)
+    assert torch.allclose(grad, logits.grad, atol=1e-6)
+    assert not entropy.requires_grad  # a metric: no graph behind it
+
+
+def test_chunked_logprobs_of_bf16_logits_keep_their_dtype_in_the_gradient() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 6, 9, generator=gen).bfloat16().requires_grad_(True)
+    targets = torch.randint(0, 9, (1, 6), generator=gen)
+    token_logprobs(logits, targets, 0.8, chunk_tokens=4)[0].sum().backward()
+    grad = logits.grad.clone()
+    logits.grad = None
+    _plain_logprobs(logits, targets, 0.8)[0].sum().backward()
+    assert grad.dtype == torch.bfloat16 and torch.allclose(grad.float(), logits.grad.float(), atol=1e-2)
+
+
+def test_chunked_logprobs_keep_nothing_but_the_logits_for_backward() -> None:
+    logits = torch.randn(2, 8, 50, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 8))
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        token_logprobs(logits, targets, 0.9, chunk_tokens=3)
+    assert sum(t.numel() for t in saved if t.is_floating_point()) == logits.numel()
+
+
+def test_sft_loss_gradient_matches_the_plain_cross_entropy() -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 700, 13, generator=gen, requires_grad=True)  # more positions than one chunk
+    targets = torch.randint(0, 13, (2, 700), generator=gen)
+    mask = torch.rand(2, 700, generator=gen) > 0.3
+    loss, _ = sft_loss(logits, targets, mask)
+    loss.backward()
+    grad = logits.grad.clone()
+    logits.grad = None
+    plain = torch.nn.functional.cross_entropy(logits[mask], targets[mask])
+    plain.backward()
+    assert loss.item() == pytest.approx(plain.item(), abs=1e-5) and torch.allclose(grad, logits.grad, atol=1e-7)

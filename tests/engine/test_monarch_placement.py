@@ -148,3 +148,21 @@ def test_a_drained_hosts_replicas_go_round_the_other_hosts_while_they_have_room(
     with pytest.raises(ValueError, match=r"no other undrained host has room for 'a'\'s 3 generator replica\(s\) \(hosts b;"):
         placer.drain_destinations("generator", "a")
     assert placer.drain_destinations("generator", "c") == [], "nothing of the role there"
+
+
+def test_device_auto_means_the_same_device_for_every_role(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer rank resolves trainer.device in its proc (`resolve_device`); the generator and reference procs the
+    device the placer hands them, the same way."""
+    import torch
+
+    from workers.engine.drills import DrillPlan
+    from workers.engine.metrics import Recorder
+    from workers.engine.recipes.grpo_monarch import MonarchGrpoRun
+    from workers.engine.training import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = load_config("recipe: grpo\nmodel: {path: /m}\nreference: {enabled: true}\nplacement: {backend: monarch}\n")
+    run = MonarchGrpoRun(config, Recorder(), hosts=FakeHosts(["a"]), plan=DrillPlan([]), control=None, fault_reports=[])
+    trainer = resolve_device(config.trainer.device)
+    assert trainer.type == "cuda"
+    assert [resolve_device(run.placer.role_device(role)) for role in ("generator", "reference")] == [trainer, trainer]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import re
 
 import pytest
 import torch
@@ -95,3 +97,23 @@ def test_packed_examples_get_the_logprobs_they_get_alone(loaded: LoadedModel) ->
         lp_alone, _ = token_logprobs(loaded.model(alone.inputs, positions=alone.positions), alone.targets)
     assert packed.loss_mask.sum() == alone.loss_mask.sum() == 3 * 3
     assert (lp_packed[packed.loss_mask] - lp_alone[alone.loss_mask]).abs().max() < LOGPROB_TOLERANCE
+
+
+def test_a_weight_sync_that_does_not_fit_raises_naming_the_weights_and_keeps_the_version(loaded: LoadedModel) -> None:
+    sampler = TorchSampler(copy.deepcopy(loaded.model), eos_token_ids=loaded.tokenizer.eos_token_ids,
+                           pad_id=loaded.tokenizer.pad_id, policy_version=3)
+    good = {name: tensor.clone() for name, tensor in loaded.model.state_dict().items()}
+    before = {name: tensor.clone() for name, tensor in sampler.model.state_dict().items()}
+    first = next(iter(good))
+    broken = [
+        ({k: v for k, v in good.items() if k != first}, f"missing: {first}"),
+        ({**good, "extra.weight": torch.zeros(1)}, "unexpected: extra.weight"),
+        ({**good, first: torch.zeros(1)}, f"mis-shaped: {first} (1,)"),
+    ]
+    for state, named in broken:
+        with pytest.raises(ValueError, match=re.escape(named)):
+            sampler.load_weights(state, version=4)
+        assert sampler.policy_version == 3
+        assert all(torch.equal(tensor, before[name]) for name, tensor in sampler.model.state_dict().items())
+    sampler.load_weights(good, version=4)
+    assert sampler.policy_version == 4

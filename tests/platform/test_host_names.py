@@ -76,7 +76,7 @@ def test_a_generator_name_that_is_an_inventory_host_pins_the_run_there(team):
     (["placement.trainer.hosts=[node-a]"], "placement.trainer.hosts"),
     # the local backend runs in one process on an inventory host
     (["placement.backend=local", "placement.generator.hosts=[]", "drills=[]", "generator.replicas=1",
-      "trainer.recover_failures=0", "placement.replay_buffer.hosts=[nowhere]"], "placement.replay_buffer.hosts"),
+      "trainer.recover_failures=0", "failover={}", "placement.replay_buffer.hosts=[nowhere]"], "placement.replay_buffer.hosts"),
 ])
 def test_names_that_cannot_be_scheduled_are_refused_at_their_field_and_line(client, team, overrides, field):
     _host("this-machine")

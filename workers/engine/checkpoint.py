@@ -45,8 +45,11 @@ def save_checkpoint(
     model_folder: str | Path,
     keep_last: int,
 ) -> Path:
-    """Write step_NNNNNN atomically (temp folder, then rename) and prune to the newest keep_last.
+    """Write step_NNNNNN atomically (temp folder, then rename) and prune to this run's newest keep_last.
 
+    This run's checkpoints are the ones at or before `step`: a folder can also hold later steps of an
+    older run (a rerun, or a resume into the same folder), and those are neither counted nor deleted.
+    So the one just written is always the newest kept and the returned path always exists.
     The states are full (unsharded): `sharding.full_model_state` / `full_optimizer_state`.
     """
     folder = Path(folder)
@@ -73,16 +76,23 @@ def save_checkpoint(
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
-    for old in list_checkpoints(folder)[:-keep_last]:
+    this_run = [path for path in list_checkpoints(folder) if checkpoint_step(path) <= step]
+    for old in this_run[:-keep_last]:
         shutil.rmtree(old)
     return final
 
 
+def checkpoint_step(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
+
+
 def list_checkpoints(folder: str | Path) -> list[Path]:
+    """The complete step_* folders, oldest step first."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.glob("step_*") if (p / STATE_FILE).is_file())
+    found = [p for p in folder.glob("step_*") if p.name.removeprefix("step_").isdigit() and (p / STATE_FILE).is_file()]
+    return sorted(found, key=checkpoint_step)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

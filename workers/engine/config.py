@@ -165,6 +165,8 @@ class GeneratorConfig(_Section):
 class OptimizerConfig(_Section):
     name: Literal["adamw", "sgd"] = "adamw"
     lr: Annotated[float, Field(gt=0.0, le=1.0)] = 1e-4
+    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
+        default=(0.9, 0.95), description="adamw: the decay rates of the gradient's running mean and of its square")
     weight_decay: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     warmup_steps: NonNegativeInt = 0
     schedule: Literal["constant", "cosine", "linear"] = "constant"
@@ -201,6 +203,9 @@ class TrainerConfig(_Section):
 class GrpoConfig(_Section):
     group_size: Annotated[int, Field(ge=2, le=1024)] = 8
     clip_epsilon: Annotated[float, Field(gt=0.0, le=1.0)] = 0.2
+    dual_clip: Annotated[float, Field(gt=1.0, le=100.0)] | None = Field(
+        default=3.0, description="dual-clip PPO's c (Ye et al. 2020): a token with a negative advantage loses at most "
+                                 "c * |A| however large its ratio; null: no bound")
     kl_coef: Annotated[float, Field(ge=0.0, le=10.0)] = 0.0
     loss_aggregation: Literal["token", "sequence"] = "token"
     mode: Literal["sync", "async", "pipelined"] = Field(
@@ -378,6 +383,8 @@ def _cross_field_errors(config: RunConfig) -> list[FieldError]:
     if config.grpo.kl_coef > 0.0 and not config.reference.enabled:
         errors.append(FieldError("grpo.kl_coef", "a KL penalty needs a reference model: set reference.enabled: true"))
     monarch_grpo = config.recipe == Recipe.GRPO and config.placement.runs_on_monarch
+    errors.extend(unused_option_errors(config, monarch_grpo=monarch_grpo))
+    errors.extend(replay_buffer_errors(config))
     if config.drills and not monarch_grpo:
         errors.append(FieldError("drills", "fault drills need the Monarch GRPO recipe: recipe: grpo, placement.backend: monarch"))
     if config.grpo.mode == "pipelined":
@@ -403,6 +410,42 @@ def _cross_field_errors(config: RunConfig) -> list[FieldError]:
     for i, drill in enumerate(config.drills):
         errors.extend(FieldError(f"drills.{i}.{field}", message) for field, message in drill_target_problems(config, drill))
     return errors
+
+
+def unused_option_errors(config: RunConfig, *, monarch_grpo: bool) -> list[FieldError]:
+    """Options changed from their defaults where nothing reads them. A value equal to its default is accepted: a
+    snapshot's full dump writes every field."""
+    errors = []
+    if config.grpo.mode == "sync" and config.grpo.max_policy_age:
+        errors.append(FieldError("grpo.max_policy_age", "sync mode trains on-policy (age 0): set grpo.mode: async to "
+                                                         "train on older rollouts, or max_policy_age to 0"))
+    if not monarch_grpo:
+        errors.extend(FieldError(f"failover.{name}", "failover applies to the Monarch GRPO recipe's replicas: "
+                                                     "recipe: grpo, placement.backend: monarch")
+                      for name in changed_fields(config.failover))
+    optimizer = config.trainer.optimizer
+    if optimizer.name != "adamw" and "betas" in changed_fields(optimizer):
+        errors.append(FieldError("trainer.optimizer.betas", f"betas are AdamW's; {optimizer.name} has none"))
+    return errors
+
+
+def changed_fields(section: _Section) -> list[str]:
+    return [name for name, field in type(section).model_fields.items() if getattr(section, name) != field.default]
+
+
+def replay_buffer_errors(config: RunConfig) -> list[FieldError]:
+    """Async GRPO keeps max_policy_age + 1 batches buffered or in flight: the buffer (counted in rollouts, at least
+    one batch) must hold them all, or it evicts batches the trainer is waiting for."""
+    if config.recipe != Recipe.GRPO or config.grpo.mode != "async" or not config.grpo.max_policy_age:
+        return []
+    batch = config.trainer.batch_size * config.grpo.group_size
+    batches = config.grpo.max_policy_age + 1
+    if config.replay_buffer.capacity >= batches * batch:
+        return []
+    return [FieldError("replay_buffer.capacity", f"holds {config.replay_buffer.capacity} rollouts, but async mode keeps "
+                                                 f"max_policy_age + 1 = {batches} batches of {batch} rollouts "
+                                                 f"(trainer.batch_size x grpo.group_size) buffered: set at least "
+                                                 f"{batches * batch}")]
 
 
 PLACED_ROLES = ("trainer", "generator", "reference", "reward", "replay_buffer")

@@ -124,7 +124,7 @@ def accumulate_gradients(
         logprobs, entropy = token_logprobs(model(micro.inputs), micro.targets, temperature)
         loss, part = grpo_loss(
             logprobs, micro.behaviour_logprobs, micro.advantages, micro.response_mask,
-            clip_epsilon=grpo.clip_epsilon, aggregation=grpo.loss_aggregation, kl_coef=grpo.kl_coef,
+            clip_epsilon=grpo.clip_epsilon, dual_clip=grpo.dual_clip, aggregation=grpo.loss_aggregation, kl_coef=grpo.kl_coef,
             ref_logprobs=None if ref_logprobs is None else ref_logprobs[i], entropy=entropy.detach(),
             normalizer=normalizer,
         )

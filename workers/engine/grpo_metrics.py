@@ -29,6 +29,7 @@ def update_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
         "ratio/max": max(p["ratio_max"] for p in parts),
         "ratio/min": min(p["ratio_min"] for p in parts),
         "clip_fraction": _weighted_mean(parts, "clip_fraction"),
+        "dual_clip_fraction": _weighted_mean(parts, "dual_clip_fraction"),
         "entropy": _weighted_mean(parts, "entropy"),
     }
     if any("kl" in p for p in parts):

@@ -13,6 +13,7 @@ the untruncated tempered one (what the trainer can recompute).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,19 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
 
 
+def check_weights_fit(expected: Mapping[str, torch.Size], state_dict: Mapping[str, torch.Tensor]) -> None:
+    """ValueError naming every missing, unexpected and mis-shaped weight of a synced state dict, so a broken sync
+    fails before any weight changes instead of serving the old ones under a new policy version."""
+    missing = sorted(expected.keys() - state_dict.keys())
+    unexpected = sorted(state_dict.keys() - expected.keys())
+    shapes = [f"{name} {tuple(state_dict[name].shape)} (the model's: {tuple(expected[name])})"
+              for name in sorted(expected.keys() & state_dict.keys()) if state_dict[name].shape != expected[name]]
+    problems = [f"{what}: {', '.join(names)}" for what, names in
+                (("missing", missing), ("unexpected", unexpected), ("mis-shaped", shapes)) if names]
+    if problems:
+        raise ValueError("the weights do not fit the model; " + "; ".join(problems))
+
+
 class TorchSampler:
     def __init__(self, model: nn.Module, *, eos_token_ids: list[int], pad_id: int, policy_version: int = 0):
         self.model = model
@@ -54,8 +68,9 @@ class TorchSampler:
         self.policy_version = policy_version
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Weight sync: take the trainer's (torchtitan) state dict and its policy version."""
-        self.model.load_state_dict(state_dict, strict=False)
+        """Weight sync: take the trainer's (torchtitan) state dict, every weight of the model, and its policy version."""
+        check_weights_fit({name: tensor.shape for name, tensor in self.model.state_dict().items()}, state_dict)
+        self.model.load_state_dict(state_dict)
         self.policy_version = version
 
     @torch.no_grad()

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from workers.engine.batching import collate_sft
-from workers.engine.config import OptimizerConfig
+from workers.engine.config import OptimizerConfig, RunConfig
 from workers.engine.losses import sft_loss
 from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.rewards import CombinedReward, exact_math
@@ -29,6 +29,7 @@ def setup_process(*, threads: int, seed: int) -> None:
 
 
 def resolve_device(name: str) -> torch.device:
+    """trainer.device in this process; auto means the same for every role: cuda when this process sees one."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
@@ -36,10 +37,20 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def single_process_device(config: RunConfig) -> torch.device:
+    """The device of a recipe run in one process: placement.trainer.gpus_per_proc 1 holds a GPU there, as it does
+    for a Monarch trainer rank."""
+    if not config.placement.trainer.gpus_per_proc:
+        return resolve_device(config.trainer.device)
+    if not torch.cuda.is_available():
+        raise RuntimeError("placement.trainer.gpus_per_proc is 1 but no CUDA device is available")
+    return torch.device("cuda")
+
+
 def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     if config.name == "adamw":
-        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=config.betas)
     return torch.optim.SGD(params, lr=config.lr, weight_decay=config.weight_decay)
 
 

@@ -8,6 +8,7 @@ from workers.engine.actors.faults import FaultInjectableActor
 from workers.engine.actors.devices import bind_proc_gpus
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.models.hf_folder import load_pretrained
+from workers.engine.training import resolve_device
 from workers.engine.sampler import Completion, SamplingParams, TorchSampler
 
 
@@ -17,7 +18,7 @@ class GeneratorActor(FaultInjectableActor):
     def __init__(self, model_folder: str, dtype: str, device: str):
         set_proc_threads()
         bind_proc_gpus()  # placement gpus_per_proc: CUDA shows this proc its own GPU only
-        loaded = load_pretrained(model_folder, dtype=dtype, device=device)
+        loaded = load_pretrained(model_folder, dtype=dtype, device=resolve_device(device))
         loaded.model.eval().requires_grad_(False)
         self.sampler = TorchSampler(loaded.model, eos_token_ids=loaded.tokenizer.eos_token_ids,
                                     pad_id=loaded.tokenizer.pad_id, policy_version=0)

@@ -8,6 +8,7 @@ from workers.engine.actors.devices import bind_proc_gpus
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.batching import collate_rollouts
 from workers.engine.models.hf_folder import load_pretrained
+from workers.engine.training import resolve_device
 from workers.engine.grpo_math import reference_logprobs
 from workers.engine.replay_buffer import RolloutBatchRecord
 
@@ -18,7 +19,7 @@ class ReferenceActor(FaultInjectableActor):
     def __init__(self, model_folder: str, dtype: str, device: str):
         set_proc_threads()
         bind_proc_gpus()  # placement gpus_per_proc: CUDA shows this proc its own GPU only
-        loaded = load_pretrained(model_folder, dtype=dtype, device=device)
+        loaded = load_pretrained(model_folder, dtype=dtype, device=resolve_device(device))
         self.model = loaded.model.eval().requires_grad_(False)
         self.pad_id = loaded.tokenizer.pad_id
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 
+import torch
 from monarch.actor import endpoint
 
 from workers.engine.actors.faults import FaultInjectableActor
@@ -21,7 +22,7 @@ from workers.engine.actors.devices import bind_proc_gpus
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.models.hf_folder import read_hf_config
 from workers.engine.models.titan import model_config_from_hf, state_dict_adapter
-from workers.engine.sampler import Completion, SamplingParams
+from workers.engine.sampler import Completion, SamplingParams, check_weights_fit
 
 
 def vllm_proc_env(*, kv_cache_gib: int = 1) -> None:
@@ -40,7 +41,10 @@ class VllmGeneratorActor(FaultInjectableActor):
 
         self._sampling_params = VllmSamplingParams
         self.hf_config = read_hf_config(model_folder)
-        self.adapter = state_dict_adapter(self.hf_config, model_config_from_hf(self.hf_config))
+        titan_config = model_config_from_hf(self.hf_config)
+        self.adapter = state_dict_adapter(self.hf_config, titan_config)
+        with torch.device("meta"):
+            self.weight_shapes = {name: tensor.shape for name, tensor in titan_config.build().state_dict().items()}
         self.llm = LLM(model=model_folder, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed,
                        logprobs_mode="processed_logprobs")
         self.llm.generate([{"prompt_token_ids": [0, 1, 2]}], self._sampling_params(max_tokens=2), use_tqdm=False)  # one-time warm-up
@@ -68,6 +72,7 @@ class VllmGeneratorActor(FaultInjectableActor):
         """Takes the trainer's torchtitan state dict; converts to HF names and reloads in place."""
         self.before_work(state_dict, may_raise=False)
         start = time.perf_counter()
+        check_weights_fit(self.weight_shapes, state_dict)
         items = list(self.adapter.to_hf(dict(state_dict)).items())
         self.llm.collective_rpc(lambda worker, items: worker.model_runner.reload_weights(weights_iterator=iter(items)),
                                 args=(items,))

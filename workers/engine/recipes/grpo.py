@@ -46,7 +46,7 @@ from workers.engine.step_end import StepEnd
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
 from workers.engine.training import (
-    EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, mfu, resolve_device, setup_process,
+    EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, mfu, setup_process, single_process_device,
     train_tokens_per_second,
 )
 
@@ -77,7 +77,7 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
     recorder.event("dataset", step=0, **task.summary())
 
     # --- setup: policy (trainer), generator copy, optional frozen reference -------------
-    device = resolve_device(trainer_cfg.device)
+    device = single_process_device(cfg)
     loaded = load_pretrained(cfg.model.path, family=cfg.model.family, dtype=cfg.model.dtype, device=device)
     model, tokenizer = loaded.model, loaded.tokenizer
     model.train()

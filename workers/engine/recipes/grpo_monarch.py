@@ -142,7 +142,7 @@ class MonarchGrpoRun:
                                  step=lambda: state.step, policy_version=lambda: state.policy_version)
         self.waits = Waits(config=config.failover)
         trainer_cfg = config.trainer
-        device = trainer_cfg.device if trainer_cfg.device != "auto" else "cpu"
+        device = trainer_cfg.device  # each proc resolves auto itself (training.resolve_device)
         ranks_per_host = (config.placement.trainer.procs_per_host or trainer_cfg.ranks) if hosts.workers else trainer_cfg.ranks
         self.placer = Placer(placement=config.placement, hosts=hosts, device=device, trainer_ranks=trainer_cfg.ranks,
                              ranks_per_host=ranks_per_host, groups=self.groups)

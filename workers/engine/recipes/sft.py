@@ -27,7 +27,7 @@ from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
 from workers.engine.training import (
     EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, grad_norm_and_clip, held_out_nll, mfu,
-    resolve_device, setup_process, train_tokens_per_second,
+    setup_process, single_process_device, train_tokens_per_second,
 )
 
 
@@ -53,7 +53,7 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
 
     task = build_task(cfg)  # a row it cannot use stops the run before the model loads
     recorder.event("dataset", step=0, **task.summary())
-    device = resolve_device(trainer_cfg.device)
+    device = single_process_device(cfg)
     loaded = load_pretrained(cfg.model.path, family=cfg.model.family, dtype=cfg.model.dtype, device=device)
     model, tokenizer = loaded.model, loaded.tokenizer
     model.train()

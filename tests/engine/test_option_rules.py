@@ -1,0 +1,70 @@
+"""Options that would do nothing where they are set are refused at validation, naming the field and the reason;
+a value equal to its default is not (a snapshot's full dump writes every field)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from workers.engine.config import ConfigError, config_to_yaml, load_config
+from workers.engine.training import build_optimizer, single_process_device
+
+GRPO = "recipe: grpo\nmodel: {path: /x}\n"
+MONARCH = "placement.backend=monarch"
+
+
+def _errors(*overrides: str, text: str = GRPO) -> dict[str, str]:
+    with pytest.raises(ConfigError) as caught:
+        load_config(text, overrides=list(overrides))
+    return {e.field: e.message for e in caught.value.errors}
+
+
+def test_a_buffer_that_cannot_hold_max_policy_age_plus_one_batches_is_refused() -> None:
+    small = ("grpo.mode=async", "grpo.max_policy_age=1", "trainer.batch_size=2", "grpo.group_size=2")
+    message = _errors(*small, "replay_buffer.capacity=1")["replay_buffer.capacity"]
+    assert "2 batches of 4 rollouts" in message and "at least 8" in message
+    assert "replay_buffer.capacity" in _errors(*small, "replay_buffer.capacity=7", MONARCH)
+    assert load_config(GRPO, overrides=[*small, "replay_buffer.capacity=8"]).replay_buffer.capacity == 8
+    # sync: one batch, and the buffer always holds one whatever its capacity
+    assert load_config(GRPO, overrides=["replay_buffer.capacity=1"]).replay_buffer.capacity == 1
+
+
+def test_max_policy_age_outside_async_mode_is_refused() -> None:
+    assert "grpo.mode: async" in _errors("grpo.max_policy_age=2")["grpo.max_policy_age"]
+    assert load_config(GRPO, overrides=["grpo.mode=sync", "grpo.max_policy_age=0"]).grpo.max_policy_age == 0
+    assert load_config(GRPO, overrides=["grpo.mode=async", "grpo.max_policy_age=2"]).grpo.max_policy_age == 2
+
+
+def test_failover_off_monarch_is_refused_per_field() -> None:
+    errors = _errors("failover.max_retries=5", "failover.warm_spares=1")
+    assert set(errors) == {"failover.max_retries", "failover.warm_spares"}
+    assert "placement.backend: monarch" in errors["failover.max_retries"]
+    assert "failover.call_timeout_s" in _errors("failover.call_timeout_s=10", text="recipe: sft\nmodel: {path: /x}\n")
+    assert load_config(GRPO, overrides=[MONARCH, "failover.max_retries=5"]).failover.max_retries == 5
+
+
+def test_full_dumps_of_default_configs_still_validate() -> None:
+    for text in (GRPO, "recipe: sft\nmodel: {path: /x}\n"):
+        config = load_config(text, overrides=["trainer.optimizer.name=sgd"])
+        assert load_config(config_to_yaml(config)) == config
+
+
+def test_adamw_betas_are_set_and_used_and_refused_for_sgd() -> None:
+    config = load_config(GRPO, overrides=["trainer.optimizer.betas=[0.8, 0.99]"])
+    optimizer = build_optimizer(nn.Linear(2, 2), config.trainer.optimizer)
+    assert optimizer.param_groups[0]["betas"] == (0.8, 0.99)
+    default = build_optimizer(nn.Linear(2, 2), load_config(GRPO).trainer.optimizer)
+    assert default.param_groups[0]["betas"] == (0.9, 0.95)
+    assert "sgd has none" in _errors("trainer.optimizer.name=sgd", "trainer.optimizer.betas=[0.8, 0.99]")[
+        "trainer.optimizer.betas"]
+    assert "trainer.optimizer.betas.1" in _errors("trainer.optimizer.betas=[0.9, 1.0]")
+
+
+def test_a_trainer_gpu_in_one_process_is_a_gpu_or_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="placement.trainer.gpus_per_proc"):
+        single_process_device(load_config(GRPO, overrides=["placement.trainer.gpus_per_proc=1"]))
+    assert single_process_device(load_config(GRPO)) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert single_process_device(load_config(GRPO, overrides=["placement.trainer.gpus_per_proc=1"])).type == "cuda"
