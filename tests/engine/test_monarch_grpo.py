@@ -141,3 +141,33 @@ def test_data_parallel_step_equals_single_process_step(sft_warm_start: tuple[Pat
     assert results[0]["grad_norm"] == pytest.approx(update.grad_norm, rel=1e-5)
     single_state = model.state_dict()
     assert max((distributed_state[k] - single_state[k]).abs().max().item() for k in single_state) < 1e-6
+
+
+def test_the_reward_actor_scores_dr_grpo_advantages_without_the_std_division(tiny_qwen3: Path) -> None:
+    """Dr. GRPO on Monarch: the reward proc is given the loss's advantage rule (A = r - group mean)."""
+    from workers.engine.actors.procs import spawn_procs
+    from workers.engine.actors.reward import RewardActor
+    from workers.engine.models.tokenizer import ChatTokenizer
+    from workers.engine.sampler import Completion
+    from workers.engine.tasks import Problem
+
+    assert RunConfig.model_validate({"recipe": "grpo", "model": {"path": "/m"}, "grpo": {"loss": "dr_grpo"},
+                                     "placement": {"backend": "monarch"}}).grpo.std_normalised_advantages is False
+    tokenizer = ChatTokenizer(str(tiny_qwen3))
+    problems = [Problem(messages=[{"role": "user", "content": "1+1="}], response=None, answer="2")]
+    prompts = [tokenizer.encode_prompt(problems[0].messages)] * 4
+    replies = ["2", "3", "2", "5"]  # rewards 1, 0, 1, 0: mean 0.5, std 0.5
+    completions = [Completion(prompt_ids=prompts[0], token_ids=(ids := tokenizer.encode(text)), logprobs=[-1.0] * len(ids),
+                              finished=True) for text in replies]
+    procs = spawn_procs(1, threads=1)
+    try:
+        advantages = {}
+        for std_normalised in (True, False):
+            actor = procs.spawn(f"reward_{std_normalised}", RewardActor, str(tiny_qwen3), ["exact_math"], None,
+                                std_normalised)
+            record = actor.score.call_one(problems, prompts, completions, 4).get()
+            advantages[std_normalised] = record.advantages
+    finally:
+        procs.stop().get()
+    assert advantages[False] == pytest.approx([0.5, -0.5, 0.5, -0.5])
+    assert advantages[True] == pytest.approx([1.0, -1.0, 1.0, -1.0], abs=1e-4)

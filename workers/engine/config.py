@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -200,14 +201,52 @@ class TrainerConfig(_Section):
     )
 
 
+LossName = Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"]
+LossAggregation = Literal["token", "sequence", "sequence_sum", "constant"]
+
+
+@dataclass(frozen=True)
+class LossDefaults:
+    """What a policy loss sets when the config leaves it unset (workers/engine/losses.py names each paper)."""
+    aggregation: LossAggregation
+    clip_epsilon_low: float | None  # None: grpo.clip_epsilon
+    clip_epsilon_high: float | None  # None: grpo.clip_epsilon
+    std_normalised_advantages: bool
+
+
+LOSS_DEFAULTS: dict[str, LossDefaults] = {
+    "grpo": LossDefaults("token", None, None, std_normalised_advantages=True),
+    "dapo": LossDefaults("token", 0.2, 0.28, std_normalised_advantages=True),
+    "dr_grpo": LossDefaults("constant", None, None, std_normalised_advantages=False),
+    "gspo": LossDefaults("sequence", 3e-4, 4e-4, std_normalised_advantages=True),
+    "cispo": LossDefaults("token", 1.0, 5.0, std_normalised_advantages=True),
+}
+
+
 class GrpoConfig(_Section):
     group_size: Annotated[int, Field(ge=2, le=1024)] = 8
+    loss: LossName = Field(
+        default="grpo", description="grpo: PPO-clipped ratio; dapo: clip-higher; dr_grpo: no std normalisation, constant "
+                                    "length normaliser; gspo: sequence-level ratio; cispo: clipped stop-gradient importance "
+                                    "weight. Unset aggregation and epsilons take the loss's defaults (config.LOSS_DEFAULTS)")
     clip_epsilon: Annotated[float, Field(gt=0.0, le=1.0)] = 0.2
+    clip_epsilon_low: Annotated[float, Field(gt=0.0, le=1.0)] | None = Field(
+        default=None, description="the ratio's lower bound 1 - eps; unset: the loss's default, else clip_epsilon")
+    clip_epsilon_high: Annotated[float, Field(gt=0.0, le=10.0)] | None = Field(
+        default=None, description="the ratio's upper bound 1 + eps; unset: the loss's default, else clip_epsilon")
     dual_clip: Annotated[float, Field(gt=1.0, le=100.0)] | None = Field(
         default=3.0, description="dual-clip PPO's c (Ye et al. 2020): a token with a negative advantage loses at most "
                                  "c * |A| however large its ratio; null: no bound")
     kl_coef: Annotated[float, Field(ge=0.0, le=10.0)] = 0.0
-    loss_aggregation: Literal["token", "sequence"] = "token"
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        default="k3", description="Schulman's estimators of KL(policy || reference) per token: k1 log-ratio, k2 half its "
+                                  "square, k3 exp(-log-ratio) + log-ratio - 1")
+    entropy_coef: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
+        default=0.0, description="an entropy bonus: the loss subtracts this x each response token's entropy")
+    loss_aggregation: LossAggregation | None = Field(
+        default=None, description="token: mean over the batch's response tokens; sequence: mean over sequences of each "
+                                  "one's token mean; sequence_sum: mean over sequences of each one's token sum; constant: "
+                                  "token sum / (sequences x generator.max_new_tokens). Unset: the loss's default")
     mode: Literal["sync", "async", "pipelined"] = Field(
         default="sync",
         description="sync: generate a batch, then train on it; async: generators run up to max_policy_age batches "
@@ -217,6 +256,26 @@ class GrpoConfig(_Section):
     pipeline_chunks: Annotated[int, Field(ge=2, le=64)] = Field(
         default=4, description="pipelined mode: generation requests per step (whole groups each); each is scored and "
                                "trained on as soon as it returns")
+
+    @property
+    def aggregation(self) -> LossAggregation:
+        return self.loss_aggregation or LOSS_DEFAULTS[self.loss].aggregation
+
+    @property
+    def clip_low(self) -> float:
+        return _first_set(self.clip_epsilon_low, LOSS_DEFAULTS[self.loss].clip_epsilon_low, self.clip_epsilon)
+
+    @property
+    def clip_high(self) -> float:
+        return _first_set(self.clip_epsilon_high, LOSS_DEFAULTS[self.loss].clip_epsilon_high, self.clip_epsilon)
+
+    @property
+    def std_normalised_advantages(self) -> bool:
+        return LOSS_DEFAULTS[self.loss].std_normalised_advantages
+
+
+def _first_set(*values: float | None) -> float:
+    return next(v for v in values if v is not None)
 
 
 class ReferenceConfig(_Section):
@@ -423,6 +482,17 @@ def unused_option_errors(config: RunConfig, *, monarch_grpo: bool) -> list[Field
         errors.extend(FieldError(f"failover.{name}", "failover applies to the Monarch GRPO recipe's replicas: "
                                                      "recipe: grpo, placement.backend: monarch")
                       for name in changed_fields(config.failover))
+    grpo, changed_grpo = config.grpo, changed_fields(config.grpo)
+    defaults = LOSS_DEFAULTS[grpo.loss]
+    clip_epsilon_read = ((grpo.clip_epsilon_low is None and defaults.clip_epsilon_low is None)
+                         or (grpo.clip_epsilon_high is None and defaults.clip_epsilon_high is None))
+    if "clip_epsilon" in changed_grpo and not clip_epsilon_read:
+        errors.append(FieldError("grpo.clip_epsilon", f"both bounds come from grpo.clip_epsilon_low / _high or {grpo.loss}'s "
+                                                      "own epsilons: set those instead"))
+    if grpo.loss == "cispo" and "dual_clip" in changed_grpo:
+        errors.append(FieldError("grpo.dual_clip", "cispo caps its importance weight itself: dual_clip does not apply"))
+    if not config.reference.enabled and "kl_estimator" in changed_grpo:
+        errors.append(FieldError("grpo.kl_estimator", "a KL estimate needs a reference model: set reference.enabled: true"))
     optimizer = config.trainer.optimizer
     if optimizer.name != "adamw" and "betas" in changed_fields(optimizer):
         errors.append(FieldError("trainer.optimizer.betas", f"betas are AdamW's; {optimizer.name} has none"))

@@ -24,13 +24,14 @@ from workers.engine.training import grad_norm_and_clip
 
 def score_rollouts(
     problems: list[Problem], prompts: list[list[int]], completions: list[Completion], reward: CombinedReward,
-    tokenizer: ChatTokenizer, *, group_size: int,
+    tokenizer: ChatTokenizer, *, group_size: int, std_normalised: bool = True,
 ) -> RolloutBatchRecord:
-    """Reward every completion and normalise advantages within each prompt's group."""
+    """Reward every completion and normalise advantages within each prompt's group (`std_normalised`:
+    GrpoConfig.std_normalised_advantages, which the Monarch reward actor is given too)."""
     texts = [tokenizer.decode_reply(c.token_ids) for c in completions]
     scores = [reward(problems[i // group_size], text, c.finished) for i, (text, c) in enumerate(zip(texts, completions))]
     rewards = torch.tensor([s.total for s in scores])
-    advantages = group_advantages(rewards, group_size)
+    advantages = group_advantages(rewards, group_size, std_normalised=std_normalised)
     return RolloutBatchRecord(
         prompts=prompts, responses=[c.token_ids for c in completions], logprobs=[c.logprobs for c in completions],
         rewards=rewards.tolist(), advantages=advantages.tolist(), policy_version=min(c.policy_version for c in completions),
@@ -40,9 +41,16 @@ def score_rollouts(
     )
 
 
-def loss_normalizer(batch: RolloutBatch, aggregation: str) -> float:
-    """Response tokens (token aggregation) or sequences (sequence aggregation) of the whole step's batch."""
-    return float(batch.response_mask.sum()) if aggregation == "token" else float(len(batch))
+def loss_normalizer(batch: RolloutBatch, aggregation: str, *, max_new_tokens: int | None = None) -> float:
+    """Of the whole step's batch: response tokens (token aggregation), sequences (sequence, sequence_sum), or
+    sequences x generator.max_new_tokens (constant)."""
+    if aggregation == "token":
+        return float(batch.response_mask.sum())
+    if aggregation == "constant":
+        if max_new_tokens is None:
+            raise ValueError("the constant normaliser needs generator.max_new_tokens")
+        return float(len(batch) * max_new_tokens)
+    return float(len(batch))
 
 
 @torch.no_grad()
@@ -121,11 +129,13 @@ def accumulate_gradients(
             zero_weighted_pass(model, filler)
             continue
         micro = batch.rows(starts[i], starts[i] + micro_batch_size)
-        logprobs, entropy = token_logprobs(model(micro.inputs), micro.targets, temperature)
+        logprobs, entropy = token_logprobs(model(micro.inputs), micro.targets, temperature,
+                                           entropy_grad=grpo.entropy_coef > 0.0)
         loss, part = grpo_loss(
             logprobs, micro.behaviour_logprobs, micro.advantages, micro.response_mask,
-            clip_epsilon=grpo.clip_epsilon, dual_clip=grpo.dual_clip, aggregation=grpo.loss_aggregation, kl_coef=grpo.kl_coef,
-            ref_logprobs=None if ref_logprobs is None else ref_logprobs[i], entropy=entropy.detach(),
+            clip_epsilon=grpo.clip_low, clip_epsilon_high=grpo.clip_high, dual_clip=grpo.dual_clip, loss=grpo.loss,
+            aggregation=grpo.aggregation, kl_coef=grpo.kl_coef, kl_estimator=grpo.kl_estimator,
+            ref_logprobs=None if ref_logprobs is None else ref_logprobs[i], entropy=entropy, entropy_coef=grpo.entropy_coef,
             normalizer=normalizer,
         )
         loss.backward()

@@ -31,6 +31,8 @@ def update_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
         "clip_fraction": _weighted_mean(parts, "clip_fraction"),
         "dual_clip_fraction": _weighted_mean(parts, "dual_clip_fraction"),
         "entropy": _weighted_mean(parts, "entropy"),
+        "mismatch/abs_mean": _weighted_mean(parts, "mismatch_abs_mean"),
+        "mismatch/abs_max": max(p["mismatch_abs_max"] for p in parts),
     }
     if any("kl" in p for p in parts):
         metrics["kl"] = _weighted_mean(parts, "kl")

@@ -13,15 +13,18 @@ from workers.engine.tasks import Problem
 
 
 class RewardActor(FaultInjectableActor):
-    """Decodes completions, scores them, and normalises advantages per group."""
+    """Decodes completions, scores them, and normalises advantages per group (divided by the group's std unless
+    `std_normalised` is False: Dr. GRPO)."""
 
-    def __init__(self, model_folder: str, functions: list[str], weights: list[float] | None):
+    def __init__(self, model_folder: str, functions: list[str], weights: list[float] | None, std_normalised: bool):
         set_proc_threads()
         self.tokenizer = ChatTokenizer(model_folder)
         self.reward = CombinedReward(functions, weights)
+        self.std_normalised = std_normalised
 
     @endpoint
     def score(self, problems: list[Problem], prompts: list[list[int]], completions: list[Completion],
               group_size: int) -> RolloutBatchRecord:
         self.before_work(problems, prompts, completions)
-        return score_rollouts(problems, prompts, completions, self.reward, self.tokenizer, group_size=group_size)
+        return score_rollouts(problems, prompts, completions, self.reward, self.tokenizer, group_size=group_size,
+                              std_normalised=self.std_normalised)

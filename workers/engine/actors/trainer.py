@@ -116,7 +116,7 @@ class TrainerActor(FaultInjectableActor):
         update = policy_update(
             self.model, self.optimizer, self.scheduler, shard, grpo=cfg.grpo, temperature=cfg.generator.temperature,
             micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.optimizer.grad_clip,
-            normalizer=loss_normalizer(batch, cfg.grpo.loss_aggregation), ref_logprobs=ref,
+            normalizer=loss_normalizer(batch, cfg.grpo.aggregation, max_new_tokens=cfg.generator.max_new_tokens), ref_logprobs=ref,
             reduce_gradients=all_reduce_gradients if self.world > 1 and not self.sharded else None,
             passes=self._passes(per_rank), filler=batch.rows(0, 1),
         )
@@ -138,7 +138,7 @@ class TrainerActor(FaultInjectableActor):
         )
         step = self._step_so_far
         step["loss"] += loss
-        step["normalizer"] += loss_normalizer(batch, cfg.grpo.loss_aggregation)
+        step["normalizer"] += loss_normalizer(batch, cfg.grpo.aggregation, max_new_tokens=cfg.generator.max_new_tokens)
         step["parts"].extend(parts)
         step["train_tokens"] += int(shard.inputs.numel())
         step["filler"] = batch.rows(0, 1)

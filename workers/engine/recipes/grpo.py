@@ -126,7 +126,8 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
             completions = generator.generate(prompts, sampling, seed=trainer_cfg.seed * 1_000_003 + generations)
         generations += 1
         with timer.phase("reward"):
-            buffer.put(score_rollouts(problems, prompts, completions, reward, tokenizer, group_size=grpo.group_size))
+            buffer.put(score_rollouts(problems, prompts, completions, reward, tokenizer, group_size=grpo.group_size,
+                                      std_normalised=grpo.std_normalised_advantages))
         return sum(len(c.token_ids) for c in completions)
 
     def run_eval(step: int) -> EvalResult:
@@ -173,7 +174,7 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
         staleness[age] += 1
         batch = collate_rollouts(batch_record.prompts, batch_record.responses, batch_record.logprobs,
                                  batch_record.advantages, pad_id=tokenizer.pad_id).to(device)
-        normalizer = loss_normalizer(batch, grpo.loss_aggregation)
+        normalizer = loss_normalizer(batch, grpo.aggregation, max_new_tokens=cfg.generator.max_new_tokens)
 
         # 4. reference log-probs
         ref_logprobs = None

@@ -240,7 +240,7 @@ class MonarchGrpoRun:
                                                    self.placer.role_device("generator"))
         if role == "reward":
             return lambda procs, name: procs.spawn(name, RewardActor, model.path, list(cfg.reward.functions),
-                                                   cfg.reward.weights)
+                                                   cfg.reward.weights, cfg.grpo.std_normalised_advantages)
         return lambda procs, name: procs.spawn(name, ReferenceActor, model.path, model.dtype,
                                                self.placer.role_device("reference"))
 
