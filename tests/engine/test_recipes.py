@@ -126,23 +126,10 @@ def test_grpo_each_loss_trains(sft_warm_start: tuple[Path, float], make_config, 
         assert (trained.model(ids) - start.model(ids)).abs().max() > 1e-4
 
 
-def test_grpo_raises_held_out_reward(sft_warm_start: tuple[Path, float], make_config) -> None:
-    """Seeded: a short GRPO run from the SFT warm start clearly improves held-out greedy accuracy."""
-    folder, _ = sft_warm_start
-    config = make_config("grpo", folder, *ARITHMETIC, "trainer.steps=70", "trainer.batch_size=16",
-                         "trainer.micro_batch_size=128", "grpo.group_size=8", "trainer.optimizer.lr=5e-4",
-                         "eval.every_steps=70")
-    result = train_grpo(config, Recorder())
-    assert result.first_eval is not None and result.eval is not None
-    start, end = result.first_eval.reward_mean, result.eval.reward_mean
-    print(f"held-out reward {start:.3f} -> {end:.3f}")
-    assert 0.2 <= start <= 0.7
-    assert end >= start + 0.1
-
-
-@pytest.mark.parametrize("loss", ["dapo", "dr_grpo", "gspo", "cispo"])
-def test_each_loss_raises_held_out_reward(sft_warm_start: tuple[Path, float], make_config, loss: str) -> None:
-    """Seeded, as test_grpo_raises_held_out_reward (the grpo loss): every other loss of the family learns too."""
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
+def test_grpo_raises_held_out_reward(sft_warm_start: tuple[Path, float], make_config, loss: str) -> None:
+    """Seeded: a short GRPO run from the SFT warm start clearly improves held-out greedy accuracy, with every loss
+    of the family."""
     folder, _ = sft_warm_start
     config = make_config("grpo", folder, *ARITHMETIC, "trainer.steps=70", "trainer.batch_size=16",
                          "trainer.micro_batch_size=128", "grpo.group_size=8", "trainer.optimizer.lr=5e-4",
