@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from workers.engine.actors.fleet import CallFailed, Failover, Incident, Replica, ReplicaGroup, request_deadline, wait_for
+from workers.engine.actors.fleet import CallFailed, Failover, Incident, Replica, ReplicaGroup, request_deadline
 from workers.engine.controller.waits import Waits
 
 
@@ -54,9 +54,8 @@ class Router:
         while True:
             deadline = request_deadline(typical_s=request.group.service.typical_seconds(), config=config)
             try:
-                result = wait_for(request.future, timeout_s=max(0.01, deadline - (time.monotonic() - request.sent_at)),
-                                  poll_s=config.poll_seconds, tick=self.waits.tick,
-                                  gone=lambda replica=request.replica: replica.lost_with_host)
+                result = self.waits.wait(request.future, gone=lambda replica=request.replica: replica.lost_with_host,
+                                         timeout_s=max(0.01, deadline - (time.monotonic() - request.sent_at)))
             except CallFailed as failure:
                 self._finish(request, None)
                 self.supervisor.check_hosts(now=True)  # asking a replica on a lost host whether it answers would wait

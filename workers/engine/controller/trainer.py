@@ -84,20 +84,24 @@ class TrainerHandle:
             return None
         return next((pid for pid in self.pids if exited(pid)), None)
 
-    def check(self) -> None:
-        """Between train steps: a lost host or an exited rank is a TrainerLost now, not after the next call times out."""
+    def failure(self) -> CallFailed | None:
+        """A lost host or an exited rank, seen without calling the trainer."""
         if (reason := self.gone()) is not None:
-            raise TrainerLost(CallFailed(reason, hung=False))
+            return CallFailed(reason, hung=False)
         if (pid := self.exited_pid()) is not None:
-            raise TrainerLost(CallFailed(f"trainer process {pid} exited", hung=False))
+            return CallFailed(f"trainer process {pid} exited", hung=False)
+        return None
+
+    def check(self) -> None:
+        """Between train steps: a failure is a TrainerLost now, not after the next call times out."""
+        if (failure := self.failure()) is not None:
+            raise TrainerLost(failure)
 
     def train_tick(self) -> None:
         """While a step trains: a rank that exited fails the step now (its peers would wait in the all-reduce)."""
         self.waits.tick()
-        if (reason := self.gone()) is not None:
-            raise CallFailed(reason, hung=False)
-        if (pid := self.exited_pid()) is not None:
-            raise CallFailed(f"trainer process {pid} exited", hung=False)
+        if (failure := self.failure()) is not None:
+            raise failure
 
     def detect(self, failure: CallFailed) -> Noticed:
         """The failure_detected event, once per failure."""
