@@ -18,7 +18,7 @@ from workers.engine.checkpoint import load_checkpoint, save_checkpoint
 from workers.engine.config import RunConfig, load_config
 from workers.engine.metrics import MemorySink, Recorder
 from workers.engine.models.hf_folder import load_pretrained
-from workers.engine.grpo_math import loss_normalizer, policy_update
+from workers.engine.grpo_math import policy_update
 from workers.engine.replay_buffer import RolloutBatchRecord
 from workers.engine.sampler import SamplingParams, TorchSampler
 from workers.engine.training import build_optimizer, build_scheduler
@@ -42,8 +42,7 @@ def _single_process_step(model: torch.nn.Module, optimizer: torch.optim.Optimize
                          config: RunConfig, record: RolloutBatchRecord, pad_id: int):
     batch = collate_rollouts(record.prompts, record.responses, record.logprobs, record.advantages, pad_id=pad_id)
     return policy_update(model, optimizer, scheduler, batch, grpo=config.grpo, temperature=1.0,
-                         micro_batch_size=config.trainer.micro_batch_size, grad_clip=config.trainer.optimizer.grad_clip,
-                         normalizer=loss_normalizer(batch, "token"))
+                         micro_batch_size=config.trainer.micro_batch_size, grad_clip=config.trainer.optimizer.grad_clip)
 
 
 def _single_process(folder: Path, config: RunConfig, record: RolloutBatchRecord):
@@ -79,7 +78,7 @@ def test_fsdp_step_equals_single_process_step_when_a_rank_is_short_of_rows(sft_w
     record = _record(folder, rows=10, seed=1)
     procs, trainer = _sharded_trainer(config, 3)
     try:
-        results = list(trainer.train_step.call(record, None).get().values())
+        results = list(trainer.train_step.call(record, None, 0).get().values())
         states = list(trainer.state_dict.call().get().values())
         trainer.shutdown.call().get()
     finally:
@@ -115,7 +114,7 @@ def test_checkpoints_move_between_unsharded_and_fsdp_trainers(sft_warm_start: tu
     procs, trainer = _sharded_trainer(config, 2)
     try:
         assert list(trainer.load.call(str(plain)).get().values()) == [{"step": 1}] * 2
-        trainer.train_step.call(second, None).get()
+        trainer.train_step.call(second, None, 1).get()
         paths = list(trainer.save.call(2, {"step": 2}).get().values())
         trainer.shutdown.call().get()
     finally:
@@ -164,3 +163,47 @@ def test_grpo_run_with_an_fsdp_trainer_in_bf16(sft_warm_start: tuple[Path, float
     ids = torch.randint(0, 259, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (exported.model(ids) - load_pretrained(folder).model(ids)).abs().max() > 1e-4
+
+
+def test_fsdp_async_correction_computes_pi_old_with_the_batchs_sharded_weights(sft_warm_start: tuple[Path, float]) -> None:
+    """Two steps on FSDP ranks, the second on a batch one version old with a rollout correction and two mini-batches:
+    each rank swaps its shards of the kept version in for pi_old. The result equals one process doing the same."""
+    from workers.engine.behaviour_weights import BehaviourWeights
+    from workers.engine.grpo_math import prepare_old_logprobs
+
+    folder, _ = sft_warm_start
+    config = load_config(f"recipe: grpo\nmodel: {{path: '{folder}'}}\n", overrides=[
+        "placement.backend=monarch", "trainer.ranks=2", "trainer.sharding=fsdp", "trainer.micro_batch_size=3",
+        "trainer.optimizer.lr=0.1", "trainer.optimizer.name=sgd", "grpo.group_size=2", "grpo.mode=async",
+        "grpo.max_policy_age=1", "grpo.mini_batches=2", "grpo.rollout_correction.mode=mask",
+        "grpo.rollout_correction.threshold=1.05",
+    ])
+    first, second = _record(folder, rows=8, seed=4), _record(folder, rows=8, seed=5)  # both made by version 0
+    procs, trainer = _sharded_trainer(config, 2)
+    try:
+        trainer.train_step.call(first, None, 0).get()
+        results = list(trainer.train_step.call(second, None, 1).get().values())
+        states = list(trainer.state_dict.call().get().values())
+        trainer.shutdown.call().get()
+    finally:
+        procs.stop().get()
+
+    loaded = load_pretrained(folder)
+    model = loaded.model.train()
+    optimizer = build_optimizer(model, config.trainer.optimizer)
+    scheduler = build_scheduler(optimizer, config.trainer.optimizer, config.trainer.steps * 2)
+    kept = BehaviourWeights(max_policy_age=1)
+    kept.record(model, version=0)
+    for version, record in enumerate((first, second)):
+        batch = collate_rollouts(record.prompts, record.responses, record.logprobs, record.advantages,
+                                 pad_id=loaded.tokenizer.pad_id)
+        found = prepare_old_logprobs(model, batch, grpo=config.grpo, temperature=1.0, micro_batch_size=3,
+                                     policy_age=version, batch_version=0, behaviour=kept)
+        update = policy_update(model, optimizer, scheduler, batch, grpo=config.grpo, temperature=1.0,
+                               micro_batch_size=3, grad_clip=config.trainer.optimizer.grad_clip, seed=version)
+        kept.record(model, version=version + 1)
+    assert found == {"mismatch/behaviour_weights": 1.0}
+    assert [r["shaping"]["mismatch/behaviour_weights"] for r in results] == [1.0, 1.0]
+    assert sum(r["loss"] for r in results) == pytest.approx(update.loss, abs=1e-6)
+    single = model.state_dict()
+    assert max((states[0][k] - single[k]).abs().max().item() for k in single) < 1e-6

@@ -14,7 +14,7 @@ import torch
 from tests.engine.conftest import ARITHMETIC
 from workers.engine.batching import collate_rollouts
 from workers.engine.config import RunConfig
-from workers.engine.grpo_math import loss_normalizer, policy_update
+from workers.engine.grpo_math import policy_update, prepare_old_logprobs
 from workers.engine.metrics import MemorySink, Recorder
 from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.recipes.grpo import GrpoResult
@@ -49,8 +49,12 @@ def test_monarch_run_trains_with_stale_rollouts(monarch_run: tuple[GrpoResult, M
     result, sink, _ = monarch_run
     ages = [m["staleness/policy_age"] for m in result.metrics]
     assert ages[:3] == [0, 1, 2] and max(ages) <= 2
+    assert all(m["mismatch/abs_max"] < 1e-4 for m in result.metrics if m["staleness/policy_age"] == 0)
     stale = [m for m in result.metrics if m["staleness/policy_age"] > 0]
-    assert all(abs(m["ratio/mean"] - 1.0) > 1e-4 for m in stale)
+    # a stale batch's log-probs come from older weights, unless no update moved them since (a step whose groups all
+    # agreed has no gradient)
+    moved = [m for m in stale if m["mismatch/abs_max"] > 1e-3]
+    assert len(moved) >= 2 and all(abs(m["ratio/mean"] - 1.0) > 1e-4 for m in moved)
     assert max(m["clip_fraction"] for m in stale) > 0.0
     assert result.metrics[0]["kl"] == pytest.approx(0.0, abs=1e-6) and result.metrics[-1]["kl"] > 0.0
     assert all(m["time/weight_sync_s"] > 0.0 for m in result.metrics[1:3])
@@ -94,8 +98,13 @@ def test_monarch_checkpoint_loads_in_one_process(monarch_run: tuple[GrpoResult, 
         assert (exported.model(ids) - start.model(ids)).abs().max() > 1e-4  # the distributed updates were saved
 
 
-def test_data_parallel_step_equals_single_process_step(sft_warm_start: tuple[Path, float]) -> None:
-    """Two gloo ranks, each on half the rows, take the same step as one process on all rows."""
+@pytest.mark.parametrize("overrides", [
+    (),
+    ("grpo.epochs=2", "grpo.mini_batches=2"),  # 4 updates, 5 shuffled rows each: 3 on rank 0, 2 on rank 1
+    ("grpo.mini_batches=3", "grpo.rollout_correction.mode=mask", "grpo.rollout_correction.threshold=1.5"),
+], ids=["one-update", "epochs-and-mini-batches", "mini-batches-with-correction"])
+def test_data_parallel_step_equals_single_process_step(sft_warm_start: tuple[Path, float], overrides: tuple[str, ...]) -> None:
+    """Two gloo ranks, each on half of every update's rows, take the same step as one process on all rows."""
     from monarch.spmd import setup_torch_elastic_env
 
     from workers.engine.actors.procs import spawn_procs
@@ -107,7 +116,7 @@ def test_data_parallel_step_equals_single_process_step(sft_warm_start: tuple[Pat
     config = load_config(f"recipe: grpo\nmodel: {{path: '{folder}'}}\n", overrides=[
         "placement.backend=monarch", "trainer.ranks=2", "trainer.micro_batch_size=3", "trainer.optimizer.lr=0.1",
         "trainer.optimizer.name=sgd",  # linear in the gradient: compares the summed gradient itself
-        "grpo.group_size=4",
+        "grpo.group_size=4", *overrides,
     ])
     loaded = load_pretrained(folder)
     sampler = TorchSampler(loaded.model, eos_token_ids=loaded.tokenizer.eos_token_ids, pad_id=loaded.tokenizer.pad_id)
@@ -124,7 +133,7 @@ def test_data_parallel_step_equals_single_process_step(sft_warm_start: tuple[Pat
         setup_torch_elastic_env(procs)
         trainer = procs.spawn("trainer", TrainerActor, config)
         trainer.setup.call().get()
-        results = list(trainer.train_step.call(record, None).get().values())
+        results = list(trainer.train_step.call(record, None, 0).get().values())
         distributed_state = trainer.slice(procs=1).state_dict.call_one().get()  # rank 1: replicas stay identical
         trainer.shutdown.call().get()
     finally:
@@ -134,9 +143,12 @@ def test_data_parallel_step_equals_single_process_step(sft_warm_start: tuple[Pat
     optimizer = build_optimizer(model, config.trainer.optimizer)
     scheduler = build_scheduler(optimizer, config.trainer.optimizer, config.trainer.steps)
     batch = collate_rollouts(record.prompts, record.responses, record.logprobs, record.advantages, pad_id=loaded.tokenizer.pad_id)
+    prepare_old_logprobs(model, batch, grpo=config.grpo, temperature=1.0, micro_batch_size=3, policy_age=0,
+                         batch_version=0, behaviour=None)
     update = policy_update(model, optimizer, scheduler, batch, grpo=config.grpo, temperature=1.0, micro_batch_size=3,
-                           grad_clip=config.trainer.optimizer.grad_clip, normalizer=loss_normalizer(batch, "token"))
+                           grad_clip=config.trainer.optimizer.grad_clip)
 
+    assert update.updates == config.grpo.updates_per_step and all(r["updates"] == update.updates for r in results)
     assert sum(r["loss"] for r in results) == pytest.approx(update.loss, abs=1e-6)
     assert results[0]["grad_norm"] == pytest.approx(update.grad_norm, rel=1e-5)
     single_state = model.state_dict()
@@ -147,6 +159,7 @@ def test_the_reward_actor_scores_dr_grpo_advantages_without_the_std_division(tin
     """Dr. GRPO on Monarch: the reward proc is given the loss's advantage rule (A = r - group mean)."""
     from workers.engine.actors.procs import spawn_procs
     from workers.engine.actors.reward import RewardActor
+    from workers.engine.config import OverlongConfig
     from workers.engine.models.tokenizer import ChatTokenizer
     from workers.engine.sampler import Completion
     from workers.engine.tasks import Problem
@@ -164,10 +177,32 @@ def test_the_reward_actor_scores_dr_grpo_advantages_without_the_std_division(tin
         advantages = {}
         for std_normalised in (True, False):
             actor = procs.spawn(f"reward_{std_normalised}", RewardActor, str(tiny_qwen3), ["exact_math"], None,
-                                std_normalised)
+                                std_normalised, OverlongConfig(), 6)
             record = actor.score.call_one(problems, prompts, completions, 4).get()
             advantages[std_normalised] = record.advantages
     finally:
         procs.stop().get()
     assert advantages[False] == pytest.approx([0.5, -0.5, 0.5, -0.5])
     assert advantages[True] == pytest.approx([1.0, -1.0, 1.0, -1.0], abs=1e-4)
+
+
+def test_monarch_async_correction_and_several_updates(sft_warm_start: tuple[Path, float], tmp_path: Path) -> None:
+    """On Monarch, async with a rollout correction and 2 epochs x 2 mini-batches: each rank keeps the weights of the
+    versions a batch may come from, so pi_old of a stale batch is the generator's own policy (same numerics here)."""
+    from workers.engine.config import load_config
+    from workers.engine.recipes.grpo_monarch import train_grpo_monarch
+
+    folder, _ = sft_warm_start
+    config = load_config(f"recipe: grpo\nmodel: {{path: '{folder}'}}\n", overrides=[
+        *ARITHMETIC, "placement.backend=monarch", "trainer.ranks=2", "trainer.steps=4", "trainer.batch_size=4",
+        "trainer.micro_batch_size=8", "grpo.group_size=4", "grpo.mode=async", "grpo.max_policy_age=1",
+        "trainer.optimizer.lr=3e-3", "grpo.epochs=2", "grpo.mini_batches=2", "grpo.rollout_correction.mode=truncate",
+        "eval.every_steps=0", f"checkpoint.folder={tmp_path / 'checkpoints'}", "telemetry.console=false",
+        "trainer.threads_per_process=1",
+    ])
+    result = train_grpo_monarch(config, Recorder([]))
+    assert [m["train/updates"] for m in result.metrics] == [4] * 4
+    stale = [m for m in result.metrics if m["staleness/policy_age"] == 1]
+    assert stale and all(m["mismatch/behaviour_weights"] == 1.0 for m in stale)
+    assert all(m["mismatch/abs_max"] < 1e-3 and m["mismatch/truncated_share"] == 0.0 for m in result.metrics)
+    assert all(m["mismatch/is_weight_mean"] == pytest.approx(1.0, abs=1e-3) for m in result.metrics)

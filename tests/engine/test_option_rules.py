@@ -68,3 +68,27 @@ def test_a_trainer_gpu_in_one_process_is_a_gpu_or_an_error(monkeypatch: pytest.M
     assert single_process_device(load_config(GRPO)) == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert single_process_device(load_config(GRPO, overrides=["placement.trainer.gpus_per_proc=1"])).type == "cuda"
+
+
+def test_update_correction_and_shaping_options_are_refused_where_they_do_nothing() -> None:
+    pipelined = ("grpo.mode=pipelined", MONARCH)
+    errors = _errors(*pipelined, "grpo.epochs=2", "grpo.mini_batches=2")
+    assert "one optimizer step as the chunks come in" in errors["grpo.epochs"] and "grpo.mini_batches" in errors
+    too_many = _errors("trainer.batch_size=2", "grpo.group_size=2", "grpo.mini_batches=5")["grpo.mini_batches"]
+    assert "4 sequences" in too_many
+    assert "kl_coef > 0" in _errors("grpo.kl_in=reward")["grpo.kl_in"]
+    assert "set mode: mask" in _errors("grpo.rollout_correction.threshold_low=0.3")["grpo.rollout_correction.threshold_low"]
+    assert "does not refill" in _errors("grpo.dynamic_sampling.max_rounds=2", MONARCH)["grpo.dynamic_sampling"]
+    assert "penalty_tokens" in _errors("grpo.overlong.penalty_factor=0.5")["grpo.overlong.penalty_factor"]
+    assert "(16)" in _errors("grpo.overlong.penalty_tokens=17")["grpo.overlong.penalty_tokens"]
+    assert "grpo.rollout_correction.threshold" in _errors("grpo.rollout_correction.threshold=1.0")  # C must exceed 1
+
+    accepted = load_config(GRPO, overrides=[
+        "grpo.epochs=2", "grpo.mini_batches=4", "reference.enabled=true", "grpo.kl_coef=0.05", "grpo.kl_in=reward",
+        "grpo.rollout_correction.mode=mask", "grpo.rollout_correction.threshold_low=0.3",
+        "grpo.dynamic_sampling.max_rounds=2", "grpo.overlong.penalty_tokens=4", "grpo.overlong.filter=true",
+        "trainer.optimizer.lr=0"])
+    assert accepted.grpo.updates_per_step == 8 and accepted.grpo.rollout_correction.low == 0.3
+    assert accepted.trainer.optimizer.lr == 0.0  # a control run
+    assert load_config(GRPO, overrides=["grpo.rollout_correction.mode=mask"]).grpo.rollout_correction.low == 0.5
+    assert load_config(config_to_yaml(accepted)).grpo == accepted.grpo  # a full dump validates again

@@ -10,11 +10,14 @@ examples, so a packed example gets the same logits as alone.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from workers.engine.models.attention import document_causal_mask
+from workers.engine.replay_buffer import RolloutBatchRecord
 
 
 @dataclass
@@ -24,19 +27,32 @@ class RolloutBatch:
     response_mask: torch.Tensor  # [B, L-1] True where the target is a generated token
     behaviour_logprobs: torch.Tensor  # [B, L-1] generator's log-prob of each target (0 off-response)
     advantages: torch.Tensor  # [B]
+    ref_logprobs: torch.Tensor | None = None  # [B, L-1] the frozen reference's, when there is one
+    old_logprobs: torch.Tensor | None = None  # [B, L-1] the trainer's under the behaviour weights, when computed
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
 
+    def _map(self, change: Callable[[torch.Tensor], torch.Tensor]) -> RolloutBatch:
+        return RolloutBatch(*(None if t is None else change(t) for t in (
+            self.inputs, self.targets, self.response_mask, self.behaviour_logprobs, self.advantages, self.ref_logprobs,
+            self.old_logprobs)))
+
     def to(self, device: torch.device) -> RolloutBatch:
-        return RolloutBatch(self.inputs.to(device), self.targets.to(device), self.response_mask.to(device),
-                            self.behaviour_logprobs.to(device), self.advantages.to(device))
+        return self._map(lambda t: t.to(device))
 
     def rows(self, start: int, stop: int) -> RolloutBatch:
-        return RolloutBatch(
-            self.inputs[start:stop], self.targets[start:stop], self.response_mask[start:stop],
-            self.behaviour_logprobs[start:stop], self.advantages[start:stop],
-        )
+        return self._map(lambda t: t[start:stop])
+
+    def select(self, rows: torch.Tensor) -> RolloutBatch:
+        """The rows at these indices, in their order."""
+        return self._map(lambda t: t[rows.to(t.device)])
+
+    def rank_rows(self, *, rank: int, world: int) -> tuple[RolloutBatch, int]:
+        """(this data-parallel rank's contiguous rows, rows per rank): rank 0 has the most, a last rank may have none."""
+        per_rank = math.ceil(len(self) / world)
+        lo, hi = min(len(self), rank * per_rank), min(len(self), (rank + 1) * per_rank)
+        return self.rows(lo, hi), per_rank
 
 
 def collate_rollouts(
@@ -60,6 +76,14 @@ def collate_rollouts(
         mask[row, start: start + len(response)] = True
         behaviour[row, start: start + len(response)] = torch.tensor(lps, dtype=torch.float32)
     return RolloutBatch(tokens[:, :-1], tokens[:, 1:], mask, behaviour, torch.tensor(advantages, dtype=torch.float32))
+
+
+def collate_record(record: RolloutBatchRecord, *, pad_id: int, mask_truncated: bool = False) -> RolloutBatch:
+    """A scored batch as tensors; `mask_truncated` (grpo.overlong.filter): cut-off responses leave the loss."""
+    batch = collate_rollouts(record.prompts, record.responses, record.logprobs, record.advantages, pad_id=pad_id)
+    if mask_truncated and any(record.truncated):
+        batch.response_mask[torch.tensor(record.truncated, dtype=torch.bool)] = False
+    return batch
 
 
 @dataclass

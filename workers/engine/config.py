@@ -165,7 +165,7 @@ class GeneratorConfig(_Section):
 
 class OptimizerConfig(_Section):
     name: Literal["adamw", "sgd"] = "adamw"
-    lr: Annotated[float, Field(gt=0.0, le=1.0)] = 1e-4
+    lr: Annotated[float, Field(ge=0.0, le=1.0)] = Field(default=1e-4, description="0: a control run whose weights never move")
     betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
         default=(0.9, 0.95), description="adamw: the decay rates of the gradient's running mean and of its square")
     weight_decay: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
@@ -223,8 +223,50 @@ LOSS_DEFAULTS: dict[str, LossDefaults] = {
 }
 
 
+class RolloutCorrection(_Section):
+    """Importance sampling between the generator's log-probs (mu) and the trainer's under the same weights (pi_old),
+    for the numeric mismatch of two implementations (vLLM in bf16 against the trainer): the PPO ratio becomes
+    pi_theta / pi_old and each token's policy loss is weighted by w = pi_old / mu (Yao et al. 2025, "Your Efficient RL
+    Framework Secretly Brings You Off-Policy RL Training": truncated importance sampling; masked IS as in IcePop and
+    verl's rollout correction)."""
+    level: Literal["token", "sequence"] = Field(
+        default="token", description="token: w per token; sequence: one w per response, exp(sum of its log-ratios)")
+    mode: Literal["truncate", "mask"] = Field(
+        default="truncate", description="truncate: w = min(w, threshold); mask: tokens (or whole responses at the "
+                                        "sequence level) with w outside [threshold_low, threshold] leave the loss")
+    threshold: Annotated[float, Field(gt=1.0, le=1000.0)] = Field(default=2.0, description="the upper bound C on w")
+    threshold_low: Annotated[float, Field(gt=0.0, lt=1.0)] | None = Field(
+        default=None, description="mask mode: the lower bound on w; unset: 1 / threshold")
+
+    @property
+    def low(self) -> float:
+        return self.threshold_low if self.threshold_low is not None else 1.0 / self.threshold
+
+
+class DynamicSampling(_Section):
+    """DAPO's dynamic sampling (Yu et al. 2025): groups whose rewards are all equal have zero advantage and teach
+    nothing; they are dropped and more prompts generated until the step has trainer.batch_size groups."""
+    max_rounds: Annotated[int, Field(ge=1, le=32)] = Field(
+        default=4, description="generation rounds per step at most; a step still short after them trains on the "
+                               "informative groups it has (if none, on its last round's groups)")
+
+
+class OverlongConfig(_Section):
+    """DAPO's handling of responses cut off at generator.max_new_tokens."""
+    filter: bool = Field(default=False, description="cut-off responses leave the loss (their tokens are masked)")
+    penalty_tokens: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="soft overlong punishment: a response longer than max_new_tokens - penalty_tokens "
+                                  "loses reward linearly, up to penalty_factor at max_new_tokens; unset: off")
+    penalty_factor: Annotated[float, Field(gt=0.0, le=10.0)] = Field(
+        default=1.0, description="the most reward the soft overlong punishment takes")
+
+
 class GrpoConfig(_Section):
     group_size: Annotated[int, Field(ge=2, le=1024)] = 8
+    epochs: Annotated[int, Field(ge=1, le=16)] = Field(default=1, description="passes over each rollout batch")
+    mini_batches: Annotated[int, Field(ge=1, le=64)] = Field(
+        default=1, description="optimizer steps per pass: the batch's sequences, shuffled when more than one update, "
+                               "in this many parts (trainer.micro_batch_size still splits each part)")
     loss: LossName = Field(
         default="grpo", description="grpo: PPO-clipped ratio; dapo: clip-higher; dr_grpo: no std normalisation, constant "
                                     "length normaliser; gspo: sequence-level ratio; cispo: clipped stop-gradient importance "
@@ -238,6 +280,10 @@ class GrpoConfig(_Section):
         default=3.0, description="dual-clip PPO's c (Ye et al. 2020): a token with a negative advantage loses at most "
                                  "c * |A| however large its ratio; null: no bound")
     kl_coef: Annotated[float, Field(ge=0.0, le=10.0)] = 0.0
+    kl_in: Literal["loss", "reward"] = Field(
+        default="loss", description="loss: kl_coef x the per-token estimate is added to the loss; reward: kl_coef x the "
+                                    "response's summed estimate (generator's log-probs against the reference's) is "
+                                    "taken from its reward before the group's advantages")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         default="k3", description="Schulman's estimators of KL(policy || reference) per token: k1 log-ratio, k2 half its "
                                   "square, k3 exp(-log-ratio) + log-ratio - 1")
@@ -256,6 +302,17 @@ class GrpoConfig(_Section):
     pipeline_chunks: Annotated[int, Field(ge=2, le=64)] = Field(
         default=4, description="pipelined mode: generation requests per step (whole groups each); each is scored and "
                                "trained on as soon as it returns")
+
+    rollout_correction: RolloutCorrection | None = Field(
+        default=None, description="importance sampling against the generator's log-probs; null: off (a mismatch between "
+                                  "generator and trainer counts as policy movement)")
+    dynamic_sampling: DynamicSampling | None = Field(
+        default=None, description="drop zero-spread groups and refill the batch (single-process recipe); null: off")
+    overlong: OverlongConfig = OverlongConfig()
+
+    @property
+    def updates_per_step(self) -> int:
+        return self.epochs * self.mini_batches
 
     @property
     def aggregation(self) -> LossAggregation:
@@ -446,6 +503,7 @@ def _cross_field_errors(config: RunConfig) -> list[FieldError]:
     errors.extend(replay_buffer_errors(config))
     if config.drills and not monarch_grpo:
         errors.append(FieldError("drills", "fault drills need the Monarch GRPO recipe: recipe: grpo, placement.backend: monarch"))
+    errors.extend(grpo_update_errors(config, monarch_grpo=monarch_grpo))
     if config.grpo.mode == "pipelined":
         if not monarch_grpo:
             errors.append(FieldError("grpo.mode", "pipelined needs the Monarch GRPO recipe: placement.backend: monarch"))
@@ -496,6 +554,35 @@ def unused_option_errors(config: RunConfig, *, monarch_grpo: bool) -> list[Field
     optimizer = config.trainer.optimizer
     if optimizer.name != "adamw" and "betas" in changed_fields(optimizer):
         errors.append(FieldError("trainer.optimizer.betas", f"betas are AdamW's; {optimizer.name} has none"))
+    return errors
+
+
+def grpo_update_errors(config: RunConfig, *, monarch_grpo: bool) -> list[FieldError]:
+    """Several updates per batch, the KL's place, the rollout correction, dynamic sampling and overlong handling."""
+    grpo, errors = config.grpo, []
+    if grpo.mode == "pipelined":
+        errors.extend(FieldError(f"grpo.{name}", "pipelined mode takes one optimizer step as the chunks come in: set 1, "
+                                                 "or grpo.mode: sync")
+                      for name in ("epochs", "mini_batches") if getattr(grpo, name) > 1)
+    rollouts = config.trainer.batch_size * grpo.group_size
+    if grpo.mini_batches > rollouts:
+        errors.append(FieldError("grpo.mini_batches", f"more parts than the step's {rollouts} sequences "
+                                                      "(trainer.batch_size x grpo.group_size)"))
+    if grpo.kl_in != "loss" and grpo.kl_coef == 0.0:
+        errors.append(FieldError("grpo.kl_in", "places the KL penalty, and grpo.kl_coef is 0: set kl_coef > 0"))
+    correction = grpo.rollout_correction
+    if correction is not None and correction.mode == "truncate" and correction.threshold_low is not None:
+        errors.append(FieldError("grpo.rollout_correction.threshold_low", "truncation has no lower bound: set mode: mask"))
+    if grpo.dynamic_sampling is not None and monarch_grpo:
+        errors.append(FieldError("grpo.dynamic_sampling", "the Monarch recipe does not refill batches: use "
+                                                          "placement.backend: local, or null"))
+    overlong = grpo.overlong
+    if overlong.penalty_tokens is None and "penalty_factor" in changed_fields(overlong):
+        errors.append(FieldError("grpo.overlong.penalty_factor", "the soft overlong punishment is off: set "
+                                                                 "grpo.overlong.penalty_tokens"))
+    if overlong.penalty_tokens is not None and overlong.penalty_tokens > config.generator.max_new_tokens:
+        errors.append(FieldError("grpo.overlong.penalty_tokens", f"longer than generator.max_new_tokens "
+                                                                 f"({config.generator.max_new_tokens})"))
     return errors
 
 

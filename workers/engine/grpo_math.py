@@ -4,6 +4,7 @@ micro-batches, then one optimizer step)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -11,11 +12,14 @@ import torch
 from torch import nn
 
 from workers.engine.batching import RolloutBatch
-from workers.engine.config import GrpoConfig
-from workers.engine.losses import group_advantages, grpo_loss, token_logprobs
+from workers.engine.behaviour_weights import BehaviourWeights
+from workers.engine.config import GrpoConfig, OverlongConfig
+from workers.engine.losses import (group_advantages, grpo_loss, kl_estimate, mismatch_metrics,
+                                   rollout_importance_weights, token_logprobs)
 from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.replay_buffer import RolloutBatchRecord
 from workers.engine.rewards import CombinedReward
+from workers.engine.rollout_shaping import overlong_penalty
 from workers.engine.sampler import Completion
 from workers.engine.sharding import set_gradient_sync
 from workers.engine.tasks import Problem
@@ -24,20 +28,30 @@ from workers.engine.training import grad_norm_and_clip
 
 def score_rollouts(
     problems: list[Problem], prompts: list[list[int]], completions: list[Completion], reward: CombinedReward,
-    tokenizer: ChatTokenizer, *, group_size: int, std_normalised: bool = True,
+    tokenizer: ChatTokenizer, *, group_size: int, std_normalised: bool = True, overlong: OverlongConfig,
+    max_new_tokens: int,
 ) -> RolloutBatchRecord:
     """Reward every completion and normalise advantages within each prompt's group (`std_normalised`:
-    GrpoConfig.std_normalised_advantages, which the Monarch reward actor is given too)."""
+    GrpoConfig.std_normalised_advantages, which the Monarch reward actor is given too). With
+    `overlong.penalty_tokens` set, DAPO's soft overlong punishment (rollout_shaping.overlong_penalty) is added to
+    each total before the advantages and recorded as the reward part "overlong"."""
     texts = [tokenizer.decode_reply(c.token_ids) for c in completions]
     scores = [reward(problems[i // group_size], text, c.finished) for i, (text, c) in enumerate(zip(texts, completions))]
-    rewards = torch.tensor([s.total for s in scores])
+    parts = {name: [s.parts[name] for s in scores] for name in reward.names}
+    totals = [s.total for s in scores]
+    if overlong.penalty_tokens is not None:
+        parts["overlong"] = [overlong_penalty(len(c.token_ids), max_new_tokens=max_new_tokens,
+                                              penalty_tokens=overlong.penalty_tokens, factor=overlong.penalty_factor)
+                             for c in completions]
+        totals = [total + penalty for total, penalty in zip(totals, parts["overlong"])]
+    rewards = torch.tensor(totals)
     advantages = group_advantages(rewards, group_size, std_normalised=std_normalised)
     return RolloutBatchRecord(
         prompts=prompts, responses=[c.token_ids for c in completions], logprobs=[c.logprobs for c in completions],
         rewards=rewards.tolist(), advantages=advantages.tolist(), policy_version=min(c.policy_version for c in completions),
         prompt_texts=[problems[i // group_size].messages[-1]["content"] for i in range(len(prompts))],
-        response_texts=texts, reward_parts={name: [s.parts[name] for s in scores] for name in reward.names},
-        sample_ids=[p.meta.get("sample_id", "") for p in problems],
+        response_texts=texts, reward_parts=parts, sample_ids=[p.meta.get("sample_id", "") for p in problems],
+        truncated=[not c.finished for c in completions],
     )
 
 
@@ -54,20 +68,66 @@ def loss_normalizer(batch: RolloutBatch, aggregation: str, *, max_new_tokens: in
 
 
 @torch.no_grad()
-def reference_logprobs(reference: nn.Module, batch: RolloutBatch, *, micro_batch_size: int, temperature: float) -> list[torch.Tensor]:
+def sequence_logprobs(model: nn.Module, batch: RolloutBatch, *, micro_batch_size: int, temperature: float,
+                      passes: int = 0) -> torch.Tensor:
+    """[B, L-1] tempered log-prob of each target under `model` (the reference, or the trainer for pi_old), without
+    gradient. `passes`: forwards every rank of a sharded model runs (the rest on the batch's first row)."""
     out = []
-    for start in range(0, len(batch), micro_batch_size):
-        micro = batch.rows(start, start + micro_batch_size)
-        out.append(token_logprobs(reference(micro.inputs), micro.targets, temperature)[0])
-    return out
+    starts = list(range(0, len(batch), micro_batch_size))
+    for i in range(max(len(starts), passes)):
+        if i >= len(starts):
+            model(batch.rows(0, 1).inputs)
+            continue
+        micro = batch.rows(starts[i], starts[i] + micro_batch_size)
+        out.append(token_logprobs(model(micro.inputs), micro.targets, temperature)[0])
+    return torch.cat(out) if out else torch.zeros_like(batch.behaviour_logprobs)
+
+
+def kl_reward_advantages(batch: RolloutBatch, rewards: list[float], *, grpo: GrpoConfig) -> float:
+    """grpo.kl_in: reward. Takes kl_coef x each response's summed KL estimate (the generator's log-probs against the
+    reference's) from its reward and recomputes the group advantages in place; returns the mean penalty."""
+    if batch.ref_logprobs is None:
+        raise ValueError("a KL penalty in the reward needs reference log-probs")
+    per_token = kl_estimate(batch.behaviour_logprobs, batch.ref_logprobs, grpo.kl_estimator)
+    penalty = grpo.kl_coef * torch.where(batch.response_mask, per_token, 0.0).sum(dim=1)
+    shaped = torch.tensor(rewards, dtype=torch.float32, device=penalty.device) - penalty
+    batch.advantages = group_advantages(shaped, grpo.group_size, std_normalised=grpo.std_normalised_advantages)
+    return float(penalty.mean())
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """This process's place among the data-parallel trainer ranks; the default is a single process."""
+    rank: int = 0
+    world: int = 1
+    sharded: bool = False  # FSDP: every rank runs as many forward/backward passes as rank 0
+    reduce_gradients: Callable[[nn.Module], None] | None = None  # replicated ranks: sum the gradients
+
+    def rows(self, batch: RolloutBatch, micro_batch_size: int) -> tuple[RolloutBatch, int]:
+        """(this rank's rows of `batch`, the passes every rank runs: 0 unsharded, as many as it has rows for)."""
+        mine, per_rank = batch.rank_rows(rank=self.rank, world=self.world)
+        return mine, math.ceil(per_rank / micro_batch_size) if self.sharded else 0
 
 
 @dataclass
 class UpdateResult:
-    loss: float
-    parts: list[dict[str, float]]  # grpo_loss metrics per micro-batch
-    grad_norm: float
-    lr: float
+    loss: float  # mean over the step's optimizer updates
+    parts: list[dict[str, float]]  # grpo_loss metrics per micro-batch, every update's
+    grad_norm: float  # mean over the updates, before clipping
+    lr: float  # the last update's
+    updates: int
+
+
+def update_order(rows: int, *, grpo: GrpoConfig, seed: int) -> list[torch.Tensor]:
+    """The rows of each optimizer update: grpo.epochs passes, each in grpo.mini_batches parts; shuffled per pass (the
+    same on every rank, from `seed`) when there is more than one update, else the batch in order."""
+    if grpo.updates_per_step == 1:
+        return [torch.arange(rows)]
+    order = []
+    for epoch in range(grpo.epochs):
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        order.extend(torch.randperm(rows, generator=generator).tensor_split(grpo.mini_batches))
+    return order
 
 
 def policy_update(
@@ -80,27 +140,59 @@ def policy_update(
     temperature: float,
     micro_batch_size: int,
     grad_clip: float | None,
-    normalizer: float,
-    ref_logprobs: list[torch.Tensor] | None = None,
-    reduce_gradients: Callable[[nn.Module], None] | None = None,
-    passes: int = 0,
-    filler: RolloutBatch | None = None,
+    max_new_tokens: int | None = None,
+    share: RankShare = RankShare(),
+    seed: int = 0,
 ) -> UpdateResult:
-    """One optimizer step on a rollout batch, gradients accumulated over micro-batches.
+    """grpo.epochs x grpo.mini_batches optimizer steps on one step's rollout batch (the whole batch, on every rank).
 
-    `normalizer` counts the whole step's batch (over all data-parallel ranks), so summing
-    the ranks' gradients (`reduce_gradients`, or FSDP's reduce-scatter) gives the full batch's
-    gradient. A sharded model needs the same number of forward/backward passes on every rank:
-    with `passes` more than this rank's micro-batches, the rest run on `filler` with weight 0.
+    Each update's rows are split over the data-parallel ranks and its loss normaliser counts all of them, so summing
+    the ranks' gradients (`share.reduce_gradients`, or FSDP's reduce-scatter) gives the update's full gradient. With
+    a rollout correction or more than one update, `batch.old_logprobs` must hold pi_old (prepare_old_logprobs).
     """
-    optimizer.zero_grad(set_to_none=True)
-    step_loss, parts = accumulate_gradients(
-        model, batch, grpo=grpo, temperature=temperature, micro_batch_size=micro_batch_size, normalizer=normalizer,
-        ref_logprobs=ref_logprobs, passes=passes, filler=filler, sync=True)
-    if reduce_gradients is not None:
-        reduce_gradients(model)
-    grad_norm, lr = apply_update(model, optimizer, scheduler, grad_clip=grad_clip)
-    return UpdateResult(loss=step_loss, parts=parts, grad_norm=grad_norm, lr=lr)
+    losses, norms, parts, lr = [], [], [], 0.0
+    for rows in update_order(len(batch), grpo=grpo, seed=seed):
+        update = batch.select(rows)
+        mine, passes = share.rows(update, micro_batch_size)
+        optimizer.zero_grad(set_to_none=True)
+        loss, update_parts = accumulate_gradients(
+            model, mine, grpo=grpo, temperature=temperature, micro_batch_size=micro_batch_size,
+            normalizer=loss_normalizer(update, grpo.aggregation, max_new_tokens=max_new_tokens), passes=passes,
+            filler=update.rows(0, 1), sync=True)
+        if share.reduce_gradients is not None:
+            share.reduce_gradients(model)
+        grad_norm, lr = apply_update(model, optimizer, scheduler, grad_clip=grad_clip)
+        losses.append(loss)
+        norms.append(grad_norm)
+        parts.extend(update_parts)
+    return UpdateResult(loss=sum(losses) / len(losses), parts=parts, grad_norm=sum(norms) / len(norms), lr=lr,
+                        updates=len(losses))
+
+
+def needs_old_logprobs(grpo: GrpoConfig, *, policy_age: int) -> bool:
+    """Whether pi_old takes a forward of its own: the ratio's denominator under a rollout correction once the weights
+    have moved (more than one update, or an older batch), and the mismatch metric with several updates. One update
+    on a current batch reads it off that update's own forward."""
+    return grpo.updates_per_step > 1 or (grpo.rollout_correction is not None and policy_age > 0)
+
+
+def prepare_old_logprobs(
+    model: nn.Module, batch: RolloutBatch, *, grpo: GrpoConfig, temperature: float, micro_batch_size: int,
+    policy_age: int, batch_version: int, behaviour: BehaviourWeights | None,
+) -> dict[str, float]:
+    """Sets batch.old_logprobs when needs_old_logprobs: the trainer's log-probs under the weights that generated the
+    batch (its own now, or `behaviour`'s copy of an older version). Every rank runs it on the whole batch, so a
+    sharded model's forwards match. Returns `mismatch/behaviour_weights`: 1 when pi_old came from the batch's own
+    version, 0 when that version was not kept (right after a resume) and the current weights stood in."""
+    if not needs_old_logprobs(grpo, policy_age=policy_age):
+        return {}
+    exact = policy_age == 0 or (behaviour is not None and behaviour.has(batch_version))
+    if policy_age == 0 or not exact:
+        batch.old_logprobs = sequence_logprobs(model, batch, micro_batch_size=micro_batch_size, temperature=temperature)
+    else:
+        with behaviour.weights_of(model, version=batch_version):
+            batch.old_logprobs = sequence_logprobs(model, batch, micro_batch_size=micro_batch_size, temperature=temperature)
+    return {"mismatch/behaviour_weights": 1.0 if exact else 0.0}
 
 
 def accumulate_gradients(
@@ -111,7 +203,6 @@ def accumulate_gradients(
     temperature: float,
     micro_batch_size: int,
     normalizer: float,
-    ref_logprobs: list[torch.Tensor] | None = None,
     passes: int = 0,
     filler: RolloutBatch | None = None,
     sync: bool,
@@ -131,17 +222,32 @@ def accumulate_gradients(
         micro = batch.rows(starts[i], starts[i] + micro_batch_size)
         logprobs, entropy = token_logprobs(model(micro.inputs), micro.targets, temperature,
                                            entropy_grad=grpo.entropy_coef > 0.0)
-        loss, part = grpo_loss(
-            logprobs, micro.behaviour_logprobs, micro.advantages, micro.response_mask,
-            clip_epsilon=grpo.clip_low, clip_epsilon_high=grpo.clip_high, dual_clip=grpo.dual_clip, loss=grpo.loss,
-            aggregation=grpo.aggregation, kl_coef=grpo.kl_coef, kl_estimator=grpo.kl_estimator,
-            ref_logprobs=None if ref_logprobs is None else ref_logprobs[i], entropy=entropy, entropy_coef=grpo.entropy_coef,
-            normalizer=normalizer,
-        )
+        loss, part = micro_batch_loss(micro, logprobs, entropy, grpo=grpo, normalizer=normalizer)
         loss.backward()
         step_loss += float(loss.detach())
         parts.append(part)
     return step_loss, parts
+
+
+def micro_batch_loss(micro: RolloutBatch, logprobs: torch.Tensor, entropy: torch.Tensor, *, grpo: GrpoConfig,
+                     normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """grpo_loss with what the config asks: the rollout correction's weights (pi_old: the batch's, else these
+    log-probs before the update), the KL in the loss or not, the entropy bonus."""
+    old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
+    correction, weights, weight_metrics = grpo.rollout_correction, None, {}
+    if correction is not None:
+        weights, weight_metrics = rollout_importance_weights(
+            old, micro.behaviour_logprobs, micro.response_mask, level=correction.level, mode=correction.mode,
+            threshold=correction.threshold, threshold_low=correction.low)
+    loss, part = grpo_loss(
+        logprobs, micro.behaviour_logprobs, micro.advantages, micro.response_mask,
+        clip_epsilon=grpo.clip_low, clip_epsilon_high=grpo.clip_high, dual_clip=grpo.dual_clip, loss=grpo.loss,
+        aggregation=grpo.aggregation, kl_coef=grpo.kl_coef if grpo.kl_in == "loss" else 0.0,
+        kl_estimator=grpo.kl_estimator, ref_logprobs=micro.ref_logprobs, entropy=entropy,
+        entropy_coef=grpo.entropy_coef, normalizer=normalizer,
+        old_logprobs=old if correction is not None else None, is_weights=weights,
+    )
+    return loss, {**part, **mismatch_metrics(old, micro.behaviour_logprobs, micro.response_mask), **weight_metrics}
 
 
 def zero_weighted_pass(model: nn.Module, filler: RolloutBatch) -> None:

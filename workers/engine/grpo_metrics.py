@@ -36,4 +36,8 @@ def update_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     }
     if any("kl" in p for p in parts):
         metrics["kl"] = _weighted_mean(parts, "kl")
+    if any("is_weight_mean" in p for p in parts):  # grpo.rollout_correction
+        metrics["mismatch/is_weight_mean"] = _weighted_mean(parts, "is_weight_mean")
+        metrics["mismatch/truncated_share"] = _weighted_mean(parts, "is_truncated_share")
+        metrics["mismatch/masked_share"] = _weighted_mean(parts, "is_masked_share")
     return metrics

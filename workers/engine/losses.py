@@ -11,6 +11,7 @@ the logits is kept for backward besides the logits themselves, which matters wit
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -113,6 +114,39 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: K
     return log_ratio if estimator == "k1" else 0.5 * log_ratio.square()
 
 
+def rollout_importance_weights(
+    trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, *,
+    level: Literal["token", "sequence"], mode: Literal["truncate", "mask"], threshold: float, threshold_low: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Importance weights w = pi_old / mu [B, T] between the trainer's log-probs under the behaviour weights and the
+    generator's, without gradient (truncated IS: Yao et al. 2025; masked IS: IcePop, verl's rollout correction).
+
+    level token: one w per token; sequence: one per response, exp(sum of its tokens' log-ratios), for all its tokens.
+    mode truncate: min(w, threshold); mask: w where threshold_low <= w <= threshold, else 0 (the token, or at the
+    sequence level the whole response, leaves the policy loss). Metrics: the weights' token mean and the share of
+    response tokens truncated or masked.
+    """
+    m = mask.bool()
+    log_w = torch.where(m, trainer_logprobs.detach() - behaviour_logprobs, 0.0)
+    if level == "sequence":
+        log_w = log_w.sum(dim=1, keepdim=True).expand_as(log_w)
+    # bounded before exp so a long response cannot overflow; every value beyond a bound is cut the same way
+    log_w = log_w.clamp(math.log(threshold_low) - 1.0, math.log(threshold) + 1.0)
+    weights = torch.exp(log_w)
+    if mode == "truncate":
+        cut = weights > threshold
+        weights = weights.clamp(max=threshold)
+    else:
+        cut = (weights > threshold) | (weights < threshold_low)
+        weights = torch.where(cut, 0.0, weights)
+    weights = torch.where(m, weights, 0.0)
+    n = max(int(m.sum()), 1)
+    share = float(cut[m].sum()) / n
+    return weights, {"is_weight_mean": float(weights[m].sum()) / n,
+                     "is_truncated_share": share if mode == "truncate" else 0.0,
+                     "is_masked_share": share if mode == "mask" else 0.0}
+
+
 def _aggregate(values: torch.Tensor, mask: torch.Tensor, aggregation: Aggregation, normalizer: float | None) -> torch.Tensor:
     """Sum of per-token values over the response, scaled so micro-batches add up to the batch mean.
 
@@ -151,10 +185,13 @@ def grpo_loss(
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     normalizer: float | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Policy loss over response tokens [B, T]; advantages are per sequence [B].
 
-    The ratio r = pi_theta / mu is clipped to [1 - clip_epsilon, 1 + clip_epsilon_high] (symmetric when
+    The ratio r = pi_theta / mu (the generator's log-probs), or pi_theta / pi_old with `old_logprobs` (the trainer's
+    under the behaviour weights, for a rollout correction), is clipped to [1 - clip_epsilon, 1 + clip_epsilon_high] (symmetric when
     clip_epsilon_high is None). The losses:
     - grpo (Shao et al. 2024, DeepSeekMath): PPO's clipped surrogate -min(r A, clip(r) A) per token.
     - dapo (Yu et al. 2025, DAPO): the same with clip-higher, a larger upper epsilon so unlikely tokens with a
@@ -170,15 +207,19 @@ def grpo_loss(
     negative advantage from below by c * A: however far the ratio has grown, that token's loss is at most
     c * |A| and it passes no gradient. None: plain PPO clip, where the ratio has no upper bound for A < 0.
 
+    `is_weights` [B, T] (rollout_importance_weights, no gradient) multiply each token's policy loss, not its KL or
+    entropy terms.
+
     `entropy_coef` > 0 subtracts coef x entropy per token (an entropy bonus; `entropy` then needs its gradient,
     token_logprobs(..., entropy_grad=True)).
 
-    Returns the loss and token-mean metrics over this micro-batch's response tokens; `mismatch_abs_*` compare
-    these log-probs (the trainer's, before this update) with the generator's.
+    Returns the loss and token-mean metrics over this micro-batch's response tokens; `mismatch_abs_*` compare the
+    trainer's log-probs (`old_logprobs` when given, else these) with the generator's.
     """
     low, high = clip_epsilon, clip_epsilon if clip_epsilon_high is None else clip_epsilon_high
     m = mask.bool()
-    log_ratio = torch.where(m, logprobs - behaviour_logprobs, 0.0)  # padding: ratio 1, whatever it holds
+    denominator = behaviour_logprobs if old_logprobs is None else old_logprobs
+    log_ratio = torch.where(m, logprobs - denominator, 0.0)  # padding: ratio 1, whatever it holds
     if loss == "gspo":
         sequence = log_ratio.sum(dim=1) / m.sum(dim=1).clamp(min=1)
         ratio = torch.exp(sequence)[:, None].expand_as(logprobs)
@@ -198,7 +239,7 @@ def grpo_loss(
             dual_clipped = (adv < 0) & (objective < floor)
             objective = torch.where(adv < 0, torch.maximum(objective, floor), objective)
         was_clipped = ((adv > 0) & (ratio > 1.0 + high)) | ((adv < 0) & (ratio < 1.0 - low))
-    per_token = -objective
+    per_token = -objective if is_weights is None else -objective * is_weights
     kl = None
     if ref_logprobs is not None:
         kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
@@ -214,15 +255,13 @@ def grpo_loss(
 
     with torch.no_grad():
         n = max(int(m.sum()), 1)
-        mismatch = (logprobs.detach() - behaviour_logprobs).abs()[m]
         metrics = {
             "ratio_mean": float(ratio[m].sum()) / n,
             "ratio_max": float(ratio[m].max()) if m.any() else 1.0,
             "ratio_min": float(ratio[m].min()) if m.any() else 1.0,
             "clip_fraction": float(was_clipped[m].sum()) / n,
             "dual_clip_fraction": float(dual_clipped[m].sum()) / n,
-            "mismatch_abs_mean": float(mismatch.sum()) / n,
-            "mismatch_abs_max": float(mismatch.max()) if m.any() else 0.0,
+            **mismatch_metrics(logprobs if old_logprobs is None else old_logprobs, behaviour_logprobs, mask),
             "tokens": float(m.sum()),
         }
         if kl is not None:
@@ -230,6 +269,14 @@ def grpo_loss(
         if entropy is not None:
             metrics["entropy"] = float(entropy[m].sum()) / n
     return value, metrics
+
+
+def mismatch_metrics(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Mean and max |log pi_trainer - log mu| over response tokens: how far generator and trainer disagree."""
+    m = mask.bool()
+    gap = (trainer_logprobs.detach() - behaviour_logprobs).abs()[m]
+    return {"mismatch_abs_mean": float(gap.sum()) / max(int(m.sum()), 1),
+            "mismatch_abs_max": float(gap.max()) if m.any() else 0.0}
 
 
 def sft_loss(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor, *, normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:

@@ -26,6 +26,7 @@ class RolloutBatchRecord:
     response_texts: list[str]
     reward_parts: dict[str, list[float]]
     sample_ids: list[str] = field(default_factory=list)  # one per prompt (group), as the dataset handed them out
+    truncated: list[bool] = field(default_factory=list)  # per completion: cut off at generator.max_new_tokens
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -42,7 +43,7 @@ def concat_records(records: list[RolloutBatchRecord]) -> RolloutBatchRecord:
         advantages=[x for r in records for x in r.advantages], policy_version=versions.pop(),
         prompt_texts=[x for r in records for x in r.prompt_texts], response_texts=[x for r in records for x in r.response_texts],
         reward_parts={key: [x for r in records for x in r.reward_parts[key]] for key in records[0].reward_parts},
-        sample_ids=[x for r in records for x in r.sample_ids],
+        sample_ids=[x for r in records for x in r.sample_ids], truncated=[x for r in records for x in r.truncated],
     )
 
 

@@ -43,6 +43,15 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def reshard(model: nn.Module) -> None:
+    """Free every unit's gathered parameters, so the next forward gathers them again from the shards. The root keeps
+    its gathered copy after a forward (it is needed again at once in backward): after writing into the shards
+    directly, that copy is stale."""
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
 def set_gradient_sync(model: nn.Module, *, enabled: bool) -> None:
     """Skip the reduce-scatter on all but a step's last micro-batch (gradients accumulate locally until then)."""
     if is_sharded(model):

@@ -9,7 +9,7 @@ from workers.engine.actors.procs import set_proc_threads
 from workers.engine.batching import collate_rollouts
 from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.training import resolve_device
-from workers.engine.grpo_math import reference_logprobs
+from workers.engine.grpo_math import sequence_logprobs
 from workers.engine.replay_buffer import RolloutBatchRecord
 
 
@@ -33,5 +33,5 @@ class ReferenceActor(FaultInjectableActor):
         self.before_work(record)
         batch = collate_rollouts(record.prompts, record.responses, record.logprobs, record.advantages, pad_id=self.pad_id)
         device = next(self.model.parameters()).device
-        parts = reference_logprobs(self.model, batch.to(device), micro_batch_size=micro_batch_size, temperature=temperature)
-        return torch.cat(parts).cpu()
+        return sequence_logprobs(self.model, batch.to(device), micro_batch_size=micro_batch_size,
+                                 temperature=temperature).cpu()

@@ -15,7 +15,6 @@ collectives every rank takes part in.
 
 from __future__ import annotations
 
-import math
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -29,11 +28,13 @@ from torch import nn
 from workers.engine.actors.faults import FaultInjectableActor
 from workers.engine.actors.devices import bind_proc_gpus
 from workers.engine.actors.procs import set_proc_threads
-from workers.engine.batching import collate_rollouts
+from workers.engine.batching import RolloutBatch, collate_record
+from workers.engine.behaviour_weights import BehaviourWeights
 from workers.engine.checkpoint import load_checkpoint, save_checkpoint
 from workers.engine.config import RunConfig
 from workers.engine.env import LOCAL_RANK_ENV, MASTER_ADDR_ENV, read_env, read_number
-from workers.engine.grpo_math import accumulate_gradients, apply_update, loss_normalizer, policy_update, zero_weighted_pass
+from workers.engine.grpo_math import (RankShare, accumulate_gradients, apply_update, kl_reward_advantages, loss_normalizer,
+                                      policy_update, prepare_old_logprobs, zero_weighted_pass)
 from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.models.titan import count_parameters
 from workers.engine.replay_buffer import RolloutBatchRecord
@@ -46,7 +47,7 @@ from workers.engine.training import EvalResult, build_optimizer, build_scheduler
 
 def _new_step() -> dict[str, Any]:
     """What a pipelined step's chunks have added so far."""
-    return {"loss": 0.0, "normalizer": 0.0, "parts": [], "train_tokens": 0, "filler": None}
+    return {"loss": 0.0, "normalizer": 0.0, "parts": [], "train_tokens": 0, "filler": None, "shaping": {}, "rows": 0}
 
 
 def all_reduce_gradients(model: nn.Module) -> None:
@@ -87,41 +88,50 @@ class TrainerActor(FaultInjectableActor):
         if self.sharded:
             shard_model(self.model, mixed_precision=cfg.trainer.mixed_precision)
         self.optimizer = build_optimizer(self.model, cfg.trainer.optimizer)
-        self.scheduler = build_scheduler(self.optimizer, cfg.trainer.optimizer, cfg.trainer.steps)
+        self.scheduler = build_scheduler(self.optimizer, cfg.trainer.optimizer, cfg.trainer.steps * cfg.grpo.updates_per_step)
+        correcting = cfg.grpo.mode == "async" and cfg.grpo.rollout_correction is not None
+        self.behaviour = BehaviourWeights(max_policy_age=cfg.grpo.max_policy_age if correcting else 0)
         self._step_so_far = _new_step()
         return {"rank": self.rank, "world": self.world, "n_params": n_params, "master_addr": read_env(MASTER_ADDR_ENV)}
 
-    def _rows(self, record: RolloutBatchRecord, ref_logprobs: torch.Tensor | None) -> tuple[Any, Any, list[Any] | None, int]:
-        """(the whole padded batch, this rank's contiguous rows, their reference log-probs per micro-batch, rows per rank)."""
-        batch = collate_rollouts(record.prompts, record.responses, record.logprobs, record.advantages,
-                                 pad_id=self.tokenizer.pad_id).to(self.device)
-        per_rank = math.ceil(len(batch) / self.world)  # rank 0 has the most rows
-        lo, hi = min(len(batch), self.rank * per_rank), min(len(batch), (self.rank + 1) * per_rank)
-        mb = self.config.trainer.micro_batch_size
-        ref = None
+    def _batch(self, record: RolloutBatchRecord, ref_logprobs: torch.Tensor | None) -> tuple[RolloutBatch, dict[str, float]]:
+        """The whole padded batch with its reference log-probs, the KL in its advantages when grpo.kl_in is reward."""
+        cfg = self.config
+        batch = collate_record(record, pad_id=self.tokenizer.pad_id, mask_truncated=cfg.grpo.overlong.filter).to(self.device)
+        shaping = {}
         if ref_logprobs is not None:
-            mine = ref_logprobs[lo:hi].to(self.device)
-            ref = [mine[start:start + mb] for start in range(0, hi - lo, mb)]
-        return batch, batch.rows(lo, hi), ref, per_rank
+            batch.ref_logprobs = ref_logprobs.to(self.device)
+            if cfg.grpo.kl_in == "reward":
+                shaping["kl/reward_penalty"] = kl_reward_advantages(batch, record.rewards, grpo=cfg.grpo)
+        return batch, shaping
 
-    def _passes(self, per_rank: int) -> int:
-        """Forward/backward passes every rank of a sharded trainer runs (rank 0's count); 0: as many as it has rows for."""
-        return math.ceil(per_rank / self.config.trainer.micro_batch_size) if self.sharded else 0
+    def _share(self) -> RankShare:
+        return RankShare(rank=self.rank, world=self.world, sharded=self.sharded,
+                         reduce_gradients=all_reduce_gradients if self.world > 1 and not self.sharded else None)
 
     @endpoint
-    def train_step(self, record: RolloutBatchRecord, ref_logprobs: torch.Tensor | None) -> dict[str, Any]:
+    def train_step(self, record: RolloutBatchRecord, ref_logprobs: torch.Tensor | None, policy_version: int) -> dict[str, Any]:
+        """One step on a rollout batch at the trainer's `policy_version`: epochs x mini_batches updates, each on this
+        rank's rows of the update."""
         self.before_work(record, ref_logprobs)
         cfg = self.config
-        batch, shard, ref, per_rank = self._rows(record, ref_logprobs)
+        if not self.behaviour.has(policy_version):  # the starting (or resumed) weights
+            self.behaviour.record(self.model, version=policy_version)
+        batch, shaping = self._batch(record, ref_logprobs)
+        shaping.update(prepare_old_logprobs(
+            self.model, batch, grpo=cfg.grpo, temperature=cfg.generator.temperature,
+            micro_batch_size=cfg.trainer.micro_batch_size, policy_age=policy_version - record.policy_version,
+            batch_version=record.policy_version, behaviour=self.behaviour))
         update = policy_update(
-            self.model, self.optimizer, self.scheduler, shard, grpo=cfg.grpo, temperature=cfg.generator.temperature,
+            self.model, self.optimizer, self.scheduler, batch, grpo=cfg.grpo, temperature=cfg.generator.temperature,
             micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.optimizer.grad_clip,
-            normalizer=loss_normalizer(batch, cfg.grpo.aggregation, max_new_tokens=cfg.generator.max_new_tokens), ref_logprobs=ref,
-            reduce_gradients=all_reduce_gradients if self.world > 1 and not self.sharded else None,
-            passes=self._passes(per_rank), filler=batch.rows(0, 1),
+            max_new_tokens=cfg.generator.max_new_tokens, share=self._share(),
+            seed=cfg.trainer.seed * 1_000_003 + policy_version,
         )
+        self.behaviour.record(self.model, version=policy_version + 1)
+        mine, _ = batch.rank_rows(rank=self.rank, world=self.world)
         return {"loss": update.loss, "parts": update.parts, "grad_norm": update.grad_norm, "lr": update.lr,
-                "train_tokens": int(shard.inputs.numel())}
+                "updates": update.updates, "shaping": shaping, "train_tokens": int(mine.inputs.numel())}
 
     @endpoint
     def accumulate(self, record: RolloutBatchRecord, ref_logprobs: torch.Tensor | None) -> int:
@@ -130,13 +140,17 @@ class TrainerActor(FaultInjectableActor):
         losses and finish_step divides. Chunks may come in any order. Returns this rank's rows."""
         self.before_work(record, ref_logprobs)
         cfg = self.config
-        batch, shard, ref, per_rank = self._rows(record, ref_logprobs)
+        batch, shaping = self._batch(record, ref_logprobs)
+        shard, passes = self._share().rows(batch, cfg.trainer.micro_batch_size)
         loss, parts = accumulate_gradients(
             self.model, shard, grpo=cfg.grpo, temperature=cfg.generator.temperature,
-            micro_batch_size=cfg.trainer.micro_batch_size, normalizer=1.0, ref_logprobs=ref,
-            passes=self._passes(per_rank), filler=batch.rows(0, 1), sync=False,
+            micro_batch_size=cfg.trainer.micro_batch_size, normalizer=1.0, passes=passes, filler=batch.rows(0, 1),
+            sync=False,
         )
         step = self._step_so_far
+        for key, value in shaping.items():  # the chunk's mean, weighted by its rows
+            step["shaping"][key] = step["shaping"].get(key, 0.0) + value * len(batch)
+        step["rows"] += len(batch)
         step["loss"] += loss
         step["normalizer"] += loss_normalizer(batch, cfg.grpo.aggregation, max_new_tokens=cfg.generator.max_new_tokens)
         step["parts"].extend(parts)
@@ -162,6 +176,7 @@ class TrainerActor(FaultInjectableActor):
         self.optimizer.zero_grad(set_to_none=True)
         self._step_so_far = _new_step()
         return {"loss": step["loss"] / step["normalizer"], "parts": step["parts"], "grad_norm": grad_norm, "lr": lr,
+                "updates": 1, "shaping": {key: value / step["rows"] for key, value in step["shaping"].items()},
                 "train_tokens": step["train_tokens"]}
 
     @endpoint

@@ -157,7 +157,8 @@ class TrainerHandle:
         return results
 
     def train_step(self, record: Any, ref_logprobs: Any) -> list[dict[str, Any]]:
-        return self.every_rank(lambda: self.actors.train_step.call(record, ref_logprobs), what="a train step")
+        version = self.state.policy_version
+        return self.every_rank(lambda: self.actors.train_step.call(record, ref_logprobs, version), what="a train step")
 
     def state_dict(self) -> Any:
         return self.from_rank0("state_dict")

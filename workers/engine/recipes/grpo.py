@@ -4,10 +4,16 @@ Each step, top to bottom:
   1. generate  the generator (its own copy of the weights) samples group_size completions
                per prompt and records each token's tempered log-prob; before each
                generation it takes the trainer's newest weights (a versioned, timed sync).
-  2. reward    completions are scored; advantages are normalised within each group.
+  2. reward    completions are scored (with DAPO's soft overlong punishment when set); advantages are
+               normalised within each group. Dynamic sampling drops zero-spread groups and generates
+               more until the batch is full or its rounds run out (rollout_shaping.py).
   3. buffer    the scored batch waits in the replay buffer, tagged with its policy version.
-  4. reference (optional) the frozen starting model's log-probs, for the k3 KL penalty.
-  5. train     clipped-ratio loss with the generator's log-probs as the denominator.
+  4. reference (optional) the frozen starting model's log-probs, for the KL penalty (in the loss, or
+               taken from the reward before the advantages).
+  5. train     grpo.epochs x grpo.mini_batches optimizer steps of the clipped-ratio loss. Its denominator
+               is the generator's log-prob, or with a rollout correction the trainer's own under the
+               weights that generated the batch (pi_old), each token weighted by the truncated or
+               masked pi_old / mu.
 
 sync mode generates the batch it trains on right away (policy age 0). async mode lets the
 generator run max_policy_age batches ahead, so the trainer learns from rollouts made by
@@ -29,17 +35,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 
-from workers.engine.batching import collate_rollouts
+from workers.engine.batching import collate_record
+from workers.engine.behaviour_weights import BehaviourWeights
 from workers.engine.checkpoint import load_checkpoint, save_checkpoint
 from workers.engine.config import RunConfig
-from workers.engine.grpo_math import (check_prompt_lengths, loss_normalizer, policy_update, reference_logprobs,
-                                      score_rollouts)
+from workers.engine.grpo_math import (check_prompt_lengths, kl_reward_advantages, policy_update, prepare_old_logprobs,
+                                      score_rollouts, sequence_logprobs)
 from workers.engine.grpo_metrics import rollout_metrics, update_metrics
 from workers.engine.metrics import Recorder
 from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.models.titan import count_parameters
 from workers.engine.replay_buffer import ReplayBuffer
 from workers.engine.rewards import CombinedReward
+from workers.engine.rollout_shaping import DynamicSampler
 from workers.engine.sampler import SamplingParams, TorchSampler
 from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
@@ -94,13 +102,16 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
     stream = ProblemStream(task.train, seed=trainer_cfg.seed)
     reward = CombinedReward(cfg.reward.functions, cfg.reward.weights)
     optimizer = build_optimizer(model, trainer_cfg.optimizer)
-    scheduler = build_scheduler(optimizer, trainer_cfg.optimizer, trainer_cfg.steps)
+    scheduler = build_scheduler(optimizer, trainer_cfg.optimizer, trainer_cfg.steps * grpo.updates_per_step)
     max_age = grpo.max_policy_age if grpo.mode == "async" else 0
     buffer = ReplayBuffer(capacity=max(cfg.replay_buffer.capacity, trainer_cfg.batch_size * grpo.group_size),
                           max_policy_age=max_age)
+    behaviour = BehaviourWeights(max_policy_age=max_age if grpo.rollout_correction is not None else 0)
     sampling = SamplingParams(max_new_tokens=cfg.generator.max_new_tokens, temperature=cfg.generator.temperature,
                               top_p=cfg.generator.top_p)
     temperature = cfg.generator.temperature
+    dynamic = DynamicSampler(batch_size=trainer_cfg.batch_size, group_size=grpo.group_size,
+                             max_rounds=grpo.dynamic_sampling.max_rounds if grpo.dynamic_sampling else None)
 
     start_step, policy_version, generations = 0, 0, 0
     staleness: Counter[int] = Counter()
@@ -113,22 +124,30 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
         generator.policy_version = -1  # its weights are the starting ones: sync before generating
         recorder.event("resumed", step=start_step, path=cfg.checkpoint.resume_from, policy_version=policy_version)
 
+    behaviour.record(model, version=policy_version)
+
     def generate_batch(timer: PhaseTimer) -> int:
-        """Sample, score and buffer one step's rollouts; return the generated token count."""
+        """Sample, score and buffer one step's rollouts (with dynamic sampling, rounds of them until the batch is
+        filled); return the generated token count."""
         nonlocal generations
         if generator.policy_version != policy_version:
             with timer.phase("weight_sync"):
                 generator.load_weights(model.state_dict(), policy_version)
-        problems = stream.take(trainer_cfg.batch_size)
-        with timer.phase("generate"):
-            prompts = [tokenizer.encode_prompt(p.messages) for p in problems for _ in range(grpo.group_size)]
-            check_prompt_lengths(prompts, cfg.data.max_prompt_tokens)
-            completions = generator.generate(prompts, sampling, seed=trainer_cfg.seed * 1_000_003 + generations)
-        generations += 1
-        with timer.phase("reward"):
-            buffer.put(score_rollouts(problems, prompts, completions, reward, tokenizer, group_size=grpo.group_size,
-                                      std_normalised=grpo.std_normalised_advantages))
-        return sum(len(c.token_ids) for c in completions)
+        filling, tokens = dynamic.start(), 0
+        while not filling.done:
+            problems = stream.take(trainer_cfg.batch_size)
+            with timer.phase("generate"):
+                prompts = [tokenizer.encode_prompt(p.messages) for p in problems for _ in range(grpo.group_size)]
+                check_prompt_lengths(prompts, cfg.data.max_prompt_tokens)
+                completions = generator.generate(prompts, sampling, seed=trainer_cfg.seed * 1_000_003 + generations)
+            generations += 1
+            tokens += sum(len(c.token_ids) for c in completions)
+            with timer.phase("reward"):
+                filling.add(score_rollouts(problems, prompts, completions, reward, tokenizer, group_size=grpo.group_size,
+                                           std_normalised=grpo.std_normalised_advantages, overlong=grpo.overlong,
+                                           max_new_tokens=cfg.generator.max_new_tokens))
+        buffer.put(dynamic.finish(filling))
+        return tokens
 
     def run_eval(step: int) -> EvalResult:
         model.eval()
@@ -172,25 +191,30 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
             batch_record = buffer.take(policy_version)
         age = policy_version - batch_record.policy_version
         staleness[age] += 1
-        batch = collate_rollouts(batch_record.prompts, batch_record.responses, batch_record.logprobs,
-                                 batch_record.advantages, pad_id=tokenizer.pad_id).to(device)
-        normalizer = loss_normalizer(batch, grpo.aggregation, max_new_tokens=cfg.generator.max_new_tokens)
+        sampled = dynamic.step_metrics(batch_record)  # sampling/*: with grpo.dynamic_sampling
+        batch = collate_record(batch_record, pad_id=tokenizer.pad_id, mask_truncated=grpo.overlong.filter).to(device)
 
-        # 4. reference log-probs
-        ref_logprobs = None
+        # 4. reference log-probs (and the KL in the reward, when it goes there)
+        shaping: dict[str, float] = {}
         if reference is not None:
             with timer.phase("reference"):
-                ref_logprobs = reference_logprobs(reference, batch, micro_batch_size=trainer_cfg.micro_batch_size,
-                                                  temperature=temperature)
+                batch.ref_logprobs = sequence_logprobs(reference, batch, micro_batch_size=trainer_cfg.micro_batch_size,
+                                                       temperature=temperature)
+            if grpo.kl_in == "reward":
+                shaping["kl/reward_penalty"] = kl_reward_advantages(batch, batch_record.rewards, grpo=grpo)
 
-        # 5. train
+        # 5. train: pi_old when a rollout correction or several updates need it, then epochs x mini_batches updates
         with timer.phase("train"):
+            shaping.update(prepare_old_logprobs(
+                model, batch, grpo=grpo, temperature=temperature, micro_batch_size=trainer_cfg.micro_batch_size,
+                policy_age=age, batch_version=batch_record.policy_version, behaviour=behaviour))
             update = policy_update(
                 model, optimizer, scheduler, batch, grpo=grpo, temperature=temperature,
                 micro_batch_size=trainer_cfg.micro_batch_size, grad_clip=trainer_cfg.optimizer.grad_clip,
-                normalizer=normalizer, ref_logprobs=ref_logprobs,
+                max_new_tokens=cfg.generator.max_new_tokens, seed=trainer_cfg.seed * 1_000_003 + policy_version,
             )
             policy_version += 1
+            behaviour.record(model, version=policy_version)
 
         # record
         step_seconds = time.perf_counter() - step_start
@@ -199,6 +223,9 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
             "loss": update.loss,
             **rollout_metrics(batch_record),
             **update_metrics(update.parts),
+            **shaping,
+            **sampled,
+            "train/updates": update.updates,
             "grad_norm": update.grad_norm,
             "lr": update.lr,
             "policy_version": policy_version,

@@ -240,7 +240,8 @@ class MonarchGrpoRun:
                                                    self.placer.role_device("generator"))
         if role == "reward":
             return lambda procs, name: procs.spawn(name, RewardActor, model.path, list(cfg.reward.functions),
-                                                   cfg.reward.weights, cfg.grpo.std_normalised_advantages)
+                                                   cfg.reward.weights, cfg.grpo.std_normalised_advantages,
+                                                   cfg.grpo.overlong, cfg.generator.max_new_tokens)
         return lambda procs, name: procs.spawn(name, ReferenceActor, model.path, model.dtype,
                                                self.placer.role_device("reference"))
 
@@ -306,6 +307,8 @@ class MonarchGrpoRun:
             "loss": sum(r["loss"] for r in results),
             **rollout_metrics(record),
             **update_metrics(parts),
+            **results[0]["shaping"],
+            "train/updates": results[0]["updates"],
             "grad_norm": results[0]["grad_norm"],
             "lr": results[0]["lr"],
             "policy_version": state.policy_version,
