@@ -14,8 +14,9 @@ from torch import nn
 from workers.engine.batching import RolloutBatch
 from workers.engine.behaviour_weights import BehaviourWeights
 from workers.engine.config import GrpoConfig, OverlongConfig
+from workers.engine.fused_head import model_logprobs
 from workers.engine.losses import (group_advantages, grpo_loss, kl_estimate, mismatch_metrics,
-                                   rollout_importance_weights, token_logprobs)
+                                   rollout_importance_weights)
 from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.replay_buffer import RolloutBatchRecord
 from workers.engine.rewards import CombinedReward
@@ -79,7 +80,7 @@ def sequence_logprobs(model: nn.Module, batch: RolloutBatch, *, micro_batch_size
             model(batch.rows(0, 1).inputs)
             continue
         micro = batch.rows(starts[i], starts[i] + micro_batch_size)
-        out.append(token_logprobs(model(micro.inputs), micro.targets, temperature)[0])
+        out.append(model_logprobs(model, micro.inputs, micro.targets, temperature)[0])
     return torch.cat(out) if out else torch.zeros_like(batch.behaviour_logprobs)
 
 
@@ -220,7 +221,7 @@ def accumulate_gradients(
             zero_weighted_pass(model, filler)
             continue
         micro = batch.rows(starts[i], starts[i] + micro_batch_size)
-        logprobs, entropy = token_logprobs(model(micro.inputs), micro.targets, temperature,
+        logprobs, entropy = model_logprobs(model, micro.inputs, micro.targets, temperature,
                                            entropy_grad=grpo.entropy_coef > 0.0)
         loss, part = micro_batch_loss(micro, logprobs, entropy, grpo=grpo, normalizer=normalizer)
         loss.backward()

@@ -24,12 +24,39 @@ KlEstimator = Literal["k1", "k2", "k3"]
 LOGPROB_CHUNK_TOKENS = 256  # token positions per softmax: one [256, V] fp32 block at a time
 
 
+def chunk_logprobs(scaled: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk's (log-prob of each target [C], entropy [C] or None) from its tempered float32 logits [C, V], which
+    it overwrites with their log-softmax."""
+    scaled.sub_(torch.logsumexp(scaled, dim=-1, keepdim=True))
+    chosen = scaled.gather(-1, targets).squeeze(-1)
+    return chosen, (-scaled.exp().mul_(scaled).sum(dim=-1) if with_entropy else None)
+
+
+def chunk_grad_logits(scaled: torch.Tensor, targets: torch.Tensor, grad_chosen: torch.Tensor,
+                      grad_entropy: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """One chunk's float32 gradient in its logits [C, V] from its tempered float32 logits (overwritten):
+    d logp[target] / d logits = (onehot(target) - softmax) / temperature, and with `grad_entropy` (an entropy bonus)
+    d entropy / d logits = -softmax * (log softmax + entropy) / temperature."""
+    if grad_entropy is not None:
+        logp = torch.log_softmax(scaled, dim=-1)
+        del scaled
+        probs = logp.exp()
+        entropy = -(probs * logp).sum(dim=-1, keepdim=True)
+        entropy_term = logp.add_(entropy).mul_(probs).mul_(-grad_entropy)
+    else:  # softmax in place
+        probs = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
+        probs.div_(probs.sum(dim=-1, keepdim=True))
+    probs.mul_(-grad_chosen)
+    probs.scatter_add_(-1, targets, grad_chosen)
+    if grad_entropy is not None:
+        probs.add_(entropy_term)
+    return probs.div_(temperature)
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     """log softmax(logits / temperature)[target] per position, and optionally the entropy, a chunk at a time.
 
-    Saves only the logits and targets; backward recomputes each chunk's softmax:
-    d logp[target] / d logits = (onehot(target) - softmax) / temperature, and with `entropy_grad` (an entropy
-    bonus) d entropy / d logits = -softmax * (log softmax + entropy) / temperature.
+    Saves only the logits and targets; backward recomputes each chunk's softmax (chunk_grad_logits).
     """
 
     @staticmethod
@@ -40,11 +67,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         entropy = torch.empty(flat.shape[0] if with_entropy else 0, dtype=torch.float32, device=logits.device)
         for start in range(0, flat.shape[0], chunk_tokens):
             end = start + chunk_tokens
-            logp = flat[start:end].to(torch.float32, copy=True).div_(temperature)  # log-softmax in place on a copy
-            logp.sub_(torch.logsumexp(logp, dim=-1, keepdim=True))
-            chosen[start:end] = logp.gather(-1, flat_targets[start:end]).squeeze(-1)
+            scaled = flat[start:end].to(torch.float32, copy=True).div_(temperature)
+            chosen[start:end], chunk_entropy = chunk_logprobs(scaled, flat_targets[start:end], with_entropy=with_entropy)
             if with_entropy:
-                entropy[start:end] = -logp.exp().mul_(logp).sum(dim=-1)
+                entropy[start:end] = chunk_entropy
         ctx.save_for_backward(logits, targets)
         ctx.temperature, ctx.chunk_tokens, ctx.entropy_grad = temperature, chunk_tokens, entropy_grad
         entropy = entropy.view(targets.shape) if with_entropy else entropy
@@ -62,19 +88,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad = torch.empty_like(flat)
         for start in range(0, flat.shape[0], ctx.chunk_tokens):
             end = start + ctx.chunk_tokens
-            if flat_grad_entropy is not None:
-                logp = torch.log_softmax(flat[start:end].float() / ctx.temperature, dim=-1)
-                chunk = logp.exp()
-                entropy = -(chunk * logp).sum(dim=-1, keepdim=True)
-                entropy_term = chunk * (logp + entropy) * -flat_grad_entropy[start:end]
-            else:  # softmax in place on a copy
-                chunk = flat[start:end].to(torch.float32, copy=True).div_(ctx.temperature)
-                chunk.sub_(chunk.amax(dim=-1, keepdim=True)).exp_().div_(chunk.sum(dim=-1, keepdim=True))
-            chunk.mul_(-flat_grad[start:end])
-            chunk.scatter_add_(-1, flat_targets[start:end], flat_grad[start:end])
-            if flat_grad_entropy is not None:
-                chunk.add_(entropy_term)
-            grad[start:end] = chunk.div_(ctx.temperature)
+            grad[start:end] = chunk_grad_logits(
+                flat[start:end].to(torch.float32, copy=True).div_(ctx.temperature), flat_targets[start:end],
+                flat_grad[start:end], None if flat_grad_entropy is None else flat_grad_entropy[start:end],
+                ctx.temperature)
         return grad.view(logits.shape), None, None, None, None, None
 
 
