@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -69,18 +70,11 @@ def loss_normalizer(batch: RolloutBatch, aggregation: str, *, max_new_tokens: in
 
 
 @torch.no_grad()
-def sequence_logprobs(model: nn.Module, batch: RolloutBatch, *, micro_batch_size: int, temperature: float,
-                      passes: int = 0) -> torch.Tensor:
+def sequence_logprobs(model: nn.Module, batch: RolloutBatch, *, micro_batch_size: int, temperature: float) -> torch.Tensor:
     """[B, L-1] tempered log-prob of each target under `model` (the reference, or the trainer for pi_old), without
-    gradient. `passes`: forwards every rank of a sharded model runs (the rest on the batch's first row)."""
-    out = []
-    starts = list(range(0, len(batch), micro_batch_size))
-    for i in range(max(len(starts), passes)):
-        if i >= len(starts):
-            model(batch.rows(0, 1).inputs)
-            continue
-        micro = batch.rows(starts[i], starts[i] + micro_batch_size)
-        out.append(model_logprobs(model, micro.inputs, micro.targets, temperature)[0])
+    gradient."""
+    out = [model_logprobs(model, micro.inputs, micro.targets, temperature)[0]
+           for micro in (batch.rows(start, start + micro_batch_size) for start in range(0, len(batch), micro_batch_size))]
     return torch.cat(out) if out else torch.zeros_like(batch.behaviour_logprobs)
 
 
@@ -187,12 +181,10 @@ def prepare_old_logprobs(
     version, 0 when that version was not kept (right after a resume) and the current weights stood in."""
     if not needs_old_logprobs(grpo, policy_age=policy_age):
         return {}
-    exact = policy_age == 0 or (behaviour is not None and behaviour.has(batch_version))
-    if policy_age == 0 or not exact:
+    kept = policy_age > 0 and behaviour is not None and behaviour.has(batch_version)
+    with behaviour.weights_of(model, version=batch_version) if kept else nullcontext():
         batch.old_logprobs = sequence_logprobs(model, batch, micro_batch_size=micro_batch_size, temperature=temperature)
-    else:
-        with behaviour.weights_of(model, version=batch_version):
-            batch.old_logprobs = sequence_logprobs(model, batch, micro_batch_size=micro_batch_size, temperature=temperature)
+    exact = policy_age == 0 or kept
     return {"mismatch/behaviour_weights": 1.0 if exact else 0.0}
 
 
