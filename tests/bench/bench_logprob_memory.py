@@ -183,7 +183,7 @@ def measure_step(variant: str, *, model: str, layers: int, batch: int, seq: int,
 
     from workers.engine.config import GrpoConfig, OptimizerConfig
     from workers.engine.fused_head import fused_head_applies, head_logprobs
-    from workers.engine.grpo_math import apply_update
+    from workers.engine.data_parallel import apply_update
     from workers.engine.losses import grpo_loss, token_logprobs
     from workers.engine.models.titan import build_decoder
     from workers.engine.training import build_optimizer, build_scheduler

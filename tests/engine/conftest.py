@@ -104,9 +104,12 @@ def monarch_mode_runs(tiny_trainable_qwen3: Path, tmp_path_factory: pytest.TempP
     return runs
 
 
+TCP_FIRST = ("test_monarch_hosts.py", "test_monarch_sft_hosts.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Monarch's transport is chosen once per process, by its first call. The multi-host runs need TCP
     (to reach worker processes), so they go before every other Monarch test, whose first call would
     otherwise choose Unix sockets for the rest of the session."""
-    first = [item for item in items if item.path.name == "test_monarch_hosts.py"]
-    items[:] = first + [item for item in items if item.path.name != "test_monarch_hosts.py"]
+    first = [item for item in items if item.path.name in TCP_FIRST]
+    items[:] = first + [item for item in items if item.path.name not in TCP_FIRST]

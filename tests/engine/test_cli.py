@@ -61,8 +61,8 @@ def test_preflight_refuses_what_it_cannot_run(tiny_llama3: Path, tmp_path: Path,
                   "trainer.recover_failures:", "checkpoint.resume_from:"):
         assert field in err
     sft = _write(tmp_path / "sft.yaml", f"recipe: sft\nmodel: {{family: llama3, path: '{tiny_llama3}'}}\n")
-    assert main(["train", "--config", str(sft), "placement.backend=monarch"]) == 2
-    assert "placement.backend: the monarch backend runs GRPO" in capsys.readouterr().err
+    assert main(["train", "--config", str(sft), "placement.backend=monarch", "placement.generator.hosts=[a]"]) == 2
+    assert "placement.generator.hosts: an SFT run has no generator" in capsys.readouterr().err
     grpo = _write(tmp_path / "grpo.yaml", f"recipe: grpo\nmodel: {{family: llama3, path: '{tiny_llama3}'}}\n")
     assert main(["train", "--config", str(grpo), "placement.backend=monarch", "trainer.ranks=3",
                  "placement.trainer.procs_per_host=2"]) == 2
@@ -138,7 +138,7 @@ def test_sharding_rules_are_field_errors() -> None:
     def fields(*overrides: str) -> dict[str, str]:
         return _config_errors("recipe: grpo\nmodel: {path: /x}\n", *overrides)
 
-    assert "fsdp needs the Monarch GRPO recipe" in fields("trainer.sharding=fsdp")["trainer.sharding"]
+    assert "fsdp shards the Monarch trainer's ranks" in fields("trainer.sharding=fsdp")["trainer.sharding"]
     assert "trainer.sharding: fsdp" in fields("placement.backend=monarch", "trainer.mixed_precision=bf16")["trainer.mixed_precision"]
     assert "trainer.sharding" in fields("trainer.sharding=zero3")
     config = load_config("recipe: grpo\nmodel: {path: /x}\n", overrides=[
@@ -146,16 +146,19 @@ def test_sharding_rules_are_field_errors() -> None:
     assert (config.trainer.sharding, config.trainer.mixed_precision) == ("fsdp", "bf16")
 
 
-def test_sft_on_a_cluster_job_runs_in_one_process(tiny_llama3: Path) -> None:
+def test_sft_on_a_cluster_job_runs_on_its_workers(tiny_llama3: Path) -> None:
     from workers.engine.config import load_config
     from workers.engine.preflight import preflight_errors
 
     sft = f"recipe: sft\nmodel: {{family: llama3, path: '{tiny_llama3}'}}\n"
     assert preflight_errors(load_config(sft, overrides=["placement.backend=slurm"])) == []
+    assert preflight_errors(load_config(sft, overrides=[
+        "placement.backend=kubernetes", "trainer.ranks=2", "placement.trainer.hosts=[node0]"])) == []
     refused = {e.field: e.message for e in preflight_errors(load_config(sft, overrides=[
-        "placement.backend=kubernetes", "trainer.ranks=2", "placement.trainer.hosts=[node0]"]))}
-    assert set(refused) == {"trainer.ranks", "placement.trainer.hosts"}
-    assert "monarch" in refused["trainer.ranks"]
+        "placement.backend=kubernetes", "placement.generator.hosts=[node0]"]))}
+    assert refused == {"placement.generator.hosts": "an SFT run has no generator: it places only its trainer"}
+    local = {e.field: e.message for e in preflight_errors(load_config(sft, overrides=["trainer.ranks=2"]))}
+    assert "monarch" in local["trainer.ranks"]
 
 
 def test_colocation_rules_are_field_errors() -> None:

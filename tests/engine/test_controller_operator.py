@@ -11,6 +11,7 @@ from tests.engine.fake_fleet import FakeHosts, Fleet, controller_parts, fake_gro
 from workers.engine.controller.drill_targets import DrillTargets
 from workers.engine.controller.operator import Operator
 from workers.engine.drills import DrillPlan
+from workers.engine.config import load_config
 from workers.engine.operations import parse_operation
 
 GENERATOR = {"load_weights": None, "policy_version": 5}
@@ -27,7 +28,7 @@ def _operator(placement: str = "", *, generators=("a", "b"), per_host: int | Non
     drills = DrillTargets(plan=DrillPlan([]), injector=fleet.injector, recorder=fleet.recorder, hosts=hosts,
                           groups=groups, placer=fleet.placer, trainer=fleet.trainer, state=fleet.state)
     return fleet, Operator(config=config, placer=fleet.placer, hosts=hosts, groups=groups, supervisor=fleet.supervisor,
-                           drills=drills, recorder=fleet.recorder, state=fleet.state)
+                           drills=drills, recorder=fleet.recorder, state=fleet.state, moves_trainer=False)
 
 
 def command(kind: str, **payload) -> object:
@@ -119,3 +120,36 @@ def test_without_workers_only_the_generators_host_labels_can_be_drained():
     fleet, operator = _operator("generator: {hosts: [a, b]}", workers=False)
     with pytest.raises(ValueError, match="unknown host 'c'; hosts: a, b"):
         operator.redirect(command("load_redirect", action="drain", host="c"))
+
+
+def _sft_operator(host_names=("a", "b", "c")) -> tuple[Fleet, Operator]:
+    """An SFT run's operator: two trainer ranks on host a, no replica groups."""
+    config = load_config("recipe: sft\nmodel: {path: /m}\nplacement: {backend: monarch}\ntrainer: {ranks: 2}\n")
+    hosts = FakeHosts(list(host_names), workers=True)
+    fleet = controller_parts(config, hosts, {}, trainer_hosts=["a"], trainer_pids=(7, 8))
+    drills = DrillTargets(plan=DrillPlan([]), injector=fleet.injector, recorder=fleet.recorder, hosts=hosts,
+                          groups={}, placer=fleet.placer, trainer=fleet.trainer, state=fleet.state)
+    return fleet, Operator(config=config, placer=fleet.placer, hosts=hosts, groups={}, supervisor=fleet.supervisor,
+                           drills=drills, recorder=fleet.recorder, state=fleet.state, moves_trainer=True)
+
+
+def test_an_sft_drain_of_the_trainers_host_moves_it_at_the_next_checkpoint_and_placement_changes_are_refused():
+    fleet, operator = _sft_operator()
+    with pytest.raises(ValueError, match="no generator replicas to place: an SFT run has only trainer ranks"):
+        operator.operate("placement_change", command("placement_change", action="add", role="generator", host="b"))
+    with pytest.raises(ValueError, match="host 'b' holds none of the trainer's ranks"):
+        operator.operate("load_redirect", command("load_redirect", action="drain", host="b"))
+    result = operator.operate("load_redirect", command("load_redirect", action="drain", host="a"))
+    assert result["trainer_ranks"] == [0, 1] and result["moves_at"] == "the next checkpoint"
+    assert fleet.state.trainer_drain == "a" and fleet.placer.drained == {"a"}
+    assert fleet.placer.place_trainer() == ["b"], "the trainer's next hosts are undrained ones"
+    assert fleet.events("redirect_started")[-1]["trainer_ranks"] == [0, 1]
+    operator.operate("load_redirect", command("load_redirect", action="undrain", host="a"))
+    assert fleet.state.trainer_drain is None and fleet.placer.drained == set()
+
+
+def test_an_sft_drain_with_nowhere_to_go_is_refused():
+    fleet, operator = _sft_operator(("a",))
+    with pytest.raises(ValueError, match="no undrained host can take the trainer: it needs 1 host"):
+        operator.operate("load_redirect", command("load_redirect", action="drain", host="a"))
+    assert fleet.placer.drained == set() and fleet.state.trainer_drain is None

@@ -49,13 +49,13 @@ def test_the_actors_import_no_recipe() -> None:
 
 
 def test_the_controller_sits_between_the_actors_and_the_recipes() -> None:
-    """actors -> the Monarch controller's parts (workers.engine.controller) -> recipes/grpo_monarch.py."""
+    """actors -> the Monarch controller's parts (workers.engine.controller) -> recipes/grpo_monarch.py, sft_monarch.py."""
     assert _arrows(IMPORTS, from_=("workers.engine.controller",), to=("workers.engine.recipes",)) == []
     assert _arrows(IMPORTS, from_=("workers.engine.actors",), to=("workers.engine.controller",)) == []
-    outside = ("workers.engine.recipes.grpo_monarch", "workers.engine.controller")
+    outside = ("workers.engine.recipes.grpo_monarch", "workers.engine.recipes.sft_monarch", "workers.engine.controller")
     users = {imp.importer for imp in IMPORTS if within(imp.imported, ("workers.engine.controller",))
              and not within(imp.importer, outside)}
-    assert {user for user in users if user.startswith("workers.")} == set(), "only the Monarch recipe wires the parts"
+    assert {user for user in users if user.startswith("workers.")} == set(), "only the Monarch recipes wire the parts"
 
 
 def test_the_control_plane_reaches_celery_only_through_its_dispatch_module() -> None:

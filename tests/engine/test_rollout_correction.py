@@ -13,8 +13,9 @@ import torch
 from workers.engine.batching import collate_rollouts
 from workers.engine.behaviour_weights import BehaviourWeights
 from workers.engine.config import GrpoConfig, RolloutCorrection
-from workers.engine.grpo_math import (RankShare, accumulate_gradients, kl_reward_advantages, loss_normalizer,
-                                      micro_batch_loss, prepare_old_logprobs, sequence_logprobs, update_order)
+from workers.engine.data_parallel import RankShare
+from workers.engine.grpo_math import (accumulate_gradients, kl_reward_advantages, loss_normalizer, micro_batch_loss,
+                                      prepare_old_logprobs, sequence_logprobs, update_order)
 from workers.engine.losses import grpo_loss, rollout_importance_weights
 from workers.engine.metrics import MemorySink, Recorder
 from workers.engine.models.hf_folder import load_pretrained

@@ -48,3 +48,53 @@ def test_the_api_answers_a_bad_drill_with_field_errors(client, team, monarch_run
                            data=json.dumps({"kind": "fault_drill", "payload": {"kind": "melt", "role": "generator"}}))
     assert response.status_code == 400
     assert [e["field"] for e in response.json()["errors"]] == ["payload.kind"]
+
+
+SFT_MONARCH_YAML = """\
+recipe: sft
+model: {family: qwen3, path: /models/tiny-qwen3}
+trainer: {steps: 5, ranks: 2}
+placement: {backend: monarch}
+"""
+
+
+@pytest.fixture
+def sft_monarch_run(team):
+    """A running 2-rank SFT run on Monarch: drills on its trainer and drains apply, placement changes do not."""
+    from forgeboard.experiments.services import experiment_create
+    from forgeboard.runs.models import Run
+    from forgeboard.runs.services import run_launch
+    from forgeboard.runs.states import RunState
+
+    experiment = experiment_create(actor=team.owner, project=team.project, name="warm-start", recipe="sft")
+    run = run_launch(actor=team.member, experiment=experiment, config_yaml=SFT_MONARCH_YAML)
+    Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING)
+    run.refresh_from_db()
+    return run
+
+
+def test_an_sft_run_takes_trainer_drills_and_drains_and_refuses_placement_changes(team, sft_monarch_run):
+    run = sft_monarch_run
+    drill = command_create(actor=team.member, run=run, kind="fault_drill",
+                           payload={"kind": "kill", "role": "trainer", "replica": 1})
+    drain = command_create(actor=team.member, run=run, kind="load_redirect", payload={"action": "drain", "host": "node0"})
+    assert [c.kind for c in Command.objects.filter(run=run).order_by("pk")] == ["fault_drill", "load_redirect"]
+    assert {drill.pk, drain.pk} == set(Command.objects.filter(run=run).values_list("pk", flat=True))
+    with pytest.raises(ValidationFailed) as caught:
+        command_create(actor=team.member, run=run, kind="fault_drill", payload={"kind": "kill", "role": "generator"})
+    assert [(p.field, p.message) for p in caught.value.problems] == [
+        ("payload.role", "an SFT run has no generator: its drills target trainer ranks")]
+    with pytest.raises(Conflict, match="an SFT run: it has only trainer ranks, no replicas to place"):
+        command_create(actor=team.member, run=run, kind="placement_change",
+                       payload={"action": "add", "role": "generator", "host": "node1"})
+    assert Command.objects.filter(run=run).count() == 2
+
+
+def test_the_run_page_of_an_sft_run_offers_trainer_drills_and_no_placement_form(client, team, sft_monarch_run):
+    client.force_login(team.member)
+    page = client.get(f"/runs/{sft_monarch_run.pk}/").content.decode()
+    roles = page.split('name="payload.role">', 1)[1].split("</select>", 1)[0]
+    assert roles == "<option>trainer</option>"
+    assert 'data-command="placement_change"' not in page and 'data-command="load_redirect"' in page
+    assert "An SFT run has only its 2 trainer ranks" in page
+    assert "<dt>Trainer ranks</dt><dd>2</dd>" in page and "Generator replicas" not in page

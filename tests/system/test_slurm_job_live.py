@@ -18,6 +18,7 @@ import pytest
 from django.conf import settings
 from django.utils import timezone
 
+from forgeboard.experiments.services import experiment_create
 from forgeboard.runs.models import Run
 from forgeboard.runs.scheduling import runs_schedule
 from forgeboard.runs.services import run_launch
@@ -95,6 +96,7 @@ trainer:
 grpo:
   group_size: 4
 """
+SLURM_SFT_YAML = SLURM_GRPO_YAML.replace("recipe: grpo", "recipe: sft").replace("grpo:\n  group_size: 4\n", "")
 
 
 def _polled_state(run: Run) -> str:
@@ -121,13 +123,18 @@ def fake_slurm(tmp_path, settings) -> Path:
     return bin_dir.parent / "job"
 
 
-def test_a_slurm_run_trains_on_the_worker_its_monarch_job_started(team, tiny_model, fake_slurm, settings, tmp_path):
+@pytest.mark.parametrize("recipe", ["grpo", "sft"])
+def test_a_slurm_run_trains_on_the_worker_its_monarch_job_started(team, tiny_model, fake_slurm, settings, tmp_path,
+                                                                  recipe):
+    """GRPO, and SFT on two trainer ranks: each recipe's trainer spans the job's two nodes."""
     port = free_port()
     settings.PUBLIC_URL = f"http://127.0.0.1:{port}"
+    experiment = team.experiment if recipe == "grpo" else \
+        experiment_create(actor=team.owner, project=team.project, name="warm-start", recipe="sft")
+    yaml_text = SLURM_GRPO_YAML if recipe == "grpo" else SLURM_SFT_YAML
     try:
         with web_server(tmp_path / "web.log", port=port):
-            run = run_launch(actor=team.member, experiment=team.experiment,
-                             config_yaml=SLURM_GRPO_YAML.format(model=tiny_model))
+            run = run_launch(actor=team.member, experiment=experiment, config_yaml=yaml_text.format(model=tiny_model))
             assert run.pk in runs_schedule(now=timezone.now()), "SLURM queues it: no inventory host is needed"
             start_run(run_id=run.pk)  # what the launch.slurm worker does
             assert Run.objects.get(pk=run.pk).job_id == JOB_ID

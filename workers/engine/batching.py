@@ -20,6 +20,12 @@ from workers.engine.models.attention import document_causal_mask
 from workers.engine.replay_buffer import RolloutBatchRecord
 
 
+def rank_span(rows: int, *, rank: int, world: int) -> tuple[int, int, int]:
+    """(first row, end, rows per rank) of a data-parallel rank's contiguous share of `rows`."""
+    per_rank = math.ceil(rows / world)
+    return min(rows, rank * per_rank), min(rows, (rank + 1) * per_rank), per_rank
+
+
 @dataclass
 class RolloutBatch:
     inputs: torch.Tensor  # [B, L-1] token ids fed to the model
@@ -50,8 +56,7 @@ class RolloutBatch:
 
     def rank_rows(self, *, rank: int, world: int) -> tuple[RolloutBatch, int]:
         """(this data-parallel rank's contiguous rows, rows per rank): rank 0 has the most, a last rank may have none."""
-        per_rank = math.ceil(len(self) / world)
-        lo, hi = min(len(self), rank * per_rank), min(len(self), (rank + 1) * per_rank)
+        lo, hi, per_rank = rank_span(len(self), rank=rank, world=world)
         return self.rows(lo, hi), per_rank
 
 
@@ -104,6 +109,11 @@ class SftBatch:
     def rows(self, start: int, stop: int) -> SftBatch:
         mask = None if self.attention_mask is None else self.attention_mask[start:stop]
         return SftBatch(self.inputs[start:stop], self.targets[start:stop], self.loss_mask[start:stop], self.positions[start:stop], mask)
+
+    def rank_rows(self, *, rank: int, world: int) -> tuple[SftBatch, int]:
+        """(this data-parallel rank's contiguous rows, rows per rank): rank 0 has the most, a last rank may have none."""
+        lo, hi, per_rank = rank_span(len(self), rank=rank, world=world)
+        return self.rows(lo, hi), per_rank
 
 
 def _example_tensors(prompt: list[int], response: list[int], seq_len: int) -> tuple[list[int], list[int], list[bool]]:

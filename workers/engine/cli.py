@@ -77,7 +77,12 @@ def _train(args: argparse.Namespace) -> int:
         control = _run_control(control_plane)
     recorder = Recorder(sinks)
     try:
-        if config.recipe == "sft":
+        if config.recipe == "sft" and config.placement.runs_on_monarch:
+            with _local_hosts(config.placement.local_hosts):
+                from workers.engine.recipes.sft_monarch import train_sft_monarch
+
+                result = train_sft_monarch(config, recorder, control=control)
+        elif config.recipe == "sft":
             from workers.engine.recipes.sft import train_sft
 
             result = train_sft(config, recorder, control=control)

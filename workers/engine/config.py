@@ -498,11 +498,12 @@ def _cross_field_errors(config: RunConfig) -> list[FieldError]:
     errors = []
     if config.grpo.kl_coef > 0.0 and not config.reference.enabled:
         errors.append(FieldError("grpo.kl_coef", "a KL penalty needs a reference model: set reference.enabled: true"))
-    monarch_grpo = config.recipe == Recipe.GRPO and config.placement.runs_on_monarch
+    monarch = config.placement.runs_on_monarch  # either recipe's trainer on Monarch procs
+    monarch_grpo = config.recipe == Recipe.GRPO and monarch
     errors.extend(unused_option_errors(config, monarch_grpo=monarch_grpo))
     errors.extend(replay_buffer_errors(config))
-    if config.drills and not monarch_grpo:
-        errors.append(FieldError("drills", "fault drills need the Monarch GRPO recipe: recipe: grpo, placement.backend: monarch"))
+    if config.drills and not monarch:
+        errors.append(FieldError("drills", "fault drills need a Monarch run: placement.backend: monarch"))
     errors.extend(grpo_update_errors(config, monarch_grpo=monarch_grpo))
     if config.grpo.mode == "pipelined":
         if not monarch_grpo:
@@ -512,15 +513,15 @@ def _cross_field_errors(config: RunConfig) -> list[FieldError]:
         if config.grpo.pipeline_chunks > config.trainer.batch_size:
             errors.append(FieldError("grpo.pipeline_chunks", f"more chunks than the step's {config.trainer.batch_size} "
                                                              "groups (trainer.batch_size)"))
-    if config.trainer.sharding == "fsdp" and not monarch_grpo:
-        errors.append(FieldError("trainer.sharding", "fsdp needs the Monarch GRPO recipe: recipe: grpo, placement.backend: monarch"))
+    if config.trainer.sharding == "fsdp" and not monarch:
+        errors.append(FieldError("trainer.sharding", "fsdp shards the Monarch trainer's ranks: placement.backend: monarch"))
     if config.trainer.mixed_precision != "off" and config.trainer.sharding != "fsdp":
         errors.append(FieldError("trainer.mixed_precision", "mixed precision is applied by FSDP: set trainer.sharding: fsdp "
                                                             "(or model.dtype: bfloat16 to train in bfloat16 throughout)"))
     if config.placement.local_hosts:
-        if config.recipe != Recipe.GRPO or config.placement.backend != "monarch":
-            errors.append(FieldError("placement.local_hosts", "simulated hosts need the Monarch GRPO recipe: "
-                                                              "recipe: grpo, placement.backend: monarch"))
+        if config.placement.backend != "monarch":
+            errors.append(FieldError("placement.local_hosts", "simulated hosts are Monarch workers on this machine: "
+                                                              "placement.backend: monarch"))
         errors.extend(unknown_host_errors(config.placement, known=local_host_names(config.placement.local_hosts)))
     errors.extend(colocation_errors(config.placement, monarch_grpo=monarch_grpo))
     errors.extend(proc_layout_errors(config, monarch_grpo=monarch_grpo))
@@ -536,10 +537,14 @@ def unused_option_errors(config: RunConfig, *, monarch_grpo: bool) -> list[Field
     if config.grpo.mode == "sync" and config.grpo.max_policy_age:
         errors.append(FieldError("grpo.max_policy_age", "sync mode trains on-policy (age 0): set grpo.mode: async to "
                                                          "train on older rollouts, or max_policy_age to 0"))
-    if not monarch_grpo:
-        errors.extend(FieldError(f"failover.{name}", "failover applies to the Monarch GRPO recipe's replicas: "
-                                                     "recipe: grpo, placement.backend: monarch")
-                      for name in changed_fields(config.failover))
+    changed_failover = changed_fields(config.failover)
+    if not config.placement.runs_on_monarch:
+        errors.extend(FieldError(f"failover.{name}", "failover applies to a Monarch run's procs: placement.backend: monarch")
+                      for name in changed_failover)
+    elif not monarch_grpo:  # an SFT run's waits time out and poll, but it has no replicas to retry or replace
+        errors.extend(FieldError(f"failover.{name}", "applies to GRPO's generator, reference and reward replicas; an "
+                                                     "SFT run has only trainer ranks (trainer.recover_failures)")
+                      for name in changed_failover if name not in SFT_FAILOVER_FIELDS)
     grpo, changed_grpo = config.grpo, changed_fields(config.grpo)
     defaults = LOSS_DEFAULTS[grpo.loss]
     clip_epsilon_read = ((grpo.clip_epsilon_low is None and defaults.clip_epsilon_low is None)
@@ -606,8 +611,9 @@ def replay_buffer_errors(config: RunConfig) -> list[FieldError]:
 
 
 PLACED_ROLES = ("trainer", "generator", "reference", "reward", "replay_buffer")
-# The roles whose processes each recipe starts (the SFT recipe trains in one process).
+# The roles whose processes each recipe starts (SFT: its trainer ranks only).
 RECIPE_ROLES: dict[str, tuple[str, ...]] = {Recipe.GRPO: PLACED_ROLES, Recipe.SFT: ("trainer",)}
+SFT_FAILOVER_FIELDS = ("call_timeout_s", "poll_seconds")  # what of FailoverConfig an SFT run's trainer waits read
 
 
 # roles start in this order (trainer, generators, reward, reference): a role follows one started before it
@@ -663,6 +669,8 @@ def unknown_host_errors(placement: PlacementConfig, *, known: Sequence[str]) -> 
 
 def drill_target_problems(config: RunConfig, drill: FaultDrillRequest) -> list[tuple[str, str]]:
     """(field, reason) for a drill whose role or replica this config does not have."""
+    if config.recipe == Recipe.SFT and drill.role != "trainer":
+        return [("role", f"an SFT run has no {drill.role}: its drills target trainer ranks")]
     counts = {"generator": config.generator.replicas, "trainer": config.trainer.ranks,
               "reference": config.reference.replicas if config.reference.enabled else 0, "reward": 1}
     if counts[drill.role] == 0:

@@ -4,8 +4,6 @@ micro-batches, then one optimizer step)."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -15,6 +13,7 @@ from torch import nn
 from workers.engine.batching import RolloutBatch
 from workers.engine.behaviour_weights import BehaviourWeights
 from workers.engine.config import GrpoConfig, OverlongConfig
+from workers.engine.data_parallel import RankShare, apply_update, zero_weighted_pass
 from workers.engine.fused_head import model_logprobs
 from workers.engine.losses import (group_advantages, grpo_loss, kl_estimate, mismatch_metrics,
                                    rollout_importance_weights)
@@ -25,7 +24,6 @@ from workers.engine.rollout_shaping import overlong_penalty
 from workers.engine.sampler import Completion
 from workers.engine.sharding import set_gradient_sync
 from workers.engine.tasks import Problem
-from workers.engine.training import grad_norm_and_clip
 
 
 def score_rollouts(
@@ -88,20 +86,6 @@ def kl_reward_advantages(batch: RolloutBatch, rewards: list[float], *, grpo: Grp
     shaped = torch.tensor(rewards, dtype=torch.float32, device=penalty.device) - penalty
     batch.advantages = group_advantages(shaped, grpo.group_size, std_normalised=grpo.std_normalised_advantages)
     return float(penalty.mean())
-
-
-@dataclass(frozen=True)
-class RankShare:
-    """This process's place among the data-parallel trainer ranks; the default is a single process."""
-    rank: int = 0
-    world: int = 1
-    sharded: bool = False  # FSDP: every rank runs as many forward/backward passes as rank 0
-    reduce_gradients: Callable[[nn.Module], None] | None = None  # replicated ranks: sum the gradients
-
-    def rows(self, batch: RolloutBatch, micro_batch_size: int) -> tuple[RolloutBatch, int]:
-        """(this rank's rows of `batch`, the passes every rank runs: 0 unsharded, as many as it has rows for)."""
-        mine, per_rank = batch.rank_rows(rank=self.rank, world=self.world)
-        return mine, math.ceil(per_rank / micro_batch_size) if self.sharded else 0
 
 
 @dataclass
@@ -241,21 +225,6 @@ def micro_batch_loss(micro: RolloutBatch, logprobs: torch.Tensor, entropy: torch
         old_logprobs=old if correction is not None else None, is_weights=weights,
     )
     return loss, {**part, **mismatch_metrics(old, micro.behaviour_logprobs, micro.response_mask), **weight_metrics}
-
-
-def zero_weighted_pass(model: nn.Module, filler: RolloutBatch) -> None:
-    """A forward and backward that adds nothing to the gradients: a sharded rank's share of a collective."""
-    (model(filler.inputs).float().sum() * 0.0).backward()
-
-
-def apply_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, *,
-                 grad_clip: float | None) -> tuple[float, float]:
-    """Clip, step the optimizer and the schedule; (gradient norm before clipping, learning rate used)."""
-    grad_norm = grad_norm_and_clip(model, grad_clip)
-    lr = scheduler.get_last_lr()[0]
-    optimizer.step()
-    scheduler.step()
-    return grad_norm, lr
 
 
 def check_prompt_lengths(prompts: list[list[int]], limit: int) -> None:

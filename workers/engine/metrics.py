@@ -71,6 +71,9 @@ class MemorySink:
     def series(self, key: str) -> list[tuple[int, float]]:
         return [(r["step"], r["value"]) for r in self.records if r["kind"] == "metric" and r["key"] == key]
 
+    def events(self, name: str) -> list[Record]:
+        return [r for r in self.records if r["kind"] == "event" and r["name"] == name]
+
     def last(self, key: str) -> float:
         values = self.series(key)
         if not values:

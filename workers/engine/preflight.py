@@ -55,22 +55,21 @@ def confinement_errors(config: RunConfig, allowed: list[Path]) -> list[FieldErro
 def _unsupported(config: RunConfig) -> list[FieldError]:
     """Options this build does not implement yet: refused, never silently ignored."""
     errors = []
-    # GRPO on Monarch: backend monarch, or a SLURM / Kubernetes job (SFT there runs in one process on its first node)
-    monarch = config.placement.runs_on_monarch and config.recipe == "grpo"
+    monarch = config.placement.runs_on_monarch  # backend monarch, or a SLURM / Kubernetes job's Monarch workers
+    monarch_grpo = monarch and config.recipe == "grpo"
     # hosts to place roles on: simulated ones, a cluster job's workers, or workers a launcher named
     named_hosts = monarch and (config.placement.local_hosts > 0 or config.placement.backend in ("slurm", "kubernetes")
                                or bool(read_env(WORKERS_ENV)))
-    if config.placement.backend == "monarch" and config.recipe != "grpo":
-        errors.append(FieldError("placement.backend", "the monarch backend runs GRPO; SFT runs with 'local' "
-                                                      "(or in one process on a slurm / kubernetes job)"))
     if config.trainer.ranks != 1 and not monarch:
         errors.append(FieldError("trainer.ranks", "data parallelism needs placement.backend: monarch"))
     if config.trainer.recover_failures and not monarch:
         errors.append(FieldError("trainer.recover_failures", "in-run trainer recovery needs placement.backend: monarch"))
-    if config.generator.replicas != 1 and not monarch:
-        errors.append(FieldError("generator.replicas", "generator replicas need placement.backend: monarch"))
-    if config.generator.backend == "vllm" and not monarch:
-        errors.append(FieldError("generator.backend", "vLLM generators run in their own procs: set placement.backend: monarch"))
+    if config.generator.replicas != 1 and not monarch_grpo:
+        errors.append(FieldError("generator.replicas", "generator replicas need the Monarch GRPO recipe: recipe: grpo, "
+                                                       "placement.backend: monarch"))
+    if config.generator.backend == "vllm" and not monarch_grpo:
+        errors.append(FieldError("generator.backend", "vLLM generators run in their own procs: recipe: grpo, "
+                                                      "placement.backend: monarch"))
     if config.generator.backend == "vllm" and config.generator.top_p < 1.0:
         errors.append(FieldError("generator.top_p", "with vLLM, top_p must be 1: its recorded log-probs would be of the "
                                                     "truncated distribution, which the trainer does not recompute"))
@@ -85,7 +84,11 @@ def _unsupported(config: RunConfig) -> list[FieldError]:
                                                                      "as many ranks (use a divisor)"))
     for role in ("trainer", "generator", "reference", "reward", "replay_buffer"):
         placement = getattr(config.placement, role)
-        if placement.hosts and not (named_hosts or (monarch and role == "generator")):
+        if not placement.hosts:
+            continue
+        if role != "trainer" and config.recipe != "grpo":
+            errors.append(FieldError(f"placement.{role}.hosts", f"an SFT run has no {role}: it places only its trainer"))
+        elif not (named_hosts or (monarch_grpo and role == "generator")):
             errors.append(FieldError(f"placement.{role}.hosts", "no hosts to place it on: set placement.local_hosts (simulated "
                                                                 "hosts) or a slurm/kubernetes backend; with monarch alone, "
                                                                 "host names only label local generator procs"))

@@ -17,7 +17,7 @@ from forgeboard.alerts.services import alerts_for_run_state
 from forgeboard.audit.services import audit_record
 from forgeboard.dispatch import RUNS_LAUNCH, RUNS_START, enqueue, pool_launch_queue
 from forgeboard.errors import Conflict, FieldProblem, NotFound, ValidationFailed, is_db_id
-from forgeboard.experiments.models import Experiment
+from forgeboard.experiments.models import Experiment, Recipe
 from forgeboard.experiments.services import config_snapshot_create, validate_and_resolve
 from forgeboard.runs.models import EXTERNAL_BACKENDS, Command, CommandKind, CommandState, LaunchBackend, Run
 from forgeboard.runs.states import ACTIVE_STATES, TERMINAL_STATES, TRANSITIONS, RunState
@@ -220,10 +220,23 @@ def _check_operation(*, run: Run, kind: str, payload: dict[str, Any]) -> None:
         problems = [FieldProblem(f"payload.{e.field}" if e.field else "payload", e.message) for e in error.errors]
         raise ValidationFailed("invalid " + kind.replace("_", " ") + ": " + "; ".join(
             f"{p.field}: {p.message}" for p in problems), problems=problems) from None
-    backend = run.config.run_config.placement.backend
+    config = run.config.run_config
+    backend = config.placement.backend
     if backend == LaunchBackend.LOCAL:
         raise Conflict(f"run {run.pk} runs in a single process (placement.backend {backend!r}): "
                        f"{kind.replace('_', ' ')} needs placement.backend monarch")
+    if config.recipe == Recipe.SFT:
+        _check_sft_operation(run=run, kind=kind, payload=payload)
+
+
+def _check_sft_operation(*, run: Run, kind: str, payload: dict[str, Any]) -> None:
+    """An SFT run has trainer ranks only: drills target them, a drain moves them, there are no replicas to place."""
+    if kind == CommandKind.PLACEMENT_CHANGE:
+        raise Conflict(f"run {run.pk} is an SFT run: it has only trainer ranks, no replicas to place "
+                       "(drain a host to move the trainer at its next checkpoint)")
+    if kind == CommandKind.FAULT_DRILL and payload.get("role") != "trainer":
+        raise ValidationFailed.on("payload.role", f"an SFT run has no {payload.get('role')}: its drills target "
+                                                  "trainer ranks")
 
 
 def command_acknowledge(*, run: Run, command_id: int) -> Command:

@@ -11,38 +11,24 @@ asked for weights, evaluation and checkpoints.
 and optimizer state; every rank runs the same number of forward/backward passes (a rank
 short of rows runs a zero-weighted one), and weights, evaluation and checkpoints are
 collectives every rank takes part in.
+Joining the group, building the model, weights and checkpoints: `trainer_rank.py`.
 """
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from monarch.actor import endpoint
-from torch import nn
 
-from workers.engine.actors.faults import FaultInjectableActor
-from workers.engine.actors.devices import bind_proc_gpus
-from workers.engine.actors.procs import set_proc_threads
+from workers.engine.actors.trainer_rank import TrainerRankActor
 from workers.engine.batching import RolloutBatch, collate_record
 from workers.engine.behaviour_weights import BehaviourWeights
-from workers.engine.checkpoint import load_checkpoint, save_checkpoint
-from workers.engine.config import RunConfig
-from workers.engine.env import LOCAL_RANK_ENV, MASTER_ADDR_ENV, read_env, read_number
-from workers.engine.grpo_math import (RankShare, accumulate_gradients, apply_update, kl_reward_advantages, loss_normalizer,
-                                      policy_update, prepare_old_logprobs, zero_weighted_pass)
-from workers.engine.models.hf_folder import load_pretrained
-from workers.engine.models.titan import count_parameters
+from workers.engine.data_parallel import all_reduce_gradients, apply_update, zero_weighted_pass
+from workers.engine.grpo_math import (accumulate_gradients, kl_reward_advantages, loss_normalizer, policy_update,
+                                      prepare_old_logprobs)
 from workers.engine.replay_buffer import RolloutBatchRecord
-from workers.engine.rewards import CombinedReward
-from workers.engine.sampler import TorchSampler
-from workers.engine.sharding import full_model_state, full_optimizer_state, set_gradient_sync, shard_model
-from workers.engine.tasks import Problem
-from workers.engine.training import EvalResult, build_optimizer, build_scheduler, evaluate, resolve_device, setup_process
+from workers.engine.sharding import set_gradient_sync
 
 
 def _new_step() -> dict[str, Any]:
@@ -50,49 +36,15 @@ def _new_step() -> dict[str, Any]:
     return {"loss": 0.0, "normalizer": 0.0, "parts": [], "train_tokens": 0, "filler": None, "shaping": {}, "rows": 0}
 
 
-def all_reduce_gradients(model: nn.Module) -> None:
-    for param in model.parameters():
-        if param.grad is None:  # a rank with no rows this step still joins the collective
-            param.grad = torch.zeros_like(param)
-        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+class TrainerActor(TrainerRankActor):
+    def scheduled_updates(self) -> int:
+        return self.config.trainer.steps * self.config.grpo.updates_per_step
 
-
-class TrainerActor(FaultInjectableActor):
-    def __init__(self, config: RunConfig):
-        set_proc_threads()
-        self.config = config
-        self.own_gpu = bind_proc_gpus() is not None  # placement.trainer.gpus_per_proc: this rank's GPU is cuda:0
-        self.device = torch.device("cuda", 0) if self.own_gpu else resolve_device(config.trainer.device)
-
-    @endpoint
-    def setup(self, master_addr: str | None = None) -> dict[str, Any]:
-        """Join the process group (env from monarch's setup_torch_elastic_env), then build the model.
-
-        `master_addr`: how the other hosts reach rank 0's host, when the ranks span hosts (monarch names it by its
-        hostname, which a pod's peers cannot resolve)."""
-        cfg = self.config
-        if master_addr:
-            os.environ[MASTER_ADDR_ENV] = master_addr
-        if self.device.type == "cuda" and not self.own_gpu:  # one GPU per rank on its host (LOCAL_RANK from monarch)
-            self.device = torch.device("cuda", read_number(LOCAL_RANK_ENV) % torch.cuda.device_count())
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        # bounded: a rank whose peer died must not wait in a collective for the default 30 min
-        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", timeout=timedelta(minutes=5))
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        setup_process(threads=torch.get_num_threads(), seed=cfg.trainer.seed)
-        loaded = load_pretrained(cfg.model.path, family=cfg.model.family, dtype=cfg.model.dtype, device=self.device)
-        self.model, self.tokenizer = loaded.model.train(), loaded.tokenizer
-        n_params = count_parameters(self.model)
-        self.sharded = cfg.trainer.sharding == "fsdp"
-        if self.sharded:
-            shard_model(self.model, mixed_precision=cfg.trainer.mixed_precision)
-        self.optimizer = build_optimizer(self.model, cfg.trainer.optimizer)
-        self.scheduler = build_scheduler(self.optimizer, cfg.trainer.optimizer, cfg.trainer.steps * cfg.grpo.updates_per_step)
-        correcting = cfg.grpo.mode == "async" and cfg.grpo.rollout_correction is not None
-        self.behaviour = BehaviourWeights(max_policy_age=cfg.grpo.max_policy_age if correcting else 0)
+    def prepare_steps(self) -> None:
+        grpo = self.config.grpo
+        correcting = grpo.mode == "async" and grpo.rollout_correction is not None
+        self.behaviour = BehaviourWeights(max_policy_age=grpo.max_policy_age if correcting else 0)
         self._step_so_far = _new_step()
-        return {"rank": self.rank, "world": self.world, "n_params": n_params, "master_addr": read_env(MASTER_ADDR_ENV)}
 
     def _batch(self, record: RolloutBatchRecord, ref_logprobs: torch.Tensor | None) -> tuple[RolloutBatch, dict[str, float]]:
         """The whole padded batch with its reference log-probs, the KL in its advantages when grpo.kl_in is reward."""
@@ -104,10 +56,6 @@ class TrainerActor(FaultInjectableActor):
             if cfg.grpo.kl_in == "reward":
                 shaping["kl/reward_penalty"] = kl_reward_advantages(batch, record.rewards, grpo=cfg.grpo)
         return batch, shaping
-
-    def _share(self) -> RankShare:
-        return RankShare(rank=self.rank, world=self.world, sharded=self.sharded,
-                         reduce_gradients=all_reduce_gradients if self.world > 1 and not self.sharded else None)
 
     @endpoint
     def train_step(self, record: RolloutBatchRecord, ref_logprobs: torch.Tensor | None, policy_version: int) -> dict[str, Any]:
@@ -125,7 +73,7 @@ class TrainerActor(FaultInjectableActor):
         update = policy_update(
             self.model, self.optimizer, self.scheduler, batch, grpo=cfg.grpo, temperature=cfg.generator.temperature,
             micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.optimizer.grad_clip,
-            max_new_tokens=cfg.generator.max_new_tokens, share=self._share(),
+            max_new_tokens=cfg.generator.max_new_tokens, share=self.share(),
             seed=cfg.trainer.seed * 1_000_003 + policy_version,
         )
         self.behaviour.record(self.model, version=policy_version + 1)
@@ -141,7 +89,7 @@ class TrainerActor(FaultInjectableActor):
         self.before_work(record, ref_logprobs)
         cfg = self.config
         batch, shaping = self._batch(record, ref_logprobs)
-        shard, passes = self._share().rows(batch, cfg.trainer.micro_batch_size)
+        shard, passes = self.share().rows(batch, cfg.trainer.micro_batch_size)
         loss, parts = accumulate_gradients(
             self.model, shard, grpo=cfg.grpo, temperature=cfg.generator.temperature,
             micro_batch_size=cfg.trainer.micro_batch_size, normalizer=1.0, passes=passes, filler=batch.rows(0, 1),
@@ -178,47 +126,3 @@ class TrainerActor(FaultInjectableActor):
         return {"loss": step["loss"] / step["normalizer"], "parts": step["parts"], "grad_norm": grad_norm, "lr": lr,
                 "updates": 1, "shaping": {key: value / step["rows"] for key, value in step["shaping"].items()},
                 "train_tokens": step["train_tokens"]}
-
-    @endpoint
-    def pids(self) -> int:
-        return os.getpid()
-
-    @endpoint
-    def state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's weights on CPU (every replicated rank; only rank 0 of a sharded trainer)."""
-        state = full_model_state(self.model)
-        return state if self.rank == 0 or not self.sharded else None
-
-    @endpoint
-    def evaluate(self, problems: list[Problem], keep_samples: int) -> EvalResult:
-        cfg = self.config
-        sampler = TorchSampler(self.model, eos_token_ids=self.tokenizer.eos_token_ids, pad_id=self.tokenizer.pad_id)
-        self.model.eval()
-        result = evaluate(sampler, self.tokenizer, problems, CombinedReward(cfg.reward.functions, cfg.reward.weights),
-                          max_new_tokens=cfg.generator.max_new_tokens, keep_samples=keep_samples)
-        self.model.train()
-        return result
-
-    @endpoint
-    def save(self, step: int, progress: dict[str, Any]) -> str | None:
-        """Rank 0 writes the checkpoint (full states, whatever the sharding); its path, None on the other ranks."""
-        if self.rank != 0 and not self.sharded:
-            return None
-        model_state = full_model_state(self.model)
-        optimizer_state = full_optimizer_state(self.model, self.optimizer)
-        if self.rank != 0:
-            return None
-        cfg = self.config.checkpoint
-        path = save_checkpoint(cfg.folder, step=step, model_state=model_state, optimizer_state=optimizer_state,
-                               scheduler_state=self.scheduler.state_dict(), progress=progress,
-                               model_folder=self.config.model.path, keep_last=cfg.keep_last)
-        return str(path)
-
-    @endpoint
-    def load(self, path: str) -> dict[str, Any]:
-        return load_checkpoint(Path(path), model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
-
-    @endpoint
-    def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from workers.engine.actors.fleet import Failover
-from workers.engine.controller.state import RunState
+from workers.engine.controller.state import FaultTotals, RunState
 from workers.engine.drills import ActiveFault, FaultInjector
 from workers.engine.metrics import Recorder
 
@@ -44,3 +44,20 @@ class RecoveryLog:
                             fault_id=fault.id if fault else None, caused_failure=True, action=action, **fields,
                             time_to_detect_s=noticed.time_to_detect_s, time_to_recover_s=ttr,
                             policy_version=self.state.policy_version)
+
+
+def fault_metrics(failover: Failover, injector: FaultInjector, totals: FaultTotals) -> dict[str, float]:
+    """Running totals of the run's faults, logged with every step."""
+    metrics = {
+        "faults/injected": len(injector.faults),
+        "faults/failures": len(failover.incidents) + totals.trainer_recoveries + totals.control_recoveries,
+        "faults/replacements": sum(failover.replacements.values()),
+        "faults/migrations": totals.migrations,
+        "faults/steps_lost": totals.steps_lost,
+        "faults/samples_dropped": totals.samples_dropped,
+    }
+    if failover.detect_seconds:
+        metrics["faults/time_to_detect_s"] = failover.detect_seconds[-1]
+    if failover.recover_seconds:
+        metrics["faults/time_to_recover_s"] = failover.recover_seconds[-1]
+    return metrics

@@ -21,10 +21,14 @@ from workers.engine.operations import FaultDrillRequest, LoadRedirectRequest, Op
 
 
 class Operator:
+    """`moves_trainer`: a drain of a host with trainer ranks sends the trainer to undrained hosts at the next
+    checkpoint (SFT: the trainer is all it has); otherwise the trainer stays and its replicas move (GRPO)."""
+
     def __init__(self, *, config: RunConfig, placer: Placer, hosts: Hosts, groups: Mapping[str, ReplicaGroup],
-                 supervisor: Supervisor, drills: DrillTargets, recorder: Recorder, state: RunState):
+                 supervisor: Supervisor, drills: DrillTargets, recorder: Recorder, state: RunState, moves_trainer: bool):
         self.config, self.placer, self.hosts, self.groups = config, placer, hosts, groups
         self.supervisor, self.drills, self.recorder, self.state = supervisor, drills, recorder, state
+        self.moves_trainer = moves_trainer
 
     def operate(self, kind: str, operation: Operation) -> dict[str, Any]:
         """`RunControl.operator`: run one command between (or during) steps."""
@@ -37,6 +41,9 @@ class Operator:
     # --- placement changes --------------------------------------------------------------
     def change_placement(self, change: PlacementChangeRequest) -> dict[str, Any]:
         started = time.monotonic()
+        if not self.groups:
+            raise ValueError(f"this run has no {change.role} replicas to place: an SFT run has only trainer ranks "
+                             "(drain a host to move them)")
         group = role_group(self.groups, change.role)
         if change.action == "add":
             self._check_host(change.role, change.host)
@@ -85,11 +92,16 @@ class Operator:
         known = self.hosts.names if self.hosts.workers else list(placement.generator.hosts) or self.hosts.names
         if host not in known:
             raise ValueError(f"unknown host {host!r}; hosts: {', '.join(known)}")
+        plan = role_plan(groups, "generator") if "generator" in groups else {}
         if command.action == "undrain":
             self.placer.drained.discard(host)
+            if self.state.trainer_drain == host:
+                self.state.trainer_drain = None
             self.recorder.event("redirect_finished", step=self.state.step, action="undrain", host=host, moved={},
-                                plan=role_plan(groups, "generator"))
-            return {"host": host, "plan": role_plan(groups, "generator")}
+                                plan=plan)
+            return {"host": host, "plan": plan}
+        if self.moves_trainer:
+            return self.drain_trainer(host)
         # roles that follow the trainer stay with it; a role that follows the generators goes where they went
         roles = [role for role in MOVABLE if role in groups
                  and getattr(placement, role).colocate_with in (None, "generator")]
@@ -120,3 +132,19 @@ class Operator:
                             seconds=round(time.monotonic() - started, 3), **({"moved_roles": others} if others else {}))
         return {"host": host, "moved": moved.get("generator", {}), "plan": role_plan(groups, "generator"),
                 **({"moved_roles": others} if others else {})}
+
+    def drain_trainer(self, host: str) -> dict[str, Any]:
+        """A run whose only role is its trainer: refuse now if no undrained hosts could take it, else it moves at the
+        next checkpoint (`recovery.TrainerRecovery.move_trainer`), where its state is saved anyway."""
+        placer = self.placer
+        ranks = [rank for rank in range(placer.trainer_ranks) if placer.rank_host(rank) == host]
+        if not ranks:
+            raise ValueError(f"host {host!r} holds none of the trainer's ranks (they are on "
+                             f"{', '.join(placer.trainer_hosts)})")
+        if (refusal := placer.trainer_move_refusal(draining=host)) is not None:
+            raise ValueError(refusal)
+        placer.drained.add(host)
+        self.state.trainer_drain = host
+        self.recorder.event("redirect_started", step=self.state.step, action="drain", host=host, replicas=[],
+                            trainer_ranks=ranks, moves_at="the next checkpoint")
+        return {"host": host, "moved": {}, "plan": {}, "trainer_ranks": ranks, "moves_at": "the next checkpoint"}

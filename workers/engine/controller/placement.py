@@ -1,4 +1,4 @@
-"""Where a Monarch GRPO run's roles go: pure decisions over the placement config, the hosts that are up, the hosts
+"""Where a Monarch run's roles go: pure decisions over the placement config, the hosts that are up, the hosts
 an operator drained and where the run's procs are now. No Monarch here: the controller's parts spawn what this
 decides."""
 
@@ -90,13 +90,23 @@ class Placer:
         return self.trainer_hosts[rank // self.ranks_per_host]
 
     def place_trainer(self) -> list[str]:
-        """The hosts the trainer's ranks go to: the first of its hosts still there."""
+        """The hosts the trainer's ranks go to: the first of its hosts still there, undrained ones first."""
         candidates = self.hosts.alive(self.role_hosts("trainer"))
         if len(candidates) < self.trainer_host_count or not candidates:
             raise ProcFailure(f"the trainer needs {self.trainer_host_count} host(s) ({self.trainer_ranks} ranks, "
                               f"{self.ranks_per_host} per host): {', '.join(candidates) or 'none'} of "
                               f"{', '.join(self.role_hosts('trainer'))} (placement.trainer.hosts) left")
-        return candidates[:self.trainer_host_count]
+        undrained = [h for h in candidates if h not in self.drained]
+        return [*undrained, *(h for h in candidates if h in self.drained)][:self.trainer_host_count]
+
+    def trainer_move_refusal(self, *, draining: str) -> str | None:
+        """Why the trainer cannot leave its hosts once `draining` is drained too (None: enough undrained hosts are up)."""
+        drained = {*self.drained, draining}
+        undrained = [h for h in self.hosts.alive(self.role_hosts("trainer")) if h not in drained]
+        if len(undrained) >= self.trainer_host_count:
+            return None
+        return (f"no undrained host can take the trainer: it needs {self.trainer_host_count} host(s) "
+                f"({self.trainer_ranks} ranks, {self.ranks_per_host} per host), undrained: {', '.join(undrained) or 'none'}")
 
     def replacement_host(self, replica: PlacedReplica) -> str:
         """Where a failed or moved replica's replacement goes: its host if still up, undrained and with room, else the

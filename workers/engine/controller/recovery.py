@@ -1,4 +1,4 @@
-"""Checkpoints of a Monarch GRPO run and going back to them: a trainer proc that dies or hangs takes the trainer mesh
+"""Checkpoints of a Monarch run (GRPO or SFT) and going back to them: a trainer proc that dies or hangs takes the trainer mesh
 with it (the mesh is respawned, on another of its hosts when its host was lost, up to `trainer.recover_failures`
 times); a lost control proc is started again elsewhere. Either way every stateful actor goes back to the last
 checkpoint (or to the run's start)."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from workers.engine.actors.fleet import CallFailed, Failover, ProcFailure
 from workers.engine.actors.hosts import HostsUnreachable
@@ -18,47 +19,27 @@ from workers.engine.controller.state import RunState
 from workers.engine.controller.supervision import Supervisor
 from workers.engine.controller.trainer import TrainerHandle
 from workers.engine.metrics import Recorder
+from workers.engine.tasks.stream import ProblemStream
 
 
-class Recovery:
-    def __init__(self, *, config: RunConfig, trainer: TrainerHandle, control: ControlProcs, supervisor: Supervisor,
-                 pipeline: GenerationPipeline, failover: Failover, log: RecoveryLog, recorder: Recorder,
-                 state: RunState):
-        self.config, self.trainer, self.control, self.supervisor = config, trainer, control, supervisor
-        self.pipeline, self.failover, self.log, self.recorder, self.state = pipeline, failover, log, recorder, state
-        self.initial_progress = {"step": 0, "policy_version": 0, "generations": 0, "staleness": {},
-                                 "data": control.dataset.state_dict.call_one().get(),
-                                 "buffer": control.buffer.state_dict.call_one().get()}
+class TrainerRecovery:
+    """Respawning a lost trainer mesh and going back to the last checkpoint, for either recipe; `restore` (the
+    recipe's own) puts the rest of the run's state back."""
 
-    def checkpoint(self, step: int) -> Path:
-        state, control = self.state, self.control
-        progress = state.progress(data_now=lambda: control.call(control.dataset.state_dict.call_one()),
-                                  buffer=lambda: control.call(control.buffer.state_dict.call_one()))
-        path = self.trainer.save(step, progress)
-        state.last_checkpoint = str(path)
-        self.recorder.event("checkpoint_saved", step=step, path=str(path), policy_version=state.policy_version)
-        return path
+    def __init__(self, *, config: RunConfig, trainer: TrainerHandle, supervisor: Supervisor, failover: Failover,
+                 log: RecoveryLog, recorder: Recorder, state: RunState):
+        self.config, self.trainer, self.supervisor = config, trainer, supervisor
+        self.failover, self.log, self.recorder, self.state = failover, log, recorder, state
+
+    def restore(self, path: str | None) -> None:
+        """Put every stateful part back to a checkpoint (or to the run's start)."""
+        raise NotImplementedError
 
     def resume(self, path: str) -> None:
         """Start from `checkpoint.resume_from`."""
         self.restore(path)
         self.state.last_checkpoint = path
         self.recorder.event("resumed", step=self.state.step, path=path, policy_version=self.state.policy_version)
-
-    def restore(self, path: str | None) -> None:
-        """Put every stateful actor back to a checkpoint (or to the run's start); a lost control proc is replaced first."""
-        state, control = self.state, self.control
-        lost_from = state.step
-        control_failure = control.replace() if control.noticed is not None else None
-        progress = self.trainer.load(path) if path else self.initial_progress
-        state.resume(progress)
-        control.call(control.dataset.load_state_dict.call_one(progress["data"]))
-        control.call(control.buffer.load_state_dict.call_one(progress["buffer"]))
-        self.pipeline.drain(dropped=True)  # launched from later states
-        state.generator_version = -1  # the generators hold newer weights: sync before generating
-        if control_failure is not None:
-            self.log.recovered("replay_buffer", control_failure, at_step=state.step, action="restored_checkpoint",
-                               path=path, steps_lost=lost_from - state.step)
 
     def recover_trainer(self, failure: CallFailed) -> None:
         """The trainer mesh lost a proc (or hangs): respawn it and go back to the last checkpoint."""
@@ -94,6 +75,63 @@ class Recovery:
         self.log.recovered("trainer", noticed, at_step=state.step, action="restored_checkpoint",
                            path=state.last_checkpoint, steps_lost=lost_from - state.step)
 
+
+    def move_trainer(self, path: str) -> None:
+        """The operator drained a host of the trainer's: respawn the mesh on undrained hosts and load the checkpoint
+        just saved, so no step is lost."""
+        started, trainer, placer, state = time.monotonic(), self.trainer, self.trainer.placer, self.state
+        drained, before = state.trainer_drain, list(placer.trainer_hosts)
+        trainer.shutdown()
+        trainer.stop()
+        trainer.launch()
+        trainer.await_started()
+        trainer.load(path)
+        state.trainer_drain = None
+        state.totals.migrations += 1
+        ranks = {str(rank): placer.rank_host(rank) for rank in range(placer.trainer_ranks)}
+        self.recorder.event("redirect_finished", step=state.step, action="drain", host=drained, moved={}, plan={},
+                            moved_roles={"trainer": ranks}, from_hosts=before, pids=list(trainer.pids), path=path,
+                            seconds=round(time.monotonic() - started, 3))
+
+
+class Recovery(TrainerRecovery):
+    """A GRPO run's checkpoints and restores: the trainer, the dataset and replay buffer of the control proc, and the
+    generations in flight."""
+
+    def __init__(self, *, config: RunConfig, trainer: TrainerHandle, control: ControlProcs, supervisor: Supervisor,
+                 pipeline: GenerationPipeline, failover: Failover, log: RecoveryLog, recorder: Recorder,
+                 state: RunState):
+        super().__init__(config=config, trainer=trainer, supervisor=supervisor, failover=failover, log=log,
+                         recorder=recorder, state=state)
+        self.control, self.pipeline = control, pipeline
+        self.initial_progress = {"step": 0, "policy_version": 0, "generations": 0, "staleness": {},
+                                 "data": control.dataset.state_dict.call_one().get(),
+                                 "buffer": control.buffer.state_dict.call_one().get()}
+
+    def checkpoint(self, step: int) -> Path:
+        state, control = self.state, self.control
+        progress = state.progress(data_now=lambda: control.call(control.dataset.state_dict.call_one()),
+                                  buffer=lambda: control.call(control.buffer.state_dict.call_one()))
+        path = self.trainer.save(step, progress)
+        state.last_checkpoint = str(path)
+        self.recorder.event("checkpoint_saved", step=step, path=str(path), policy_version=state.policy_version)
+        return path
+
+    def restore(self, path: str | None) -> None:
+        """Put every stateful actor back to a checkpoint (or to the run's start); a lost control proc is replaced first."""
+        state, control = self.state, self.control
+        lost_from = state.step
+        control_failure = control.replace() if control.noticed is not None else None
+        progress = self.trainer.load(path) if path else self.initial_progress
+        state.resume(progress)
+        control.call(control.dataset.load_state_dict.call_one(progress["data"]))
+        control.call(control.buffer.load_state_dict.call_one(progress["buffer"]))
+        self.pipeline.drain(dropped=True)  # launched from later states
+        state.generator_version = -1  # the generators hold newer weights: sync before generating
+        if control_failure is not None:
+            self.log.recovered("replay_buffer", control_failure, at_step=state.step, action="restored_checkpoint",
+                               path=path, steps_lost=lost_from - state.step)
+
     def recover_control(self, lost: ControlLost) -> None:
         """The dataset and replay buffer are gone: back to the last checkpoint with a new control proc."""
         if (reason := self.trainer.gone()) is not None:  # the same host had the trainer: its recovery restores both
@@ -104,3 +142,32 @@ class Recovery:
         lost_from = self.state.step
         self.restore(self.state.last_checkpoint)
         self.state.totals.steps_lost += lost_from - self.state.step
+
+
+class SftRecovery(TrainerRecovery):
+    """An SFT run's checkpoints and restores: the trainer ranks and the controller's place in the example stream. The
+    progress saved is the single-process recipe's, so either recipe resumes the other's checkpoints."""
+
+    def __init__(self, *, config: RunConfig, trainer: TrainerHandle, stream: ProblemStream, supervisor: Supervisor,
+                 failover: Failover, log: RecoveryLog, recorder: Recorder, state: RunState):
+        super().__init__(config=config, trainer=trainer, supervisor=supervisor, failover=failover, log=log,
+                         recorder=recorder, state=state)
+        self.stream = stream
+        self.initial_progress = self.progress()
+
+    def progress(self) -> dict[str, Any]:
+        return {"step": self.state.step, "policy_version": self.state.policy_version, "data": self.stream.state_dict()}
+
+    def checkpoint(self, step: int) -> Path:
+        """Save; a trainer on a drained host then moves (not after the last step: the run ends there)."""
+        path = self.trainer.save(step, self.progress())
+        self.state.last_checkpoint = str(path)
+        self.recorder.event("checkpoint_saved", step=step, path=str(path), policy_version=self.state.policy_version)
+        if self.state.trainer_drain is not None and step < self.config.trainer.steps:
+            self.move_trainer(str(path))
+        return path
+
+    def restore(self, path: str | None) -> None:
+        progress = self.trainer.load(path) if path else self.initial_progress
+        self.state.step, self.state.policy_version = progress["step"], progress["policy_version"]
+        self.stream.load_state_dict(progress["data"])

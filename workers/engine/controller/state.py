@@ -41,6 +41,7 @@ class RunState:
     staleness: Counter[int] = field(default_factory=Counter)  # trained batches by policy age
     pending: deque[PendingGeneration] = field(default_factory=deque)  # launched ahead, oldest first
     last_checkpoint: str | None = None
+    trainer_drain: str | None = None  # a drained host the trainer leaves at the next checkpoint (SFT)
     totals: FaultTotals = field(default_factory=FaultTotals)
 
     def trained(self, *, record_version: int) -> int:

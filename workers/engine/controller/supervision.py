@@ -23,10 +23,11 @@ HOST_SETTLE_S = 2.0  # a killed worker's port can accept connections a moment lo
 
 class Supervisor:
     def __init__(self, *, recorder: Recorder, hosts: Hosts, groups: Mapping[str, ReplicaGroup], failover: Failover,
-                 placer: Placer, trainer: TrainerHandle, control: ControlProcs, waits: Waits, state: RunState,
+                 placer: Placer, trainer: TrainerHandle, control: ControlProcs | None, waits: Waits, state: RunState,
                  reports: list[Any]):
         self.recorder, self.hosts, self.groups, self.failover = recorder, hosts, groups, failover
-        self.placer, self.trainer, self.control, self.waits, self.state = placer, trainer, control, waits, state
+        self.placer, self.trainer, self.waits, self.state = placer, trainer, waits, state
+        self.control = control  # None: the run has no control proc (SFT keeps its data in the controller)
         self.reports = reports  # Monarch's failure reports (monarch.actor.unhandled_fault_hook), not yet read
         self.unexplained: list[str] = []  # reports no replica explains
         # what a new replica needs before it serves, per role
@@ -77,7 +78,7 @@ class Supervisor:
         """Every proc on the host is gone: detect its replicas (their replacements go elsewhere)."""
         reason = f"host {self.hosts.describe(name)} is unreachable"
         self.recorder.event("message", step=self.state.step, text=f"{reason}: its procs are lost")
-        if name == self.control.host:  # noticed now; restored from the last checkpoint on the next dataset or buffer call
+        if self.control is not None and name == self.control.host:  # noticed now; restored from the last checkpoint on the next dataset or buffer call
             self.control.detect(f"{reason}: the dataset and replay buffer ran there")
         if name in self.placer.trainer_hosts:  # noticed now; restored once the controller next needs the trainer
             self.trainer.detect(CallFailed(f"host {self.hosts.describe(name)} of the trainer was lost", hung=False))
@@ -100,6 +101,9 @@ class Supervisor:
     def check_control_procs(self) -> None:
         """A failure report no replica explains: the run goes on only if dataset and buffer still answer."""
         if not self.unexplained:
+            return
+        if self.control is None:  # nothing but the trainer runs, whose failures surface in its calls
+            self.unexplained.clear()
             return
         reason = f"a process of the run failed: {self.unexplained[0]}"
         answers = self.control.answers()

@@ -1,4 +1,5 @@
-"""The trainer's mesh as the controller sees it: `trainer.ranks` procs, `ranks_per_host` to a host, data parallel.
+"""The trainer's mesh as the controller sees it: `trainer.ranks` procs, `ranks_per_host` to a host, data parallel
+(GRPO's `actors/trainer.py` or SFT's `actors/sft_trainer.py`).
 Its calls fail with TrainerLost; the step loop then restores it from the last checkpoint (`recovery.py`)."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from monarch.spmd import setup_torch_elastic_env
 
 from workers.engine.actors.fleet import CallFailed, exited, stop_quietly
 from workers.engine.actors.hosts import Hosts
-from workers.engine.actors.trainer import TrainerActor
+from workers.engine.actors.trainer_rank import TrainerRankActor
 from workers.engine.config import RunConfig
 from workers.engine.controller.incidents import Noticed, RecoveryLog
 from workers.engine.controller.placement import Placer
@@ -29,9 +30,9 @@ class TrainerLost(Exception):
 
 
 class TrainerHandle:
-    def __init__(self, *, config: RunConfig, hosts: Hosts, placer: Placer, waits: Waits, recorder: Recorder,
-                 log: RecoveryLog, state: RunState):
-        self.config, self.hosts, self.placer, self.waits = config, hosts, placer, waits
+    def __init__(self, *, config: RunConfig, actor: type[TrainerRankActor], hosts: Hosts, placer: Placer, waits: Waits,
+                 recorder: Recorder, log: RecoveryLog, state: RunState):
+        self.config, self.actor, self.hosts, self.placer, self.waits = config, actor, hosts, placer, waits
         self.recorder, self.log, self.state = recorder, log, state
         self.procs: Any = None
         self.actors: Any = None
@@ -53,7 +54,7 @@ class TrainerHandle:
                                         gpus_per_proc=cfg.placement.trainer.gpus_per_proc, owner="trainer")
         self.procs = procs
         setup_torch_elastic_env(procs)
-        self.actors = procs.spawn("trainer", TrainerActor, cfg)
+        self.actors = procs.spawn("trainer", self.actor, cfg)
         # Over several hosts, rank 0's host by the address its worker has (a pod IP, a node name).
         master = self.hosts.workers[placer.trainer_hosts[0]].host if len(placer.trainer_hosts) > 1 else None
         self._setup = self.actors.setup.call(master)
@@ -159,6 +160,9 @@ class TrainerHandle:
     def train_step(self, record: Any, ref_logprobs: Any) -> list[dict[str, Any]]:
         version = self.state.policy_version
         return self.every_rank(lambda: self.actors.train_step.call(record, ref_logprobs, version), what="a train step")
+
+    def sft_step(self, batch: Any) -> list[dict[str, Any]]:
+        return self.every_rank(lambda: self.actors.sft_step.call(batch), what="an SFT step")
 
     def state_dict(self) -> Any:
         return self.from_rank0("state_dict")

@@ -40,26 +40,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import workers.engine.actors  # noqa: F401 - sets monarch's supervision poll before monarch is imported
-import monarch.actor  # noqa: I001
-
 from workers.engine.actors.fleet import Failover, ProcFailure, ReplicaGroup
 from workers.engine.actors.generator import GeneratorActor
-from workers.engine.actors.hosts import Hosts, check_placement, workers_from_env
-from workers.engine.actors.monarch_job import job_kind
+from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.reference import ReferenceActor
 from workers.engine.actors.reward import RewardActor
+from workers.engine.actors.trainer import TrainerActor
 from workers.engine.actors.worker import Worker
 from workers.engine.config import RunConfig
+from workers.engine.controller.attach import host_source, train_on_hosts
 from workers.engine.controller.control_procs import ControlLost, ControlProcs
 from workers.engine.controller.drill_targets import DrillTargets, measure_replica
 from workers.engine.controller.generation import Batch, GenerationPipeline
-from workers.engine.controller.incidents import RecoveryLog
+from workers.engine.controller.incidents import RecoveryLog, fault_metrics
 from workers.engine.controller.operator import Operator
 from workers.engine.controller.placement import Placer
 from workers.engine.controller.recovery import Recovery
 from workers.engine.controller.requests import Router
-from workers.engine.controller.state import FaultTotals, RunState
+from workers.engine.controller.state import RunState
 from workers.engine.controller.supervision import Supervisor
 from workers.engine.controller.trainer import TrainerHandle, TrainerLost
 from workers.engine.controller.waits import Waits
@@ -75,7 +73,6 @@ from workers.engine.step_end import StepEnd
 from workers.engine.training import EvalResult, PhaseTimer, mfu, train_tokens_per_second
 
 __all__ = ["FaultDrill", "ProcFailure", "train_grpo_monarch"]
-ATTACH_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -96,37 +93,9 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
     else those in FORGEBOARD_MONARCH_WORKERS."""
     startup = StartupPhases(recorder)
     startup.enter("placing", "placing roles on hosts")
-    from_job = job_kind() if workers is None else None
-    workers = [] if from_job else workers_from_env() if workers is None else list(workers)
-    check_placement(config.placement, workers=workers)  # a job's workers are known once attached
+    source = host_source(config, workers)
     plan = DrillPlan([*config.drills, *(d.request() if isinstance(d, FaultDrill) else d for d in drills)])
-    # A proc that dies must not kill this controller (monarch's default exits the client): keep the report for
-    # the supervisor.
-    fault_reports: list[Any] = []
-    monarch.actor.unhandled_fault_hook = fault_reports.append
-    hosts, run = Hosts(), None
-    try:
-        hosts = attach_hosts(config, recorder, from_job=from_job, workers=workers)
-        run = MonarchGrpoRun(config, recorder, hosts=hosts, plan=plan, control=control, fault_reports=fault_reports)
-        run.start(startup)
-        return run.train()
-    finally:
-        if run is not None:
-            run.stop()
-        hosts.stop()
-
-
-def attach_hosts(config: RunConfig, recorder: Recorder, *, from_job: str | None, workers: list[Worker]) -> Hosts:
-    if from_job:
-        hosts = Hosts.from_job(kind=from_job, timeout_s=ATTACH_TIMEOUT_S)
-        check_placement(config.placement, workers=list(hosts.workers.values()))
-    else:
-        hosts = Hosts.attach(workers=workers, timeout_s=ATTACH_TIMEOUT_S)
-    if hosts.workers:
-        of_job = f"of the {from_job} job " if from_job else ""
-        recorder.event("message", step=0, text=f"attached to {len(hosts.workers)} Monarch workers {of_job}"
-                       f"({', '.join(hosts.describe(n) for n in hosts.names)}) in {hosts.attach_seconds} s")
-    return hosts
+    return train_on_hosts(MonarchGrpoRun, config, recorder, source=source, plan=plan, control=control, startup=startup)
 
 
 class MonarchGrpoRun:
@@ -147,7 +116,7 @@ class MonarchGrpoRun:
         self.placer = Placer(placement=config.placement, hosts=hosts, device=device, trainer_ranks=trainer_cfg.ranks,
                              ranks_per_host=ranks_per_host, groups=self.groups)
         self.log = RecoveryLog(recorder=recorder, injector=self.injector, failover=self.failover, state=state)
-        self.trainer = TrainerHandle(config=config, hosts=hosts, placer=self.placer, waits=self.waits,
+        self.trainer = TrainerHandle(config=config, actor=TrainerActor, hosts=hosts, placer=self.placer, waits=self.waits,
                                      recorder=recorder, log=self.log, state=state)
         self.control_procs = ControlProcs(config=config, hosts=hosts, waits=self.waits, recorder=recorder, state=state)
         self.supervisor = Supervisor(recorder=recorder, hosts=hosts, groups=self.groups, failover=self.failover,
@@ -157,7 +126,8 @@ class MonarchGrpoRun:
         self.drills = DrillTargets(plan=plan, injector=self.injector, recorder=recorder, hosts=hosts,
                                    groups=self.groups, placer=self.placer, trainer=self.trainer, state=state)
         self.operator = Operator(config=config, placer=self.placer, hosts=hosts, groups=self.groups,
-                                 supervisor=self.supervisor, drills=self.drills, recorder=recorder, state=state)
+                                 supervisor=self.supervisor, drills=self.drills, recorder=recorder, state=state,
+                                 moves_trainer=False)
         self.waits.ticks = [self.supervisor.tick, lambda: self.drills.inject_due(timed_only=True),
                             lambda: self.injector.tick(step=state.step)]
         if control is not None:
@@ -347,20 +317,3 @@ class MonarchGrpoRun:
             group.stop_all()
         self.trainer.stop()
         self.control_procs.stop_all()
-
-
-def fault_metrics(failover: Failover, injector: FaultInjector, totals: FaultTotals) -> dict[str, float]:
-    """Running totals of the run's faults, logged with every step."""
-    metrics = {
-        "faults/injected": len(injector.faults),
-        "faults/failures": len(failover.incidents) + totals.trainer_recoveries + totals.control_recoveries,
-        "faults/replacements": sum(failover.replacements.values()),
-        "faults/migrations": totals.migrations,
-        "faults/steps_lost": totals.steps_lost,
-        "faults/samples_dropped": totals.samples_dropped,
-    }
-    if failover.detect_seconds:
-        metrics["faults/time_to_detect_s"] = failover.detect_seconds[-1]
-    if failover.recover_seconds:
-        metrics["faults/time_to_recover_s"] = failover.recover_seconds[-1]
-    return metrics

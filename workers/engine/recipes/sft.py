@@ -12,21 +12,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from workers.engine.batching import collate_sft
 from workers.engine.checkpoint import load_checkpoint, save_checkpoint
 from workers.engine.config import RunConfig
-from workers.engine.losses import sft_loss
 from workers.engine.metrics import Recorder
 from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.models.titan import count_parameters
 from workers.engine.rewards import CombinedReward
 from workers.engine.sampler import TorchSampler
+from workers.engine.sft_math import sft_batch, sft_update
 from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
 from workers.engine.training import (
-    EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, grad_norm_and_clip, held_out_nll, mfu,
+    EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, held_out_nll, mfu,
     setup_process, single_process_device, train_tokens_per_second,
 )
 
@@ -108,32 +107,20 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
         step_start = time.perf_counter()
 
         with timer.phase("data"):
-            problems = stream.take(trainer_cfg.batch_size)
-            examples = [tokenizer.encode_exchange(p.messages, p.response) for p in problems]
-            batch = collate_sft(examples, seq_len=cfg.data.seq_len, pad_id=tokenizer.pad_id, packing=cfg.data.packing).to(device)
+            batch = sft_batch(stream.take(trainer_cfg.batch_size), tokenizer=tokenizer, data=cfg.data).to(device)
         response_tokens = int(batch.loss_mask.sum())
 
         with timer.phase("train"):
-            optimizer.zero_grad(set_to_none=True)
-            step_loss = 0.0
-            for start in range(0, len(batch), trainer_cfg.micro_batch_size):
-                micro = batch.rows(start, start + trainer_cfg.micro_batch_size)
-                logits = model(micro.inputs, positions=micro.positions, attention_masks=micro.attention_mask)
-                loss, _ = sft_loss(logits, micro.targets, micro.loss_mask, normalizer=max(response_tokens, 1))
-                loss.backward()
-                step_loss += float(loss.detach())
-            grad_norm = grad_norm_and_clip(model, trainer_cfg.optimizer.grad_clip)
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
+            update = sft_update(model, optimizer, scheduler, batch, micro_batch_size=trainer_cfg.micro_batch_size,
+                                grad_clip=trainer_cfg.optimizer.grad_clip)
 
         step_seconds = time.perf_counter() - step_start
         tokens = int(batch.inputs.numel())
-        losses.append(step_loss)
+        losses.append(update.loss)
         recorder.log_many({
-            "loss": step_loss,
-            "grad_norm": grad_norm,
-            "lr": lr,
+            "loss": update.loss,
+            "grad_norm": update.grad_norm,
+            "lr": update.lr,
             "time/step_s": step_seconds,
             **timer.metrics(),
             "throughput/train_tokens_per_s": train_tokens_per_second(tokens=tokens, step_seconds=step_seconds),

@@ -18,6 +18,7 @@ from forgeboard.accounts.models import Role
 from forgeboard.accounts.permissions import project_role
 from forgeboard.cluster.models import Host
 from forgeboard.errors import ServiceError
+from forgeboard.experiments.models import Recipe
 from forgeboard.experiments.selectors import experiments_for_project
 from forgeboard.runs.checkpoints import run_checkpoints, run_launch_from_checkpoint_request
 from forgeboard.runs.models import LaunchBackend, Run
@@ -112,7 +113,8 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "generator_replicas": config.generator.replicas,
         "trainer_ranks": config.trainer.ranks,
         "drill_kinds": [(kind, DRILL_KIND_LABELS[kind]) for kind in get_args(DrillKind)],
-        "drill_roles": get_args(DrillRole),
+        "drill_roles": ("trainer",) if config.recipe == Recipe.SFT else get_args(DrillRole),
+        "has_replicas": config.recipe != Recipe.SFT,  # an SFT run has trainer ranks only: nothing to place
         "hosts": list(Host.objects.order_by("hostname").values_list("hostname", flat=True)),
         "run_data": {"id": run.pk, "number": run.number, "state": run.state, "active": run.state in ACTIVE_STATES,
                      "startedAt": run.started_at.isoformat() if run.started_at else None,

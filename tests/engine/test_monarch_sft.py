@@ -1,0 +1,189 @@
+"""SFT on Monarch (`recipes/sft_monarch.py`): data-parallel and FSDP SFT trainer ranks on real Monarch procs over gloo.
+
+A 2-rank step, replicated or sharded, equals one process's step on the whole packed batch, including when a rank has
+fewer rows than its peer; a whole run equals the single-process recipe's; checkpoints move between 1 and 2 ranks
+(sharded) both ways; a killed rank is restored from the last checkpoint and the run then matches one resumed from
+that checkpoint; drills that are not the trainer's are refused for an SFT run.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.engine.batching import SftBatch
+from workers.engine.checkpoint import export_hf
+from workers.engine.config import ConfigError, RunConfig, load_config
+from workers.engine.metrics import MemorySink, Recorder
+from workers.engine.models.hf_folder import load_pretrained
+from workers.engine.models.tokenizer import ChatTokenizer
+from workers.engine.operations import DrillSchedule, FaultDrillRequest
+from workers.engine.recipes.grpo import train_grpo
+from workers.engine.recipes.sft import train_sft
+from workers.engine.sft_math import sft_batch, sft_update
+from workers.engine.tasks import build_task
+from workers.engine.training import build_optimizer, build_scheduler
+
+SFT_RUN = ("data.max_operand=20", "data.eval_size=8", "data.seq_len=64", "trainer.batch_size=10",
+           "trainer.micro_batch_size=2", "telemetry.console=false", "trainer.threads_per_process=1")
+
+
+def _config(model: Path, folder: Path, *overrides: str) -> RunConfig:
+    return load_config(f"recipe: sft\nmodel: {{path: '{model}'}}\n",
+                       overrides=[*SFT_RUN, f"checkpoint.folder={folder}", *overrides])
+
+
+def _batches(config: RunConfig, count: int) -> list[SftBatch]:
+    """Packed batches of the config's task, each with an odd number of rows (so one of 2 ranks has fewer)."""
+    task = build_task(config)
+    tokenizer = ChatTokenizer(config.model.path)
+    batches, start = [], 0
+    while len(batches) < count:
+        batch = sft_batch(task.train[start:start + 7], tokenizer=tokenizer, data=config.data)
+        start += 7
+        if len(batch) % 2 == 1 and len(batch) >= 3:
+            batches.append(batch)
+    return batches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["replicate", "fsdp"])
+def test_two_rank_sft_steps_equal_one_process_with_a_rank_short_of_rows(tiny_trainable_qwen3: Path, tmp_path: Path,
+                                                                         sharding: str) -> None:
+    from monarch.spmd import setup_torch_elastic_env
+
+    from workers.engine.actors.procs import spawn_procs
+    from workers.engine.actors.sft_trainer import SftTrainerActor
+
+    config = _config(tiny_trainable_qwen3, tmp_path, "placement.backend=monarch", "trainer.ranks=2",
+                     f"trainer.sharding={sharding}", "trainer.optimizer.name=sgd", "trainer.optimizer.lr=0.1",
+                     "trainer.optimizer.grad_clip=0.5", "data.seq_len=24")
+    batches = _batches(config, 2)
+    assert batches[0].attention_mask is not None  # packed rows, several examples to a row
+
+    model = load_pretrained(config.model.path).model.train()
+    optimizer = build_optimizer(model, config.trainer.optimizer)
+    scheduler = build_scheduler(optimizer, config.trainer.optimizer, config.trainer.steps)
+    single = [sft_update(model, optimizer, scheduler, batch, micro_batch_size=2, grad_clip=0.5) for batch in batches]
+
+    procs = spawn_procs(2, threads=1)
+    try:
+        setup_torch_elastic_env(procs)
+        trainer = procs.spawn("trainer", SftTrainerActor, config)
+        trainer.setup.call().get()
+        steps = [list(trainer.sft_step.call(batch).get().values()) for batch in batches]
+        states = list(trainer.state_dict.call().get().values())
+        trainer.shutdown.call().get()
+    finally:
+        procs.stop().get()
+
+    for batch, ranks, update in zip(batches, steps, single):
+        assert [r["rows"] for r in ranks] == [(len(batch) + 1) // 2, len(batch) // 2]  # rank 1 has a row fewer
+        assert sum(r["loss"] for r in ranks) == pytest.approx(update.loss, abs=1e-6)
+        assert [r["grad_norm"] for r in ranks] == pytest.approx([update.grad_norm] * 2, rel=1e-5)
+    assert single[0].grad_norm > 0.5  # the clip applied, on the norm over both ranks' gradients
+    expected = model.state_dict()
+    assert max((states[0][k] - expected[k]).abs().max().item() for k in expected) < 1e-6
+    assert (states[1] is None) == (sharding == "fsdp")  # a sharded trainer gathers its weights to rank 0 only
+    start = load_pretrained(config.model.path).model.state_dict()
+    assert max((expected[k] - start[k]).abs().max().item() for k in expected) > 1e-4  # the steps moved the weights
+
+
+@pytest.mark.slow
+def test_monarch_sft_equals_one_process_and_checkpoints_move_between_1_and_2_sharded_ranks(
+        tiny_trainable_qwen3: Path, tmp_path: Path) -> None:
+    """One process: 4 steps. Two FSDP ranks: the same 4 steps. One process resumes the 2-rank checkpoint of step 2, and
+    two FSDP ranks resume the 1-process checkpoint of step 2: all four agree on steps 3 and 4."""
+    from workers.engine.recipes.sft_monarch import train_sft_monarch
+
+    model = tiny_trainable_qwen3
+    every = ("trainer.steps=4", "checkpoint.every_steps=2", "eval.every_steps=4")
+    sharded = ("placement.backend=monarch", "trainer.ranks=2", "trainer.sharding=fsdp")
+    one = train_sft(_config(model, tmp_path / "one", *every), Recorder())
+    sink = MemorySink()
+    two = train_sft_monarch(_config(model, tmp_path / "two", *every, *sharded), Recorder([sink]))
+    assert two.step == 4 and len(two.losses) == 4
+    assert two.losses == pytest.approx(one.losses, abs=1e-5)
+    assert one.losses[-1] < one.losses[0]
+    ready = sink.events("meshes_ready")[0]
+    assert ready["trainer_ranks"] == 2 and len(set(ready["trainer_pids"])) == 2
+    nll = sink.series("eval/nll")
+    assert [step for step, _ in nll] == [0, 4] and nll[1][1] < nll[0][1]
+
+    one_from_two = train_sft(_config(model, tmp_path / "one-from-two", *every,
+                                     f"checkpoint.resume_from={tmp_path / 'two' / 'step_000002'}"), Recorder())
+    resumed = MemorySink()
+    two_from_one = train_sft_monarch(_config(model, tmp_path / "two-from-one", *every, *sharded,
+                                             f"checkpoint.resume_from={tmp_path / 'one' / 'step_000002'}"),
+                                     Recorder([resumed]))
+    assert resumed.events("resumed")[0]["step"] == 2
+    assert one_from_two.losses == pytest.approx(one.losses[2:], abs=1e-5)
+    assert two_from_one.losses == pytest.approx(one.losses[2:], abs=1e-5)
+    final_one = torch.load(one.checkpoint / "trainer.pt", weights_only=False)["model"]
+    final_two = torch.load(two_from_one.checkpoint / "trainer.pt", weights_only=False)["model"]
+    assert max((final_one[k] - final_two[k]).abs().max().item() for k in final_one) < 1e-5
+
+    # the 2-rank run's export is a model GRPO starts from (the demo's SFT-then-GRPO chain)
+    exported = export_hf(two.checkpoint, tmp_path / "two-hf")
+    assert max((load_pretrained(exported).model.state_dict()[k] - final_one[k]).abs().max().item()
+               for k in final_one) < 1e-5
+    grpo = train_grpo(load_config(f"recipe: grpo\nmodel: {{path: '{exported}'}}\n", overrides=[
+        "data.max_operand=20", "data.eval_size=8", "trainer.steps=2", "trainer.batch_size=2", "grpo.group_size=2",
+        "generator.max_new_tokens=4", "eval.every_steps=0", f"checkpoint.folder={tmp_path / 'grpo'}",
+        "telemetry.console=false", "trainer.threads_per_process=1"]), Recorder())
+    assert grpo.step == 2 and all(math.isfinite(loss) for loss in grpo.losses)
+
+
+@pytest.mark.slow
+def test_a_killed_sft_rank_is_restored_and_the_run_matches_one_resumed_from_that_checkpoint(
+        tiny_trainable_qwen3: Path, tmp_path: Path) -> None:
+    """2 replicated ranks, a checkpoint every 2 steps: a raise drill at step 2 is retried on both ranks; rank 1 is
+    killed before step 6, the trainer mesh is respawned and goes back to step 4. Steps 5-8 after the restore equal a
+    run resumed from the step-4 checkpoint."""
+    from workers.engine.recipes.sft_monarch import train_sft_monarch
+
+    model = tiny_trainable_qwen3
+    common = ("placement.backend=monarch", "trainer.ranks=2", "trainer.steps=8", "checkpoint.every_steps=2",
+              "checkpoint.keep_last=8", "eval.every_steps=0")
+    drills = [FaultDrillRequest(kind="raise", role="trainer", replica=0, schedule=DrillSchedule(at_step=2)),
+              FaultDrillRequest(kind="kill", role="trainer", replica=1, schedule=DrillSchedule(at_step=6))]
+    sink = MemorySink()
+    killed = train_sft_monarch(_config(model, tmp_path / "killed", *common, "trainer.recover_failures=1"),
+                               Recorder([sink]), drills=drills)
+    assert killed.step == 8
+    assert [e["step"] for e in sink.events("fault_injected")] == [2, 6]
+    recovered = sink.events("recovered")
+    assert [(e["action"], e["step"]) for e in recovered] == [("retried", 2), ("restored_checkpoint", 4)]
+    assert recovered[1]["steps_lost"] == 1
+    replaced = sink.events("replica_replaced")[0]
+    first_pids = sink.events("meshes_ready")[0]["trainer_pids"]
+    assert replaced["role"] == "trainer" and set(replaced["pids"]).isdisjoint(first_pids)
+    losses = sink.series("loss")
+    assert [step for step, _ in losses] == [1, 2, 3, 4, 5, 5, 6, 7, 8]  # step 5 ran twice: before the kill and after
+    assert losses[4][1] == pytest.approx(losses[5][1], abs=1e-6)  # from the same checkpoint, the same step
+    assert sink.series("faults/steps_lost")[-1] == (8, 1)
+
+    resumed = train_sft_monarch(_config(model, tmp_path / "resumed", *common,
+                                        f"checkpoint.resume_from={tmp_path / 'killed' / 'step_000004'}"), Recorder())
+    assert resumed.losses == pytest.approx(killed.losses[-4:], abs=1e-6)
+
+
+def test_sft_on_monarch_is_accepted_and_its_refusals_name_the_trainer(tmp_path: Path) -> None:
+    def errors(*overrides: str) -> dict[str, str]:
+        with pytest.raises(ConfigError) as caught:
+            load_config("recipe: sft\nmodel: {path: /x}\n", overrides=list(overrides))
+        return {e.field: e.message for e in caught.value.errors}
+
+    config = load_config("recipe: sft\nmodel: {path: /x}\n", overrides=[
+        "placement.backend=monarch", "trainer.ranks=2", "trainer.sharding=fsdp", "failover.call_timeout_s=30",
+        "drills=[{kind: kill, role: trainer, replica: 1, schedule: {at_step: 3}}]"])
+    assert config.role_processes() == {"trainer": 2}
+    monarch = ("placement.backend=monarch", "trainer.ranks=2")
+    drill = errors(*monarch, "drills=[{kind: kill, role: generator, replica: 0}]")
+    assert "an SFT run has no generator" in drill["drills.0.role"]
+    assert "only trainer ranks" in errors(*monarch, "failover.warm_spares=1")["failover.warm_spares"]
+    assert "placement.backend: monarch" in errors("trainer.sharding=fsdp")["trainer.sharding"]
+

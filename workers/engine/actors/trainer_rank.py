@@ -1,0 +1,122 @@
+"""What every data-parallel trainer rank does, whatever it trains: join the process group, load and (with
+`trainer.sharding: fsdp`) shard the model, build the optimizer and schedule, hand out its weights, save and load
+checkpoints. The GRPO trainer (`trainer.py`) and the SFT trainer (`sft_trainer.py`) add their steps.
+
+Checkpoints hold full (unsharded) states, so a run resumes on any number of ranks, sharded or not."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from monarch.actor import endpoint
+
+from workers.engine.actors.devices import bind_proc_gpus
+from workers.engine.actors.faults import FaultInjectableActor
+from workers.engine.actors.procs import set_proc_threads
+from workers.engine.checkpoint import load_checkpoint, save_checkpoint
+from workers.engine.config import RunConfig
+from workers.engine.data_parallel import RankShare, rank_share
+from workers.engine.env import LOCAL_RANK_ENV, MASTER_ADDR_ENV, read_env, read_number
+from workers.engine.models.hf_folder import load_pretrained
+from workers.engine.models.titan import count_parameters
+from workers.engine.rewards import CombinedReward
+from workers.engine.sampler import TorchSampler
+from workers.engine.sharding import full_model_state, full_optimizer_state, shard_model
+from workers.engine.tasks import Problem
+from workers.engine.training import EvalResult, build_optimizer, build_scheduler, evaluate, resolve_device, setup_process
+
+
+class TrainerRankActor(FaultInjectableActor):
+    def __init__(self, config: RunConfig):
+        set_proc_threads()
+        self.config = config
+        self.own_gpu = bind_proc_gpus() is not None  # placement.trainer.gpus_per_proc: this rank's GPU is cuda:0
+        self.device = torch.device("cuda", 0) if self.own_gpu else resolve_device(config.trainer.device)
+
+    def scheduled_updates(self) -> int:
+        """Optimizer steps the learning-rate schedule spans."""
+        return self.config.trainer.steps
+
+    def prepare_steps(self) -> None:
+        """What a trainer keeps between its steps, made once the model is built."""
+
+    @endpoint
+    def setup(self, master_addr: str | None = None) -> dict[str, Any]:
+        """Join the process group (env from monarch's setup_torch_elastic_env), then build the model.
+
+        `master_addr`: how the other hosts reach rank 0's host, when the ranks span hosts (monarch names it by its
+        hostname, which a pod's peers cannot resolve)."""
+        cfg = self.config
+        if master_addr:
+            os.environ[MASTER_ADDR_ENV] = master_addr
+        if self.device.type == "cuda" and not self.own_gpu:  # one GPU per rank on its host (LOCAL_RANK from monarch)
+            self.device = torch.device("cuda", read_number(LOCAL_RANK_ENV) % torch.cuda.device_count())
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        # bounded: a rank whose peer died must not wait in a collective for the default 30 min
+        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", timeout=timedelta(minutes=5))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        setup_process(threads=torch.get_num_threads(), seed=cfg.trainer.seed)
+        loaded = load_pretrained(cfg.model.path, family=cfg.model.family, dtype=cfg.model.dtype, device=self.device)
+        self.model, self.tokenizer = loaded.model.train(), loaded.tokenizer
+        n_params = count_parameters(self.model)
+        self.sharded = cfg.trainer.sharding == "fsdp"
+        if self.sharded:
+            shard_model(self.model, mixed_precision=cfg.trainer.mixed_precision)
+        self.optimizer = build_optimizer(self.model, cfg.trainer.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.trainer.optimizer, self.scheduled_updates())
+        self.prepare_steps()
+        return {"rank": self.rank, "world": self.world, "n_params": n_params, "master_addr": read_env(MASTER_ADDR_ENV)}
+
+    def share(self) -> RankShare:
+        return rank_share(rank=self.rank, world=self.world, sharded=self.sharded)
+
+    @endpoint
+    def pids(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights on CPU (every replicated rank; only rank 0 of a sharded trainer)."""
+        state = full_model_state(self.model)
+        return state if self.rank == 0 or not self.sharded else None
+
+    @endpoint
+    def evaluate(self, problems: list[Problem], keep_samples: int) -> EvalResult:
+        """Greedy completions of held-out problems, scored by the run's reward (every rank of a sharded trainer)."""
+        cfg = self.config
+        sampler = TorchSampler(self.model, eos_token_ids=self.tokenizer.eos_token_ids, pad_id=self.tokenizer.pad_id)
+        self.model.eval()
+        result = evaluate(sampler, self.tokenizer, problems, CombinedReward(cfg.reward.functions, cfg.reward.weights),
+                          max_new_tokens=cfg.generator.max_new_tokens, keep_samples=keep_samples)
+        self.model.train()
+        return result
+
+    @endpoint
+    def save(self, step: int, progress: dict[str, Any]) -> str | None:
+        """Rank 0 writes the checkpoint (full states, whatever the sharding); its path, None on the other ranks."""
+        if self.rank != 0 and not self.sharded:
+            return None
+        model_state = full_model_state(self.model)
+        optimizer_state = full_optimizer_state(self.model, self.optimizer)
+        if self.rank != 0:
+            return None
+        cfg = self.config.checkpoint
+        path = save_checkpoint(cfg.folder, step=step, model_state=model_state, optimizer_state=optimizer_state,
+                               scheduler_state=self.scheduler.state_dict(), progress=progress,
+                               model_folder=self.config.model.path, keep_last=cfg.keep_last)
+        return str(path)
+
+    @endpoint
+    def load(self, path: str) -> dict[str, Any]:
+        return load_checkpoint(Path(path), model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+
+    @endpoint
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

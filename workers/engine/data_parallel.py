@@ -1,0 +1,67 @@
+"""Data-parallel training pieces shared by the GRPO and SFT trainers: which rows a rank takes, summing the replicas'
+gradients, the zero-weighted pass a sharded rank short of rows runs, and one optimizer step."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from workers.engine.training import grad_norm_and_clip
+
+
+class RankRows(Protocol):
+    inputs: torch.Tensor
+
+    def rank_rows(self, *, rank: int, world: int) -> tuple[RankRows, int]: ...
+
+
+Rows = TypeVar("Rows", bound=RankRows)
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """This process's place among the data-parallel trainer ranks; the default is a single process."""
+    rank: int = 0
+    world: int = 1
+    sharded: bool = False  # FSDP: every rank runs as many forward/backward passes as rank 0
+    reduce_gradients: Callable[[nn.Module], None] | None = None  # replicated ranks: sum the gradients
+
+    def rows(self, batch: Rows, micro_batch_size: int) -> tuple[Rows, int]:
+        """(this rank's rows of `batch`, the passes every rank runs: 0 unsharded, as many as it has rows for)."""
+        mine, per_rank = batch.rank_rows(rank=self.rank, world=self.world)
+        return mine, math.ceil(per_rank / micro_batch_size) if self.sharded else 0  # type: ignore[return-value]
+
+
+def all_reduce_gradients(model: nn.Module) -> None:
+    """Sum every replicated rank's gradients (a rank with no rows this step still joins the collective)."""
+    for param in model.parameters():
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+
+
+def rank_share(*, rank: int, world: int, sharded: bool) -> RankShare:
+    """A trainer rank's share: replicated ranks sum their gradients after the backward, FSDP reduces in it."""
+    return RankShare(rank=rank, world=world, sharded=sharded,
+                     reduce_gradients=all_reduce_gradients if world > 1 and not sharded else None)
+
+
+def zero_weighted_pass(model: nn.Module, filler: RankRows) -> None:
+    """A forward and backward that adds nothing to the gradients: a sharded rank's share of a collective."""
+    (model(filler.inputs).float().sum() * 0.0).backward()
+
+
+def apply_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, *,
+                 grad_clip: float | None) -> tuple[float, float]:
+    """Clip, step the optimizer and the schedule; (gradient norm before clipping, learning rate used)."""
+    grad_norm = grad_norm_and_clip(model, grad_clip)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    return grad_norm, lr

@@ -1,0 +1,68 @@
+"""The SFT step's maths, shared by the single-process recipe and the Monarch trainer ranks: one optimizer step on a
+packed batch, split over data-parallel ranks with the loss normalised by the whole batch's response tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from workers.engine.batching import SftBatch, collate_sft
+from workers.engine.config import DataConfig
+from workers.engine.data_parallel import RankShare, apply_update, zero_weighted_pass
+from workers.engine.losses import sft_loss
+from workers.engine.models.tokenizer import ChatTokenizer
+from workers.engine.sharding import set_gradient_sync
+from workers.engine.tasks import Problem
+
+
+@dataclass(frozen=True)
+class SftUpdate:
+    loss: float  # this rank's part of the step's loss: the ranks' parts sum to one process's loss
+    grad_norm: float  # before clipping, of the whole (summed) gradient
+    lr: float
+    rows: int  # this rank's rows
+    train_tokens: int  # this rank's tokens (its rows x seq_len, padding included)
+
+
+def sft_update(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batch: SftBatch,
+    *,
+    micro_batch_size: int,
+    grad_clip: float | None,
+    share: RankShare = RankShare(),
+) -> SftUpdate:
+    """One optimizer step on a step's batch (the whole batch, on every rank): this rank's contiguous rows in
+    micro-batches, each loss divided by the batch's response tokens, so summing the ranks' gradients
+    (`share.reduce_gradients`, or FSDP's reduce-scatter in the last pass) gives one process's gradient. A sharded rank
+    short of rows runs zero-weighted passes to keep its peers' collectives matched."""
+    normalizer = max(float(batch.loss_mask.sum()), 1.0)
+    mine, passes = share.rows(batch, micro_batch_size)
+    starts = list(range(0, len(mine), micro_batch_size))
+    total = max(len(starts), passes)
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = 0.0
+    for i in range(total):
+        set_gradient_sync(model, enabled=i == total - 1)
+        if i >= len(starts):
+            zero_weighted_pass(model, batch.rows(0, 1))
+            continue
+        micro = mine.rows(starts[i], starts[i] + micro_batch_size)
+        logits = model(micro.inputs, positions=micro.positions, attention_masks=micro.attention_mask)
+        loss, _ = sft_loss(logits, micro.targets, micro.loss_mask, normalizer=normalizer)
+        loss.backward()
+        loss_sum += float(loss.detach())
+    if share.reduce_gradients is not None:
+        share.reduce_gradients(model)
+    grad_norm, lr = apply_update(model, optimizer, scheduler, grad_clip=grad_clip)
+    return SftUpdate(loss=loss_sum, grad_norm=grad_norm, lr=lr, rows=len(mine), train_tokens=int(mine.inputs.numel()))
+
+
+def sft_batch(problems: list[Problem], *, tokenizer: ChatTokenizer, data: DataConfig) -> SftBatch:
+    """A step's examples as rows of at most data.seq_len tokens, packed when data.packing."""
+    examples = [tokenizer.encode_exchange(p.messages, p.response) for p in problems]
+    return collate_sft(examples, seq_len=data.seq_len, pad_id=tokenizer.pad_id, packing=data.packing)
