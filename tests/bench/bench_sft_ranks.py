@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/bench_sft_ranks.py [--rounds 2] [--steps 12] [--size tiny|small] [--out var/bench_sft]
 
-Every variant trains the same packed batches (arithmetic chat, trainer.batch_size sequences of data.seq_len) with the
+Every variant trains the same packed batches (arithmetic chat, 128 examples a step packed into rows of 256 tokens) with the
 same total torch threads (2: one process of 2 threads, or 2 ranks of 1); rounds interleave the variants, since these
 machines are noisy. Train tokens/s is summed tokens over summed step seconds, the first step of each run left out
 (its one-off warm-up); overhead is the run's wall time outside steps 2..N (start-up, the first step, the last
@@ -38,7 +38,7 @@ VARIANTS = {
 def run_once(model: Path, out: Path, *, backend: str, ranks: int, sharding: str, threads: int, steps: int) -> dict:
     config = load_config(f"recipe: sft\nmodel: {{path: '{model}'}}\n", overrides=[
         "data.max_operand=99", "data.eval_size=8", "data.seq_len=256", f"trainer.steps={steps}",
-        "trainer.batch_size=32", "trainer.micro_batch_size=4", "eval.every_steps=0", f"checkpoint.folder={out}",
+        "trainer.batch_size=128", "trainer.micro_batch_size=4", "eval.every_steps=0", f"checkpoint.folder={out}",
         "telemetry.console=false", f"trainer.threads_per_process={threads}", f"placement.backend={backend}",
         f"trainer.ranks={ranks}", f"trainer.sharding={sharding}",
     ])
@@ -69,7 +69,7 @@ def main() -> None:
                                           ranks=ranks, sharding=sharding, threads=threads, steps=args.steps))
             print(f"round {round_ + 1} {name}: {results[name][-1]['tokens_per_s']:.0f} tokens/s", flush=True)
     base = statistics.median(r["tokens_per_s"] for r in results["single process (2 threads)"])
-    print(f"\nSFT, {args.size} model, {args.steps} steps x 32 sequences of 256 tokens, medians of {args.rounds} rounds")
+    print(f"\nSFT, {args.size} model, {args.steps} steps x 128 examples packed into rows of 256 tokens, medians of {args.rounds} rounds")
     print(f"{'variant':32} {'train tokens/s':>15} {'/ single':>9} {'overhead s':>11} {'last loss':>10}")
     for name, runs in results.items():
         tps = statistics.median(r["tokens_per_s"] for r in runs)

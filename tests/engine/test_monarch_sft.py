@@ -140,27 +140,34 @@ def test_monarch_sft_equals_one_process_and_checkpoints_move_between_1_and_2_sha
 @pytest.mark.slow
 def test_a_killed_sft_rank_is_restored_and_the_run_matches_one_resumed_from_that_checkpoint(
         tiny_trainable_qwen3: Path, tmp_path: Path) -> None:
-    """2 replicated ranks, a checkpoint every 2 steps: a raise drill at step 2 is retried on both ranks; rank 1 is
-    killed before step 6, the trainer mesh is respawned and goes back to step 4. Steps 5-8 after the restore equal a
-    run resumed from the step-4 checkpoint."""
+    """2 replicated ranks, a checkpoint every 2 steps: a raise drill at step 2 is retried on both ranks; rank 0 hangs
+    (SIGSTOP) in step 3, which rank 1 waits for in the all-reduce: the step times out, both are killed and the mesh
+    goes back to step 2; rank 1 is killed before step 6 and the mesh goes back to step 4. Steps 5-8 after that
+    restore equal a run resumed from the step-4 checkpoint."""
     from workers.engine.recipes.sft_monarch import train_sft_monarch
 
     model = tiny_trainable_qwen3
     common = ("placement.backend=monarch", "trainer.ranks=2", "trainer.steps=8", "checkpoint.every_steps=2",
               "checkpoint.keep_last=8", "eval.every_steps=0")
     drills = [FaultDrillRequest(kind="raise", role="trainer", replica=0, schedule=DrillSchedule(at_step=2)),
+              FaultDrillRequest(kind="hang", role="trainer", replica=0, duration_s=60.0,
+                                schedule=DrillSchedule(at_step=3)),
               FaultDrillRequest(kind="kill", role="trainer", replica=1, schedule=DrillSchedule(at_step=6))]
     sink = MemorySink()
-    killed = train_sft_monarch(_config(model, tmp_path / "killed", *common, "trainer.recover_failures=1"),
-                               Recorder([sink]), drills=drills)
+    killed = train_sft_monarch(_config(model, tmp_path / "killed", *common, "trainer.recover_failures=2",
+                                       "failover.call_timeout_s=5"), Recorder([sink]), drills=drills)
     assert killed.step == 8
-    assert [e["step"] for e in sink.events("fault_injected")] == [2, 6]
-    recovered = sink.events("recovered")
-    assert [(e["action"], e["step"]) for e in recovered] == [("retried", 2), ("restored_checkpoint", 4)]
-    assert recovered[1]["steps_lost"] == 1
-    replaced = sink.events("replica_replaced")[0]
+    assert [e["step"] for e in sink.events("fault_injected")] == [2, 3, 6]
+    detected = sink.events("failure_detected")
+    assert [e["hung"] for e in detected] == [False, True, False]
+    recovered = [e for e in sink.events("recovered") if e.get("caused_failure")]
+    assert [(e["action"], e["step"]) for e in recovered] == [("retried", 2), ("restored_checkpoint", 2),
+                                                             ("restored_checkpoint", 4)]
+    assert [e["steps_lost"] for e in recovered[1:]] == [0, 1]
     first_pids = sink.events("meshes_ready")[0]["trainer_pids"]
-    assert replaced["role"] == "trainer" and set(replaced["pids"]).isdisjoint(first_pids)
+    replaced = sink.events("replica_replaced")
+    assert [e["role"] for e in replaced] == ["trainer", "trainer"]
+    assert set(replaced[0]["pids"]).isdisjoint(first_pids) and set(replaced[1]["pids"]).isdisjoint(replaced[0]["pids"])
     losses = sink.series("loss")
     assert [step for step, _ in losses] == [1, 2, 3, 4, 5, 5, 6, 7, 8]  # step 5 ran twice: before the kill and after
     assert losses[4][1] == pytest.approx(losses[5][1], abs=1e-6)  # from the same checkpoint, the same step

@@ -38,12 +38,33 @@ class RankShare:
         return mine, math.ceil(per_rank / micro_batch_size) if self.sharded else 0  # type: ignore[return-value]
 
 
+ALL_REDUCE_BUCKET_ELEMENTS = 1 << 24  # gradients are summed in flat buckets of about this many elements (64 MiB fp32)
+
+
 def all_reduce_gradients(model: nn.Module) -> None:
-    """Sum every replicated rank's gradients (a rank with no rows this step still joins the collective)."""
+    """Sum every replicated rank's gradients, a few large all-reduces rather than one per tensor (a rank with no rows
+    this step still joins with zeros). A bucket holds one dtype."""
+    bucket: list[torch.Tensor] = []
+    size = 0
     for param in model.parameters():
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+        if bucket and (size >= ALL_REDUCE_BUCKET_ELEMENTS or param.grad.dtype != bucket[0].dtype):
+            _all_reduce_flat(bucket)
+            bucket, size = [], 0
+        bucket.append(param.grad)
+        size += param.grad.numel()
+    if bucket:
+        _all_reduce_flat(bucket)
+
+
+def _all_reduce_flat(grads: list[torch.Tensor]) -> None:
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
 
 
 def rank_share(*, rank: int, world: int, sharded: bool) -> RankShare:
