@@ -2,11 +2,11 @@
 
     .venv/bin/python tests/bench/bench_sft_ranks.py [--rounds 2] [--steps 12] [--size tiny|small] [--out var/bench_sft]
 
-Every variant trains the same packed batches (arithmetic chat, 128 examples a step packed into rows of 256 tokens) with the
-same total torch threads (2: one process of 2 threads, or 2 ranks of 1); rounds interleave the variants, since these
-machines are noisy. Train tokens/s is summed tokens over summed step seconds, the first step of each run left out
-(its one-off warm-up); overhead is the run's wall time outside steps 2..N (start-up, the first step, the last
-checkpoint, shut-down). Ratios are to the single-process recipe.
+Every variant trains the same packed batches (arithmetic chat, 128 examples a step packed into rows of 256 tokens)
+with the same total torch threads (2: one process of 2 threads, or 2 ranks of 1); rounds interleave the variants,
+since these machines are noisy. Train tokens/s is summed tokens over summed step seconds, the first step of each run
+left out (its one-off warm-up); overhead is the run's wall time outside steps 2..N (start-up, the first step, the
+last checkpoint, shut-down). Ratios are to the single-process recipe.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def main() -> None:
                                           ranks=ranks, sharding=sharding, threads=threads, steps=args.steps))
             print(f"round {round_ + 1} {name}: {results[name][-1]['tokens_per_s']:.0f} tokens/s", flush=True)
     base = statistics.median(r["tokens_per_s"] for r in results["single process (2 threads)"])
-    print(f"\nSFT, {args.size} model, {args.steps} steps x 128 examples packed into rows of 256 tokens, medians of {args.rounds} rounds")
+    print(f"\nSFT, {args.size} model, {args.steps} steps x 128 examples packed into rows of 256 tokens, "
+          f"medians of {args.rounds} rounds")
     print(f"{'variant':32} {'train tokens/s':>15} {'/ single':>9} {'overhead s':>11} {'last loss':>10}")
     for name, runs in results.items():
         tps = statistics.median(r["tokens_per_s"] for r in runs)

@@ -175,7 +175,8 @@ def controller_parts(config: RunConfig, hosts: FakeHosts, groups: dict[str, Repl
     fleet.waits = Waits(config=config.failover)
     fleet.log = RecoveryLog(recorder=fleet.recorder, injector=fleet.injector, failover=fleet.failover, state=fleet.state)
     trainer = fleet.trainer = TrainerHandle(config=config, actor=TrainerActor, hosts=hosts, placer=fleet.placer,
-                                            waits=fleet.waits, recorder=fleet.recorder, log=fleet.log, state=fleet.state)
+                                            waits=fleet.waits, recorder=fleet.recorder, log=fleet.log,
+                                            state=fleet.state)
     trainer.pids = list(trainer_pids)
     trainer.actors = FakeActor(0, state_dict={"w": 1}, pids=dict(enumerate(trainer.pids)))
     control = fleet.control = ControlProcs(config=config, hosts=hosts, waits=fleet.waits, recorder=fleet.recorder,

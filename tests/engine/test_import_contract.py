@@ -49,7 +49,8 @@ def test_the_actors_import_no_recipe() -> None:
 
 
 def test_the_controller_sits_between_the_actors_and_the_recipes() -> None:
-    """actors -> the Monarch controller's parts (workers.engine.controller) -> recipes/grpo_monarch.py, sft_monarch.py."""
+    """actors -> the Monarch controller's parts (workers.engine.controller) -> recipes/grpo_monarch.py and
+    recipes/sft_monarch.py."""
     assert _arrows(IMPORTS, from_=("workers.engine.controller",), to=("workers.engine.recipes",)) == []
     assert _arrows(IMPORTS, from_=("workers.engine.actors",), to=("workers.engine.controller",)) == []
     outside = ("workers.engine.recipes.grpo_monarch", "workers.engine.recipes.sft_monarch", "workers.engine.controller")

@@ -51,6 +51,7 @@ def test_a_drained_trainer_host_moves_the_sft_trainer_at_the_next_checkpoint(tin
     assert sink.events("meshes_ready")[0]["trainer_hosts"] == ["host0"]
     [moved] = sink.events("redirect_finished")
     assert moved["step"] == 2 and moved["moved_roles"] == {"trainer": {"0": "host1", "1": "host1"}}
-    assert moved["from_hosts"] == ["host0"] and set(moved["pids"]).isdisjoint(sink.events("meshes_ready")[0]["trainer_pids"])
+    first_pids = sink.events("meshes_ready")[0]["trainer_pids"]
+    assert moved["from_hosts"] == ["host0"] and set(moved["pids"]).isdisjoint(first_pids)
     assert result.step == 4 and result.losses == pytest.approx(one.losses, abs=1e-5)
     assert sink.series("faults/migrations")[-1] == (4, 1)

@@ -9,6 +9,7 @@ import pytest
 from forgeboard.errors import Conflict, ValidationFailed
 from forgeboard.runs.models import Command
 from forgeboard.runs.services import command_create
+from tests.platform.conftest import TINY_GRPO_YAML
 
 
 def test_a_valid_drill_is_stored_for_a_monarch_run(team, monarch_running_run):
@@ -77,7 +78,8 @@ def test_an_sft_run_takes_trainer_drills_and_drains_and_refuses_placement_change
     run = sft_monarch_run
     drill = command_create(actor=team.member, run=run, kind="fault_drill",
                            payload={"kind": "kill", "role": "trainer", "replica": 1})
-    drain = command_create(actor=team.member, run=run, kind="load_redirect", payload={"action": "drain", "host": "node0"})
+    drain = command_create(actor=team.member, run=run, kind="load_redirect",
+                           payload={"action": "drain", "host": "node0"})
     assert [c.kind for c in Command.objects.filter(run=run).order_by("pk")] == ["fault_drill", "load_redirect"]
     assert {drill.pk, drain.pk} == set(Command.objects.filter(run=run).values_list("pk", flat=True))
     with pytest.raises(ValidationFailed) as caught:
@@ -98,3 +100,17 @@ def test_the_run_page_of_an_sft_run_offers_trainer_drills_and_no_placement_form(
     assert 'data-command="placement_change"' not in page and 'data-command="load_redirect"' in page
     assert "An SFT run has only its 2 trainer ranks" in page
     assert "<dt>Trainer ranks</dt><dd>2</dd>" in page and "Generator replicas" not in page
+
+
+def test_a_slurm_runs_page_offers_the_operator_controls_it_accepts(client, team):
+    from forgeboard.runs.models import Run
+    from forgeboard.runs.services import run_launch
+    from forgeboard.runs.states import RunState
+
+    run = run_launch(actor=team.member, experiment=team.experiment,
+                     config_yaml=TINY_GRPO_YAML + "placement:\n  backend: slurm\n")
+    Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING)
+    client.force_login(team.member)
+    page = client.get(f"/runs/{run.pk}/").content.decode()
+    assert 'data-command="fault_drill"' in page and 'data-command="placement_change"' in page
+    assert 'id="operations-note"' not in page

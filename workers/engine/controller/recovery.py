@@ -1,7 +1,7 @@
-"""Checkpoints of a Monarch run (GRPO or SFT) and going back to them: a trainer proc that dies or hangs takes the trainer mesh
-with it (the mesh is respawned, on another of its hosts when its host was lost, up to `trainer.recover_failures`
-times); a lost control proc is started again elsewhere. Either way every stateful actor goes back to the last
-checkpoint (or to the run's start)."""
+"""Checkpoints of a Monarch run (GRPO or SFT) and going back to them: a trainer proc that dies or hangs takes the
+trainer mesh with it (the mesh is respawned, on another of its hosts when its host was lost, up to
+`trainer.recover_failures` times); a lost control proc is started again elsewhere. Either way every stateful actor
+goes back to the last checkpoint (or to the run's start). A trainer on a drained host moves at a checkpoint."""
 
 from __future__ import annotations
 
@@ -74,7 +74,6 @@ class TrainerRecovery:
             self.failover.detect_seconds.append(noticed.time_to_detect_s)
         self.log.recovered("trainer", noticed, at_step=state.step, action="restored_checkpoint",
                            path=state.last_checkpoint, steps_lost=lost_from - state.step)
-
 
     def move_trainer(self, path: str) -> None:
         """The operator drained a host of the trainer's: respawn the mesh on undrained hosts and load the checkpoint

@@ -106,7 +106,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     context = {
         "run": run, "project": project, "role": role, "can_operate": can_operate,
         "active": run.state in ACTIVE_STATES, "duration": duration_of(run),
-        "multi_process": config.placement.backend == LaunchBackend.MONARCH,
+        "multi_process": config.placement.backend != LaunchBackend.LOCAL,  # monarch, or a SLURM / Kubernetes job
         "checkpoints": run_checkpoints(run=run), "placement": placement,
         "placement_json": json.dumps(placement["plan"], indent=2, sort_keys=True),
         "commands": run.commands.select_related("created_by").order_by("-id")[:20],
