@@ -156,7 +156,7 @@ class Fleet:
                              trainer_hosts=list(trainer_hosts))
 
     def events(self, name: str) -> list[dict[str, Any]]:
-        return [r for r in self.sink.records if r["kind"] == "event" and r["name"] == name]
+        return self.sink.events(name)
 
 
 def controller_parts(config: RunConfig, hosts: FakeHosts, groups: dict[str, ReplicaGroup], *,

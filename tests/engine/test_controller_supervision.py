@@ -97,3 +97,19 @@ def test_a_report_no_replica_explains_fails_the_control_proc_only_when_it_stops_
     with pytest.raises(ControlLost, match="a process of the run failed"):
         supervisor.check_control_procs()
     assert [e["role"] for e in fleet.events("failure_detected")] == ["replay_buffer"]
+
+
+def test_a_run_without_a_control_proc_drops_unexplained_reports_and_a_lost_host_fails_only_the_trainer():
+    """An SFT run: no replicas, no control proc; only its trainer can be lost."""
+    hosts = FakeHosts(["a", "b"])
+    fleet = controller_parts(grpo_config(), hosts, {}, trainer_hosts=["a"])
+    supervisor = Supervisor(recorder=fleet.recorder, hosts=hosts, groups={}, failover=fleet.failover,
+                            placer=fleet.placer, trainer=fleet.trainer, control=None, waits=fleet.waits,
+                            state=fleet.state, reports=[SimpleNamespace(mesh_name="dataset_9-0")])
+    supervisor.scan()
+    assert supervisor.unexplained != []
+    supervisor.check_control_procs()  # nothing to ask: the report is dropped, the run goes on
+    assert supervisor.unexplained == []
+    supervisor.host_lost("a")
+    assert [e["role"] for e in fleet.events("failure_detected")] == ["trainer"]
+    assert fleet.trainer.noticed is not None and "host a of the trainer was lost" in fleet.trainer.noticed.reason

@@ -15,6 +15,7 @@ from workers.engine.losses import sft_loss
 from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.sharding import set_gradient_sync
 from workers.engine.tasks import Problem
+from workers.engine.training import PhaseTimer, mfu, train_tokens_per_second
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,6 @@ class SftUpdate:
     grad_norm: float  # before clipping, of the whole (summed) gradient
     lr: float
     rows: int  # this rank's rows
-    train_tokens: int  # this rank's tokens (its rows x seq_len, padding included)
 
 
 def sft_update(
@@ -59,10 +59,28 @@ def sft_update(
     if share.reduce_gradients is not None:
         share.reduce_gradients(model)
     grad_norm, lr = apply_update(model, optimizer, scheduler, grad_clip=grad_clip)
-    return SftUpdate(loss=loss_sum, grad_norm=grad_norm, lr=lr, rows=len(mine), train_tokens=int(mine.inputs.numel()))
+    return SftUpdate(loss=loss_sum, grad_norm=grad_norm, lr=lr, rows=len(mine))
 
 
 def sft_batch(problems: list[Problem], *, tokenizer: ChatTokenizer, data: DataConfig) -> SftBatch:
     """A step's examples as rows of at most data.seq_len tokens, packed when data.packing."""
     examples = [tokenizer.encode_exchange(p.messages, p.response) for p in problems]
     return collate_sft(examples, seq_len=data.seq_len, pad_id=tokenizer.pad_id, packing=data.packing)
+
+
+def sft_step_metrics(*, update_loss: float, grad_norm: float, lr: float, batch: SftBatch, step_seconds: float,
+                     timer: PhaseTimer, n_params: int, peak_flops_per_second: float, epoch: int) -> dict[str, float]:
+    """What either SFT recipe logs for a step (`update_loss`: the step's loss, summed over the ranks)."""
+    tokens = int(batch.inputs.numel())
+    return {
+        "loss": update_loss,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "time/step_s": step_seconds,
+        **timer.metrics(),
+        "throughput/train_tokens_per_s": train_tokens_per_second(tokens=tokens, step_seconds=step_seconds),
+        "data/train_tokens": tokens,
+        "data/response_tokens": int(batch.loss_mask.sum()),
+        "mfu": mfu(n_params=n_params, tokens=tokens, seconds=step_seconds, peak_flops_per_second=peak_flops_per_second),
+        "data/epoch": epoch,
+    }

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from workers.engine.batching import collate_sft
 from workers.engine.config import OptimizerConfig, RunConfig
 from workers.engine.losses import sft_loss
+from workers.engine.metrics import Recorder
 from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.rewards import CombinedReward, exact_math
 from workers.engine.sampler import SamplingParams, TorchSampler
@@ -132,6 +133,13 @@ class EvalResult:
     accuracy: float  # fraction of held-out problems whose greedy answer is exactly right
     reward_mean: float  # mean combined reward of the greedy completions
     samples: list[tuple[str, str, float]]  # (prompt, completion, reward) of the first few
+
+
+def record_eval(recorder: Recorder, result: EvalResult, step: int) -> None:
+    """A held-out evaluation's accuracy and mean reward as metrics, its kept samples as held-out rollouts."""
+    recorder.log_many({"eval/accuracy": result.accuracy, "eval/reward_mean": result.reward_mean}, step)
+    for prompt, completion, score in result.samples:
+        recorder.rollout(step=step, prompt=prompt, completion=completion, reward=score, split="held_out")
 
 
 def evaluate(

@@ -18,13 +18,12 @@ from workers.engine.training import held_out_nll
 class SftTrainerActor(TrainerRankActor):
     @endpoint
     def sft_step(self, batch: SftBatch) -> dict[str, Any]:
-        """One optimizer step; this rank's part of the loss (the parts sum to the step's loss) and its tokens."""
+        """One optimizer step; this rank's part of the loss (the parts sum to the step's loss) and its rows."""
         self.before_work(batch)
         cfg = self.config.trainer
         update = sft_update(self.model, self.optimizer, self.scheduler, batch.to(self.device),
                             micro_batch_size=cfg.micro_batch_size, grad_clip=cfg.optimizer.grad_clip, share=self.share())
-        return {"loss": update.loss, "grad_norm": update.grad_norm, "lr": update.lr, "rows": update.rows,
-                "train_tokens": update.train_tokens}
+        return {"loss": update.loss, "grad_norm": update.grad_norm, "lr": update.lr, "rows": update.rows}
 
     @endpoint
     def held_out_nll(self, problems: list[Problem]) -> float:

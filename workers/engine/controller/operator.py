@@ -41,9 +41,6 @@ class Operator:
     # --- placement changes --------------------------------------------------------------
     def change_placement(self, change: PlacementChangeRequest) -> dict[str, Any]:
         started = time.monotonic()
-        if not self.groups:
-            raise ValueError(f"this run has no {change.role} replicas to place: an SFT run has only trainer ranks "
-                             "(drain a host to move them)")
         group = role_group(self.groups, change.role)
         if change.action == "add":
             self._check_host(change.role, change.host)

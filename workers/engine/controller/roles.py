@@ -10,6 +10,9 @@ MOVABLE = ("generator", "reward", "reference")  # in this order: a role may foll
 
 
 def role_group(groups: Mapping[str, ReplicaGroup], role: str) -> ReplicaGroup:
+    if not groups:
+        raise ValueError(f"this run has no {role} replicas to place: an SFT run has only trainer ranks (drain a host to "
+                         "move them; drills target them)")
     if role not in groups:
         raise ValueError(f"this run has no {role} (reference.enabled is false)")
     return groups[role]

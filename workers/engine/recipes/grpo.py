@@ -54,8 +54,8 @@ from workers.engine.step_end import StepEnd
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
 from workers.engine.training import (
-    EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, mfu, setup_process, single_process_device,
-    train_tokens_per_second,
+    EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, mfu, record_eval, setup_process,
+    single_process_device, train_tokens_per_second,
 )
 
 
@@ -154,9 +154,7 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
         result = evaluate(eval_sampler, tokenizer, task.held_out, reward, max_new_tokens=cfg.generator.max_new_tokens,
                           keep_samples=cfg.eval.rollout_samples)
         model.train()
-        recorder.log_many({"eval/accuracy": result.accuracy, "eval/reward_mean": result.reward_mean}, step)
-        for prompt, completion, score in result.samples:
-            recorder.rollout(step=step, prompt=prompt, completion=completion, reward=score, split="held_out")
+        record_eval(recorder, result, step)
         return result
 
     def checkpoint(step: int) -> Path:

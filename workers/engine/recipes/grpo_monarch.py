@@ -70,7 +70,7 @@ from workers.engine.recipes.grpo import GrpoResult
 from workers.engine.run_control import RunControl
 from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
-from workers.engine.training import EvalResult, PhaseTimer, mfu, train_tokens_per_second
+from workers.engine.training import EvalResult, PhaseTimer, mfu, record_eval, train_tokens_per_second
 
 __all__ = ["FaultDrill", "ProcFailure", "train_grpo_monarch"]
 
@@ -305,9 +305,7 @@ class MonarchGrpoRun:
 
     def evaluate(self, step: int) -> EvalResult:
         result = self.trainer.from_rank0("evaluate", self.held_out, self.config.eval.rollout_samples)
-        self.recorder.log_many({"eval/accuracy": result.accuracy, "eval/reward_mean": result.reward_mean}, step)
-        for prompt, completion, score in result.samples:
-            self.recorder.rollout(step=step, prompt=prompt, completion=completion, reward=score, split="held_out")
+        record_eval(self.recorder, result, step)
         return result
 
     def stop(self) -> None:

@@ -19,14 +19,14 @@ from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.models.titan import count_parameters
 from workers.engine.rewards import CombinedReward
 from workers.engine.sampler import TorchSampler
-from workers.engine.sft_math import sft_batch, sft_update
+from workers.engine.sft_math import sft_batch, sft_step_metrics, sft_update
 from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
 from workers.engine.training import (
-    EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, held_out_nll, mfu,
-    setup_process, single_process_device, train_tokens_per_second,
+    EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, held_out_nll, record_eval, setup_process,
+    single_process_device,
 )
 
 
@@ -70,19 +70,15 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
         stream.load_state_dict(progress["data"])
         recorder.event("resumed", step=start_step, path=cfg.checkpoint.resume_from)
 
-    verifiable = all(p.answer is not None for p in task.held_out)
-
     def run_eval(step: int) -> EvalResult | None:
         """Held-out NLL of the reference replies; greedy accuracy and reward when problems carry answers."""
         model.eval()
         recorder.log("eval/nll", held_out_nll(model, tokenizer, task.held_out, seq_len=cfg.data.seq_len), step)
         result = None
-        if verifiable:
+        if task.verifiable:
             result = evaluate(eval_sampler, tokenizer, task.held_out, reward, max_new_tokens=cfg.generator.max_new_tokens,
                               keep_samples=cfg.eval.rollout_samples)
-            recorder.log_many({"eval/accuracy": result.accuracy, "eval/reward_mean": result.reward_mean}, step)
-            for prompt, completion, score in result.samples:
-                recorder.rollout(step=step, prompt=prompt, completion=completion, reward=score, split="held_out")
+            record_eval(recorder, result, step)
         model.train()
         return result
 
@@ -108,27 +104,16 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
 
         with timer.phase("data"):
             batch = sft_batch(stream.take(trainer_cfg.batch_size), tokenizer=tokenizer, data=cfg.data).to(device)
-        response_tokens = int(batch.loss_mask.sum())
 
         with timer.phase("train"):
             update = sft_update(model, optimizer, scheduler, batch, micro_batch_size=trainer_cfg.micro_batch_size,
                                 grad_clip=trainer_cfg.optimizer.grad_clip)
 
-        step_seconds = time.perf_counter() - step_start
-        tokens = int(batch.inputs.numel())
         losses.append(update.loss)
-        recorder.log_many({
-            "loss": update.loss,
-            "grad_norm": update.grad_norm,
-            "lr": update.lr,
-            "time/step_s": step_seconds,
-            **timer.metrics(),
-            "throughput/train_tokens_per_s": train_tokens_per_second(tokens=tokens, step_seconds=step_seconds),
-            "data/train_tokens": tokens,
-            "data/response_tokens": response_tokens,
-            "mfu": mfu(n_params=n_params, tokens=tokens, seconds=step_seconds, peak_flops_per_second=trainer_cfg.peak_flops_per_second),
-            "data/epoch": stream.epoch,
-        }, step)
+        recorder.log_many(sft_step_metrics(
+            update_loss=update.loss, grad_norm=update.grad_norm, lr=update.lr, batch=batch,
+            step_seconds=time.perf_counter() - step_start, timer=timer, n_params=n_params,
+            peak_flops_per_second=trainer_cfg.peak_flops_per_second, epoch=stream.epoch), step)
 
         if not step_end.after(step):  # eval, checkpoint, operator commands
             break

@@ -43,12 +43,12 @@ from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.operations import FaultDrillRequest
 from workers.engine.recipes.sft import SftResult
 from workers.engine.run_control import RunControl
-from workers.engine.sft_math import sft_batch
+from workers.engine.sft_math import sft_batch, sft_step_metrics
 from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
-from workers.engine.training import EvalResult, PhaseTimer, mfu, train_tokens_per_second
+from workers.engine.training import EvalResult, PhaseTimer, record_eval
 
 
 def train_sft_monarch(config: RunConfig, recorder: Recorder, *, control: RunControl | None = None,
@@ -163,19 +163,11 @@ class MonarchSftRun:
     def metrics(self, batch: SftBatch, results: list[dict[str, Any]], timer: PhaseTimer, *,
                 step_seconds: float) -> dict[str, float]:
         cfg = self.config.trainer
-        tokens = sum(r["train_tokens"] for r in results)
         return {
-            "loss": sum(r["loss"] for r in results),
-            "grad_norm": results[0]["grad_norm"],
-            "lr": results[0]["lr"],
-            "time/step_s": step_seconds,
-            **timer.metrics(),
-            "throughput/train_tokens_per_s": train_tokens_per_second(tokens=tokens, step_seconds=step_seconds),
-            "data/train_tokens": tokens,
-            "data/response_tokens": int(batch.loss_mask.sum()),
-            "mfu": mfu(n_params=self.trainer.n_params, tokens=tokens, seconds=step_seconds,
-                       peak_flops_per_second=cfg.peak_flops_per_second * cfg.ranks),
-            "data/epoch": self.stream.epoch,
+            **sft_step_metrics(update_loss=sum(r["loss"] for r in results), grad_norm=results[0]["grad_norm"],
+                               lr=results[0]["lr"], batch=batch, step_seconds=step_seconds, timer=timer,
+                               n_params=self.trainer.n_params, peak_flops_per_second=cfg.peak_flops_per_second * cfg.ranks,
+                               epoch=self.stream.epoch),
             **fault_metrics(self.failover, self.injector, self.state.totals),
         }
 
@@ -183,10 +175,8 @@ class MonarchSftRun:
         """Held-out NLL of the reference replies; greedy accuracy and reward when the problems carry answers."""
         held_out = self.task.held_out
         self.recorder.log("eval/nll", self.trainer.from_rank0("held_out_nll", held_out), step)
-        if not all(p.answer is not None for p in held_out):
+        if not self.task.verifiable:
             return None
         result = self.trainer.from_rank0("evaluate", held_out, self.config.eval.rollout_samples)
-        self.recorder.log_many({"eval/accuracy": result.accuracy, "eval/reward_mean": result.reward_mean}, step)
-        for prompt, completion, score in result.samples:
-            self.recorder.rollout(step=step, prompt=prompt, completion=completion, reward=score, split="held_out")
+        record_eval(self.recorder, result, step)
         return result

@@ -25,6 +25,11 @@ class Task:
     held_out: list[Problem]
     rows: int  # examples the source gave, before the split
 
+    @property
+    def verifiable(self) -> bool:
+        """Every held-out problem carries an answer, so its greedy completions can be scored."""
+        return all(p.answer is not None for p in self.held_out)
+
     def summary(self) -> dict[str, Any]:
         """How much of the data the run uses: the fields of its `dataset` event."""
         return {"source": self.source, "task": self.name, "rows": self.rows, "train": len(self.train),
