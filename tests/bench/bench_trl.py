@@ -13,7 +13,9 @@ total torch thread count (`--threads`, split over the processes that compute):
                  `dapo` = token-mean, beta 0: no reference model, like ours).
   ours_local     recipes/grpo.py sync, one process x threads (same process layout as TRL).
   ours_sync      recipes/grpo_monarch.py, trainer proc + generator proc x threads/2 each.
-  ours_async     the same with grpo.mode=async, max_policy_age=1: generation overlaps training.
+  ours_async     the same with grpo.mode=async, max_policy_age=1 (--max-policy-age): generation overlaps training.
+  ours_async2    the same with max_policy_age=2: up to 3 batches in flight (new weights reach a replica between
+                 requests, through its weight inbox, without waiting behind the requests queued there).
   ours_pipelined the same with grpo.mode=pipelined: on-policy, each step generated in
                  --pipeline-chunks requests, each trained on while the next one generates.
 
@@ -52,13 +54,14 @@ RUNS = {
     "ours_local": ("local", lambda t: t),
     "ours_sync": ("monarch_sync", lambda t: max(1, t // 2)),
     "ours_async": ("monarch_async", lambda t: max(1, t // 2)),
+    "ours_async2": ("monarch_async2", lambda t: max(1, t // 2)),
     "ours_pipelined": ("monarch_pipelined", lambda t: max(1, t // 2)),
     # reference rows, not part of the equal-total comparison: one process with T/2 threads
     # (on a shared 2-core machine one thread often beats two, for both frameworks)
     "trl_half": ("trl", lambda t: max(1, t // 2)),
     "ours_local_half": ("local", lambda t: max(1, t // 2)),
 }
-DEFAULT_RUNS = "trl,ours_local,ours_sync,ours_async,ours_pipelined,trl_half,ours_local_half"
+DEFAULT_RUNS = "trl,ours_local,ours_sync,ours_async,ours_async2,ours_pipelined,trl_half,ours_local_half"
 
 
 def _set_threads(threads: int) -> None:
@@ -87,6 +90,8 @@ def _ours(args: argparse.Namespace, mode: str, threads: int) -> dict:
         overrides += ["placement.backend=monarch", "trainer.ranks=1", "generator.replicas=1"]
     if mode == "monarch_async":
         overrides += ["grpo.mode=async", f"grpo.max_policy_age={args.max_policy_age}"]
+    elif mode == "monarch_async2":
+        overrides += ["grpo.mode=async", "grpo.max_policy_age=2"]
     elif mode == "monarch_pipelined":
         overrides += ["grpo.mode=pipelined", f"grpo.pipeline_chunks={args.pipeline_chunks}"]
     else:
@@ -124,6 +129,8 @@ def _ours(args: argparse.Namespace, mode: str, threads: int) -> dict:
         "generate_s_per_step": sum(steps[s].get("time/generate_s", steps[s].get("time/generate_wait_s", 0.0))
                                    for s in measured) / len(measured),
         "train_s_per_step": sum(steps[s]["time/train_s"] for s in measured) / len(measured),
+        "weight_sync_share": sum(steps[s].get("time/weight_sync_s", 0.0) for s in measured)
+        / sum(steps[s]["time/step_s"] for s in measured),
     }
 
 
@@ -296,14 +303,16 @@ def main() -> None:
           "monarch runs: a trainer and a generator proc compute, a control proc (data, reward, buffer) and the "
           "controller mostly wait")
     header = (f"{'run':<16} {'processes':<26} {'threads':>7} {'steps':>5} {'s/step':>7} {'gen s':>6} {'train s':>7} "
-              f"{'tokens/step':>11} {'resp len':>8} {'reward':>6} {'train tok/s':>11}")
+              f"{'tokens/step':>11} {'resp len':>8} {'reward':>6} {'train tok/s':>11} {'seqs/s':>6} {'sync %':>6}")
     print(header)
     print("-" * len(header))
     for name, r in results.items():
         gen = f"{r['generate_s_per_step']:.3f}" if "generate_s_per_step" in r else "-"
         train = f"{r['train_s_per_step']:.3f}" if "train_s_per_step" in r else "-"
         print(f"{name:<16} {r['processes']:<26} {r['threads']:>7} {r['steps']:>5} {r['s_per_step']:>7.3f} {gen:>6} {train:>7} "
-              f"{r['train_tokens'] / r['steps']:>11.0f} {r['response_len']:>8.1f} {r['reward']:>6.3f} {r['train_tokens_per_s']:>11.0f}")
+              f"{r['train_tokens'] / r['steps']:>11.0f} {r['response_len']:>8.1f} {r['reward']:>6.3f} {r['train_tokens_per_s']:>11.0f} "
+              f"{r['steps'] * args.prompts * args.group / r['wall_s']:>6.1f} "
+              + (f"{100 * r['weight_sync_share']:>5.1f}%" if "weight_sync_share" in r else f"{'-':>6}"))
     if args.repeats > 1:
         for name, r in results.items():
             print(f"  {name}: train tok/s by round {r['every_round_tokens_per_s']}")
@@ -327,6 +336,7 @@ def main() -> None:
     ratio("ours_sync", "trl", 2.0)
     ratio("ours_local", "trl", 2.0)
     ratio("ours_async", "ours_sync", 1.5)
+    ratio("ours_async2", "ours_async", 1.0, " (max_policy_age 2 vs 1)")
     ratio("ours_pipelined", "ours_sync", 1.0, " (on-policy; overlap within a step)")
     print("one process each, T/2 threads each (reference):")
     ratio("ours_local_half", "trl_half", 2.0)

@@ -124,11 +124,19 @@ class FakeHosts:
         return signals
 
 
+def publish_to_inboxes(inboxes: list[Any], publication: int, version: int) -> float:
+    """The trainer's rank 0 sending its weights ({"w": 1}) to generator inboxes."""
+    for inbox in inboxes:
+        inbox.put.call_one(publication, version, {"w": 1})
+    return 0.001
+
+
 def fake_group(role: str, hosts: FakeHosts, placement: list[str], *, per_host: int | None = None,
                spares: int = 0, **endpoints: Any) -> ReplicaGroup:
     """A started replica group of `role` with one replica on each host of `placement`."""
+    inbox = (lambda procs, name: FakeActor(next(PIDS), put=None)) if role == "generator" else None
     group = ReplicaGroup(role, spawn_actor=lambda procs, name: FakeActor(next(PIDS), **endpoints), threads=1,
-                         routing="round_robin", hosts=hosts, spares=spares, per_host=per_host)
+                         routing="round_robin", hosts=hosts, spares=spares, per_host=per_host, spawn_inbox=inbox)
     group.start(placement)
     return group
 
@@ -178,7 +186,8 @@ def controller_parts(config: RunConfig, hosts: FakeHosts, groups: dict[str, Repl
                                             waits=fleet.waits, recorder=fleet.recorder, log=fleet.log,
                                             state=fleet.state)
     trainer.pids = list(trainer_pids)
-    trainer.actors = FakeActor(0, state_dict={"w": 1}, pids=dict(enumerate(trainer.pids)))
+    trainer.actors = FakeActor(0, state_dict={"w": 1}, pids=dict(enumerate(trainer.pids)),
+                               publish_weights=publish_to_inboxes)
     control = fleet.control = ControlProcs(config=config, hosts=hosts, waits=fleet.waits, recorder=fleet.recorder,
                                            state=fleet.state)
     control.host = control_host

@@ -14,7 +14,7 @@ from workers.engine.drills import DrillPlan
 from workers.engine.config import load_config
 from workers.engine.operations import parse_operation
 
-GENERATOR = {"load_weights": None, "policy_version": 5}
+GENERATOR = {"take_weights": 5}
 
 
 def _operator(placement: str = "", *, generators=("a", "b"), per_host: int | None = None, spares: int = 0,
@@ -43,7 +43,8 @@ def test_an_added_replica_serves_at_the_current_weights_and_the_plan_shows_it():
     with pytest.raises(ValueError, match="generator replica 1 is already on host 'b'"):
         operator.change_placement(command("placement_change", action="move", role="generator", replica=1, host="b"))
     added = fleet.groups["generator"].replicas[2]
-    assert added.version == 5 and added.actor.load_weights.calls == [({"w": 1}, 5)]
+    assert added.version == 5 and added.inbox.put.calls == [(1, 5, {"w": 1})]
+    assert added.actor.take_weights.calls == [(1,)]
     event = fleet.events("placement_changed")[0]
     assert event["pids"] == added.pids and event["plan"] == result["plan"]
 

@@ -12,7 +12,7 @@ from tests.engine.fake_fleet import Done, FakeHosts, Fleet, controller_parts, fa
 from workers.engine.controller.control_procs import ControlLost
 from workers.engine.controller.supervision import Supervisor
 
-GENERATOR = {"load_weights": None, "policy_version": 3}
+GENERATOR = {"take_weights": 3}
 
 
 def _supervised(*, spares: int = 0) -> tuple[Fleet, Supervisor]:
@@ -45,7 +45,8 @@ def test_a_lost_host_takes_every_role_on_it_and_its_replicas_are_replaced_elsewh
     assert [(e["role"], e["replica"], e["host"], e["policy_version"]) for e in replaced] == [("generator", 0, "c", 3)]
     new = generators.replicas[0]
     assert new is not lost and new.host == "c" and generators.service.routable() == [0, 1]
-    assert new.actor.load_weights.calls == [({"w": 1}, 3)], "the replacement gets the trainer's weights first"
+    assert new.inbox.put.calls == [(1, 3, {"w": 1})], "the trainer sends the replacement its weights first"
+    assert new.actor.take_weights.calls == [(1,)] and fleet.state.publications == 1
 
 
 def test_losing_the_control_host_is_noticed_once_for_the_dataset_and_buffer():

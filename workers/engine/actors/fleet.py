@@ -165,9 +165,10 @@ class Replica:
     failed: bool = False
     lost_with_host: str | None = None  # why it is gone when its whole host was lost
     outstanding: int = 0  # requests sent to it and not yet awaited
+    inbox: Any = None  # a generator's WeightInboxActor, on the same proc (actors/weight_inbox.py)
 
     def owns(self, mesh_name: str) -> bool:
-        return mesh_name.rsplit("-", 1)[0] == self.name
+        return mesh_name.rsplit("-", 1)[0] in (self.name, f"{self.name}_inbox")
 
 
 class ReplicaGroup:
@@ -180,11 +181,13 @@ class ReplicaGroup:
     """
 
     def __init__(self, role: str, *, spawn_actor: Callable[[Any, str], Any], threads: int, routing: str,
-                 hosts: Hosts | None = None, spares: int = 0, gpus_per_proc: int = 0, per_host: int | None = None):
+                 hosts: Hosts | None = None, spares: int = 0, gpus_per_proc: int = 0, per_host: int | None = None,
+                 spawn_inbox: Callable[[Any, str], Any] | None = None):
         self.role = role
         self.gpus_per_proc = gpus_per_proc
         self.per_host = per_host  # placement.<role>.procs_per_host: the most replicas and spares on one host
         self.spawn_actor = spawn_actor  # (procs, actor name) -> actor mesh of one actor
+        self.spawn_inbox = spawn_inbox  # (procs, actor name) -> the weight inbox beside it, for roles that take weights
         self.hosts = hosts or Hosts()  # none given: every host name is this machine
         self.threads = threads
         self.routing = routing
@@ -213,7 +216,8 @@ class ReplicaGroup:
         procs = self.hosts.spawn_procs(host=host, count=1, threads=self.threads, gpus_per_proc=self.gpus_per_proc,
                                        owner=name)
         return Replica(self.role, index, host, self.incarnations, name, procs, self.spawn_actor(procs, name),
-                       pids_visible=self.hosts.pids_visible(host))
+                       pids_visible=self.hosts.pids_visible(host),
+                       inbox=self.spawn_inbox(procs, f"{name}_inbox") if self.spawn_inbox else None)
 
     def _spawn(self, index: int, host: str) -> Replica:
         self.incarnations += 1

@@ -7,13 +7,15 @@ from monarch.actor import endpoint
 from workers.engine.actors.faults import FaultInjectableActor
 from workers.engine.actors.devices import bind_proc_gpus
 from workers.engine.actors.procs import set_proc_threads
+from workers.engine.actors.weight_inbox import PublishedWeights
 from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.training import resolve_device
 from workers.engine.sampler import Completion, SamplingParams, TorchSampler
 
 
-class GeneratorActor(FaultInjectableActor):
-    """One generator replica: the torch KV-cache sampler on its own copy of the weights."""
+class GeneratorActor(FaultInjectableActor, PublishedWeights):
+    """One generator replica: the torch KV-cache sampler on its own copy of the weights, which the trainer publishes
+    to the replica's WeightInboxActor (`actors/weight_inbox.py`)."""
 
     def __init__(self, model_folder: str, dtype: str, device: str):
         set_proc_threads()
@@ -23,21 +25,30 @@ class GeneratorActor(FaultInjectableActor):
         self.sampler = TorchSampler(loaded.model, eos_token_ids=loaded.tokenizer.eos_token_ids,
                                     pad_id=loaded.tokenizer.pad_id, policy_version=0)
 
+    @property
+    def policy_version(self) -> int:
+        return self.sampler.policy_version
+
+    def install_weights(self, state_dict: dict, version: int) -> None:
+        self.before_work(state_dict, may_raise=False)  # a slow_host drill slows the weights' arrival too
+        self.sampler.load_weights(state_dict, version)
+
     @endpoint
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> tuple[list[Completion], float]:
-        """(completions, seconds this replica spent generating them)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int,
+                 publication: int | None = None) -> tuple[list[Completion], float]:
+        """(completions by the weights of `publication`, the seconds this replica spent generating them)."""
         self.before_work(prompts)
+        self.use_publication(publication)
         start = time.perf_counter()
         completions = self.sampler.generate(prompts, params, seed=seed)
         return completions, time.perf_counter() - start
 
     @endpoint
-    def load_weights(self, state_dict: dict, version: int) -> float:
-        self.before_work(state_dict, may_raise=False)
-        start = time.perf_counter()
-        self.sampler.load_weights(state_dict, version)
-        return time.perf_counter() - start
+    def take_weights(self, publication: int) -> int:
+        """A new replica's first weights: wait for `publication` in the inbox and load it; its policy version."""
+        self.use_publication(publication)
+        return self.sampler.policy_version
 
     @endpoint
-    def policy_version(self) -> int:
+    def current_version(self) -> int:
         return self.sampler.policy_version

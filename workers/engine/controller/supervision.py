@@ -120,10 +120,15 @@ class Supervisor:
         return self.placer.replacement_host(replica)
 
     def prepare_generator(self, replica: Replica) -> int:
-        """Give a new generator replica the trainer's current weights; the version it reports."""
-        weights = self.trainer.state_dict()
-        self.waits.wait(replica.actor.load_weights.call_one(weights, self.state.policy_version))
-        return int(self.waits.wait(replica.actor.policy_version.call_one()))
+        """Give a new generator replica the trainer's current weights, sent by the trainer to its inbox; the policy
+        version it then holds. Unless the trainer moved since the generators' last publication, the replica gets
+        that publication (the same weights); else a new one, for this replica only until the next sync."""
+        state = self.state
+        if state.generator_version != state.policy_version:
+            state.publications += 1
+        if state.publications:  # publication 0: the model folder's weights, which the replica loaded
+            self.trainer.publish_weights([replica.inbox], state.publications)
+        return int(self.waits.wait(replica.actor.take_weights.call_one(state.publications)))
 
     def prepare(self, replica: Replica) -> int:
         """Bring a new replica to serving state; its policy version (0 for roles without weights to sync)."""

@@ -167,6 +167,10 @@ class TrainerHandle:
     def state_dict(self) -> Any:
         return self.from_rank0("state_dict")
 
+    def publish_weights(self, inboxes: list[Any], publication: int) -> float:
+        """Rank 0 sends the current weights to the generators' inboxes as `publication`; the seconds it spent."""
+        return float(self.from_rank0("publish_weights", inboxes, publication, self.state.policy_version))
+
     def save(self, step: int, progress: dict[str, Any]) -> Path:
         return Path(self.from_rank0("save", step, progress))
 

@@ -42,6 +42,7 @@ from typing import Any
 
 from workers.engine.actors.fleet import Failover, ProcFailure, ReplicaGroup
 from workers.engine.actors.generator import GeneratorActor
+from workers.engine.actors.weight_inbox import WeightInboxActor
 from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.reference import ReferenceActor
 from workers.engine.actors.reward import RewardActor
@@ -192,7 +193,8 @@ class MonarchGrpoRun:
         group = self.groups[role] = ReplicaGroup(
             role, spawn_actor=self._actor_spawner(role), hosts=self.hosts, threads=cfg.trainer.threads_per_process,
             routing=cfg.generator.routing if role == "generator" else "round_robin", spares=cfg.failover.warm_spares,
-            gpus_per_proc=rule.gpus_per_proc, per_host=rule.procs_per_host)
+            gpus_per_proc=rule.gpus_per_proc, per_host=rule.procs_per_host,
+            spawn_inbox=(lambda procs, name: procs.spawn(name, WeightInboxActor)) if role == "generator" else None)
         group.launch(hosts)
 
     def _actor_spawner(self, role: str) -> Any:
