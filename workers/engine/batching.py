@@ -1,7 +1,9 @@
 """Turning rollouts and SFT examples into tensors the trainer consumes.
 
 Rollout batches: one sequence per row, prompt + response, right-padded, positions 0..L-1,
-plain causal attention (padding sits after every real token, so it never leaks in).
+plain causal attention (padding sits after every real token, so it never leaks in). With
+grpo.packing, each micro-batch's samples are packed into fewer rows for the forward
+(`pack_rollouts`) and its per-token outputs put back in this padded layout, which the loss reads.
 
 SFT batches: with packing, examples are laid end to end in rows of seq_len; positions
 restart at 0 for each example and a document-causal mask stops attention across
@@ -33,6 +35,7 @@ class RolloutBatch:
     response_mask: torch.Tensor  # [B, L-1] True where the target is a generated token
     behaviour_logprobs: torch.Tensor  # [B, L-1] generator's log-prob of each target (0 off-response)
     advantages: torch.Tensor  # [B]
+    lengths: torch.Tensor  # [B] real positions of each row (prompt + response - 1); the rest is padding
     ref_logprobs: torch.Tensor | None = None  # [B, L-1] the frozen reference's, when there is one
     old_logprobs: torch.Tensor | None = None  # [B, L-1] the trainer's under the behaviour weights, when computed
 
@@ -41,8 +44,8 @@ class RolloutBatch:
 
     def _map(self, change: Callable[[torch.Tensor], torch.Tensor]) -> RolloutBatch:
         return RolloutBatch(*(None if t is None else change(t) for t in (
-            self.inputs, self.targets, self.response_mask, self.behaviour_logprobs, self.advantages, self.ref_logprobs,
-            self.old_logprobs)))
+            self.inputs, self.targets, self.response_mask, self.behaviour_logprobs, self.advantages, self.lengths,
+            self.ref_logprobs, self.old_logprobs)))
 
     def to(self, device: torch.device) -> RolloutBatch:
         return self._map(lambda t: t.to(device))
@@ -80,7 +83,9 @@ def collate_rollouts(
         start = len(prompt) - 1
         mask[row, start: start + len(response)] = True
         behaviour[row, start: start + len(response)] = torch.tensor(lps, dtype=torch.float32)
-    return RolloutBatch(tokens[:, :-1], tokens[:, 1:], mask, behaviour, torch.tensor(advantages, dtype=torch.float32))
+    lengths = torch.tensor([len(p) + len(r) - 1 for p, r in zip(prompts, responses)], dtype=torch.long)
+    return RolloutBatch(tokens[:, :-1], tokens[:, 1:], mask, behaviour, torch.tensor(advantages, dtype=torch.float32),
+                        lengths)
 
 
 def collate_record(record: RolloutBatchRecord, *, pad_id: int, mask_truncated: bool = False) -> RolloutBatch:
@@ -89,6 +94,66 @@ def collate_record(record: RolloutBatchRecord, *, pad_id: int, mask_truncated: b
     if mask_truncated and any(record.truncated):
         batch.response_mask[torch.tensor(record.truncated, dtype=torch.bool)] = False
     return batch
+
+
+@dataclass
+class PackedRows:
+    """A micro-batch's samples packed into rows for one forward, positions restarting at 0 for each sample. The
+    real position at flat index `source[k]` of the padded [B, T] layout sits at flat index `dest[k]` of the packed
+    [R, W] rows; packed padding holds token 0 and its outputs are never read."""
+    inputs: torch.Tensor  # [R, W]
+    targets: torch.Tensor  # [R, W]
+    positions: torch.Tensor  # [R, W]
+    attention_mask: torch.Tensor | None  # [R, 1, W, W] document-causal; None when no row holds two samples
+    source: torch.Tensor  # [N] flat indices into the padded layout
+    dest: torch.Tensor  # [N] flat indices into the packed rows
+    padded_shape: tuple[int, int]  # (B, T)
+
+    def unpack(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-position values [R, W] of the packed rows in the padded layout [B, T], 0 at its padding."""
+        rows, width = self.padded_shape
+        flat = values.new_zeros(rows * width).index_copy(0, self.source, values.reshape(-1)[self.dest])
+        return flat.view(rows, width)
+
+
+def pack_rollouts(batch: RolloutBatch) -> PackedRows:
+    """`batch`'s samples packed first-fit, longest first, into rows of at most its padded width T (the step batch's
+    longest sample): a packed forward is never wider, and never has more rows, than the padded one."""
+    padded_rows, padded_width = batch.inputs.shape
+    lengths = batch.lengths.tolist()
+    rows: list[list[int]] = []  # the samples of each row
+    used: list[int] = []  # the positions each row holds
+    for sample in sorted(range(padded_rows), key=lambda i: -lengths[i]):
+        row = next((r for r, n in enumerate(used) if n + lengths[sample] <= padded_width), len(rows))
+        if row == len(rows):
+            rows.append([])
+            used.append(0)
+        rows[row].append(sample)
+        used[row] += lengths[sample]
+    width = max(used)
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
+    source, dest = [], []
+    for r, samples in enumerate(rows):
+        at = 0
+        for sample in samples:
+            n = lengths[sample]
+            source.append(torch.arange(n) + sample * padded_width)
+            dest.append(torch.arange(n) + r * width + at)
+            positions[r, at: at + n] = torch.arange(n)
+            at += n
+        if at < width:  # trailing padding continues the last sample's positions: the mask starts no sample there
+            positions[r, at:] = torch.arange(positions[r, at - 1] + 1, positions[r, at - 1] + 1 + width - at)
+    device = batch.inputs.device
+    source_index, dest_index = torch.cat(source).to(device), torch.cat(dest).to(device)
+    inputs = torch.zeros(len(rows) * width, dtype=torch.long, device=device)
+    targets = torch.zeros(len(rows) * width, dtype=torch.long, device=device)
+    inputs[dest_index] = batch.inputs.reshape(-1)[source_index]
+    targets[dest_index] = batch.targets.reshape(-1)[source_index]
+    positions = positions.to(device)
+    shared = any(len(samples) > 1 for samples in rows)
+    return PackedRows(inputs.view(len(rows), width), targets.view(len(rows), width), positions,
+                      document_causal_mask(positions) if shared else None, source_index, dest_index,
+                      (padded_rows, padded_width))
 
 
 @dataclass

@@ -309,6 +309,11 @@ class GrpoConfig(_Section):
     dynamic_sampling: DynamicSampling | None = Field(
         default=None, description="drop zero-spread groups and refill the batch (single-process recipe); null: off")
     overlong: OverlongConfig = OverlongConfig()
+    packing: bool = Field(
+        default=False, description="trainer forwards: pack each micro-batch's rollouts into rows of at most the batch's "
+                                   "longest sample (positions restarting per sample, a document mask between them) "
+                                   "instead of one right-padded row each; the same losses and gradients over fewer "
+                                   "padded positions (data/padding_share)")
 
     @property
     def updates_per_step(self) -> int:

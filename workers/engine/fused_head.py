@@ -95,16 +95,18 @@ def fused_head_applies(model: nn.Module) -> bool:
 
 
 def head_logprobs(model: Decoder, inputs: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
-                  entropy_grad: bool, chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+                  entropy_grad: bool, chunk_tokens: int = LOGPROB_CHUNK_TOKENS, positions: torch.Tensor | None = None,
+                  attention_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-prob of each target [B, T], entropy of each position [B, T]) under softmax(model(inputs) / temperature),
     the model run without its head and the head fused into the chunked log-probs. Needs `fused_head_applies(model)`.
+    `positions` and `attention_masks` go to the model (packed rows: batching.PackedRows).
 
     A tied head's weight is the embedding's: autograd sums the two uses' gradients into the one parameter.
     """
     skip = model._skip_lm_head
     model._skip_lm_head = True
     try:
-        hidden = model(inputs)
+        hidden = model(inputs, positions=positions, attention_masks=attention_masks)
     finally:
         model._skip_lm_head = skip
     return fused_token_logprobs(hidden, model.lm_head.weight, targets, temperature, chunk_tokens=chunk_tokens,
@@ -112,9 +114,12 @@ def head_logprobs(model: Decoder, inputs: torch.Tensor, targets: torch.Tensor, t
 
 
 def model_logprobs(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
-                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   entropy_grad: bool = False, positions: torch.Tensor | None = None,
+                   attention_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, entropy) of the targets under the model: the fused head where it applies, else the model's logits
-    through losses.token_logprobs."""
+    through losses.token_logprobs. `positions` and `attention_masks` go to the model (None: one sequence a row)."""
     if fused_head_applies(model):
-        return head_logprobs(model, inputs, targets, temperature, entropy_grad=entropy_grad)
-    return token_logprobs(model(inputs), targets, temperature, entropy_grad=entropy_grad)
+        return head_logprobs(model, inputs, targets, temperature, entropy_grad=entropy_grad, positions=positions,
+                             attention_masks=attention_masks)
+    logits = model(inputs, positions=positions, attention_masks=attention_masks)
+    return token_logprobs(logits, targets, temperature, entropy_grad=entropy_grad)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from workers.engine.batching import RolloutBatch
+from workers.engine.batching import RolloutBatch, pack_rollouts
 from workers.engine.behaviour_weights import BehaviourWeights
 from workers.engine.config import GrpoConfig, OverlongConfig
 from workers.engine.data_parallel import RankShare, apply_update, zero_weighted_pass
@@ -67,11 +67,27 @@ def loss_normalizer(batch: RolloutBatch, aggregation: str, *, max_new_tokens: in
     return float(len(batch))
 
 
+def micro_batch_logprobs(model: nn.Module, micro: RolloutBatch, *, temperature: float, packing: bool,
+                         entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(log-probs [b, T], entropy [b, T], token positions the forward ran) of a micro-batch's targets: its padded rows
+    as they are, or with `packing` (grpo.packing) its samples packed into fewer rows (batching.pack_rollouts:
+    positions restarting per sample, a document mask between samples) and the outputs put back in the padded layout,
+    0 at its padding, which the loss masks either way."""
+    if not packing:
+        logprobs, entropy = model_logprobs(model, micro.inputs, micro.targets, temperature, entropy_grad=entropy_grad)
+        return logprobs, entropy, micro.inputs.numel()
+    packed = pack_rollouts(micro)
+    logprobs, entropy = model_logprobs(model, packed.inputs, packed.targets, temperature, entropy_grad=entropy_grad,
+                                       positions=packed.positions, attention_masks=packed.attention_mask)
+    return packed.unpack(logprobs), packed.unpack(entropy), packed.inputs.numel()
+
+
 @torch.no_grad()
-def sequence_logprobs(model: nn.Module, batch: RolloutBatch, *, micro_batch_size: int, temperature: float) -> torch.Tensor:
+def sequence_logprobs(model: nn.Module, batch: RolloutBatch, *, micro_batch_size: int, temperature: float,
+                      packing: bool = False) -> torch.Tensor:
     """[B, L-1] tempered log-prob of each target under `model` (the reference, or the trainer for pi_old), without
-    gradient."""
-    out = [model_logprobs(model, micro.inputs, micro.targets, temperature)[0]
+    gradient; 0 at padding with `packing`."""
+    out = [micro_batch_logprobs(model, micro, temperature=temperature, packing=packing)[0]
            for micro in (batch.rows(start, start + micro_batch_size) for start in range(0, len(batch), micro_batch_size))]
     return torch.cat(out) if out else torch.zeros_like(batch.behaviour_logprobs)
 
@@ -167,7 +183,8 @@ def prepare_old_logprobs(
         return {}
     kept = policy_age > 0 and behaviour is not None and behaviour.has(batch_version)
     with behaviour.weights_of(model, version=batch_version) if kept else nullcontext():
-        batch.old_logprobs = sequence_logprobs(model, batch, micro_batch_size=micro_batch_size, temperature=temperature)
+        batch.old_logprobs = sequence_logprobs(model, batch, micro_batch_size=micro_batch_size, temperature=temperature,
+                                               packing=grpo.packing)
     exact = policy_age == 0 or kept
     return {"mismatch/behaviour_weights": 1.0 if exact else 0.0}
 
@@ -184,7 +201,8 @@ def accumulate_gradients(
     filler: RolloutBatch | None = None,
     sync: bool,
 ) -> tuple[float, list[dict[str, float]]]:
-    """Forward and backward over `batch` in micro-batches, adding to the gradients; (loss, per-micro-batch stats).
+    """Forward and backward over `batch` in micro-batches, adding to the gradients; (loss, per-micro-batch stats:
+    grpo_loss's, and the token positions its forward ran and how many of them were padding).
     A sharded model reduces its gradients in the last pass when `sync`, else keeps accumulating locally."""
     step_loss, parts = 0.0, []
     starts = list(range(0, len(batch), micro_batch_size))
@@ -197,12 +215,13 @@ def accumulate_gradients(
             zero_weighted_pass(model, filler)
             continue
         micro = batch.rows(starts[i], starts[i] + micro_batch_size)
-        logprobs, entropy = model_logprobs(model, micro.inputs, micro.targets, temperature,
-                                           entropy_grad=grpo.entropy_coef > 0.0)
+        logprobs, entropy, positions = micro_batch_logprobs(model, micro, temperature=temperature, packing=grpo.packing,
+                                                            entropy_grad=grpo.entropy_coef > 0.0)
         loss, part = micro_batch_loss(micro, logprobs, entropy, grpo=grpo, normalizer=normalizer)
         loss.backward()
         step_loss += float(loss.detach())
-        parts.append(part)
+        parts.append({**part, "forward_positions": float(positions),
+                      "padding_positions": float(positions - int(micro.lengths.sum()))})
     return step_loss, parts
 
 

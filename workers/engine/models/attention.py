@@ -6,7 +6,7 @@ on any device and understands three kinds of `attention_masks`:
 
 - None: plain causal attention over one document per row (GRPO batches, right padding).
 - a bool Tensor [B, 1, Lq, Lk]: True where a query may attend to a key (packed SFT
-  documents, built by `document_causal_mask`).
+  documents and packed GRPO rollouts, built by `document_causal_mask`).
 - a `KVCache`: decoding. The new keys/values are written into the cache and the query
   attends to every cached position allowed by `cache.mask`.
 """

@@ -197,7 +197,7 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
         if reference is not None:
             with timer.phase("reference"):
                 batch.ref_logprobs = sequence_logprobs(reference, batch, micro_batch_size=trainer_cfg.micro_batch_size,
-                                                       temperature=temperature)
+                                                       temperature=temperature, packing=grpo.packing)
             if grpo.kl_in == "reward":
                 shaping["kl/reward_penalty"] = kl_reward_advantages(batch, batch_record.rewards, grpo=grpo)
 
