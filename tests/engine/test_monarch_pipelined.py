@@ -72,7 +72,7 @@ def pipelined_run(sft_warm_start: tuple[Path, float], tmp_path_factory: pytest.T
         "trainer.micro_batch_size=8", "grpo.group_size=4", "reference.enabled=true", "grpo.kl_coef=0.05",
         "eval.every_steps=0", f"checkpoint.folder={root / 'checkpoints'}", "checkpoint.every_steps=2",
         "trainer.recover_failures=1", "failover.call_timeout_s=30", "telemetry.console=false",
-        "trainer.threads_per_process=1",
+        "trainer.threads_per_process=1", "grpo.packing=true",  # packed forwards on the ranks and the reference proc
     ])
     sink = MemorySink()
     return train_grpo_monarch(config, Recorder([sink])), sink
@@ -89,6 +89,7 @@ def test_pipelined_run_trains_on_policy_one_request_per_chunk(pipelined_run) -> 
     assert all(m["staleness/policy_age"] == 0 for m in result.metrics)
     assert _events(sink, "staleness_histogram")[-1]["counts"] == {"0": 5}
     assert all("kl" in m and m["grad_norm"] > 0.0 for m in result.metrics)
+    assert all(0 < m["data/forward_positions"] <= m["data/train_tokens"] for m in result.metrics)
     # 3 requests per generation: 6 trained steps and the one whose rollouts the killed trainer dropped
     assert result.metrics[-1]["generator/replica_0_requests"] == 3 * 7
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from workers.engine.actors.fleet import Replica
 from workers.engine.actors.weight_inbox import PolicySlot
 
 
@@ -22,6 +23,12 @@ def test_the_slot_gives_the_named_publication_and_drops_the_older_ones() -> None
     slot.put(1, 1, {"w": 1})
     assert slot.held() == [3], "a publication older than the one taken is never kept"
     assert slot.take(3) == (1, {"w": "restored"})
+
+
+def test_a_failure_report_of_a_generators_inbox_is_the_generators() -> None:
+    replica = Replica("generator", 0, "a", 1, "generator_0_1", procs=None, actor=None)
+    assert replica.owns("generator_0_1_inbox-x8Yz") and replica.owns("generator_0_1-x8Yz")
+    assert not replica.owns("generator_0_11_inbox-x8Yz") and not replica.owns("generator_0_11-x8Yz")
 
 
 def test_a_request_waits_for_a_publication_still_on_its_way_and_gives_up_with_the_reason() -> None:

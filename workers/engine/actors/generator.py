@@ -48,7 +48,3 @@ class GeneratorActor(FaultInjectableActor, PublishedWeights):
         """A new replica's first weights: wait for `publication` in the inbox and load it; its policy version."""
         self.use_publication(publication)
         return self.sampler.policy_version
-
-    @endpoint
-    def current_version(self) -> int:
-        return self.sampler.policy_version

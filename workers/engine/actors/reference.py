@@ -28,10 +28,11 @@ class ReferenceActor(FaultInjectableActor):
         return True
 
     @endpoint
-    def logprobs(self, record: RolloutBatchRecord, micro_batch_size: int, temperature: float) -> torch.Tensor:
-        """[B, L-1] for the batch as `collate_rollouts` pads it."""
+    def logprobs(self, record: RolloutBatchRecord, micro_batch_size: int, temperature: float,
+                 packing: bool = False) -> torch.Tensor:
+        """[B, L-1] for the batch as `collate_rollouts` pads it (forwards over packed rows with grpo.packing)."""
         self.before_work(record)
         batch = collate_rollouts(record.prompts, record.responses, record.logprobs, record.advantages, pad_id=self.pad_id)
         device = next(self.model.parameters()).device
         return sequence_logprobs(self.model, batch.to(device), micro_batch_size=micro_batch_size,
-                                 temperature=temperature).cpu()
+                                 temperature=temperature, packing=packing).cpu()

@@ -85,7 +85,3 @@ class VllmGeneratorActor(FaultInjectableActor, PublishedWeights):
     def take_weights(self, publication: int) -> int:
         self.use_publication(publication)
         return self.policy_version
-
-    @endpoint
-    def current_version(self) -> int:
-        return self.policy_version

@@ -16,7 +16,6 @@ model's own.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 from monarch.actor import Actor, endpoint
@@ -78,14 +77,11 @@ class PublishedWeights:
     def install_weights(self, state_dict: dict[str, Any], version: int) -> None:
         raise NotImplementedError
 
-    def use_publication(self, publication: int | None) -> float:
-        """Hold `publication` before generating: the seconds spent waiting for and loading it (0 when it is loaded).
-        A request naming an older one than is loaded (a retry moved from a failed replica) uses the loaded weights:
+    def use_publication(self, publication: int | None) -> None:
+        """Hold `publication` before generating, waiting for it to arrive if need be. A request naming an older one than is loaded (a retry moved from a failed replica) uses the loaded weights:
         its completions say which policy version made them."""
         if publication is None or publication <= self.publication:
-            return 0.0
-        start = time.perf_counter()
+            return
         version, weights = SLOT.take(publication)
         self.install_weights(weights, version)
         self.publication = publication
-        return time.perf_counter() - start

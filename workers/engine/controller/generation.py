@@ -103,8 +103,10 @@ class GenerationPipeline:
         if "reference" not in self.groups:
             return None
         micro, temperature = self.config.trainer.micro_batch_size, self.config.generator.temperature
+        packing = self.config.grpo.packing
         with timer.phase("reference"):
-            return self.router.call(self.groups["reference"], lambda actor: actor.logprobs.call_one(record, micro, temperature))
+            return self.router.call(self.groups["reference"],
+                                    lambda actor: actor.logprobs.call_one(record, micro, temperature, packing))
 
     # --- sync and async ---------------------------------------------------------------
     def finish(self, pending: PendingGeneration, timer: PhaseTimer) -> tuple[int, float]:
