@@ -19,6 +19,12 @@ total torch thread count (`--threads`, split over the processes that compute):
   ours_pipelined the same with grpo.mode=pipelined: on-policy, each step generated in
                  --pipeline-chunks requests, each trained on while the next one generates.
 
+Start-up = wall seconds from launching the configuration's interpreter to the end of its first
+step (interpreter and imports, model and data loading, procs, the first step), printed in its own
+table with each phase: `imports` until the recipe (or GRPOTrainer) is called, then for ours the
+recipe's startup_phase events (placing, spawning procs, loading the model, each role's procs ready
+after so many seconds, side by side) and the first step.
+
 Train tokens/s = tokens in the rows the trainer ran forward+backward on (padded prompt +
 response rectangle: ours from the trainer's own metrics, TRL's counted by a forward hook on
 grad-enabled forwards), divided by the wall time from the end of the last warm-up step to
@@ -100,13 +106,24 @@ def _ours(args: argparse.Namespace, mode: str, threads: int) -> dict:
 
     steps: dict[int, dict[str, float]] = {}
     ends: dict[int, float] = {}
+    startup: dict[str, object] = {"imports_s": time.time() - args.launched_at, "phases": {}, "parts": {}}
 
     class StepSink:
         def write(self, record: dict) -> None:
             if record["kind"] == "metric":
                 if record["step"] not in ends:
                     ends[record["step"]] = time.perf_counter()  # first metric of a step: the step just ended
+                    if record["step"] == 1:
+                        startup["first_step_end_s"] = time.time() - args.launched_at
                 steps.setdefault(record["step"], {})[record["key"]] = record["value"]
+            elif record["kind"] == "event" and record["name"] == "startup_phase":
+                if record["phase"] == "ready":
+                    startup["ready_s"] = time.time() - args.launched_at
+                if phases := startup["phases"]:
+                    previous = list(phases)[-1]
+                    phases[previous] = record["previous_s"]
+                    startup["parts"].update(record.get("previous_parts") or {})
+                startup["phases"][record["phase"]] = None
 
         def close(self) -> None:
             pass
@@ -115,6 +132,7 @@ def _ours(args: argparse.Namespace, mode: str, threads: int) -> dict:
         from workers.engine.recipes.grpo_monarch import train_grpo_monarch as train
     else:
         from workers.engine.recipes.grpo import train_grpo as train
+    startup["imports_s"] = time.time() - args.launched_at
     train(config, Recorder([StepSink()]))
     measured = [s for s in sorted(steps) if s > args.warmup]
     train_tokens = sum(round(steps[s]["data/train_tokens"]) for s in measured)
@@ -131,6 +149,7 @@ def _ours(args: argparse.Namespace, mode: str, threads: int) -> dict:
         "train_s_per_step": sum(steps[s]["time/train_s"] for s in measured) / len(measured),
         "weight_sync_share": sum(steps[s].get("time/weight_sync_s", 0.0) for s in measured)
         / sum(steps[s]["time/step_s"] for s in measured),
+        "startup": startup,
     }
 
 
@@ -140,6 +159,8 @@ def _trl(args: argparse.Namespace, threads: int) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    startup: dict[str, object] = {"imports_s": time.time() - args.launched_at}
 
     from workers.engine.config import ARITHMETIC_TRAIN_SIZE
     from workers.engine.rewards import exact_math
@@ -171,6 +192,7 @@ def _trl(args: argparse.Namespace, threads: int) -> dict:
     class Timing(TrainerCallback):
         def on_step_end(self, targs, state, control, **kwargs):  # noqa: ANN001, ANN201
             per_step.append((time.perf_counter(), counted["tokens"]))
+            startup.setdefault("first_step_end_s", time.time() - args.launched_at)
 
         def on_log(self, targs, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201
             if logs and "completions/mean_length" in logs:
@@ -190,6 +212,8 @@ def _trl(args: argparse.Namespace, threads: int) -> dict:
     )
     trainer = GRPOTrainer(model=model, reward_funcs=exact_math_reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[Timing()])
+    startup["ready_s"] = time.time() - args.launched_at
+    startup["phases"] = {"model, data and GRPOTrainer": startup["ready_s"] - startup["imports_s"]}
     trainer.train()
     first, last = per_step[args.warmup - 1], per_step[-1]
     measured_lengths = lengths[args.warmup:] or lengths
@@ -201,6 +225,7 @@ def _trl(args: argparse.Namespace, threads: int) -> dict:
         "train_tokens": last[1] - first[1],
         "response_len": sum(measured_lengths) / max(len(measured_lengths), 1),
         "reward": sum(rewards[args.warmup:]) / max(len(rewards[args.warmup:]), 1),
+        "startup": startup,
     }
 
 
@@ -223,9 +248,10 @@ def _run_one(name: str, args: argparse.Namespace, model: Path, out: Path) -> dic
     result_file.unlink(missing_ok=True)
     env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    forwarded = {k: v for k, v in vars(args).items() if k not in ("worker", "model", "result", "runs", "repeats") and v is not None}
+    forwarded = {k: v for k, v in vars(args).items()
+                 if k not in ("worker", "model", "result", "runs", "repeats", "launched_at") and v is not None}
     cmd = [sys.executable, __file__, "--worker", name, "--model", str(model), "--result", str(result_file),
-           *[f"--{k.replace('_', '-')}={v}" for k, v in forwarded.items()]]
+           *[f"--{k.replace('_', '-')}={v}" for k, v in forwarded.items()], f"--launched-at={time.time()}"]
     started = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0 or not result_file.exists():
@@ -258,6 +284,7 @@ def main() -> None:
     parser.add_argument("--worker", choices=list(RUNS), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--launched-at", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.warmup < 1 or args.steps <= args.warmup:
         parser.error("need --warmup >= 1 and --steps > --warmup")
@@ -318,6 +345,36 @@ def main() -> None:
             print(f"  {name}: train tok/s by round {r['every_round_tokens_per_s']}")
     print()
 
+    print("start-up: wall seconds from launching the interpreter to the end of the first step (median over rounds; "
+          "imports: until the recipe or GRPOTrainer is called; ready: setup done; phases of the median run)")
+    startup_header = f"{'run':<16} {'first step':>10} {'/ trl':>6} {'imports':>7} {'ready':>6}  phases"
+    print(startup_header)
+    print("-" * len(startup_header))
+    starts: dict[str, float] = {}
+    for name, runs in rounds.items():
+        timed = sorted((r for r in runs if "first_step_end_s" in r.get("startup", {})),
+                       key=lambda r: r["startup"]["first_step_end_s"])
+        if not timed:
+            continue
+        median = timed[(len(timed) - 1) // 2]["startup"]
+        starts[name] = median["first_step_end_s"]
+        phases = " · ".join(f"{phase.replace('_', ' ')} {seconds:.1f}" for phase, seconds in median.get("phases", {}).items()
+                            if seconds is not None)
+        if median.get("parts"):
+            phases += " (ready after: " + ", ".join(f"{k} {v:.1f}" for k, v in median["parts"].items()) + ")"
+        if "ready_s" in median:
+            phases += f" · first step {starts[name] - median['ready_s']:.1f}"
+        versus = f"{starts[name] / starts['trl']:.2f}" if "trl" in starts else "-"
+        print(f"{name:<16} {starts[name]:>10.1f} {versus:>6} {median['imports_s']:>7.1f} {median.get('ready_s', 0.0):>6.1f}  "
+              f"{phases or '-'}")
+    if "trl" in starts:
+        worst = max((n for n in starts if n.startswith("ours_") and not n.endswith("_half")), key=starts.get, default=None)
+        if worst is not None:
+            value = starts[worst] / starts["trl"]
+            print(f"slowest start of ours ({worst}) / trl: {value:.2f}x  goal <= 2x: {'met' if value <= 2 else 'NOT met'}"
+                  f"; moonshot <= 1x: {'met' if value <= 1 else 'not met'}")
+    print()
+
     ratios: dict[str, dict] = {}
 
     def ratio(a: str, b: str, goal: float, note: str = "") -> None:
@@ -342,7 +399,8 @@ def main() -> None:
     ratio("ours_local_half", "trl_half", 2.0)
     ratio("ours_async", "trl_half", 2.0, " (ours with T threads in two procs, TRL with T/2)")
     (out / "summary.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if v is not None},
-                                                  "results": results, "ratios": ratios}, indent=2))
+                                                  "results": results, "ratios": ratios, "first_step_s": starts},
+                                                 indent=2))
 
 
 if __name__ == "__main__":

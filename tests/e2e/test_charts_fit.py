@@ -167,9 +167,11 @@ def _outside_the_browser_loop(fn, **kwargs):
         return pool.submit(call).result()
 
 
-def _phase(run: Run, phase: str, label: str, elapsed_s: float, previous_s: float | None) -> None:
+def _phase(run: Run, phase: str, label: str, elapsed_s: float, previous_s: float | None,
+           previous_parts: object = None) -> None:
     _outside_the_browser_loop(event_append, run=run, kind="message", payload={
-        "name": "startup_phase", "phase": phase, "label": label, "elapsed_s": elapsed_s, "previous_s": previous_s})
+        "name": "startup_phase", "phase": phase, "label": label, "elapsed_s": elapsed_s, "previous_s": previous_s,
+        "previous_parts": previous_parts if previous_parts is not None else {}})
 
 
 def _transition(run: Run, from_state: RunState, to_state: RunState, **kwargs) -> None:
@@ -208,7 +210,9 @@ def test_duration_ticks_and_startup_panel_shows_phases(page, server, team):
     page.wait_for_function(f"Number({DURATION}.slice(0, -1)) >= 2", timeout=10_000)  # ticking, no reload
 
     _phase(run, "loading_model", "loading the model", 6.3, 6.2)
-    _phase(run, "warming_generator", "warming the generator", 10.3, 4.0)
+    # each role's procs ready so many seconds into loading; what is not a name with seconds is left out
+    _phase(run, "warming_generator", "warming the generator", 10.3, 4.0,
+           {"generator": 3.1, "trainer": 3.9, "data": 0.4, "bogus": "soon", "nested": {"a": 1}, "negative": -2})
     _phase(run, "ready", "ready", 12.4, 2.1)
     expected = ("Started in 12.4 s (placing the actors 0.1 s, spawning procs 6.2 s, loading the model 4.0 s, "
                 "warming the generator 2.1 s)")
@@ -219,7 +223,14 @@ def test_duration_ticks_and_startup_panel_shows_phases(page, server, team):
     assert startup_items.first.inner_text().endswith("startup ready: started in 12.4 s")
     assert "startup loading the model (at 6.3 s; the previous phase took 6.2 s)" in \
         page.locator("#timeline").inner_text()
+    loading = page.locator('#startup-phases li[data-phase="loading_model"]')
+    assert loading.locator(".phase-parts").text_content() == "ready after trainer 3.9 s · generator 3.1 s · data 0.4 s"
+    assert page.locator("#startup-phases .phase-parts").count() == 1  # only the phase that had parts
+    page.locator("#startup-summary").click()  # open the panel: the parts show on their own line under the phase
+    parts_box, label_box = loading.locator(".phase-parts").bounding_box(), loading.bounding_box()
+    assert parts_box["height"] > 0 and parts_box["y"] >= label_box["y"] + parts_box["height"] * 0.8
     screenshot(page, "startup_panel_started")
+    page.locator("#startup-summary").click()
 
     page.reload()  # the same from the backlog
     page.wait_for_function(f"{SUMMARY} === {expected!r}", timeout=10_000)

@@ -11,7 +11,7 @@ import torch
 from tests.engine.conftest import ARITHMETIC
 from workers.engine.batching import collate_record
 from workers.engine.config import OverlongConfig
-from workers.engine.grpo_math import loss_normalizer, score_rollouts
+from workers.engine.grpo_math import loss_normalizer
 from workers.engine.losses import group_advantages
 from workers.engine.metrics import MemorySink, Recorder
 from workers.engine.models.tokenizer import ChatTokenizer
@@ -20,6 +20,7 @@ from workers.engine.replay_buffer import RolloutBatchRecord
 from workers.engine.rewards import CombinedReward
 from workers.engine.rollout_shaping import BatchFilling, groups_with_spread, overlong_penalty, select_groups
 from workers.engine.sampler import Completion
+from workers.engine.scoring import score_rollouts
 from workers.engine.tasks import Problem
 
 

@@ -7,13 +7,15 @@
 
 Each event says the phase now starting: `phase` (one of PHASES, in that order; a recipe skips those
 that do not apply), `label` (what a person reads), `elapsed_s` (seconds since the recipe started the
-run) and `previous_s` (seconds the previous phase took; None for the first).
+run), `previous_s` (seconds the previous phase took; None for the first) and `previous_parts` (part ->
+seconds into the previous phase when that part was done, for the parts that ran side by side in it:
+each role's procs loading their model; empty when it had none).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from workers.engine.metrics import Recorder
 
@@ -28,6 +30,7 @@ class StartupPhases:
         self.current: str | None = None
         self.current_since = self.started
         self.seconds: dict[str, float] = {}  # phases that ended -> how long each took
+        self.parts: dict[str, float] = {}  # of the current phase: part -> seconds into it when it was done
 
     def enter(self, phase: str, label: str) -> None:
         if phase not in PHASES:
@@ -39,9 +42,20 @@ class StartupPhases:
         if self.current is not None:
             previous_s = round(now - self.current_since, 3)
             self.seconds[self.current] = previous_s
+        parts, self.parts = self.parts, {}
         self.current, self.current_since = phase, now
         self.recorder.event("startup_phase", step=0, phase=phase, label=label, elapsed_s=round(now - self.started, 3),
-                            previous_s=previous_s)
+                            previous_s=previous_s, previous_parts=parts)
+
+    def await_parts(self, parts: Mapping[str, Callable[[float], bool]], *, poll_s: float = 0.02) -> None:
+        """Wait for parts of the current phase that run side by side: `done(wait_s)` waits up to wait_s and says
+        whether that part is done (and raises if it failed). Each part's time goes in the next event."""
+        waiting = dict(parts)
+        while waiting:
+            for name, done in list(waiting.items()):
+                if done(poll_s):
+                    self.parts[name] = round(self.clock() - self.current_since, 3)
+                    del waiting[name]
 
     def ready(self) -> None:
         """Setup is done: the next thing the run does is its first step (or the step-0 held-out evaluation)."""

@@ -74,7 +74,10 @@
       startup.phases = []; startup.done = false; startup.total = null;
     }
     const current = startup.phases[startup.phases.length - 1];
-    if (current && current.duration === null) current.duration = previousS ?? Math.max(0, elapsed - current.elapsed);
+    if (current && current.duration === null) {
+      current.duration = previousS ?? Math.max(0, elapsed - current.elapsed);
+      current.parts = startupParts(p.previous_parts);
+    }
     if (phase === "ready") {
       startup.done = true;
       startup.total = elapsed;
@@ -83,6 +86,14 @@
         at: Date.parse(event.time) || Date.now(), duration: null });
     }
     renderStartup();
+  }
+
+  // The parts of a phase that ran side by side (each role's procs loading): [name, seconds into the phase], slowest
+  // first; anything that is not a name with a number of seconds is left out.
+  function startupParts(raw) {
+    if (!raw || typeof raw !== "object" || Array.isArray(raw)) return [];
+    return Object.entries(raw).map(([name, value]) => [String(name).slice(0, 40), number(value)])
+      .filter(([, value]) => value !== null && value >= 0).sort((a, b) => b[1] - a[1]).slice(0, 12);
   }
 
   function startupFinishedByMetrics() {
@@ -118,6 +129,12 @@
       const time = pending ? Math.max(0, ((TERMINAL.has(currentState) ? (finishedAt ?? Date.now()) : Date.now()) - ph.at) / 1000)
         : ph.duration;
       item.textContent = time === null ? ph.label : `${ph.label}: ${seconds(time)}${pending ? "…" : ""}`;
+      if (ph.parts && ph.parts.length) {
+        const parts = document.createElement("span");
+        parts.className = "phase-parts";
+        parts.textContent = "ready after " + ph.parts.map(([name, value]) => `${name} ${seconds(value)}`).join(" · ");
+        item.append(parts);
+      }
       return item;
     }));
   }

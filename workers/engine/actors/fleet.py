@@ -85,6 +85,15 @@ def wait_for(future: Any, *, timeout_s: float, poll_s: float, tick: Callable[[],
             raise call_failed(error) from None
 
 
+def answered(future: Any, wait_s: float) -> bool:
+    """Whether `future` has its answer after waiting up to `wait_s` (it raises what the call raised)."""
+    try:
+        future.get(timeout=wait_s)
+    except TimeoutError:
+        return False
+    return True
+
+
 def request_deadline(*, typical_s: float | None, config: FailoverConfig) -> float:
     """Seconds a replica may take to answer one request before it counts as hung.
 
@@ -197,6 +206,7 @@ class ReplicaGroup:
         self.retiring: list[Replica] = []  # out of routing; stopped once their requests are done
         self.ready_spares: list[Replica] = []
         self.warming: list[tuple[Replica, Any]] = []  # (spare, future of its pid once its model is loaded)
+        self.starting: list[tuple[Replica, Any]] = []  # the same for launched replicas not yet awaited
 
     def start(self, hosts: list[str]) -> None:
         self.launch(hosts)
@@ -205,11 +215,18 @@ class ReplicaGroup:
     def launch(self, hosts: list[str]) -> None:
         """Spawn the first replicas' procs and actors, one per host given; their models load meanwhile."""
         self.service = Service([self._spawn(index, host) for index, host in enumerate(hosts)], routing=self.routing)
+        self.starting = [(replica, replica.actor.pid.call_one()) for replica in self.replicas]
 
-    def await_started(self) -> None:
-        """Wait until every launched replica's model has loaded."""
-        for replica in self.replicas:
-            self._ready(replica)
+    def await_started(self, *, wait_s: float = 600) -> bool:
+        """Wait up to `wait_s` for the launched replicas' models to load; whether every one has."""
+        while self.starting:
+            replica, pid = self.starting[0]
+            try:
+                replica.pids = [pid.get(timeout=wait_s)]
+            except TimeoutError:
+                return False
+            self.starting.pop(0)
+        return True
 
     def _start(self, index: int, host: str, name: str) -> Replica:
         """A new proc mesh with the role's actor on `host`; its model may still be loading."""

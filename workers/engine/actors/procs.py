@@ -42,13 +42,12 @@ def apply_proc_env(env: dict[str, str]) -> None:
 
 
 def spawn_procs(count: int, *, threads: int) -> Any:
-    """`count` procs on this machine."""
+    """`count` procs on this machine, still starting: actors spawned on them start when they have (so a run's
+    procs boot side by side), and a proc that fails to start fails its actors' first call."""
     from monarch.actor import this_host
 
     prepare_proc_env(threads=threads)
-    procs = this_host().spawn_procs(per_host={"procs": count})
-    procs.initialized.get()
-    return procs
+    return this_host().spawn_procs(per_host={"procs": count})
 
 
 def set_proc_threads() -> None:

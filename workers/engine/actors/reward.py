@@ -6,7 +6,7 @@ from workers.engine.actors.faults import FaultInjectableActor
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.config import OverlongConfig
 from workers.engine.models.tokenizer import ChatTokenizer
-from workers.engine.grpo_math import score_rollouts
+from workers.engine.scoring import score_rollouts
 from workers.engine.replay_buffer import RolloutBatchRecord
 from workers.engine.rewards import CombinedReward
 from workers.engine.sampler import Completion

@@ -59,10 +59,15 @@ class TrainerHandle:
         master = self.hosts.workers[placer.trainer_hosts[0]].host if len(placer.trainer_hosts) > 1 else None
         self._setup = self.actors.setup.call(master)
 
-    def await_started(self) -> None:
-        rank0 = list(self._setup.get().values())[0]
+    def await_started(self, *, wait_s: float | None = None) -> bool:
+        """Wait (up to `wait_s`; None: until it ends) for every rank's setup; whether it has ended."""
+        try:
+            rank0 = list(self._setup.get(timeout=wait_s).values())[0]
+        except TimeoutError:
+            return False
         self.n_params, self.master_addr = rank0["n_params"], rank0["master_addr"]
         self.pids = list(self.actors.pids.call().get().values())
+        return True
 
     def rank(self, rank: int) -> Any:
         """One rank's actor."""

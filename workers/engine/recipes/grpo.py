@@ -40,7 +40,7 @@ from workers.engine.behaviour_weights import BehaviourWeights
 from workers.engine.checkpoint import load_checkpoint, save_checkpoint
 from workers.engine.config import RunConfig
 from workers.engine.grpo_math import (check_prompt_lengths, kl_reward_advantages, policy_update, prepare_old_logprobs,
-                                      score_rollouts, sequence_logprobs)
+                                      sequence_logprobs)
 from workers.engine.grpo_metrics import rollout_metrics, update_metrics
 from workers.engine.metrics import Recorder
 from workers.engine.models.hf_folder import load_pretrained
@@ -49,6 +49,7 @@ from workers.engine.replay_buffer import ReplayBuffer
 from workers.engine.rewards import CombinedReward
 from workers.engine.rollout_shaping import DynamicSampler
 from workers.engine.sampler import SamplingParams, TorchSampler
+from workers.engine.scoring import score_rollouts
 from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
 from workers.engine.tasks import build_task

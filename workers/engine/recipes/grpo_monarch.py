@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workers.engine.actors.fleet import Failover, ProcFailure, ReplicaGroup
+from workers.engine.actors.fleet import Failover, ProcFailure, ReplicaGroup, answered
 from workers.engine.actors.generator import GeneratorActor
 from workers.engine.actors.weight_inbox import WeightInboxActor
 from workers.engine.actors.hosts import Hosts
@@ -157,15 +157,18 @@ class MonarchGrpoRun:
         self.supervisor.warm_spares()
         startup.enter("loading_model", "loading the model" + (" (vLLM compiles on its first generation)"
                                                               if cfg.generator.backend == "vllm" else ""))
-        trainer.await_started()
-        for group in self.groups.values():
-            group.await_started()
         dataset = self.control_procs.dataset
-        self.held_out = dataset.held_out.call_one().get()
-        recorder.event("dataset", step=0, **dataset.summary.call_one().get())
-        self.tokenizer = ChatTokenizer(cfg.model.path)
-        while any(group.warming for group in self.groups.values()):  # the run starts with its spares ready
-            self.supervisor.poll_spares(wait_s=1.0)
+        held_out, summary = dataset.held_out.call_one(), dataset.summary.call_one()
+        self.tokenizer = ChatTokenizer(cfg.model.path)  # while the procs load
+        parts = {"trainer": lambda wait_s: trainer.await_started(wait_s=wait_s),
+                 **{role: (lambda wait_s, group=group: group.await_started(wait_s=wait_s))
+                    for role, group in self.groups.items()},
+                 "data": lambda wait_s: answered(held_out, wait_s)}
+        if spares:  # the run starts with its spares ready
+            parts["spares"] = self._spares_ready
+        startup.await_parts(parts)
+        self.held_out = held_out.get()
+        recorder.event("dataset", step=0, **summary.get())
         recorder.event("meshes_ready", step=0, seconds=round(time.perf_counter() - setup_start, 2),
                        trainer_ranks=cfg.trainer.ranks, generator_replicas=cfg.generator.replicas,
                        trainer_host=placer.trainer_hosts[0], trainer_hosts=list(placer.trainer_hosts),
@@ -187,6 +190,10 @@ class MonarchGrpoRun:
         self.step_end = StepEnd(config=cfg, recorder=recorder, evaluate=self.evaluate,
                                 checkpoint=self.recovery.checkpoint, control=self.control)
         startup.ready()
+
+    def _spares_ready(self, wait_s: float) -> bool:
+        self.supervisor.poll_spares(wait_s=wait_s)
+        return not any(group.warming for group in self.groups.values())
 
     def _launch_group(self, role: str, hosts: list[str]) -> None:
         cfg, rule = self.config, getattr(self.config.placement, role)
