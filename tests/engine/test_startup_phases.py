@@ -55,6 +55,39 @@ def test_startup_phases_time_each_phase_from_the_previous_one() -> None:
     assert phases.seconds == {"placing": 1.5, "loading_model": 3.25}
 
 
+def test_parts_of_a_phase_are_timed_as_each_is_done_and_reported_with_the_next_phase() -> None:
+    now = [0.0]
+    sink = MemorySink()
+    phases = StartupPhases(Recorder([sink]), clock=lambda: now[0])
+    phases.enter("loading_model", "loading the model")
+    asked: list[tuple[str, float]] = []
+
+    def part(name: str, done_at: float):
+        def done(wait_s: float) -> bool:
+            asked.append((name, wait_s))
+            now[0] += wait_s  # waiting takes the time given
+            return now[0] >= done_at
+        return done
+
+    phases.await_parts({"trainer": part("trainer", 0.5), "data": part("data", 0.1)}, poll_s=0.05)
+    # within one round of asks (poll_s for each part still waiting) of when each was done
+    assert phases.parts == {"data": pytest.approx(0.1), "trainer": pytest.approx(0.5, abs=2 * 0.05)}
+    assert {wait for _, wait in asked} == {0.05} and asked.count(("data", 0.05)) == 1  # data done at its first ask
+    phases.ready()
+    ready = sink.records[-1]
+    assert ready["phase"] == "ready" and phases.parts == {}  # the next phase starts with none
+    assert set(ready["previous_parts"]) == {"trainer", "data"} and ready["previous_parts"]["trainer"] <= ready["previous_s"]
+    assert sink.records[0]["previous_parts"] == {}
+
+    def failed(wait_s: float) -> bool:
+        raise RuntimeError("the trainer proc exited")
+
+    phases = StartupPhases(Recorder())
+    phases.enter("loading_model", "loading the model")
+    with pytest.raises(RuntimeError, match="proc exited"):
+        phases.await_parts({"trainer": failed})
+
+
 def test_startup_phases_refuse_an_unknown_or_backward_phase() -> None:
     phases = StartupPhases(Recorder())
     phases.enter("loading_model", "loading the model")
@@ -95,3 +128,8 @@ def test_monarch_run_reports_placing_spawning_and_loading(monarch_mode_runs: dic
     meshes = next(r for r in sink.records if r["kind"] == "event" and r["name"] == "meshes_ready")
     assert phases[2]["seq"] < meshes["seq"] < phases[3]["seq"]
     assert 0.0 < meshes["seconds"] <= phases[3]["elapsed_s"] + 0.01
+    # each role's procs ready so many seconds into loading the model, none after the phase ended
+    parts = phases[3]["previous_parts"]
+    assert set(parts) == {"trainer", "generator", "reward", "data"}
+    assert all(0.0 < seconds <= phases[3]["previous_s"] for seconds in parts.values())
+    assert max(parts.values()) == pytest.approx(phases[3]["previous_s"], abs=0.5)  # the phase ends with the last
