@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from workers.engine.checkpoint import export_hf  # noqa: E402
+from workers.engine.models.hf_folder import export_hf  # noqa: E402
 from workers.engine.config import load_config  # noqa: E402
 from workers.engine.metrics import MemorySink, Recorder  # noqa: E402
 from workers.engine.models.tiny import make_tiny_model  # noqa: E402

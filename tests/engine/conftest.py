@@ -62,7 +62,7 @@ ARITHMETIC = ("data.max_operand=20", "data.eval_size=128", "generator.max_new_to
 @pytest.fixture(scope="session")
 def sft_warm_start(tiny_trainable_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
     """(HF folder of the SFT'd model, its held-out greedy accuracy)."""
-    from workers.engine.checkpoint import export_hf
+    from workers.engine.models.hf_folder import export_hf
     from workers.engine.config import load_config
     from workers.engine.metrics import Recorder
     from workers.engine.recipes.sft import train_sft

@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.engine.conftest import ARITHMETIC
-from workers.engine.checkpoint import export_hf, list_checkpoints, resolve_checkpoint, save_checkpoint
+from workers.engine.checkpoint import list_checkpoints, resolve_checkpoint, save_checkpoint
 from workers.engine.metrics import MemorySink, Recorder
-from workers.engine.models.hf_folder import load_pretrained
+from workers.engine.models.hf_folder import export_hf, load_pretrained
 from workers.engine.recipes.grpo import train_grpo
 from workers.engine.recipes.sft import train_sft
 

@@ -16,10 +16,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from workers.engine.checkpoint import export_hf
 from workers.engine.config import ARITHMETIC_TRAIN_SIZE, ConfigError, load_config
 from workers.engine.metrics import ConsoleSink, MemorySink, Recorder
-from workers.engine.models.hf_folder import load_pretrained
+from workers.engine.models.hf_folder import export_hf, load_pretrained
 from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.preflight import preflight_errors
 from workers.engine.recipes.grpo import train_grpo

@@ -29,7 +29,8 @@ import torch
 from tests.engine.conftest import ARITHMETIC
 from workers.engine.config import load_config
 from workers.engine.metrics import MemorySink, Recorder
-from workers.engine.recipes.grpo import GrpoResult, train_grpo
+from workers.engine.recipes.grpo import train_grpo
+from workers.engine.recipes.results import GrpoResult
 from workers.engine.sampler import Completion, SamplingParams, TorchSampler
 
 NOISE_SCALE = 0.5  # per-token noise: NOISE_SCALE x (1.5 - p) x Student-t(3), p the token's true probability

@@ -139,7 +139,7 @@ def test_checkpoints_move_between_unsharded_and_fsdp_trainers(sft_warm_start: tu
 
 def test_grpo_run_with_an_fsdp_trainer_in_bf16(sft_warm_start: tuple[Path, float], tmp_path: Path) -> None:
     """Weight sync, evaluation and checkpoints gather from every rank; the checkpoint resumes in one process."""
-    from workers.engine.checkpoint import export_hf
+    from workers.engine.models.hf_folder import export_hf
     from workers.engine.recipes.grpo_monarch import train_grpo_monarch
 
     folder, _ = sft_warm_start

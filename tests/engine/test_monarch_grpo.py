@@ -17,7 +17,7 @@ from workers.engine.config import RunConfig
 from workers.engine.grpo_math import policy_update, prepare_old_logprobs
 from workers.engine.metrics import MemorySink, Recorder
 from workers.engine.models.hf_folder import load_pretrained
-from workers.engine.recipes.grpo import GrpoResult
+from workers.engine.recipes.results import GrpoResult
 from workers.engine.replay_buffer import RolloutBatchRecord
 from workers.engine.training import build_optimizer, build_scheduler
 
@@ -88,7 +88,7 @@ def test_monarch_run_recovers_from_a_killed_trainer_rank(monarch_run: tuple[Grpo
 
 
 def test_monarch_checkpoint_loads_in_one_process(monarch_run: tuple[GrpoResult, MemorySink, RunConfig]) -> None:
-    from workers.engine.checkpoint import export_hf
+    from workers.engine.models.hf_folder import export_hf
 
     result, _, config = monarch_run
     exported = load_pretrained(export_hf(result.checkpoint, Path(config.checkpoint.folder).parent / "exported"))

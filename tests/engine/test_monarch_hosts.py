@@ -22,7 +22,7 @@ import pytest
 
 from tests.engine.conftest import ARITHMETIC
 from workers.engine.metrics import MemorySink, Recorder
-from workers.engine.recipes.grpo import GrpoResult
+from workers.engine.recipes.results import GrpoResult
 from workers.engine.run_control import RunControl
 
 pytestmark = pytest.mark.slow

@@ -15,10 +15,9 @@ import pytest
 import torch
 
 from workers.engine.batching import SftBatch
-from workers.engine.checkpoint import export_hf
 from workers.engine.config import ConfigError, RunConfig, load_config
 from workers.engine.metrics import MemorySink, Recorder
-from workers.engine.models.hf_folder import load_pretrained
+from workers.engine.models.hf_folder import export_hf, load_pretrained
 from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.operations import DrillSchedule, FaultDrillRequest
 from workers.engine.recipes.grpo import train_grpo

@@ -112,7 +112,7 @@ def test_grpo_kl_to_reference(sft_warm_start: tuple[Path, float], make_config) -
 @pytest.mark.parametrize("loss", ["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
 def test_grpo_each_loss_trains(sft_warm_start: tuple[Path, float], make_config, tmp_path: Path, loss: str) -> None:
     """Smoke: three steps of each loss from the SFT warm start give finite losses and move the weights."""
-    from workers.engine.checkpoint import export_hf
+    from workers.engine.models.hf_folder import export_hf
 
     folder, _ = sft_warm_start
     result = train_grpo(make_config("grpo", folder, *GRPO, "trainer.steps=3", "trainer.optimizer.lr=1e-3",
@@ -158,7 +158,7 @@ def test_grpo_control_at_learning_rate_zero_stays_flat(sft_warm_start: tuple[Pat
     """The learning runs' control: the same seeded run at learning rate 0 computes its gradients, its weights never
     move, and its held-out greedy reward ends exactly where it started. In async mode the stale rollouts come from
     the same weights, so the ratio stays 1."""
-    from workers.engine.checkpoint import export_hf
+    from workers.engine.models.hf_folder import export_hf
 
     folder, _ = sft_warm_start
     config = make_config("grpo", folder, *LEARNING, *LEARNING_MODES[mode], "trainer.optimizer.lr=0",

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def vllm_ready_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """vLLM's CPU attention needs head_dim >= 32: a hidden-128 model, briefly SFT'd so rewards vary."""
-    from workers.engine.checkpoint import export_hf
+    from workers.engine.models.hf_folder import export_hf
     from workers.engine.config import load_config
     from workers.engine.models.tiny import make_tiny_model
     from workers.engine.recipes.sft import train_sft

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.models.attention import document_causal_mask
 from workers.engine.replay_buffer import RolloutBatchRecord
 
 
@@ -26,6 +25,19 @@ def rank_span(rows: int, *, rank: int, world: int) -> tuple[int, int, int]:
     """(first row, end, rows per rank) of a data-parallel rank's contiguous share of `rows`."""
     per_rank = math.ceil(rows / world)
     return min(rows, rank * per_rank), min(rows, (rank + 1) * per_rank), per_rank
+
+
+def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
+    """[B, 1, L, L] bool mask for rows packed with several documents.
+
+    A document starts wherever `positions` is 0; a token sees earlier tokens of its own
+    document only.
+    """
+    doc_ids = torch.cumsum((positions == 0).int(), dim=1)
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+    length = positions.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=positions.device).tril()
+    return (same_doc & causal)[:, None]
 
 
 @dataclass

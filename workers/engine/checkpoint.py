@@ -4,7 +4,7 @@ A checkpoint is a folder `<checkpoint.folder>/step_NNNNNN/` holding
   trainer.pt   model (torchtitan names), optimizer, scheduler, RNG states, and the
                recipe's own progress (step, data position, policy version, buffer, ...)
   config.json  + tokenizer files: the HF description of the model, so the folder can be
-               exported (or read by `export_hf`) without the original model folder.
+               exported (or read by `hf_folder.export_hf`) without the original model folder.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.engine.models.hf_folder import read_hf_config, save_pretrained
-from workers.engine.models.titan import build_decoder
 from workers.engine.sharding import load_full_state
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json", "config.json")
@@ -122,12 +120,3 @@ def load_checkpoint(
     if restore_rng:
         restore_rng_state(state["rng"])
     return state["progress"]
-
-
-def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write the checkpoint's model as an HF folder that a new run can start from."""
-    checkpoint = resolve_checkpoint(checkpoint)
-    hf_config = read_hf_config(checkpoint)
-    model = build_decoder(hf_config)
-    load_checkpoint(checkpoint, model=model, restore_rng=False)
-    return save_pretrained(model, hf_config, checkpoint, out)

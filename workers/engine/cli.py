@@ -140,7 +140,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from workers.engine.checkpoint import export_hf
+    from workers.engine.models.hf_folder import export_hf
 
     print(export_hf(args.checkpoint, args.out))
     return 0

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torchtitan.models.common.decoder import Decoder
 
 from workers.engine.losses import LOGPROB_CHUNK_TOKENS, chunk_grad_logits, chunk_logprobs, token_logprobs
 from workers.engine.sharding import is_sharded
@@ -89,12 +88,14 @@ def fused_head_applies(model: nn.Module) -> bool:
     among them) for its forward and reshards them after it, so the weight must not be used outside that forward.
     A tensor-parallel head (a DTensor weight) stays there too.
     """
+    from torchtitan.models.common.decoder import Decoder  # here, not at import: the controller imports no model code
+
     head = getattr(model, "lm_head", None)
     return (isinstance(model, Decoder) and not is_sharded(model) and isinstance(head, nn.Linear)
             and head.bias is None and not isinstance(head.weight, DTensor))
 
 
-def head_logprobs(model: Decoder, inputs: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
+def head_logprobs(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
                   entropy_grad: bool, chunk_tokens: int = LOGPROB_CHUNK_TOKENS, positions: torch.Tensor | None = None,
                   attention_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-prob of each target [B, T], entropy of each position [B, T]) under softmax(model(inputs) / temperature),

@@ -8,7 +8,6 @@ from workers.engine.actors.faults import FaultInjectableActor
 from workers.engine.actors.devices import bind_proc_gpus
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.actors.weight_inbox import PublishedWeights
-from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.training import resolve_device
 from workers.engine.sampler import Completion, SamplingParams, TorchSampler
 
@@ -18,6 +17,8 @@ class GeneratorActor(FaultInjectableActor, PublishedWeights):
     to the replica's WeightInboxActor (`actors/weight_inbox.py`)."""
 
     def __init__(self, model_folder: str, dtype: str, device: str):
+        from workers.engine.models.hf_folder import load_pretrained  # model code: in the proc only (actors/__init__.py)
+
         set_proc_threads()
         bind_proc_gpus()  # placement gpus_per_proc: CUDA shows this proc its own GPU only
         loaded = load_pretrained(model_folder, dtype=dtype, device=resolve_device(device))

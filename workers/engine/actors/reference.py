@@ -7,7 +7,6 @@ from workers.engine.actors.faults import FaultInjectableActor
 from workers.engine.actors.devices import bind_proc_gpus
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.batching import collate_rollouts
-from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.training import resolve_device
 from workers.engine.grpo_math import sequence_logprobs
 from workers.engine.replay_buffer import RolloutBatchRecord
@@ -17,6 +16,8 @@ class ReferenceActor(FaultInjectableActor):
     """The frozen starting model: tempered log-probs of rollout tokens, for the KL penalty."""
 
     def __init__(self, model_folder: str, dtype: str, device: str):
+        from workers.engine.models.hf_folder import load_pretrained  # model code: in the proc only (actors/__init__.py)
+
         set_proc_threads()
         bind_proc_gpus()  # placement gpus_per_proc: CUDA shows this proc its own GPU only
         loaded = load_pretrained(model_folder, dtype=dtype, device=resolve_device(device))

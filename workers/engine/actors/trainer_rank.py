@@ -23,8 +23,6 @@ from workers.engine.checkpoint import load_checkpoint, save_checkpoint
 from workers.engine.config import RunConfig
 from workers.engine.data_parallel import RankShare, rank_share
 from workers.engine.env import LOCAL_RANK_ENV, MASTER_ADDR_ENV, read_env, read_number
-from workers.engine.models.hf_folder import load_pretrained
-from workers.engine.models.titan import count_parameters
 from workers.engine.rewards import CombinedReward
 from workers.engine.sampler import TorchSampler
 from workers.engine.sharding import full_model_state, full_optimizer_state, shard_model
@@ -52,6 +50,9 @@ class TrainerRankActor(FaultInjectableActor):
 
         `master_addr`: how the other hosts reach rank 0's host, when the ranks span hosts (monarch names it by its
         hostname, which a pod's peers cannot resolve)."""
+        from workers.engine.models.hf_folder import load_pretrained  # model code: in the proc only (actors/__init__.py)
+        from workers.engine.models.titan import count_parameters
+
         cfg = self.config
         if master_addr:
             os.environ[MASTER_ADDR_ENV] = master_addr

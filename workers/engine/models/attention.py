@@ -6,7 +6,7 @@ on any device and understands three kinds of `attention_masks`:
 
 - None: plain causal attention over one document per row (GRPO batches, right padding).
 - a bool Tensor [B, 1, Lq, Lk]: True where a query may attend to a key (packed SFT
-  documents and packed GRPO rollouts, built by `document_causal_mask`).
+  documents and packed GRPO rollouts, built by `batching.document_causal_mask`).
 - a `KVCache`: decoding. The new keys/values are written into the cache and the query
   attends to every cached position allowed by `cache.mask`.
 """
@@ -21,7 +21,7 @@ from torchtitan.protocols.module import Module
 
 from workers.engine.models.kv_cache import KVCache
 
-__all__ = ["EngineAttention", "KVCache", "document_causal_mask"]
+__all__ = ["EngineAttention", "KVCache"]
 
 
 class EngineAttention(Module):
@@ -59,16 +59,3 @@ class EngineAttention(Module):
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         return out.transpose(1, 2)
-
-
-def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
-    """[B, 1, L, L] bool mask for rows packed with several documents.
-
-    A document starts wherever `positions` is 0; a token sees earlier tokens of its own
-    document only.
-    """
-    doc_ids = torch.cumsum((positions == 0).int(), dim=1)
-    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
-    length = positions.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=positions.device).tril()
-    return (same_doc & causal)[:, None]

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torchtitan.models.common.decoder import Decoder
 
+from workers.engine.checkpoint import load_checkpoint, resolve_checkpoint
 from workers.engine.models.titan import Family, build_decoder, family_of, model_config_from_hf, state_dict_adapter
 from workers.engine.models.tokenizer import ChatTokenizer
 
@@ -89,3 +90,12 @@ def save_pretrained(model: Decoder, hf_config: dict[str, Any], tokenizer_folder:
             if (source / name).is_file():
                 shutil.copyfile(source / name, out / name)
     return out
+
+
+def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
+    """Write the checkpoint's model as an HF folder that a new run can start from."""
+    checkpoint = resolve_checkpoint(checkpoint)
+    hf_config = read_hf_config(checkpoint)
+    model = build_decoder(hf_config)
+    load_checkpoint(checkpoint, model=model, restore_rng=False)
+    return save_pretrained(model, hf_config, checkpoint, out)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +44,7 @@ from workers.engine.grpo_metrics import rollout_metrics, update_metrics
 from workers.engine.metrics import Recorder
 from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.models.titan import count_parameters
+from workers.engine.recipes.results import GrpoResult
 from workers.engine.replay_buffer import ReplayBuffer
 from workers.engine.rewards import CombinedReward
 from workers.engine.rollout_shaping import DynamicSampler
@@ -62,18 +62,6 @@ from workers.engine.training import (
 
 if TYPE_CHECKING:
     from workers.engine.run_control import RunControl
-
-
-@dataclass
-class GrpoResult:
-    step: int
-    losses: list[float]
-    first_eval: EvalResult | None
-    eval: EvalResult | None
-    checkpoint: Path | None
-    metrics: list[dict[str, float]]  # per step run by this call
-    seconds: float = 0.0  # wall time of the training loop (evaluations and checkpoints included)
-    trained_samples: dict[int, list[str]] = field(default_factory=dict)  # step -> sample ids it trained on (Monarch)
 
 
 def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | None = None) -> GrpoResult:

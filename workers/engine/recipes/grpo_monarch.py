@@ -67,7 +67,7 @@ from workers.engine.metrics import Recorder
 from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.operations import DrillSchedule, FaultDrillRequest
 from workers.engine.grpo_metrics import rollout_metrics, update_metrics
-from workers.engine.recipes.grpo import GrpoResult
+from workers.engine.recipes.results import GrpoResult
 from workers.engine.run_control import RunControl
 from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd

@@ -8,7 +8,6 @@ now and then evaluates and checkpoints.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +16,7 @@ from workers.engine.config import RunConfig
 from workers.engine.metrics import Recorder
 from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.models.titan import count_parameters
+from workers.engine.recipes.results import SftResult
 from workers.engine.rewards import CombinedReward
 from workers.engine.sampler import TorchSampler
 from workers.engine.sft_math import sft_batch, sft_step_metrics, sft_update
@@ -32,16 +32,6 @@ from workers.engine.training import (
 
 if TYPE_CHECKING:
     from workers.engine.run_control import RunControl
-
-
-@dataclass
-class SftResult:
-    step: int
-    losses: list[float]  # one per step run by this call
-    eval: EvalResult | None
-    checkpoint: Path | None
-    first_eval: EvalResult | None = None
-    seconds: float = 0.0  # wall time of the training loop (evaluations and checkpoints included)
 
 
 def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | None = None) -> SftResult:

@@ -41,7 +41,7 @@ from workers.engine.drills import DrillPlan, FaultInjector
 from workers.engine.metrics import Recorder
 from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.operations import FaultDrillRequest
-from workers.engine.recipes.sft import SftResult
+from workers.engine.recipes.results import SftResult
 from workers.engine.run_control import RunControl
 from workers.engine.sft_math import sft_batch, sft_step_metrics
 from workers.engine.startup import StartupPhases
