@@ -133,3 +133,14 @@ def test_monarch_run_reports_placing_spawning_and_loading(monarch_mode_runs: dic
     assert set(parts) == {"trainer", "generator", "reward", "data"}
     assert all(0.0 < seconds <= phases[3]["previous_s"] for seconds in parts.values())
     assert max(parts.values()) == pytest.approx(phases[3]["previous_s"], abs=0.5)  # the phase ends with the last
+
+
+@pytest.mark.slow
+def test_a_monarch_run_ends_with_every_proc_it_started_gone(monarch_mode_runs: dict[str, tuple[Any, MemorySink]]) -> None:
+    from workers.engine.actors.fleet import exited
+
+    for mode, (_, sink) in monarch_mode_runs.items():
+        meshes = next(r for r in sink.records if r["kind"] == "event" and r["name"] == "meshes_ready")
+        placed = next(r for r in sink.records if r["kind"] == "event" and r["name"] == "placement_applied")
+        pids = [*meshes["trainer_pids"], *(pid for replica in placed["pids"].values() for pid in replica)]
+        assert len(pids) == 2 and all(exited(pid) for pid in pids), (mode, pids)

@@ -42,12 +42,13 @@ def apply_proc_env(env: dict[str, str]) -> None:
 
 
 def spawn_procs(count: int, *, threads: int) -> Any:
-    """`count` procs on this machine, still starting: actors spawned on them start when they have (so a run's
-    procs boot side by side), and a proc that fails to start fails its actors' first call."""
+    """`count` procs on this machine."""
     from monarch.actor import this_host
 
     prepare_proc_env(threads=threads)
-    return this_host().spawn_procs(per_host={"procs": count})
+    procs = this_host().spawn_procs(per_host={"procs": count})
+    procs.initialized.get()
+    return procs
 
 
 def set_proc_threads() -> None:
