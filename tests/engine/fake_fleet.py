@@ -107,10 +107,6 @@ class FakeHosts:
     def pids_visible(self, host: str) -> bool:
         return False  # the pids are not this machine's: failures show through reports and lost hosts only
 
-    @property
-    def procs_are_children(self) -> bool:
-        return False  # fake pids: never signalled
-
     def gpus_free(self, host: str) -> int | None:
         return None
 

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -351,59 +349,21 @@ class ReplicaGroup:
         """SIGKILL the replica's procs, from its host (best effort: a lost host took them already)."""
         self.hosts.kill(replica.host, replica.pids)
 
-    def stop(self, replica: Replica, *, stops: MeshStops | None = None) -> None:
-        """Stop a replica's procs (with `stops`: start stopping them, `stops.wait()` waits)."""
+    def stop(self, replica: Replica) -> None:
         if replica.host not in self.hosts.lost:  # a lost host's procs are gone, and stopping them would wait
-            if stops is None:
-                stop_quietly(replica.procs)
-            else:
-                stops.add(replica.procs, pids=replica.pids if self.hosts.procs_are_children else [])
+            stop_quietly(replica.procs)
         self.hosts.release(replica.name)
 
-    def stop_all(self, *, stops: MeshStops | None = None) -> None:
-        stops_here = stops or MeshStops()
+    def stop_all(self) -> None:
         for replica in [*(self.service.replicas if self.service else []), *self.retiring, *self.spare_replicas()]:
-            self.stop(replica, stops=stops_here)
-        if stops is None:
-            stops_here.wait()
-
-
-class MeshStops:
-    """The meshes stopped at the end of a run: `add` starts a mesh's stop, `wait` waits for every one.
-
-    Monarch stops one mesh at a time and waits about a second for each proc to wind down; a proc whose pid is given
-    (one this process spawned: `Hosts.procs_are_children`) is sent SIGTERM first, so its stop is immediate (the run
-    is over: nothing is left to save). Procs a worker spawned stop the slow way, so their worker reaps them.
-    """
-
-    def __init__(self) -> None:
-        self.stopping: list[Any] = []
-
-    def add(self, mesh: Any, *, pids: list[int] | None = None) -> None:
-        for pid in pids or []:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
-        try:
-            self.stopping.append(mesh.stop())
-        except Exception:  # noqa: BLE001 - a damaged mesh may refuse to stop; its procs are gone or get reaped
-            pass
-
-    def wait(self, *, timeout_s: float = 15.0) -> None:
-        """Up to `timeout_s` for each mesh (Monarch stops them one after another)."""
-        for stopping in self.stopping:
-            try:
-                stopping.get(timeout=timeout_s)
-            except Exception:  # noqa: BLE001 - as in add
-                pass
-        self.stopping = []
+            self.stop(replica)
 
 
 def stop_quietly(mesh: Any) -> None:
-    stops = MeshStops()
-    stops.add(mesh)
-    stops.wait()
+    try:
+        mesh.stop().get(timeout=15)
+    except Exception:  # noqa: BLE001 - a damaged mesh may refuse to stop cleanly; its procs are gone or get reaped
+        pass
 
 
 @dataclass

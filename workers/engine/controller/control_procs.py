@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from workers.engine.actors.dataset import DatasetActor
-from workers.engine.actors.fleet import CallFailed, MeshStops, ProcFailure, stop_quietly
+from workers.engine.actors.fleet import CallFailed, ProcFailure, stop_quietly
 from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.procs import spawn_procs
 from workers.engine.actors.replay_buffer import ReplayBufferActor
@@ -96,7 +96,6 @@ class ControlProcs:
         self.noticed = None
         return noticed
 
-    def stop_all(self, *, stops: MeshStops) -> None:
-        """Start stopping every control proc started (`stops.wait()` waits)."""
+    def stop_all(self) -> None:
         for mesh in self.meshes:
-            stops.add(mesh)
+            stop_quietly(mesh)

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workers.engine.actors.fleet import Failover, MeshStops, ProcFailure, ReplicaGroup, answered
+from workers.engine.actors.fleet import Failover, ProcFailure, ReplicaGroup, answered
 from workers.engine.actors.generator import GeneratorActor
 from workers.engine.actors.weight_inbox import WeightInboxActor
 from workers.engine.actors.hosts import Hosts
@@ -320,9 +320,7 @@ class MonarchGrpoRun:
     def stop(self) -> None:
         for fault in self.injector.faults:
             fault.end_signals()  # no stopped process is left behind
-        stops = MeshStops()  # every proc's stop started before any is waited for
         for group in self.groups.values():
-            group.stop_all(stops=stops)
-        self.trainer.stop(stops=stops)
-        self.control_procs.stop_all(stops=stops)
-        stops.wait()
+            group.stop_all()
+        self.trainer.stop()
+        self.control_procs.stop_all()

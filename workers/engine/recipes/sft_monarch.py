@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from workers.engine.actors.fleet import Failover, MeshStops, ReplicaGroup
+from workers.engine.actors.fleet import Failover, ReplicaGroup
 from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.sft_trainer import SftTrainerActor
 from workers.engine.actors.worker import Worker
@@ -121,9 +121,7 @@ class MonarchSftRun:
         startup.ready()
 
     def stop(self) -> None:
-        stops = MeshStops()
-        self.trainer.stop(stops=stops)
-        stops.wait()
+        self.trainer.stop()
 
     # --- the step loop ----------------------------------------------------------------
     def train(self) -> SftResult:
