@@ -221,10 +221,9 @@ class ReplicaGroup:
         """Wait up to `wait_s` for the launched replicas' models to load; whether every one has."""
         while self.starting:
             replica, pid = self.starting[0]
-            try:
-                replica.pids = [pid.get(timeout=wait_s)]
-            except TimeoutError:
+            if not answered(pid, wait_s):
                 return False
+            replica.pids = [pid.get()]
             self.starting.pop(0)
         return True
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from monarch.spmd import setup_torch_elastic_env
 
-from workers.engine.actors.fleet import CallFailed, exited, stop_quietly
+from workers.engine.actors.fleet import CallFailed, answered, exited, stop_quietly
 from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.trainer_rank import TrainerRankActor
 from workers.engine.config import RunConfig
@@ -61,10 +61,9 @@ class TrainerHandle:
 
     def await_started(self, *, wait_s: float | None = None) -> bool:
         """Wait (up to `wait_s`; None: until it ends) for every rank's setup; whether it has ended."""
-        try:
-            rank0 = list(self._setup.get(timeout=wait_s).values())[0]
-        except TimeoutError:
+        if wait_s is not None and not answered(self._setup, wait_s):
             return False
+        rank0 = list(self._setup.get().values())[0]
         self.n_params, self.master_addr = rank0["n_params"], rank0["master_addr"]
         self.pids = list(self.actors.pids.call().get().values())
         return True
