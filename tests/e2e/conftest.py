@@ -11,10 +11,12 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from django.conf import settings
+from django.db import connection
 
 from tests.platform.conftest import team  # noqa: F401 - shared fixture
 from tests.support.processes import REPO_DIR, celery_worker, free_port, kill_processes_in, web_server
@@ -120,3 +122,14 @@ def screenshot(page, name: str) -> Path:
     path = ARTIFACTS / f"{name}.png"
     page.screenshot(path=str(path), full_page=True)
     return path
+
+
+def outside_the_browser_loop(fn, **kwargs):
+    """Call a service in a thread of its own: Playwright's event loop in this one stops the websocket push."""
+    def call():
+        try:
+            return fn(**kwargs)
+        finally:
+            connection.close()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(call).result()

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
-from django.db import connection, transaction
+from django.db import transaction
 from django.utils import timezone
 
 from forgeboard.runs.models import Run
@@ -18,7 +17,7 @@ from forgeboard.runs.services import run_launch, run_transition
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.ingest import telemetry_ingest
 from forgeboard.telemetry.services import event_append
-from tests.e2e.conftest import login, screenshot
+from tests.e2e.conftest import login, outside_the_browser_loop, screenshot
 from tests.platform.conftest import TINY_GRPO_YAML
 from tests.support.configs import sft_yaml
 from tests.support.processes import wait_for
@@ -156,26 +155,15 @@ def test_compare_page_charts_fit_at_1024_and_1600(page, server, team):
     _assert_charts_fit(_layout(page, COMPARE_GRID), keys=KEYS, where="compare resized to 1600 px")
 
 
-def _outside_the_browser_loop(fn, **kwargs):
-    """Call a service in a thread of its own: Playwright's event loop in this one stops the websocket push."""
-    def call():
-        try:
-            return fn(**kwargs)
-        finally:
-            connection.close()
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(call).result()
-
-
 def _phase(run: Run, phase: str, label: str, elapsed_s: float, previous_s: float | None,
            previous_parts: object = None) -> None:
-    _outside_the_browser_loop(event_append, run=run, kind="message", payload={
+    outside_the_browser_loop(event_append, run=run, kind="message", payload={
         "name": "startup_phase", "phase": phase, "label": label, "elapsed_s": elapsed_s, "previous_s": previous_s,
         "previous_parts": previous_parts if previous_parts is not None else {}})
 
 
 def _transition(run: Run, from_state: RunState, to_state: RunState, **kwargs) -> None:
-    _outside_the_browser_loop(run_transition, run_id=run.pk, from_state=from_state, to_state=to_state, **kwargs)
+    outside_the_browser_loop(run_transition, run_id=run.pk, from_state=from_state, to_state=to_state, **kwargs)
 
 
 DURATION = "document.getElementById('run-duration').textContent"

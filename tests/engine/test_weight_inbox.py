@@ -65,11 +65,12 @@ def test_new_weights_reach_a_busy_generator_without_waiting_behind_its_queued_re
         second_call = generator.generate.call_one(prompts, params, 1, 1)
         inbox.put.call_one(1, 7, weights).get(timeout=60)
         landed = time.perf_counter() - started
-        first, seconds_first = first_call.get(timeout=120)
+        first, spans_first = first_call.get(timeout=120)
         first_done = time.perf_counter() - started
         second, _ = second_call.get(timeout=120)
     finally:
         procs.stop().get()
     assert landed < first_done, f"the weights landed {landed:.2f} s in, the first request ended at {first_done:.2f} s"
     assert {c.policy_version for c in first} == {0} and {c.policy_version for c in second} == {7}
-    assert seconds_first > 0
+    assert [phase for phase, _, _ in spans_first] == ["weight_load", "generate"]
+    assert all(end > start for _, start, end in spans_first)

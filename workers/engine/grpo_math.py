@@ -18,6 +18,7 @@ from workers.engine.fused_head import model_logprobs
 from workers.engine.losses import (group_advantages, grpo_loss, kl_estimate, mismatch_metrics,
                                    rollout_importance_weights)
 from workers.engine.sharding import set_gradient_sync
+from workers.engine.timeline import WorkSpans
 
 
 def loss_normalizer(batch: RolloutBatch, aggregation: str, *, max_new_tokens: int | None = None) -> float:
@@ -103,6 +104,7 @@ def policy_update(
     max_new_tokens: int | None = None,
     share: RankShare = RankShare(),
     seed: int = 0,
+    spans: WorkSpans | None = None,
 ) -> UpdateResult:
     """grpo.epochs x grpo.mini_batches optimizer steps on one step's rollout batch (the whole batch, on every rank).
 
@@ -111,17 +113,21 @@ def policy_update(
     a rollout correction or more than one update, `batch.old_logprobs` must hold pi_old (prepare_old_logprobs).
     """
     losses, norms, parts, lr = [], [], [], 0.0
+    span = spans.span if spans is not None else lambda phase: nullcontext()
     for rows in update_order(len(batch), grpo=grpo, seed=seed):
         update = batch.select(rows)
         mine, passes = share.rows(update, micro_batch_size)
         optimizer.zero_grad(set_to_none=True)
-        loss, update_parts = accumulate_gradients(
-            model, mine, grpo=grpo, temperature=temperature, micro_batch_size=micro_batch_size,
-            normalizer=loss_normalizer(update, grpo.aggregation, max_new_tokens=max_new_tokens), passes=passes,
-            filler=update.rows(0, 1), sync=True)
+        with span("forward_backward"):
+            loss, update_parts = accumulate_gradients(
+                model, mine, grpo=grpo, temperature=temperature, micro_batch_size=micro_batch_size,
+                normalizer=loss_normalizer(update, grpo.aggregation, max_new_tokens=max_new_tokens), passes=passes,
+                filler=update.rows(0, 1), sync=True)
         if share.reduce_gradients is not None:
-            share.reduce_gradients(model)
-        grad_norm, lr = apply_update(model, optimizer, scheduler, grad_clip=grad_clip)
+            with span("all_reduce"):
+                share.reduce_gradients(model)
+        with span("optimizer"):
+            grad_norm, lr = apply_update(model, optimizer, scheduler, grad_clip=grad_clip)
         losses.append(loss)
         norms.append(grad_norm)
         parts.extend(update_parts)

@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
 from workers.engine.wire_limits import MAX_JSON_DEPTH, MAX_REQUEST_BYTES, unstorable_reason
 
@@ -25,6 +26,11 @@ MAX_BATCHES_PER_REQUEST = 64
 MAX_LOG_LINE_CHARS = 8_192
 MAX_REFUSED_PER_ANSWER = 10_000
 MAX_DUPLICATES_LISTED = 1_000
+MAX_TIMELINE_LANES = 64
+MAX_TIMELINE_SPANS = 2_000
+MAX_TIMELINE_PHASES = 64  # phases with a share
+MAX_TIMELINE_NAME_CHARS = 64
+MAX_SPAN_OFFSET_S = 86_400.0  # a span's start or end, in seconds from its step's start
 # How deep a request body may nest at all (the parser's stack is the limit): deeper than a payload may, so that a
 # payload nested too deep is refused as one item, not as the whole request.
 MAX_BODY_DEPTH = 2 * MAX_JSON_DEPTH
@@ -34,7 +40,7 @@ __all__ = ["MAX_REQUEST_BYTES"]  # the one request-size limit, re-exported for t
 EventKindName = Literal[
     "placement_applied", "placement_changed", "fault_injected", "failure_detected", "replica_replaced",
     "recovered", "redirect_started", "redirect_finished", "checkpoint_saved", "command_finished",
-    "restarted", "eval", "rollout", "message",
+    "restarted", "eval", "rollout", "message", "step_timeline",
 ]
 Section = Literal["metrics", "events", "logs"]
 
@@ -110,11 +116,53 @@ class WireMetric(_Wire):
     time: WallTime
 
 
+TimelineName = Annotated[str, Field(min_length=1, max_length=MAX_TIMELINE_NAME_CHARS, pattern=METRIC_KEY_PATTERN),
+                         AfterValidator(lambda name: _storable_line(name))]
+SpanOffset = Annotated[float, Field(ge=-MAX_SPAN_OFFSET_S, le=MAX_SPAN_OFFSET_S, allow_inf_nan=False), WholeNumber]
+Share = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False), WholeNumber]
+LaneIndex = Annotated[int, Field(ge=0, lt=MAX_TIMELINE_LANES), WholeNumber]
+
+
+class StepTimeline(_Wire):
+    """Where one training step's time went (`workers/engine/timeline.py`): spans of work on each proc ("lane"),
+    as [lane index, phase, start, end] in seconds from the step's start (a span launched in the step before starts
+    below 0), and each phase's share of the step and each lane's idle share."""
+
+    step: Step
+    start: WallTime
+    seconds: Annotated[float, Field(ge=0.0, le=MAX_SPAN_OFFSET_S, allow_inf_nan=False), WholeNumber]
+    lanes: Annotated[list[TimelineName], Field(max_length=MAX_TIMELINE_LANES)]
+    spans: Annotated[list[tuple[LaneIndex, TimelineName, SpanOffset, SpanOffset]], Field(max_length=MAX_TIMELINE_SPANS)]
+    shares: Annotated[dict[TimelineName, Share], Field(max_length=MAX_TIMELINE_PHASES)] = Field(default_factory=dict)
+    idle: Annotated[dict[TimelineName, Share], Field(max_length=MAX_TIMELINE_LANES)] = Field(default_factory=dict)
+    truncated: Annotated[int, Field(ge=0, le=2**31), WholeNumber] = Field(
+        0, description="spans left out to keep under the span limit (the shortest)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StepTimeline:
+        if len(set(self.lanes)) != len(self.lanes):
+            raise ValueError("lanes: each lane is named once")
+        for i, (lane, _, start, end) in enumerate(self.spans):
+            if lane >= len(self.lanes):
+                raise ValueError(f"spans.{i}: lane {lane} is not one of the {len(self.lanes)} lanes")
+            if end < start:
+                raise ValueError(f"spans.{i}: ends before it starts")
+        return self
+
+
 class WireEvent(_Wire):
     kind: EventKindName
     payload: Annotated[dict[str, Any], AfterValidator(_storable_payload)] = Field(
-        default_factory=dict, description=f"JSON nested at most {MAX_JSON_DEPTH} levels; keys without NUL")
+        default_factory=dict, description=f"JSON nested at most {MAX_JSON_DEPTH} levels; keys without NUL; "
+                                          "a step_timeline's payload is a StepTimeline")
     time: WallTime
+
+    @field_validator("payload")
+    @classmethod
+    def _timeline_payload(cls, payload: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if info.data.get("kind") == "step_timeline":
+            return StepTimeline.model_validate(payload).model_dump(mode="json")
+        return payload
 
 
 class WireLog(_Wire):

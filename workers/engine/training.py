@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.rewards import CombinedReward, exact_math
 from workers.engine.sampler import SamplingParams, TorchSampler
 from workers.engine.tasks.problem import Problem
+from workers.engine.timeline import on_call_clock
 
 
 def setup_process(*, threads: int, seed: int) -> None:
@@ -73,18 +75,30 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimizerConfig, t
 
 
 class PhaseTimer:
-    """Wall time per named phase of one step: `with timer.phase("generate"): ...`."""
+    """Wall time per named phase of one step (`with timer.phase("generate"): ...`), and the step's spans for its
+    timeline (`workers/engine/timeline.py`): each phase on `lane`, and the procs' spans added with `add_proc`."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, lane: str = "controller") -> None:
         self.seconds: dict[str, float] = {}
+        self.lane = lane
+        self.start = time.time()
+        self.spans: list[tuple[str, str, float, float]] = []  # (lane, phase, start, end), Unix seconds
+        self.train_sent: float | None = None  # the first call to the trainer, when sent before the "train" phase
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         try:
             yield
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+            self.spans.append((self.lane, name, wall, wall + seconds))
+
+    def add_proc(self, lane: str, items: Any, *, sent: float, answered: float) -> None:
+        """A proc's (phase, start, end) spans of one call, moved onto this clock (`timeline.on_call_clock`)."""
+        if isinstance(items, list):
+            self.spans.extend((lane, phase, s, e) for phase, s, e in on_call_clock(items, sent=sent, answered=answered))
 
     def metrics(self) -> dict[str, float]:
         return {f"time/{name}_s": value for name, value in self.seconds.items()}

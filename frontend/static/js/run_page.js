@@ -17,7 +17,11 @@
   const startup = { phases: [], done: false, total: null };
 
   const grid = new FBCharts.ChartGrid($("charts"), { labels: ["value"], xLabel: "step", onZoom: loadDetail });
-  window.FBRunPage = { grid, cursors: () => ({ lastSeq, lastStep }), reconnect: () => socket && socket.close() };
+  // "Where the time goes": the step timelines of the backlog and of each update; more steps from the API on demand.
+  const stepTimeline = new FBTimeline.Timeline($("step-timeline"), {
+    load: (last) => FB.api(`${run.apiPath}timeline?last=${last}`) });
+  window.FBRunPage = { grid, timeline: stepTimeline, cursors: () => ({ lastSeq, lastStep }),
+    reconnect: () => socket && socket.close() };
 
   function setConnection(text, open) {
     $("conn").textContent = text;
@@ -238,6 +242,7 @@
     if (data.type === "run.backlog" && data.state) setState(data.state);  // current, whatever events the backlog held
     addMetrics(data.metrics || {});
     addLogs(data.logs);
+    stepTimeline.add(data.timelines);
   }
 
   function connect() {

@@ -31,6 +31,7 @@ from forgeboard.api.schemas import (
     RunIn,
     RunOut,
     SeriesOut,
+    TimelinesOut,
 )
 from forgeboard.cluster.selectors import hosts_with_devices
 from forgeboard.experiments.selectors import experiment_get, experiments_for_project
@@ -47,7 +48,7 @@ from forgeboard.runs.selectors import run_get, runs_for_project
 from forgeboard.runs.services import command_create, run_cancel, run_launch
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.ingest import wire_number
-from forgeboard.telemetry.selectors import events_after, metric_downsampled, metric_keys, metric_range
+from forgeboard.telemetry.selectors import events_after, metric_downsampled, metric_keys, metric_range, step_timelines
 from workers.engine.config import config_json_schema
 
 router = Router(auth=USER_AUTH)
@@ -218,6 +219,14 @@ def list_events(
 ):
     """Events after a sequence number, in order: fetch state, then follow from the last `seq` you saw."""
     return list(events_after(run=run_get(actor=actor_of(request), run_id=run_id), after_seq=after_seq, limit=limit))
+
+
+@router.get("/runs/{run_id}/timeline", response={200: TimelinesOut, **ERRORS}, tags=["metrics"])
+def get_timeline(request: HttpRequest, run_id: int, last: QueryInt = Query(50, ge=1, le=500)):  # noqa: ANN201
+    """Where the time of the last `last` steps went: per step, spans of work on each proc and each phase's share
+    (a StepTimeline each, in step order)."""
+    run = run_get(actor=actor_of(request), run_id=run_id)
+    return TimelinesOut(run=run.pk, timelines=step_timelines(run=run, last=last))
 
 
 @router.get("/hosts", response={200: list[HostOut], **ERRORS}, tags=["inventory"])

@@ -12,7 +12,7 @@ from pydantic import AfterValidator, Field, GetCoreSchemaHandler, GetJsonSchemaH
 from pydantic_core import core_schema
 
 from forgeboard.telemetry.ingest import wire_number
-from workers.engine.telemetry_wire import WholeNumber
+from workers.engine.telemetry_wire import StepTimeline, WholeNumber
 from workers.engine.wire_limits import MAX_REQUEST_BYTES, unstorable_in, unstorable_reason
 
 
@@ -187,6 +187,11 @@ class PointsOut(Schema):
     wall_times: list[float | None] | None = Field(
         None, description="Unix seconds (the engine's clock) of each point; downsampled: the latest in its slice"
     )
+
+
+class TimelinesOut(Schema):
+    run: int
+    timelines: list[StepTimeline]
 
 
 class EventOut(Schema):

@@ -18,13 +18,14 @@ from forgeboard.accounts.services import api_token_authenticate
 from forgeboard.runs.models import Run
 from forgeboard.telemetry.ingest import wire_number
 from forgeboard.telemetry.models import LogLine, MetricSeries
-from forgeboard.telemetry.selectors import events_after, metric_downsampled
+from forgeboard.telemetry.selectors import events_after, metric_downsampled, step_timelines
 from forgeboard.telemetry.services import event_to_wire
 from forgeboard.telemetry.streams import project_group, run_group
 
 BACKLOG_EVENTS = 5_000
 BACKLOG_POINTS_PER_KEY = 500
 BACKLOG_LOG_LINES = 200
+BACKLOG_TIMELINES = 50
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_NOT_FOUND = 4404
 CLOSE_BAD_REQUEST = 4400
@@ -113,7 +114,7 @@ class RunStreamConsumer(LiveConsumer):
         update["events"] = [e for e in update.get("events", []) if e["seq"] > self.last_seq]
         if update["events"]:
             self.last_seq = update["events"][-1]["seq"]
-        elif not update.get("metrics") and not update.get("logs"):
+        elif not update.get("metrics") and not update.get("logs") and not update.get("timelines"):
             return
         await self.send_json(update)
 
@@ -135,7 +136,8 @@ class RunStreamConsumer(LiveConsumer):
         logs = list(LogLine.objects.filter(run=run).order_by("-batch_seq", "-index")
                     .values_list("line", flat=True)[:BACKLOG_LOG_LINES])[::-1]
         return {"type": "run.backlog", "run": run.pk, "state": run.state, "events": events, "metrics": metrics,
-                "logs": logs, "telemetry_seq": run.telemetry_seq}
+                "logs": logs, "timelines": step_timelines(run=run, last=BACKLOG_TIMELINES),
+                "telemetry_seq": run.telemetry_seq}
 
 
 class ProjectStreamConsumer(LiveConsumer):

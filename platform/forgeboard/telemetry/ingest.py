@@ -11,12 +11,13 @@ from datetime import UTC, datetime
 
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.models.functions import Mod
 from django.utils import timezone
 
 from forgeboard.alerts.services import alerts_for_recovery
 from forgeboard.errors import Conflict, FieldProblem, ServiceError
 from forgeboard.runs.models import Run
-from forgeboard.telemetry.models import EventKind, LogLine, MetricPoint, MetricSeries, RunEvent
+from forgeboard.telemetry.models import EventKind, LogLine, MetricPoint, MetricSeries, RunEvent, StepTimeline
 from forgeboard.telemetry.services import event_to_wire, storable
 from forgeboard.telemetry.streams import publish_run_update
 from workers.engine.telemetry_wire import (
@@ -30,6 +31,9 @@ from workers.engine.telemetry_wire import (
 
 logger = logging.getLogger(__name__)
 WIRE_POINTS_PER_KEY = 50
+TIMELINE_KIND = "step_timeline"  # not a RunEvent: stored as StepTimeline rows
+TIMELINE_KEEP_RECENT = 1_000  # steps whose timelines are all kept
+TIMELINE_KEEP_EVERY = 100  # before those, the timeline of one step in this many
 
 
 class SequenceGap(Conflict):
@@ -99,6 +103,7 @@ def telemetry_ingest(
             result.duplicates_dropped_total += len(dropped)
             result.duplicates_dropped.extend(dropped[:MAX_DUPLICATES_LISTED - len(result.duplicates_dropped)])
             events = _store_events(run=locked, batch=batch)
+            timelines = _store_timelines(run_id=run.pk, batch=batch)
             _alert_slow_recoveries(run=run, events=events)
             LogLine.objects.bulk_create(
                 [LogLine(run_id=run.pk, batch_seq=batch.seq, index=i, line=storable(log.line), wall_time=log.time)
@@ -109,7 +114,7 @@ def telemetry_ingest(
             )
             result.applied_seq = batch.seq
             result.events.extend(events)
-            update = _wire_update(run=run, batch=batch, events=events)
+            update = _wire_update(run=run, batch=batch, events=events, timelines=timelines)
             transaction.on_commit(lambda update=update: publish_run_update(run=run, update=update))
     if not batches:
         Run.objects.filter(pk=run.pk).update(last_heartbeat_at=timezone.now())
@@ -131,12 +136,31 @@ def _last_value_per_step(batch: TelemetryBatch) -> tuple[list[WireMetric], list[
 
 
 def _store_events(*, run: Run, batch: TelemetryBatch) -> list[RunEvent]:
+    """Every event but the step timelines (`_store_timelines`), each with the run's next event sequence number."""
     events = []
     for wire in batch.events:
+        if wire.kind == TIMELINE_KIND:
+            continue
         run.last_event_seq += 1
         events.append(RunEvent(run_id=run.pk, seq=run.last_event_seq, kind=wire.kind, payload=storable(wire.payload),
                                occurred_at=datetime.fromtimestamp(wire.time, UTC)))
     return RunEvent.objects.bulk_create(events)
+
+
+def _store_timelines(*, run_id: int, batch: TelemetryBatch) -> list[dict]:
+    """The batch's step timelines (validated on the wire as `StepTimeline`), one row per step: the latest wins, so a
+    step run again after a restore from a checkpoint shows its second run. A week-long run keeps every step's row for
+    its last TIMELINE_KEEP_RECENT steps and one in TIMELINE_KEEP_EVERY before them."""
+    latest = {wire.payload["step"]: wire.payload for wire in batch.events if wire.kind == TIMELINE_KIND}
+    if not latest:
+        return []
+    StepTimeline.objects.bulk_create(
+        [StepTimeline(run_id=run_id, step=step, payload=payload, wall_time=payload["start"])
+         for step, payload in latest.items()],
+        update_conflicts=True, unique_fields=["run", "step"], update_fields=["payload", "wall_time"])
+    StepTimeline.objects.filter(run_id=run_id, step__lt=max(latest) - TIMELINE_KEEP_RECENT).alias(
+        every=Mod("step", TIMELINE_KEEP_EVERY)).exclude(every=0).delete()
+    return [latest[step] for step in sorted(latest)]
 
 
 def _alert_slow_recoveries(*, run: Run, events: list[RunEvent]) -> None:
@@ -269,8 +293,9 @@ def wire_number(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-def _wire_update(*, run: Run, batch: TelemetryBatch, events: list[RunEvent]) -> dict:
-    """What subscribers get: every event, and at most a few points per metric key (the database has all)."""
+def _wire_update(*, run: Run, batch: TelemetryBatch, events: list[RunEvent], timelines: list[dict]) -> dict:
+    """What subscribers get: every event and step timeline, and at most a few points per metric key (the database
+    has all)."""
     by_key: dict[str, list[list[float]]] = {}
     for metric in batch.metrics:  # the engine reports in step order
         by_key.setdefault(metric.key, []).append([metric.step, wire_number(metric.value)])
@@ -287,4 +312,5 @@ def _wire_update(*, run: Run, batch: TelemetryBatch, events: list[RunEvent]) -> 
         "events": [event_to_wire(e) for e in events],
         "metrics": by_key,
         "logs": [log.line for log in batch.logs[-50:]],
+        "timelines": timelines,
     }

@@ -94,3 +94,14 @@ class LogLine(models.Model):
     class Meta:
         ordering = ["run", "batch_seq", "index"]
         constraints = [models.UniqueConstraint(fields=["run", "batch_seq", "index"], name="logline_unique_position")]
+
+
+class StepTimeline(models.Model):
+    """Where one training step's time went: the engine's `step_timeline` (a `telemetry_wire.StepTimeline`), one row
+    per (run, step); a step run again after a restore from a checkpoint replaces its row."""
+
+    pk = models.CompositePrimaryKey("run", "step")
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="step_timelines")
+    step = models.BigIntegerField()
+    payload = models.JSONField()
+    wall_time = models.FloatField(help_text="Unix seconds when the step started, by the engine's clock")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from django.db.models import Avg, Count, ExpressionWrapper, F, IntegerField, Max, Min, QuerySet
 
 from forgeboard.runs.models import Run
-from forgeboard.telemetry.models import MetricPoint, MetricSeries, RunEvent
+from forgeboard.telemetry.models import MetricPoint, MetricSeries, RunEvent, StepTimeline
 
 
 # The metrics a runs list or a comparison summarises a run by, when the run has them.
@@ -82,3 +82,9 @@ def metric_first_wall_times(*, run_ids: Sequence[int]) -> dict[int, float]:
         .annotate(first=Min("wall_time"))
     )
     return {row["series__run_id"]: row["first"] for row in rows}
+
+
+def step_timelines(*, run: Run, last: int) -> list[dict]:
+    """The last `last` steps' timelines (`telemetry_wire.StepTimeline` payloads), in step order."""
+    rows = StepTimeline.objects.filter(run=run).order_by("-step").values_list("payload", flat=True)[:last]
+    return list(rows)[::-1]

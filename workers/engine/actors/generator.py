@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import time
-
 from monarch.actor import endpoint
 
 from workers.engine.actors.faults import FaultInjectableActor
@@ -10,6 +8,7 @@ from workers.engine.actors.procs import set_proc_threads
 from workers.engine.actors.weight_inbox import PublishedWeights
 from workers.engine.training import resolve_device
 from workers.engine.sampler import Completion, SamplingParams, TorchSampler
+from workers.engine.timeline import ProcSpan, WorkSpans
 
 
 class GeneratorActor(FaultInjectableActor, PublishedWeights):
@@ -36,13 +35,16 @@ class GeneratorActor(FaultInjectableActor, PublishedWeights):
 
     @endpoint
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int,
-                 publication: int | None = None) -> tuple[list[Completion], float]:
-        """(completions by the weights of `publication`, the seconds this replica spent generating them)."""
+                 publication: int | None = None) -> tuple[list[Completion], list[ProcSpan]]:
+        """(completions by the weights of `publication`, this replica's spans: weight_load when it swapped weights in,
+        generate)."""
         self.before_work(prompts)
-        self.use_publication(publication)
-        start = time.perf_counter()
-        completions = self.sampler.generate(prompts, params, seed=seed)
-        return completions, time.perf_counter() - start
+        spans = WorkSpans()
+        with spans.span("weight_load"):
+            self.use_publication(publication)
+        with spans.span("generate"):
+            completions = self.sampler.generate(prompts, params, seed=seed)
+        return completions, spans.items
 
     @endpoint
     def take_weights(self, publication: int) -> int:

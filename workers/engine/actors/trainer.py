@@ -29,11 +29,13 @@ from workers.engine.grpo_math import (accumulate_gradients, kl_reward_advantages
                                       prepare_old_logprobs)
 from workers.engine.replay_buffer import RolloutBatchRecord
 from workers.engine.sharding import set_gradient_sync
+from workers.engine.timeline import WorkSpans
 
 
 def _new_step() -> dict[str, Any]:
     """What a pipelined step's chunks have added so far."""
-    return {"loss": 0.0, "normalizer": 0.0, "parts": [], "train_tokens": 0, "filler": None, "shaping": {}, "rows": 0}
+    return {"loss": 0.0, "normalizer": 0.0, "parts": [], "train_tokens": 0, "filler": None, "shaping": {}, "rows": 0,
+            "spans": WorkSpans()}
 
 
 class TrainerActor(TrainerRankActor):
@@ -65,21 +67,24 @@ class TrainerActor(TrainerRankActor):
         cfg = self.config
         if not self.behaviour.has(policy_version):  # the starting (or resumed) weights
             self.behaviour.record(self.model, version=policy_version)
+        spans = WorkSpans()
         batch, shaping = self._batch(record, ref_logprobs)
-        shaping.update(prepare_old_logprobs(
-            self.model, batch, grpo=cfg.grpo, temperature=cfg.generator.temperature,
-            micro_batch_size=cfg.trainer.micro_batch_size, policy_age=policy_version - record.policy_version,
-            batch_version=record.policy_version, behaviour=self.behaviour))
+        with spans.span("old_logprobs"):
+            shaping.update(prepare_old_logprobs(
+                self.model, batch, grpo=cfg.grpo, temperature=cfg.generator.temperature,
+                micro_batch_size=cfg.trainer.micro_batch_size, policy_age=policy_version - record.policy_version,
+                batch_version=record.policy_version, behaviour=self.behaviour))
         update = policy_update(
             self.model, self.optimizer, self.scheduler, batch, grpo=cfg.grpo, temperature=cfg.generator.temperature,
             micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.optimizer.grad_clip,
             max_new_tokens=cfg.generator.max_new_tokens, share=self.share(),
-            seed=cfg.trainer.seed * 1_000_003 + policy_version,
+            seed=cfg.trainer.seed * 1_000_003 + policy_version, spans=spans,
         )
         self.behaviour.record(self.model, version=policy_version + 1)
         mine, _ = batch.rank_rows(rank=self.rank, world=self.world)
         return {"loss": update.loss, "parts": update.parts, "grad_norm": update.grad_norm, "lr": update.lr,
-                "updates": update.updates, "shaping": shaping, "train_tokens": int(mine.inputs.numel())}
+                "updates": update.updates, "shaping": shaping, "train_tokens": int(mine.inputs.numel()),
+                "spans": spans.items}
 
     @endpoint
     def accumulate(self, record: RolloutBatchRecord, ref_logprobs: torch.Tensor | None) -> int:
@@ -90,12 +95,13 @@ class TrainerActor(TrainerRankActor):
         cfg = self.config
         batch, shaping = self._batch(record, ref_logprobs)
         shard, passes = self.share().rows(batch, cfg.trainer.micro_batch_size)
-        loss, parts = accumulate_gradients(
-            self.model, shard, grpo=cfg.grpo, temperature=cfg.generator.temperature,
-            micro_batch_size=cfg.trainer.micro_batch_size, normalizer=1.0, passes=passes, filler=batch.rows(0, 1),
-            sync=False,
-        )
         step = self._step_so_far
+        with step["spans"].span("forward_backward"):
+            loss, parts = accumulate_gradients(
+                self.model, shard, grpo=cfg.grpo, temperature=cfg.generator.temperature,
+                micro_batch_size=cfg.trainer.micro_batch_size, normalizer=1.0, passes=passes, filler=batch.rows(0, 1),
+                sync=False,
+            )
         for key, value in shaping.items():  # the chunk's mean, weighted by its rows
             step["shaping"][key] = step["shaping"].get(key, 0.0) + value * len(batch)
         step["rows"] += len(batch)
@@ -112,17 +118,21 @@ class TrainerActor(TrainerRankActor):
         step = self._step_so_far
         if step["filler"] is None:
             raise RuntimeError("finish_step without any accumulated chunk")
-        if self.sharded:  # FSDP reduces in a backward: one more pass, weighted 0, with gradient sync on
-            set_gradient_sync(self.model, enabled=True)
-            zero_weighted_pass(self.model, step["filler"])
-        elif self.world > 1:
-            all_reduce_gradients(self.model)
-        for param in self.model.parameters():
-            if param.grad is not None:
-                param.grad.div_(step["normalizer"])
-        grad_norm, lr = apply_update(self.model, self.optimizer, self.scheduler, grad_clip=self.config.trainer.optimizer.grad_clip)
+        spans = step["spans"]
+        with spans.span("all_reduce"):
+            if self.sharded:  # FSDP reduces in a backward: one more pass, weighted 0, with gradient sync on
+                set_gradient_sync(self.model, enabled=True)
+                zero_weighted_pass(self.model, step["filler"])
+            elif self.world > 1:
+                all_reduce_gradients(self.model)
+        with spans.span("optimizer"):
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.div_(step["normalizer"])
+            grad_norm, lr = apply_update(self.model, self.optimizer, self.scheduler,
+                                         grad_clip=self.config.trainer.optimizer.grad_clip)
         self.optimizer.zero_grad(set_to_none=True)
         self._step_so_far = _new_step()
         return {"loss": step["loss"] / step["normalizer"], "parts": step["parts"], "grad_norm": grad_norm, "lr": lr,
                 "updates": 1, "shaping": {key: value / step["rows"] for key, value in step["shaping"].items()},
-                "train_tokens": step["train_tokens"]}
+                "train_tokens": step["train_tokens"], "spans": spans.items}

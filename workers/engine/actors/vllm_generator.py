@@ -13,7 +13,6 @@ Same endpoints as GeneratorActor, and the same weight path (the trainer publishe
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 from monarch.actor import endpoint
@@ -25,6 +24,7 @@ from workers.engine.actors.weight_inbox import PublishedWeights
 from workers.engine.models.hf_folder import read_hf_config
 from workers.engine.models.titan import model_config_from_hf, state_dict_adapter
 from workers.engine.sampler import Completion, SamplingParams, check_weights_fit
+from workers.engine.timeline import ProcSpan, WorkSpans
 
 
 def vllm_proc_env(*, kv_cache_gib: int = 1) -> None:
@@ -54,22 +54,24 @@ class VllmGeneratorActor(FaultInjectableActor, PublishedWeights):
 
     @endpoint
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int,
-                 publication: int | None = None) -> tuple[list[Completion], float]:
+                 publication: int | None = None) -> tuple[list[Completion], list[ProcSpan]]:
         self.before_work(prompts)
-        self.use_publication(publication)
-        start = time.perf_counter()
-        temperature = 0.0 if params.greedy else params.temperature
-        requests = [self._sampling_params(max_tokens=params.max_new_tokens, temperature=temperature, top_p=params.top_p,
-                                          logprobs=1, seed=seed * 1_000_003 + i) for i in range(len(prompts))]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], requests, use_tqdm=False)
-        completions = []
-        for prompt, output in zip(prompts, outputs):
-            sample = output.outputs[0]
-            token_ids = list(sample.token_ids)
-            logprobs = [step[token].logprob for token, step in zip(token_ids, sample.logprobs)]
-            completions.append(Completion(prompt_ids=list(prompt), token_ids=token_ids, logprobs=logprobs,
-                                          finished=sample.finish_reason == "stop", policy_version=self.policy_version))
-        return completions, time.perf_counter() - start
+        spans = WorkSpans()
+        with spans.span("weight_load"):
+            self.use_publication(publication)
+        with spans.span("generate"):
+            temperature = 0.0 if params.greedy else params.temperature
+            requests = [self._sampling_params(max_tokens=params.max_new_tokens, temperature=temperature, top_p=params.top_p,
+                                              logprobs=1, seed=seed * 1_000_003 + i) for i in range(len(prompts))]
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], requests, use_tqdm=False)
+            completions = []
+            for prompt, output in zip(prompts, outputs):
+                sample = output.outputs[0]
+                token_ids = list(sample.token_ids)
+                logprobs = [step[token].logprob for token, step in zip(token_ids, sample.logprobs)]
+                completions.append(Completion(prompt_ids=list(prompt), token_ids=token_ids, logprobs=logprobs,
+                                              finished=sample.finish_reason == "stop", policy_version=self.policy_version))
+        return completions, spans.items
 
     def install_weights(self, state_dict: dict, version: int) -> None:
         """Takes the trainer's torchtitan state dict; converts to HF names and reloads in place."""

@@ -13,6 +13,7 @@ one step's problems sent to the generators, their completions scored by the rewa
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from workers.engine.actors.fleet import Failover, ReplicaGroup
 from workers.engine.config import RunConfig
 from workers.engine.controller.control_procs import ControlProcs
 from workers.engine.controller.drill_targets import DrillTargets
-from workers.engine.controller.requests import Router
+from workers.engine.controller.requests import Request, Router
 from workers.engine.controller.state import PendingGeneration, RunState
 from workers.engine.controller.supervision import Supervisor
 from workers.engine.controller.trainer import TrainerHandle, TrainerLost
@@ -64,7 +65,9 @@ class GenerationPipeline:
         with timer.phase("weight_sync"):
             replicas = self.generators.live()
             state.publications += 1
+            start = time.time()
             self.trainer.publish_weights([r.inbox for r in replicas], state.publications)
+            timer.add_proc("trainer 0", [("weight_sync", start, time.time())], sent=start, answered=time.time())
             state.generator_version = state.policy_version
             for replica in replicas:
                 replica.version = state.policy_version
@@ -93,10 +96,21 @@ class GenerationPipeline:
         state.generations += 1
         return PendingGeneration(problems, prompts, calls, data_state, state.generations - 1, spans)
 
-    def score(self, problems: list[Any], prompts: list[list[int]], completions: list[Any]) -> Any:
+    def received(self, request: Request, timer: PhaseTimer) -> tuple[list[Any], float]:
+        """A generation request's completions and the seconds its replica spent generating; the replica's spans go on
+        the step's timeline (lane `generator <index>`)."""
+        completions, spans = self.router.receive(request)
+        now = time.time()
+        timer.add_proc(f"generator {request.index}", spans, sent=now - (time.monotonic() - request.sent_at), answered=now)
+        return completions, sum(end - start for phase, start, end in spans if phase == "generate")
+
+    def score(self, problems: list[Any], prompts: list[list[int]], completions: list[Any], timer: PhaseTimer) -> Any:
         group_size = self.config.grpo.group_size
-        return self.router.call(self.groups["reward"], lambda actor: actor.score.call_one(problems, prompts, completions,
-                                                                                          group_size))
+        start = time.time()
+        record = self.router.call(self.groups["reward"], lambda actor: actor.score.call_one(problems, prompts,
+                                                                                            completions, group_size))
+        timer.add_proc("reward", [("reward", start, time.time())], sent=start, answered=time.time())
+        return record
 
     def reference_logprobs(self, record: Any, timer: PhaseTimer) -> Any:
         """The reference model's log-probs of the record (for the KL penalty), or None without a reference."""
@@ -105,8 +119,11 @@ class GenerationPipeline:
         micro, temperature = self.config.trainer.micro_batch_size, self.config.generator.temperature
         packing = self.config.grpo.packing
         with timer.phase("reference"):
-            return self.router.call(self.groups["reference"],
-                                    lambda actor: actor.logprobs.call_one(record, micro, temperature, packing))
+            start = time.time()
+            logprobs = self.router.call(self.groups["reference"],
+                                        lambda actor: actor.logprobs.call_one(record, micro, temperature, packing))
+            timer.add_proc("reference", [("reference", start, time.time())], sent=start, answered=time.time())
+            return logprobs
 
     # --- sync and async ---------------------------------------------------------------
     def finish(self, pending: PendingGeneration, timer: PhaseTimer) -> tuple[int, float]:
@@ -114,11 +131,11 @@ class GenerationPipeline:
         with timer.phase("generate_wait"):
             completions, busiest = [], 0.0
             for request in pending.calls:
-                part, seconds = self.router.receive(request)
+                part, seconds = self.received(request, timer)
                 completions.extend(part)
                 busiest = max(busiest, seconds)
         with timer.phase("reward"):
-            record = self.score(pending.problems, pending.prompts, completions)
+            record = self.score(pending.problems, pending.prompts, completions, timer)
             self.control.call(self.control.buffer.put.call_one(record))
         return sum(len(c.token_ids) for c in completions), busiest
 
@@ -148,14 +165,16 @@ class GenerationPipeline:
         tokens, seconds_per_replica = 0, Counter[int]()  # a replica works through its chunks one after another
         for request, (first, last) in zip(generation.calls, generation.spans):
             with timer.phase("generate_wait"):
-                completions, seconds = self.router.receive(request)
+                completions, seconds = self.received(request, timer)
             tokens += sum(len(c.token_ids) for c in completions)
             seconds_per_replica[request.index] += seconds
             with timer.phase("reward"):
                 chunk = self.score(generation.problems[first:last],
-                                   generation.prompts[first * group_size:last * group_size], completions)
+                                   generation.prompts[first * group_size:last * group_size], completions, timer)
             ref = self.reference_logprobs(chunk, timer)
             chunks.append(chunk)
+            if timer.train_sent is None:
+                timer.train_sent = time.time()
             sent.append((chunk, ref, trainer.actors.accumulate.call(chunk, ref)))
         try:
             with timer.phase("train"):

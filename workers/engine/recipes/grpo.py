@@ -52,6 +52,7 @@ from workers.engine.sampler import SamplingParams, TorchSampler
 from workers.engine.scoring import score_rollouts
 from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
+from workers.engine.timeline import WorkSpans, record_step_timeline
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
 from workers.engine.training import (
@@ -165,7 +166,7 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
     step_metrics: list[dict[str, float]] = []
     step = start_step
     for step in range(start_step + 1, trainer_cfg.steps + 1):
-        timer = PhaseTimer()
+        timer = PhaseTimer(lane="process")
         step_start = time.perf_counter()
 
         # 1-3. generate, reward, buffer: keep the generator max_age batches ahead of the trainer
@@ -191,14 +192,17 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
                 shaping["kl/reward_penalty"] = kl_reward_advantages(batch, batch_record.rewards, grpo=grpo)
 
         # 5. train: pi_old when a rollout correction or several updates need it, then epochs x mini_batches updates
+        train_spans = WorkSpans()
         with timer.phase("train"):
-            shaping.update(prepare_old_logprobs(
-                model, batch, grpo=grpo, temperature=temperature, micro_batch_size=trainer_cfg.micro_batch_size,
-                policy_age=age, batch_version=batch_record.policy_version, behaviour=behaviour))
+            with train_spans.span("old_logprobs"):
+                shaping.update(prepare_old_logprobs(
+                    model, batch, grpo=grpo, temperature=temperature, micro_batch_size=trainer_cfg.micro_batch_size,
+                    policy_age=age, batch_version=batch_record.policy_version, behaviour=behaviour))
             update = policy_update(
                 model, optimizer, scheduler, batch, grpo=grpo, temperature=temperature,
                 micro_batch_size=trainer_cfg.micro_batch_size, grad_clip=trainer_cfg.optimizer.grad_clip,
                 max_new_tokens=cfg.generator.max_new_tokens, seed=trainer_cfg.seed * 1_000_003 + policy_version,
+                spans=train_spans,
             )
             policy_version += 1
             behaviour.record(model, version=policy_version)
@@ -227,6 +231,9 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
         }
         if "generate" in timer.seconds:
             metrics["throughput/gen_tokens_per_s"] = generated_tokens / max(timer.seconds["generate"], 1e-9)
+        # where the step's time went: the train phase in its parts
+        spans = [span for span in timer.spans if span[1] != "train"] + [("process", *s) for s in train_spans.items]
+        metrics.update(record_step_timeline(recorder, step=step, start=timer.start, end=time.time(), spans=spans))
         recorder.log_many(metrics, step)
         losses.append(update.loss)
         step_metrics.append(metrics)

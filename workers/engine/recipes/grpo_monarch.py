@@ -21,7 +21,7 @@ Each step, top to bottom (`MonarchGrpoRun.step`):
   4. reference (optional) reference log-probs for the KL penalty
   5. drills    fault drills due now are injected (`controller/drill_targets.py`)
   6. train     every trainer rank takes its rows; gradients are summed across ranks
-  7. record    metrics, rollouts, eval, checkpoint, then operator commands (`step_end.py`; placement changes and
+  7. record    metrics, where the step's time went (`timeline.py`), rollouts, eval, checkpoint, then operator commands (`step_end.py`; placement changes and
                redirects: `controller/operator.py`)
 In pipelined mode 1-6 run chunk by chunk, so generation overlaps training within the step.
 
@@ -35,6 +35,7 @@ accepting connections is lost with every proc on it, and each of them is handled
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ from workers.engine.recipes.results import GrpoResult
 from workers.engine.run_control import RunControl
 from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
+from workers.engine.timeline import record_step_timeline
 from workers.engine.training import EvalResult, PhaseTimer, mfu, record_eval, train_tokens_per_second
 
 __all__ = ["FaultDrill", "ProcFailure", "train_grpo_monarch"]
@@ -245,6 +247,7 @@ class MonarchGrpoRun:
                 age = state.trained(record_version=batch.record.policy_version)
                 trained_samples[state.step] = list(batch.record.sample_ids)
                 metrics = self.metrics(batch, results, timer, age=age, step_seconds=time.perf_counter() - step_start)
+                metrics.update(self.timeline(results, timer))
                 self.recorder.log_many(metrics, state.step)
                 losses.append(metrics["loss"])
                 step_metrics.append(metrics)
@@ -311,6 +314,17 @@ class MonarchGrpoRun:
         for i, served in enumerate(self.groups["generator"].service.served):
             metrics[f"generator/replica_{i}_requests"] = served
         return metrics
+
+    def timeline(self, results: list[dict[str, Any]], timer: PhaseTimer) -> dict[str, float]:
+        """Record where the step's time went (every rank's spans from the first call to the trainer to the end of the
+        controller's train wait); its shares."""
+        trains = [(start, end) for lane, phase, start, end in timer.spans if phase == "train"]
+        if trains:
+            sent = min(trains[0][0], timer.train_sent if timer.train_sent is not None else math.inf)
+            for rank, result in enumerate(results):
+                timer.add_proc(f"trainer {rank}", result.get("spans"), sent=sent, answered=trains[-1][1])
+        return record_step_timeline(self.recorder, step=self.state.step, start=timer.start, end=time.time(),
+                                    spans=timer.spans)
 
     def evaluate(self, step: int) -> EvalResult:
         result = self.trainer.from_rank0("evaluate", self.held_out, self.config.eval.rollout_samples)
