@@ -113,3 +113,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     otherwise choose Unix sockets for the rest of the session."""
     first = [item for item in items if item.path.name in TCP_FIRST]
     items[:] = first + [item for item in items if item.path.name not in TCP_FIRST]
+
+
+def recorded_timelines(sink: Any) -> list[dict[str, Any]]:
+    """The payloads of a MemorySink's step_timeline events, each one the wire takes (`StepTimeline`)."""
+    from workers.engine.telemetry_wire import StepTimeline
+
+    payloads = [{k: v for k, v in r.items() if k not in ("seq", "time", "kind", "name")}
+                for r in sink.events("step_timeline")]
+    return [StepTimeline.model_validate(p).model_dump(mode="json") for p in payloads]
+
+
+def phases_on(timeline: dict[str, Any], lane: str) -> set[str]:
+    index = timeline["lanes"].index(lane)
+    return {phase for at, phase, _, _ in timeline["spans"] if at == index}

@@ -45,8 +45,10 @@ class FakeEndpoint:
 class FakeActor:
     """An actor (or a mesh of them, answering as one): `pid`, `inject_fault`, and the endpoints a test gives it."""
 
-    def __init__(self, pid: int, **endpoints: Any):
+    def __init__(self, pid: int, *, name: str | None = None, **endpoints: Any):
         self.pid = FakeEndpoint(pid)
+        if name is not None:  # as Monarch names a spawn: the name given and a suffix
+            self._name = Done(f"{name}-0")
         self.inject_fault = FakeEndpoint(None)
         for name, answer in endpoints.items():
             setattr(self, name, FakeEndpoint(answer))
@@ -107,6 +109,10 @@ class FakeHosts:
     def pids_visible(self, host: str) -> bool:
         return False  # the pids are not this machine's: failures show through reports and lost hosts only
 
+    @property
+    def procs_are_children(self) -> bool:
+        return False  # fake pids: never signalled
+
     def gpus_free(self, host: str) -> int | None:
         return None
 
@@ -134,8 +140,8 @@ def publish_to_inboxes(inboxes: list[Any], publication: int, version: int) -> fl
 def fake_group(role: str, hosts: FakeHosts, placement: list[str], *, per_host: int | None = None,
                spares: int = 0, **endpoints: Any) -> ReplicaGroup:
     """A started replica group of `role` with one replica on each host of `placement`."""
-    inbox = (lambda procs, name: FakeActor(next(PIDS), put=None)) if role == "generator" else None
-    group = ReplicaGroup(role, spawn_actor=lambda procs, name: FakeActor(next(PIDS), **endpoints), threads=1,
+    inbox = (lambda procs, name: FakeActor(next(PIDS), name=name, put=None)) if role == "generator" else None
+    group = ReplicaGroup(role, spawn_actor=lambda procs, name: FakeActor(next(PIDS), name=name, **endpoints), threads=1,
                          routing="round_robin", hosts=hosts, spares=spares, per_host=per_host, spawn_inbox=inbox)
     group.start(placement)
     return group

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from workers.engine.actors.fleet import Failover, ProcFailure, Replica, ReplicaGroup
+from workers.engine.actors.fleet import Failover, MeshStops, ProcFailure, Replica, ReplicaGroup, exited
 from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.service import Service
 from workers.engine.config import FailoverConfig
@@ -313,3 +313,21 @@ def test_a_hung_replica_is_killed_from_its_own_host() -> None:
         failover.detect(group, replica, "no answer within 10 s", hung=True)
     assert (agents["a"].killed, agents["b"].killed) == ([[101]], [[202]])
     assert failover.pending_repairs()
+
+
+def test_mesh_stops_signal_the_given_pids_then_wait_for_every_stop_started() -> None:
+    import subprocess
+
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    meshes = [FakeMesh(), FakeMesh(), FakeMesh()]
+    stops = MeshStops()
+    stops.add(meshes[0], pids=[procs[0].pid])
+    stops.add(meshes[1], pids=[procs[1].pid, ended.pid])  # a pid that is gone already is passed over
+    stops.add(meshes[2])
+    assert all(mesh.stopped for mesh in meshes)  # started at add, before any wait
+    assert [p.wait(timeout=5) for p in procs] == [-15, -15]  # SIGTERM
+    assert all(exited(p.pid) for p in procs)
+    stops.wait()
+    assert stops.stopping == []

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.engine.conftest import phases_on, recorded_timelines
 from workers.engine.batching import SftBatch
 from workers.engine.config import ConfigError, RunConfig, load_config
 from workers.engine.metrics import MemorySink, Recorder
@@ -101,10 +102,17 @@ def test_monarch_sft_equals_one_process_and_checkpoints_move_between_1_and_2_sha
     model = tiny_trainable_qwen3
     every = ("trainer.steps=4", "checkpoint.every_steps=2", "eval.every_steps=4")
     sharded = ("placement.backend=monarch", "trainer.ranks=2", "trainer.sharding=fsdp")
-    one = train_sft(_config(model, tmp_path / "one", *every), Recorder())
+    one_sink = MemorySink()
+    one = train_sft(_config(model, tmp_path / "one", *every), Recorder([one_sink]))
     sink = MemorySink()
     two = train_sft_monarch(_config(model, tmp_path / "two", *every, *sharded), Recorder([sink]))
     assert two.step == 4 and len(two.losses) == 4
+    # where each step's time went: one lane in one process; the controller and each rank on Monarch
+    assert [t["lanes"] for t in recorded_timelines(one_sink)] == [["process"]] * 4
+    for timeline in recorded_timelines(sink):
+        assert timeline["lanes"] == ["controller", "trainer 0", "trainer 1"]
+        assert all({"forward_backward", "optimizer"} <= phases_on(timeline, f"trainer {rank}") for rank in (0, 1))
+        assert 0.0 <= timeline["idle"]["trainer 1"] < 1.0
     assert two.losses == pytest.approx(one.losses, abs=1e-5)
     assert one.losses[-1] < one.losses[0]
     ready = sink.events("meshes_ready")[0]

@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from tests.engine.conftest import ARITHMETIC
+from tests.engine.conftest import ARITHMETIC, phases_on, recorded_timelines
 from workers.engine.control_plane import record_to_wire
 from workers.engine.metrics import MemorySink, Recorder
 from workers.engine.recipes.grpo import train_grpo
+from workers.engine.recipes.sft import train_sft
 from workers.engine.telemetry_wire import (MAX_TIMELINE_NAME_CHARS, MAX_TIMELINE_PHASES, MAX_TIMELINE_SPANS,
                                            StepTimeline, WireEvent)
 from workers.engine.timeline import WorkSpans, lane_key, on_call_clock, record_step_timeline, step_timeline
@@ -113,53 +114,47 @@ def test_a_phase_timer_adds_a_procs_spans_on_its_clock() -> None:
     assert start == timer.start and end == pytest.approx(timer.start + 0.001)
 
 
-def _timelines(sink: MemorySink) -> list[dict[str, Any]]:
-    """The payloads of the recorded step_timeline events, each one the wire takes."""
-    payloads = [{k: v for k, v in r.items() if k not in ("seq", "time", "kind", "name")}
-                for r in sink.events("step_timeline")]
-    return [StepTimeline.model_validate(p).model_dump(mode="json") for p in payloads]
-
-
-def _phases_on(timeline: dict[str, Any], lane: str) -> set[str]:
-    index = timeline["lanes"].index(lane)
-    return {phase for at, phase, _, _ in timeline["spans"] if at == index}
-
-
-def test_the_single_process_recipe_records_a_timeline_a_step(tiny_trainable_qwen3: Path, make_config) -> None:
+@pytest.mark.parametrize("recipe, settings, phases", [
+    ("grpo", ("trainer.batch_size=2", "grpo.group_size=2"), {"generate", "forward_backward", "optimizer"}),
+    ("sft", ("trainer.batch_size=4", "trainer.micro_batch_size=2"), {"data", "forward_backward", "optimizer"}),
+])
+def test_a_single_process_recipe_records_a_timeline_a_step(tiny_trainable_qwen3: Path, make_config, recipe: str,
+                                                           settings: tuple[str, ...], phases: set[str]) -> None:
     sink = MemorySink()
-    config = make_config("grpo", tiny_trainable_qwen3, *ARITHMETIC, "data.eval_size=8", "trainer.steps=2",
-                         "trainer.batch_size=2", "grpo.group_size=2", "eval.every_steps=0")
-    train_grpo(config, Recorder([sink]))
-    timelines = _timelines(sink)
+    config = make_config(recipe, tiny_trainable_qwen3, *ARITHMETIC, "data.eval_size=8", "trainer.steps=2", *settings,
+                         "eval.every_steps=0")
+    (train_grpo if recipe == "grpo" else train_sft)(config, Recorder([sink]))
+    timelines = recorded_timelines(sink)
     assert [t["step"] for t in timelines] == [1, 2]
     for timeline in timelines:
         assert timeline["lanes"] == ["process"]
-        phases = _phases_on(timeline, "process")
-        assert {"generate", "forward_backward", "optimizer"} <= phases and "train" not in phases, phases
+        drawn = phases_on(timeline, "process")
+        assert phases <= drawn and "train" not in drawn, drawn
         assert 0.0 <= timeline["idle"]["process"] <= 0.5, "one process works most of its step"
         assert all(0.0 < share <= 1.0 for share in timeline["shares"].values())
+        assert timeline["shares"]["forward_backward"] > timeline["shares"]["optimizer"]
     assert 0.0 < sink.last("timeline/forward_backward_share") <= 1.0
 
 
 def test_every_monarch_mode_records_the_roles_lanes_a_step(monarch_mode_runs: dict[str, tuple[Any, MemorySink]]) -> None:
     for mode, (_, sink) in monarch_mode_runs.items():
-        timelines = _timelines(sink)
+        timelines = recorded_timelines(sink)
         assert [t["step"] for t in timelines] == list(range(1, 7)), mode
         for timeline in timelines:
             lanes = timeline["lanes"]
             assert lanes[0] == "controller" and {"trainer 0", "generator 0", "reward"} <= set(lanes), (mode, lanes)
-            assert {"forward_backward", "optimizer"} <= _phases_on(timeline, "trainer 0"), mode
+            assert {"forward_backward", "optimizer"} <= phases_on(timeline, "trainer 0"), mode
             trainer = timeline["lanes"].index("trainer 0")
             work = {phase: (start, end) for at, phase, start, end in timeline["spans"] if at == trainer}
             assert work["optimizer"][0] >= work["forward_backward"][1] - 1e-3, f"{mode}: the update follows the backward"
             assert work["optimizer"][1] > work["optimizer"][0], mode
-            assert "generate" in _phases_on(timeline, "generator 0"), mode
+            assert "generate" in phases_on(timeline, "generator 0"), mode
             assert all(0.0 <= v <= 1.0 for v in [*timeline["shares"].values(), *timeline["idle"].values()]), mode
             assert "controller" not in timeline["idle"]
             for _, _, start, end in timeline["spans"]:
                 assert end >= start and end <= timeline["seconds"] + 1e-3, (mode, start, end)
         if mode != "sync":  # generation overlaps training: the generator works in every step it is not waited on
             assert all(t["idle"]["generator 0"] < 0.95 for t in timelines), (mode, [t["idle"] for t in timelines])
-        assert any("weight_load" in _phases_on(t, "generator 0") for t in timelines[1:]), \
+        assert any("weight_load" in phases_on(t, "generator 0") for t in timelines[1:]), \
             f"{mode}: the replica loads the trainer's weights between steps"
         assert 0.0 <= sink.last("timeline/trainer_idle_share") <= 1.0

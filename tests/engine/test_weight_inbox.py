@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine.fake_fleet import FakeActor
 from workers.engine.actors.fleet import Replica
 from workers.engine.actors.weight_inbox import PolicySlot
 
@@ -26,9 +27,19 @@ def test_the_slot_gives_the_named_publication_and_drops_the_older_ones() -> None
 
 
 def test_a_failure_report_of_a_generators_inbox_is_the_generators() -> None:
-    replica = Replica("generator", 0, "a", 1, "generator_0_1", procs=None, actor=None)
-    assert replica.owns("generator_0_1_inbox-x8Yz") and replica.owns("generator_0_1-x8Yz")
-    assert not replica.owns("generator_0_11_inbox-x8Yz") and not replica.owns("generator_0_11-x8Yz")
+    replica = Replica("generator", 0, "a", 1, "generator_0_1", procs=None, actor=FakeActor(1, name="generator_0_1"),
+                      inbox=FakeActor(2, name="generator_0_1_inbox"))
+    assert replica.owns("generator_0_1_inbox-0") and replica.owns("generator_0_1-0")
+    assert not replica.owns("generator_0_11_inbox-0") and not replica.owns("generator_0_11-0")
+
+
+def test_a_report_from_an_earlier_spawn_of_the_same_name_is_not_the_replicas() -> None:
+    """A run's procs stopped by SIGTERM report their deaths after the run; the next run in the same process names its
+    replicas alike (`generator_0_1`), but Monarch gives every spawn its own suffix."""
+    replica = Replica("generator", 0, "a", 1, "generator_0_1", procs=None, actor=FakeActor(1, name="generator_0_1"))
+    assert replica.owns("generator_0_1-0") and not replica.owns("generator_0_1-Zq81xw")
+    unnamed = Replica("generator", 0, "a", 1, "generator_0_1", procs=None, actor=FakeActor(1))
+    assert unnamed.owns("generator_0_1-x8Yz") and not unnamed.owns("generator_0_11-x8Yz"), "no spawned name: by name"
 
 
 def test_a_request_waits_for_a_publication_still_on_its_way_and_gives_up_with_the_reason() -> None:

@@ -113,7 +113,7 @@ def policy_update(
     a rollout correction or more than one update, `batch.old_logprobs` must hold pi_old (prepare_old_logprobs).
     """
     losses, norms, parts, lr = [], [], [], 0.0
-    span = spans.span if spans is not None else lambda phase: nullcontext()
+    span = (spans or WorkSpans()).span
     for rows in update_order(len(batch), grpo=grpo, seed=seed):
         update = batch.select(rows)
         mine, passes = share.rows(update, micro_batch_size)

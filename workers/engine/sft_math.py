@@ -15,6 +15,7 @@ from workers.engine.losses import sft_loss
 from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.sharding import set_gradient_sync
 from workers.engine.tasks import Problem
+from workers.engine.timeline import WorkSpans
 from workers.engine.training import PhaseTimer, mfu, train_tokens_per_second
 
 
@@ -35,30 +36,35 @@ def sft_update(
     micro_batch_size: int,
     grad_clip: float | None,
     share: RankShare = RankShare(),
+    spans: WorkSpans | None = None,
 ) -> SftUpdate:
     """One optimizer step on a step's batch (the whole batch, on every rank): this rank's contiguous rows in
     micro-batches, each loss divided by the batch's response tokens, so summing the ranks' gradients
     (`share.reduce_gradients`, or FSDP's reduce-scatter in the last pass) gives one process's gradient. A sharded rank
-    short of rows runs zero-weighted passes to keep its peers' collectives matched."""
+    short of rows runs zero-weighted passes to keep its peers' collectives matched. `spans`: where its time went."""
+    span = (spans or WorkSpans()).span
     normalizer = max(float(batch.loss_mask.sum()), 1.0)
     mine, passes = share.rows(batch, micro_batch_size)
     starts = list(range(0, len(mine), micro_batch_size))
     total = max(len(starts), passes)
     optimizer.zero_grad(set_to_none=True)
     loss_sum = 0.0
-    for i in range(total):
-        set_gradient_sync(model, enabled=i == total - 1)
-        if i >= len(starts):
-            zero_weighted_pass(model, batch.rows(0, 1))
-            continue
-        micro = mine.rows(starts[i], starts[i] + micro_batch_size)
-        logits = model(micro.inputs, positions=micro.positions, attention_masks=micro.attention_mask)
-        loss, _ = sft_loss(logits, micro.targets, micro.loss_mask, normalizer=normalizer)
-        loss.backward()
-        loss_sum += float(loss.detach())
+    with span("forward_backward"):
+        for i in range(total):
+            set_gradient_sync(model, enabled=i == total - 1)
+            if i >= len(starts):
+                zero_weighted_pass(model, batch.rows(0, 1))
+                continue
+            micro = mine.rows(starts[i], starts[i] + micro_batch_size)
+            logits = model(micro.inputs, positions=micro.positions, attention_masks=micro.attention_mask)
+            loss, _ = sft_loss(logits, micro.targets, micro.loss_mask, normalizer=normalizer)
+            loss.backward()
+            loss_sum += float(loss.detach())
     if share.reduce_gradients is not None:
-        share.reduce_gradients(model)
-    grad_norm, lr = apply_update(model, optimizer, scheduler, grad_clip=grad_clip)
+        with span("all_reduce"):
+            share.reduce_gradients(model)
+    with span("optimizer"):
+        grad_norm, lr = apply_update(model, optimizer, scheduler, grad_clip=grad_clip)
     return SftUpdate(loss=loss_sum, grad_norm=grad_norm, lr=lr, rows=len(mine))
 
 

@@ -100,6 +100,20 @@ class PhaseTimer:
         if isinstance(items, list):
             self.spans.extend((lane, phase, s, e) for phase, s, e in on_call_clock(items, sent=sent, answered=answered))
 
+    def split(self, phase: str, parts: list[tuple[str, float, float]]) -> None:
+        """This process's `phase` drawn as its parts (`WorkSpans.items` timed inside it, on this clock)."""
+        self.spans = [span for span in self.spans if span[1] != phase] + [(self.lane, *part) for part in parts]
+
+    def add_ranks(self, results: list[dict[str, Any]]) -> None:
+        """Every trainer rank's spans (its result's "spans"), on lane `trainer <rank>`, within the window from the
+        step's first call to the trainer to the end of the controller's "train" wait."""
+        trains = [(start, end) for _, phase, start, end in self.spans if phase == "train"]
+        if not trains:
+            return
+        sent = min(trains[0][0], self.train_sent if self.train_sent is not None else math.inf)
+        for rank, result in enumerate(results):
+            self.add_proc(f"trainer {rank}", result.get("spans"), sent=sent, answered=trains[-1][1])
+
     def metrics(self) -> dict[str, float]:
         return {f"time/{name}_s": value for name, value in self.seconds.items()}
 

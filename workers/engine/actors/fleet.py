@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -175,9 +177,25 @@ class Replica:
     lost_with_host: str | None = None  # why it is gone when its whole host was lost
     outstanding: int = 0  # requests sent to it and not yet awaited
     inbox: Any = None  # a generator's WeightInboxActor, on the same proc (actors/weight_inbox.py)
+    spawned_names: tuple[str, ...] | None = field(default=None, repr=False)  # read at the first failure report
 
     def owns(self, mesh_name: str) -> bool:
-        return mesh_name.rsplit("-", 1)[0] in (self.name, f"{self.name}_inbox")
+        """Whether a failure report's mesh is this replica's actor or inbox. Monarch names every spawn uniquely (the
+        name given and a suffix), so a late report from an earlier run's proc of the same name is not this one's."""
+        if self.spawned_names is None:
+            self.spawned_names = tuple(spawned_name(mesh) or "" for mesh in (self.actor, self.inbox) if mesh is not None)
+        if self.spawned_names and all(self.spawned_names):
+            return mesh_name in self.spawned_names
+        return mesh_name.rsplit("-", 1)[0] in (self.name, f"{self.name}_inbox")  # a name Monarch did not give
+
+
+def spawned_name(mesh: Any) -> str | None:
+    """Monarch's name of one spawn of an actor mesh (`<name given>-<suffix>`); None when it cannot be read."""
+    name = getattr(mesh, "_name", None)
+    try:
+        return str(name.get(timeout=5)) if name is not None else None
+    except Exception:  # noqa: BLE001 - a proc that died while spawning may never name its mesh
+        return None
 
 
 class ReplicaGroup:
@@ -348,21 +366,59 @@ class ReplicaGroup:
         """SIGKILL the replica's procs, from its host (best effort: a lost host took them already)."""
         self.hosts.kill(replica.host, replica.pids)
 
-    def stop(self, replica: Replica) -> None:
+    def stop(self, replica: Replica, *, stops: MeshStops | None = None) -> None:
+        """Stop a replica's procs (with `stops`: start stopping them, `stops.wait()` waits)."""
         if replica.host not in self.hosts.lost:  # a lost host's procs are gone, and stopping them would wait
-            stop_quietly(replica.procs)
+            if stops is None:
+                stop_quietly(replica.procs)
+            else:
+                stops.add(replica.procs, pids=replica.pids if self.hosts.procs_are_children else [])
         self.hosts.release(replica.name)
 
-    def stop_all(self) -> None:
+    def stop_all(self, *, stops: MeshStops | None = None) -> None:
+        stops_here = stops or MeshStops()
         for replica in [*(self.service.replicas if self.service else []), *self.retiring, *self.spare_replicas()]:
-            self.stop(replica)
+            self.stop(replica, stops=stops_here)
+        if stops is None:
+            stops_here.wait()
+
+
+class MeshStops:
+    """The meshes stopped at the end of a run: `add` starts a mesh's stop, `wait` waits for every one.
+
+    Monarch stops one mesh at a time and waits about a second for each proc to wind down; a proc whose pid is given
+    (one this process spawned: `Hosts.procs_are_children`) is sent SIGTERM first, so its stop is immediate (the run
+    is over: nothing is left to save). Procs a worker spawned stop the slow way, so their worker reaps them.
+    """
+
+    def __init__(self) -> None:
+        self.stopping: list[Any] = []
+
+    def add(self, mesh: Any, *, pids: list[int] | None = None) -> None:
+        for pid in pids or []:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            self.stopping.append(mesh.stop())
+        except Exception:  # noqa: BLE001 - a damaged mesh may refuse to stop; its procs are gone or get reaped
+            pass
+
+    def wait(self, *, timeout_s: float = 15.0) -> None:
+        """Up to `timeout_s` for each mesh (Monarch stops them one after another)."""
+        for stopping in self.stopping:
+            try:
+                stopping.get(timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - as in add
+                pass
+        self.stopping = []
 
 
 def stop_quietly(mesh: Any) -> None:
-    try:
-        mesh.stop().get(timeout=15)
-    except Exception:  # noqa: BLE001 - a damaged mesh may refuse to stop cleanly; its procs are gone or get reaped
-        pass
+    stops = MeshStops()
+    stops.add(mesh)
+    stops.wait()
 
 
 @dataclass

@@ -251,6 +251,11 @@ class Hosts:
         """The GPUs `owner`'s procs held are free again (its procs stopped or were lost)."""
         self.gpus.release(owner)
 
+    @property
+    def procs_are_children(self) -> bool:
+        """Whether the run's procs are this process's children (no workers: every proc is spawned from here)."""
+        return not self.workers
+
     def pids_visible(self, host: str) -> bool:
         """Whether the pids of procs on `host` are this machine's (then /proc shows a dead one at once)."""
         return not self.workers or self.workers[host].host in LOOPBACK

@@ -12,18 +12,22 @@ from workers.engine.actors.trainer_rank import TrainerRankActor
 from workers.engine.batching import SftBatch
 from workers.engine.sft_math import sft_update
 from workers.engine.tasks import Problem
+from workers.engine.timeline import WorkSpans
 from workers.engine.training import held_out_nll
 
 
 class SftTrainerActor(TrainerRankActor):
     @endpoint
     def sft_step(self, batch: SftBatch) -> dict[str, Any]:
-        """One optimizer step; this rank's part of the loss (the parts sum to the step's loss) and its rows."""
+        """One optimizer step; this rank's part of the loss (the parts sum to the step's loss), its rows and its spans."""
         self.before_work(batch)
         cfg = self.config.trainer
+        spans = WorkSpans()
         update = sft_update(self.model, self.optimizer, self.scheduler, batch.to(self.device),
-                            micro_batch_size=cfg.micro_batch_size, grad_clip=cfg.optimizer.grad_clip, share=self.share())
-        return {"loss": update.loss, "grad_norm": update.grad_norm, "lr": update.lr, "rows": update.rows}
+                            micro_batch_size=cfg.micro_batch_size, grad_clip=cfg.optimizer.grad_clip, share=self.share(),
+                            spans=spans)
+        return {"loss": update.loss, "grad_norm": update.grad_norm, "lr": update.lr, "rows": update.rows,
+                "spans": spans.items}
 
     @endpoint
     def held_out_nll(self, problems: list[Problem]) -> float:

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from workers.engine.actors.dataset import DatasetActor
-from workers.engine.actors.fleet import CallFailed, ProcFailure, stop_quietly
+from workers.engine.actors.fleet import CallFailed, MeshStops, ProcFailure, stop_quietly
 from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.procs import spawn_procs
 from workers.engine.actors.replay_buffer import ReplayBufferActor
@@ -96,6 +96,7 @@ class ControlProcs:
         self.noticed = None
         return noticed
 
-    def stop_all(self) -> None:
+    def stop_all(self, *, stops: MeshStops) -> None:
+        """Start stopping every control proc started (`stops.wait()` waits)."""
         for mesh in self.meshes:
-            stop_quietly(mesh)
+            stops.add(mesh)

@@ -10,7 +10,7 @@ from typing import Any
 
 from monarch.spmd import setup_torch_elastic_env
 
-from workers.engine.actors.fleet import CallFailed, answered, exited, stop_quietly
+from workers.engine.actors.fleet import CallFailed, MeshStops, answered, exited, stop_quietly
 from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.trainer_rank import TrainerRankActor
 from workers.engine.config import RunConfig
@@ -124,9 +124,13 @@ class TrainerHandle:
         for host in self.placer.trainer_hosts:
             self.hosts.kill(host, [pid for rank, pid in enumerate(self.pids) if self.placer.rank_host(rank) == host])
 
-    def stop(self) -> None:
+    def stop(self, *, stops: MeshStops | None = None) -> None:
+        """Stop the ranks' procs (with `stops`: start stopping them, `stops.wait()` waits)."""
         if self.procs is not None and not self.lost_host():  # stopping a mesh on a lost host would wait for it
-            stop_quietly(self.procs)
+            if stops is None:
+                stop_quietly(self.procs)
+            else:
+                stops.add(self.procs, pids=self.pids if self.hosts.procs_are_children else [])
 
     # --- calls ------------------------------------------------------------------------
     def result(self, future: Any) -> Any:

@@ -231,9 +231,8 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
         }
         if "generate" in timer.seconds:
             metrics["throughput/gen_tokens_per_s"] = generated_tokens / max(timer.seconds["generate"], 1e-9)
-        # where the step's time went: the train phase in its parts
-        spans = [span for span in timer.spans if span[1] != "train"] + [("process", *s) for s in train_spans.items]
-        metrics.update(record_step_timeline(recorder, step=step, start=timer.start, end=time.time(), spans=spans))
+        timer.split("train", train_spans.items)  # where the step's time went: the train phase in its parts
+        metrics.update(record_step_timeline(recorder, step=step, start=timer.start, end=time.time(), spans=timer.spans))
         recorder.log_many(metrics, step)
         losses.append(update.loss)
         step_metrics.append(metrics)

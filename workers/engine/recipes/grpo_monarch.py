@@ -35,13 +35,12 @@ accepting connections is lost with every proc on it, and each of them is handled
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workers.engine.actors.fleet import Failover, ProcFailure, ReplicaGroup, answered
+from workers.engine.actors.fleet import Failover, MeshStops, ProcFailure, ReplicaGroup, answered
 from workers.engine.actors.generator import GeneratorActor
 from workers.engine.actors.weight_inbox import WeightInboxActor
 from workers.engine.actors.hosts import Hosts
@@ -316,13 +315,8 @@ class MonarchGrpoRun:
         return metrics
 
     def timeline(self, results: list[dict[str, Any]], timer: PhaseTimer) -> dict[str, float]:
-        """Record where the step's time went (every rank's spans from the first call to the trainer to the end of the
-        controller's train wait); its shares."""
-        trains = [(start, end) for lane, phase, start, end in timer.spans if phase == "train"]
-        if trains:
-            sent = min(trains[0][0], timer.train_sent if timer.train_sent is not None else math.inf)
-            for rank, result in enumerate(results):
-                timer.add_proc(f"trainer {rank}", result.get("spans"), sent=sent, answered=trains[-1][1])
+        """Record where the step's time went, every trainer rank's spans with the controller's; its shares."""
+        timer.add_ranks(results)
         return record_step_timeline(self.recorder, step=self.state.step, start=timer.start, end=time.time(),
                                     spans=timer.spans)
 
@@ -334,7 +328,9 @@ class MonarchGrpoRun:
     def stop(self) -> None:
         for fault in self.injector.faults:
             fault.end_signals()  # no stopped process is left behind
+        stops = MeshStops()  # every proc's stop started before any is waited for
         for group in self.groups.values():
-            group.stop_all()
-        self.trainer.stop()
-        self.control_procs.stop_all()
+            group.stop_all(stops=stops)
+        self.trainer.stop(stops=stops)
+        self.control_procs.stop_all(stops=stops)
+        stops.wait()

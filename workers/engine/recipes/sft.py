@@ -24,6 +24,7 @@ from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
+from workers.engine.timeline import WorkSpans, record_step_timeline
 from workers.engine.training import (
     EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, held_out_nll, record_eval, setup_process,
     single_process_device,
@@ -89,21 +90,25 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
     losses: list[float] = []
     step = start_step
     for step in range(start_step + 1, trainer_cfg.steps + 1):
-        timer = PhaseTimer()
+        timer = PhaseTimer(lane="process")
         step_start = time.perf_counter()
 
         with timer.phase("data"):
             batch = sft_batch(stream.take(trainer_cfg.batch_size), tokenizer=tokenizer, data=cfg.data).to(device)
 
+        train_spans = WorkSpans()
         with timer.phase("train"):
             update = sft_update(model, optimizer, scheduler, batch, micro_batch_size=trainer_cfg.micro_batch_size,
-                                grad_clip=trainer_cfg.optimizer.grad_clip)
+                                grad_clip=trainer_cfg.optimizer.grad_clip, spans=train_spans)
 
         losses.append(update.loss)
-        recorder.log_many(sft_step_metrics(
+        metrics = sft_step_metrics(
             update_loss=update.loss, grad_norm=update.grad_norm, lr=update.lr, batch=batch,
             step_seconds=time.perf_counter() - step_start, timer=timer, n_params=n_params,
-            peak_flops_per_second=trainer_cfg.peak_flops_per_second, epoch=stream.epoch), step)
+            peak_flops_per_second=trainer_cfg.peak_flops_per_second, epoch=stream.epoch)
+        timer.split("train", train_spans.items)  # where the step's time went: the train phase in its parts
+        metrics.update(record_step_timeline(recorder, step=step, start=timer.start, end=time.time(), spans=timer.spans))
+        recorder.log_many(metrics, step)
 
         if not step_end.after(step):  # eval, checkpoint, operator commands
             break

@@ -8,7 +8,8 @@ Each step, top to bottom (`MonarchSftRun.step`):
   2. drills  trainer fault drills due now are injected (`controller/drill_targets.py`)
   3. train   every rank takes its contiguous rows of the batch, the loss normalised over the whole batch's
              response tokens, gradients summed across ranks (`actors/sft_trainer.py`, `sft_math.sft_update`)
-  4. record  metrics, the held-out eval, a checkpoint, then operator commands (`step_end.py`)
+  4. record  metrics, where the step's time went (`timeline.py`), the held-out eval, a checkpoint, then operator
+             commands (`step_end.py`)
 
 Failures: a trainer rank that dies or hangs (or whose host is lost) sends the run back to the last checkpoint on a
 respawned trainer mesh, up to `trainer.recover_failures` times (`controller/recovery.py`: SftRecovery). Drains of
@@ -21,7 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from workers.engine.actors.fleet import Failover, ReplicaGroup
+from workers.engine.actors.fleet import Failover, MeshStops, ReplicaGroup
 from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.sft_trainer import SftTrainerActor
 from workers.engine.actors.worker import Worker
@@ -48,6 +49,7 @@ from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
+from workers.engine.timeline import record_step_timeline
 from workers.engine.training import EvalResult, PhaseTimer, record_eval
 
 
@@ -121,7 +123,9 @@ class MonarchSftRun:
         startup.ready()
 
     def stop(self) -> None:
-        self.trainer.stop()
+        stops = MeshStops()
+        self.trainer.stop(stops=stops)
+        stops.wait()
 
     # --- the step loop ----------------------------------------------------------------
     def train(self) -> SftResult:
@@ -140,6 +144,9 @@ class MonarchSftRun:
                 state.step += 1
                 state.policy_version += 1
                 metrics = self.metrics(batch, results, timer, step_seconds=time.perf_counter() - step_start)
+                timer.add_ranks(results)  # where the step's time went
+                metrics.update(record_step_timeline(self.recorder, step=state.step, start=timer.start, end=time.time(),
+                                                    spans=timer.spans))
                 self.recorder.log_many(metrics, state.step)
                 losses.append(metrics["loss"])
                 if not self.step_end.after(state.step):
