@@ -23,7 +23,7 @@
   const PHASE_COLOURS = {
     generate: "#1a73e8", generate_wait: "#8ab4f8", weight_load: "#00838f", reward: "#e37400",
     reference: "#8430ce", old_logprobs: "#c2185b", forward_backward: "#188038", train: "#81c995",
-    all_reduce: "#b3261e", optimizer: "#8d6e00", weight_sync: "#f2b600",
+    all_reduce: "#b3261e", optimizer: "#8d6e00", weight_sync: "#f2b600", data: "#78909c",
   };
   const FALLBACK_COLOURS = ["#6d4c41", "#546e7a", "#9e9d24", "#5e35b1", "#d84315", "#00695c"];
 
