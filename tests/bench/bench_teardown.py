@@ -25,6 +25,8 @@ from workers.engine.recipes.grpo_monarch import train_grpo_monarch  # noqa: E402
 
 
 class LastRecordTime(MemorySink):
+    last_metric_at = 0.0  # perf_counter seconds of the last metric written
+
     def write(self, record: dict) -> None:
         super().write(record)
         if record.get("kind") == "metric":

@@ -116,12 +116,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def recorded_timelines(sink: Any) -> list[dict[str, Any]]:
-    """The payloads of a MemorySink's step_timeline events, each one the wire takes (`StepTimeline`)."""
-    from workers.engine.telemetry_wire import StepTimeline
+    """The payloads of a MemorySink's step_timeline events as the control plane takes them (a `StepTimeline` each)."""
+    from workers.engine.control_plane import record_to_wire
+    from workers.engine.telemetry_wire import WireEvent
 
-    payloads = [{k: v for k, v in r.items() if k not in ("seq", "time", "kind", "name")}
-                for r in sink.events("step_timeline")]
-    return [StepTimeline.model_validate(p).model_dump(mode="json") for p in payloads]
+    return [WireEvent.model_validate(record_to_wire(r)[1]).payload for r in sink.events("step_timeline")]
 
 
 def phases_on(timeline: dict[str, Any], lane: str) -> set[str]:

@@ -4,6 +4,7 @@ the wire takes, and the timelines the single-process and Monarch GRPO recipes re
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,8 @@ from workers.engine.recipes.grpo import train_grpo
 from workers.engine.recipes.sft import train_sft
 from workers.engine.telemetry_wire import (MAX_TIMELINE_NAME_CHARS, MAX_TIMELINE_PHASES, MAX_TIMELINE_SPANS,
                                            StepTimeline, WireEvent)
-from workers.engine.timeline import WorkSpans, lane_key, on_call_clock, record_step_timeline, step_timeline
+from workers.engine.timeline import (WorkSpans, lane_key, on_call_clock, phase_seconds, record_step_timeline,
+                                     step_timeline)
 from workers.engine.training import PhaseTimer
 
 
@@ -49,7 +51,9 @@ def test_work_spans_time_each_phase_by_the_wall_clock() -> None:
         raise RuntimeError("the span still ends")
     assert [phase for phase, _, _ in spans.items] == ["forward_backward", "optimizer"]
     assert all(end >= start for _, start, end in spans.items)
-    assert spans.seconds("forward_backward") >= 0.0 and spans.seconds("absent") == 0.0
+    assert phase_seconds(spans.items, "forward_backward") >= 0.0 and phase_seconds(spans.items, "absent") == 0.0
+    assert phase_seconds([("generate", 1.0, 1.5), ("weight_load", 0.0, 9.0), ("generate", 2.0, 2.25)],
+                         "generate") == 0.75
 
 
 def test_a_step_timeline_counts_overlapping_work_once_and_leaves_the_controller_out_of_the_shares() -> None:
@@ -100,6 +104,23 @@ def test_the_recorded_timeline_goes_over_the_wire_with_its_metrics() -> None:
     assert section == "events" and item["kind"] == "step_timeline"
     event = WireEvent.model_validate(item)
     assert event.payload["step"] == 2 and event.payload["lanes"] == ["trainer 0", "trainer 1", "generator 0"]
+
+
+def test_a_phase_timer_times_calls_on_a_procs_lane_and_records_its_timeline() -> None:
+    timer, sink = PhaseTimer(), MemorySink()
+    with timer.phase("reward"), timer.span_on("reward", "reward"):
+        time.sleep(0.002)  # longer than the shortest span drawn
+    with pytest.raises(RuntimeError), timer.span_on("reference", "reference"):
+        time.sleep(0.002)
+        raise RuntimeError("a failed call is still drawn")
+    assert [(lane, phase) for lane, phase, _, _ in timer.spans] == [
+        ("reward", "reward"), ("controller", "reward"), ("reference", "reference")]
+    timer.add_ranks([{"spans": [("forward_backward", 0.0, 1.0)]}])  # no "train" phase: no trainer lane
+    metrics = timer.record_timeline(Recorder([sink]), step=4)
+    [record] = sink.events("step_timeline")
+    assert record["step"] == 4 and record["lanes"] == ["controller", "reward", "reference"]
+    assert set(metrics) <= {"timeline/reward_share", "timeline/reference_share", "timeline/reward_idle_share",
+                            "timeline/reference_idle_share"}
 
 
 def test_a_phase_timer_adds_a_procs_spans_on_its_clock() -> None:

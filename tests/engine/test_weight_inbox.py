@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.fake_fleet import FakeActor
+from tests.engine.fake_fleet import Done, FakeActor
 from workers.engine.actors.fleet import Replica
 from workers.engine.actors.weight_inbox import PolicySlot
 
@@ -40,6 +40,10 @@ def test_a_report_from_an_earlier_spawn_of_the_same_name_is_not_the_replicas() -
     assert replica.owns("generator_0_1-0") and not replica.owns("generator_0_1-Zq81xw")
     unnamed = Replica("generator", 0, "a", 1, "generator_0_1", procs=None, actor=FakeActor(1))
     assert unnamed.owns("generator_0_1-x8Yz") and not unnamed.owns("generator_0_11-x8Yz"), "no spawned name: by name"
+    died = FakeActor(1)
+    died._name = Done(error=RuntimeError("the proc died while spawning"))
+    unreadable = Replica("generator", 0, "a", 1, "generator_0_1", procs=None, actor=died)
+    assert unreadable.owns("generator_0_1-x8Yz") and not unreadable.owns("generator_0_11-x8Yz"), "unreadable: by name"
 
 
 def test_a_request_waits_for_a_publication_still_on_its_way_and_gives_up_with_the_reason() -> None:

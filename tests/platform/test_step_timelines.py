@@ -45,7 +45,7 @@ def test_timelines_are_stored_per_step_and_a_rerun_step_replaces_its_row(client,
     rows = list(StepTimeline.objects.filter(run=run).order_by("step"))
     assert [r.step for r in rows] == [0, 1, 2]
     assert rows[1].payload["spans"][1] == [1, "forward_backward", 0.5, 0.7]  # the step's second run
-    assert rows[2].wall_time == START + 2
+    assert rows[2].payload["start"] == START + 2
     assert RunEvent.objects.filter(run=run).count() == events_before + 1  # only the message is a run event
     assert post(client, run, token, batch(2, timeline(2, forward=0.1))).status_code == 200  # a resent batch
     assert StepTimeline.objects.get(run=run, step=2).payload["shares"]["forward_backward"] == 0.4

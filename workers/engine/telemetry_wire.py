@@ -31,6 +31,7 @@ MAX_TIMELINE_SPANS = 2_000
 MAX_TIMELINE_PHASES = 64  # phases with a share
 MAX_TIMELINE_NAME_CHARS = 64
 MAX_SPAN_OFFSET_S = 86_400.0  # a span's start or end, in seconds from its step's start
+STEP_TIMELINE = "step_timeline"  # the event kind whose payload is a StepTimeline
 # How deep a request body may nest at all (the parser's stack is the limit): deeper than a payload may, so that a
 # payload nested too deep is refused as one item, not as the whole request.
 MAX_BODY_DEPTH = 2 * MAX_JSON_DEPTH
@@ -160,7 +161,7 @@ class WireEvent(_Wire):
     @field_validator("payload")
     @classmethod
     def _timeline_payload(cls, payload: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        if info.data.get("kind") == "step_timeline":
+        if info.data.get("kind") == STEP_TIMELINE:
             return StepTimeline.model_validate(payload).model_dump(mode="json")
         return payload
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from workers.engine.metrics import Recorder
 from workers.engine.telemetry_wire import (MAX_TIMELINE_LANES, MAX_TIMELINE_NAME_CHARS, MAX_TIMELINE_PHASES,
-                                           MAX_TIMELINE_SPANS)
+                                           MAX_TIMELINE_SPANS, STEP_TIMELINE)
 
 CONTROLLER = "controller"
 MIN_SPAN_S = 1e-4  # shorter spans are not drawn or counted
@@ -49,8 +49,10 @@ class WorkSpans:
         finally:
             self.items.append((phase, start, time.time()))
 
-    def seconds(self, phase: str) -> float:
-        return sum(end - start for name, start, end in self.items if name == phase)
+
+def phase_seconds(items: Iterable[ProcSpan], phase: str) -> float:
+    """The seconds a proc's spans spent in `phase`."""
+    return sum(end - start for name, start, end in items if name == phase)
 
 
 def on_call_clock(items: Iterable[ProcSpan], *, sent: float, answered: float) -> list[ProcSpan]:
@@ -122,10 +124,10 @@ def step_timeline(*, step: int, start: float, end: float, spans: Iterable[Span])
 
 def record_step_timeline(recorder: Recorder, *, step: int, start: float, end: float,
                          spans: Iterable[Span]) -> dict[str, float]:
-    """Record the step's `step_timeline` event; its shares as metrics: `timeline/<phase>_share`, and
+    """Record the step's `step_timeline` event (usually through `PhaseTimer.record_timeline`); its shares as metrics: `timeline/<phase>_share`, and
     `timeline/<role>_idle_share` (the mean over the role's procs)."""
     timeline = step_timeline(step=step, start=start, end=end, spans=spans)
-    recorder.event("step_timeline", **timeline)
+    recorder.event(STEP_TIMELINE, **timeline)
     metrics = {f"timeline/{phase}_share": value for phase, value in timeline["shares"].items()}
     idle_by_role: dict[str, list[float]] = {}
     for lane, idle in timeline["idle"].items():

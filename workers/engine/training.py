@@ -22,7 +22,7 @@ from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.rewards import CombinedReward, exact_math
 from workers.engine.sampler import SamplingParams, TorchSampler
 from workers.engine.tasks.problem import Problem
-from workers.engine.timeline import on_call_clock
+from workers.engine.timeline import on_call_clock, record_step_timeline
 
 
 def setup_process(*, threads: int, seed: int) -> None:
@@ -95,6 +95,15 @@ class PhaseTimer:
             self.seconds[name] = self.seconds.get(name, 0.0) + seconds
             self.spans.append((self.lane, name, wall, wall + seconds))
 
+    @contextmanager
+    def span_on(self, lane: str, phase: str) -> Iterator[None]:
+        """A call to a proc timed here, drawn on the proc's lane (for procs that do not time their own work)."""
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.spans.append((lane, phase, start, time.time()))
+
     def add_proc(self, lane: str, items: Any, *, sent: float, answered: float) -> None:
         """A proc's (phase, start, end) spans of one call, moved onto this clock (`timeline.on_call_clock`)."""
         if isinstance(items, list):
@@ -113,6 +122,10 @@ class PhaseTimer:
         sent = min(trains[0][0], self.train_sent if self.train_sent is not None else math.inf)
         for rank, result in enumerate(results):
             self.add_proc(f"trainer {rank}", result.get("spans"), sent=sent, answered=trains[-1][1])
+
+    def record_timeline(self, recorder: Recorder, *, step: int) -> dict[str, float]:
+        """Record where the step went, from this timer's start to now (`timeline.record_step_timeline`)."""
+        return record_step_timeline(recorder, step=step, start=self.start, end=time.time(), spans=self.spans)
 
     def metrics(self) -> dict[str, float]:
         return {f"time/{name}_s": value for name, value in self.seconds.items()}

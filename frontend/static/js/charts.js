@@ -309,5 +309,5 @@
     }
   }
 
-  window.FBCharts = { Chart, ChartGrid, Series, smooth, align, yRange, tickLabels, valueLabel, unitOf, PALETTE };
+  window.FBCharts = { Chart, ChartGrid, Series, smooth, align, yRange, tickLabels, valueLabel, unitOf, decimalsFor, PALETTE };
 })();

@@ -100,13 +100,7 @@
   }
 
   // --- numbers as text ----------------------------------------------------------------------------------------
-  function decimalsFor(increment) {
-    for (let d = 0; d < 6; d++) {
-      const scaled = increment * 10 ** d;
-      if (Math.abs(scaled - Math.round(scaled)) < 1e-6 * Math.max(1, scaled)) return d;
-    }
-    return 6;
-  }
+  const decimalsFor = (increment) => window.FBCharts.decimalsFor(increment);  // charts.js, loaded by every page
   function niceIncrement(range, count) {
     const raw = range / Math.max(1, count);
     const power = 10 ** Math.floor(Math.log10(raw));

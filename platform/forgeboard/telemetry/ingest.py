@@ -23,6 +23,7 @@ from forgeboard.telemetry.streams import publish_run_update
 from workers.engine.telemetry_wire import (
     MAX_DUPLICATES_LISTED,
     MAX_REFUSED_PER_ANSWER,
+    STEP_TIMELINE,
     DroppedDuplicate,
     RefusedItem,
     TelemetryBatch,
@@ -31,7 +32,6 @@ from workers.engine.telemetry_wire import (
 
 logger = logging.getLogger(__name__)
 WIRE_POINTS_PER_KEY = 50
-TIMELINE_KIND = "step_timeline"  # not a RunEvent: stored as StepTimeline rows
 TIMELINE_KEEP_RECENT = 1_000  # steps whose timelines are all kept
 TIMELINE_KEEP_EVERY = 100  # before those, the timeline of one step in this many
 
@@ -139,7 +139,7 @@ def _store_events(*, run: Run, batch: TelemetryBatch) -> list[RunEvent]:
     """Every event but the step timelines (`_store_timelines`), each with the run's next event sequence number."""
     events = []
     for wire in batch.events:
-        if wire.kind == TIMELINE_KIND:
+        if wire.kind == STEP_TIMELINE:
             continue
         run.last_event_seq += 1
         events.append(RunEvent(run_id=run.pk, seq=run.last_event_seq, kind=wire.kind, payload=storable(wire.payload),
@@ -151,15 +151,15 @@ def _store_timelines(*, run_id: int, batch: TelemetryBatch) -> list[dict]:
     """The batch's step timelines (validated on the wire as `StepTimeline`), one row per step: the latest wins, so a
     step run again after a restore from a checkpoint shows its second run. A week-long run keeps every step's row for
     its last TIMELINE_KEEP_RECENT steps and one in TIMELINE_KEEP_EVERY before them."""
-    latest = {wire.payload["step"]: wire.payload for wire in batch.events if wire.kind == TIMELINE_KIND}
+    latest = {wire.payload["step"]: wire.payload for wire in batch.events if wire.kind == STEP_TIMELINE}
     if not latest:
         return []
     StepTimeline.objects.bulk_create(
-        [StepTimeline(run_id=run_id, step=step, payload=payload, wall_time=payload["start"])
-         for step, payload in latest.items()],
-        update_conflicts=True, unique_fields=["run", "step"], update_fields=["payload", "wall_time"])
-    StepTimeline.objects.filter(run_id=run_id, step__lt=max(latest) - TIMELINE_KEEP_RECENT).alias(
-        every=Mod("step", TIMELINE_KEEP_EVERY)).exclude(every=0).delete()
+        [StepTimeline(run_id=run_id, step=step, payload=payload) for step, payload in latest.items()],
+        update_conflicts=True, unique_fields=["run", "step"], update_fields=["payload"])
+    if max(latest) > TIMELINE_KEEP_RECENT:  # a shorter run keeps every step: no query
+        StepTimeline.objects.filter(run_id=run_id, step__lt=max(latest) - TIMELINE_KEEP_RECENT).alias(
+            every=Mod("step", TIMELINE_KEEP_EVERY)).exclude(every=0).delete()
     return [latest[step] for step in sorted(latest)]
 
 

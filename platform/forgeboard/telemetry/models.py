@@ -103,5 +103,4 @@ class StepTimeline(models.Model):
     pk = models.CompositePrimaryKey("run", "step")
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="step_timelines")
     step = models.BigIntegerField()
-    payload = models.JSONField()
-    wall_time = models.FloatField(help_text="Unix seconds when the step started, by the engine's clock")
+    payload = models.JSONField()  # its "start": Unix seconds when the step started, by the engine's clock

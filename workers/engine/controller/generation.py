@@ -32,6 +32,7 @@ from workers.engine.grpo_math import check_prompt_lengths
 from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.replay_buffer import concat_records
 from workers.engine.sampler import SamplingParams
+from workers.engine.timeline import phase_seconds
 from workers.engine.training import PhaseTimer
 
 
@@ -65,9 +66,8 @@ class GenerationPipeline:
         with timer.phase("weight_sync"):
             replicas = self.generators.live()
             state.publications += 1
-            start = time.time()
-            self.trainer.publish_weights([r.inbox for r in replicas], state.publications)
-            timer.add_proc("trainer 0", [("weight_sync", start, time.time())], sent=start, answered=time.time())
+            with timer.span_on("trainer 0", "weight_sync"):
+                self.trainer.publish_weights([r.inbox for r in replicas], state.publications)
             state.generator_version = state.policy_version
             for replica in replicas:
                 replica.version = state.policy_version
@@ -102,15 +102,13 @@ class GenerationPipeline:
         completions, spans = self.router.receive(request)
         now = time.time()
         timer.add_proc(f"generator {request.index}", spans, sent=now - (time.monotonic() - request.sent_at), answered=now)
-        return completions, sum(end - start for phase, start, end in spans if phase == "generate")
+        return completions, phase_seconds(spans, "generate")
 
     def score(self, problems: list[Any], prompts: list[list[int]], completions: list[Any], timer: PhaseTimer) -> Any:
         group_size = self.config.grpo.group_size
-        start = time.time()
-        record = self.router.call(self.groups["reward"], lambda actor: actor.score.call_one(problems, prompts,
-                                                                                            completions, group_size))
-        timer.add_proc("reward", [("reward", start, time.time())], sent=start, answered=time.time())
-        return record
+        with timer.span_on("reward", "reward"):
+            return self.router.call(self.groups["reward"], lambda actor: actor.score.call_one(problems, prompts,
+                                                                                              completions, group_size))
 
     def reference_logprobs(self, record: Any, timer: PhaseTimer) -> Any:
         """The reference model's log-probs of the record (for the KL penalty), or None without a reference."""
@@ -118,12 +116,9 @@ class GenerationPipeline:
             return None
         micro, temperature = self.config.trainer.micro_batch_size, self.config.generator.temperature
         packing = self.config.grpo.packing
-        with timer.phase("reference"):
-            start = time.time()
-            logprobs = self.router.call(self.groups["reference"],
-                                        lambda actor: actor.logprobs.call_one(record, micro, temperature, packing))
-            timer.add_proc("reference", [("reference", start, time.time())], sent=start, answered=time.time())
-            return logprobs
+        with timer.phase("reference"), timer.span_on("reference", "reference"):
+            return self.router.call(self.groups["reference"],
+                                    lambda actor: actor.logprobs.call_one(record, micro, temperature, packing))
 
     # --- sync and async ---------------------------------------------------------------
     def finish(self, pending: PendingGeneration, timer: PhaseTimer) -> tuple[int, float]:

@@ -52,7 +52,7 @@ from workers.engine.sampler import SamplingParams, TorchSampler
 from workers.engine.scoring import score_rollouts
 from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
-from workers.engine.timeline import WorkSpans, record_step_timeline
+from workers.engine.timeline import WorkSpans
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
 from workers.engine.training import (
@@ -232,7 +232,7 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
         if "generate" in timer.seconds:
             metrics["throughput/gen_tokens_per_s"] = generated_tokens / max(timer.seconds["generate"], 1e-9)
         timer.split("train", train_spans.items)  # where the step's time went: the train phase in its parts
-        metrics.update(record_step_timeline(recorder, step=step, start=timer.start, end=time.time(), spans=timer.spans))
+        metrics.update(timer.record_timeline(recorder, step=step))
         recorder.log_many(metrics, step)
         losses.append(update.loss)
         step_metrics.append(metrics)

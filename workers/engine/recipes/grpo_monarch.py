@@ -71,7 +71,6 @@ from workers.engine.recipes.results import GrpoResult
 from workers.engine.run_control import RunControl
 from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
-from workers.engine.timeline import record_step_timeline
 from workers.engine.training import EvalResult, PhaseTimer, mfu, record_eval, train_tokens_per_second
 
 __all__ = ["FaultDrill", "ProcFailure", "train_grpo_monarch"]
@@ -246,7 +245,8 @@ class MonarchGrpoRun:
                 age = state.trained(record_version=batch.record.policy_version)
                 trained_samples[state.step] = list(batch.record.sample_ids)
                 metrics = self.metrics(batch, results, timer, age=age, step_seconds=time.perf_counter() - step_start)
-                metrics.update(self.timeline(results, timer))
+                timer.add_ranks(results)  # where the step's time went
+                metrics.update(timer.record_timeline(self.recorder, step=state.step))
                 self.recorder.log_many(metrics, state.step)
                 losses.append(metrics["loss"])
                 step_metrics.append(metrics)
@@ -313,12 +313,6 @@ class MonarchGrpoRun:
         for i, served in enumerate(self.groups["generator"].service.served):
             metrics[f"generator/replica_{i}_requests"] = served
         return metrics
-
-    def timeline(self, results: list[dict[str, Any]], timer: PhaseTimer) -> dict[str, float]:
-        """Record where the step's time went, every trainer rank's spans with the controller's; its shares."""
-        timer.add_ranks(results)
-        return record_step_timeline(self.recorder, step=self.state.step, start=timer.start, end=time.time(),
-                                    spans=timer.spans)
 
     def evaluate(self, step: int) -> EvalResult:
         result = self.trainer.from_rank0("evaluate", self.held_out, self.config.eval.rollout_samples)

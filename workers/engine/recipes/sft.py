@@ -24,7 +24,7 @@ from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
-from workers.engine.timeline import WorkSpans, record_step_timeline
+from workers.engine.timeline import WorkSpans
 from workers.engine.training import (
     EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, held_out_nll, record_eval, setup_process,
     single_process_device,
@@ -107,7 +107,7 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
             step_seconds=time.perf_counter() - step_start, timer=timer, n_params=n_params,
             peak_flops_per_second=trainer_cfg.peak_flops_per_second, epoch=stream.epoch)
         timer.split("train", train_spans.items)  # where the step's time went: the train phase in its parts
-        metrics.update(record_step_timeline(recorder, step=step, start=timer.start, end=time.time(), spans=timer.spans))
+        metrics.update(timer.record_timeline(recorder, step=step))
         recorder.log_many(metrics, step)
 
         if not step_end.after(step):  # eval, checkpoint, operator commands

@@ -49,7 +49,6 @@ from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
-from workers.engine.timeline import record_step_timeline
 from workers.engine.training import EvalResult, PhaseTimer, record_eval
 
 
@@ -145,8 +144,7 @@ class MonarchSftRun:
                 state.policy_version += 1
                 metrics = self.metrics(batch, results, timer, step_seconds=time.perf_counter() - step_start)
                 timer.add_ranks(results)  # where the step's time went
-                metrics.update(record_step_timeline(self.recorder, step=state.step, start=timer.start, end=time.time(),
-                                                    spans=timer.spans))
+                metrics.update(timer.record_timeline(self.recorder, step=state.step))
                 self.recorder.log_many(metrics, state.step)
                 losses.append(metrics["loss"])
                 if not self.step_end.after(state.step):

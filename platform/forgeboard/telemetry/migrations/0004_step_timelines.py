@@ -18,7 +18,6 @@ class Migration(migrations.Migration):
                 ('pk', models.CompositePrimaryKey('run', 'step', blank=True, editable=False, primary_key=True, serialize=False)),
                 ('step', models.BigIntegerField()),
                 ('payload', models.JSONField()),
-                ('wall_time', models.FloatField(help_text="Unix seconds when the step started, by the engine's clock")),
                 ('run', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='step_timelines', to='runs.run')),
             ],
         ),
