@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/services.sh
+bash scripts/slurm.sh
 VENV="${FORGEBOARD_VENV:-.venv}"
 PY="$(cd "$VENV" && pwd)/bin/python"
 export FORGEBOARD_ENV=test FORGEBOARD_TEST_VENV="$(cd "$VENV" && pwd)"

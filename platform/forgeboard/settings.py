@@ -227,6 +227,9 @@ SLURM_CPUS_PER_NODE = env.int("FORGEBOARD_SLURM_CPUS_PER_NODE", 16, minimum=1)
 SLURM_MEMORY = env.str("FORGEBOARD_SLURM_MEMORY", "64G")
 SLURM_MONARCH_PORT = env.int("FORGEBOARD_SLURM_MONARCH_PORT", 22222, minimum=1024, maximum=65535)  # each node's Monarch worker
 SLURM_BIN_DIR = env.str("FORGEBOARD_SLURM_BIN_DIR")  # where sbatch, squeue, sacct and scancel are; unset: PATH
+# A cluster run being cancelled whose engine has not stopped its job within this many seconds has the job
+# removed by the scheduler (scancel, or the Kubernetes Job deleted).
+JOB_CANCEL_GRACE_S = env.int("FORGEBOARD_JOB_CANCEL_GRACE_S", 120, minimum=0)
 # The Kubernetes launch backend (workers/launch/kubernetes_backend.py): a worker with an API URL and an
 # image creates the objects of runs whose config says placement.backend: kubernetes.
 K8S_API_URL = env.url("FORGEBOARD_K8S_API_URL", ("https", "http"))

@@ -12,7 +12,7 @@ import pytest
 
 from workers.engine.actors import monarch_job
 from workers.engine.actors.hosts import Hosts, HostsUnreachable
-from workers.engine.actors.monarch_job import MonarchJobError, job_kind, slurm_batch_workers
+from workers.engine.actors.monarch_job import MonarchJobError, expand_hostlist, job_kind, slurm_batch_workers
 
 
 def test_the_job_kind_is_read_and_checked():
@@ -61,7 +61,7 @@ def test_a_multi_node_job_on_a_loopback_hostname_is_refused(monkeypatch, nodelis
         monarch_job._listen_on_loopback_if_alone()
 
 
-@pytest.mark.parametrize(("nodes", "nodelist"), [("1", "vm"), ("2", "127.0.0.2,127.0.0.3")])
+@pytest.mark.parametrize(("nodes", "nodelist"), [("1", "vm"), ("2", "127.0.0.2,127.0.0.3"), ("2", "fbslurm[1-2]")])
 def test_an_allocation_all_on_this_machine_listens_on_loopback(monkeypatch, nodes, nodelist):
     _resolving_to(monkeypatch, {})
     monkeypatch.setenv("SLURM_NNODES", nodes)
@@ -82,3 +82,21 @@ def test_a_routable_hostname_keeps_monarchs_own_transport(monkeypatch):
     monkeypatch.setattr("workers.engine.actors.worker._transport", None)
     monarch_job._listen_on_loopback_if_alone()
     assert chosen == []
+
+
+@pytest.mark.parametrize(("hostlist", "names"), [
+    ("gpu[001-003,7],cpu1", ["gpu001", "gpu002", "gpu003", "gpu7", "cpu1"]),
+    ("fbslurm[1-2]", ["fbslurm1", "fbslurm2"]),
+    ("a,b", ["a", "b"]),
+    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+    ("node[9-11]", ["node9", "node10", "node11"]),
+    ("", []),
+])
+def test_a_slurm_host_list_expands_in_slurms_order(hostlist, names):
+    assert expand_hostlist(hostlist) == names
+
+
+@pytest.mark.parametrize("hostlist", ["x[1-", "x]", "x[a-b]", "x[[1]]", "x[3-1]", "x[1,]"])
+def test_a_host_list_that_is_not_one_is_refused(hostlist):
+    with pytest.raises(MonarchJobError, match="is not a SLURM host list"):
+        expand_hostlist(hostlist)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from django.conf import settings
 
 from tests.platform.conftest import grpo_yaml, running_run, team  # noqa: F401 - shared fixtures
 from tests.support.processes import REPO_DIR, celery_worker, free_port, kill_processes_in, web_server
+from tests.support.slurm_cluster import SlurmTestCluster
 
 
 @pytest.fixture(scope="module")
@@ -35,3 +37,19 @@ def platform(tmp_path, team):  # noqa: F811 - the team fixture
         kill_processes_in(Path(settings.DATA_DIR) / "runs")
 
 
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real SLURM cluster of two nodes on this machine (tests/support/slurm_cluster.py), for the session."""
+    cluster = SlurmTestCluster(folder=tmp_path_factory.mktemp("slurm")).start()
+    before = os.environ.get("SLURM_CONF")
+    os.environ.update(cluster.env)  # SLURM's commands, here and in the processes the tests start, find it
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        if before is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = before

@@ -249,3 +249,14 @@ def test_the_engine_finds_its_control_plane_in_what_a_job_exports(tmp_path, monk
                                       extra={}).items():
         monkeypatch.setenv(key, value)
     assert ControlPlaneTarget.from_environment() == ControlPlaneTarget(url="https://fb.example", run_id=42, token="s3cret")
+
+
+@pytest.mark.parametrize(("exit_code", "reason"), [
+    (768, "the job failed with exit code 3 (NonZeroExitCode)"),  # Slurm 22.05's squeue: a wait status
+    (9, "the job failed with signal 9 (NonZeroExitCode)"),
+    ({"status": "SUCCESS", "return_code": 0}, "the job failed (NonZeroExitCode)"),  # 22.05's sacct loses the code
+])
+def test_slurm_22_05_exit_codes_are_read_as_what_they_are(exit_code, reason):
+    status = slurm.slurm_job_status({"job_id": 3, "job_state": "FAILED", "state_reason": "NonZeroExitCode",
+                                     "exit_code": exit_code})
+    assert (status.state, status.reason) == ("failed", reason)

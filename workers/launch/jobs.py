@@ -10,6 +10,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from django.conf import settings
+from django.utils import timezone
+
 from forgeboard.runs.models import Run
 from forgeboard.runs.demand import run_demand
 from forgeboard.runs.services import IllegalTransition, run_transition
@@ -52,6 +55,15 @@ def follow_job(*, run: Run, status: SchedulerStatus | None, job: str, cancel: Ca
             run_transition(run_id=run.pk, from_state=state, to_state=RunState.CANCELLED,
                            reason=f"cancelled while {job} was {status.reason}")
             return "cancelled in the queue"
+        if state == RunState.CANCELLING and not status.terminal:
+            waited = (timezone.now() - run.state_changed_at).total_seconds()
+            if waited < settings.JOB_CANCEL_GRACE_S:
+                return "waiting for the engine to stop"
+            cancel()  # the engine has not stopped its job: the scheduler ends it
+            run_transition(run_id=run.pk, from_state=state, to_state=RunState.CANCELLED,
+                           reason=f"{job} removed by the scheduler: the engine had not stopped {round(waited)} s "
+                                  "after the cancel")
+            return "cancelled by the scheduler"
         if not status.terminal:
             return status.state
         if state == RunState.CANCELLING:

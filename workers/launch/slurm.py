@@ -244,7 +244,11 @@ def _number(value: Any) -> int | None:
 def _exit(record: Mapping[str, Any]) -> tuple[int | None, str | None]:
     exit_code = record.get("exit_code")
     if not isinstance(exit_code, dict):
-        return _number(exit_code), None
+        # Slurm 22.05 and older: squeue gives the batch script's wait status (code << 8 | signal number).
+        status = _number(exit_code)
+        if status is None:
+            return None, None
+        return status >> 8, (f"{status & 0x7F}" if status & 0x7F else None)
     signal = exit_code.get("signal") or {}
     signal_name = signal.get("name") if isinstance(signal, dict) else None
     return _number(exit_code.get("return_code")), signal_name or None
@@ -273,8 +277,9 @@ def slurm_job_status(record: Mapping[str, Any]) -> SchedulerStatus:
     if base == "COMPLETED":
         return SchedulerStatus("succeeded", "the job completed with exit code 0", job_id)
     if base == "FAILED":
-        detail = f"signal {signal}" if signal else f"exit code {code}"
-        return SchedulerStatus("failed", f"the job failed with {detail}" + (f" ({reason})" if reason else ""), job_id)
+        # Slurm 22.05's sacct records a failed batch script's exit code as 0: then there is no code to give.
+        detail = f" with signal {signal}" if signal else f" with exit code {code}" if code else ""
+        return SchedulerStatus("failed", f"the job failed{detail}" + (f" ({reason})" if reason else ""), job_id)
     if base == "CANCELLED":
         return SchedulerStatus("failed", "the SLURM job was cancelled" + (f" ({reason})" if reason else ""), job_id)
     if base == "TIMEOUT":

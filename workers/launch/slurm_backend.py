@@ -68,6 +68,8 @@ class SlurmCli:
         """Apply the run's SlurmJob from `folder` with the job's environment; the SLURM job id."""
         environment = {"PATH": self.path(), "HOME": os.environ.get("HOME", str(folder)),
                        "LANG": os.environ.get("LANG", "C.UTF-8"), **job_environment(request)}
+        if os.environ.get("SLURM_CONF"):  # a cluster whose slurm.conf is not in SLURM's default place
+            environment["SLURM_CONF"] = os.environ["SLURM_CONF"]
         try:
             done = subprocess.run([sys.executable, "-c", SUBMIT_CODE], input=json.dumps(request.to_json()),
                                   cwd=folder, env=environment, capture_output=True, text=True,

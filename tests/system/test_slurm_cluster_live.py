@@ -1,0 +1,244 @@
+"""SLURM runs on a real cluster: slurmctld, slurmdbd and two slurmd nodes on this machine
+(tests/support/slurm_cluster.py).
+
+Nothing here is a fake: a real Celery worker configured for SLURM submits the run as a monarch.job SlurmJob with
+real `sbatch`; the job's batch script starts a Monarch worker on each node through `srun` and then the engine,
+which attaches to them, trains with a trainer rank on each node and reports to the web server. The beat task's
+poll (`runs.poll_jobs`) follows the job through real `squeue` and `sacct`; cancelling goes through `scancel`.
+Each node is a UTS namespace of its own whose hostname resolves to a loopback address of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+from django.utils import timezone
+
+from forgeboard.experiments.services import experiment_create
+from forgeboard.runs.models import Run
+from forgeboard.runs.scheduling import runs_schedule
+from forgeboard.runs.services import run_cancel, run_launch
+from forgeboard.runs.states import RunState
+from forgeboard.telemetry.models import MetricPoint, RunEvent
+from tests.support.processes import celery_worker, free_port, kill_processes_in, wait_for, web_server
+from workers.launch.backends import start_run
+from workers.tasks import poll_jobs
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=list(settings.DATABASES))]
+
+GRPO_YAML = """\
+recipe: grpo
+model:
+  family: qwen3
+  path: {model}
+placement:
+  backend: slurm
+  trainer:
+    procs_per_host: 1
+trainer:
+  ranks: 2
+  steps: {steps}
+  batch_size: 2
+  threads_per_process: 1
+grpo:
+  group_size: 4
+"""
+SFT_YAML = GRPO_YAML.replace("recipe: grpo", "recipe: sft").replace("grpo:\n  group_size: 4\n", "")
+ENDED = (RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED, RunState.LOST)
+
+
+@pytest.fixture
+def slurm_web(slurm_cluster, settings, tmp_path):
+    """A web server for the runs' engines, and this process's settings for SLURM (the worker's, where a test takes
+    the worker's steps itself); the env a Celery worker would be given for the same."""
+    port = free_port()
+    worker_settings = {"SLURM_PARTITION": "debug", "SLURM_VENV": sys.prefix, "SLURM_CPUS_PER_NODE": "1",
+                       "SLURM_MEMORY": "1000M", "SLURM_MONARCH_PORT": str(free_port()),
+                       "PUBLIC_URL": f"http://127.0.0.1:{port}"}
+    for name, value in worker_settings.items():
+        setattr(settings, name, int(value) if value.isdigit() else value)
+    settings.SLURM_BIN_DIR = None
+    settings.SLURM_IMAGE = None
+    try:
+        with web_server(tmp_path / "web.log", port=port):
+            yield {"cluster": slurm_cluster, "tmp": tmp_path,
+                   "worker_env": {f"FORGEBOARD_{name}": value for name, value in worker_settings.items()}}
+    finally:
+        slurm_cluster.command("scancel", "--full", "--user=root")
+        kill_processes_in(Path(settings.DATA_DIR) / "runs")
+        wait_for(lambda: not slurm_cluster.command("squeue", "-h").stdout.strip(), timeout=60,
+                 what="the test's jobs to leave the queue")
+
+
+@pytest.fixture
+def slurm_platform(slurm_web):
+    """... and a real Celery worker that submits SLURM runs to the test cluster."""
+    with celery_worker(slurm_web["tmp"] / "worker.log", **slurm_web["worker_env"]):
+        yield slurm_web
+
+
+def _claimed_and_started(run: Run) -> Run:
+    """What beat's scheduler and the launch.slurm worker do with a queued run, in this process."""
+    assert run.pk in runs_schedule(now=timezone.now())
+    start_run(run_id=run.pk)
+    return Run.objects.get(pk=run.pk)
+
+
+def _polled(run: Run) -> Run:
+    """The run after one poll of the beat task that follows SLURM jobs."""
+    poll_jobs("slurm")
+    return Run.objects.get(pk=run.pk)
+
+
+def _job_log(run: Run) -> str:
+    logs = sorted(Path(run.log_path or "/nonexistent").glob("slurm_*"))
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in logs)
+
+
+def _sacct(cluster, job_id: str) -> dict:
+    jobs = json.loads(cluster.command("sacct", "--json", f"--jobs={job_id}").stdout)["jobs"]
+    return next(job for job in jobs if str(job["job_id"]) == job_id)
+
+
+def _until_first_step(run: Run) -> None:
+    """Polls the job meanwhile: a job that ends first fails the test with SLURM's reason and the job's log."""
+    try:
+        wait_for(lambda: _loss_points(run) > 0 or _polled(run).state in ENDED, timeout=240, interval=0.5,
+                 what="the first step")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_job_log(Run.objects.get(pk=run.pk))}") from None
+    run = Run.objects.get(pk=run.pk)
+    assert _loss_points(run) > 0, f"{run.state}: {run.exit_reason}\n{_job_log(run)}"
+
+
+def _squeue(cluster, job_id: str) -> dict:
+    # Slurm 22.05's squeue --json lists every job whatever --jobs says
+    jobs = json.loads(cluster.command("squeue", "--json", f"--jobs={job_id}").stdout)["jobs"]
+    return next(job for job in jobs if str(job["job_id"]) == job_id)
+
+
+def _loss_points(run: Run) -> int:
+    return MetricPoint.objects.filter(series__run=run, series__key="loss").count()
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "sft"])
+def test_a_run_trains_across_two_real_slurm_nodes(team, tiny_model, slurm_platform, recipe):
+    """Submitted by the worker, followed by the poll, a trainer rank on each node, reported to the web server."""
+    cluster = slurm_platform["cluster"]
+    experiment = team.experiment if recipe == "grpo" else \
+        experiment_create(actor=team.owner, project=team.project, name="warm-start", recipe="sft")
+    template = GRPO_YAML if recipe == "grpo" else SFT_YAML
+    submitted = time.monotonic()
+    run = run_launch(actor=team.member, experiment=experiment, config_yaml=template.format(model=tiny_model, steps=2))
+    job_id = wait_for(lambda: Run.objects.get(pk=run.pk).job_id, timeout=120, what="the worker to sbatch the run")
+    _until_first_step(run)
+    first_step = time.monotonic() - submitted
+    run = wait_for(lambda: (r := _polled(run)).state in ENDED and r, timeout=240, interval=1, what="the run to end")
+    assert run.state == RunState.SUCCEEDED, f"{run.exit_reason}\n{_job_log(run)}"
+    print(f"\n{recipe} on SLURM: submission to first step {first_step:.1f} s")
+
+    job = wait_for(lambda: (j := _sacct(cluster, job_id))["state"]["current"] != "RUNNING" and j, timeout=60,
+                   what="accounting to record the job's end")
+    assert job["state"]["current"] == "COMPLETED" and job["nodes"] == "fbslurm[1-2]"
+    assert job["comment"]["job"] == f"forgeboard-run-id={run.pk}", "sacct finds the run's job by its comment"
+    script = cluster.command("sacct", f"--jobs={job_id}", "--batch-script").stdout
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --partition=debug" in script, "trainer ranks one to a host"
+    [identities] = [line for line in script.splitlines() if line.startswith("export MONARCH_SERVICE_PROC_IDS=")]
+    assert len(json.loads(identities.split("=", 1)[1].strip("'"))) == 2, "a service identity per node"
+    submitted_event = RunEvent.objects.filter(run=run, kind="message", payload__name="job_submitted").get()
+    assert submitted_event.payload["job_id"] == job_id and submitted_event.payload["nodes"] == 2
+    port = settings.SLURM_MONARCH_PORT
+    attached = RunEvent.objects.filter(run=run, kind="message", payload__text__startswith="attached to").get()
+    assert attached.payload["text"].startswith(
+        f"attached to 2 Monarch workers of the slurm job (fbslurm1 (tcp://fbslurm1:{port}), "
+        f"fbslurm2 (tcp://fbslurm2:{port}))")
+    ready = RunEvent.objects.filter(run=run, kind="message", payload__name="meshes_ready").get().payload
+    assert ready["trainer_hosts"] == ["fbslurm1", "fbslurm2"] and ready["trainer_master_addr"] == "fbslurm1"
+    assert _loss_points(run) == 2
+
+
+def test_a_run_cancelled_while_its_job_waits_is_scancelled(team, tiny_model, slurm_platform):
+    """The cluster is full: the run's job waits with SLURM's reason; cancelling it removes the job from the queue."""
+    cluster = slurm_platform["cluster"]
+    blocker = cluster.command("sbatch", "--parsable", "-N2", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 600")
+    assert blocker.returncode == 0, blocker.stderr
+    wait_for(lambda: _squeue(cluster, blocker.stdout.strip())["job_state"] == "RUNNING", timeout=60,
+             what="the job that fills the cluster to run")
+    run = run_launch(actor=team.member, experiment=team.experiment,
+                     config_yaml=GRPO_YAML.format(model=tiny_model, steps=2))
+    job_id = wait_for(lambda: Run.objects.get(pk=run.pk).job_id, timeout=120, what="the worker to sbatch the run")
+    queued = wait_for(lambda: (j := _squeue(cluster, job_id))["state_reason"] != "None" and j, timeout=30,
+                      what="the scheduler to look at the job")
+    assert queued["job_state"] == "PENDING" and queued["state_reason"] == "Resources"
+    assert _polled(run).state == RunState.LAUNCHING
+
+    cancelled_at = time.monotonic()
+    run_cancel(actor=team.member, run=run)
+    run = _polled(run)
+    assert run.state == RunState.CANCELLED and "waiting in the SLURM queue (Resources)" in run.exit_reason
+    wait_for(lambda: _sacct(cluster, job_id)["state"]["current"] == "CANCELLED", timeout=30,
+             what="the job to be cancelled")
+    gone = wait_for(lambda: job_id not in cluster.command("squeue", "-h", "-o", "%i").stdout.split() and
+                    time.monotonic() - cancelled_at, timeout=30, what="the job to leave the queue")
+    print(f"\ncancel to job gone (pending job): {gone:.1f} s")
+
+
+@pytest.mark.parametrize("engine_stops", [True, False])
+def test_a_running_run_is_cancelled_by_its_engine_or_else_by_scancel(team, tiny_model, slurm_platform, settings,
+                                                                     engine_stops):
+    """The engine takes the cancel and its job ends; past the cancel grace (0 s here) the poll scancels the job
+    instead. Either way no process of the job is left on either node."""
+    cluster = slurm_platform["cluster"]
+    if not engine_stops:
+        settings.JOB_CANCEL_GRACE_S = 0
+    run = run_launch(actor=team.member, experiment=team.experiment,
+                     config_yaml=GRPO_YAML.format(model=tiny_model, steps=500))
+    _until_first_step(run)
+    job_id = Run.objects.get(pk=run.pk).job_id
+    cancelled_at = time.monotonic()
+    run_cancel(actor=team.member, run=run)
+    if engine_stops:
+        assert poll_jobs("slurm") == {run.pk: "waiting for the engine to stop"}
+        run = wait_for(lambda: (r := _polled(run)).state in ENDED and r, timeout=120, interval=0.5,
+                       what="the engine to stop its job")
+        assert run.state == RunState.CANCELLED and run.exit_reason == \
+            f"SLURM job {job_id}: the job completed with exit code 0", run.exit_reason
+        final = "COMPLETED"
+    else:
+        run = _polled(run)
+        assert run.state == RunState.CANCELLED and "removed by the scheduler" in run.exit_reason
+        final = "CANCELLED"
+    wait_for(lambda: _sacct(cluster, job_id)["state"]["current"] == final, timeout=60,
+             what=f"accounting to record the job {final}")
+    wait_for(lambda: job_id not in cluster.command("squeue", "-h", "-o", "%i").stdout.split(), timeout=60,
+             what="the job to leave the queue")
+    gone = time.monotonic() - cancelled_at
+    wait_for(lambda: all(cluster.job_processes(node) == [] for node in cluster.node_list), timeout=30,
+             what="no step of the job left on either node")
+    print(f"\ncancel to job gone ({'the engine stops' if engine_stops else 'scancel'}): {gone:.1f} s")
+
+
+def test_a_partition_slurm_does_not_have_fails_the_run_with_slurms_reason(team, tiny_model, slurm_web, settings):
+    settings.SLURM_PARTITION = "gpu-h100"  # a worker configured for another cluster
+    run = _claimed_and_started(run_launch(actor=team.member, experiment=team.experiment,
+                                          config_yaml=GRPO_YAML.format(model=tiny_model, steps=2)))
+    assert run.state == RunState.FAILED and not run.job_id
+    assert run.exit_reason.startswith("SLURM refused the job:") and "invalid partition name specified" in \
+        run.exit_reason.lower(), run.exit_reason
+
+
+def test_a_job_past_its_time_limit_fails_the_run_with_slurms_reason(team, tiny_model, slurm_web, settings):
+    """Partition `short` has a one-minute limit: SLURM ends the job and the poll says why."""
+    settings.SLURM_PARTITION = "short"
+    run = _claimed_and_started(run_launch(actor=team.member, experiment=team.experiment,
+                                          config_yaml=GRPO_YAML.format(model=tiny_model, steps=5000)))
+    assert run.job_id, run.exit_reason
+    run = wait_for(lambda: (r := _polled(run)).state in ENDED and r, timeout=240, interval=2,
+                   what="SLURM to end the job at its time limit")
+    assert _sacct(slurm_web["cluster"], run.job_id)["state"]["current"] == "TIMEOUT"
+    assert run.state == RunState.FAILED and "time limit" in run.exit_reason, run.exit_reason
