@@ -110,14 +110,22 @@ class SlurmTestCluster:
                 self._start_slurmdbd()
             self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
             for node in self.node_list:
-                # A UTS namespace whose hostname is the node's name: what a job's processes on that node see.
-                self._spawn(f"slurmd.{node.name}", ["unshare", "--uts", "sh", "-c",
-                                                    f'hostname {node.name} && exec slurmd -D -N {node.name}'])
+                self._start_slurmd(node)
             self.wait_idle()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_slurmd(self, node: SlurmNode) -> None:
+        # A UTS namespace whose hostname is the node's name: what a job's processes on that node see.
+        self._spawn(f"slurmd.{node.name}", ["unshare", "--uts", "sh", "-c",
+                                            f"hostname {node.name} && exec slurmd -D -N {node.name}"])
+
+    def restart_node(self, name: str) -> None:
+        """A killed node's slurmd started again; SLURM returns the node to service when it registers."""
+        self._start_slurmd(next(n for n in self.node_list if n.name == name))
+        self.wait_idle()
 
     def _write_hosts(self) -> None:
         lines = HOSTS_FILE.read_text().splitlines()

@@ -48,6 +48,31 @@ trainer:
 grpo:
   group_size: 4
 """
+# The trainer, reward and control proc on node 1, a generator replica on each node: losing node 2 loses a replica.
+FAILOVER_YAML = """\
+recipe: grpo
+model:
+  family: qwen3
+  path: {model}
+placement:
+  backend: slurm
+  trainer: {{hosts: [fbslurm1]}}
+  reward: {{hosts: [fbslurm1]}}
+  replay_buffer: {{hosts: [fbslurm1]}}
+  generator: {{hosts: [fbslurm2, fbslurm1]}}
+trainer:
+  ranks: 1
+  steps: {steps}
+  batch_size: 2
+  threads_per_process: 1
+generator:
+  replicas: 2
+  routing: round_robin
+grpo:
+  group_size: 4
+failover:
+  call_timeout_s: 60
+"""
 SFT_YAML = GRPO_YAML.replace("recipe: grpo", "recipe: sft").replace("grpo:\n  group_size: 4\n", "")
 ENDED = (RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED, RunState.LOST)
 
@@ -242,3 +267,36 @@ def test_a_job_past_its_time_limit_fails_the_run_with_slurms_reason(team, tiny_m
                    what="SLURM to end the job at its time limit")
     assert _sacct(slurm_web["cluster"], run.job_id)["state"]["current"] == "TIMEOUT"
     assert run.state == RunState.FAILED and "time limit" in run.exit_reason, run.exit_reason
+
+
+def test_a_lost_node_fails_over_its_replica_and_slurm_shows_the_node_down(team, tiny_model, slurm_platform):
+    """Node 2 goes away whole (its slurmd, its Monarch worker, the generator replica there): the engine replaces the
+    replica on node 1 and the run finishes; SLURM marks the node down and keeps the job (--no-kill)."""
+    cluster = slurm_platform["cluster"]
+    run = run_launch(actor=team.member, experiment=team.experiment,
+                     config_yaml=FAILOVER_YAML.format(model=tiny_model, steps=300))
+    _until_first_step(run)
+    job_id = Run.objects.get(pk=run.pk).job_id
+    placed = RunEvent.objects.get(run=run, kind="placement_applied").payload
+    assert placed["plan"] == {"0": "fbslurm2", "1": "fbslurm1"}, placed
+    killed_at = time.time()
+    try:
+        assert cluster.kill_node("fbslurm2"), "processes on node 2"
+        down = wait_for(lambda: cluster.node_states().get("fbslurm2", "").startswith("down") and time.time() - killed_at,
+                        timeout=90, interval=0.5, what="SLURM to mark node 2 down")
+        assert _squeue(cluster, job_id)["job_state"] == "RUNNING", "--no-kill: the job outlives its node"
+        run = wait_for(lambda: (r := _polled(run)).state in ENDED and r, timeout=240, interval=1,
+                       what="the run to end")
+        assert run.state == RunState.SUCCEEDED, f"{run.exit_reason}\n{_job_log(run)}"
+    finally:
+        cluster.restart_node("fbslurm2")
+    detected = list(RunEvent.objects.filter(run=run, kind="failure_detected").order_by("seq"))
+    assert [(e.payload["role"], e.payload["replica"], e.payload["host"]) for e in detected] == [
+        ("generator", 0, "fbslurm2")], [e.payload for e in detected]
+    replaced = [e.payload for e in RunEvent.objects.filter(run=run, kind="replica_replaced")]
+    assert [(p["role"], p["replica"], p["host"]) for p in replaced] == [("generator", 0, "fbslurm1")], replaced
+    [recovered] = [e.payload for e in RunEvent.objects.filter(run=run, kind="recovered")]
+    assert _loss_points(run) == 300
+    print(f"\nnode loss: SLURM marked it down after {down:.1f} s; the engine detected it after "
+          f"{detected[0].occurred_at.timestamp() - killed_at:.1f} s and recovered in "
+          f"{recovered['time_to_recover_s']:.1f} s")

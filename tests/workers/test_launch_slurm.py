@@ -86,6 +86,7 @@ def test_the_job_asks_sbatch_for_the_nodes_gpus_and_accounting(submitted):
     assert [d for d in directives if not d.startswith(("--job-name=", "--output=", "--error="))] == [
         "--ntasks-per-node=1", "--nodes=2", "--time=1-00:00:00", "--gpus-per-node=8", "--cpus-per-task=96",
         "--mem=1600G", "--exclusive", "--partition=h200", "--account=research", "--comment=forgeboard-run-id=42",
+        "--no-kill",
     ]
     [output] = [d for d in directives if d.startswith("--output=")]
     assert output.startswith(f"--output={Path(submitted.cwd).parent / 'logs'}/slurm_%j_forgeboard-run-42_")
@@ -165,6 +166,8 @@ def SlurmCli_submit(tmp: Path, request: SlurmLaunchRequest) -> str:  # noqa: N80
         ({"environment": {"FORGEBOARD_MONARCH_JOB": "kubernetes"}}, "environment.FORGEBOARD_MONARCH_JOB"),
         ({"environment": {"BAD NAME": "x"}}, "environment.BAD NAME"),
         ({"monarch_port": 80}, "monarch_port"),
+        ({"nodelist": ("gpu-001", "gpu 2")}, "nodelist.1"),
+        ({"nodelist": ("a", "b", "c")}, "nodelist"),  # more names than the job's 2 nodes
     ],
 )
 def test_bad_requests_name_the_field(change, field, tmp_path):
@@ -172,6 +175,12 @@ def test_bad_requests_name_the_field(change, field, tmp_path):
     with pytest.raises(LaunchSpecError) as caught:
         request.check()
     assert caught.value.field == field
+
+
+def test_nodes_the_roles_are_pinned_to_are_asked_for_by_name(tmp_path):
+    request = _request(tmp_path, nodelist=("gpu-001", "gpu-007"))
+    assert "--nodelist=gpu-001,gpu-007" in _directives(_submit(tmp_path, request).script)
+    assert SlurmLaunchRequest.from_json(json.loads(json.dumps(request.to_json()))) == request
 
 
 def test_a_bad_request_is_refused_before_sbatch_runs(tmp_path):

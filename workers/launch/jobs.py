@@ -32,6 +32,11 @@ def node_shape(*, run: Run, gpus_per_node: int) -> tuple[int, int]:
     return nodes, min(gpus_per_node, math.ceil(demand.gpus / nodes))
 
 
+def named_hosts(*, run: Run) -> tuple[str, ...]:
+    """The host names the run's roles are pinned to (placement.<role>.hosts): on a cluster, node names it needs."""
+    return tuple(sorted({host for role in run_demand(run.config.run_config).roles for host in role.hosts}))
+
+
 def fail_launch(*, run: Run, reason: str) -> None:
     try:
         run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.FAILED, reason=reason)

@@ -123,6 +123,7 @@ class SlurmLaunchRequest:
     account: str | None = None
     qos: str | None = None
     monarch_port: int = DEFAULT_MONARCH_PORT
+    nodelist: tuple[str, ...] = ()  # nodes the job must have (roles pinned to them); it may get others besides
 
     @property
     def job_name(self) -> str:
@@ -161,18 +162,24 @@ class SlurmLaunchRequest:
                 raise LaunchSpecError(name, f"must be an absolute path, got {value!r}")
         if not 1024 <= self.monarch_port <= 65535:
             raise LaunchSpecError("monarch_port", f"must be from 1024 to 65535, got {self.monarch_port}")
+        for index, node in enumerate(self.nodelist):
+            if not isinstance(node, str) or not _SLURM_NAME.match(node):
+                raise LaunchSpecError(f"nodelist.{index}", f"{node!r} is not a SLURM node name")
+        if len(self.nodelist) > self.nodes:
+            raise LaunchSpecError("nodelist", f"names {len(self.nodelist)} nodes for a job of {self.nodes}")
         check_environment(self.environment)
         check_control_plane_url(self.control_plane_url)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "overrides": list(self.overrides), "environment": dict(self.environment),
-                "allowed_paths": list(self.allowed_paths)}
+                "allowed_paths": list(self.allowed_paths), "nodelist": list(self.nodelist)}
 
     @classmethod
     def from_json(cls, document: Mapping[str, Any]) -> SlurmLaunchRequest:
         return cls(**{**document, "overrides": tuple(document.get("overrides", ())),
                       "environment": dict(document.get("environment", {})),
-                      "allowed_paths": tuple(document.get("allowed_paths", ()))})
+                      "allowed_paths": tuple(document.get("allowed_paths", ())),
+                      "nodelist": tuple(document.get("nodelist", ()))})
 
 
 def run_comment(run_id: int) -> str:
@@ -201,10 +208,15 @@ def slurm_job(request: SlurmLaunchRequest) -> Any:
     request.check()
     from monarch.job import SlurmJob
 
+    # --no-kill: a failed node does not end the job; the engine fails over what ran there (or fails the run, saying
+    # why), as it does for a lost host anywhere.
+    slurm_args = [f"--comment={run_comment(request.run_id)}", "--no-kill"]
+    if request.nodelist:
+        slurm_args.append(f"--nodelist={','.join(request.nodelist)}")
     return SlurmJob(
         meshes={HOST_MESH: request.nodes},
         python_exe=request.python,
-        slurm_args=[f"--comment={run_comment(request.run_id)}"],
+        slurm_args=slurm_args,
         monarch_port=request.monarch_port,
         job_name=request.job_name,
         time_limit=request.time_limit,

@@ -31,7 +31,7 @@ from django.conf import settings
 from forgeboard.runs.models import LaunchBackend, Run
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append
-from workers.launch.jobs import FOLLOWED_STATES, fail_launch, follow_job, node_shape
+from workers.launch.jobs import FOLLOWED_STATES, fail_launch, follow_job, named_hosts, node_shape
 from workers.launch.local import engine_allowed_paths, run_dir, write_run_files
 from workers.launch.slurm import (LaunchSpecError, SchedulerStatus, SlurmLaunchRequest, job_environment, job_ids_for_run,
                                   parse_sacct, parse_squeue)
@@ -149,8 +149,9 @@ def slurm_cli() -> SlurmCli:
 def slurm_request(*, run: Run, folder: Path) -> SlurmLaunchRequest:
     """The sbatch request for a run: nodes enough for its GPUs, the worker's SLURM settings."""
     nodes, gpus_per_node = node_shape(run=run, gpus_per_node=settings.SLURM_GPUS_PER_NODE)
+    nodelist = named_hosts(run=run)
     return SlurmLaunchRequest(
-        run_id=run.pk, config_path=str(folder / "config.yaml"), nodes=nodes,
+        run_id=run.pk, config_path=str(folder / "config.yaml"), nodes=max(nodes, len(nodelist)), nodelist=nodelist,
         gpus_per_node=gpus_per_node, cpus_per_node=settings.SLURM_CPUS_PER_NODE, memory=settings.SLURM_MEMORY,
         partition=settings.SLURM_PARTITION, control_plane_url=settings.PUBLIC_URL, token_file=str(folder / "run_token"),
         log_dir=str(folder / "slurm"), venv=settings.SLURM_VENV, image=settings.SLURM_IMAGE,
