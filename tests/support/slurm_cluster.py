@@ -125,7 +125,8 @@ class SlurmTestCluster:
     def restart_node(self, name: str) -> None:
         """A killed node's slurmd started again; SLURM returns the node to service when it registers."""
         self._start_slurmd(next(n for n in self.node_list if n.name == name))
-        self.wait_idle()
+        self._wait(lambda: self.node_states().get(name, "down").rstrip("*") in ("idle", "mix", "alloc"),
+                   what=f"{name} back in service", daemon="slurmctld", timeout=60)
 
     def _write_hosts(self) -> None:
         lines = HOSTS_FILE.read_text().splitlines()

@@ -11,6 +11,8 @@ Each node is a UTS namespace of its own whose hostname resolves to a loopback ad
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +27,7 @@ from forgeboard.runs.scheduling import runs_schedule
 from forgeboard.runs.services import run_cancel, run_launch
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import MetricPoint, RunEvent
-from tests.support.processes import celery_worker, free_port, kill_processes_in, wait_for, web_server
+from tests.support.processes import REPO_DIR, celery_worker, free_port, kill_processes_in, wait_for, web_server
 from workers.launch.backends import start_run
 from workers.tasks import poll_jobs
 
@@ -269,10 +271,25 @@ def test_a_job_past_its_time_limit_fails_the_run_with_slurms_reason(team, tiny_m
     assert run.state == RunState.FAILED and "time limit" in run.exit_reason, run.exit_reason
 
 
+def _register_nodes_once(team, cluster, tmp_path: Path) -> None:
+    """The node agent once on each node, through srun: the inventory has both nodes as hosts."""
+    from forgeboard.cluster.services import agent_token_create
+
+    _, raw = agent_token_create(actor=team.operator, name="slurm-nodes")
+    token_file = tmp_path / "agent-once-token"
+    token_file.write_text(raw)
+    done = cluster.command("srun", "-N2", "--ntasks-per-node=1", f"{sys.prefix}/bin/forgeboard", "agent",
+                           "--server", settings.PUBLIC_URL, "--token-file", str(token_file), "--once", timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_a_lost_node_fails_over_its_replica_and_slurm_shows_the_node_down(team, tiny_model, slurm_platform):
     """Node 2 goes away whole (its slurmd, its Monarch worker, the generator replica there): the engine replaces the
     replica on node 1 and the run finishes; SLURM marks the node down and keeps the job (--no-kill)."""
+    from forgeboard.cluster.models import Host
+
     cluster = slurm_platform["cluster"]
+    _register_nodes_once(team, cluster, slurm_platform["tmp"])
     run = run_launch(actor=team.member, experiment=team.experiment,
                      config_yaml=FAILOVER_YAML.format(model=tiny_model, steps=300))
     _until_first_step(run)
@@ -285,6 +302,14 @@ def test_a_lost_node_fails_over_its_replica_and_slurm_shows_the_node_down(team, 
         down = wait_for(lambda: cluster.node_states().get("fbslurm2", "").startswith("down") and time.time() - killed_at,
                         timeout=90, interval=0.5, what="SLURM to mark node 2 down")
         assert _squeue(cluster, job_id)["job_state"] == "RUNNING", "--no-kill: the job outlives its node"
+        assert _polled(run).state == RunState.RUNNING
+        node = Host.objects.get(hostname="fbslurm2")
+        assert (node.scheduler_state, node.scheduler_reason) == ("down (not responding)", "Not responding")
+        assert node.scheduler_unavailable and Host.objects.get(hostname="fbslurm1").scheduler_state in ("allocated", "mixed")
+        status = RunEvent.objects.filter(run=run, kind="message", payload__name="job_status").latest("seq").payload
+        # --no-kill: SLURM takes the failed node out of the job's node list; the run's job status still names it
+        assert (status["state"], status["nodes"], status["nodes_down"]) == (
+            "running", "fbslurm1", {"fbslurm2": "down (not responding): Not responding"}), status
         run = wait_for(lambda: (r := _polled(run)).state in ENDED and r, timeout=240, interval=1,
                        what="the run to end")
         assert run.state == RunState.SUCCEEDED, f"{run.exit_reason}\n{_job_log(run)}"
@@ -300,3 +325,36 @@ def test_a_lost_node_fails_over_its_replica_and_slurm_shows_the_node_down(team, 
     print(f"\nnode loss: SLURM marked it down after {down:.1f} s; the engine detected it after "
           f"{detected[0].occurred_at.timestamp() - killed_at:.1f} s and recovered in "
           f"{recovered['time_to_recover_s']:.1f} s")
+
+
+def test_the_node_agent_batch_script_registers_every_node(team, slurm_web, tmp_path):
+    """infra/slurm/forgeboard-agent.sbatch as a site would submit it: an agent per node, each under its node's name,
+    heartbeating until the job is cancelled."""
+    from forgeboard.cluster.models import Host
+    from forgeboard.cluster.services import agent_token_create
+
+    cluster = slurm_web["cluster"]
+    _, raw = agent_token_create(actor=team.operator, name="slurm-agents")
+    token_file = tmp_path / "agent-token"
+    token_file.write_text(raw)
+    token_file.chmod(0o600)
+    env = {**cluster.env, "FORGEBOARD_PUBLIC_URL": settings.PUBLIC_URL, "FORGEBOARD_AGENT_TOKEN_FILE": str(token_file),
+           "FORGEBOARD_VENV": sys.prefix}
+    submitted = subprocess.run(["sbatch", "--parsable", "--chdir", str(tmp_path),
+                                str(REPO_DIR / "infra" / "slurm" / "forgeboard-agent.sbatch")],
+                               env={**os.environ, **env}, capture_output=True, text=True, timeout=30, check=False)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    output = tmp_path / f"forgeboard-agent-{job_id}.out"
+    hosts = wait_for(lambda: (h := {h.hostname: h for h in Host.objects.filter(hostname__startswith="fbslurm")})
+                     and len(h) == 2 and h, timeout=120, interval=0.5,
+                     what=f"both nodes' agents to register\n{output.read_text() if output.exists() else ''}")
+    assert all(h.state == "up" and h.cpu_count > 0 and h.memory_bytes > 0 for h in hosts.values())
+    first = {name: h.last_heartbeat_at for name, h in hosts.items()}
+    wait_for(lambda: all(Host.objects.get(hostname=name).last_heartbeat_at > seen for name, seen in first.items()),
+             timeout=60, interval=1, what="a heartbeat from each agent after it registered")
+    assert cluster.command("scancel", job_id).returncode == 0
+    wait_for(lambda: _sacct(cluster, job_id)["state"]["current"] == "CANCELLED", timeout=60,
+             what="the agents' job to be cancelled")
+    wait_for(lambda: all(cluster.job_processes(node) == [] for node in cluster.node_list), timeout=30,
+             what="no agent left on either node")

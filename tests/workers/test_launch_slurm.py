@@ -269,3 +269,21 @@ def test_slurm_22_05_exit_codes_are_read_as_what_they_are(exit_code, reason):
     status = slurm.slurm_job_status({"job_id": 3, "job_state": "FAILED", "state_reason": "NonZeroExitCode",
                                      "exit_code": exit_code})
     assert (status.state, status.reason) == ("failed", reason)
+
+
+def test_sinfo_nodes_read_as_a_person_reads_them():
+    """Slurm 22.05's shape (the test cluster's: state text and flags) and 23.02+'s (one list of state and flags)."""
+    document = {"errors": [], "nodes": [
+        {"name": "fbslurm1", "state": "idle", "state_flags": [], "reason": ""},
+        {"name": "fbslurm2", "state": "down", "state_flags": ["NOT_RESPONDING"], "reason": "Not responding"},
+        {"name": "gpu-007", "state": ["IDLE", "DRAIN"], "reason": "bad DIMM"},
+    ]}
+    assert slurm.parse_sinfo(document) == {"fbslurm1": ("idle", ""),
+                                           "fbslurm2": ("down (not responding)", "Not responding"),
+                                           "gpu-007": ("idle (drain)", "bad DIMM")}
+    with pytest.raises(LaunchSpecError, match="unreadable node record"):
+        slurm.parse_sinfo({"nodes": [{"name": "x", "state": 3}]})
+    with pytest.raises(LaunchSpecError, match="no 'nodes' list"):
+        slurm.parse_sinfo({"nodes": {}})
+    with pytest.raises(LaunchSpecError, match="Unable to contact"):
+        slurm.parse_sinfo({"errors": [{"error": "Unable to contact slurm controller"}], "nodes": []})

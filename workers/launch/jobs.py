@@ -8,12 +8,14 @@ reporting (a failed node, a time limit, preemption, an image that does not pull)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from django.conf import settings
 from django.utils import timezone
 
 from forgeboard.runs.models import Run
+from forgeboard.telemetry.models import EventKind, RunEvent
+from forgeboard.telemetry.services import event_append
 from forgeboard.runs.demand import run_demand
 from forgeboard.runs.services import IllegalTransition, run_transition
 from forgeboard.runs.states import RunState
@@ -42,6 +44,29 @@ def fail_launch(*, run: Run, reason: str) -> None:
         run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.FAILED, reason=reason)
     except IllegalTransition:
         pass
+
+
+JOB_STATUS = "job_status"  # the run event (a message) that shows the scheduler's view of the run's job
+
+
+def last_job_status(*, run: Run) -> dict | None:
+    """The payload of the run's latest job_status event (None: none yet)."""
+    return (RunEvent.objects.filter(run=run, kind=EventKind.MESSAGE, payload__name=JOB_STATUS)
+            .order_by("-seq").values_list("payload", flat=True).first())
+
+
+def record_job_status(*, run: Run, status: SchedulerStatus | None, backend: str,
+                      nodes_down: Mapping[str, str]) -> bool:
+    """A job_status event on the run when the scheduler's view of its job changed since the last one (its state, its
+    reason, the job's nodes that the scheduler has down); whether one was added."""
+    if status is None:
+        return False
+    payload = {"name": JOB_STATUS, "backend": backend, "job_id": status.job_id, "state": status.state,
+               "reason": status.reason, "nodes": status.nodes, "nodes_down": dict(nodes_down)}
+    if last_job_status(run=run) == payload:
+        return False
+    event_append(run=run, kind=EventKind.MESSAGE, payload=payload)
+    return True
 
 
 def follow_job(*, run: Run, status: SchedulerStatus | None, job: str, cancel: Callable[[], None]) -> str:

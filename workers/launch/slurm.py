@@ -17,7 +17,7 @@ import json
 import re
 import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
@@ -26,7 +26,7 @@ from workers.engine.env import (ALLOWED_PATHS_ENV, CONTROL_PLANE_URL_ENV, GPUS_P
                                 RUN_TOKEN_FILE_ENV, WORKERS_ENV)
 
 __all__ = ["LaunchSpecError", "SchedulerStatus", "SlurmLaunchRequest", "slurm_job", "client_script", "parse_squeue", "parse_sacct",
-           "slurm_job_status", "job_ids_for_run"]
+           "slurm_job_status", "job_ids_for_run", "parse_sinfo"]
 
 # --- shared with workers/launch/kubernetes.py ------------------------------------------------------
 
@@ -52,6 +52,7 @@ class SchedulerStatus:
     state: RunStateName
     reason: str
     job_id: str = ""
+    nodes: str = ""  # the scheduler's node list for the job (SLURM's host list syntax), where it has one
 
     @property
     def terminal(self) -> bool:
@@ -268,6 +269,11 @@ def _exit(record: Mapping[str, Any]) -> tuple[int | None, str | None]:
 
 def slurm_job_status(record: Mapping[str, Any]) -> SchedulerStatus:
     """One job record of `squeue --json` or `sacct --json` as a run state with a reason a person can read."""
+    nodes = record.get("nodes")
+    return replace(_slurm_job_status(record), nodes=nodes if isinstance(nodes, str) else "")
+
+
+def _slurm_job_status(record: Mapping[str, Any]) -> SchedulerStatus:
     state = record.get("state")
     states = _states(state.get("current") if isinstance(state, dict) else record.get("job_state"))
     base = next((s for s in states if s in _BASE_STATES), None)
@@ -332,6 +338,28 @@ def parse_squeue(document: Mapping[str, Any]) -> dict[str, SchedulerStatus]:
 def parse_sacct(document: Mapping[str, Any]) -> dict[str, SchedulerStatus]:
     """`sacct --json`: the status of each job, by job id; for a requeued job, its latest record."""
     return {str(job["job_id"]): slurm_job_status(job) for job in _jobs(document, "sacct")}
+
+
+def parse_sinfo(document: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
+    """`sinfo --json`: each node's state as a person reads it ("idle", "down (not responding)") and SLURM's reason.
+    Slurm 22.05 gives the state as text beside a list of flags; 23.02+ as one list of state and flags."""
+    errors = document.get("errors") or []
+    if errors:
+        raise LaunchSpecError("sinfo", "SLURM reported errors: " + "; ".join(
+            str(e.get("description") or e.get("error") or e) for e in errors))
+    nodes = document.get("nodes")
+    if not isinstance(nodes, list):
+        raise LaunchSpecError("sinfo", "no 'nodes' list in the document")
+    view = {}
+    for node in nodes:
+        state = node.get("state")
+        words = [state] if isinstance(state, str) else list(state) if isinstance(state, list) else []
+        words += [f for f in node.get("state_flags") or [] if isinstance(f, str)]
+        if not isinstance(node.get("name"), str) or not words or not all(isinstance(w, str) for w in words):
+            raise LaunchSpecError("sinfo", f"unreadable node record {str(node)[:200]}")
+        base, flags = words[0].lower(), [w.lower().replace("_", " ") for w in words[1:] if w.lower() != words[0].lower()]
+        view[node["name"]] = (f"{base} ({', '.join(flags)})" if flags else base, str(node.get("reason") or ""))
+    return view
 
 
 def job_ids_for_run(document: Mapping[str, Any], run_id: int) -> Sequence[str]:

@@ -27,14 +27,19 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
+from django.utils import timezone
 
+from forgeboard.cluster.models import Host
+from forgeboard.cluster.services import hosts_record_scheduler_view
 from forgeboard.runs.models import LaunchBackend, Run
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append
-from workers.launch.jobs import FOLLOWED_STATES, fail_launch, follow_job, named_hosts, node_shape
+from workers.engine.actors.monarch_job import MonarchJobError, expand_hostlist
+from workers.launch.jobs import (FOLLOWED_STATES, fail_launch, follow_job, last_job_status, named_hosts, node_shape,
+                                 record_job_status)
 from workers.launch.local import engine_allowed_paths, run_dir, write_run_files
 from workers.launch.slurm import (LaunchSpecError, SchedulerStatus, SlurmLaunchRequest, job_environment, job_ids_for_run,
-                                  parse_sacct, parse_squeue)
+                                  parse_sacct, parse_sinfo, parse_squeue)
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +129,10 @@ class SlurmCli:
     def accounting(self, job_id: str) -> dict[str, SchedulerStatus]:
         return parse_sacct(self._json("sacct", "--json", f"--jobs={job_id}"))
 
+    def nodes(self) -> dict[str, tuple[str, str]]:
+        """Every node's state and SLURM's reason for it, by node name (sinfo)."""
+        return parse_sinfo(self._json("sinfo", "--json"))
+
     def cancel(self, job_id: str) -> None:
         self._run("scancel", job_id)
 
@@ -210,14 +219,43 @@ def job_status(*, job_id: str, cli: SlurmCli) -> SchedulerStatus | None:
     return cli.accounting(job_id).get(job_id)
 
 
+def _node_view(cli: SlurmCli) -> dict[str, tuple[str, str]]:
+    """SLURM's view of its nodes, also written onto the inventory's hosts of those names ({} when sinfo fails)."""
+    try:
+        view = cli.nodes()
+    except (SlurmCommandFailed, LaunchSpecError) as exc:
+        logger.warning("sinfo: %s", exc)
+        return {}
+    hosts_record_scheduler_view(nodes=view, now=timezone.now())
+    return view
+
+
+def _nodes_down(*, run: Run, status: SchedulerStatus | None, view: dict[str, tuple[str, str]]) -> dict[str, str]:
+    """The job's nodes that SLURM has down, drained or failing, each with its state and reason: those it has now and
+    those it had at the last poll or had down then (a job submitted --no-kill loses a failed node from its list)."""
+    last = last_job_status(run=run) or {}
+    try:
+        names = {*expand_hostlist(status.nodes if status else ""), *expand_hostlist(str(last.get("nodes") or ""))}
+    except MonarchJobError:
+        return {}
+    names |= set(last.get("nodes_down") or {})
+    bad = ("down", "drain", "fail", "unknown")
+    return {name: ": ".join(filter(None, view[name])) for name in sorted(names)
+            if name in view and any(word in view[name][0] for word in bad)}
+
+
 def poll_slurm_runs(*, cli: SlurmCli | None = None) -> dict[int, str]:
-    """Move each followed SLURM run by what SLURM says of its job; what was done, by run id."""
+    """Move each followed SLURM run by what SLURM says of its job; what was done, by run id. SLURM's view of the
+    job and of its nodes is recorded on the run (a job_status event when it changes) and on the hosts."""
     cli = cli or slurm_cli()
     done: dict[int, str] = {}
     runs = Run.objects.filter(backend=LaunchBackend.SLURM, state__in=FOLLOWED_STATES).exclude(job_id="")
+    view = _node_view(cli) if runs.exists() or Host.objects.exists() else {}
     for run in runs:
         try:
             status = job_status(job_id=run.job_id, cli=cli)
+            record_job_status(run=run, status=status, backend="slurm",
+                              nodes_down=_nodes_down(run=run, status=status, view=view))
             done[run.pk] = follow_job(run=run, status=status, job=f"SLURM job {run.job_id}",
                                       cancel=lambda run=run: cli.cancel(run.job_id))
         except (SlurmCommandFailed, LaunchSpecError) as exc:

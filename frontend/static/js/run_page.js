@@ -188,6 +188,11 @@
         if (p.name === "child_run_started") return `started ${p.experiment} #${p.number} from step ${p.step}`;
         if (p.name === "child_run_failed") return `no run started from step ${p.step}: ${p.reason}`;
         if (p.name === "job_submitted") return `submitted as ${p.backend} job ${p.job_id}`;
+        if (p.name === "job_status") {
+          const down = Object.entries(p.nodes_down || {}).map(([node, why]) => `${node} (${why})`);
+          return `${String(p.backend).toUpperCase()} job ${p.job_id}: ${p.reason}` +
+            (down.length ? `; node${down.length > 1 ? "s" : ""} down: ${down.join(", ")}` : "");
+        }
         if (p.text && !p.name) return p.text;
         return JSON.stringify(p).slice(0, 160);
       default: {

@@ -33,6 +33,10 @@ class Host(models.Model):
     agent_version = models.CharField(max_length=50, blank=True)
     registered_at = models.DateTimeField(auto_now_add=True)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    # A cluster scheduler's view of this host as a node (SLURM's sinfo), written by the worker that follows its jobs.
+    scheduler_state = models.CharField(max_length=64, blank=True, help_text="e.g. 'idle', 'down (not responding)'")
+    scheduler_reason = models.CharField(max_length=255, blank=True)
+    scheduler_checked_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["hostname"]
@@ -43,6 +47,11 @@ class Host(models.Model):
 
     def __str__(self) -> str:
         return self.hostname
+
+    @property
+    def scheduler_unavailable(self) -> bool:
+        """The scheduler will not run work here: the node is down, drained or failing."""
+        return any(word in self.scheduler_state for word in ("down", "drain", "fail"))
 
 
 class DeviceKind(models.TextChoices):

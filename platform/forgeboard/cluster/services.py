@@ -294,6 +294,18 @@ def hosts_mark_down(*, now: datetime, timeout_s: float) -> list[HostDown]:
     return marked
 
 
+def hosts_record_scheduler_view(*, nodes: Mapping[str, tuple[str, str]], now: datetime) -> int:
+    """What a cluster scheduler says of its nodes ({name: (state, reason)}), onto the hosts of those names (registered
+    by their agents); the number of hosts updated. Nodes no agent registered are not added to the inventory."""
+    updated = 0
+    for host in Host.objects.filter(hostname__in=list(nodes)):
+        state, reason = nodes[host.hostname]
+        host.scheduler_state, host.scheduler_reason, host.scheduler_checked_at = state[:64], reason[:255], now
+        host.save(update_fields=["scheduler_state", "scheduler_reason", "scheduler_checked_at"])
+        updated += 1
+    return updated
+
+
 def agent_token_create(*, actor: User, name: str) -> tuple[AgentToken, str]:
     """Create a node agent token; the plaintext is returned once and never stored."""
     require_operator(actor=actor, action="creating agent tokens")
