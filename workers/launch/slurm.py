@@ -33,7 +33,7 @@ __all__ = ["LaunchSpecError", "SchedulerStatus", "SlurmLaunchRequest", "slurm_jo
 RunStateName = Literal["queued", "launching", "running", "succeeded", "failed", "lost"]
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_ENVIRONMENT = frozenset({RUN_ID_ENV, CONTROL_PLANE_URL_ENV, RUN_TOKEN_FILE_ENV, WORKERS_ENV, JOB_ENV,
-                                  GPUS_PER_HOST_ENV, ALLOWED_PATHS_ENV})
+                                  GPUS_PER_HOST_ENV, ALLOWED_PATHS_ENV, "SLURM_NO_KILL"})
 
 
 class LaunchSpecError(ValueError):
@@ -98,6 +98,7 @@ def run_environment(*, run_id: int, control_plane_url: str, token_file: str,
 
 
 DEFAULT_MONARCH_PORT = 22222
+NO_KILL_ENV = "SLURM_NO_KILL"
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SLURM_MEMORY = re.compile(r"^[1-9][0-9]*[KMGT]?$")
 _SLURM_TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
@@ -194,6 +195,9 @@ def job_environment(request: SlurmLaunchRequest) -> dict[str, str]:
                                   token_file=request.token_file, extra=request.environment,
                                   allowed_paths=request.allowed_paths)
     environment[JOB_ENV] = "slurm"  # the engine takes its workers from the job
+    # srun's --no-kill for the job's steps (monarch's batch runner starts the workers' step with a plain srun): a
+    # failed node must not end the step that runs the other nodes' workers either.
+    environment[NO_KILL_ENV] = "set"  # what srun takes for "on"
     if request.gpus_per_node:  # the engine hands them to procs (placement gpus_per_proc)
         environment[GPUS_PER_HOST_ENV] = str(request.gpus_per_node)
     return environment
