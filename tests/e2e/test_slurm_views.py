@@ -11,7 +11,7 @@ from forgeboard.cluster.models import Host
 from forgeboard.cluster.services import hosts_record_scheduler_view
 from forgeboard.runs.services import run_launch
 from tests.e2e.conftest import login, outside_the_browser_loop, screenshot
-from workers.launch.jobs import record_job_status
+from workers.launch.jobs import last_job_status, record_job_status
 from workers.launch.slurm import SchedulerStatus
 
 SLURM_YAML = """\
@@ -52,7 +52,7 @@ def test_a_slurm_runs_timeline_says_what_its_job_does_and_which_node_is_down(pag
     run = outside_the_browser_loop(run_launch, actor=team.member, experiment=team.experiment,
                                    config_yaml=SLURM_YAML.format(model=demo_model))
     running = SchedulerStatus("running", "running on fbslurm[1-2]", "77", nodes="fbslurm[1-2]")
-    outside_the_browser_loop(record_job_status, run=run, status=running, backend="slurm", nodes_down={})
+    outside_the_browser_loop(record_job_status, run=run, status=running, backend="slurm", nodes_down={}, last=None)
     login(page, server, "mateo")
     page.goto(f"{server['url']}/runs/{run.pk}/")
     first = page.locator("#timeline li", has_text="SLURM job 77: running on fbslurm[1-2]")
@@ -60,10 +60,11 @@ def test_a_slurm_runs_timeline_says_what_its_job_does_and_which_node_is_down(pag
     assert "node down" not in first.inner_text()
 
     lost = SchedulerStatus("running", "running on fbslurm1", "77", nodes="fbslurm1")
-    added = outside_the_browser_loop(record_job_status, run=run, status=lost, backend="slurm",
-                                     nodes_down={"fbslurm2": "down (not responding): Not responding"})
-    again = outside_the_browser_loop(record_job_status, run=run, status=lost, backend="slurm",
-                                     nodes_down={"fbslurm2": "down (not responding): Not responding"})
+    down = {"fbslurm2": "down (not responding): Not responding"}
+    added = outside_the_browser_loop(record_job_status, run=run, status=lost, backend="slurm", nodes_down=down,
+                                     last=outside_the_browser_loop(last_job_status, run=run))
+    again = outside_the_browser_loop(record_job_status, run=run, status=lost, backend="slurm", nodes_down=down,
+                                     last=outside_the_browser_loop(last_job_status, run=run))
     assert added and not again, "an unchanged view is not recorded twice"
     live = page.locator("#timeline li", has_text="node down: fbslurm2")
     live.wait_for(timeout=15_000)  # pushed over the websocket, no reload

@@ -6,6 +6,7 @@ tests/system/test_slurm_job_live.py; Kubernetes discovery in test_kubernetes_wor
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -100,3 +101,19 @@ def test_a_slurm_host_list_expands_in_slurms_order(hostlist, names):
 def test_a_host_list_that_is_not_one_is_refused(hostlist):
     with pytest.raises(MonarchJobError, match="is not a SLURM host list"):
         expand_hostlist(hostlist)
+
+
+@pytest.mark.parametrize(("printed", "found"), [
+    ('{"jobs": [{"job_id": 3, "job_state": "COMPLETED"}, {"job_id": 7, "job_state": "RUNNING"}]}', "RUNNING"),
+    ('{"jobs": [{"job_id": 3, "job_state": "COMPLETED"}]}', None),  # not in the queue
+    ("squeue: error: slurm_load_jobs error", None),  # not JSON
+    ('["a list"]', None),
+])
+def test_the_jobs_squeue_record_is_picked_by_its_id(monkeypatch, tmp_path, printed, found):
+    """Slurm 22.05's squeue --json lists every job whatever --jobs says; an ended job listed first is not ours."""
+    fake = tmp_path / "squeue"
+    fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{printed}\nEOF\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    record = monarch_job.squeue_record("7")
+    assert (record or {}).get("job_state") == found

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support.processes import free_port
+
 HOSTS_FILE = Path("/etc/hosts")
 HOSTS_MARK = "# forgeboard test slurm cluster"
 MARIADB = ("127.0.0.1", 3306)
@@ -30,12 +32,6 @@ DAEMONS = ("munged", "slurmdbd", "slurmctld", "slurmd")
 
 class SlurmClusterError(RuntimeError):
     """The test cluster could not be started; the message says which daemon and shows its log."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def slurm_installed() -> bool:

@@ -55,15 +55,15 @@ def last_job_status(*, run: Run) -> dict | None:
             .order_by("-seq").values_list("payload", flat=True).first())
 
 
-def record_job_status(*, run: Run, status: SchedulerStatus | None, backend: str,
-                      nodes_down: Mapping[str, str]) -> bool:
-    """A job_status event on the run when the scheduler's view of its job changed since the last one (its state, its
-    reason, the job's nodes that the scheduler has down); whether one was added."""
+def record_job_status(*, run: Run, status: SchedulerStatus | None, backend: str, nodes_down: Mapping[str, str],
+                      last: Mapping | None) -> bool:
+    """A job_status event on the run when the scheduler's view of its job changed since `last` (its latest job_status,
+    `last_job_status`): its state, its reason, the job's nodes that the scheduler has down; whether one was added."""
     if status is None:
         return False
     payload = {"name": JOB_STATUS, "backend": backend, "job_id": status.job_id, "state": status.state,
                "reason": status.reason, "nodes": status.nodes, "nodes_down": dict(nodes_down)}
-    if last_job_status(run=run) == payload:
+    if last == payload:
         return False
     event_append(run=run, kind=EventKind.MESSAGE, payload=payload)
     return True

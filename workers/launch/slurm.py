@@ -31,9 +31,10 @@ __all__ = ["LaunchSpecError", "SchedulerStatus", "SlurmLaunchRequest", "slurm_jo
 # --- shared with workers/launch/kubernetes.py ------------------------------------------------------
 
 RunStateName = Literal["queued", "launching", "running", "succeeded", "failed", "lost"]
+NO_KILL_ENV = "SLURM_NO_KILL"  # srun's --no-kill for a job's steps
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_ENVIRONMENT = frozenset({RUN_ID_ENV, CONTROL_PLANE_URL_ENV, RUN_TOKEN_FILE_ENV, WORKERS_ENV, JOB_ENV,
-                                  GPUS_PER_HOST_ENV, ALLOWED_PATHS_ENV, "SLURM_NO_KILL"})
+                                  GPUS_PER_HOST_ENV, ALLOWED_PATHS_ENV, NO_KILL_ENV})
 
 
 class LaunchSpecError(ValueError):
@@ -98,7 +99,6 @@ def run_environment(*, run_id: int, control_plane_url: str, token_file: str,
 
 
 DEFAULT_MONARCH_PORT = 22222
-NO_KILL_ENV = "SLURM_NO_KILL"
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SLURM_MEMORY = re.compile(r"^[1-9][0-9]*[KMGT]?$")
 _SLURM_TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")

@@ -21,7 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
-from forgeboard.cluster.models import Host
+from forgeboard.cluster.models import Host, scheduler_state_unavailable
 from forgeboard.cluster.services import hosts_record_scheduler_view
 from forgeboard.runs.models import LaunchBackend, Run
 from forgeboard.telemetry.models import EventKind
@@ -230,18 +230,18 @@ def _node_view(cli: SlurmCli) -> dict[str, tuple[str, str]]:
     return view
 
 
-def _nodes_down(*, run: Run, status: SchedulerStatus | None, view: dict[str, tuple[str, str]]) -> dict[str, str]:
+def _nodes_down(*, status: SchedulerStatus | None, last: Mapping[str, Any], view: dict[str, tuple[str, str]]
+                ) -> dict[str, str]:
     """The job's nodes that SLURM has down, drained or failing, each with its state and reason: those it has now and
-    those it had at the last poll or had down then (a job submitted --no-kill loses a failed node from its list)."""
-    last = last_job_status(run=run) or {}
+    those it had at the last poll (`last`, its job_status) or had down then (a job submitted --no-kill loses a failed
+    node from its list)."""
     try:
         names = {*expand_hostlist(status.nodes if status else ""), *expand_hostlist(str(last.get("nodes") or ""))}
     except MonarchJobError:
         return {}
     names |= set(last.get("nodes_down") or {})
-    bad = ("down", "drain", "fail", "unknown")
     return {name: ": ".join(filter(None, view[name])) for name in sorted(names)
-            if name in view and any(word in view[name][0] for word in bad)}
+            if name in view and scheduler_state_unavailable(view[name][0])}
 
 
 def poll_slurm_runs(*, cli: SlurmCli | None = None) -> dict[int, str]:
@@ -254,8 +254,9 @@ def poll_slurm_runs(*, cli: SlurmCli | None = None) -> dict[int, str]:
     for run in runs:
         try:
             status = job_status(job_id=run.job_id, cli=cli)
-            record_job_status(run=run, status=status, backend="slurm",
-                              nodes_down=_nodes_down(run=run, status=status, view=view))
+            last = last_job_status(run=run)
+            record_job_status(run=run, status=status, backend="slurm", last=last,
+                              nodes_down=_nodes_down(status=status, last=last or {}, view=view))
             done[run.pk] = follow_job(run=run, status=status, job=f"SLURM job {run.job_id}",
                                       cancel=lambda run=run: cli.cancel(run.job_id))
         except (SlurmCommandFailed, LaunchSpecError) as exc:

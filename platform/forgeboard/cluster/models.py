@@ -20,6 +20,12 @@ class Health(models.TextChoices):
     UNKNOWN = "unknown", "Unknown"
 
 
+def scheduler_state_unavailable(state: str) -> bool:
+    """A scheduler's node state ("down (not responding)", "idle (drain)") in which it will not run work there: down,
+    drained, failing, or not heard from (unknown)."""
+    return any(word in state for word in ("down", "drain", "fail", "unknown"))
+
+
 class Host(models.Model):
     hostname = models.CharField(max_length=255, unique=True)
     pool = models.CharField(max_length=100, default="default", help_text="Node pool; each has its Celery queue")
@@ -50,8 +56,7 @@ class Host(models.Model):
 
     @property
     def scheduler_unavailable(self) -> bool:
-        """The scheduler will not run work here: the node is down, drained or failing."""
-        return any(word in self.scheduler_state for word in ("down", "drain", "fail"))
+        return scheduler_state_unavailable(self.scheduler_state)
 
 
 class DeviceKind(models.TextChoices):

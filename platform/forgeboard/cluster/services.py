@@ -297,13 +297,11 @@ def hosts_mark_down(*, now: datetime, timeout_s: float) -> list[HostDown]:
 def hosts_record_scheduler_view(*, nodes: Mapping[str, tuple[str, str]], now: datetime) -> int:
     """What a cluster scheduler says of its nodes ({name: (state, reason)}), onto the hosts of those names (registered
     by their agents); the number of hosts updated. Nodes no agent registered are not added to the inventory."""
-    updated = 0
-    for host in Host.objects.filter(hostname__in=list(nodes)):
+    hosts = list(Host.objects.filter(hostname__in=list(nodes)))
+    for host in hosts:
         state, reason = nodes[host.hostname]
         host.scheduler_state, host.scheduler_reason, host.scheduler_checked_at = state[:64], reason[:255], now
-        host.save(update_fields=["scheduler_state", "scheduler_reason", "scheduler_checked_at"])
-        updated += 1
-    return updated
+    return Host.objects.bulk_update(hosts, ["scheduler_state", "scheduler_reason", "scheduler_checked_at"])
 
 
 def agent_token_create(*, actor: User, name: str) -> tuple[AgentToken, str]:
