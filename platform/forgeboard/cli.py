@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("agent", help="run the node agent: register this host and report its devices", add_help=False)
     sub.add_parser("token", help="create, list or revoke API tokens: token create --user U --project P --name N",
                    add_help=False)
+    sub.add_parser("plan", help="a GRPO config's predicted step at 3, 12, 48, 192 GPUs and the best split: "
+                                "plan --config FILE --gpus 3,12,48,192", add_help=False)
     return parser
 
 
@@ -110,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         return agent_main(argv[1:])
     if argv[:1] == ["token"]:
         return token_main(argv[1:])
+    if argv[:1] == ["plan"]:  # the engine's what-if planner (Django-free)
+        from workers.engine.cli import main as engine_main
+
+        return engine_main(argv)
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -21,6 +21,8 @@ REFUSED_BEYOND_SCHEMA = [
     ("POST", r"/experiments/\{experiment_id\}/runs$"),
     # Stage configs (YAML), experiments of this project, unique stage and check names.
     ("POST", r"/projects/\{slug\}/suites$"),
+    # A plan's config is YAML checked as a launch checks it; its calibration run must be a GRPO run with timelines.
+    ("POST", r"/plans$"),
     # The payload of a drill, placement change or load redirect is the engine's typed operation.
     ("POST", r"/runs/\{run_id\}/commands$"),
 ]

@@ -4,6 +4,8 @@
   make-tiny-model --family qwen3 --out DIR      a tiny random model + byte tokenizer (HF folder)
   export --checkpoint PATH --out DIR            a checkpoint as an HF folder a new run can start from
   schema                                        the config's JSON Schema
+  plan --config FILE [--gpus 3,12,48,192]       what a step will cost at each scale, and the best split
+       [--device h100] [--model qwen3-1.7b] [--calibrate-from RUN.jsonl [--calibration-config FILE]] [--json]
 
 Config and preflight problems print one `field: message` line each and exit with code 2
 before any model is loaded or process started. torch is imported only after that.
@@ -151,6 +153,36 @@ def _schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """A what-if plan (workers/engine/planning): a calibration is fitted from a recorded run's JSONL telemetry (its
+    config: --calibration-config, or the planned config when it is the same run)."""
+    from workers.engine.planning.devices import device as device_spec
+    from workers.engine.planning.fitting import calibrate_from_records
+    from workers.engine.planning.report import PlanError, format_report, model_shape, parse_scales, plan_config
+
+    try:
+        config = load_config_file(args.config)
+        calibration, measured = None, None
+        if args.calibrate_from:
+            measured_config = load_config_file(args.calibration_config or args.config)
+            records = [json.loads(line) for line in open(args.calibrate_from, encoding="utf-8") if line.strip()]
+            shape = model_shape(measured_config, model=args.model)
+            calibration, measured, _ = calibrate_from_records(
+                shape, config=measured_config, records=records, device=device_spec(args.calibration_device),
+                source={"run": os.path.basename(args.calibrate_from)})
+        report = plan_config(config, device=args.device or (calibration.device if calibration else "h100"),
+                             scales=parse_scales(args.gpus), model=args.model, calibration=calibration,
+                             measured=measured, batch=args.batch)
+    except ConfigError as exc:
+        _print_config_error(exc)
+        return EXIT_CONFIG_ERROR
+    except (PlanError, OSError, KeyError, ValueError) as exc:
+        print(f"cannot plan: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m workers.engine", description="Forgeboard training engine")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -175,6 +207,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     schema = commands.add_parser("schema", help="print the config JSON Schema")
     schema.set_defaults(run=_schema)
+
+    plan = commands.add_parser("plan", help="predict a GRPO step's cost at several scales, and the best split")
+    plan.add_argument("--config", required=True, help="YAML run config (GRPO)")
+    plan.add_argument("--gpus", default="3,12,48,192", help="comma-separated device counts")
+    plan.add_argument("--device", default=None, help="a100, h100, h200, b200 or cpu (default: the calibration's, "
+                                                     "else h100)")
+    plan.add_argument("--model", default=None, help="a known shape (qwen3-0.6b ... llama3-70b) instead of the "
+                                                    "config's model folder")
+    plan.add_argument("--batch", choices=["scaled", "fixed"], default="scaled",
+                      help="scaled: the step's prompts grow with the devices; fixed: the same prompts")
+    plan.add_argument("--calibrate-from", default=None, help="a run's telemetry JSONL (telemetry.jsonl_path)")
+    plan.add_argument("--calibration-config", default=None, help="that run's config (default: --config)")
+    plan.add_argument("--calibration-device", default="cpu", help="the device kind that run ran on")
+    plan.add_argument("--json", action="store_true", help="the plan as JSON")
+    plan.set_defaults(run=_plan)
     return parser
 
 

@@ -216,6 +216,7 @@
   });
   form.addEventListener("submit", (e) => { if (invalid || !canLaunch) e.preventDefault(); });
 
+  window.FBLaunch = { recipe, overrideLines, config: () => editor.value, project: form.dataset.project };
   showNewExperiment();
   drawGutter();
   setButton();

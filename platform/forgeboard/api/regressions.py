@@ -5,6 +5,7 @@ from typing import Any
 
 from django.http import HttpRequest
 from ninja import Router, Schema, Status
+from pydantic import Field
 
 from forgeboard.accounts.selectors import project_get
 from forgeboard.api.auth import USER_AUTH, actor_of, require_write_scope
@@ -48,6 +49,11 @@ class StageOut(Schema):
     run_id: int
     run_state: str
     verdict: str
+    predicted_step_s: float | None = Field(description="the what-if model's step seconds for this stage's config, "
+                                                       "calibrated on the suite run's first stage")
+    measured_step_s: float | None = Field(description="the median step seconds of the stage's run")
+    prediction_error: float | None = Field(description="(predicted - measured) / measured")
+    prediction_note: str
     checks: list[CheckOut]
 
     @staticmethod

@@ -50,9 +50,20 @@ class StageResult(models.Model):
     name = models.CharField(max_length=100)
     run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="stage_results")
     verdict = models.CharField(max_length=16, choices=Verdict.choices, default=Verdict.RUNNING)
+    predicted_step_s = models.FloatField(null=True, blank=True, help_text="the what-if model's step seconds for the "
+                                         "stage's config, calibrated on the suite run's first stage (runs/planning.py)")
+    measured_step_s = models.FloatField(null=True, blank=True, help_text="the median step of the stage's run")
+    prediction_note = models.CharField(max_length=300, blank=True)
 
     class Meta:
         ordering = ["id"]
+
+    @property
+    def prediction_error(self) -> float | None:
+        """(predicted - measured) / measured, or None without both."""
+        if self.predicted_step_s is None or not self.measured_step_s:
+            return None
+        return (self.predicted_step_s - self.measured_step_s) / self.measured_step_s
 
 
 class CheckResult(models.Model):

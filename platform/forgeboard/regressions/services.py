@@ -20,6 +20,7 @@ from forgeboard.experiments.services import validate_run_config
 from forgeboard.regressions.models import CheckResult, StageResult, Suite, SuiteRun, Verdict
 from forgeboard.regressions.spec import CheckSpec, HistoryBaseline, SuiteSpec
 from forgeboard.runs.models import Run
+from forgeboard.runs.planning import run_calibration, stage_prediction
 from forgeboard.runs.services import run_launch
 from forgeboard.runs.states import TERMINAL_STATES, RunState
 from forgeboard.telemetry.models import MetricPoint, MetricSeries
@@ -154,6 +155,23 @@ def _worst(verdicts: list[str]) -> str:
     return Verdict.PASSED
 
 
+def _predict_stages(stages: list[StageResult]) -> None:
+    """Each stage's step predicted by the what-if model calibrated on the first stage that succeeded and recorded
+    GRPO step timelines, beside the step it measured (the first stage is then its own calibration: error ~0)."""
+    calibrated = None
+    for stage in stages:
+        if stage.run.state == RunState.SUCCEEDED:
+            try:
+                calibrated = run_calibration(run=stage.run)
+                break
+            except ValidationFailed:
+                continue
+    for stage in stages:
+        prediction = stage_prediction(run=stage.run, calibrated=calibrated)
+        stage.predicted_step_s, stage.measured_step_s = prediction.predicted_step_s, prediction.measured_step_s
+        stage.prediction_note = prediction.note[:300]
+
+
 def suite_run_refresh(*, suite_run: SuiteRun) -> SuiteRun:
     """Judge the suite run once all its stage runs have ended; before that (or after) it changes nothing."""
     if suite_run.verdict != Verdict.RUNNING:
@@ -176,7 +194,9 @@ def suite_run_refresh(*, suite_run: SuiteRun) -> SuiteRun:
                 results = [_judge(suite_run=locked, stage=stage, check=c) for c in checks_of[stage.name]]
                 CheckResult.objects.bulk_create(results)
                 stage.verdict = _worst([r.verdict for r in results])
-            stage.save(update_fields=["verdict"])
+        _predict_stages(stages)
+        for stage in stages:
+            stage.save(update_fields=["verdict", "predicted_step_s", "measured_step_s", "prediction_note"])
         locked.verdict = _worst([s.verdict for s in stages])
         locked.finished_at = timezone.now()
         locked.save(update_fields=["verdict", "finished_at"])

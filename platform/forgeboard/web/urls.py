@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from forgeboard.web.views import artifacts, cluster, compare, launch, pages, runs, tokens
+from forgeboard.web.views import artifacts, cluster, compare, launch, pages, runs, suites, tokens
 from forgeboard.web.views.login import ThrottledLoginView
 
 urlpatterns = [
@@ -14,6 +14,8 @@ urlpatterns = [
     path("p/<slug:slug>/artifacts/", artifacts.artifacts, name="project_artifacts"),
     path("p/<slug:slug>/launch/", launch.launch, name="launch"),
     path("p/<slug:slug>/compare/", compare.compare, name="compare"),
+    path("p/<slug:slug>/suites/", suites.suites, name="project_suites"),
+    path("p/<slug:slug>/suites/<str:name>/", suites.suite_detail, name="suite_detail"),
     path("runs/<int:run_id>/", runs.run_detail, name="run_detail"),
     path("runs/<int:run_id>/rollouts/", runs.run_rollouts, name="run_rollouts"),
     path("runs/<int:run_id>/checkpoints/", runs.run_checkpoints_part, name="run_checkpoints"),

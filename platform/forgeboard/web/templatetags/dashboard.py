@@ -39,3 +39,22 @@ def filesize(size: int | None) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return str(size)
+
+
+@register.filter
+def signed_percent(value: object) -> str:
+    """+4.2%, -13.0%; an em dash for missing or non-finite values."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return "—"
+    return f"{100 * value:+.1f}%"
+
+
+ERROR_BAR_FULL = 0.5  # an error of 50% (or more) fills the bar
+
+
+@register.filter
+def error_bar_px(value: object, full_px: int = 80) -> int:
+    """The width of a bar drawing |value| (a relative error) against ERROR_BAR_FULL."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return 0
+    return round(min(1.0, abs(value) / ERROR_BAR_FULL) * int(full_px))
