@@ -211,7 +211,8 @@ def test_an_sft_config_and_a_broken_model_folder_are_refused(client, team, beare
     assert named.status_code == 200 and named.json()["model"]["name"] == "qwen3-1.7b"
 
 
-def test_each_stage_is_predicted_from_the_first_beside_what_it_measured(team, bench_yaml, bench_model):
+def test_each_stage_is_predicted_from_the_first_beside_what_it_measured(client, bearer, team, bench_yaml,
+                                                                        bench_model):
     checks = [{"name": "step-time", "metric": "time/step_s", "direction": "lower_is_better", "gate": False}]
     spec = {"stages": [
         {"name": "1-replica", "experiment_id": team.experiment.pk, "config_yaml": bench_yaml, "checks": checks},
@@ -229,6 +230,13 @@ def test_each_stage_is_predicted_from_the_first_beside_what_it_measured(team, be
     assert second.predicted_step_s == pytest.approx(predicted) and second.measured_step_s == pytest.approx(measured)
     assert abs(second.prediction_error) < 0.30
     assert second.prediction_note == f"calibrated on math #{first.run.number} (run {first.run_id})"
+    # the API's stage table says the same
+    stages = client.get(f"/api/v1/suite-runs/{suite_run.pk}", **bearer).json()["stages"]
+    assert [s["name"] for s in stages] == ["1-replica", "2-replicas"]
+    assert stages[1]["predicted_step_s"] == pytest.approx(predicted)
+    assert stages[1]["measured_step_s"] == pytest.approx(measured)
+    assert stages[1]["prediction_error"] == pytest.approx((predicted - measured) / measured)
+    assert stages[0]["prediction_note"].startswith("calibrated on math #")
 
 
 def test_a_stage_without_timelines_is_measured_as_nothing_and_still_judged(team, bench_yaml):
@@ -252,3 +260,19 @@ def test_forgeboard_plan_is_the_engines_planner(tmp_path, bench_model, capsys):
     assert main(["plan", "--config", str(config), "--gpus", "3,12", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [s["devices"] for s in report["scales"]] == [3, 12] and report["device"] == "h100"
+
+
+def test_the_launch_page_offers_only_this_projects_runs_with_timelines(client, team, bench_yaml, calibration_run):
+    from forgeboard.runs.planning import calibration_runs
+
+    other = project_create(actor=team.outsider, slug="beta", name="Beta")
+    theirs = run_launch(actor=team.outsider, experiment=experiment_create(actor=team.outsider, project=other,
+                                                                          name="theirs", recipe="grpo"),
+                        config_yaml=bench_yaml)
+    ingest(theirs, recorded("calibrate"))
+    bare = run_launch(actor=team.member, experiment=team.experiment, config_yaml=bench_yaml)
+    assert calibration_runs(project=team.project) == [calibration_run]
+    client.force_login(team.member)
+    page = client.get("/p/alpha/launch/").content.decode()
+    assert f'<option value="{calibration_run.pk}">math #{calibration_run.number}' in page
+    assert f'<option value="{theirs.pk}">' not in page and f'<option value="{bare.pk}">' not in page

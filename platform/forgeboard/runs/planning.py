@@ -13,6 +13,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from django.db.models import Exists, OuterRef
+
 from forgeboard.accounts.models import Project
 from forgeboard.cluster.models import Device, DeviceKind
 from forgeboard.errors import NotFound, ValidationFailed
@@ -96,8 +98,9 @@ MAX_CALIBRATION_CHOICES = 20
 
 def calibration_runs(*, project: Project) -> list[Run]:
     """The project's newest GRPO runs that recorded step timelines (what a plan can be calibrated from)."""
-    runs = (Run.objects.filter(experiment__project=project, experiment__recipe="grpo", step_timelines__isnull=False)
-            .select_related("experiment").distinct().order_by("-created_at"))
+    timelines = StepTimeline.objects.filter(run=OuterRef("pk"))
+    runs = (Run.objects.filter(Exists(timelines), experiment__project=project, experiment__recipe="grpo")
+            .select_related("experiment").order_by("-created_at"))
     return list(runs[:MAX_CALIBRATION_CHOICES])
 
 
