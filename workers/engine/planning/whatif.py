@@ -28,7 +28,7 @@ from typing import Any
 from workers.engine.planning import costs
 from workers.engine.planning.calibration import Calibration
 from workers.engine.planning.devices import DeviceSpec
-from workers.engine.planning.shapes import ModelShape
+from workers.engine.planning.shapes import BYTES_PER_VALUE, ModelShape
 
 DEFAULT_SCALES = (3, 12, 48, 192)
 VLLM_MAX_NUM_SEQS = 256  # vLLM's default cap on the sequences one engine schedules at once
@@ -219,7 +219,8 @@ def _memory_notes(shape: ModelShape, workload: Workload, placement: Placement, d
     state = shape.params() * TRAINER_STATE_BYTES_PER_PARAM[w.optimizer]
     state /= p.trainer_ranks if w.sharding == "fsdp" else 1
     rows = max(1.0, min(w.micro_batch_size, w.sequences / p.trainer_ranks))
-    activations = rows * w.seq_len * shape.hidden * shape.layers * ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN / 2
+    activations = (rows * w.seq_len * shape.hidden * shape.layers * ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN
+                   * BYTES_PER_VALUE[w.dtype] / 2)  # the 34 bytes are 16-bit values
     trainer_need, trainer_have = state + activations, device.memory_bytes * p.devices_per_rank
     if trainer_need > trainer_have:
         notes.append(f"a trainer rank needs ~{trainer_need / 1e9:.1f} GB (weights, gradients, optimizer state"
