@@ -276,3 +276,28 @@ def test_the_launch_page_offers_only_this_projects_runs_with_timelines(client, t
     page = client.get("/p/alpha/launch/").content.decode()
     assert f'<option value="{calibration_run.pk}">math #{calibration_run.number}' in page
     assert f'<option value="{theirs.pk}">' not in page and f'<option value="{bare.pk}">' not in page
+
+
+def test_a_run_on_a_gpu_the_table_lacks_cannot_calibrate_and_is_not_predicted(client, team, bearer, bench_yaml,
+                                                                              calibration_run):
+    from forgeboard.cluster.models import Device, DeviceKind, Host
+    from forgeboard.runs.planning import run_calibration, run_device_kind, stage_prediction
+
+    gpu_yaml = bench_yaml.replace("  device: cpu\n", "")  # trainer.device auto: the host's GPUs
+    runs = {}
+    for hostname, model, kind in (("gpu-t4", "Tesla T4", None), ("gpu-h200", "NVIDIA H200", "h200")):
+        host = Host.objects.create(hostname=hostname)
+        Device.objects.create(host=host, kind=DeviceKind.GPU, index=0, model=model)
+        run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=gpu_yaml)
+        Run.objects.filter(pk=run.pk).update(host=hostname)
+        run.refresh_from_db()
+        runs[model] = run
+        ingest(run, recorded("calibrate"))
+        assert run_device_kind(run=run, config=run.config.run_config) == kind
+        # its step on another device kind than the calibration's is measured, not predicted
+        prediction = stage_prediction(run=run, calibrated=run_calibration(run=calibration_run))
+        assert prediction.predicted_step_s is None and prediction.measured_step_s is not None
+        assert prediction.note == f"ran on {kind or 'an unknown GPU'}, calibrated on cpu"
+    message = refused(plan(client, bearer, yaml=bench_yaml, calibration_run=runs["Tesla T4"].pk),
+                      "calibration_run")
+    assert "a GPU the device table does not have" in message

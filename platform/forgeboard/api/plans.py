@@ -18,7 +18,7 @@ from forgeboard.api.schemas import BODY_ERRORS, RecipeName, text
 from forgeboard.experiments.config_problems import MAX_OVERRIDE_LENGTH
 from forgeboard.experiments.services import MAX_OVERRIDES
 from forgeboard.runs.planning import config_plan
-from workers.engine.planning.devices import DEVICES
+from workers.engine.planning.devices import DEVICE_NAMES
 from workers.engine.planning.report import DEFAULT_DEVICE, MAX_DEVICES, MAX_SCALES
 from workers.engine.planning.shapes import KNOWN_SHAPES
 from workers.engine.planning.whatif import DEFAULT_SCALES
@@ -26,7 +26,7 @@ from workers.engine.yaml_safe import MAX_CONFIG_BYTES
 
 router = Router(auth=USER_AUTH, tags=["plans"])
 
-DeviceName = Literal[tuple(sorted(DEVICES)) + ("cpu",)]  # type: ignore[valid-type]
+DeviceName = Literal[DEVICE_NAMES]  # type: ignore[valid-type]
 ShapeName = Literal[tuple(KNOWN_SHAPES)]  # type: ignore[valid-type]
 
 

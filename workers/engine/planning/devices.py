@@ -46,6 +46,9 @@ DEVICES: dict[str, DeviceSpec] = {spec.name: spec for spec in (
 )}
 
 
+DEVICE_NAMES = (*DEVICES, "cpu")  # what a plan can be made for
+
+
 def cpu_device(*, cores: int | None = None) -> DeviceSpec:
     """This machine's cores as devices: one core a device (a proc's `trainer.threads_per_process` cores), gloo over
     loopback as every link. Its peaks are nominal: a CPU plan is only as good as the run it was calibrated on."""
@@ -59,5 +62,5 @@ def device(name: str) -> DeviceSpec:
     if name == "cpu":
         return cpu_device()
     if name not in DEVICES:
-        raise KeyError(f"unknown device {name!r}; known: {', '.join(sorted(DEVICES) + ['cpu'])}")
+        raise KeyError(f"unknown device {name!r}; known: {', '.join(DEVICE_NAMES)}")
     return DEVICES[name]

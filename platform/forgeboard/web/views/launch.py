@@ -42,7 +42,7 @@ from forgeboard.runs.planning import calibration_runs
 from forgeboard.runs.launching import LaunchRefused, NewExperiment, run_launch_submit
 from forgeboard.web.errors import error_page, project_or_404, run_or_404
 from workers.engine.config import RECIPE_ROLES
-from workers.engine.planning.devices import DEVICES
+from workers.engine.planning.devices import DEVICE_NAMES
 
 NEW_EXPERIMENT = "new"
 # The roles whose processes a recipe starts (the engine's RECIPE_ROLES): pinning a run to hosts pins these.
@@ -50,7 +50,6 @@ PLACEMENT_ROLES = {str(recipe): list(roles) for recipe, roles in RECIPE_ROLES.it
 _PLACEMENT_OVERRIDE = re.compile(r"^placement\.(\w+)\.hosts=(.*)$")
 PRESET_LABELS = {"cpu_demo_sft": "CPU demo: tiny Qwen3, SFT", "cpu_demo_grpo": "CPU demo: tiny Qwen3, GRPO",
                  "qwen3_1_7b_grpo": "Qwen3 1.7B, GRPO (one GPU)", "llama3_8b_grpo": "Llama 3.1 8B, GRPO (one GPU)"}
-PLAN_DEVICES = [*DEVICES, "cpu"]
 VIEWER_NOTICE = "Viewers cannot launch runs: ask an owner of this project for the member role."
 
 
@@ -174,7 +173,7 @@ def _context(request: HttpRequest, *, project: Project, form: LaunchForm, clone_
         "sft_experiment": next((e for e in experiments if e.recipe == Recipe.SFT), None),
         "demo_model_missing": not (demo_model_dir() / "config.json").is_file(),
         "new_experiment": NEW_EXPERIMENT,
-        "plan_devices": PLAN_DEVICES,
+        "plan_devices": DEVICE_NAMES,
         "calibration_runs": calibration_runs(project=project),
     }
 
