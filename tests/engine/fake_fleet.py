@@ -10,11 +10,14 @@ from typing import Any
 
 from workers.engine.actors.fleet import Failover, ReplicaGroup
 from workers.engine.actors.hosts import HostsUnreachable
+from workers.engine.actors.weight_inbox import Fetched
+from workers.engine.actors.weight_outbox import WeightPart, WeightPublication
 from workers.engine.config import FailoverConfig, RunConfig, load_config
 from workers.engine.controller.placement import Placer
 from workers.engine.controller.state import RunState
 from workers.engine.drills import FaultInjector, LocalSignals
 from workers.engine.metrics import MemorySink, Recorder
+from workers.engine.weight_parts import PartLayout, Piece
 
 PIDS = itertools.count(50_000)
 
@@ -130,17 +133,27 @@ class FakeHosts:
         return signals
 
 
-def publish_to_inboxes(inboxes: list[Any], publication: int, version: int) -> float:
-    """The trainer's rank 0 sending its weights ({"w": 1}) to generator inboxes."""
-    for inbox in inboxes:
-        inbox.put.call_one(publication, version, {"w": 1})
-    return 0.001
+def staged_part(publication: int) -> dict[int, tuple[WeightPart, float]]:
+    """The trainer's one rank staging its weights: a part of one 4-byte tensor (no buffer: a fake inbox reads none)."""
+    layout = PartLayout(rank=0, nbytes=4, pieces=(Piece(name="w", index=0, dtype="float32", shape=(1,), offset=0, nbytes=4),))
+    return {0: (WeightPart(buffer=None, layout=layout), 0.001)}
+
+
+def read_publication(publication: WeightPublication) -> Fetched:
+    """A generator's inbox reading a publication."""
+    return Fetched(publication=publication.number, nbytes=publication.nbytes, seconds=0.001)
+
+
+def fetched(inbox: Any) -> list[tuple[int, int]]:
+    """(publication, policy version) of every publication a fake inbox was told to read."""
+    return [(publication.number, publication.version) for (publication,) in inbox.fetch.calls]
 
 
 def fake_group(role: str, hosts: FakeHosts, placement: list[str], *, per_host: int | None = None,
                spares: int = 0, **endpoints: Any) -> ReplicaGroup:
     """A started replica group of `role` with one replica on each host of `placement`."""
-    inbox = (lambda procs, name: FakeActor(next(PIDS), name=name, put=None)) if role == "generator" else None
+    inbox = (lambda procs, name: FakeActor(next(PIDS), name=name, fetch=read_publication)) \
+        if role == "generator" else None
     group = ReplicaGroup(role, spawn_actor=lambda procs, name: FakeActor(next(PIDS), name=name, **endpoints), threads=1,
                          routing="round_robin", hosts=hosts, spares=spares, per_host=per_host, spawn_inbox=inbox)
     group.start(placement)
@@ -193,7 +206,7 @@ def controller_parts(config: RunConfig, hosts: FakeHosts, groups: dict[str, Repl
                                             state=fleet.state)
     trainer.pids = list(trainer_pids)
     trainer.actors = FakeActor(0, state_dict={"w": 1}, pids=dict(enumerate(trainer.pids)),
-                               publish_weights=publish_to_inboxes)
+                               stage_weights=staged_part)
     control = fleet.control = ControlProcs(config=config, hosts=hosts, waits=fleet.waits, recorder=fleet.recorder,
                                            state=fleet.state)
     control.host = control_host

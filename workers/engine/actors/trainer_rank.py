@@ -19,6 +19,7 @@ from monarch.actor import endpoint
 from workers.engine.actors.devices import bind_proc_gpus
 from workers.engine.actors.faults import FaultInjectableActor
 from workers.engine.actors.procs import set_proc_threads
+from workers.engine.actors.weight_outbox import WeightOutbox, WeightPart
 from workers.engine.checkpoint import load_checkpoint, save_checkpoint
 from workers.engine.config import RunConfig
 from workers.engine.data_parallel import RankShare, rank_share
@@ -36,6 +37,7 @@ class TrainerRankActor(FaultInjectableActor):
         self.config = config
         self.own_gpu = bind_proc_gpus() is not None  # placement.trainer.gpus_per_proc: this rank's GPU is cuda:0
         self.device = torch.device("cuda", 0) if self.own_gpu else resolve_device(config.trainer.device)
+        self.outbox = WeightOutbox()
 
     def scheduled_updates(self) -> int:
         """Optimizer steps the learning-rate schedule spans."""
@@ -89,16 +91,15 @@ class TrainerRankActor(FaultInjectableActor):
         return state if self.rank == 0 or not self.sharded else None
 
     @endpoint
-    def publish_weights(self, inboxes: list[Any], publication: int, version: int) -> float:
-        """Send the weights (policy `version`) as `publication` to generator replicas' inboxes (`actors/weight_inbox.py`) from rank 0, without
-        waiting for delivery (a send serialises the weights at once: later updates do not reach it); the seconds this
-        took, the sync's cost on the trainer's path. Every rank of a sharded trainer takes part in the gather."""
+    def stage_weights(self, publication: int) -> tuple[WeightPart | None, float]:
+        """Stage this rank's part of the current weights as `publication` for the generators' inboxes to read
+        (`actors/weight_outbox.py`), in place of the last one; the part (None when this rank serves none) and the
+        seconds the staging took, the sync's cost on the trainer's path. An FSDP rank stages its own shards: no
+        collective."""
         start = time.perf_counter()
-        state = full_model_state(self.model)
-        if self.rank == 0:
-            for inbox in inboxes:
-                inbox.put.call_one(publication, version, state)
-        return time.perf_counter() - start
+        part = self.outbox.stage(self.model.state_dict(), publication=publication, rank=self.rank, world=self.world,
+                                 sharded=self.sharded)
+        return part, time.perf_counter() - start
 
     @endpoint
     def evaluate(self, problems: list[Problem], keep_samples: int) -> EvalResult:

@@ -59,9 +59,10 @@ class GenerationPipeline:
 
     # --- weights and launches -----------------------------------------------------------
     def sync_weights(self, timer: PhaseTimer) -> None:
-        """The trainer sends the current policy to every serving generator's inbox. Only the trainer's sending is
-        waited for (`time/weight_sync_s`, the sync's cost on the step's path); each replica swaps the version in
-        before the first request that names it, whatever it is still generating."""
+        """The trainer ranks stage the current policy and every serving generator's inbox reads it from them. Only
+        the staging is waited for (`time/weight_sync_s`, the sync's cost on the step's path, with the wait for the
+        last publication's reads); each replica swaps the version in before the first request that names it,
+        whatever it is still generating."""
         state = self.state
         with timer.phase("weight_sync"):
             replicas = self.generators.live()

@@ -120,7 +120,7 @@ class Supervisor:
         return self.placer.replacement_host(replica)
 
     def prepare_generator(self, replica: Replica) -> int:
-        """Give a new generator replica the trainer's current weights, sent by the trainer to its inbox; the policy
+        """Give a new generator replica the trainer's current weights, read by its inbox from the ranks; the policy
         version it then holds. Unless the trainer moved since the generators' last publication, the replica gets
         that publication (the same weights); else a new one, for this replica only until the next sync."""
         state = self.state

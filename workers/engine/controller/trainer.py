@@ -13,6 +13,7 @@ from monarch.spmd import setup_torch_elastic_env
 from workers.engine.actors.fleet import CallFailed, MeshStops, answered, exited, stop_quietly
 from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.trainer_rank import TrainerRankActor
+from workers.engine.actors.weight_outbox import WeightPublication
 from workers.engine.config import RunConfig
 from workers.engine.controller.incidents import Noticed, RecoveryLog
 from workers.engine.controller.placement import Placer
@@ -29,6 +30,31 @@ class TrainerLost(Exception):
         self.failure = failure
 
 
+class PendingFetches:
+    """The inboxes' reads of the publication the ranks hold. Before the ranks stage the next one (in its place) the
+    controller waits for these; in the steady state they ended while the step trained."""
+
+    def __init__(self) -> None:
+        self.pending: list[Any] = []  # each inbox's fetch call
+
+    def add(self, fetch: Any) -> None:
+        self.pending.append(fetch)
+
+    def settle(self, *, waits: Waits, recorder: Recorder, step: int) -> None:
+        """Wait for every pending read (a failed or hung inbox's replica is the supervisor's to replace) and record
+        `weights/read_s` (the slowest read) and `weights/read_bytes` (one replica's)."""
+        reads = []
+        for fetch in self.pending:
+            try:
+                reads.append(waits.wait(fetch))
+            except CallFailed:
+                continue
+        self.pending.clear()
+        if reads:
+            recorder.log_many({"weights/read_s": max(r.seconds for r in reads), "weights/read_bytes": reads[0].nbytes},
+                              step=step)
+
+
 class TrainerHandle:
     def __init__(self, *, config: RunConfig, actor: type[TrainerRankActor], hosts: Hosts, placer: Placer, waits: Waits,
                  recorder: Recorder, log: RecoveryLog, state: RunState):
@@ -41,6 +67,7 @@ class TrainerHandle:
         self.master_addr: str | None = None
         self.noticed: Noticed | None = None  # a failure seen, not yet recovered from
         self._setup: Any = None  # every rank's pending setup
+        self.fetches = PendingFetches()
 
     # --- start ------------------------------------------------------------------------
     def launch(self) -> None:
@@ -176,8 +203,16 @@ class TrainerHandle:
         return self.from_rank0("state_dict")
 
     def publish_weights(self, inboxes: list[Any], publication: int) -> float:
-        """Rank 0 sends the current weights to the generators' inboxes as `publication`; the seconds it spent."""
-        return float(self.from_rank0("publish_weights", inboxes, publication, self.state.policy_version))
+        """Every rank stages its part of the current weights as `publication`, then each inbox reads the parts
+        straight from the ranks (`actors/weight_outbox.py`); only the staging is waited for. The ranks' longest
+        staging in seconds."""
+        self.fetches.settle(waits=self.waits, recorder=self.recorder, step=self.state.step)
+        staged = self.every_rank(lambda: self.actors.stage_weights.call(publication), what="a weight staging")
+        sent = WeightPublication(number=publication, version=self.state.policy_version,
+                                 parts=tuple(part for part, _ in staged if part is not None))
+        for inbox in inboxes:
+            self.fetches.add(inbox.fetch.call_one(sent))
+        return max(seconds for _, seconds in staged)
 
     def save(self, step: int, progress: dict[str, Any]) -> Path:
         return Path(self.from_rank0("save", step, progress))

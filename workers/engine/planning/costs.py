@@ -134,13 +134,15 @@ def gradient_sync_seconds(shape: ModelShape, *, ranks: int, sharding: str, spans
                         efficiency=calibration.link_efficiency)
 
 
-def weight_sync_seconds(shape: ModelShape, *, replicas: int, dtype: str, spans_hosts: bool, device: DeviceSpec,
-                        calibration: Calibration) -> float:
-    """Trainer rank 0 sends the policy to each replica's weight inbox in turn; the step waits for the sending."""
-    bandwidth = link_bandwidth(device, spans_hosts=spans_hosts)
-    one = message_seconds(shape.weight_bytes(dtype), bandwidth=bandwidth, latency_s=device.link_latency_s,
-                          efficiency=calibration.sync_efficiency)
-    return replicas * one
+def weight_sync_seconds(shape: ModelShape, *, ranks: int, replicas: int, dtype: str, spans_hosts: bool,
+                        device: DeviceSpec, calibration: Calibration) -> float:
+    """Every trainer rank serves its 1/ranks of the policy and every generator replica reads all of them at once
+    (`actors/weight_outbox.py`): a replica takes in the whole model, a rank sends its part to every replica, and the
+    busier end bounds the sync."""
+    nbytes = shape.weight_bytes(dtype)
+    busiest = max(nbytes, replicas * nbytes / max(1, ranks))
+    return message_seconds(busiest, bandwidth=link_bandwidth(device, spans_hosts=spans_hosts),
+                           latency_s=device.link_latency_s, efficiency=calibration.sync_efficiency)
 
 
 def shared_seconds(*works: tuple[float, float], capacity: float) -> float:

@@ -89,7 +89,7 @@ def calibrate(shape: ModelShape, workload: Workload, placement: Placement, *, de
     updates = max(1, workload.updates)
     latency = costs.ring_seconds(0.0, ranks=placement.trainer_ranks, steps_per_rank=2, bandwidth=1.0,
                                  latency_s=device.link_latency_s, efficiency=1.0) * updates
-    sync_latency = placement.generator_replicas * device.link_latency_s
+    sync_latency = device.link_latency_s
     sync_efficiency = _efficiency(ideal["weight_sync"] - sync_latency, m["weight_sync"] - sync_latency,
                                   default=base.sync_efficiency)
     # one rank has no collective to measure: its links are the ones the weights went over

@@ -190,7 +190,7 @@ def phase_seconds(shape: ModelShape, workload: Workload, placement: Placement, *
     trainer_spans_hosts = _host_count(p.trainer_devices, device) > 1
     rank_params = shape.params() / (ranks if w.sharding == "fsdp" else 1) / p.devices_per_rank
     phases = {
-        "weight_sync": costs.weight_sync_seconds(shape, replicas=p.generator_replicas, dtype=w.dtype,
+        "weight_sync": costs.weight_sync_seconds(shape, ranks=ranks, replicas=p.generator_replicas, dtype=w.dtype,
                                                  spans_hosts=_host_count(p.devices, device) > 1, device=device,
                                                  calibration=cal),
         "generate": requests * generate(prompts_per_request),

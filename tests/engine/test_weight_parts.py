@@ -1,0 +1,63 @@
+"""A policy split into one part per trainer rank and put back together by a generator (`weight_parts.py`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.engine.weight_parts import ALIGN, PartLayout, Piece, assemble, balanced_owners, stage_part
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"embed": torch.randn(10, 4, generator=g), "layer.w": torch.randn(4, 4, generator=g),
+            "layer.b": torch.randn(4, generator=g).to(torch.bfloat16), "norm": torch.ones(4),
+            "steps": torch.tensor(3, dtype=torch.int64), "head": torch.randn(6, 4, generator=g)}
+
+
+def test_replicated_ranks_split_whole_tensors_by_bytes_the_same_way_on_every_rank() -> None:
+    # 40, 24 and 16 bytes: the largest to rank 0, then each to the lighter rank (ties to the lower one)
+    assert balanced_owners({"a": 40, "b": 24, "c": 16}, ranks=2) == {"a": 0, "b": 1, "c": 1}
+    assert balanced_owners({"a": 40, "b": 24, "c": 16}, ranks=4) == {"a": 0, "b": 1, "c": 2}
+    assert balanced_owners({"b": 24, "a": 40, "c": 16}, ranks=2) == {"a": 0, "b": 1, "c": 1}, "not by dict order"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_the_parts_of_replicated_ranks_make_the_state_dict_exactly(world: int) -> None:
+    state = _state()
+    staged = [stage_part(state, rank=rank, world=world, sharded=False) for rank in range(world)]
+    parts = [part for part in staged if part is not None]
+    assert len(parts) == min(world, len(state)), "a rank with no tensor to serve stages nothing"
+    names = [piece.name for _, layout in parts for piece in layout.pieces]
+    assert sorted(names) == sorted(state), "every tensor in exactly one part"
+    rebuilt = assemble(parts)
+    assert list(rebuilt) == list(state), "in the trainer's order"
+    for name, tensor in state.items():
+        assert rebuilt[name].dtype == tensor.dtype and torch.equal(rebuilt[name], tensor), name
+    for _, layout in parts:
+        assert all(piece.offset % ALIGN == 0 for piece in layout.pieces)
+    if world == 2:
+        sizes = [sum(p.nbytes for p in layout.pieces) for _, layout in parts]
+        assert max(sizes) - min(sizes) <= 160, sizes  # the 160-byte embedding is the largest tensor
+
+
+def test_sharded_rows_from_every_rank_concatenate_in_rank_order_even_when_uneven() -> None:
+    """FSDP's dim-0 chunks of a 10-row tensor over 3 ranks: 4, 4 and 2 rows; the parts may arrive in any order."""
+    full = torch.randn(10, 4)
+    chunks = torch.chunk(full, 3)
+    parts = []
+    for rank, rows in enumerate(chunks):
+        flat = rows.contiguous().view(-1).view(torch.uint8).clone()
+        piece = Piece(name="w", index=0, dtype="float32", shape=tuple(rows.shape), offset=0, nbytes=flat.numel(),
+                      rows_of=(10, 4))
+        parts.append((flat, PartLayout(rank=rank, nbytes=flat.numel(), pieces=(piece,))))
+    assert torch.equal(assemble(parts[::-1])["w"], full)
+    with pytest.raises(ValueError, match=r"the parts hold \(6, 4\) of w, whose full shape is \(10, 4\)"):
+        assemble(parts[:1] + parts[2:])
+
+
+def test_a_part_is_one_copy_later_updates_do_not_reach() -> None:
+    state = _state()
+    flat, layout = stage_part(state, rank=0, world=1, sharded=False)
+    state["embed"].add_(1.0)
+    assert not torch.equal(assemble([(flat, layout)])["embed"], state["embed"])

@@ -1,0 +1,132 @@
+"""A policy's weights as parts, one per trainer rank, each one flat byte buffer a generator can read in one go.
+
+Every rank serves a part, so no rank sends the whole model and none gathers it first:
+- a sharded (FSDP) rank serves its own shard of every tensor (dim-0 rows, in rank order: the full tensor is the
+  pieces concatenated along dim 0);
+- a replicated rank serves a share of the whole tensors (the same balanced split on every rank, by bytes).
+
+`stage_part` copies a rank's pieces into one flat buffer (`actors/weight_outbox.py` registers it for RDMA reads);
+`assemble` turns the parts a generator read back into a state dict under the unsharded names. Pure torch: the
+trainer's side, the generator's side and the GPU benchmark share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+ALIGN = 64  # every piece starts at a multiple of this, so its bytes view as any dtype
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One tensor's bytes in a part: all of it, or (`rows_of` set) this rank's dim-0 rows of a sharded tensor."""
+
+    name: str
+    index: int  # its place in the trainer's state dict
+    dtype: str  # torch dtype name without "torch."
+    shape: tuple[int, ...]  # the piece's own shape
+    offset: int  # bytes from the part's start
+    nbytes: int
+    rows_of: tuple[int, ...] | None = None  # sharded: the full tensor's shape
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    rank: int
+    nbytes: int
+    pieces: tuple[Piece, ...]
+
+
+def balanced_owners(sizes: dict[str, int], *, ranks: int) -> dict[str, int]:
+    """Which replicated rank serves each whole tensor: largest first, each to the rank with the fewest bytes so far
+    (ties to the lower rank), so every rank computes the same split from the same model."""
+    load = [0] * ranks
+    owners = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        owners[name] = rank
+        load[rank] += sizes[name]
+    return owners
+
+
+def _local_piece(tensor: torch.Tensor, *, rank: int) -> tuple[torch.Tensor | None, tuple[int, ...] | None]:
+    """(the bytes this rank serves of `tensor`, the full shape when they are dim-0 rows of it); None: rank 0 serves
+    this tensor whole (a DTensor not sharded on dim 0 over one mesh dimension)."""
+    if not isinstance(tensor, DTensor):
+        return tensor, None
+    if len(tensor.placements) == 1 and tensor.placements[0] == Shard(0):
+        return tensor.to_local(), tuple(tensor.shape)
+    full = tensor.full_tensor()  # a collective: every rank takes part in the same order
+    return (full, None) if rank == 0 else (None, None)
+
+
+def rank_pieces(state: dict[str, torch.Tensor], *, rank: int, world: int,
+                sharded: bool) -> list[tuple[int, str, torch.Tensor, tuple[int, ...] | None]]:
+    """(index, name, tensor, full shape if sharded rows) of what `rank` serves, in the state dict's order."""
+    if sharded:
+        served = []
+        for index, (name, tensor) in enumerate(state.items()):
+            local, rows_of = _local_piece(tensor, rank=rank)
+            if local is not None:
+                served.append((index, name, local, rows_of))
+        return served
+    owners = balanced_owners({name: t.numel() * t.element_size() for name, t in state.items()}, ranks=world)
+    return [(index, name, tensor, None) for index, (name, tensor) in enumerate(state.items()) if owners[name] == rank]
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def stage_part(state: dict[str, torch.Tensor], *, rank: int, world: int,
+               sharded: bool) -> tuple[torch.Tensor, PartLayout] | None:
+    """This rank's part: one flat uint8 CPU tensor holding its pieces, and their layout; None when it serves none."""
+    served = rank_pieces(state, rank=rank, world=world, sharded=sharded)
+    pieces, offset = [], 0
+    for index, name, tensor, rows_of in served:
+        nbytes = tensor.numel() * tensor.element_size()
+        pieces.append(Piece(name=name, index=index, dtype=str(tensor.dtype).removeprefix("torch."), shape=tuple(tensor.shape),
+                            offset=offset, nbytes=nbytes, rows_of=rows_of))
+        offset = _aligned(offset + nbytes)
+    if not pieces:
+        return None
+    flat = torch.empty(max(offset, 1), dtype=torch.uint8)
+    with torch.no_grad():
+        for piece, (_, _, tensor, _) in zip(pieces, served):
+            if piece.nbytes:
+                source = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+                flat[piece.offset:piece.offset + piece.nbytes].copy_(source)
+    return flat, PartLayout(rank=rank, nbytes=flat.numel(), pieces=tuple(pieces))
+
+
+def piece_tensor(flat: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The piece's tensor, a view into the part's bytes."""
+    dtype = getattr(torch, piece.dtype)
+    return flat[piece.offset:piece.offset + piece.nbytes].view(dtype).view(piece.shape)
+
+
+def assemble(parts: list[tuple[torch.Tensor, PartLayout]]) -> dict[str, torch.Tensor]:
+    """The state dict the parts make, in the trainer's order: a sharded tensor is its rows from every rank, in rank
+    order. ValueError when a sharded tensor's rows do not add up to its full shape."""
+    whole: dict[str, torch.Tensor] = {}
+    rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    full_shapes: dict[str, tuple[int, ...]] = {}
+    index: dict[str, int] = {}
+    for flat, layout in parts:
+        for piece in layout.pieces:
+            index[piece.name] = piece.index
+            if piece.rows_of is None:
+                whole[piece.name] = piece_tensor(flat, piece)
+            else:
+                rows.setdefault(piece.name, []).append((layout.rank, piece_tensor(flat, piece)))
+                full_shapes[piece.name] = piece.rows_of
+    for name, pieces in rows.items():
+        tensor = torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])], dim=0)
+        if tuple(tensor.shape) != full_shapes[name]:
+            raise ValueError(f"the parts hold {tuple(tensor.shape)} of {name}, whose full shape is "
+                             f"{full_shapes[name]}: a rank's part is missing")
+        whole[name] = tensor
+    return {name: whole[name] for name in sorted(whole, key=index.__getitem__)}
