@@ -17,6 +17,11 @@ object per line:
                               training.build_optimizer), 8 x 1024 tokens (or the largest
                               micro-batch that fits, gradients accumulated); tokens/s and
                               MFU against --peak-tflops (H200 bf16 dense: 989)
+  {"kind": "weight_sync", ...} a weight sync's cost on the trainer's path (`weight_parts.py`, what every trainer
+                              rank does before the generators read its part over Monarch's RDMA): the
+                              bf16 model's part of rank 0 of 1 and of 8 replicated ranks copied into its
+                              host staging memory (pinned on a GPU), the first time and again into the
+                              same memory; a generator's assembly of the parts into a state dict
   {"kind": "summary", ...}    the headline numbers
 
 Model path: the engine builds torchtitan's Qwen3 (`models/titan.build_decoder`). When
@@ -51,6 +56,7 @@ sys.path.insert(0, str(REPO))
 from workers.engine.losses import grpo_loss, sft_loss, token_logprobs  # noqa: E402  (torch only)
 from workers.engine.models.kv_cache import KVCache  # noqa: E402  (torch only)
 from workers.engine.sampler import SamplingParams, TorchSampler  # noqa: E402  (torch only)
+from workers.engine.weight_parts import assemble, copy_into, part_layout, staging_memory  # noqa: E402  (torch only)
 
 QWEN3_1_7B = {  # Qwen/Qwen3-1.7B's config.json shapes
     "model_type": "qwen3", "hidden_size": 2048, "num_hidden_layers": 28, "num_attention_heads": 16,
@@ -139,6 +145,37 @@ def count_parameters(model: nn.Module) -> int:
 
 
 # --------------------------------------------------------------------------- measurements
+
+def measure_weight_sync(model: nn.Module, *, device: torch.device, repeats: int) -> dict[str, Any]:
+    """Rank 0's staging of its part of the weights, with 1 and with 8 replicated ranks, and the reader's assembly."""
+    state = model.state_dict()
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    result: dict[str, Any] = {"model_bytes": total}
+    for world in (1, 8):
+        layout, tensors = part_layout(state, rank=0, world=world, sharded=False)
+        t0 = time.perf_counter()
+        flat = staging_memory(layout, tensors)
+        copy_into(flat, layout, tensors)
+        sync(device)
+        first = time.perf_counter() - t0
+        again = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            copy_into(flat, layout, tensors)
+            sync(device)
+            again.append(time.perf_counter() - t0)
+        reuse = min(again)
+        result[f"ranks{world}"] = {"part_bytes": layout.nbytes, "first_stage_s": round(first, 4),
+                                   "stage_s": round(reuse, 5), "stage_gb_per_s": round(layout.nbytes / reuse / 1e9, 2),
+                                   "pinned": flat.is_pinned()}
+        if world == 1:
+            t0 = time.perf_counter()
+            rebuilt = assemble([(flat, layout)])
+            result["assemble_s"] = round(time.perf_counter() - t0, 4)
+            result["exact"] = all(torch.equal(rebuilt[k].to(device), v) for k, v in state.items())
+        del flat
+    return result
+
 
 
 def measure_generation(model: nn.Module, *, vocab: int, batch: int, prompt_len: int, new_tokens: int,
@@ -335,11 +372,15 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
+    weight_sync = measure_weight_sync(model, device=device, repeats=1 if smoke else 3)
+    emit("weight_sync", model_path=model_path, **weight_sync)
+
     emit("summary", model_path=model_path, smoke=smoke, params=n_params,
          gen_tokens_per_s=generation["tokens_per_s"],
          train_tokens_per_s=trains["grpo"]["tokens_per_s"], mfu=trains["grpo"]["mfu"],
          mfu_with_attention=trains["grpo"]["mfu_with_attention"],
          sft_train_tokens_per_s=trains["sft"]["tokens_per_s"], sft_mfu=trains["sft"]["mfu"],
+         weight_stage_s=weight_sync["ranks1"]["stage_s"], weight_stage_s_8_ranks=weight_sync["ranks8"]["stage_s"],
          peak_tflops=args.peak_tflops, total_s=round(time.perf_counter() - started, 1),
          imported_monarch="monarch" in sys.modules, imported_vllm="vllm" in sys.modules)
     return 0

@@ -114,3 +114,20 @@ def test_a_run_without_a_control_proc_drops_unexplained_reports_and_a_lost_host_
     supervisor.host_lost("a")
     assert [e["role"] for e in fleet.events("failure_detected")] == ["trainer"]
     assert fleet.trainer.noticed is not None and "host a of the trainer was lost" in fleet.trainer.noticed.reason
+
+
+def test_the_next_staging_waits_for_the_last_ones_reads_and_takes_new_memory_after_one_that_failed():
+    fleet, _ = _supervised()
+    trainer, generators = fleet.trainer, fleet.groups["generator"]
+    inboxes = [replica.inbox for replica in generators.replicas]
+    trainer.publish_weights(inboxes, 1)
+    trainer.publish_weights(inboxes, 2)
+    assert fetched(inboxes[0]) == fetched(inboxes[1]) == [(1, 0), (2, 0)]
+    assert fleet.sink.series("weights/read_bytes") == [(0, 4.0)], "publication 1's reads, settled before the 2nd"
+    inboxes[1].fetch.call_one = lambda publication: Done(error=RuntimeError("the inbox's proc died"))
+    trainer.publish_weights(inboxes, 3)
+    trainer.publish_weights(inboxes, 4)
+    trainer.publish_weights(inboxes, 5)
+    # publication 3's read by the dead inbox fails: 4 goes into new memory, and so does 5 (4's read failed too)
+    assert trainer.actors.stage_weights.calls == [(True,), (True,), (True,), (False,), (False,)]
+    assert len(fleet.sink.series("weights/read_s")) == 4, "the reads that ended are still counted"

@@ -39,7 +39,7 @@ def _run(args: list[str]) -> dict[str, list[dict]]:
 
 
 def _check(lines: dict[str, list[dict]], model_path: str) -> None:
-    assert set(lines) == {"env", "model", "generate", "train", "summary"}, sorted(lines)
+    assert set(lines) == {"env", "model", "generate", "train", "weight_sync", "summary"}, sorted(lines)
     env, model, generate, summary = lines["env"][0], lines["model"][0], lines["generate"][0], lines["summary"][0]
     assert env["smoke"] is True and env["dtype"] == "float32" and env["threads"] == 1
     assert model["model_path"] == model_path and model["params"] > 0
@@ -57,6 +57,11 @@ def _check(lines: dict[str, list[dict]], model_path: str) -> None:
                 "sft_mfu", "peak_tflops"):
         assert summary[key] > 0, (key, summary)
     assert summary["model_path"] == model_path
+    weights = lines["weight_sync"][0]
+    assert weights["exact"] is True and weights["model_bytes"] > 0 and weights["assemble_s"] >= 0
+    one, eight = weights["ranks1"], weights["ranks8"]
+    assert one["part_bytes"] >= weights["model_bytes"] > eight["part_bytes"] > 0, "8 ranks serve an eighth or so each"
+    assert one["stage_s"] > 0 and eight["stage_s"] > 0 and one["pinned"] is False  # pinned only for GPU weights
     assert summary["imported_monarch"] is False and summary["imported_vllm"] is False
 
 

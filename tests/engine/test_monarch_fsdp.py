@@ -81,7 +81,7 @@ def test_fsdp_step_equals_single_process_step_when_a_rank_is_short_of_rows(sft_w
     try:
         results = list(trainer.train_step.call(record, None, 0).get().values())
         states = list(trainer.state_dict.call().get().values())
-        staged = list(trainer.stage_weights.call(1).get().values())
+        staged = list(trainer.stage_weights.call(True).get().values())
         published = WeightPublication(number=1, version=1, parts=tuple(part for part, _ in staged))
         read, _ = read_publication(published)  # as a generator's inbox reads it: every rank's shards, over RDMA
         trainer.shutdown.call().get()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.engine.fake_fleet import Done, FakeActor
+from tests.support.staging_rank import StagingRank, seeded_state
 from workers.engine.actors.fleet import Replica
 from workers.engine.actors.weight_inbox import PolicySlot
 
@@ -58,6 +59,48 @@ def test_a_request_waits_for_a_publication_still_on_its_way_and_gives_up_with_th
         slot.take(2, timeout_s=0.05)
 
 
+def test_a_rank_stages_into_the_same_memory_only_when_every_read_ended_and_the_layout_holds() -> None:
+    from workers.engine.actors.weight_outbox import WeightOutbox
+
+    outbox = WeightOutbox()
+    try:
+        outbox.stage(seeded_state(1), rank=0, world=1, sharded=False, reuse=True)
+        first = outbox.staged[1].data_ptr()
+        outbox.stage(seeded_state(2), rank=0, world=1, sharded=False, reuse=True)
+        assert outbox.staged[1].data_ptr() == first, "the last publication's memory, its registrations kept"
+        outbox.stage(seeded_state(3), rank=0, world=1, sharded=False, reuse=False)
+        assert outbox.staged[1].data_ptr() != first, "a read that did not end may still be reading it"
+        second = outbox.staged[1].data_ptr()
+        outbox.stage({"embed": torch.zeros(8)}, rank=0, world=1, sharded=False, reuse=True)
+        assert outbox.staged[1].data_ptr() != second and outbox.staged[0].nbytes == 64, "another layout"
+        assert outbox.stage({"embed": torch.zeros(8)}, rank=1, world=2, sharded=False, reuse=True) is None
+        assert outbox.staged is None, "a rank that serves nothing keeps nothing"
+    finally:
+        outbox.drop()
+
+
+def test_an_inbox_reads_a_part_of_several_chunks_from_another_proc_exactly() -> None:
+    """10 MiB of weights in three RDMA chunks; a second publication is staged into the first one's memory once it was
+    read."""
+    from workers.engine.actors.procs import spawn_procs
+    from workers.engine.actors.weight_outbox import WeightPublication, read_publication
+
+    procs = spawn_procs(1, threads=1)
+    try:
+        rank = procs.spawn("staging", StagingRank)
+        reads = []
+        for publication, seed in ((1, 3), (2, 4)):
+            part = rank.stage.call_one(seed).get(timeout=60)  # the second into the first one's memory
+            reads.append((seed, len(part.buffers), read_publication(
+                WeightPublication(number=publication, version=seed, parts=(part,)))[0]))
+    finally:
+        procs.stop().get()
+    for seed, chunks, read in reads:
+        expected = seeded_state(seed)
+        assert chunks == 3 and list(read) == list(expected)
+        assert all(read[k].dtype == expected[k].dtype and torch.equal(read[k], expected[k]) for k in expected)
+
+
 def test_new_weights_reach_a_busy_generator_without_waiting_behind_its_queued_requests(tiny_qwen3: Path) -> None:
     """Two long requests queued on one replica; the publication staged while the first runs is read by the inbox
     (over Monarch's RDMA, from this process's memory) before the first ends, and the second request (naming it) is
@@ -84,7 +127,7 @@ def test_new_weights_reach_a_busy_generator_without_waiting_behind_its_queued_re
         started = time.perf_counter()
         first_call = generator.generate.call_one(prompts, params, 0, 0)
         second_call = generator.generate.call_one(prompts, params, 1, 1)
-        part = outbox.stage(weights, publication=1, rank=0, world=1, sharded=False)
+        part = outbox.stage(weights, rank=0, world=1, sharded=False, reuse=True)
         fetched = inbox.fetch.call_one(WeightPublication(number=1, version=7, parts=(part,))).get(timeout=60)
         landed = time.perf_counter() - started
         first, spans_first = first_call.get(timeout=120)

@@ -61,3 +61,14 @@ def test_a_part_is_one_copy_later_updates_do_not_reach() -> None:
     flat, layout = stage_part(state, rank=0, world=1, sharded=False)
     state["embed"].add_(1.0)
     assert not torch.equal(assemble([(flat, layout)])["embed"], state["embed"])
+
+
+def test_a_part_is_read_in_chunks_that_cover_it_exactly() -> None:
+    from workers.engine.actors.weight_outbox import CHUNK_BYTES, MAX_CHUNKS, chunk_bounds
+
+    assert chunk_bounds(100) == [(0, 100)]
+    assert chunk_bounds(10 * 2**20) == [(0, CHUNK_BYTES), (CHUNK_BYTES, 2 * CHUNK_BYTES), (2 * CHUNK_BYTES, 10 * 2**20)]
+    big = 2**30 + 5
+    bounds = chunk_bounds(big)
+    assert len(bounds) == MAX_CHUNKS and bounds[0][0] == 0 and bounds[-1][1] == big
+    assert all(end == start for (_, end), (start, _) in zip(bounds, bounds[1:]))

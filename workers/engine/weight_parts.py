@@ -81,25 +81,48 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def stage_part(state: dict[str, torch.Tensor], *, rank: int, world: int,
-               sharded: bool) -> tuple[torch.Tensor, PartLayout] | None:
-    """This rank's part: one flat uint8 CPU tensor holding its pieces, and their layout; None when it serves none."""
+def part_layout(state: dict[str, torch.Tensor], *, rank: int, world: int,
+                sharded: bool) -> tuple[PartLayout, list[torch.Tensor]] | None:
+    """Where this rank's pieces go in its part, and the tensors they hold; None when it serves none."""
     served = rank_pieces(state, rank=rank, world=world, sharded=sharded)
+    if not served:
+        return None
     pieces, offset = [], 0
     for index, name, tensor, rows_of in served:
         nbytes = tensor.numel() * tensor.element_size()
-        pieces.append(Piece(name=name, index=index, dtype=str(tensor.dtype).removeprefix("torch."), shape=tuple(tensor.shape),
-                            offset=offset, nbytes=nbytes, rows_of=rows_of))
+        pieces.append(Piece(name=name, index=index, dtype=str(tensor.dtype).removeprefix("torch."),
+                            shape=tuple(tensor.shape), offset=offset, nbytes=nbytes, rows_of=rows_of))
         offset = _aligned(offset + nbytes)
-    if not pieces:
-        return None
-    flat = torch.empty(max(offset, 1), dtype=torch.uint8)
+    return PartLayout(rank=rank, nbytes=max(offset, 1), pieces=tuple(pieces)), [tensor for _, _, tensor, _ in served]
+
+
+def copy_into(flat: torch.Tensor, layout: PartLayout, tensors: list[torch.Tensor]) -> None:
+    """Write the tensors' bytes where `layout` puts them in `flat` (a uint8 CPU tensor of `layout.nbytes`)."""
     with torch.no_grad():
-        for piece, (_, _, tensor, _) in zip(pieces, served):
+        for piece, tensor in zip(layout.pieces, tensors, strict=True):
             if piece.nbytes:
                 source = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
                 flat[piece.offset:piece.offset + piece.nbytes].copy_(source)
-    return flat, PartLayout(rank=rank, nbytes=flat.numel(), pieces=tuple(pieces))
+
+
+def staging_memory(layout: PartLayout, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A part's flat bytes on the host: pinned when the weights are on a GPU, so the copy out of it runs at the
+    link's speed."""
+    pin = any(t.is_cuda for t in tensors) and torch.cuda.is_available()
+    return torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def stage_part(state: dict[str, torch.Tensor], *, rank: int, world: int,
+               sharded: bool) -> tuple[torch.Tensor, PartLayout] | None:
+    """This rank's part in new memory: one flat uint8 CPU tensor holding its pieces, and their layout; None when it
+    serves none."""
+    planned = part_layout(state, rank=rank, world=world, sharded=sharded)
+    if planned is None:
+        return None
+    layout, tensors = planned
+    flat = staging_memory(layout, tensors)
+    copy_into(flat, layout, tensors)
+    return flat, layout
 
 
 def piece_tensor(flat: torch.Tensor, piece: Piece) -> torch.Tensor:

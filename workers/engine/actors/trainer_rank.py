@@ -91,14 +91,14 @@ class TrainerRankActor(FaultInjectableActor):
         return state if self.rank == 0 or not self.sharded else None
 
     @endpoint
-    def stage_weights(self, publication: int) -> tuple[WeightPart | None, float]:
-        """Stage this rank's part of the current weights as `publication` for the generators' inboxes to read
-        (`actors/weight_outbox.py`), in place of the last one; the part (None when this rank serves none) and the
-        seconds the staging took, the sync's cost on the trainer's path. An FSDP rank stages its own shards: no
-        collective."""
+    def stage_weights(self, reuse: bool) -> tuple[WeightPart | None, float]:
+        """Stage this rank's part of the current weights for the generators' inboxes to read
+        (`actors/weight_outbox.py`), in place of the last one (in its memory with `reuse`: every read of it ended);
+        the part (None when this rank serves none) and the seconds the staging took, the sync's cost on the
+        trainer's path. An FSDP rank stages its own shards: no collective."""
         start = time.perf_counter()
-        part = self.outbox.stage(self.model.state_dict(), publication=publication, rank=self.rank, world=self.world,
-                                 sharded=self.sharded)
+        part = self.outbox.stage(self.model.state_dict(), rank=self.rank, world=self.world, sharded=self.sharded,
+                                 reuse=reuse)
         return part, time.perf_counter() - start
 
     @endpoint

@@ -6,8 +6,10 @@ The bytes go from the ranks' memory to the generators' without passing through t
 sending the model once per replica, and without waiting on the trainer actor: a read is served by the proc's RDMA
 manager while the rank trains. A rank's cost on the step's path is one copy of its part.
 
-Every staging is a numbered publication. A rank keeps its buffer until it stages the next: the controller waits for
-every inbox's read of a publication before it asks for the next (`controller/trainer.py`'s `PendingFetches`).
+Every staging is a numbered publication. The controller waits for every inbox's read of a publication before it asks
+for the next (`controller/trainer.py`'s `PendingFetches`), so a rank stages the next one into the same registered
+memory (a fresh allocation's page faults cost more than the copy); only after a read that did not end (a failed or
+hung replica, which might still be reading) does it stage into new memory.
 """
 
 from __future__ import annotations
@@ -19,17 +21,25 @@ from typing import Any
 
 import torch
 
-from workers.engine.weight_parts import PartLayout, assemble, stage_part
+from workers.engine.weight_parts import PartLayout, assemble, copy_into, part_layout, staging_memory
 
-MIN_READ_BYTES_PER_S = 20e6  # a read slower than this gives up (Monarch's TCP transport moved 0.2-0.4 GB/s here)
+MIN_READ_BYTES_PER_S = 20e6  # a read slower than this gives up (Monarch's TCP transport moved 0.2-0.9 GB/s here)
 MIN_READ_TIMEOUT_S = 60
+CHUNK_BYTES = 4 << 20  # a part is registered as chunks of at least this, read side by side: over Monarch's TCP
+MAX_CHUNKS = 32        # transport 16 reads of 4 MiB took half as long as one of 60 MiB
+
+
+def chunk_bounds(nbytes: int) -> list[tuple[int, int]]:
+    """(start, end) of each chunk of a part of `nbytes`."""
+    size = max(CHUNK_BYTES, -(-nbytes // MAX_CHUNKS))
+    return [(start, min(nbytes, start + size)) for start in range(0, nbytes, size)]
 
 
 @dataclass(frozen=True)
 class WeightPart:
-    """What an inbox needs to read one rank's part: its RDMA handle and layout."""
+    """What an inbox needs to read one rank's part: its RDMA handles and layout."""
 
-    buffer: Any  # monarch.rdma.RDMABuffer over the rank's staged bytes
+    buffers: tuple[Any, ...]  # a monarch.rdma.RDMABuffer over each of `chunk_bounds(layout.nbytes)`
     layout: PartLayout
 
 
@@ -50,53 +60,61 @@ def read_timeout_s(nbytes: int) -> int:
     return max(MIN_READ_TIMEOUT_S, int(nbytes / MIN_READ_BYTES_PER_S))
 
 
-def rdma_buffer(flat: torch.Tensor) -> Any:
+def rdma_buffers(flat: torch.Tensor) -> tuple[Any, ...]:
     from monarch.rdma import RDMABuffer
 
     with warnings.catch_warnings():  # on hosts without ibverbs Monarch warns once per buffer that it uses TCP
         warnings.simplefilter("ignore")
-        return RDMABuffer(flat)
+        return tuple(RDMABuffer(flat[start:end]) for start, end in chunk_bounds(flat.numel()))
 
 
 class WeightOutbox:
-    """A trainer rank's staged publication: its number, flat bytes and RDMA buffer."""
+    """A trainer rank's staged part: its layout, flat bytes and RDMA buffers."""
 
     def __init__(self) -> None:
-        self.staged: tuple[int, torch.Tensor, Any] | None = None
+        self.staged: tuple[PartLayout, torch.Tensor, tuple[Any, ...]] | None = None
 
-    def stage(self, state: dict[str, torch.Tensor], *, publication: int, rank: int, world: int,
-              sharded: bool) -> WeightPart | None:
-        """Stage this rank's part of `state` as `publication` in place of the one staged before; None when this rank
-        serves no part."""
-        self.drop()
-        staged = stage_part(state, rank=rank, world=world, sharded=sharded)
-        if staged is None:
+    def stage(self, state: dict[str, torch.Tensor], *, rank: int, world: int, sharded: bool,
+              reuse: bool) -> WeightPart | None:
+        """Stage this rank's part of `state` in place of the one staged before (into its memory when `reuse` and the
+        layout is the same); None when this rank serves no part."""
+        planned = part_layout(state, rank=rank, world=world, sharded=sharded)
+        if planned is None:
+            self.drop()
             return None
-        flat, layout = staged
-        buffer = rdma_buffer(flat)
-        self.staged = (publication, flat, buffer)
-        return WeightPart(buffer=buffer, layout=layout)
+        layout, tensors = planned
+        if not (reuse and self.staged is not None and self.staged[0] == layout):
+            self.drop()
+            flat = staging_memory(layout, tensors)
+            self.staged = (layout, flat, rdma_buffers(flat))
+        _, flat, buffers = self.staged
+        copy_into(flat, layout, tensors)
+        return WeightPart(buffers=buffers, layout=layout)
 
     def drop(self) -> None:
         if self.staged is None:
             return
-        _, _, buffer = self.staged
+        _, _, buffers = self.staged
         self.staged = None
         try:
-            buffer.drop().get(timeout=10)
-        except Exception:  # noqa: BLE001 - the registration is freed with the proc anyway
+            for dropped in [buffer.drop() for buffer in buffers]:
+                dropped.get(timeout=10)
+        except Exception:  # noqa: BLE001 - the registrations are freed with the proc anyway
             pass
 
 
 def read_publication(publication: WeightPublication) -> tuple[dict[str, torch.Tensor], float]:
-    """Read every part of `publication` (all reads in flight at once) and assemble its state dict; the seconds
-    the reads took."""
+    """Read every chunk of every part of `publication` (all reads in flight at once) and assemble its state dict;
+    the seconds the reads took."""
     start = time.perf_counter()
-    reads = []
+    received, reads = [], []
     for part in publication.parts:
         flat = torch.empty(part.layout.nbytes, dtype=torch.uint8)
-        reads.append((flat, part, part.buffer.read_into(flat, timeout=read_timeout_s(part.layout.nbytes))))
-    for _, _, read in reads:
+        received.append((flat, part.layout))
+        timeout = read_timeout_s(part.layout.nbytes)
+        for (first, end), buffer in zip(chunk_bounds(part.layout.nbytes), part.buffers, strict=True):
+            reads.append(buffer.read_into(flat[first:end], timeout=timeout))
+    for read in reads:
         read.get()
     seconds = time.perf_counter() - start
-    return assemble([(flat, part.layout) for flat, part, _ in reads]), seconds
+    return assemble(received), seconds

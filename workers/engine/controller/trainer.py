@@ -40,19 +40,22 @@ class PendingFetches:
     def add(self, fetch: Any) -> None:
         self.pending.append(fetch)
 
-    def settle(self, *, waits: Waits, recorder: Recorder, step: int) -> None:
-        """Wait for every pending read (a failed or hung inbox's replica is the supervisor's to replace) and record
-        `weights/read_s` (the slowest read) and `weights/read_bytes` (one replica's)."""
+    def settle(self, *, waits: Waits, recorder: Recorder, step: int) -> bool:
+        """Wait for every pending read (a failed or hung inbox's replica is the supervisor's to replace), record
+        `weights/read_s` (the slowest read) and `weights/read_bytes` (one replica's); whether every read ended (a hung
+        one may still be reading: the ranks must not write over what it reads)."""
         reads = []
         for fetch in self.pending:
             try:
                 reads.append(waits.wait(fetch))
             except CallFailed:
                 continue
+        ended = len(reads) == len(self.pending)
         self.pending.clear()
         if reads:
             recorder.log_many({"weights/read_s": max(r.seconds for r in reads), "weights/read_bytes": reads[0].nbytes},
                               step=step)
+        return ended
 
 
 class TrainerHandle:
@@ -206,8 +209,8 @@ class TrainerHandle:
         """Every rank stages its part of the current weights as `publication`, then each inbox reads the parts
         straight from the ranks (`actors/weight_outbox.py`); only the staging is waited for. The ranks' longest
         staging in seconds."""
-        self.fetches.settle(waits=self.waits, recorder=self.recorder, step=self.state.step)
-        staged = self.every_rank(lambda: self.actors.stage_weights.call(publication), what="a weight staging")
+        every_read_ended = self.fetches.settle(waits=self.waits, recorder=self.recorder, step=self.state.step)
+        staged = self.every_rank(lambda: self.actors.stage_weights.call(every_read_ended), what="a weight staging")
         sent = WeightPublication(number=publication, version=self.state.policy_version,
                                  parts=tuple(part for part, _ in staged if part is not None))
         for inbox in inboxes:
