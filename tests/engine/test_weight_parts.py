@@ -72,3 +72,12 @@ def test_a_part_is_read_in_chunks_that_cover_it_exactly() -> None:
     bounds = chunk_bounds(big)
     assert len(bounds) == MAX_CHUNKS and bounds[0][0] == 0 and bounds[-1][1] == big
     assert all(end == start for (_, end), (start, _) in zip(bounds, bounds[1:]))
+
+
+def test_a_sharded_models_plain_tensors_are_served_by_rank_0_alone() -> None:
+    """A sharded model's state dict holds DTensors and the buffers every rank keeps whole (not DTensors)."""
+    state = {"steps": torch.tensor(3), "norm": torch.ones(4)}
+    assert stage_part(state, rank=1, world=2, sharded=True) is None
+    flat, layout = stage_part(state, rank=0, world=2, sharded=True)
+    assert [p.rows_of for p in layout.pieces] == [None, None]
+    assert torch.equal(assemble([(flat, layout)])["norm"], state["norm"])

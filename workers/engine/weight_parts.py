@@ -53,10 +53,10 @@ def balanced_owners(sizes: dict[str, int], *, ranks: int) -> dict[str, int]:
 
 
 def _local_piece(tensor: torch.Tensor, *, rank: int) -> tuple[torch.Tensor | None, tuple[int, ...] | None]:
-    """(the bytes this rank serves of `tensor`, the full shape when they are dim-0 rows of it); None: rank 0 serves
-    this tensor whole (a DTensor not sharded on dim 0 over one mesh dimension)."""
+    """(the bytes this rank serves of a sharded model's `tensor`, the full shape when they are dim-0 rows of it); None:
+    rank 0 serves it whole (a buffer every rank holds, a DTensor not sharded on dim 0 over one mesh dimension)."""
     if not isinstance(tensor, DTensor):
-        return tensor, None
+        return (tensor if rank == 0 else None), None
     if len(tensor.placements) == 1 and tensor.placements[0] == Shard(0):
         return tensor.to_local(), tuple(tensor.shape)
     full = tensor.full_tensor()  # a collective: every rank takes part in the same order

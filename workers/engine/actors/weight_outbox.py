@@ -1,6 +1,6 @@
 """The trainer ranks' side of a weight sync: every rank stages its part of the policy (`weight_parts.py`) in one
-flat buffer registered with Monarch's RDMA (ibverbs where the hosts have it, its TCP transport where not), and each
-generator's inbox reads every rank's part itself (`weight_inbox.py`).
+flat buffer, registered with Monarch's RDMA as a few chunks (ibverbs where the hosts have it, its TCP transport where
+not), and each generator's inbox reads every rank's part itself, all chunks at once (`weight_inbox.py`).
 
 The bytes go from the ranks' memory to the generators' without passing through the controller, without a rank
 sending the model once per replica, and without waiting on the trainer actor: a read is served by the proc's RDMA
