@@ -4,6 +4,7 @@ and the fault injector are the real ones; no process is spawned."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -119,15 +120,34 @@ def test_a_run_without_a_control_proc_drops_unexplained_reports_and_a_lost_host_
 def test_the_next_staging_waits_for_the_last_ones_reads_and_takes_new_memory_after_one_that_failed():
     fleet, _ = _supervised()
     trainer, generators = fleet.trainer, fleet.groups["generator"]
-    inboxes = [replica.inbox for replica in generators.replicas]
-    trainer.publish_weights(inboxes, 1)
-    trainer.publish_weights(inboxes, 2)
+    replicas = generators.replicas
+    inboxes = [replica.inbox for replica in replicas]
+    trainer.publish_weights(replicas, 1)
+    trainer.publish_weights(replicas, 2)
     assert fetched(inboxes[0]) == fetched(inboxes[1]) == [(1, 0), (2, 0)]
     assert fleet.sink.series("weights/read_bytes") == [(0, 4.0)], "publication 1's reads, settled before the 2nd"
     inboxes[1].fetch.call_one = lambda publication: Done(error=RuntimeError("the inbox's proc died"))
-    trainer.publish_weights(inboxes, 3)
-    trainer.publish_weights(inboxes, 4)
-    trainer.publish_weights(inboxes, 5)
+    trainer.publish_weights(replicas, 3)
+    trainer.publish_weights(replicas, 4)
+    trainer.publish_weights(replicas, 5)
     # publication 3's read by the dead inbox fails: 4 goes into new memory, and so does 5 (4's read failed too)
     assert trainer.actors.stage_weights.calls == [(True,), (True,), (True,), (False,), (False,)]
     assert len(fleet.sink.series("weights/read_s")) == 4, "the reads that ended are still counted"
+
+
+def test_a_read_that_hangs_is_waited_for_only_until_its_replica_is_marked_failed():
+    fleet, _ = _supervised()
+    trainer, replicas = fleet.trainer, fleet.groups["generator"].replicas
+    hung = replicas[1]
+
+    class Hangs:
+        def get(self, timeout: float | None = None) -> None:
+            hung.failed = True  # what the supervisor's tick does when the replica's failure is reported
+            raise TimeoutError
+
+    hung.inbox.fetch.call_one = lambda publication: Hangs()
+    trainer.publish_weights(replicas, 1)
+    start = time.monotonic()
+    trainer.publish_weights(replicas, 2)
+    assert time.monotonic() - start < 5, "not the call timeout (300 s)"
+    assert trainer.actors.stage_weights.calls == [(True,), (False,)], "it may still be reading: new memory"

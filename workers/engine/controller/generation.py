@@ -68,7 +68,7 @@ class GenerationPipeline:
             replicas = self.generators.live()
             state.publications += 1
             with timer.span_on("trainer 0", "weight_sync"):
-                self.trainer.publish_weights([r.inbox for r in replicas], state.publications)
+                self.trainer.publish_weights(replicas, state.publications)
             state.generator_version = state.policy_version
             for replica in replicas:
                 replica.version = state.policy_version

@@ -127,7 +127,7 @@ class Supervisor:
         if state.generator_version != state.policy_version:
             state.publications += 1
         if state.publications:  # publication 0: the model folder's weights, which the replica loaded
-            self.trainer.publish_weights([replica.inbox], state.publications)
+            self.trainer.publish_weights([replica], state.publications)
         return int(self.waits.wait(replica.actor.take_weights.call_one(state.publications)))
 
     def prepare(self, replica: Replica) -> int:

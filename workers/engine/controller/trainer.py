@@ -10,7 +10,7 @@ from typing import Any
 
 from monarch.spmd import setup_torch_elastic_env
 
-from workers.engine.actors.fleet import CallFailed, MeshStops, answered, exited, stop_quietly
+from workers.engine.actors.fleet import CallFailed, MeshStops, Replica, answered, exited, stop_quietly
 from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.trainer_rank import TrainerRankActor
 from workers.engine.actors.weight_outbox import WeightPublication
@@ -35,19 +35,20 @@ class PendingFetches:
     controller waits for these; in the steady state they ended while the step trained."""
 
     def __init__(self) -> None:
-        self.pending: list[Any] = []  # each inbox's fetch call
+        self.pending: list[tuple[Replica, Any]] = []  # (generator replica, its inbox's fetch call)
 
-    def add(self, fetch: Any) -> None:
-        self.pending.append(fetch)
+    def add(self, replica: Replica, fetch: Any) -> None:
+        self.pending.append((replica, fetch))
 
     def settle(self, *, waits: Waits, recorder: Recorder, step: int) -> bool:
-        """Wait for every pending read (a failed or hung inbox's replica is the supervisor's to replace), record
-        `weights/read_s` (the slowest read) and `weights/read_bytes` (one replica's); whether every read ended (a hung
-        one may still be reading: the ranks must not write over what it reads)."""
+        """Wait for every pending read, or until the supervisor has marked its replica failed (replacing it is the
+        supervisor's), and record `weights/read_s` (the slowest read) and `weights/read_bytes` (one replica's);
+        whether every read ended (a hung one may still be reading: the ranks must not write over what it reads)."""
         reads = []
-        for fetch in self.pending:
+        for replica, fetch in self.pending:
             try:
-                reads.append(waits.wait(fetch))
+                reads.append(waits.wait(fetch, gone=lambda replica=replica: (
+                    f"generator replica {replica.index} failed" if replica.failed else None)))
             except CallFailed:
                 continue
         ended = len(reads) == len(self.pending)
@@ -205,16 +206,16 @@ class TrainerHandle:
     def state_dict(self) -> Any:
         return self.from_rank0("state_dict")
 
-    def publish_weights(self, inboxes: list[Any], publication: int) -> float:
-        """Every rank stages its part of the current weights as `publication`, then each inbox reads the parts
-        straight from the ranks (`actors/weight_outbox.py`); only the staging is waited for. The ranks' longest
-        staging in seconds."""
+    def publish_weights(self, replicas: list[Replica], publication: int) -> float:
+        """Every rank stages its part of the current weights as `publication`, then each generator replica's inbox
+        reads the parts straight from the ranks (`actors/weight_outbox.py`); only the staging is waited for. The
+        ranks' longest staging in seconds."""
         every_read_ended = self.fetches.settle(waits=self.waits, recorder=self.recorder, step=self.state.step)
         staged = self.every_rank(lambda: self.actors.stage_weights.call(every_read_ended), what="a weight staging")
         sent = WeightPublication(number=publication, version=self.state.policy_version,
                                  parts=tuple(part for part, _ in staged if part is not None))
-        for inbox in inboxes:
-            self.fetches.add(inbox.fetch.call_one(sent))
+        for replica in replicas:
+            self.fetches.add(replica, replica.inbox.fetch.call_one(sent))
         return max(seconds for _, seconds in staged)
 
     def save(self, step: int, progress: dict[str, Any]) -> Path:
