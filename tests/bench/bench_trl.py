@@ -18,6 +18,8 @@ total torch thread count (`--threads`, split over the processes that compute):
                  requests, through its weight inbox, without waiting behind the requests queued there).
   ours_pipelined the same with grpo.mode=pipelined: on-policy, each step generated in
                  --pipeline-chunks requests, each trained on while the next one generates.
+  ours_sync_turns (reference, not in the equal-total comparison) ours_sync with each proc at all T threads:
+                 in sync mode the trainer and the generator take turns, so at most T threads are busy at once.
 
 Start-up = wall seconds from launching the configuration's interpreter to the end of its first
 step (interpreter and imports, model and data loading, procs, the first step), printed in its own
@@ -66,6 +68,9 @@ RUNS = {
     # (on a shared 2-core machine one thread often beats two, for both frameworks)
     "trl_half": ("trl", lambda t: max(1, t // 2)),
     "ours_local_half": ("local", lambda t: max(1, t // 2)),
+    # reference row: in sync mode the trainer and the generator take turns, so each proc gets all T threads
+    # (2T configured, at most T busy at once); not part of the equal-total comparison
+    "ours_sync_turns": ("monarch_sync", lambda t: t),
 }
 DEFAULT_RUNS = "trl,ours_local,ours_sync,ours_async,ours_async2,ours_pipelined,trl_half,ours_local_half"
 
@@ -398,6 +403,9 @@ def main() -> None:
     print("one process each, T/2 threads each (reference):")
     ratio("ours_local_half", "trl_half", 2.0)
     ratio("ours_async", "trl_half", 2.0, " (ours with T threads in two procs, TRL with T/2)")
+    print("sync mode with each proc at T threads, taking turns (reference):")
+    ratio("ours_sync_turns", "trl", 2.0)
+    ratio("ours_sync_turns", "ours_sync", 1.0)
     (out / "summary.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if v is not None},
                                                   "results": results, "ratios": ratios, "first_step_s": starts},
                                                  indent=2))

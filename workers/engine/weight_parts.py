@@ -1,13 +1,14 @@
-"""A policy's weights as parts, one per trainer rank, each one flat byte buffer a generator can read in one go.
+"""A policy's weights as parts, one per trainer rank, each one flat byte buffer a generator reads whole.
 
 Every rank serves a part, so no rank sends the whole model and none gathers it first:
 - a sharded (FSDP) rank serves its own shard of every tensor (dim-0 rows, in rank order: the full tensor is the
   pieces concatenated along dim 0);
 - a replicated rank serves a share of the whole tensors (the same balanced split on every rank, by bytes).
 
-`stage_part` copies a rank's pieces into one flat buffer (`actors/weight_outbox.py` registers it for RDMA reads);
-`assemble` turns the parts a generator read back into a state dict under the unsharded names. Pure torch: the
-trainer's side, the generator's side and the GPU benchmark share it.
+`part_layout` places a rank's pieces in its part and `copy_into` writes them there (`actors/weight_outbox.py` keeps
+one part's memory, registered for RDMA reads, from one publication to the next; `stage_part` does both into new
+memory); `assemble` turns the parts a generator read back into a state dict under the unsharded names. Pure torch:
+the trainer's side, the generator's side and the GPU benchmark share it.
 """
 
 from __future__ import annotations
