@@ -133,10 +133,10 @@ class FakeHosts:
         return signals
 
 
-def staged_part(reuse: bool) -> dict[int, tuple[WeightPart, float]]:
+def staged_part(reuse: bool) -> dict[int, WeightPart]:
     """The trainer's one rank staging its weights: a part of one 4-byte tensor (no buffers: a fake inbox reads none)."""
     layout = PartLayout(rank=0, nbytes=4, pieces=(Piece(name="w", index=0, dtype="float32", shape=(1,), offset=0, nbytes=4),))
-    return {0: (WeightPart(buffers=(), layout=layout), 0.001)}
+    return {0: WeightPart(buffers=(), layout=layout)}
 
 
 def read_publication(publication: WeightPublication) -> Fetched:

@@ -82,17 +82,17 @@ def test_fsdp_step_equals_single_process_step_when_a_rank_is_short_of_rows(sft_w
         results = list(trainer.train_step.call(record, None, 0).get().values())
         states = list(trainer.state_dict.call().get().values())
         staged = list(trainer.stage_weights.call(True).get().values())
-        published = WeightPublication(number=1, version=1, parts=tuple(part for part, _ in staged))
+        published = WeightPublication(number=1, version=1, parts=tuple(staged))
         read, _ = read_publication(published)  # as a generator's inbox reads it: every rank's shards, over RDMA
         trainer.shutdown.call().get()
     finally:
         procs.stop().get()
 
     model, _, _, update = _single_process(folder, config, record)
-    assert [part.layout.rank for part, _ in staged] == [0, 1, 2], "every rank serves its own shards"
+    assert [part.layout.rank for part in staged] == [0, 1, 2], "every rank serves its own shards"
     assert list(read) == list(states[0]) and all(torch.equal(read[k], states[0][k]) for k in read), "exactly"
-    rows = {piece.name: [] for piece in staged[0][0].layout.pieces}
-    for part, _ in staged:
+    rows = {piece.name: [] for piece in staged[0].layout.pieces}
+    for part in staged:
         for piece in part.layout.pieces:
             rows[piece.name].append(piece.shape[0] if piece.rows_of else None)
     assert rows["tok_embeddings.weight"] == [107, 107, 106], "320 embedding rows over 3 ranks: uneven"

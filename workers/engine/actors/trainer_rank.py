@@ -7,7 +7,6 @@ Checkpoints hold full (unsharded) states, so a run resumes on any number of rank
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -91,15 +90,13 @@ class TrainerRankActor(FaultInjectableActor):
         return state if self.rank == 0 or not self.sharded else None
 
     @endpoint
-    def stage_weights(self, reuse: bool) -> tuple[WeightPart | None, float]:
+    def stage_weights(self, reuse: bool) -> WeightPart | None:
         """Stage this rank's part of the current weights for the generators' inboxes to read
         (`actors/weight_outbox.py`), in place of the last one (in its memory with `reuse`: every read of it ended);
-        the part (None when this rank serves none) and the seconds the staging took, the sync's cost on the
-        trainer's path. An FSDP rank stages its own shards: no collective."""
-        start = time.perf_counter()
-        part = self.outbox.stage(self.model.state_dict(), rank=self.rank, world=self.world, sharded=self.sharded,
+        the part (None when this rank serves none). The controller times the call: the sync's cost on the trainer's
+        path (`weight_sync` on the step's timeline). An FSDP rank stages its own shards: no collective."""
+        return self.outbox.stage(self.model.state_dict(), rank=self.rank, world=self.world, sharded=self.sharded,
                                  reuse=reuse)
-        return part, time.perf_counter() - start
 
     @endpoint
     def evaluate(self, problems: list[Problem], keep_samples: int) -> EvalResult:

@@ -206,17 +206,15 @@ class TrainerHandle:
     def state_dict(self) -> Any:
         return self.from_rank0("state_dict")
 
-    def publish_weights(self, replicas: list[Replica], publication: int) -> float:
+    def publish_weights(self, replicas: list[Replica], publication: int) -> None:
         """Every rank stages its part of the current weights as `publication`, then each generator replica's inbox
-        reads the parts straight from the ranks (`actors/weight_outbox.py`); only the staging is waited for. The
-        ranks' longest staging in seconds."""
+        reads the parts straight from the ranks (`actors/weight_outbox.py`); only the staging is waited for."""
         every_read_ended = self.fetches.settle(waits=self.waits, recorder=self.recorder, step=self.state.step)
         staged = self.every_rank(lambda: self.actors.stage_weights.call(every_read_ended), what="a weight staging")
         sent = WeightPublication(number=publication, version=self.state.policy_version,
-                                 parts=tuple(part for part, _ in staged if part is not None))
+                                 parts=tuple(part for part in staged if part is not None))
         for replica in replicas:
             self.fetches.add(replica, replica.inbox.fetch.call_one(sent))
-        return max(seconds for _, seconds in staged)
 
     def save(self, step: int, progress: dict[str, Any]) -> Path:
         return Path(self.from_rank0("save", step, progress))
