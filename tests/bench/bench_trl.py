@@ -5,7 +5,7 @@
 Needs `trl` (the `bench` extra). Every configuration runs in its own fresh interpreter, one
 after the other, on the same tiny random Qwen3 folder (`workers.engine.models.tiny`), the
 same `a+b=` arithmetic prompts, group size, batch, max response length, learning rate and
-total torch thread count (`--threads`, split over the processes that compute):
+total torch thread count (`--threads`, split over the processes that compute) and precision (`--precision`):
 
   trl            TRL GRPOTrainer, one process x threads. Offline: HF_HUB_OFFLINE=1, the local
                  folder, a datasets.Dataset built in memory, no vLLM, report_to none. One
@@ -96,6 +96,7 @@ def _ours(args: argparse.Namespace, mode: str, threads: int) -> dict:
         f"grpo.group_size={args.group}", f"trainer.optimizer.lr={args.lr}", "eval.every_steps=0", "eval.rollout_samples=0",
         f"checkpoint.folder={Path(args.out) / ('ckpt_' + mode)}", "telemetry.console=false",
         f"trainer.threads_per_process={threads}", "trainer.device=cpu", "grpo.loss_aggregation=token",
+        f"trainer.mixed_precision={'bf16' if args.precision == 'bf16' else 'off'}",
     ]
     if monarch:
         overrides += ["placement.backend=monarch", "trainer.ranks=1", "generator.replicas=1"]
@@ -212,7 +213,7 @@ def _trl(args: argparse.Namespace, threads: int) -> dict:
         max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, learning_rate=args.lr,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
         max_grad_norm=1.0, beta=0.0, num_iterations=1, epsilon=0.2, loss_type="dapo", scale_rewards="group",
-        use_vllm=False, use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no",
+        use_vllm=False, use_cpu=True, bf16=args.precision == "bf16", fp16=False, report_to="none", save_strategy="no",
         logging_steps=1, disable_tqdm=True, seed=0, dataloader_num_workers=0, log_completions=False,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=exact_math_reward, args=config, train_dataset=dataset,
@@ -281,6 +282,9 @@ def main() -> None:
     parser.add_argument("--max-policy-age", type=int, default=1)
     parser.add_argument("--pipeline-chunks", type=int, default=4, help="ours_pipelined: generation requests per step")
     parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                        help="bf16: both compute in bfloat16 on float32 weights (TRL bf16=True, our "
+                             "trainer.mixed_precision=bf16, whose generator holds bfloat16 weights)")
     parser.add_argument("--hidden", type=int, default=64, help="tiny model width")
     parser.add_argument("--layers", type=int, default=2, help="tiny model depth")
     parser.add_argument("--runs", default=DEFAULT_RUNS, help="comma-separated subset of " + ",".join(RUNS))
@@ -329,7 +333,7 @@ def main() -> None:
 
     print()
     print(f"tiny Qwen3 hidden={args.hidden} layers={args.layers} vocab=320 | {args.prompts} prompts x {args.group} "
-          f"completions, <= {args.max_new_tokens} new tokens | {args.steps} steps, first {args.warmup} not timed | "
+          f"completions, <= {args.max_new_tokens} new tokens | {args.precision} | {args.steps} steps, first {args.warmup} not timed | "
           f"{args.threads} torch threads in total | median run of {args.repeats} | torch {torch.__version__}")
     print(f"machine: {os.cpu_count()} cores, load average (1 min) {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; "
           "monarch runs: a trainer and a generator proc compute, a control proc (data, reward, buffer) and the "

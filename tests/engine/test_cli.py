@@ -139,11 +139,14 @@ def test_sharding_rules_are_field_errors() -> None:
         return _config_errors("recipe: grpo\nmodel: {path: /x}\n", *overrides)
 
     assert "fsdp shards the Monarch trainer's ranks" in fields("trainer.sharding=fsdp")["trainer.sharding"]
-    assert "trainer.sharding: fsdp" in fields("placement.backend=monarch", "trainer.mixed_precision=bf16")["trainer.mixed_precision"]
+    assert "model.dtype is bfloat16" in fields("model.dtype=bfloat16", "trainer.mixed_precision=bf16")["trainer.mixed_precision"]
+    for backend in ("local", "monarch"):  # autocast on a replicated or single-process trainer
+        assert load_config("recipe: grpo\nmodel: {path: /x}\n", overrides=[
+            f"placement.backend={backend}", "trainer.mixed_precision=bf16"]).rollout_dtype == "bfloat16"
     assert "trainer.sharding" in fields("trainer.sharding=zero3")
     config = load_config("recipe: grpo\nmodel: {path: /x}\n", overrides=[
         "placement.backend=monarch", "trainer.sharding=fsdp", "trainer.mixed_precision=bf16", "trainer.ranks=4"])
-    assert (config.trainer.sharding, config.trainer.mixed_precision) == ("fsdp", "bf16")
+    assert (config.trainer.sharding, config.trainer.mixed_precision, config.rollout_dtype) == ("fsdp", "bf16", "bfloat16")
 
 
 def test_sft_on_a_cluster_job_runs_on_its_workers(tiny_llama3: Path) -> None:

@@ -236,6 +236,20 @@ def test_plan_finds_a_split_at_least_as_fast_as_the_one_written():
         latency_s=H100.link_latency_s, efficiency=Calibration().sync_efficiency))
 
 
+def test_mixed_precision_plans_the_generator_and_the_sync_in_bfloat16():
+    from workers.engine.config import load_config
+
+    def workload(*overrides: str) -> Workload:
+        return Workload.from_config(load_config("recipe: grpo\nmodel: {path: /x}\n", overrides=[
+            "placement.backend=monarch", *overrides]))
+
+    full, mixed = workload(), workload("trainer.mixed_precision=bf16")
+    assert (full.dtype, mixed.dtype) == ("float32", "bfloat16")
+    sync = {w.dtype: phase_seconds(QWEN3_1_7B, w, PLACEMENT, device=H100, calibration=Calibration())["weight_sync"]
+            for w in (full, mixed)}
+    assert sync["bfloat16"] < 0.6 * sync["float32"]  # half the bytes, plus the same latency
+
+
 def test_plan_refuses_a_scale_that_holds_no_split():
     with pytest.raises(ValueError, match="cannot hold"):
         plan(QWEN3_1_7B, WORKLOAD, PLACEMENT, device=H100, calibration=Calibration(), scales=(1,))

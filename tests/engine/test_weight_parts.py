@@ -41,6 +41,24 @@ def test_the_parts_of_replicated_ranks_make_the_state_dict_exactly(world: int) -
         assert max(sizes) - min(sizes) <= 160, sizes  # the 160-byte embedding is the largest tensor
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_mixed_precision_trainer_serves_its_floats_in_the_generators_bf16(world: int) -> None:
+    """trainer.mixed_precision: float32 weights staged as bfloat16 (half the bytes to read), the same values a bf16
+    generator would round them to on load; an integer buffer stays as it is."""
+    state = _state()
+    parts = [p for p in (stage_part(state, rank=r, world=world, sharded=False, dtype=torch.bfloat16)
+                         for r in range(world)) if p is not None]
+    rebuilt = assemble(parts)
+    assert list(rebuilt) == list(state)
+    for name, tensor in state.items():
+        expected = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+        assert rebuilt[name].dtype == expected.dtype and torch.equal(rebuilt[name], expected), name
+    as_is = [p for p in (stage_part(state, rank=r, world=world, sharded=False) for r in range(world)) if p is not None]
+    served = sum(piece.nbytes for _, layout in parts for piece in layout.pieces)
+    whole = sum(piece.nbytes for _, layout in as_is for piece in layout.pieces)
+    assert served == whole - sum(t.numel() * 2 for t in state.values() if t.dtype == torch.float32)
+
+
 def test_sharded_rows_from_every_rank_concatenate_in_rank_order_even_when_uneven() -> None:
     """FSDP's dim-0 chunks of a 10-row tensor over 3 ranks: 4, 4 and 2 rows; the parts may arrive in any order."""
     full = torch.randn(10, 4)

@@ -186,7 +186,10 @@ class TrainerConfig(_Section):
                     "transformer block; Monarch GRPO recipe)",
     )
     mixed_precision: Literal["off", "bf16"] = Field(
-        default="off", description="fsdp only: compute in bfloat16, keep float32 weights and reduce gradients in float32")
+        default="off", description="bf16: compute every trainer forward and backward in bfloat16 on float32 weights, "
+                                   "gradients and optimizer state (autocast; FSDP's policy when sharded, which also "
+                                   "reduces gradients in float32); the generator and the reference hold bfloat16 "
+                                   "weights. Needs model.dtype float32")
     threads_per_process: PositiveInt = 1
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when available, else cpu")
     recover_failures: NonNegativeInt = Field(
@@ -472,6 +475,11 @@ class RunConfig(_Section):
         description="fault drills scheduled from the start (Monarch GRPO); the same shape as a fault_drill command",
     )
 
+    @property
+    def rollout_dtype(self) -> str:
+        """The dtype the generator and the reference hold their weights in: what the trainer computes in."""
+        return "bfloat16" if self.trainer.mixed_precision == "bf16" else self.model.dtype
+
     def role_processes(self) -> dict[str, int]:
         """The processes this run starts for each role of its recipe, in PLACED_ROLES order (0: a reference not
         enabled)."""
@@ -520,9 +528,10 @@ def _cross_field_errors(config: RunConfig) -> list[FieldError]:
                                                              "groups (trainer.batch_size)"))
     if config.trainer.sharding == "fsdp" and not monarch:
         errors.append(FieldError("trainer.sharding", "fsdp shards the Monarch trainer's ranks: placement.backend: monarch"))
-    if config.trainer.mixed_precision != "off" and config.trainer.sharding != "fsdp":
-        errors.append(FieldError("trainer.mixed_precision", "mixed precision is applied by FSDP: set trainer.sharding: fsdp "
-                                                            "(or model.dtype: bfloat16 to train in bfloat16 throughout)"))
+    if config.trainer.mixed_precision != "off" and config.model.dtype != "float32":
+        errors.append(FieldError("trainer.mixed_precision", f"mixed precision computes in bfloat16 from float32 weights; "
+                                                            f"model.dtype is {config.model.dtype}: set it to float32, "
+                                                            "or mixed_precision off to train in it throughout"))
     if config.placement.local_hosts:
         if config.placement.backend != "monarch":
             errors.append(FieldError("placement.local_hosts", "simulated hosts are Monarch workers on this machine: "

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from workers.engine.losses import LOGPROB_CHUNK_TOKENS, chunk_grad_logits, chunk_logprobs, token_logprobs
+from workers.engine.precision import compute_dtype
 from workers.engine.sharding import is_sharded
 
 
@@ -110,7 +111,10 @@ def head_logprobs(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
         hidden = model(inputs, positions=positions, attention_masks=attention_masks)
     finally:
         model._skip_lm_head = skip
-    return fused_token_logprobs(hidden, model.lm_head.weight, targets, temperature, chunk_tokens=chunk_tokens,
+    weight = model.lm_head.weight
+    if (dtype := compute_dtype(model)) is not None:  # trainer.mixed_precision: the head in bf16, as autocast's would be
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    return fused_token_logprobs(hidden, weight, targets, temperature, chunk_tokens=chunk_tokens,
                                 entropy_grad=entropy_grad)
 
 

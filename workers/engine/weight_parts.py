@@ -82,28 +82,31 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def part_layout(state: dict[str, torch.Tensor], *, rank: int, world: int,
-                sharded: bool) -> tuple[PartLayout, list[torch.Tensor]] | None:
-    """Where this rank's pieces go in its part, and the tensors they hold; None when it serves none."""
+def part_layout(state: dict[str, torch.Tensor], *, rank: int, world: int, sharded: bool,
+                dtype: torch.dtype | None = None) -> tuple[PartLayout, list[torch.Tensor]] | None:
+    """Where this rank's pieces go in its part, and the tensors they hold; None when it serves none. `dtype`: the
+    floating-point tensors are served in it (the generators' weight dtype: a float32 trainer in mixed precision
+    serves bfloat16, half the bytes); None: as they are."""
     served = rank_pieces(state, rank=rank, world=world, sharded=sharded)
     if not served:
         return None
     pieces, offset = [], 0
     for index, name, tensor, rows_of in served:
-        nbytes = tensor.numel() * tensor.element_size()
-        pieces.append(Piece(name=name, index=index, dtype=str(tensor.dtype).removeprefix("torch."),
+        served_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        nbytes = tensor.numel() * served_dtype.itemsize
+        pieces.append(Piece(name=name, index=index, dtype=str(served_dtype).removeprefix("torch."),
                             shape=tuple(tensor.shape), offset=offset, nbytes=nbytes, rows_of=rows_of))
         offset = _aligned(offset + nbytes)
     return PartLayout(rank=rank, nbytes=max(offset, 1), pieces=tuple(pieces)), [tensor for _, _, tensor, _ in served]
 
 
 def copy_into(flat: torch.Tensor, layout: PartLayout, tensors: list[torch.Tensor]) -> None:
-    """Write the tensors' bytes where `layout` puts them in `flat` (a uint8 CPU tensor of `layout.nbytes`)."""
+    """Write the tensors where `layout` puts them in `flat` (a uint8 CPU tensor of `layout.nbytes`), cast to each
+    piece's dtype on the way."""
     with torch.no_grad():
         for piece, tensor in zip(layout.pieces, tensors, strict=True):
             if piece.nbytes:
-                source = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-                flat[piece.offset:piece.offset + piece.nbytes].copy_(source)
+                piece_tensor(flat, piece).copy_(tensor.detach().reshape(piece.shape))
 
 
 def staging_memory(layout: PartLayout, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -113,11 +116,11 @@ def staging_memory(layout: PartLayout, tensors: list[torch.Tensor]) -> torch.Ten
     return torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
-def stage_part(state: dict[str, torch.Tensor], *, rank: int, world: int,
-               sharded: bool) -> tuple[torch.Tensor, PartLayout] | None:
-    """This rank's part in new memory: one flat uint8 CPU tensor holding its pieces, and their layout; None when it
-    serves none."""
-    planned = part_layout(state, rank=rank, world=world, sharded=sharded)
+def stage_part(state: dict[str, torch.Tensor], *, rank: int, world: int, sharded: bool,
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, PartLayout] | None:
+    """This rank's part in new memory: one flat uint8 CPU tensor holding its pieces (floating-point ones in `dtype`
+    when given), and their layout; None when it serves none."""
+    planned = part_layout(state, rank=rank, world=world, sharded=sharded, dtype=dtype)
     if planned is None:
         return None
     layout, tensors = planned

@@ -23,6 +23,7 @@ from workers.engine.checkpoint import load_checkpoint, save_checkpoint
 from workers.engine.config import RunConfig
 from workers.engine.data_parallel import RankShare, rank_share
 from workers.engine.env import LOCAL_RANK_ENV, MASTER_ADDR_ENV, read_env, read_number
+from workers.engine.precision import DTYPES, apply_mixed_precision
 from workers.engine.rewards import CombinedReward
 from workers.engine.sampler import TorchSampler
 from workers.engine.sharding import full_model_state, full_optimizer_state, shard_model
@@ -71,6 +72,8 @@ class TrainerRankActor(FaultInjectableActor):
         self.sharded = cfg.trainer.sharding == "fsdp"
         if self.sharded:
             shard_model(self.model, mixed_precision=cfg.trainer.mixed_precision)
+        else:
+            apply_mixed_precision(self.model, mixed_precision=cfg.trainer.mixed_precision)
         self.optimizer = build_optimizer(self.model, cfg.trainer.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.trainer.optimizer, self.scheduled_updates())
         self.prepare_steps()
@@ -94,9 +97,10 @@ class TrainerRankActor(FaultInjectableActor):
         """Stage this rank's part of the current weights for the generators' inboxes to read
         (`actors/weight_outbox.py`), in place of the last one (in its memory with `reuse`: every read of it ended);
         the part (None when this rank serves none). The controller times the call: the sync's cost on the trainer's
-        path (`weight_sync` on the step's timeline). An FSDP rank stages its own shards: no collective."""
+        path (`weight_sync` on the step's timeline). An FSDP rank stages its own shards: no collective. The
+        weights are staged in the generators' dtype (`RunConfig.rollout_dtype`)."""
         return self.outbox.stage(self.model.state_dict(), rank=self.rank, world=self.world, sharded=self.sharded,
-                                 reuse=reuse)
+                                 reuse=reuse, dtype=DTYPES[self.config.rollout_dtype])
 
     @endpoint
     def evaluate(self, problems: list[Problem], keep_samples: int) -> EvalResult:

@@ -74,11 +74,11 @@ class WeightOutbox:
     def __init__(self) -> None:
         self.staged: tuple[PartLayout, torch.Tensor, tuple[Any, ...]] | None = None
 
-    def stage(self, state: dict[str, torch.Tensor], *, rank: int, world: int, sharded: bool,
-              reuse: bool) -> WeightPart | None:
-        """Stage this rank's part of `state` in place of the one staged before (into its memory when `reuse` and the
-        layout is the same); None when this rank serves no part."""
-        planned = part_layout(state, rank=rank, world=world, sharded=sharded)
+    def stage(self, state: dict[str, torch.Tensor], *, rank: int, world: int, sharded: bool, reuse: bool,
+              dtype: torch.dtype | None = None) -> WeightPart | None:
+        """Stage this rank's part of `state` (floating-point tensors in `dtype` when given) in place of the one staged
+        before (into its memory when `reuse` and the layout is the same); None when this rank serves no part."""
+        planned = part_layout(state, rank=rank, world=world, sharded=sharded, dtype=dtype)
         if planned is None:
             self.drop()
             return None

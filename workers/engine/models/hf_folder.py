@@ -15,8 +15,8 @@ from torchtitan.models.common.decoder import Decoder
 from workers.engine.checkpoint import load_checkpoint, resolve_checkpoint
 from workers.engine.models.titan import Family, build_decoder, family_of, model_config_from_hf, state_dict_adapter
 from workers.engine.models.tokenizer import ChatTokenizer
+from workers.engine.precision import DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Files of an HF folder that describe the tokenizer and generation; copied as they are.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 

@@ -52,7 +52,7 @@ class Workload:
     mode: str = "sync"
     max_policy_age: int = 0
     pipeline_chunks: int = 2
-    dtype: str = "float32"
+    dtype: str = "float32"  # the generator's weights, the weight sync's and the trainer's activations (rollout_dtype)
     optimizer: str = "adamw"
     sharding: str = "replicate"
     micro_batch_size: int = 8  # rows a trainer rank runs forward/backward on at once (its activations' memory)
@@ -72,7 +72,7 @@ class Workload:
             old_logprobs=grpo.rollout_correction is not None or grpo.epochs * grpo.mini_batches > 1,
             reference=config.reference.enabled, mode=grpo.mode,
             max_policy_age=grpo.max_policy_age if grpo.mode == "async" else 0, pipeline_chunks=grpo.pipeline_chunks,
-            dtype=config.model.dtype, optimizer=config.trainer.optimizer.name, sharding=config.trainer.sharding,
+            dtype=config.rollout_dtype, optimizer=config.trainer.optimizer.name, sharding=config.trainer.sharding,
             micro_batch_size=config.trainer.micro_batch_size,
             max_concurrent_sequences=VLLM_MAX_NUM_SEQS if config.generator.backend == "vllm" else None)
 

@@ -44,6 +44,7 @@ from workers.engine.grpo_metrics import rollout_metrics, update_metrics
 from workers.engine.metrics import Recorder
 from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.models.titan import count_parameters
+from workers.engine.precision import DTYPES, apply_mixed_precision
 from workers.engine.recipes.results import GrpoResult
 from workers.engine.replay_buffer import ReplayBuffer
 from workers.engine.rewards import CombinedReward
@@ -80,13 +81,14 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
     model, tokenizer = loaded.model, loaded.tokenizer
     model.train()
     n_params = count_parameters(model)
-    generator = TorchSampler(copy.deepcopy(model).eval().requires_grad_(False),
+    generator = TorchSampler(copy.deepcopy(model).to(DTYPES[cfg.rollout_dtype]).eval().requires_grad_(False),
                              eos_token_ids=tokenizer.eos_token_ids, pad_id=tokenizer.pad_id, policy_version=0)
     reference = None
     if cfg.reference.enabled:
         # the run's starting weights, also after a resume
         reference = copy.deepcopy(generator.model) if not cfg.checkpoint.resume_from else \
-            load_pretrained(cfg.model.path, dtype=cfg.model.dtype, device=device).model.eval().requires_grad_(False)
+            load_pretrained(cfg.model.path, dtype=cfg.rollout_dtype, device=device).model.eval().requires_grad_(False)
+    apply_mixed_precision(model, mixed_precision=trainer_cfg.mixed_precision)
     eval_sampler = TorchSampler(model, eos_token_ids=tokenizer.eos_token_ids, pad_id=tokenizer.pad_id)
 
     stream = ProblemStream(task.train, seed=trainer_cfg.seed)

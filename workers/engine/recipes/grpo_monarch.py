@@ -212,16 +212,16 @@ class MonarchGrpoRun:
 
             vllm_proc_env()
             max_len = cfg.data.max_prompt_tokens + cfg.generator.max_new_tokens
-            return lambda procs, name: procs.spawn(name, VllmGeneratorActor, model.path, model.dtype, max_len,
+            return lambda procs, name: procs.spawn(name, VllmGeneratorActor, model.path, cfg.rollout_dtype, max_len,
                                                    cfg.trainer.seed)
         if role == "generator":
-            return lambda procs, name: procs.spawn(name, GeneratorActor, model.path, model.dtype,
+            return lambda procs, name: procs.spawn(name, GeneratorActor, model.path, cfg.rollout_dtype,
                                                    self.placer.role_device("generator"))
         if role == "reward":
             return lambda procs, name: procs.spawn(name, RewardActor, model.path, list(cfg.reward.functions),
                                                    cfg.reward.weights, cfg.grpo.std_normalised_advantages,
                                                    cfg.grpo.overlong, cfg.generator.max_new_tokens)
-        return lambda procs, name: procs.spawn(name, ReferenceActor, model.path, model.dtype,
+        return lambda procs, name: procs.spawn(name, ReferenceActor, model.path, cfg.rollout_dtype,
                                                self.placer.role_device("reference"))
 
     # --- the step loop ----------------------------------------------------------------

@@ -16,6 +16,7 @@ from workers.engine.config import RunConfig
 from workers.engine.metrics import Recorder
 from workers.engine.models.hf_folder import load_pretrained
 from workers.engine.models.titan import count_parameters
+from workers.engine.precision import apply_mixed_precision
 from workers.engine.recipes.results import SftResult
 from workers.engine.rewards import CombinedReward
 from workers.engine.sampler import TorchSampler
@@ -46,7 +47,7 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
     device = single_process_device(cfg)
     loaded = load_pretrained(cfg.model.path, family=cfg.model.family, dtype=cfg.model.dtype, device=device)
     model, tokenizer = loaded.model, loaded.tokenizer
-    model.train()
+    apply_mixed_precision(model.train(), mixed_precision=trainer_cfg.mixed_precision)
     n_params = count_parameters(model)
     stream = ProblemStream(task.train, seed=trainer_cfg.seed)
     optimizer = build_optimizer(model, trainer_cfg.optimizer)
