@@ -56,7 +56,7 @@ sys.path.insert(0, str(REPO))
 from workers.engine.losses import grpo_loss, sft_loss, token_logprobs  # noqa: E402  (torch only)
 from workers.engine.models.kv_cache import KVCache  # noqa: E402  (torch only)
 from workers.engine.sampler import SamplingParams, TorchSampler  # noqa: E402  (torch only)
-from workers.engine.weight_parts import assemble, copy_into, part_layout, staging_memory  # noqa: E402  (torch only)
+from workers.engine.weight_parts import assemble, copy_into, part_layout, staging_memory, tied_names  # noqa: E402  (torch only)
 
 QWEN3_1_7B = {  # Qwen/Qwen3-1.7B's config.json shapes
     "model_type": "qwen3", "hidden_size": 2048, "num_hidden_layers": 28, "num_attention_heads": 16,
@@ -149,8 +149,9 @@ def count_parameters(model: nn.Module) -> int:
 def measure_weight_sync(model: nn.Module, *, device: torch.device, repeats: int) -> dict[str, Any]:
     """Rank 0's staging of its part of the weights, with 1 and with 8 replicated ranks, and the reader's assembly."""
     state = model.state_dict()
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    result: dict[str, Any] = {"model_bytes": total}
+    tied = tied_names(state)  # a tied embedding travels once
+    total = sum(t.numel() * t.element_size() for name, t in state.items() if name not in tied)
+    result: dict[str, Any] = {"model_bytes": total, "tied": sorted(tied)}
     for world in (1, 8):
         layout, tensors = part_layout(state, rank=0, world=world, sharded=False)
         t0 = time.perf_counter()

@@ -59,6 +59,7 @@ def _check(lines: dict[str, list[dict]], model_path: str) -> None:
     assert summary["model_path"] == model_path
     weights = lines["weight_sync"][0]
     assert weights["exact"] is True and weights["model_bytes"] > 0 and weights["assemble_s"] >= 0
+    assert len(weights["tied"]) == 1, "the 1.7B shape's LM head is its embedding: its bytes travel once"
     one, eight = weights["ranks1"], weights["ranks8"]
     assert one["part_bytes"] >= weights["model_bytes"] > eight["part_bytes"] > 0, "8 ranks serve an eighth or so each"
     assert one["stage_s"] > 0 and eight["stage_s"] > 0 and one["pinned"] is False  # pinned only for GPU weights

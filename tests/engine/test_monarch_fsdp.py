@@ -108,6 +108,31 @@ def test_fsdp_step_equals_single_process_step_when_a_rank_is_short_of_rows(sft_w
     assert max((single[k] - load_pretrained(folder).model.state_dict()[k]).abs().max().item() for k in single) > 1e-4
 
 
+def test_a_tied_models_shards_travel_once_and_the_generator_gets_both_names(tmp_path: Path) -> None:
+    """A Qwen3 whose LM head is its embedding, sharded over 2 ranks: each rank serves its embedding rows once (the
+    head's name has no bytes), and the state dict a generator reads holds both names as one exact tensor."""
+    from workers.engine.models.tiny import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "tied", family="qwen3", tie_word_embeddings=True)
+    config = load_config(f"recipe: grpo\nmodel: {{path: '{folder}'}}\n", overrides=[
+        "placement.backend=monarch", "trainer.ranks=2", "trainer.sharding=fsdp", "grpo.group_size=2"])
+    procs, trainer = _sharded_trainer(config, 2)
+    try:
+        full = list(trainer.state_dict.call().get().values())[0]
+        staged = list(trainer.stage_weights.call(True).get().values())
+        read, _ = read_publication(WeightPublication(number=1, version=1, parts=tuple(staged)))
+        trainer.shutdown.call().get()
+    finally:
+        procs.stop().get()
+    assert list(read) == list(full) and all(torch.equal(read[k], full[k]) for k in read)
+    assert read["lm_head.weight"] is read["tok_embeddings.weight"]
+    for part in staged:
+        head = next(p for p in part.layout.pieces if p.name == "lm_head.weight")
+        assert head.same_as == "tok_embeddings.weight" and head.nbytes == 0
+    served = sum(piece.nbytes for part in staged for piece in part.layout.pieces)
+    assert served == sum(t.numel() * 4 for name, t in full.items() if name != "lm_head.weight")
+
+
 def test_checkpoints_move_between_unsharded_and_fsdp_trainers(sft_warm_start: tuple[Path, float], tmp_path: Path) -> None:
     """One process steps and saves; an FSDP trainer loads that (weights and AdamW state), steps and saves; one
     process loads the FSDP checkpoint: it equals the single process that took both steps itself."""

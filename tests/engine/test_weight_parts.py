@@ -99,3 +99,23 @@ def test_a_sharded_models_plain_tensors_are_served_by_rank_0_alone() -> None:
     flat, layout = stage_part(state, rank=0, world=2, sharded=True)
     assert [p.rows_of for p in layout.pieces] == [None, None]
     assert torch.equal(assemble([(flat, layout)])["norm"], state["norm"])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_tied_weight_travels_once_and_comes_back_under_both_names(world: int) -> None:
+    """A state dict holds a tied parameter under each name (a Qwen3's embedding and LM head): the parts carry its
+    bytes once, and the generator's state dict has both names, one tensor, the trainer's order."""
+    embed = torch.nn.Parameter(torch.randn(10, 4))
+    state = {"embed": embed.detach(), "layer.w": torch.randn(4, 4), "norm": torch.ones(4), "head": embed.detach()}
+    parts = [p for p in (stage_part(state, rank=r, world=world, sharded=False, dtype=torch.bfloat16)
+                         for r in range(world)) if p is not None]
+    pieces = {piece.name: (layout.rank, piece) for _, layout in parts for piece in layout.pieces}
+    assert pieces["head"][1].same_as == "embed" and pieces["head"][1].nbytes == 0
+    assert pieces["head"][0] == pieces["embed"][0], "served by the rank that serves what it is tied to"
+    assert sum(piece.nbytes for _, piece in pieces.values()) == (40 + 16 + 4) * 2  # bf16, the embedding once
+    rebuilt = assemble(parts)
+    assert list(rebuilt) == list(state)
+    assert rebuilt["head"] is rebuilt["embed"] and torch.equal(rebuilt["embed"], embed.detach().to(torch.bfloat16))
+    untied = {**state, "head": embed.detach().clone()}  # equal values, its own memory: sent as itself
+    layout = stage_part(untied, rank=0, world=1, sharded=False)[1]
+    assert all(piece.same_as is None for piece in layout.pieces) and layout.pieces[-1].nbytes == 160

@@ -4,6 +4,7 @@ Every rank serves a part, so no rank sends the whole model and none gathers it f
 - a sharded (FSDP) rank serves its own shard of every tensor (dim-0 rows, in rank order: the full tensor is the
   pieces concatenated along dim 0);
 - a replicated rank serves a share of the whole tensors (the same balanced split on every rank, by bytes).
+A tied weight (a Qwen3's LM head is its embedding) travels once: its second name is a piece with no bytes.
 
 `part_layout` places a rank's pieces in its part and `copy_into` writes them there (`actors/weight_outbox.py` keeps
 one part's memory, registered for RDMA reads, from one publication to the next; `stage_part` does both into new
@@ -32,6 +33,7 @@ class Piece:
     offset: int  # bytes from the part's start
     nbytes: int
     rows_of: tuple[int, ...] | None = None  # sharded: the full tensor's shape
+    same_as: str | None = None  # a tied weight: the earlier piece whose tensor this is (it has no bytes of its own)
 
 
 @dataclass(frozen=True)
@@ -64,18 +66,40 @@ def _local_piece(tensor: torch.Tensor, *, rank: int) -> tuple[torch.Tensor | Non
     return (full, None) if rank == 0 else (None, None)
 
 
-def rank_pieces(state: dict[str, torch.Tensor], *, rank: int, world: int,
-                sharded: bool) -> list[tuple[int, str, torch.Tensor, tuple[int, ...] | None]]:
-    """(index, name, tensor, full shape if sharded rows) of what `rank` serves, in the state dict's order."""
+def tied_names(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """name -> the earlier name whose tensor it is, for the tied weights in `state` (a state dict holds a tied
+    parameter under each of its names)."""
+    first: dict[tuple, str] = {}
+    tied = {}
+    for name, tensor in state.items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if local.numel() == 0:
+            continue
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.stride(),
+               local.dtype)
+        if key in first:
+            tied[name] = first[key]
+        else:
+            first[key] = name
+    return tied
+
+
+def rank_pieces(state: dict[str, torch.Tensor], *, rank: int, world: int, sharded: bool,
+                tied: dict[str, str]) -> list[tuple[int, str, torch.Tensor, tuple[int, ...] | None]]:
+    """(index, name, tensor, full shape if sharded rows) of what `rank` serves, in the state dict's order; a tied name
+    (`tied_names`) is served by the rank that serves the name it is tied to."""
     if sharded:
+        local = {name: _local_piece(tensor, rank=rank) for name, tensor in state.items() if name not in tied}
         served = []
-        for index, (name, tensor) in enumerate(state.items()):
-            local, rows_of = _local_piece(tensor, rank=rank)
-            if local is not None:
-                served.append((index, name, local, rows_of))
+        for index, name in enumerate(state):
+            piece, rows_of = local[tied.get(name, name)]
+            if piece is not None:
+                served.append((index, name, piece, rows_of))
         return served
-    owners = balanced_owners({name: t.numel() * t.element_size() for name, t in state.items()}, ranks=world)
-    return [(index, name, tensor, None) for index, (name, tensor) in enumerate(state.items()) if owners[name] == rank]
+    owners = balanced_owners({name: t.numel() * t.element_size() for name, t in state.items() if name not in tied},
+                             ranks=world)
+    return [(index, name, tensor, None) for index, (name, tensor) in enumerate(state.items())
+            if owners[tied.get(name, name)] == rank]
 
 
 def _aligned(n: int) -> int:
@@ -87,15 +111,23 @@ def part_layout(state: dict[str, torch.Tensor], *, rank: int, world: int, sharde
     """Where this rank's pieces go in its part, and the tensors they hold; None when it serves none. `dtype`: the
     floating-point tensors are served in it (the generators' weight dtype: a float32 trainer in mixed precision
     serves bfloat16, half the bytes); None: as they are."""
-    served = rank_pieces(state, rank=rank, world=world, sharded=sharded)
+    tied = tied_names(state)
+    served = rank_pieces(state, rank=rank, world=world, sharded=sharded, tied=tied)
     if not served:
         return None
     pieces, offset = [], 0
+    placed: dict[str, Piece] = {}
     for index, name, tensor, rows_of in served:
+        if name in tied:
+            original = placed[tied[name]]
+            pieces.append(Piece(name=name, index=index, dtype=original.dtype, shape=original.shape,
+                                offset=original.offset, nbytes=0, rows_of=rows_of, same_as=original.name))
+            continue
         served_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
         nbytes = tensor.numel() * served_dtype.itemsize
-        pieces.append(Piece(name=name, index=index, dtype=str(served_dtype).removeprefix("torch."),
-                            shape=tuple(tensor.shape), offset=offset, nbytes=nbytes, rows_of=rows_of))
+        placed[name] = Piece(name=name, index=index, dtype=str(served_dtype).removeprefix("torch."),
+                             shape=tuple(tensor.shape), offset=offset, nbytes=nbytes, rows_of=rows_of)
+        pieces.append(placed[name])
         offset = _aligned(offset + nbytes)
     return PartLayout(rank=rank, nbytes=max(offset, 1), pieces=tuple(pieces)), [tensor for _, _, tensor, _ in served]
 
@@ -137,15 +169,19 @@ def piece_tensor(flat: torch.Tensor, piece: Piece) -> torch.Tensor:
 
 def assemble(parts: list[tuple[torch.Tensor, PartLayout]]) -> dict[str, torch.Tensor]:
     """The state dict the parts make, in the trainer's order: a sharded tensor is its rows from every rank, in rank
-    order. ValueError when a sharded tensor's rows do not add up to its full shape."""
+    order; a tied name the very tensor of the name it is tied to. ValueError when a sharded tensor's rows do not add
+    up to its full shape."""
     whole: dict[str, torch.Tensor] = {}
     rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
     full_shapes: dict[str, tuple[int, ...]] = {}
     index: dict[str, int] = {}
+    tied: dict[str, str] = {}
     for flat, layout in parts:
         for piece in layout.pieces:
             index[piece.name] = piece.index
-            if piece.rows_of is None:
+            if piece.same_as is not None:
+                tied[piece.name] = piece.same_as
+            elif piece.rows_of is None:
                 whole[piece.name] = piece_tensor(flat, piece)
             else:
                 rows.setdefault(piece.name, []).append((layout.rank, piece_tensor(flat, piece)))
@@ -156,4 +192,6 @@ def assemble(parts: list[tuple[torch.Tensor, PartLayout]]) -> dict[str, torch.Te
             raise ValueError(f"the parts hold {tuple(tensor.shape)} of {name}, whose full shape is "
                              f"{full_shapes[name]}: a rank's part is missing")
         whole[name] = tensor
+    for name, original in tied.items():
+        whole[name] = whole[original]
     return {name: whole[name] for name in sorted(whole, key=index.__getitem__)}
