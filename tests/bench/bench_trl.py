@@ -96,7 +96,8 @@ def _ours(args: argparse.Namespace, mode: str, threads: int) -> dict:
         f"grpo.group_size={args.group}", f"trainer.optimizer.lr={args.lr}", "eval.every_steps=0", "eval.rollout_samples=0",
         f"checkpoint.folder={Path(args.out) / ('ckpt_' + mode)}", "telemetry.console=false",
         f"trainer.threads_per_process={threads}", "trainer.device=cpu", "grpo.loss_aggregation=token",
-        f"trainer.mixed_precision={'bf16' if args.precision == 'bf16' else 'off'}",
+        *(["trainer.mixed_precision=bf16"] if args.precision == "bf16" else []),  # the default is off
+        f"grpo.packing={'true' if args.packing == 'on' else 'false'}",
     ]
     if monarch:
         overrides += ["placement.backend=monarch", "trainer.ranks=1", "generator.replicas=1"]
@@ -285,6 +286,8 @@ def main() -> None:
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                         help="bf16: both compute in bfloat16 on float32 weights (TRL bf16=True, our "
                              "trainer.mixed_precision=bf16, whose generator holds bfloat16 weights)")
+    parser.add_argument("--packing", choices=["on", "off"], default="on",
+                        help="ours: grpo.packing (each group's prompt once, padding-free rows)")
     parser.add_argument("--hidden", type=int, default=64, help="tiny model width")
     parser.add_argument("--layers", type=int, default=2, help="tiny model depth")
     parser.add_argument("--runs", default=DEFAULT_RUNS, help="comma-separated subset of " + ",".join(RUNS))

@@ -196,8 +196,8 @@ def test_pi_old_of_an_older_batch_is_computed_with_that_versions_weights(tiny_qw
     grpo = GrpoConfig(mode="async", max_policy_age=1, rollout_correction=RolloutCorrection())
     found = prepare_old_logprobs(model, batch, grpo=grpo, temperature=1.0, micro_batch_size=1, policy_age=1,
                                  batch_version=4, behaviour=kept)
-    expected = sequence_logprobs(then, batch, micro_batch_size=2, temperature=1.0)
-    now = sequence_logprobs(model, batch, micro_batch_size=2, temperature=1.0)
+    expected = sequence_logprobs(then, batch, micro_batch_size=2, temperature=1.0, packing=grpo.packing)
+    now = sequence_logprobs(model, batch, micro_batch_size=2, temperature=1.0, packing=grpo.packing)
     assert found == {"mismatch/behaviour_weights": 1.0}
     assert torch.allclose(batch.old_logprobs, expected, atol=1e-6) and not torch.allclose(now, expected, atol=1e-3)
     missing = prepare_old_logprobs(model, batch, grpo=grpo, temperature=1.0, micro_batch_size=1, policy_age=1,

@@ -117,3 +117,26 @@ def test_a_weight_sync_that_does_not_fit_raises_naming_the_weights_and_keeps_the
         assert all(torch.equal(tensor, before[name]) for name, tensor in sampler.model.state_dict().items())
     sampler.load_weights(good, version=4)
     assert sampler.policy_version == 4
+
+
+
+def test_a_group_prefilled_once_decodes_as_each_prompt_alone(loaded: LoadedModel) -> None:
+    """A prompt several rows share (a GRPO group) is prefilled once and its cache fanned out to the rows: greedy, each
+    row decodes what its prompt decodes alone; sampled, the rows draw their own tokens and each recorded log-prob is
+    the trainer's for that row."""
+    first, second, third = _prompts(loaded)
+    grouped = [first, first, first, second, third, third]
+    sampler, greedy = _sampler(loaded), SamplingParams(max_new_tokens=12, greedy=True)
+    for row, completion in enumerate(sampler.generate(grouped, greedy, seed=0)):
+        alone = sampler.generate([grouped[row]], greedy, seed=0)[0]
+        assert completion.prompt_ids == grouped[row] and completion.token_ids == alone.token_ids
+        assert torch.allclose(torch.tensor(completion.logprobs), torch.tensor(alone.logprobs), atol=LOGPROB_TOLERANCE)
+
+    sampled = sampler.generate(grouped, SamplingParams(max_new_tokens=12, temperature=0.9), seed=5)
+    assert len({tuple(c.token_ids) for c in sampled[:3]}) > 1  # one cache, each row its own draws
+    batch = collate_rollouts([c.prompt_ids for c in sampled], [c.token_ids for c in sampled],
+                             [c.logprobs for c in sampled], [0.0] * len(sampled), pad_id=loaded.tokenizer.pad_id)
+    with torch.no_grad():
+        trainer_logprobs, _ = token_logprobs(loaded.model(batch.inputs), batch.targets, 0.9)
+    mask = batch.response_mask
+    assert torch.allclose(trainer_logprobs[mask], batch.behaviour_logprobs[mask], atol=LOGPROB_TOLERANCE)

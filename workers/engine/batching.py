@@ -2,8 +2,10 @@
 
 Rollout batches: one sequence per row, prompt + response, right-padded, positions 0..L-1,
 plain causal attention (padding sits after every real token, so it never leaks in). With
-grpo.packing, each micro-batch's samples are packed into fewer rows for the forward
-(`pack_rollouts`) and its per-token outputs put back in this padded layout, which the loss reads.
+grpo.packing, each micro-batch's samples are packed for the forward (`pack_rollouts`): a group's
+prompt once, its responses after it, each seeing the prompt and itself (a mask), units of them
+packed into fewer rows; the response tokens' outputs are put back in this padded layout, which
+the loss reads.
 
 SFT batches: with packing, examples are laid end to end in rows of seq_len; positions
 restart at 0 for each example and a document-causal mask stops attention across
@@ -48,6 +50,7 @@ class RolloutBatch:
     behaviour_logprobs: torch.Tensor  # [B, L-1] generator's log-prob of each target (0 off-response)
     advantages: torch.Tensor  # [B]
     lengths: torch.Tensor  # [B] real positions of each row (prompt + response - 1); the rest is padding
+    prompt_lengths: torch.Tensor  # [B] the prompt's tokens: the response's targets start at prompt_length - 1
     ref_logprobs: torch.Tensor | None = None  # [B, L-1] the frozen reference's, when there is one
     old_logprobs: torch.Tensor | None = None  # [B, L-1] the trainer's under the behaviour weights, when computed
 
@@ -57,7 +60,7 @@ class RolloutBatch:
     def _map(self, change: Callable[[torch.Tensor], torch.Tensor]) -> RolloutBatch:
         return RolloutBatch(*(None if t is None else change(t) for t in (
             self.inputs, self.targets, self.response_mask, self.behaviour_logprobs, self.advantages, self.lengths,
-            self.ref_logprobs, self.old_logprobs)))
+            self.prompt_lengths, self.ref_logprobs, self.old_logprobs)))
 
     def to(self, device: torch.device) -> RolloutBatch:
         return self._map(lambda t: t.to(device))
@@ -96,8 +99,9 @@ def collate_rollouts(
         mask[row, start: start + len(response)] = True
         behaviour[row, start: start + len(response)] = torch.tensor(lps, dtype=torch.float32)
     lengths = torch.tensor([len(p) + len(r) - 1 for p, r in zip(prompts, responses)], dtype=torch.long)
+    prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     return RolloutBatch(tokens[:, :-1], tokens[:, 1:], mask, behaviour, torch.tensor(advantages, dtype=torch.float32),
-                        lengths)
+                        lengths, prompt_lengths)
 
 
 def collate_record(record: RolloutBatchRecord, *, pad_id: int, mask_truncated: bool = False) -> RolloutBatch:
@@ -108,64 +112,138 @@ def collate_record(record: RolloutBatchRecord, *, pad_id: int, mask_truncated: b
     return batch
 
 
+SHARED_PROMPT_POSITIONS = 1024  # the widest a packed unit of one prompt and several responses grows
+
+
 @dataclass
 class PackedRows:
-    """A micro-batch's samples packed into rows for one forward, positions restarting at 0 for each sample. The
-    real position at flat index `source[k]` of the padded [B, T] layout sits at flat index `dest[k]` of the packed
-    [R, W] rows; packed padding holds token 0 and its outputs are never read."""
+    """A micro-batch's samples packed into rows for one forward. Samples with the same prompt (a GRPO group) hold it
+    once: a unit is the prompt's positions, then each response's, and a response sees the prompt and its own earlier
+    positions only (positions continue from the prompt's end, as in its own row). Units are packed first-fit into
+    rows, which padding (token 0, a unit of its own) ends. Only the response's targets are read: the target at flat
+    index `source[k]` of the padded [B, T] layout is `targets[k]`, predicted at flat position `read[k]` of the packed
+    rows (a prompt's last position predicts every response's first token)."""
     inputs: torch.Tensor  # [R, W]
-    targets: torch.Tensor  # [R, W]
     positions: torch.Tensor  # [R, W]
-    attention_mask: torch.Tensor | None  # [R, 1, W, W] document-causal; None when no row holds two samples
+    attention_mask: torch.Tensor | None  # [R, 1, W, W]; None when every row is one sample and padding
+    read: torch.Tensor  # [N] flat indices into the packed rows
+    targets: torch.Tensor  # [N]
     source: torch.Tensor  # [N] flat indices into the padded layout
-    dest: torch.Tensor  # [N] flat indices into the packed rows
     padded_shape: tuple[int, int]  # (B, T)
+    padding_positions: int  # positions of the rows that hold no token
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-position values [R, W] of the packed rows in the padded layout [B, T], 0 at its padding."""
+        """Values [N] of the read positions in the padded layout [B, T], 0 everywhere else (prompt and padding)."""
         rows, width = self.padded_shape
-        flat = values.new_zeros(rows * width).index_copy(0, self.source, values.reshape(-1)[self.dest])
-        return flat.view(rows, width)
+        return values.new_zeros(rows * width).index_copy(0, self.source, values.reshape(-1)).view(rows, width)
+
+
+@dataclass
+class _Unit:
+    prompt_length: int
+    samples: list[int]
+    width: int  # the prompt's positions and each sample's response positions
+
+
+def _prompt_units(batch: RolloutBatch) -> list[_Unit]:
+    """The samples grouped by their prompt's tokens, in order of first appearance; a group wider than
+    max(T, SHARED_PROMPT_POSITIONS) is split into several units, each with the prompt."""
+    padded_width = batch.inputs.shape[1]
+    cap = max(padded_width, SHARED_PROMPT_POSITIONS)
+    lengths, prompt_lengths, inputs = batch.lengths.tolist(), batch.prompt_lengths.tolist(), batch.inputs.tolist()
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for sample, prompt_length in enumerate(prompt_lengths):
+        groups.setdefault(tuple(inputs[sample][:prompt_length]), []).append(sample)
+    units: list[_Unit] = []
+    for prompt, samples in groups.items():
+        unit = _Unit(prompt_length=len(prompt), samples=[], width=len(prompt))
+        for sample in samples:
+            extra = max(0, lengths[sample] - len(prompt))  # its response's tokens but the last (only a target)
+            if unit.samples and unit.width + extra > cap:
+                units.append(unit)
+                unit = _Unit(prompt_length=len(prompt), samples=[], width=len(prompt))
+            unit.samples.append(sample)
+            unit.width += extra
+        units.append(unit)
+    return units
 
 
 def pack_rollouts(batch: RolloutBatch) -> PackedRows:
-    """`batch`'s samples packed first-fit, longest first, into rows of at most its padded width T (the step batch's
-    longest sample): a packed forward is never wider, and never has more rows, than the padded one."""
+    """`batch`'s samples packed, each prompt once (PackedRows), units first-fit, widest first, into rows as wide as
+    the widest unit or the padded width T, whichever is more. Samples of distinct prompts pack as they would alone:
+    rows never wider, nor more of them, than the padded layout's."""
     padded_rows, padded_width = batch.inputs.shape
-    lengths = batch.lengths.tolist()
-    rows: list[list[int]] = []  # the samples of each row
-    used: list[int] = []  # the positions each row holds
-    for sample in sorted(range(padded_rows), key=lambda i: -lengths[i]):
-        row = next((r for r, n in enumerate(used) if n + lengths[sample] <= padded_width), len(rows))
+    units = _prompt_units(batch)
+    width = max(padded_width, max(unit.width for unit in units))
+    rows: list[list[_Unit]] = []
+    used: list[int] = []
+    for unit in sorted(units, key=lambda u: -u.width):
+        row = next((r for r, n in enumerate(used) if n + unit.width <= width), len(rows))
         if row == len(rows):
             rows.append([])
             used.append(0)
-        rows[row].append(sample)
-        used[row] += lengths[sample]
+        rows[row].append(unit)
+        used[row] += unit.width
     width = max(used)
-    positions = torch.zeros(len(rows), width, dtype=torch.long)
-    source, dest = [], []
-    for r, samples in enumerate(rows):
-        at = 0
-        for sample in samples:
-            n = lengths[sample]
-            source.append(torch.arange(n) + sample * padded_width)
-            dest.append(torch.arange(n) + r * width + at)
-            positions[r, at: at + n] = torch.arange(n)
-            at += n
-        if at < width:  # trailing padding continues the last sample's positions: the mask starts no sample there
-            positions[r, at:] = torch.arange(positions[r, at - 1] + 1, positions[r, at - 1] + 1 + width - at)
+
+    lengths = batch.lengths.tolist()
+    flat_inputs = batch.inputs.reshape(-1)
+    take = []  # flat indices into the padded inputs, in packed order (row by row)
+    positions, unit_ids, segments = [], [], []  # per packed position
+    read, source = [], []
+    next_unit = 0
+    for r, row_units in enumerate(rows):
+        at = r * width
+        for unit in row_units:
+            first, p = unit.samples[0], unit.prompt_length
+            prompt_end = at + p
+            take.append(torch.arange(p) + first * padded_width)
+            positions.append(torch.arange(p))
+            unit_ids.append(torch.full((p,), next_unit))
+            segments.append(torch.zeros(p, dtype=torch.long))
+            at = prompt_end
+            for segment, sample in enumerate(unit.samples, start=1):
+                extra = max(0, lengths[sample] - p)
+                take.append(torch.arange(p, p + extra) + sample * padded_width)
+                positions.append(torch.arange(p, p + extra))
+                unit_ids.append(torch.full((extra,), next_unit))
+                segments.append(torch.full((extra,), segment))
+                # targets p-1 .. length-1: the first from the prompt's last position, the rest from the response's
+                if lengths[sample] >= p:  # an empty response has no target
+                    source.append(torch.arange(p - 1, lengths[sample]) + sample * padded_width)
+                    read.append(torch.cat([torch.tensor([prompt_end - 1]), torch.arange(at, at + extra)]))
+                at += extra
+            next_unit += 1
+        pad = (r + 1) * width - at
+        if pad:  # padding: a unit of its own, so every position sees at least itself
+            take.append(torch.full((pad,), -1))
+            positions.append(torch.arange(pad))
+            unit_ids.append(torch.full((pad,), next_unit))
+            segments.append(torch.zeros(pad, dtype=torch.long))
+            next_unit += 1
     device = batch.inputs.device
-    source_index, dest_index = torch.cat(source).to(device), torch.cat(dest).to(device)
+    take_index = torch.cat(take).to(device)
+    real = take_index >= 0
     inputs = torch.zeros(len(rows) * width, dtype=torch.long, device=device)
-    targets = torch.zeros(len(rows) * width, dtype=torch.long, device=device)
-    inputs[dest_index] = batch.inputs.reshape(-1)[source_index]
-    targets[dest_index] = batch.targets.reshape(-1)[source_index]
-    positions = positions.to(device)
-    shared = any(len(samples) > 1 for samples in rows)
-    return PackedRows(inputs.view(len(rows), width), targets.view(len(rows), width), positions,
-                      document_causal_mask(positions) if shared else None, source_index, dest_index,
-                      (padded_rows, padded_width))
+    inputs[real] = flat_inputs[take_index[real]]
+    source_index, read_index = torch.cat(source).to(device), torch.cat(read).to(device)
+    position_rows = torch.cat(positions).view(len(rows), width).to(device)
+    single = all(len(row_units) == 1 and len(row_units[0].samples) == 1 for row_units in rows)
+    mask = None if single else shared_prompt_mask(torch.cat(unit_ids).view(len(rows), width).to(device),
+                                                  torch.cat(segments).view(len(rows), width).to(device))
+    return PackedRows(inputs.view(len(rows), width), position_rows, mask, read_index,
+                      batch.targets.reshape(-1)[source_index], source_index, (padded_rows, padded_width),
+                      int((~real).sum()))
+
+
+def shared_prompt_mask(units: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+    """[R, 1, W, W] bool: a position sees the earlier positions of its own unit that are its prompt (segment 0) or
+    its own segment."""
+    same_unit = units[:, :, None] == units[:, None, :]
+    visible = (segments[:, None, :] == 0) | (segments[:, :, None] == segments[:, None, :])
+    length = units.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=units.device).tril()
+    return (same_unit & visible & causal)[:, None]
 
 
 @dataclass

@@ -313,10 +313,10 @@ class GrpoConfig(_Section):
         default=None, description="drop zero-spread groups and refill the batch (single-process recipe); null: off")
     overlong: OverlongConfig = OverlongConfig()
     packing: bool = Field(
-        default=False, description="trainer forwards: pack each micro-batch's rollouts into rows of at most the batch's "
-                                   "longest sample (positions restarting per sample, a document mask between them) "
-                                   "instead of one right-padded row each; the same losses and gradients over fewer "
-                                   "padded positions (data/padding_share)")
+        default=True, description="trainer and reference forwards: each group's prompt once with its responses after "
+                                  "it (each seeing the prompt and itself), units packed into padding-free rows, instead "
+                                  "of one right-padded row per sample; the same log-probs, losses and gradients over "
+                                  "fewer positions (data/padding_share, data/shared_prompt_share); false: padded rows")
 
     @property
     def updates_per_step(self) -> int:

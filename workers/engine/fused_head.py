@@ -98,10 +98,12 @@ def fused_head_applies(model: nn.Module) -> bool:
 
 def head_logprobs(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
                   entropy_grad: bool, chunk_tokens: int = LOGPROB_CHUNK_TOKENS, positions: torch.Tensor | None = None,
-                  attention_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-prob of each target [B, T], entropy of each position [B, T]) under softmax(model(inputs) / temperature),
-    the model run without its head and the head fused into the chunked log-probs. Needs `fused_head_applies(model)`.
-    `positions` and `attention_masks` go to the model (packed rows: batching.PackedRows).
+                  attention_masks: torch.Tensor | None = None,
+                  read: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of each target, entropy of each position) under softmax(model(inputs) / temperature), the model run
+    without its head and the head fused into the chunked log-probs. Needs `fused_head_applies(model)`.
+    `positions` and `attention_masks` go to the model (packed rows: batching.PackedRows); with `read` [N] (flat
+    positions of the rows) the head runs on those positions only, against `targets` [N].
 
     A tied head's weight is the embedding's: autograd sums the two uses' gradients into the one parameter.
     """
@@ -111,6 +113,8 @@ def head_logprobs(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
         hidden = model(inputs, positions=positions, attention_masks=attention_masks)
     finally:
         model._skip_lm_head = skip
+    if read is not None:
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, read)
     weight = model.lm_head.weight
     if (dtype := compute_dtype(model)) is not None:  # trainer.mixed_precision: the head in bf16, as autocast's would be
         hidden, weight = hidden.to(dtype), weight.to(dtype)
@@ -120,11 +124,16 @@ def head_logprobs(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
 
 def model_logprobs(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
                    entropy_grad: bool = False, positions: torch.Tensor | None = None,
-                   attention_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   attention_masks: torch.Tensor | None = None,
+                   read: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, entropy) of the targets under the model: the fused head where it applies, else the model's logits
-    through losses.token_logprobs. `positions` and `attention_masks` go to the model (None: one sequence a row)."""
+    through losses.token_logprobs. `positions` and `attention_masks` go to the model (None: one sequence a row);
+    `read` [N] picks the flat positions whose outputs `targets` [N] are scored (None: every position, targets
+    shaped as inputs)."""
     if fused_head_applies(model):
         return head_logprobs(model, inputs, targets, temperature, entropy_grad=entropy_grad, positions=positions,
-                             attention_masks=attention_masks)
+                             attention_masks=attention_masks, read=read)
     logits = model(inputs, positions=positions, attention_masks=attention_masks)
+    if read is not None:
+        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, read)
     return token_logprobs(logits, targets, temperature, entropy_grad=entropy_grad)

@@ -34,18 +34,20 @@ def loss_normalizer(batch: RolloutBatch, aggregation: str, *, max_new_tokens: in
 
 
 def micro_batch_logprobs(model: nn.Module, micro: RolloutBatch, *, temperature: float, packing: bool,
-                         entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(log-probs [b, T], entropy [b, T], token positions the forward ran) of a micro-batch's targets: its padded rows
-    as they are, or with `packing` (grpo.packing) its samples packed into fewer rows (batching.pack_rollouts:
-    positions restarting per sample, a document mask between samples) and the outputs put back in the padded layout,
-    0 at its padding, which the loss masks either way."""
+                         entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(log-probs [b, T], entropy [b, T], token positions the forward ran, how many of them were padding) of a
+    micro-batch's targets: its padded rows as they are, or with `packing` (grpo.packing) packed
+    (batching.pack_rollouts: each group's prompt once, its responses after it, units packed into fewer rows), the
+    response targets' outputs put back in the padded layout and 0 elsewhere, which the loss masks either way."""
     if not packing:
         logprobs, entropy = model_logprobs(model, micro.inputs, micro.targets, temperature, entropy_grad=entropy_grad)
-        return logprobs, entropy, micro.inputs.numel()
+        positions = micro.inputs.numel()
+        return logprobs, entropy, positions, positions - int(micro.lengths.sum())
     packed = pack_rollouts(micro)
     logprobs, entropy = model_logprobs(model, packed.inputs, packed.targets, temperature, entropy_grad=entropy_grad,
-                                       positions=packed.positions, attention_masks=packed.attention_mask)
-    return packed.unpack(logprobs), packed.unpack(entropy), packed.inputs.numel()
+                                       positions=packed.positions, attention_masks=packed.attention_mask,
+                                       read=packed.read)
+    return packed.unpack(logprobs), packed.unpack(entropy), packed.inputs.numel(), packed.padding_positions
 
 
 @torch.no_grad()
@@ -186,13 +188,13 @@ def accumulate_gradients(
             zero_weighted_pass(model, filler)
             continue
         micro = batch.rows(starts[i], starts[i] + micro_batch_size)
-        logprobs, entropy, positions = micro_batch_logprobs(model, micro, temperature=temperature, packing=grpo.packing,
-                                                            entropy_grad=grpo.entropy_coef > 0.0)
+        logprobs, entropy, positions, padding = micro_batch_logprobs(
+            model, micro, temperature=temperature, packing=grpo.packing, entropy_grad=grpo.entropy_coef > 0.0)
         loss, part = micro_batch_loss(micro, logprobs, entropy, grpo=grpo, normalizer=normalizer)
         loss.backward()
         step_loss += float(loss.detach())
-        parts.append({**part, "forward_positions": float(positions),
-                      "padding_positions": float(positions - int(micro.lengths.sum()))})
+        parts.append({**part, "forward_positions": float(positions), "padding_positions": float(padding),
+                      "sample_positions": float(micro.lengths.sum())})
     return step_loss, parts
 
 

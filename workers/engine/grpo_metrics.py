@@ -39,7 +39,11 @@ def update_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     if any("forward_positions" in p for p in parts):  # accumulate_gradients': the update's forwards, grpo.packing or not
         positions = sum(p.get("forward_positions", 0.0) for p in parts)
         metrics["data/forward_positions"] = positions
-        metrics["data/padding_share"] = sum(p.get("padding_positions", 0.0) for p in parts) / max(positions, 1.0)
+        padding = sum(p.get("padding_positions", 0.0) for p in parts)
+        metrics["data/padding_share"] = padding / max(positions, 1.0)
+        # grpo.packing runs a group's prompt once: the share of the samples' own positions the forwards did not run
+        samples = sum(p.get("sample_positions", 0.0) for p in parts)
+        metrics["data/shared_prompt_share"] = max(0.0, samples - (positions - padding)) / max(samples, 1.0)
     if any("is_weight_mean" in p for p in parts):  # grpo.rollout_correction
         metrics["mismatch/is_weight_mean"] = _weighted_mean(parts, "is_weight_mean")
         metrics["mismatch/truncated_share"] = _weighted_mean(parts, "is_truncated_share")

@@ -2,7 +2,8 @@
 
 Prompts are left-padded to a common length so every row decodes its next token at the
 same cache slot; each row keeps its own positions (0 at its first real token), so a
-prompt gets the same logits here as alone in an unpadded forward.
+prompt gets the same logits here as alone in an unpadded forward. A prompt that several
+rows share (a GRPO group) is prefilled once and its cache copied to each of its rows.
 
 Each sampled token's log-prob is recorded under softmax(logits / temperature), the full
 tempered distribution: exactly what the trainer recomputes from its own logits, so the
@@ -81,21 +82,29 @@ class TorchSampler:
         total = prompt_len + params.max_new_tokens
         generator = torch.Generator(device=device).manual_seed(seed)
 
-        tokens = torch.full((batch, prompt_len), self.pad_id, dtype=torch.long, device=device)
-        key_valid = torch.zeros(batch, total, dtype=torch.bool, device=device)
-        for row, prompt in enumerate(prompts):
+        # each distinct prompt (a GRPO group's) is prefilled once, then its cache and logits fanned out to its rows
+        distinct: dict[tuple[int, ...], int] = {}
+        row_of = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=device)
+        tokens = torch.full((len(distinct), prompt_len), self.pad_id, dtype=torch.long, device=device)
+        prompt_valid = torch.zeros(len(distinct), prompt_len, dtype=torch.bool, device=device)
+        for row, prompt in enumerate(distinct):
             tokens[row, prompt_len - len(prompt):] = torch.tensor(prompt, device=device)
-            key_valid[row, prompt_len - len(prompt):prompt_len] = True
-        positions = (key_valid[:, :prompt_len].long().cumsum(dim=1) - 1).clamp(min=0)
+            prompt_valid[row, prompt_len - len(prompt):] = True
+        positions = (prompt_valid.long().cumsum(dim=1) - 1).clamp(min=0)
 
         cache = KVCache(total)
         causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device).tril()
         eye = torch.eye(prompt_len, dtype=torch.bool, device=device)
         # A left-pad query sees only itself: SDPA needs one visible key per row.
-        cache.mask = ((causal & key_valid[:, None, :prompt_len]) | eye)[:, None]
+        cache.mask = ((causal & prompt_valid[:, None, :]) | eye)[:, None]
         logits = model(tokens, positions=positions, attention_masks=cache)[:, -1]
         cache.advance(prompt_len)
-        next_position = positions[:, -1] + 1
+        if len(distinct) < batch:
+            cache.select_rows(row_of)
+        logits = logits.index_select(0, row_of)
+        key_valid = torch.zeros(batch, total, dtype=torch.bool, device=device)
+        key_valid[:, :prompt_len] = prompt_valid.index_select(0, row_of)
+        next_position = positions[:, -1].index_select(0, row_of) + 1
 
         eos = torch.tensor(self.eos_token_ids, device=device)
         done = torch.zeros(batch, dtype=torch.bool, device=device)

@@ -28,5 +28,11 @@ class KVCache:
         self._values[key][:, :, self.length:end] = v_BNLH
         return self._keys[key][:, :, :end], self._values[key][:, :, :end]
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Make row i of the cache a copy of row rows[i] (a prompt prefilled once, fanned out to its samples)."""
+        for key in self._keys:
+            self._keys[key] = self._keys[key].index_select(0, rows)
+            self._values[key] = self._values[key].index_select(0, rows)
+
     def advance(self, n: int) -> None:
         self.length += n
