@@ -250,6 +250,34 @@ def test_mixed_precision_plans_the_generator_and_the_sync_in_bfloat16():
     assert sync["bfloat16"] < 0.6 * sync["float32"]  # half the bytes, plus the same latency
 
 
+def test_a_groups_shared_prompt_is_planned_once_in_training_and_in_the_torch_samplers_prefill():
+    from workers.engine.config import load_config
+
+    def workload(*overrides: str) -> Workload:
+        return Workload.from_config(load_config("recipe: grpo\nmodel: {path: /x}\n", overrides=[
+            "placement.backend=monarch", "grpo.group_size=8", "data.max_prompt_tokens=512", *overrides]))
+
+    shared, padded = workload(), workload("grpo.packing=false")
+    assert (shared.shared_prompt_training, padded.shared_prompt_training) == (True, False)
+    # per sequence: its response and an eighth of its prompt, against both whole
+    assert shared.trained_tokens == pytest.approx(shared.response_tokens + 512 / 8)
+    assert padded.trained_tokens == pytest.approx(padded.seq_len)
+    with_reference = {w.shared_prompt_training: phase_seconds(QWEN3_1_7B, replace(w, reference=True), PLACEMENT,
+                                                              device=H100, calibration=Calibration())
+                      for w in (shared, padded)}
+    for phase in ("forward_backward", "reference"):
+        assert with_reference[True][phase] < 0.9 * with_reference[False][phase], phase
+    # the torch sampler prefills each prompt once; vLLM is planned prefilling every sequence
+    vllm = workload("generator.backend=vllm", "generator.top_p=1.0")
+    assert shared.shared_prefill and not vllm.shared_prefill
+    args = dict(sequences=64, prompt_tokens=512.0, response_tokens=64.0, dtype="bfloat16", device=H100,
+                calibration=Calibration(), devices=1)
+    once, every = costs.generation_seconds(QWEN3_1_7B, **args, prefilled=8), costs.generation_seconds(QWEN3_1_7B, **args)
+    prefill = costs.prefill_seconds(QWEN3_1_7B, sequences=64, prompt_tokens=512.0, device=H100,
+                                    calibration=Calibration(), devices=1)
+    assert every - once == pytest.approx(prefill * 7 / 8)
+
+
 def test_plan_refuses_a_scale_that_holds_no_split():
     with pytest.raises(ValueError, match="cannot hold"):
         plan(QWEN3_1_7B, WORKLOAD, PLACEMENT, device=H100, calibration=Calibration(), scales=(1,))

@@ -85,17 +85,18 @@ def concurrent_sequences(shape: ModelShape, *, prompt_tokens: float, response_to
 
 def generation_seconds(shape: ModelShape, *, sequences: int, prompt_tokens: float, response_tokens: float,
                        dtype: str, device: DeviceSpec, calibration: Calibration, devices: int,
-                       max_concurrent: int | None = None) -> float:
-    """One generate request: the prompts' prefill, then one decode step per response token at the mean context; a
-    request of more sequences than a replica decodes at once runs in waves."""
+                       max_concurrent: int | None = None, prefilled: int | None = None) -> float:
+    """One generate request: the prompts' prefill (of `prefilled` sequences: a generator that prefills a group's
+    prompt once; None: every sequence), then one decode step per response token at the mean context; a request of
+    more sequences than a replica decodes at once runs in waves."""
     if sequences <= 0:
         return 0.0
     cap = concurrent_sequences(shape, prompt_tokens=prompt_tokens, response_tokens=response_tokens, dtype=dtype,
                                device=device, devices=devices, limit=max_concurrent)
     waves = math.ceil(sequences / cap) if cap else 1
     wave = math.ceil(sequences / waves)
-    prefill = prefill_seconds(shape, sequences=sequences, prompt_tokens=prompt_tokens, device=device,
-                              calibration=calibration, devices=devices)
+    prefill = prefill_seconds(shape, sequences=sequences if prefilled is None else prefilled,
+                              prompt_tokens=prompt_tokens, device=device, calibration=calibration, devices=devices)
     step = decode_step_seconds(shape, sequences=wave, context=prompt_tokens + response_tokens / 2, dtype=dtype,
                                device=device, calibration=calibration, devices=devices)
     return prefill + waves * math.ceil(response_tokens) * step

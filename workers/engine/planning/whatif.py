@@ -57,6 +57,8 @@ class Workload:
     sharding: str = "replicate"
     micro_batch_size: int = 8  # rows a trainer rank runs forward/backward on at once (its activations' memory)
     max_concurrent_sequences: int | None = None  # a replica's cap on sequences decoded at once (vLLM: max_num_seqs)
+    shared_prefill: bool = False  # the generator prefills a group's prompt once (the torch sampler)
+    shared_prompt_training: bool = False  # grpo.packing: the trainer's and reference's forwards run it once too
 
     @classmethod
     def from_config(cls, config: Any, *, prompt_tokens: float | None = None,
@@ -74,7 +76,8 @@ class Workload:
             max_policy_age=grpo.max_policy_age if grpo.mode == "async" else 0, pipeline_chunks=grpo.pipeline_chunks,
             dtype=config.rollout_dtype, optimizer=config.trainer.optimizer.name, sharding=config.trainer.sharding,
             micro_batch_size=config.trainer.micro_batch_size,
-            max_concurrent_sequences=VLLM_MAX_NUM_SEQS if config.generator.backend == "vllm" else None)
+            max_concurrent_sequences=VLLM_MAX_NUM_SEQS if config.generator.backend == "vllm" else None,
+            shared_prefill=config.generator.backend == "torch", shared_prompt_training=grpo.packing)
 
     @property
     def sequences(self) -> int:
@@ -83,6 +86,13 @@ class Workload:
     @property
     def seq_len(self) -> float:
         return self.prompt_tokens + self.response_tokens
+
+    @property
+    def trained_tokens(self) -> float:
+        """Positions a trainer forward runs per sequence: its prompt's share when a group's prompt runs once."""
+        if self.shared_prompt_training:
+            return self.response_tokens + self.prompt_tokens / self.group_size
+        return self.seq_len
 
     @property
     def overlapped(self) -> str:
@@ -184,8 +194,8 @@ def phase_seconds(shape: ModelShape, workload: Workload, placement: Placement, *
     generate = lambda prompts: costs.generation_seconds(  # noqa: E731
         shape, sequences=prompts * w.group_size, prompt_tokens=w.prompt_tokens, response_tokens=w.decode_steps,
         dtype=w.dtype, device=device, calibration=cal, devices=p.devices_per_generator,
-        max_concurrent=w.max_concurrent_sequences)
-    rank_tokens = w.sequences / ranks * w.seq_len
+        max_concurrent=w.max_concurrent_sequences, prefilled=prompts if w.shared_prefill else None)
+    rank_tokens = w.sequences / ranks * w.trained_tokens
     per_rank = dict(device=device, calibration=cal, devices=p.devices_per_rank)
     trainer_spans_hosts = _host_count(p.trainer_devices, device) > 1
     rank_params = shape.params() / (ranks if w.sharding == "fsdp" else 1) / p.devices_per_rank
@@ -196,7 +206,7 @@ def phase_seconds(shape: ModelShape, workload: Workload, placement: Placement, *
         "generate": requests * generate(prompts_per_request),
         "generate_chunk": generate(prompts_per_request),
         "reward": w.sequences * cal.reward_s_per_sequence,
-        "reference": costs.forward_seconds(shape, tokens=w.sequences * w.seq_len, seq_len=w.seq_len, device=device,
+        "reference": costs.forward_seconds(shape, tokens=w.sequences * w.trained_tokens, seq_len=w.seq_len, device=device,
                                            calibration=cal, devices=p.devices_per_reference)
         if w.reference else 0.0,
         "old_logprobs": costs.forward_seconds(shape, tokens=rank_tokens, seq_len=w.seq_len, **per_rank)
