@@ -187,53 +187,55 @@ def pack_rollouts(batch: RolloutBatch) -> PackedRows:
     width = max(used)
 
     lengths = batch.lengths.tolist()
-    flat_inputs = batch.inputs.reshape(-1)
-    take = []  # flat indices into the padded inputs, in packed order (row by row)
-    positions, unit_ids, segments = [], [], []  # per packed position
-    read, source = [], []
-    next_unit = 0
-    for r, row_units in enumerate(rows):
-        at = r * width
+    # per packed position, row by row: the padded layout's flat index of its token (-1: padding), its position, unit
+    # and segment (0: the prompt); per target read: where the packed rows predict it and where it sits in the padded
+    take: list[int] = []
+    positions: list[int] = []
+    unit_ids: list[int] = []
+    segments: list[int] = []
+    read: list[int] = []
+    source: list[int] = []
+    units_seen = 0
+    for row_units in rows:
         for unit in row_units:
-            first, p = unit.samples[0], unit.prompt_length
-            prompt_end = at + p
-            take.append(torch.arange(p) + first * padded_width)
-            positions.append(torch.arange(p))
-            unit_ids.append(torch.full((p,), next_unit))
-            segments.append(torch.zeros(p, dtype=torch.long))
-            at = prompt_end
+            p, unit_id = unit.prompt_length, units_seen
+            units_seen += 1
+            first = unit.samples[0] * padded_width
+            prompt_end = len(take) + p
+            take.extend(range(first, first + p))
+            positions.extend(range(p))
+            unit_ids.extend([unit_id] * p)
+            segments.extend([0] * p)
             for segment, sample in enumerate(unit.samples, start=1):
-                extra = max(0, lengths[sample] - p)
-                take.append(torch.arange(p, p + extra) + sample * padded_width)
-                positions.append(torch.arange(p, p + extra))
-                unit_ids.append(torch.full((extra,), next_unit))
-                segments.append(torch.full((extra,), segment))
-                # targets p-1 .. length-1: the first from the prompt's last position, the rest from the response's
-                if lengths[sample] >= p:  # an empty response has no target
-                    source.append(torch.arange(p - 1, lengths[sample]) + sample * padded_width)
-                    read.append(torch.cat([torch.tensor([prompt_end - 1]), torch.arange(at, at + extra)]))
-                at += extra
-            next_unit += 1
-        pad = (r + 1) * width - at
+                extra, at = max(0, lengths[sample] - p), len(take)
+                offset = sample * padded_width
+                take.extend(range(offset + p, offset + p + extra))
+                positions.extend(range(p, p + extra))
+                unit_ids.extend([unit_id] * extra)
+                segments.extend([segment] * extra)
+                if lengths[sample] >= p:  # targets p-1 .. length-1; an empty response has none
+                    source.extend(range(offset + p - 1, offset + lengths[sample]))
+                    read.append(prompt_end - 1)  # the prompt's last position predicts the response's first token
+                    read.extend(range(at, at + extra))
+        pad = width - len(take) % width if len(take) % width else 0
         if pad:  # padding: a unit of its own, so every position sees at least itself
-            take.append(torch.full((pad,), -1))
-            positions.append(torch.arange(pad))
-            unit_ids.append(torch.full((pad,), next_unit))
-            segments.append(torch.zeros(pad, dtype=torch.long))
-            next_unit += 1
-    device = batch.inputs.device
-    take_index = torch.cat(take).to(device)
+            unit_id, units_seen = units_seen, units_seen + 1
+            take.extend([-1] * pad)
+            positions.extend(range(pad))
+            unit_ids.extend([unit_id] * pad)
+            segments.extend([0] * pad)
+    shape = (len(rows), width)
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=batch.inputs.device)  # noqa: E731
+    take_index = as_tensor(take)
     real = take_index >= 0
-    inputs = torch.zeros(len(rows) * width, dtype=torch.long, device=device)
-    inputs[real] = flat_inputs[take_index[real]]
-    source_index, read_index = torch.cat(source).to(device), torch.cat(read).to(device)
-    position_rows = torch.cat(positions).view(len(rows), width).to(device)
+    inputs = torch.zeros_like(take_index)
+    inputs[real] = batch.inputs.reshape(-1)[take_index[real]]
+    source_index, read_index = as_tensor(source), as_tensor(read)
     single = all(len(row_units) == 1 and len(row_units[0].samples) == 1 for row_units in rows)
-    mask = None if single else shared_prompt_mask(torch.cat(unit_ids).view(len(rows), width).to(device),
-                                                  torch.cat(segments).view(len(rows), width).to(device))
-    return PackedRows(inputs.view(len(rows), width), position_rows, mask, read_index,
+    mask = None if single else shared_prompt_mask(as_tensor(unit_ids).view(shape), as_tensor(segments).view(shape))
+    return PackedRows(inputs.view(shape), as_tensor(positions).view(shape), mask, read_index,
                       batch.targets.reshape(-1)[source_index], source_index, (padded_rows, padded_width),
-                      int((~real).sum()))
+                      len(take) - int(real.sum()))
 
 
 def shared_prompt_mask(units: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:

@@ -55,14 +55,16 @@ class EngineAttention(Module):
             mask = attention_masks.mask
         else:
             mask = attention_masks
-        if enable_gqa:
+        # Grouped-query heads are SDPA's own (enable_gqa): repeating K and V copied a decode's whole cache every step.
+        # CUDA's memory-efficient kernel, the one that takes a mask, has no enable_gqa: there K and V are repeated.
+        gqa = enable_gqa and q.shape[1] != k.shape[1]
+        if gqa and mask is not None and q.device.type == "cuda":
             repeat = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
+            k, v, gqa = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), False
         low_precision_cpu = q.device.type == "cpu" and q.dtype != torch.float32
         with sdpa_kernel(SDPBackend.MATH) if low_precision_cpu else nullcontext():
             if mask is None:
-                out = F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True)
+                out = F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True, enable_gqa=gqa)
             else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2)

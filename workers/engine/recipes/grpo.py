@@ -129,7 +129,8 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
         while not filling.done:
             problems = stream.take(trainer_cfg.batch_size)
             with timer.phase("generate"):
-                prompts = [tokenizer.encode_prompt(p.messages) for p in problems for _ in range(grpo.group_size)]
+                encoded = [tokenizer.encode_prompt(p.messages) for p in problems]  # once a group
+                prompts = [list(prompt) for prompt in encoded for _ in range(grpo.group_size)]
                 check_prompt_lengths(prompts, cfg.data.max_prompt_tokens)
                 completions = generator.generate(prompts, sampling, seed=trainer_cfg.seed * 1_000_003 + generations)
             generations += 1
