@@ -101,13 +101,13 @@ def test_a_group_holds_its_prompt_once_and_each_response_sees_the_prompt_and_its
 
 
 def test_a_group_wider_than_the_unit_limit_is_split_into_units_that_each_hold_the_prompt() -> None:
-    response = [5] * 300
-    batch = collate_rollouts([[1, 2]] * 8, [response] * 8, [[-1.0] * 300] * 8, [0.0] * 8, pad_id=0)
+    response = [5] * 600
+    batch = collate_rollouts([[1, 2]] * 8, [response] * 8, [[-1.0] * 600] * 8, [0.0] * 8, pad_id=0)
     packed = pack_rollouts(batch)
-    assert 2 + 299 * 3 <= SHARED_PROMPT_POSITIONS < 2 + 299 * 4  # a prompt and 3 responses fit a unit, 4 do not
-    assert packed.inputs.shape == (3, 2 + 299 * 3)  # units of 3, 3 and 2 responses, one a row
+    assert 2 + 599 * 3 <= SHARED_PROMPT_POSITIONS < 2 + 599 * 4  # a prompt and 3 responses fit a unit, 4 do not
+    assert packed.inputs.shape == (3, 2 + 599 * 3)  # units of 3, 3 and 2 responses, one a row
     assert int((packed.positions == 0).sum()) == 3 + 1  # a prompt starting each unit, and the last row's padding
-    assert len(packed.source) == 8 * 300
+    assert len(packed.source) == 8 * 600
 
 
 def test_rows_of_one_sample_each_need_no_mask() -> None:

@@ -112,7 +112,7 @@ def collate_record(record: RolloutBatchRecord, *, pad_id: int, mask_truncated: b
     return batch
 
 
-SHARED_PROMPT_POSITIONS = 1024  # the widest a packed unit of one prompt and several responses grows
+SHARED_PROMPT_POSITIONS = 2048  # the widest a packed unit of one prompt and several responses grows
 
 
 @dataclass
