@@ -11,7 +11,8 @@ object per line:
   {"kind": "env", ...}        interpreter, torch, device, which model path was used
   {"kind": "model", ...}      parameter count, build time
   {"kind": "generate", ...}   the engine's TorchSampler (KV cache, per-token log-probs):
-                              batch 64 x prompt 128 -> 256 new tokens; tokens/s
+                              batch 64 x prompt 128 -> 256 new tokens; tokens/s; twice: 64 distinct
+                              prompts, then 8 prompts x 8 rows (GRPO groups: each prompt prefilled once)
   {"kind": "train", ...}      one engine training step (forward, GRPO or SFT loss from
                               workers/engine/losses.py, backward, grad clip, AdamW as in
                               training.build_optimizer), 8 x 1024 tokens (or the largest
@@ -116,6 +117,7 @@ class HFQwen3ForEngine(nn.Module):
         cache = attention_masks
         if not hasattr(cache, "hf_cache"):
             cache.hf_cache = DynamicCache()  # type: ignore[attr-defined]
+            cache.on_select_rows.append(cache.hf_cache.batch_select_indices)  # a shared prompt's prefill, fanned out
         key_valid = cache.mask[:, 0, -1, :].long()  # [B, past + new]
         out = self.hf(input_ids=tokens, position_ids=positions, attention_mask=key_valid,
                       past_key_values=cache.hf_cache, use_cache=True, logits_to_keep=1)  # type: ignore[attr-defined]
@@ -180,14 +182,16 @@ def measure_weight_sync(model: nn.Module, *, device: torch.device, repeats: int)
 
 
 def measure_generation(model: nn.Module, *, vocab: int, batch: int, prompt_len: int, new_tokens: int,
-                       device: torch.device, repeats: int, ragged: bool, forward) -> dict[str, Any]:  # noqa: ANN001
+                       device: torch.device, repeats: int, ragged: bool, forward, group: int = 1) -> dict[str, Any]:  # noqa: ANN001
+    """`group` rows share each prompt (a GRPO group: the sampler prefills it once); 1: every prompt distinct."""
     model.eval()
     # eos is a token id the random model cannot produce: every row decodes all new_tokens
     sampler = TorchSampler(model, eos_token_ids=[vocab], pad_id=0)
     gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(1, vocab, (batch, prompt_len), generator=gen).tolist()
+    prompts = torch.randint(1, vocab, (batch // group, prompt_len), generator=gen).tolist()
     if ragged:  # left padding in the batch: rows of prompt_len, prompt_len - 1, ...
         prompts = [p[row % 3:] for row, p in enumerate(prompts)]
+    prompts = [p for p in prompts for _ in range(group)]
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
     sampler.generate(prompts, SamplingParams(max_new_tokens=min(8, new_tokens)), seed=0)  # warm-up: kernels, allocator
     if device.type == "cuda":
@@ -211,7 +215,7 @@ def measure_generation(model: nn.Module, *, vocab: int, batch: int, prompt_len: 
             diff = max(diff, float((recomputed[0].cpu() - torch.tensor(c.logprobs)).abs().max()))
     seconds = min(times)
     return {
-        "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "generated_tokens": tokens,
+        "batch": len(prompts), "group": group, "prompt_len": prompt_len, "new_tokens": new_tokens, "generated_tokens": tokens,
         "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1),
         "ms_per_decode_step": round(1000 * seconds / new_tokens, 3),
         "all_seconds": [round(t, 4) for t in times],
@@ -314,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-batch", type=int, default=None)
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--group", type=int, default=None, help="rows a prompt in the grouped generate line (default 8)")
     parser.add_argument("--train-rows", type=int, default=None)
     parser.add_argument("--train-seq", type=int, default=None)
     parser.add_argument("--train-steps", type=int, default=None)
@@ -334,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         "gen_batch": args.gen_batch or (4 if smoke else 64), "prompt_len": args.prompt_len or (8 if smoke else 128),
         "new_tokens": args.new_tokens or (8 if smoke else 256), "train_rows": args.train_rows or (2 if smoke else 8),
         "train_seq": args.train_seq or (32 if smoke else 1024), "train_steps": args.train_steps or (2 if smoke else 5),
+        "group": args.group or (2 if smoke else 8),
     }
     peak = args.peak_tflops * 1e12
     titan_ok, titan_info = torchtitan_status()
@@ -356,10 +362,14 @@ def main(argv: list[str] | None = None) -> int:
                                             "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings")})
 
     forward = model if model_path == "engine-torchtitan" else (lambda x: model.hf(input_ids=x, use_cache=False).logits)
-    generation = measure_generation(model, vocab=hf_config["vocab_size"], batch=settings["gen_batch"],
-                                    prompt_len=settings["prompt_len"], new_tokens=settings["new_tokens"], device=device,
-                                    repeats=1 if smoke else 2, ragged=smoke, forward=forward)
-    emit("generate", model_path=model_path, sampler="workers.engine.sampler.TorchSampler", **generation)
+    generations = {}
+    for group in (1, settings["group"]):  # distinct prompts, then GRPO groups (a prompt prefilled once a group)
+        generations[group] = measure_generation(
+            model, vocab=hf_config["vocab_size"], batch=settings["gen_batch"], prompt_len=settings["prompt_len"],
+            new_tokens=settings["new_tokens"], device=device, repeats=1 if smoke else 2, ragged=smoke, forward=forward,
+            group=group)
+        emit("generate", model_path=model_path, sampler="workers.engine.sampler.TorchSampler", **generations[group])
+    generation = generations[1]
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -377,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     emit("weight_sync", model_path=model_path, **weight_sync)
 
     emit("summary", model_path=model_path, smoke=smoke, params=n_params,
-         gen_tokens_per_s=generation["tokens_per_s"],
+         gen_tokens_per_s=generation["tokens_per_s"], gen_tokens_per_s_grouped=generations[settings["group"]]["tokens_per_s"],
          train_tokens_per_s=trains["grpo"]["tokens_per_s"], mfu=trains["grpo"]["mfu"],
          mfu_with_attention=trains["grpo"]["mfu_with_attention"],
          sft_train_tokens_per_s=trains["sft"]["tokens_per_s"], sft_mfu=trains["sft"]["mfu"],

@@ -47,6 +47,11 @@ def _check(lines: dict[str, list[dict]], model_path: str) -> None:
     assert generate["tokens_per_s"] > 0 and generate["seconds"] > 0
     # the sampler's recorded log-probs equal a full forward's, with left-padded (ragged) prompts
     assert generate["logprob_max_abs_diff_vs_full_forward"] < 1e-4
+    # and in GRPO groups: each prompt prefilled once, its cache fanned out to its rows (the adapter's HF cache too)
+    distinct, grouped = lines["generate"]
+    assert (distinct["group"], grouped["group"]) == (1, env["group"]) and grouped["batch"] == env["gen_batch"]
+    assert grouped["generated_tokens"] == env["gen_batch"] * env["new_tokens"]
+    assert grouped["logprob_max_abs_diff_vs_full_forward"] < 1e-4 and summary["gen_tokens_per_s_grouped"] > 0
     assert [t["loss"] for t in lines["train"]] == ["grpo", "sft"]
     for train in lines["train"]:
         assert train["model_path"] == model_path and train["losses_finite"] is True

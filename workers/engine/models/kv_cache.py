@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -14,6 +16,8 @@ class KVCache:
         self.mask: torch.Tensor | None = None  # [B, 1, Lq, length + Lq], set before each forward
         self._keys: dict[int, torch.Tensor] = {}
         self._values: dict[int, torch.Tensor] = {}
+        # called with select_rows' rows by whoever keeps per-row cache state of its own (the GPU script's adapter)
+        self.on_select_rows: list[Callable[[torch.Tensor], None]] = []
 
     def append(self, layer: object, k_BNLH: torch.Tensor, v_BNLH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         key = id(layer)  # one buffer pair per attention module
@@ -33,6 +37,8 @@ class KVCache:
         for key in self._keys:
             self._keys[key] = self._keys[key].index_select(0, rows)
             self._values[key] = self._values[key].index_select(0, rows)
+        for select in self.on_select_rows:
+            select(rows)
 
     def advance(self, n: int) -> None:
         self.length += n
