@@ -110,6 +110,15 @@ def test_a_group_wider_than_the_unit_limit_is_split_into_units_that_each_hold_th
     assert len(packed.source) == 8 * 600
 
 
+def test_an_empty_response_has_no_target_and_its_group_still_packs() -> None:
+    batch = collate_rollouts([[1, 2, 3], [1, 2, 3], [4, 5]], [[], [6, 7], []], [[], [-1.0, -1.0], []],
+                             [0.0, 0.0, 0.0], pad_id=0)
+    packed = pack_rollouts(batch)
+    assert packed.inputs.tolist() == [[1, 2, 3, 6], [4, 5, 0, 0]]
+    assert packed.read.tolist() == [2, 3] and packed.source.tolist() == [6, 7] and packed.targets.tolist() == [6, 7]
+    assert packed.padding_positions == 2
+
+
 def test_rows_of_one_sample_each_need_no_mask() -> None:
     batch = collate_rollouts([[1, 2, 3], [1, 2, 4], [2, 2, 3]], [[4, 5], [6, 7, 8], [9]],
                              [[-1.0] * 2, [-1.0] * 3, [-1.0]], [1.0, 0.0, -1.0], pad_id=0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -223,3 +224,10 @@ def check_prompt_lengths(prompts: list[list[int]], limit: int) -> None:
     longest = max(len(p) for p in prompts)
     if longest > limit:
         raise ValueError(f"a prompt has {longest} tokens, more than data.max_prompt_tokens ({limit})")
+
+
+def group_prompts(tokenizer: Any, problems: list[Any], *, group_size: int, limit: int) -> list[list[int]]:
+    """Each problem's prompt tokenized and checked once, then one copy per sample of its group."""
+    encoded = [tokenizer.encode_prompt(p.messages) for p in problems]
+    check_prompt_lengths(encoded, limit)
+    return [list(prompt) for prompt in encoded for _ in range(group_size)]

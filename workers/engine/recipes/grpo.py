@@ -38,7 +38,7 @@ from workers.engine.batching import collate_record
 from workers.engine.behaviour_weights import BehaviourWeights
 from workers.engine.checkpoint import load_checkpoint, save_checkpoint
 from workers.engine.config import RunConfig
-from workers.engine.grpo_math import (check_prompt_lengths, kl_reward_advantages, policy_update, prepare_old_logprobs,
+from workers.engine.grpo_math import (group_prompts, kl_reward_advantages, policy_update, prepare_old_logprobs,
                                       sequence_logprobs)
 from workers.engine.grpo_metrics import rollout_metrics, update_metrics
 from workers.engine.metrics import Recorder
@@ -129,9 +129,7 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
         while not filling.done:
             problems = stream.take(trainer_cfg.batch_size)
             with timer.phase("generate"):
-                encoded = [tokenizer.encode_prompt(p.messages) for p in problems]  # once a group
-                prompts = [list(prompt) for prompt in encoded for _ in range(grpo.group_size)]
-                check_prompt_lengths(prompts, cfg.data.max_prompt_tokens)
+                prompts = group_prompts(tokenizer, problems, group_size=grpo.group_size, limit=cfg.data.max_prompt_tokens)
                 completions = generator.generate(prompts, sampling, seed=trainer_cfg.seed * 1_000_003 + generations)
             generations += 1
             tokens += sum(len(c.token_ids) for c in completions)
