@@ -13,6 +13,8 @@ total torch thread count (`--threads`, split over the processes that compute) an
                  `dapo` = token-mean, beta 0: no reference model, like ours).
   ours_local     recipes/grpo.py sync, one process x threads (same process layout as TRL).
   ours_sync      recipes/grpo_monarch.py, trainer proc + generator proc x threads/2 each.
+  ours_sync_in_trainer  the same with generator.in_trainer: no generator proc, the trainer's proc generates from a
+                 copy of its weights, x threads (one computing process, like TRL's and ours_local).
   ours_async     the same with grpo.mode=async, max_policy_age=1 (--max-policy-age): generation overlaps training.
   ours_async2    the same with max_policy_age=2: up to 3 batches in flight (new weights reach a replica between
                  requests, through its weight inbox, without waiting behind the requests queued there).
@@ -61,6 +63,7 @@ RUNS = {
     "trl": ("trl", lambda t: t),
     "ours_local": ("local", lambda t: t),
     "ours_sync": ("monarch_sync", lambda t: max(1, t // 2)),
+    "ours_sync_in_trainer": ("monarch_sync_in_trainer", lambda t: t),  # one proc generates and trains, as TRL's
     "ours_async": ("monarch_async", lambda t: max(1, t // 2)),
     "ours_async2": ("monarch_async2", lambda t: max(1, t // 2)),
     "ours_pipelined": ("monarch_pipelined", lambda t: max(1, t // 2)),
@@ -72,7 +75,7 @@ RUNS = {
     # (2T configured, at most T busy at once); not part of the equal-total comparison
     "ours_sync_turns": ("monarch_sync", lambda t: t),
 }
-DEFAULT_RUNS = "trl,ours_local,ours_sync,ours_async,ours_async2,ours_pipelined,trl_half,ours_local_half"
+DEFAULT_RUNS = "trl,ours_local,ours_sync,ours_sync_in_trainer,ours_async,ours_async2,ours_pipelined,trl_half,ours_local_half"
 
 
 def _set_threads(threads: int) -> None:
@@ -89,6 +92,7 @@ def _ours(args: argparse.Namespace, mode: str, threads: int) -> dict:
     from workers.engine.metrics import Recorder
 
     monarch = mode.startswith("monarch")
+    in_trainer = mode == "monarch_sync_in_trainer"
     _set_threads(1 if monarch else threads)  # a Monarch controller only routes and tokenizes
     overrides = [
         f"data.max_operand={args.max_operand}", "data.eval_size=64", f"generator.max_new_tokens={args.max_new_tokens}",
@@ -107,6 +111,8 @@ def _ours(args: argparse.Namespace, mode: str, threads: int) -> dict:
         overrides += ["grpo.mode=async", "grpo.max_policy_age=2"]
     elif mode == "monarch_pipelined":
         overrides += ["grpo.mode=pipelined", f"grpo.pipeline_chunks={args.pipeline_chunks}"]
+    elif in_trainer:  # no generator proc: the trainer's rank generates
+        overrides = [o for o in overrides if o != "generator.replicas=1"] + ["grpo.mode=sync", "generator.in_trainer=true"]
     else:
         overrides += ["grpo.mode=sync"]
     config = load_config(f"recipe: grpo\nmodel: {{path: '{args.model}'}}\n", overrides=overrides)
@@ -144,8 +150,8 @@ def _ours(args: argparse.Namespace, mode: str, threads: int) -> dict:
     measured = [s for s in sorted(steps) if s > args.warmup]
     train_tokens = sum(round(steps[s]["data/train_tokens"]) for s in measured)
     return {
-        "processes": "trainer+generator+control" if monarch else "1 process",
-        "threads": f"{threads}+{threads}" if monarch else str(threads),
+        "processes": ("trainer+control" if in_trainer else "trainer+generator+control") if monarch else "1 process",
+        "threads": (str(threads) if in_trainer else f"{threads}+{threads}") if monarch else str(threads),
         "steps": len(measured),
         "wall_s": ends[measured[-1]] - ends[args.warmup],
         "train_tokens": train_tokens,
@@ -341,14 +347,14 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores, load average (1 min) {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; "
           "monarch runs: a trainer and a generator proc compute, a control proc (data, reward, buffer) and the "
           "controller mostly wait")
-    header = (f"{'run':<16} {'processes':<26} {'threads':>7} {'steps':>5} {'s/step':>7} {'gen s':>6} {'train s':>7} "
+    header = (f"{'run':<20} {'processes':<26} {'threads':>7} {'steps':>5} {'s/step':>7} {'gen s':>6} {'train s':>7} "
               f"{'tokens/step':>11} {'resp len':>8} {'reward':>6} {'train tok/s':>11} {'seqs/s':>6} {'sync %':>6}")
     print(header)
     print("-" * len(header))
     for name, r in results.items():
         gen = f"{r['generate_s_per_step']:.3f}" if "generate_s_per_step" in r else "-"
         train = f"{r['train_s_per_step']:.3f}" if "train_s_per_step" in r else "-"
-        print(f"{name:<16} {r['processes']:<26} {r['threads']:>7} {r['steps']:>5} {r['s_per_step']:>7.3f} {gen:>6} {train:>7} "
+        print(f"{name:<20} {r['processes']:<26} {r['threads']:>7} {r['steps']:>5} {r['s_per_step']:>7.3f} {gen:>6} {train:>7} "
               f"{r['train_tokens'] / r['steps']:>11.0f} {r['response_len']:>8.1f} {r['reward']:>6.3f} {r['train_tokens_per_s']:>11.0f} "
               f"{r['steps'] * args.prompts * args.group / r['wall_s']:>6.1f} "
               + (f"{100 * r['weight_sync_share']:>5.1f}%" if "weight_sync_share" in r else f"{'-':>6}"))
@@ -359,7 +365,7 @@ def main() -> None:
 
     print("start-up: wall seconds from launching the interpreter to the end of the first step (median over rounds; "
           "imports: until the recipe or GRPOTrainer is called; ready: setup done; phases of the median run)")
-    startup_header = f"{'run':<16} {'first step':>10} {'/ trl':>6} {'imports':>7} {'ready':>6}  phases"
+    startup_header = f"{'run':<20} {'first step':>10} {'/ trl':>6} {'imports':>7} {'ready':>6}  phases"
     print(startup_header)
     print("-" * len(startup_header))
     starts: dict[str, float] = {}
@@ -377,7 +383,7 @@ def main() -> None:
         if "ready_s" in median:
             phases += f" · first step {starts[name] - median['ready_s']:.1f}"
         versus = f"{starts[name] / starts['trl']:.2f}" if "trl" in starts else "-"
-        print(f"{name:<16} {starts[name]:>10.1f} {versus:>6} {median['imports_s']:>7.1f} {median.get('ready_s', 0.0):>6.1f}  "
+        print(f"{name:<20} {starts[name]:>10.1f} {versus:>6} {median['imports_s']:>7.1f} {median.get('ready_s', 0.0):>6.1f}  "
               f"{phases or '-'}")
     if "trl" in starts:
         worst = max((n for n in starts if n.startswith("ours_") and not n.endswith("_half")), key=starts.get, default=None)
@@ -403,6 +409,8 @@ def main() -> None:
     print(f"equal thread totals ({args.threads}):")
     ratio("ours_async", "trl", 2.0)
     ratio("ours_sync", "trl", 2.0)
+    ratio("ours_sync_in_trainer", "trl", 2.0, " (sync, generating in the trainer's proc)")
+    ratio("ours_sync_in_trainer", "ours_sync", 1.0)
     ratio("ours_local", "trl", 2.0)
     ratio("ours_async", "ours_sync", 1.5)
     ratio("ours_async2", "ours_async", 1.0, " (max_policy_age 2 vs 1)")

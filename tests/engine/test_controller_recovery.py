@@ -12,6 +12,7 @@ from workers.engine.actors.fleet import CallFailed, ProcFailure
 from workers.engine.controller.control_procs import ControlLost
 from workers.engine.controller.drill_targets import DrillTargets
 from workers.engine.controller.generation import GenerationPipeline
+from workers.engine.controller.generators import ReplicaGenerators
 from workers.engine.controller.recovery import Recovery
 from workers.engine.controller.requests import Router
 from workers.engine.controller.state import PendingGeneration, RunState
@@ -32,9 +33,11 @@ def _recovery(placement: str = "replay_buffer: {hosts: [c, b]}", **sections: str
     fleet.router = Router(failover=fleet.failover, waits=fleet.waits, supervisor=fleet.supervisor)
     drills = DrillTargets(plan=DrillPlan([]), injector=fleet.injector, recorder=fleet.recorder, hosts=hosts,
                           groups=groups, placer=fleet.placer, trainer=fleet.trainer, state=fleet.state)
-    pipeline = GenerationPipeline(config=config, tokenizer=None, groups=groups, trainer=fleet.trainer,
-                                  control=fleet.control, router=fleet.router, supervisor=fleet.supervisor,
-                                  failover=fleet.failover, waits=fleet.waits, drills=drills, state=fleet.state)
+    generators = ReplicaGenerators(group=groups["generator"], router=fleet.router, trainer=fleet.trainer,
+                                   supervisor=fleet.supervisor, state=fleet.state)
+    pipeline = GenerationPipeline(config=config, tokenizer=None, groups=groups, generators=generators,
+                                  trainer=fleet.trainer, control=fleet.control, router=fleet.router, drills=drills,
+                                  state=fleet.state)
     return fleet, Recovery(config=config, trainer=fleet.trainer, control=fleet.control, supervisor=fleet.supervisor,
                            pipeline=pipeline, failover=fleet.failover, log=fleet.log, recorder=fleet.recorder,
                            state=fleet.state)

@@ -92,3 +92,24 @@ def test_update_correction_and_shaping_options_are_refused_where_they_do_nothing
     assert accepted.trainer.optimizer.lr == 0.0  # a control run
     assert load_config(GRPO, overrides=["grpo.rollout_correction.mode=mask"]).grpo.rollout_correction.low == 0.5
     assert load_config(config_to_yaml(accepted)).grpo == accepted.grpo  # a full dump validates again
+
+
+def test_a_generator_in_the_trainers_procs_refuses_what_configures_generator_procs() -> None:
+    in_trainer = (MONARCH, "generator.in_trainer=true")
+    config = load_config(GRPO, overrides=list(in_trainer))
+    assert config.role_processes()["generator"] == 0 and config.role_processes()["trainer"] == 1
+    assert load_config(config_to_yaml(config)) == config, "a full dump (placement.generator.hosts: []) still validates"
+    assert "placement.backend: monarch" in _errors("generator.in_trainer=true")["generator.in_trainer"]
+    for mode in ("async", "pipelined"):
+        assert "grpo.mode: sync" in _errors(*in_trainer, f"grpo.mode={mode}")["generator.in_trainer"], mode
+    assert "generator.backend: torch" in _errors(*in_trainer, "generator.backend=vllm")["generator.in_trainer"]
+    assert "trainer.sharding: replicate" in _errors(*in_trainer, "trainer.sharding=fsdp", "trainer.ranks=2")[
+        "generator.in_trainer"]
+    errors = _errors(*in_trainer, "generator.replicas=2", "generator.routing=sticky", "placement.generator.hosts=[a]",
+                     "placement.generator.gpus_per_proc=1")
+    assert {"generator.replicas", "generator.routing", "placement.generator.hosts",
+            "placement.generator.gpus_per_proc"} <= set(errors)
+    assert "place the trainer" in errors["placement.generator.hosts"]
+    drill = "drills=[{kind: kill, role: generator, replica: 0, schedule: {at_step: 2}}]"
+    assert "drill the trainer" in _errors(*in_trainer, drill)["drills.0.role"]
+    assert load_config(GRPO, overrides=[MONARCH, drill]).drills[0].role == "generator", "with generator procs: allowed"

@@ -161,6 +161,12 @@ class GeneratorConfig(_Section):
     temperature: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     routing: Literal["round_robin", "least_loaded", "sticky"] = "least_loaded"
+    in_trainer: bool = Field(
+        default=False,
+        description="Monarch GRPO, sync mode: each trainer rank generates its share of the step's groups in its own "
+                    "proc, from a copy of its weights refreshed in memory when the policy moved (a hybrid engine, as "
+                    "verl's): no generator procs and no weight transfer. In sync mode the generators and the trainer "
+                    "take turns, so this gives both the same threads or GPU")
 
 
 class OptimizerConfig(_Section):
@@ -483,7 +489,7 @@ class RunConfig(_Section):
     def role_processes(self) -> dict[str, int]:
         """The processes this run starts for each role of its recipe, in PLACED_ROLES order (0: a reference not
         enabled)."""
-        counts = {"trainer": self.trainer.ranks, "generator": self.generator.replicas,
+        counts = {"trainer": self.trainer.ranks, "generator": 0 if self.generator.in_trainer else self.generator.replicas,
                   "reference": self.reference.replicas if self.reference.enabled else 0, "reward": 1,
                   "replay_buffer": 1}
         return {role: counts[role] for role in RECIPE_ROLES[self.recipe]}
@@ -538,6 +544,7 @@ def _cross_field_errors(config: RunConfig) -> list[FieldError]:
                                                               "placement.backend: monarch"))
         errors.extend(unknown_host_errors(config.placement, known=local_host_names(config.placement.local_hosts)))
     errors.extend(colocation_errors(config.placement, monarch_grpo=monarch_grpo))
+    errors.extend(in_trainer_errors(config, monarch_grpo=monarch_grpo))
     errors.extend(proc_layout_errors(config, monarch_grpo=monarch_grpo))
     for i, drill in enumerate(config.drills):
         errors.extend(FieldError(f"drills.{i}.{field}", message) for field, message in drill_target_problems(config, drill))
@@ -606,7 +613,8 @@ def grpo_update_errors(config: RunConfig, *, monarch_grpo: bool) -> list[FieldEr
 
 
 def changed_fields(section: _Section) -> list[str]:
-    return [name for name, field in type(section).model_fields.items() if getattr(section, name) != field.default]
+    return [name for name, field in type(section).model_fields.items()
+            if getattr(section, name) != field.get_default(call_default_factory=True)]
 
 
 def replay_buffer_errors(config: RunConfig) -> list[FieldError]:
@@ -654,6 +662,32 @@ def colocation_errors(placement: PlacementConfig, *, monarch_grpo: bool) -> list
     return errors
 
 
+def in_trainer_errors(config: RunConfig, *, monarch_grpo: bool) -> list[FieldError]:
+    """generator.in_trainer: the trainer's ranks generate, so what configures generator procs does not apply."""
+    generator = config.generator
+    if not generator.in_trainer:
+        return []
+    if not monarch_grpo:
+        return [FieldError("generator.in_trainer", "the local recipe always generates in its one process; in_trainer is "
+                                                   "for the Monarch GRPO recipe: placement.backend: monarch")]
+    errors = []
+    if config.grpo.mode != "sync":
+        errors.append(FieldError("generator.in_trainer", f"{config.grpo.mode} mode generates while the trainer trains, "
+                                                         "which needs generator procs of their own: grpo.mode: sync"))
+    if generator.backend != "torch":
+        errors.append(FieldError("generator.in_trainer", "vLLM runs in generator procs of its own: generator.backend: torch"))
+    if config.trainer.sharding != "replicate":
+        errors.append(FieldError("generator.in_trainer", "an FSDP rank holds a shard of the weights, not a model to "
+                                                         "generate from: trainer.sharding: replicate"))
+    errors.extend(FieldError(f"generator.{name}", "the trainer's ranks generate, one share each (generator.in_trainer): "
+                                                  "leave it unset")
+                  for name in ("replicas", "routing") if name in changed_fields(generator))
+    errors.extend(FieldError(f"placement.generator.{name}", "the generator runs in the trainer's procs "
+                                                            "(generator.in_trainer): place the trainer")
+                  for name in changed_fields(config.placement.generator))
+    return errors
+
+
 def proc_layout_errors(config: RunConfig, *, monarch_grpo: bool) -> list[FieldError]:
     """gpus_per_proc: one GPU, for roles with a model, in their own procs (Monarch GRPO) except the trainer's (its one
     process's GPU otherwise)."""
@@ -685,6 +719,8 @@ def drill_target_problems(config: RunConfig, drill: FaultDrillRequest) -> list[t
     """(field, reason) for a drill whose role or replica this config does not have."""
     if config.recipe == Recipe.SFT and drill.role != "trainer":
         return [("role", f"an SFT run has no {drill.role}: its drills target trainer ranks")]
+    if drill.role == "generator" and config.generator.in_trainer:
+        return [("role", "the generator runs in the trainer's procs (generator.in_trainer): drill the trainer")]
     counts = {"generator": config.generator.replicas, "trainer": config.trainer.ranks,
               "reference": config.reference.replicas if config.reference.enabled else 0, "reward": 1}
     if counts[drill.role] == 0:

@@ -43,6 +43,9 @@ class TrainerRankActor(FaultInjectableActor):
         """Optimizer steps the learning-rate schedule spans."""
         return self.config.trainer.steps
 
+    def keep_starting_model(self, model: torch.nn.Module) -> None:
+        """Copy what a trainer needs of the model as loaded, before it is sharded or wrapped for mixed precision."""
+
     def prepare_steps(self) -> None:
         """What a trainer keeps between its steps, made once the model is built."""
 
@@ -69,6 +72,7 @@ class TrainerRankActor(FaultInjectableActor):
         loaded = load_pretrained(cfg.model.path, family=cfg.model.family, dtype=cfg.model.dtype, device=self.device)
         self.model, self.tokenizer = loaded.model.train(), loaded.tokenizer
         n_params = count_parameters(self.model)
+        self.keep_starting_model(self.model)
         self.sharded = cfg.trainer.sharding == "fsdp"
         if self.sharded:
             shard_model(self.model, mixed_precision=cfg.trainer.mixed_precision)

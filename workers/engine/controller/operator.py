@@ -124,10 +124,11 @@ class Operator:
         if spares_dropped:
             self.supervisor.warm_spares()  # after the moves: a spare must not take a moving replica's room
         others = {role: plan for role, plan in moved.items() if role != "generator"}
+        plan = role_plan(groups, "generator") if "generator" in groups else {}
         self.recorder.event("redirect_finished", step=self.state.step, action="drain", host=host,
-                            moved=moved.get("generator", {}), plan=role_plan(groups, "generator"),
+                            moved=moved.get("generator", {}), plan=plan,
                             seconds=round(time.monotonic() - started, 3), **({"moved_roles": others} if others else {}))
-        return {"host": host, "moved": moved.get("generator", {}), "plan": role_plan(groups, "generator"),
+        return {"host": host, "moved": moved.get("generator", {}), "plan": plan,
                 **({"moved_roles": others} if others else {})}
 
     def drain_trainer(self, host: str) -> dict[str, Any]:

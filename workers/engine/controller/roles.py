@@ -14,7 +14,9 @@ def role_group(groups: Mapping[str, ReplicaGroup], role: str) -> ReplicaGroup:
         raise ValueError(f"this run has no {role} replicas to place: an SFT run has only trainer ranks (drain a host to "
                          "move them; drills target them)")
     if role not in groups:
-        raise ValueError(f"this run has no {role} (reference.enabled is false)")
+        raise ValueError(f"this run has no {role} (reference.enabled is false)" if role != "generator" else
+                         "this run's generator runs in the trainer's procs (generator.in_trainer): it has no replicas "
+                         "of its own; place, drain or drill the trainer")
     return groups[role]
 
 

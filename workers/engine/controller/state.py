@@ -7,7 +7,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.engine.controller.requests import Request
 from workers.engine.tasks import Problem
 
 
@@ -17,7 +16,7 @@ class PendingGeneration:
 
     problems: list[Problem]
     prompts: list[list[int]]
-    calls: list[Request]  # in prompt order
+    calls: list[Any]  # its requests (`generators.py`), in prompt order
     data_state: dict[str, Any]  # the dataset's position before these problems were taken
     generation: int  # index of this generation (its sampling seeds derive from it)
     spans: list[tuple[int, int]]  # the problems [first, last) each call generates

@@ -4,7 +4,8 @@ The same algorithm as `recipes/grpo.py`, with each role in its own processes:
   trainer    `trainer.ranks` procs, `placement.trainer.procs_per_host` to a host, data parallel (gloo on CPU,
              NCCL on GPUs): `controller/trainer.py`
   generator  `generator.replicas` procs, one mesh each, behind a routed Service (torch or vLLM),
-             spread over `placement.generator.hosts`
+             spread over `placement.generator.hosts`; or, with `generator.in_trainer` (sync mode), the trainer's
+             own procs, each rank generating from a copy of its weights (`controller/generators.py`)
   reward     one proc; reference (when enabled) one proc
   dataset, replay buffer   actors sharing one small "control" proc, on this machine unless
              `placement.replay_buffer.hosts` names a host: `controller/control_procs.py`
@@ -53,6 +54,7 @@ from workers.engine.controller.attach import host_source, train_on_hosts
 from workers.engine.controller.control_procs import ControlLost, ControlProcs
 from workers.engine.controller.drill_targets import DrillTargets, measure_replica
 from workers.engine.controller.generation import Batch, GenerationPipeline
+from workers.engine.controller.generators import ReplicaGenerators, TrainerGenerators
 from workers.engine.controller.incidents import RecoveryLog, fault_metrics
 from workers.engine.controller.operator import Operator
 from workers.engine.controller.placement import Placer
@@ -141,16 +143,19 @@ class MonarchGrpoRun:
         setup_start = time.perf_counter()
         generator_hosts = placer.role_hosts("generator")
         placer.trainer_hosts = placer.place_trainer()
-        first_generators = placer.layout("generator", cfg.generator.replicas)
+        replicas = cfg.role_processes()["generator"]  # 0: the trainer's ranks generate (generator.in_trainer)
+        first_generators = placer.layout("generator", replicas) if replicas else []
         scorers = ("reward", "reference") if cfg.reference.enabled else ("reward",)
         used = {*placer.trainer_hosts, *first_generators, *cfg.placement.replay_buffer.hosts[:1],
                 *(h for role in scorers if getattr(cfg.placement, role).colocate_with is None for h in placer.layout(role, 1))}
         spares = cfg.failover.warm_spares
-        procs_count = cfg.trainer.ranks + cfg.generator.replicas + len(scorers) + 1 + spares * (1 + len(scorers))
+        replicated_roles = len(scorers) + (1 if replicas else 0)
+        procs_count = cfg.trainer.ranks + replicas + len(scorers) + 1 + spares * replicated_roles
         where = ("1 host" if len(used) == 1 else f"{len(used)} hosts") if self.hosts.workers else "this machine"
         startup.enter("spawning_procs", f"spawning {procs_count} procs on {where}")  # the control proc and spares too
         trainer.launch()
-        self._launch_group("generator", first_generators)
+        if replicas:
+            self._launch_group("generator", first_generators)
         for role in scorers:
             self._launch_group(role, placer.layout(role, 1))
         self.control_procs.start()
@@ -170,18 +175,21 @@ class MonarchGrpoRun:
         self.held_out = held_out.get()
         recorder.event("dataset", step=0, **summary.get())
         recorder.event("meshes_ready", step=0, seconds=round(time.perf_counter() - setup_start, 2),
-                       trainer_ranks=cfg.trainer.ranks, generator_replicas=cfg.generator.replicas,
+                       trainer_ranks=cfg.trainer.ranks, generator_replicas=replicas,
                        trainer_host=placer.trainer_hosts[0], trainer_hosts=list(placer.trainer_hosts),
                        trainer_pids=list(trainer.pids), trainer_master_addr=trainer.master_addr, warm_spares=spares,
                        gpus=self.hosts.gpus.holdings())
-        generators = self.groups["generator"]
-        recorder.event("placement_applied", step=0, role="generator", hosts=generator_hosts,
-                       plan={str(r.index): r.host for r in generators.live()},
-                       pids={str(r.index): r.pids for r in generators.live()})
-        self.pipeline = GenerationPipeline(config=cfg, tokenizer=self.tokenizer, groups=self.groups, trainer=trainer,
-                                           control=self.control_procs, router=self.router, supervisor=self.supervisor,
-                                           failover=self.failover, waits=self.waits, drills=self.drills,
-                                           state=self.state)
+        if replicas:
+            group = self.groups["generator"]
+            recorder.event("placement_applied", step=0, role="generator", hosts=generator_hosts,
+                           plan={str(r.index): r.host for r in group.live()},
+                           pids={str(r.index): r.pids for r in group.live()})
+        generators = ReplicaGenerators(group=self.groups["generator"], router=self.router, trainer=trainer,
+                                       supervisor=self.supervisor, state=self.state) if replicas else \
+            TrainerGenerators(trainer=trainer, state=self.state, ranks=cfg.trainer.ranks)
+        self.pipeline = GenerationPipeline(config=cfg, tokenizer=self.tokenizer, groups=self.groups,
+                                           generators=generators, trainer=trainer, control=self.control_procs,
+                                           router=self.router, drills=self.drills, state=self.state)
         self.recovery = Recovery(config=cfg, trainer=trainer, control=self.control_procs, supervisor=self.supervisor,
                                  pipeline=self.pipeline, failover=self.failover, log=self.log, recorder=recorder,
                                  state=self.state)
@@ -310,7 +318,7 @@ class MonarchGrpoRun:
         if batch.generated_tokens:
             metrics["time/generate_s"] = batch.generate_seconds
             metrics["throughput/gen_tokens_per_s"] = batch.generated_tokens / max(batch.generate_seconds, 1e-9)
-        for i, served in enumerate(self.groups["generator"].service.served):
+        for i, served in enumerate(self.pipeline.generators.served()):
             metrics[f"generator/replica_{i}_requests"] = served
         return metrics
 

@@ -1,0 +1,134 @@
+"""Where a Monarch GRPO run's generation requests go (`generation.py` sends them, chunk by chunk):
+
+  ReplicaGenerators  generator replicas in procs of their own, routed by their group's Service and retried elsewhere
+                     when one fails (`requests.py`); the trainer publishes each new policy to their inboxes first
+  TrainerGenerators  generator.in_trainer: the trainer's ranks, each generating from a copy of its own weights that
+                     it refreshes in memory before the first request of a new publication; a failure is the trainer's
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from workers.engine.actors.fleet import ReplicaGroup
+from workers.engine.controller.requests import Request, Router
+from workers.engine.controller.state import RunState
+from workers.engine.controller.supervision import Supervisor
+from workers.engine.controller.trainer import TrainerHandle, TrainerLost
+from workers.engine.sampler import SamplingParams
+from workers.engine.timeline import phase_seconds
+from workers.engine.training import PhaseTimer
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One request's answer: its completions, and the seconds its proc spent generating them."""
+
+    completions: list[Any]
+    generate_seconds: float
+
+
+class ReplicaGenerators:
+    def __init__(self, *, group: ReplicaGroup, router: Router, trainer: TrainerHandle, supervisor: Supervisor,
+                 state: RunState):
+        self.group, self.router, self.trainer, self.supervisor, self.state = group, router, trainer, supervisor, state
+
+    def requests_per_batch(self) -> int:
+        """One request per serving replica."""
+        return len(self.group.service.routable())
+
+    def before_launch(self, timer: PhaseTimer) -> None:
+        """Replace failed replicas; publish the policy when it moved since the last publication."""
+        self.supervisor.repair()
+        if self.state.generator_version != self.state.policy_version:
+            self.publish(timer)
+
+    def publish(self, timer: PhaseTimer) -> None:
+        """The trainer ranks stage the current policy and every serving generator's inbox reads it from them. Only
+        the staging is waited for (`time/weight_sync_s`, the sync's cost on the step's path, with the wait for the
+        last publication's reads); each replica swaps the version in before the first request that names it,
+        whatever it is still generating."""
+        state = self.state
+        with timer.phase("weight_sync"):
+            replicas = self.group.live()
+            state.publications += 1
+            with timer.span_on("trainer 0", "weight_sync"):
+                self.trainer.publish_weights(replicas, state.publications)
+            state.generator_version = state.policy_version
+            for replica in replicas:
+                replica.version = state.policy_version
+            self.supervisor.repair()
+
+    def send(self, prompts: list[list[int]], params: SamplingParams, *, seed: int, number: int, key: str) -> Request:
+        """`number`: the request's place in its batch (replicas are picked by the group's routing instead)."""
+        publication = self.state.publications
+        return self.router.send(self.group, lambda actor: actor.generate.call_one(prompts, params, seed, publication),
+                                key=key)
+
+    def receive(self, request: Request, timer: PhaseTimer) -> Generated:
+        """The request's answer; the replica's spans go on the step's timeline (lane `generator <index>`)."""
+        completions, spans = self.router.receive(request)
+        now = time.time()
+        timer.add_proc(f"generator {request.index}", spans, sent=now - (time.monotonic() - request.sent_at), answered=now)
+        return Generated(completions, phase_seconds(spans, "generate"))
+
+    def discard(self, request: Request) -> None:
+        self.router.receive(request)
+
+    def served(self) -> list[int]:
+        """Requests served per replica."""
+        return list(self.group.service.served)
+
+
+@dataclass
+class RankRequest:
+    """A generation request to one trainer rank."""
+
+    index: int  # the rank
+    future: Any
+    sent_at: float  # time.monotonic()
+
+
+class TrainerGenerators:
+    def __init__(self, *, trainer: TrainerHandle, state: RunState, ranks: int):
+        self.trainer, self.state, self.ranks = trainer, state, ranks
+
+    def requests_per_batch(self) -> int:
+        """One request per rank."""
+        return self.ranks
+
+    def before_launch(self, timer: PhaseTimer) -> None:
+        """A new publication when the policy moved (or was restored): each rank copies it from its own weights before
+        the first request that names it, timed there (`weight_load`)."""
+        state = self.state
+        if state.generator_version != state.policy_version:
+            state.publications += 1
+            state.generator_version = state.policy_version
+
+    def send(self, prompts: list[list[int]], params: SamplingParams, *, seed: int, number: int, key: str) -> RankRequest:
+        """`number`: the request's place in its batch, which picks the rank; `key` (sticky routing) does not apply."""
+        rank, state = number % self.ranks, self.state
+        future = self.trainer.rank(rank).generate.call_one(prompts, params, seed, state.publications,
+                                                           state.policy_version)
+        return RankRequest(rank, future, time.monotonic())
+
+    def receive(self, request: RankRequest, timer: PhaseTimer) -> Generated:
+        """The rank's answer (TrainerLost when it failed); its spans go on its lane (`trainer <rank>`), its weight
+        copy into the step's `time/weight_sync_s`."""
+        completions, spans = self.trainer.result(request.future)
+        now = time.time()
+        timer.add_proc(f"trainer {request.index}", spans, sent=now - (time.monotonic() - request.sent_at), answered=now)
+        weight_load = phase_seconds(spans, "weight_load")  # the ranks copy at once: the slowest one's is the step's
+        timer.seconds["weight_sync"] = max(timer.seconds.get("weight_sync", 0.0), weight_load)
+        return Generated(completions, phase_seconds(spans, "generate"))
+
+    def discard(self, request: RankRequest) -> None:
+        try:
+            self.trainer.result(request.future)
+        except TrainerLost:
+            pass  # thrown away anyway; the trainer's recovery is the step loop's
+
+    def served(self) -> list[int]:
+        return []
