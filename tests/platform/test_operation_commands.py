@@ -114,3 +114,55 @@ def test_a_slurm_runs_page_offers_the_operator_controls_it_accepts(client, team)
     page = client.get(f"/runs/{run.pk}/").content.decode()
     assert 'data-command="fault_drill"' in page and 'data-command="placement_change"' in page
     assert 'id="operations-note"' not in page
+
+
+IN_TRAINER_YAML = """\
+recipe: grpo
+model: {family: qwen3, path: /models/tiny-qwen3}
+trainer: {steps: 5, batch_size: 2, ranks: 2}
+generator: {in_trainer: true}
+grpo: {group_size: 4}
+placement: {backend: monarch}
+"""
+
+
+@pytest.fixture
+def in_trainer_run(team):
+    """A running Monarch GRPO run whose trainer ranks generate: no generator replicas to drill or place."""
+    from forgeboard.runs.models import Run
+    from forgeboard.runs.services import run_launch
+    from forgeboard.runs.states import RunState
+
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=IN_TRAINER_YAML)
+    Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING)
+    run.refresh_from_db()
+    return run
+
+
+def test_a_run_generating_in_its_trainer_refuses_generator_drills_and_placements_with_the_reason(team, in_trainer_run):
+    run = in_trainer_run
+    for kind, payload, advice in (
+            ("fault_drill", {"kind": "kill", "role": "generator"}, "drill the trainer"),
+            ("placement_change", {"action": "add", "role": "generator", "host": "node1"},
+             "place the reward or the reference")):
+        with pytest.raises(ValidationFailed) as caught:
+            command_create(actor=team.member, run=run, kind=kind, payload=payload)
+        [(field, message)] = [(p.field, p.message) for p in caught.value.problems]
+        assert field == "payload.role" and "generator.in_trainer" in message and advice in message, kind
+    assert not Command.objects.filter(run=run).exists()
+    command_create(actor=team.member, run=run, kind="fault_drill", payload={"kind": "kill", "role": "trainer", "replica": 1})
+    command_create(actor=team.member, run=run, kind="placement_change",
+                   payload={"action": "add", "role": "reward", "host": "node1"})
+    command_create(actor=team.member, run=run, kind="load_redirect", payload={"action": "drain", "host": "node0"})
+    assert [c.kind for c in Command.objects.filter(run=run).order_by("pk")] == [
+        "fault_drill", "placement_change", "load_redirect"]
+
+
+def test_the_run_page_of_a_run_generating_in_its_trainer_offers_no_generator_to_drill_or_place(client, team,
+                                                                                                in_trainer_run):
+    client.force_login(team.member)
+    page = client.get(f"/runs/{in_trainer_run.pk}/").content.decode()
+    drill_roles, placement_roles = [part.split("</select>", 1)[0] for part in page.split('name="payload.role">')[1:3]]
+    assert drill_roles == "<option>trainer</option><option>reference</option><option>reward</option>"
+    assert placement_roles == "<option>reward</option><option>reference</option>"
+    assert "<dt>Generator replicas</dt><dd>0 (the trainer generates)</dd>" in page

@@ -88,18 +88,17 @@ def collate_rollouts(
 ) -> RolloutBatch:
     length = max(len(p) + len(r) for p, r in zip(prompts, responses))
     batch = len(prompts)
-    tokens = torch.full((batch, length), pad_id, dtype=torch.long)
-    mask = torch.zeros(batch, length - 1, dtype=torch.bool)
-    behaviour = torch.zeros(batch, length - 1)
-    for row, (prompt, response, lps) in enumerate(zip(prompts, responses, logprobs)):
-        seq = prompt + response
-        tokens[row, : len(seq)] = torch.tensor(seq)
-        # target index t predicts token t+1: the response occupies targets len(p)-1 .. len(seq)-2
-        start = len(prompt) - 1
-        mask[row, start: start + len(response)] = True
-        behaviour[row, start: start + len(response)] = torch.tensor(lps, dtype=torch.float32)
-    lengths = torch.tensor([len(p) + len(r) - 1 for p, r in zip(prompts, responses)], dtype=torch.long)
+    tokens = torch.tensor([p + r + [pad_id] * (length - len(p) - len(r)) for p, r in zip(prompts, responses)],
+                          dtype=torch.long).view(batch, length)
+    # target index t predicts token t+1: a response occupies targets len(p)-1 .. len(p)+len(r)-2
     prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    response_lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
+    target = torch.arange(length - 1)
+    start = (prompt_lengths - 1).unsqueeze(1)
+    mask = (target >= start) & (target < start + response_lengths.unsqueeze(1))
+    behaviour = torch.zeros(batch, length - 1)
+    behaviour[mask] = torch.tensor([lp for lps in logprobs for lp in lps], dtype=torch.float32)  # row by row, in order
+    lengths = prompt_lengths + response_lengths - 1
     return RolloutBatch(tokens[:, :-1], tokens[:, 1:], mask, behaviour, torch.tensor(advantages, dtype=torch.float32),
                         lengths, prompt_lengths)
 

@@ -112,9 +112,12 @@ class FaultDrillRequest(StrictModel):
         return self
 
 
+PlacedRole = Literal["generator", "reward", "reference"]  # the roles whose replicas a placement change adds, moves, removes
+
+
 class PlacementChangeRequest(StrictModel):
     action: Literal["move", "add", "remove"]
-    role: Literal["generator", "reward", "reference"] = "generator"
+    role: PlacedRole = "generator"
     replica: ReplicaIndex | None = Field(default=None, description="move, remove: which replica")
     host: HostName | None = Field(default=None, description="move, add: the target host")
 

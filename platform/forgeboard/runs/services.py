@@ -227,6 +227,11 @@ def _check_operation(*, run: Run, kind: str, payload: dict[str, Any]) -> None:
                        f"{kind.replace('_', ' ')} needs placement.backend monarch")
     if config.recipe == Recipe.SFT:
         _check_sft_operation(run=run, kind=kind, payload=payload)
+    elif config.generator.in_trainer and kind != CommandKind.LOAD_REDIRECT and payload.get("role") == "generator":
+        raise ValidationFailed.on("payload.role", "this run's generator runs in the trainer's procs "
+                                                  "(generator.in_trainer): it has no replicas of its own; "
+                                                  + ("drill the trainer" if kind == CommandKind.FAULT_DRILL else
+                                                     "place the reward or the reference"))
 
 
 def _check_sft_operation(*, run: Run, kind: str, payload: dict[str, Any]) -> None:

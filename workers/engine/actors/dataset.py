@@ -18,14 +18,15 @@ class DatasetActor(Actor):
         self.stream = ProblemStream(self.task.train, seed=config.trainer.seed)
 
     @endpoint
-    def take(self, n: int) -> list[Problem]:
-        """The next n problems, each tagged with its position in the stream (meta sample_id "epoch:index")."""
-        tagged = []
+    def take(self, n: int) -> tuple[dict[str, Any], list[Problem]]:
+        """(the stream's position before them: what a checkpoint saves while they are in flight, the next n problems,
+        each tagged with its position in the stream: meta sample_id "epoch:index")."""
+        before, tagged = self.stream.state_dict(), []
         for _ in range(n):
             problem = self.stream.take(1)[0]
             sample_id = f"{self.stream.epoch}:{self.stream.index - 1}"
             tagged.append(dataclasses.replace(problem, meta={**problem.meta, "sample_id": sample_id}))
-        return tagged
+        return before, tagged
 
     @endpoint
     def held_out(self) -> list[Problem]:

@@ -17,11 +17,15 @@ class ReplayBufferActor(Actor):
         return len(self.buffer)
 
     @endpoint
-    def take(self, current_version: int) -> RolloutBatchRecord | None:
-        return self.buffer.take(current_version)
+    def take(self, current_version: int) -> tuple[RolloutBatchRecord | None, dict[str, int]]:
+        """(the oldest batch within the age bound, None when there is none; the stats after taking it)."""
+        return self.buffer.take(current_version), self.counts()
 
     @endpoint
     def stats(self) -> dict[str, int]:
+        return self.counts()
+
+    def counts(self) -> dict[str, int]:
         return {"batches": len(self.buffer), "rollouts": self.buffer.rollouts,
                 "dropped_stale": self.buffer.dropped_stale, "evicted": self.buffer.evicted}
 

@@ -291,7 +291,7 @@ class MonarchGrpoRun:
         cfg, record, state = self.config, batch.record, self.state
         parts = [p for r in results for p in r["parts"]]
         train_tokens = sum(r["train_tokens"] for r in results)
-        stats = self.control_procs.call(self.control_procs.buffer.stats.call_one())
+        stats = batch.buffer_stats or self.control_procs.call(self.control_procs.buffer.stats.call_one())
         metrics = {
             "loss": sum(r["loss"] for r in results),
             **rollout_metrics(record),

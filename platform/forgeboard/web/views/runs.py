@@ -28,7 +28,7 @@ from forgeboard.runs.states import ACTIVE_STATES, RunState
 from forgeboard.telemetry.models import EventKind, MetricSeries, RunEvent
 from forgeboard.telemetry.selectors import KEY_METRICS
 from forgeboard.web.errors import project_or_404, refusal_or_flash, run_or_404
-from workers.engine.operations import DrillKind, DrillRole
+from workers.engine.operations import DrillKind, DrillRole, PlacedRole
 
 RUNS_PER_PAGE = 50
 ROLLOUTS_SHOWN = 40
@@ -110,10 +110,12 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "checkpoints": run_checkpoints(run=run), "placement": placement,
         "placement_json": json.dumps(placement["plan"], indent=2, sort_keys=True),
         "commands": run.commands.select_related("created_by").order_by("-id")[:20],
-        "generator_replicas": config.generator.replicas,
+        "generator_replicas": config.role_processes().get("generator", 0),  # 0: generator.in_trainer
         "trainer_ranks": config.trainer.ranks,
         "drill_kinds": [(kind, DRILL_KIND_LABELS[kind]) for kind in get_args(DrillKind)],
-        "drill_roles": ("trainer",) if config.recipe == Recipe.SFT else get_args(DrillRole),
+        "drill_roles": ("trainer",) if config.recipe == Recipe.SFT else
+        tuple(role for role in get_args(DrillRole) if role != "generator" or not config.generator.in_trainer),
+        "placement_roles": [role for role in get_args(PlacedRole) if role != "generator" or not config.generator.in_trainer],
         "has_replicas": config.recipe != Recipe.SFT,  # an SFT run has trainer ranks only: nothing to place
         "hosts": list(Host.objects.order_by("hostname").values_list("hostname", flat=True)),
         "run_data": {"id": run.pk, "number": run.number, "state": run.state, "active": run.state in ACTIVE_STATES,
