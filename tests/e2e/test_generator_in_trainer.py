@@ -7,23 +7,16 @@ from __future__ import annotations
 from forgeboard.runs.models import Run
 from forgeboard.runs.services import run_cancel, run_launch
 from tests.e2e.conftest import login, screenshot
+from tests.e2e.test_drills import _monarch_grpo_yaml
 from tests.support.processes import wait_for
 
 
 def _in_trainer_yaml(model) -> str:  # noqa: ANN001 - a Path
-    return f"""\
-recipe: grpo
-model: {{family: qwen3, path: {model}}}
-data: {{source: arithmetic, max_operand: 9, eval_size: 8, seq_len: 128}}
-generator: {{max_new_tokens: 4, in_trainer: true}}
-trainer: {{steps: 2000, batch_size: 4, micro_batch_size: 8, threads_per_process: 1}}
-grpo: {{group_size: 4}}
-eval: {{every_steps: 0}}
-checkpoint: {{every_steps: 0}}
-placement: {{backend: monarch}}
-failover: {{call_timeout_s: 20}}
-telemetry: {{console: false, flush_seconds: 0.3}}
-"""
+    """The drill test's Monarch GRPO run, its generator in the trainer."""
+    two_replicas = "generator: {max_new_tokens: 4, replicas: 2, routing: round_robin}"
+    yaml = _monarch_grpo_yaml(model)
+    assert two_replicas in yaml
+    return yaml.replace(two_replicas, "generator: {max_new_tokens: 4, in_trainer: true}")
 
 
 def test_the_page_of_a_run_generating_in_its_trainer_draws_the_ranks_generation_and_offers_no_generator(
