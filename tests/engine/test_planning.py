@@ -401,3 +401,68 @@ def test_the_planner_imports_neither_torch_nor_django():
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert out.strip() == "[]"
+
+
+# --- a trainer that generates (generator.in_trainer) ------------------------------------------------------------------
+def test_a_trainer_that_generates_is_planned_on_its_own_devices_with_an_in_memory_copy():
+    from workers.engine.config import load_config
+
+    config = load_config("recipe: grpo\nmodel: {path: /x}\n", overrides=[
+        "placement.backend=monarch", "trainer.ranks=4", "generator.in_trainer=true", "trainer.mixed_precision=bf16"])
+    placement = Placement.from_config(config)
+    assert (placement.trainer_ranks, placement.generator_replicas, placement.generator_in_trainer) == (4, 0, True)
+    assert placement.devices == placement.generating_devices == 4
+    assert placement.describe() == "4 trainer ranks x 1, generating"
+    separate = Placement(trainer_ranks=4, generator_replicas=4)
+    ph = phase_seconds(QWEN3_1_7B, WORKLOAD, placement, device=H100, calibration=Calibration())
+    ph_separate = phase_seconds(QWEN3_1_7B, WORKLOAD, separate, device=H100, calibration=Calibration())
+    # each rank generates its quarter of the prompts, as each of 4 replicas would, on the rank's device
+    assert ph["generate"] == pytest.approx(ph_separate["generate"])
+    # the policy is copied in the rank's memory: its float32 weights read, the bfloat16 copy written at HBM speed
+    copy_bytes = QWEN3_1_7B.params() * (4 + 2)
+    assert ph["weight_sync"] == pytest.approx(copy_bytes / (H100.memory_bandwidth * Calibration().memory_efficiency))
+    assert ph["weight_sync"] < 0.5 * ph_separate["weight_sync"]
+    step = predict(QWEN3_1_7B, WORKLOAD, placement, device=H100, calibration=Calibration())
+    train = ph["old_logprobs"] + ph["forward_backward"] + ph["all_reduce"] + ph["optimizer"]
+    assert step.step_s == pytest.approx(ph["generate"] + train + ph["weight_sync"] + ph["reward"] + ph["overhead"])
+    assert step.devices == 4 and step.utilization["trainer"] == pytest.approx((ph["generate"] + train) / step.step_s)
+    # on half the devices of the separate placement, its step is only the copy's saving shorter: twice the sequences
+    # per device
+    assert step.sequences_per_s / 4 > 1.9 * predict(QWEN3_1_7B, WORKLOAD, separate, device=H100,
+                                                    calibration=Calibration()).sequences_per_s / 8
+    for scale in plan(QWEN3_1_7B, WORKLOAD, placement, device=H100, calibration=Calibration(), scales=(1, 8)):
+        assert scale.best.placement == scale.as_written.placement == replace(placement, trainer_ranks=scale.devices)
+        assert scale.gain == 1.0
+
+
+def test_a_calibration_fitted_from_a_trainer_that_generates_reproduces_it():
+    truth = Calibration(device="h100", train_efficiency=0.31, compute_efficiency=0.31, optimizer_efficiency=0.2,
+                        link_efficiency=0.4, decode_step_overhead_s=0.004, reward_s_per_sequence=2e-3,
+                        step_overhead_s=0.3)
+    workload = replace(WORKLOAD, prompts=16)
+    placement = Placement(trainer_ranks=2, generator_replicas=0, generator_in_trainer=True)
+    ph = phase_seconds(QWEN3_1_7B, workload, placement, device=H100, calibration=truth)
+    step = predict(QWEN3_1_7B, workload, placement, device=H100, calibration=truth).step_s
+    timelines = []
+    for s in range(1, 7):  # each rank copies the weights and generates on its own lane, then trains
+        lanes, spans = ["controller", "trainer 0", "trainer 1", "reward"], []
+        for rank in (1, 2):
+            spans += [[rank, "weight_load", 0.0, ph["weight_sync"]],
+                      [rank, "generate", ph["weight_sync"], ph["weight_sync"] + ph["generate"]]]
+        t = ph["weight_sync"] + ph["generate"]
+        spans.append([3, "reward", t, t + ph["reward"]])
+        t += ph["reward"]
+        for rank in (1, 2):
+            u = t
+            for phase in ("forward_backward", "all_reduce", "optimizer"):
+                spans.append([rank, phase, u, u + ph[phase]])
+                u += ph[phase]
+        timelines.append({"step": s, "seconds": step, "lanes": lanes, "spans": spans})
+    measured = median_step(measured_steps(timelines), warmup=2)
+    assert measured.phases["generate"] == pytest.approx(ph["generate"])
+    assert measured.phases["weight_sync"] == pytest.approx(ph["weight_sync"])
+    fitted = calibrate(QWEN3_1_7B, workload, placement, device=H100, measured=measured)
+    for name in ("train_efficiency", "decode_step_overhead_s", "reward_s_per_sequence", "step_overhead_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
+    assert predict(QWEN3_1_7B, workload, placement, device=H100, calibration=fitted).step_s == pytest.approx(step,
+                                                                                                            rel=1e-3)

@@ -146,6 +146,13 @@ def weight_sync_seconds(shape: ModelShape, *, ranks: int, replicas: int, dtype: 
                            latency_s=device.link_latency_s, efficiency=calibration.sync_efficiency)
 
 
+def weight_copy_seconds(shape: ModelShape, *, dtype: str, device: DeviceSpec, calibration: Calibration) -> float:
+    """generator.in_trainer: a rank copies its float32 weights into its generator's `dtype` copy, in its own memory
+    (read once, written once)."""
+    nbytes = shape.weight_bytes("float32") + shape.weight_bytes(dtype)
+    return nbytes / (device.memory_bandwidth * calibration.memory_efficiency)
+
+
 def shared_seconds(*works: tuple[float, float], capacity: float) -> float:
     """How long work of several kinds started together takes on `capacity` shared devices: each (seconds alone,
     devices it keeps busy) runs at full speed while the devices suffice; once they are oversubscribed every

@@ -28,7 +28,7 @@ TRAINER_PHASES = ("forward_backward", "optimizer", "all_reduce", "old_logprobs",
 @dataclass(frozen=True)
 class MeasuredStep:
     """One step's seconds per phase: the trainer's as the mean over its ranks (weight_sync: rank 0's), generation
-    as the slowest replica's."""
+    as the slowest replica's (the slowest rank's when the trainer generates)."""
 
     step: int
     seconds: float
@@ -46,10 +46,11 @@ def measured_steps(timelines: Iterable[Mapping[str, Any]]) -> list[MeasuredStep]
                 lane = per_lane.setdefault(lanes[lane_index], {})
                 lane[phase] = lane.get(phase, 0.0) + float(end) - float(start)
         trainers = [spans for lane, spans in per_lane.items() if lane.startswith("trainer ")]
-        generators = [spans for lane, spans in per_lane.items() if lane.startswith("generator ")]
+        generators = [spans for lane, spans in per_lane.items() if lane.startswith("generator ")] or trainers
         phases = {phase: statistics.fmean(t.get(phase, 0.0) for t in trainers) if trainers else 0.0
                   for phase in TRAINER_PHASES}
-        phases["weight_sync"] = per_lane.get("trainer 0", {}).get("weight_sync", 0.0)
+        rank0 = per_lane.get("trainer 0", {})  # its weight_load: the copy of a trainer that generates
+        phases["weight_sync"] = rank0.get("weight_sync", 0.0) + rank0.get("weight_load", 0.0)
         phases["generate"] = max((g.get("generate", 0.0) for g in generators), default=0.0)
         phases["reward"] = per_lane.get("reward", {}).get("reward", 0.0)
         phases["reference"] = per_lane.get("reference", {}).get("reference", 0.0)
@@ -83,7 +84,7 @@ def calibrate(shape: ModelShape, workload: Workload, placement: Placement, *, de
     m = measured.phases
     capacity = float(device.devices_per_host if device.shared else placement.devices)
     train_stretch = max(1.0, placement.trainer_devices / capacity)
-    gen_stretch = max(1.0, placement.generator_devices / capacity)
+    gen_stretch = max(1.0, placement.generating_devices / capacity)
     alone = {name: value / train_stretch for name, value in m.items() if name in TRAINER_PHASES}
     train_efficiency = _efficiency(ideal["forward_backward"], alone["forward_backward"], default=base.train_efficiency)
     updates = max(1, workload.updates)

@@ -2,7 +2,8 @@
 
   Workload      what one step does, from a run config: prompts x group, prompt and response tokens, updates, the
                 mode and its overlap (`max_policy_age`, `pipeline_chunks`), a reference, the optimizer
-  Placement     how many trainer ranks, generator replicas and reference replicas, and the devices each holds
+  Placement     how many trainer ranks, generator replicas and reference replicas, and the devices each holds; or
+                the trainer's ranks generating themselves (generator.in_trainer, sync mode: no generator replicas)
   predict       the step's phases (costs.py) put together per mode -> StepPrediction: step seconds, tokens/s,
                 each role's utilisation, the bottleneck, and whether the model fits the devices
   plan          for several scales (default 3, 12, 48, 192 devices): the placement as written, scaled, and the best
@@ -118,6 +119,7 @@ class Placement:
     devices_per_generator: int = 1
     reference_replicas: int = 0
     devices_per_reference: int = 1
+    generator_in_trainer: bool = False  # each trainer rank generates its share on its own devices
 
     @classmethod
     def from_config(cls, config: Any) -> "Placement":
@@ -125,10 +127,11 @@ class Placement:
         on_cpu = config.trainer.device == "cpu"
         per = lambda rule: config.trainer.threads_per_process if on_cpu else max(1, rule.gpus_per_proc)  # noqa: E731
         place = config.placement
-        return cls(trainer_ranks=config.trainer.ranks, generator_replicas=config.generator.replicas,
+        in_trainer = config.generator.in_trainer
+        return cls(trainer_ranks=config.trainer.ranks, generator_replicas=0 if in_trainer else config.generator.replicas,
                    devices_per_rank=per(place.trainer), devices_per_generator=per(place.generator),
                    reference_replicas=config.reference.replicas if config.reference.enabled else 0,
-                   devices_per_reference=per(place.reference))
+                   devices_per_reference=per(place.reference), generator_in_trainer=in_trainer)
 
     @property
     def trainer_devices(self) -> int:
@@ -139,11 +142,19 @@ class Placement:
         return self.generator_replicas * self.devices_per_generator
 
     @property
+    def generating_devices(self) -> int:
+        """The devices generation keeps busy: the trainer's when it generates."""
+        return self.trainer_devices if self.generator_in_trainer else self.generator_devices
+
+    @property
     def devices(self) -> int:
         return self.trainer_devices + self.generator_devices + self.reference_replicas * self.devices_per_reference
 
     def describe(self) -> str:
         ref = f" + {self.reference_replicas} reference" if self.reference_replicas else ""
+        if self.generator_in_trainer:
+            return (f"{self.trainer_ranks} trainer rank{'s' * (self.trainer_ranks != 1)} x {self.devices_per_rank}, "
+                    f"generating{ref}")
         return (f"{self.trainer_ranks} trainer rank{'s' * (self.trainer_ranks != 1)} x {self.devices_per_rank} + "
                 f"{self.generator_replicas} generator{'s' * (self.generator_replicas != 1)} x "
                 f"{self.devices_per_generator}{ref}")
@@ -177,8 +188,8 @@ def _host_count(devices: int, device: DeviceSpec) -> int:
 
 def generate_requests(workload: Workload, placement: Placement) -> tuple[int, int]:
     """(requests the busiest replica serves a step, prompts a request): one request a replica, or in pipelined mode
-    `pipeline_chunks` requests spread over the replicas."""
-    replicas = max(1, placement.generator_replicas)
+    `pipeline_chunks` requests spread over the replicas (the trainer's ranks when they generate)."""
+    replicas = max(1, placement.trainer_ranks if placement.generator_in_trainer else placement.generator_replicas)
     if workload.overlapped == "pipelined":
         return math.ceil(workload.pipeline_chunks / replicas), math.ceil(workload.prompts / workload.pipeline_chunks)
     return 1, math.ceil(workload.prompts / replicas)
@@ -193,16 +204,18 @@ def phase_seconds(shape: ModelShape, workload: Workload, placement: Placement, *
     requests, prompts_per_request = generate_requests(w, p)
     generate = lambda prompts: costs.generation_seconds(  # noqa: E731
         shape, sequences=prompts * w.group_size, prompt_tokens=w.prompt_tokens, response_tokens=w.decode_steps,
-        dtype=w.dtype, device=device, calibration=cal, devices=p.devices_per_generator,
+        dtype=w.dtype, device=device, calibration=cal,
+        devices=p.devices_per_rank if p.generator_in_trainer else p.devices_per_generator,
         max_concurrent=w.max_concurrent_sequences, prefilled=prompts if w.shared_prefill else None)
     rank_tokens = w.sequences / ranks * w.trained_tokens
     per_rank = dict(device=device, calibration=cal, devices=p.devices_per_rank)
     trainer_spans_hosts = _host_count(p.trainer_devices, device) > 1
     rank_params = shape.params() / (ranks if w.sharding == "fsdp" else 1) / p.devices_per_rank
     phases = {
-        "weight_sync": costs.weight_sync_seconds(shape, ranks=ranks, replicas=p.generator_replicas, dtype=w.dtype,
-                                                 spans_hosts=_host_count(p.devices, device) > 1, device=device,
-                                                 calibration=cal),
+        "weight_sync": costs.weight_copy_seconds(shape, dtype=w.dtype, device=device, calibration=cal)
+        if p.generator_in_trainer else
+        costs.weight_sync_seconds(shape, ranks=ranks, replicas=p.generator_replicas, dtype=w.dtype,
+                                  spans_hosts=_host_count(p.devices, device) > 1, device=device, calibration=cal),
         "generate": requests * generate(prompts_per_request),
         "generate_chunk": generate(prompts_per_request),
         "reward": w.sequences * cal.reward_s_per_sequence,
@@ -232,14 +245,17 @@ def _memory_notes(shape: ModelShape, workload: Workload, placement: Placement, d
     activations = (rows * w.seq_len * shape.hidden * shape.layers * ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN
                    * BYTES_PER_VALUE[w.dtype] / 2)  # the 34 bytes are 16-bit values
     trainer_need, trainer_have = state + activations, device.memory_bytes * p.devices_per_rank
-    if trainer_need > trainer_have:
-        notes.append(f"a trainer rank needs ~{trainer_need / 1e9:.1f} GB (weights, gradients, optimizer state"
-                     f"{'' if w.sharding == 'fsdp' else '; fsdp would shard them'}, activations without checkpointing)"
-                     f" and has {trainer_have / 1e9:.0f} GB")
     one_sequence = (w.prompt_tokens + w.decode_steps) * shape.kv_bytes_per_token(w.dtype)
     gen_need = shape.weight_bytes(w.dtype) + one_sequence  # more sequences than fit run in waves (costs.py)
+    if p.generator_in_trainer:
+        trainer_need += gen_need
+    if trainer_need > trainer_have:
+        generating = ", its generator's weights and one sequence's KV cache" if p.generator_in_trainer else ""
+        notes.append(f"a trainer rank needs ~{trainer_need / 1e9:.1f} GB (weights, gradients, optimizer state"
+                     f"{'' if w.sharding == 'fsdp' else '; fsdp would shard them'}, activations without checkpointing"
+                     f"{generating}) and has {trainer_have / 1e9:.0f} GB")
     gen_have = device.memory_bytes * p.devices_per_generator * costs.KV_CACHE_SHARE
-    if gen_need > gen_have:
+    if not p.generator_in_trainer and gen_need > gen_have:
         notes.append(f"a generator replica needs ~{gen_need / 1e9:.1f} GB (weights and one sequence's KV cache) and "
                      f"has {gen_have / 1e9:.0f} GB: give it more devices (tensor parallel)")
     return notes
@@ -252,7 +268,7 @@ def predict(shape: ModelShape, workload: Workload, placement: Placement, *, devi
     w, p = workload, placement
     ph = phase_seconds(shape, w, p, device=device, calibration=calibration)
     capacity = float(capacity or (device.devices_per_host if device.shared else p.devices))
-    gen_busy, train_busy = float(p.generator_devices), float(p.trainer_devices)
+    gen_busy, train_busy = float(p.generating_devices), float(p.trainer_devices)
     stretch = lambda busy: max(1.0, busy / capacity)  # noqa: E731  (work alone on shared devices)
     train = ph["old_logprobs"] + ph["forward_backward"] + ph["all_reduce"] + ph["optimizer"]
     controller_path = ph["weight_sync"] + ph["reward"] + ph["reference"] + ph["overhead"]
@@ -273,7 +289,8 @@ def predict(shape: ModelShape, workload: Workload, placement: Placement, *, devi
     step = max(step, 1e-9)
     generating = ph["generate"] * stretch(gen_busy)
     training = train * stretch(train_busy)
-    utilization = {"generator": min(1.0, generating / step), "trainer": min(1.0, training / step)}
+    trainer_busy = training + (generating if p.generator_in_trainer else 0.0)  # its devices do both, in turn
+    utilization = {"generator": min(1.0, generating / step), "trainer": min(1.0, trainer_busy / step)}
     if p.reference_replicas:
         utilization["reference"] = min(1.0, ph["reference"] / step)
     critical = {"generation": generating, "training": training, "weight sync": ph["weight_sync"],
@@ -300,10 +317,14 @@ class ScalePlan:
 
 
 def scaled_placement(placement: Placement, *, devices: int) -> Placement:
-    """The placement as written, grown (or shrunk) to `devices` in proportion, each role at least one proc."""
+    """The placement as written, grown (or shrunk) to `devices` in proportion, each role at least one proc (a
+    trainer that generates takes every device the reference leaves)."""
     ratio = devices / placement.devices
-    ranks = max(1, round(placement.trainer_ranks * ratio))
     refs = max(1, round(placement.reference_replicas * ratio)) if placement.reference_replicas else 0
+    if placement.generator_in_trainer:
+        ranks = max(1, (devices - refs * placement.devices_per_reference) // placement.devices_per_rank)
+        return replace(placement, trainer_ranks=ranks, reference_replicas=refs)
+    ranks = max(1, round(placement.trainer_ranks * ratio))
     left = devices - ranks * placement.devices_per_rank - refs * placement.devices_per_reference
     replicas = max(1, left // placement.devices_per_generator)
     return replace(placement, trainer_ranks=ranks, generator_replicas=replicas, reference_replicas=refs)
@@ -311,7 +332,9 @@ def scaled_placement(placement: Placement, *, devices: int) -> Placement:
 
 def splits(placement: Placement, *, devices: int) -> list[Placement]:
     """Every split of `devices` between trainer ranks and generator replicas (procs of the written sizes), the
-    reference replicas scaled as written."""
+    reference replicas scaled as written; a trainer that generates has one way to use them (`scaled_placement`)."""
+    if placement.generator_in_trainer:
+        return [scaled_placement(placement, devices=devices)]
     refs = scaled_placement(placement, devices=devices).reference_replicas
     free = devices - refs * placement.devices_per_reference
     out = []
@@ -330,7 +353,7 @@ def plan(shape: ModelShape, workload: Workload, placement: Placement, *, device:
         raise ValueError("batch: 'scaled' or 'fixed'")
     out = []
     for devices in scales:
-        minimum = placement.devices_per_rank + placement.devices_per_generator
+        minimum = placement.devices_per_rank + (0 if placement.generator_in_trainer else placement.devices_per_generator)
         if devices < minimum:
             raise ValueError(f"{devices} devices cannot hold a trainer rank and a generator replica ({minimum})")
         prompts = max(1, round(workload.prompts * devices / placement.devices)) if batch == "scaled" else workload.prompts
