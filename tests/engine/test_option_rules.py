@@ -110,6 +110,10 @@ def test_a_generator_in_the_trainers_procs_refuses_what_configures_generator_pro
     assert {"generator.replicas", "generator.routing", "placement.generator.hosts",
             "placement.generator.gpus_per_proc"} <= set(errors)
     assert "place the trainer" in errors["placement.generator.hosts"]
+    assert "colocate_with: trainer" in _errors(*in_trainer, "placement.reward.colocate_with=generator")[
+        "placement.reward.colocate_with"]
+    assert load_config(GRPO, overrides=[*in_trainer, "placement.reward.colocate_with=trainer"]).placement.reward.colocate_with \
+        == "trainer"
     drill = "drills=[{kind: kill, role: generator, replica: 0, schedule: {at_step: 2}}]"
     assert "drill the trainer" in _errors(*in_trainer, drill)["drills.0.role"]
     assert load_config(GRPO, overrides=[MONARCH, drill]).drills[0].role == "generator", "with generator procs: allowed"

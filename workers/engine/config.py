@@ -685,6 +685,9 @@ def in_trainer_errors(config: RunConfig, *, monarch_grpo: bool) -> list[FieldErr
     errors.extend(FieldError(f"placement.generator.{name}", "the generator runs in the trainer's procs "
                                                             "(generator.in_trainer): place the trainer")
                   for name in changed_fields(config.placement.generator))
+    errors.extend(FieldError(f"placement.{role}.colocate_with", "the generator runs in the trainer's procs "
+                                                                "(generator.in_trainer): colocate_with: trainer")
+                  for role in ("reward", "reference") if getattr(config.placement, role).colocate_with == "generator")
     return errors
 
 

@@ -63,7 +63,7 @@ class TrainerActor(TrainerRankActor):
         them, generate."""
         if self.rollout is None:
             raise RuntimeError("this trainer does not generate: generator.in_trainer is false")
-        self.before_work(prompts)
+        self.before_work(prompts, may_raise=False)  # a raise drill is the train step's, which is retried once
         spans = WorkSpans()
         if publication != self.rollout_publication:
             with spans.span("weight_load"):
