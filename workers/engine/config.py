@@ -662,6 +662,9 @@ def colocation_errors(placement: PlacementConfig, *, monarch_grpo: bool) -> list
     return errors
 
 
+IN_TRAINER = "the generator runs in the trainer's procs (generator.in_trainer)"  # why generator options do not apply
+
+
 def in_trainer_errors(config: RunConfig, *, monarch_grpo: bool) -> list[FieldError]:
     """generator.in_trainer: the trainer's ranks generate, so what configures generator procs does not apply."""
     generator = config.generator
@@ -682,11 +685,9 @@ def in_trainer_errors(config: RunConfig, *, monarch_grpo: bool) -> list[FieldErr
     errors.extend(FieldError(f"generator.{name}", "the trainer's ranks generate, one share each (generator.in_trainer): "
                                                   "leave it unset")
                   for name in ("replicas", "routing") if name in changed_fields(generator))
-    errors.extend(FieldError(f"placement.generator.{name}", "the generator runs in the trainer's procs "
-                                                            "(generator.in_trainer): place the trainer")
+    errors.extend(FieldError(f"placement.generator.{name}", f"{IN_TRAINER}: place the trainer")
                   for name in changed_fields(config.placement.generator))
-    errors.extend(FieldError(f"placement.{role}.colocate_with", "the generator runs in the trainer's procs "
-                                                                "(generator.in_trainer): colocate_with: trainer")
+    errors.extend(FieldError(f"placement.{role}.colocate_with", f"{IN_TRAINER}: colocate_with: trainer")
                   for role in ("reward", "reference") if getattr(config.placement, role).colocate_with == "generator")
     return errors
 
@@ -723,7 +724,7 @@ def drill_target_problems(config: RunConfig, drill: FaultDrillRequest) -> list[t
     if config.recipe == Recipe.SFT and drill.role != "trainer":
         return [("role", f"an SFT run has no {drill.role}: its drills target trainer ranks")]
     if drill.role == "generator" and config.generator.in_trainer:
-        return [("role", "the generator runs in the trainer's procs (generator.in_trainer): drill the trainer")]
+        return [("role", f"{IN_TRAINER}: drill the trainer")]
     counts = {"generator": config.generator.replicas, "trainer": config.trainer.ranks,
               "reference": config.reference.replicas if config.reference.enabled else 0, "reward": 1}
     if counts[drill.role] == 0:

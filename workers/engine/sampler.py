@@ -14,6 +14,7 @@ the untruncated tempered one (what the trainer can recompute).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -67,6 +68,13 @@ class TorchSampler:
         self.eos_token_ids = list(eos_token_ids)
         self.pad_id = pad_id
         self.policy_version = policy_version
+
+    @classmethod
+    def copy_of(cls, model: nn.Module, *, dtype: torch.dtype, eos_token_ids: list[int], pad_id: int) -> "TorchSampler":
+        """A generator on a frozen copy of a trainer's model in `dtype` (the rollout dtype), refreshed by
+        `load_weights`; made before the model is sharded or wrapped for mixed precision."""
+        copied = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
+        return cls(copied, eos_token_ids=eos_token_ids, pad_id=pad_id)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Weight sync: take the trainer's (torchtitan) state dict, every weight of the model, and its policy version."""

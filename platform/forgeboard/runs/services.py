@@ -23,7 +23,7 @@ from forgeboard.runs.models import EXTERNAL_BACKENDS, Command, CommandKind, Comm
 from forgeboard.runs.states import ACTIVE_STATES, TERMINAL_STATES, TRANSITIONS, RunState
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append, storable
-from workers.engine.config import RunConfig
+from workers.engine.config import IN_TRAINER, RunConfig
 from workers.engine.operations import OperationError, parse_operation
 from workers.engine.wire_limits import unstorable_in
 
@@ -228,8 +228,7 @@ def _check_operation(*, run: Run, kind: str, payload: dict[str, Any]) -> None:
     if config.recipe == Recipe.SFT:
         _check_sft_operation(run=run, kind=kind, payload=payload)
     elif config.generator.in_trainer and kind != CommandKind.LOAD_REDIRECT and payload.get("role") == "generator":
-        raise ValidationFailed.on("payload.role", "this run's generator runs in the trainer's procs "
-                                                  "(generator.in_trainer): it has no replicas of its own; "
+        raise ValidationFailed.on("payload.role", f"{IN_TRAINER}: it has no replicas of its own; "
                                                   + ("drill the trainer" if kind == CommandKind.FAULT_DRILL else
                                                      "place the reward or the reference"))
 

@@ -16,7 +16,6 @@ Joining the group, building the model, weights and checkpoints: `trainer_rank.py
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -50,9 +49,8 @@ class TrainerActor(TrainerRankActor):
 
     def keep_starting_model(self, model: torch.nn.Module) -> None:
         if self.config.generator.in_trainer:
-            rollout_model = copy.deepcopy(model).to(DTYPES[self.config.rollout_dtype]).eval().requires_grad_(False)
-            self.rollout = TorchSampler(rollout_model, eos_token_ids=self.tokenizer.eos_token_ids,
-                                        pad_id=self.tokenizer.pad_id)
+            self.rollout = TorchSampler.copy_of(model, dtype=DTYPES[self.config.rollout_dtype],
+                                                eos_token_ids=self.tokenizer.eos_token_ids, pad_id=self.tokenizer.pad_id)
 
     @endpoint
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int, publication: int,

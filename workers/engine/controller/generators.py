@@ -30,6 +30,15 @@ class Generated:
     generate_seconds: float
 
 
+def answered(lane: str, answer: tuple[list[Any], list[Any]], *, sent_at: float, timer: PhaseTimer) -> Generated:
+    """A generate request's (completions, spans) answer, its spans put on the step's timeline on `lane` (`sent_at`:
+    time.monotonic() when it was sent)."""
+    completions, spans = answer
+    now = time.time()
+    timer.add_proc(lane, spans, sent=now - (time.monotonic() - sent_at), answered=now)
+    return Generated(completions, phase_seconds(spans, "generate"))
+
+
 class ReplicaGenerators:
     def __init__(self, *, group: ReplicaGroup, router: Router, trainer: TrainerHandle, supervisor: Supervisor,
                  state: RunState):
@@ -69,10 +78,7 @@ class ReplicaGenerators:
 
     def receive(self, request: Request, timer: PhaseTimer) -> Generated:
         """The request's answer; the replica's spans go on the step's timeline (lane `generator <index>`)."""
-        completions, spans = self.router.receive(request)
-        now = time.time()
-        timer.add_proc(f"generator {request.index}", spans, sent=now - (time.monotonic() - request.sent_at), answered=now)
-        return Generated(completions, phase_seconds(spans, "generate"))
+        return answered(f"generator {request.index}", self.router.receive(request), sent_at=request.sent_at, timer=timer)
 
     def discard(self, request: Request) -> None:
         self.router.receive(request)
@@ -117,12 +123,10 @@ class TrainerGenerators:
     def receive(self, request: RankRequest, timer: PhaseTimer) -> Generated:
         """The rank's answer (TrainerLost when it failed); its spans go on its lane (`trainer <rank>`), its weight
         copy into the step's `time/weight_sync_s`."""
-        completions, spans = self.trainer.result(request.future)
-        now = time.time()
-        timer.add_proc(f"trainer {request.index}", spans, sent=now - (time.monotonic() - request.sent_at), answered=now)
-        weight_load = phase_seconds(spans, "weight_load")  # the ranks copy at once: the slowest one's is the step's
+        answer = self.trainer.result(request.future)
+        weight_load = phase_seconds(answer[1], "weight_load")  # the ranks copy at once: the slowest one's is the step's
         timer.seconds["weight_sync"] = max(timer.seconds.get("weight_sync", 0.0), weight_load)
-        return Generated(completions, phase_seconds(spans, "generate"))
+        return answered(f"trainer {request.index}", answer, sent_at=request.sent_at, timer=timer)
 
     def discard(self, request: RankRequest) -> None:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from workers.engine.actors.fleet import Replica, ReplicaGroup
+from workers.engine.config import IN_TRAINER
 
 MOVABLE = ("generator", "reward", "reference")  # in this order: a role may follow the generators' hosts
 
@@ -15,8 +16,7 @@ def role_group(groups: Mapping[str, ReplicaGroup], role: str) -> ReplicaGroup:
                          "move them; drills target them)")
     if role not in groups:
         raise ValueError(f"this run has no {role} (reference.enabled is false)" if role != "generator" else
-                         "this run's generator runs in the trainer's procs (generator.in_trainer): it has no replicas "
-                         "of its own; place, drain or drill the trainer")
+                         f"{IN_TRAINER}: it has no replicas of its own; place, drain or drill the trainer")
     return groups[role]
 
 

@@ -81,8 +81,8 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
     model, tokenizer = loaded.model, loaded.tokenizer
     model.train()
     n_params = count_parameters(model)
-    generator = TorchSampler(copy.deepcopy(model).to(DTYPES[cfg.rollout_dtype]).eval().requires_grad_(False),
-                             eos_token_ids=tokenizer.eos_token_ids, pad_id=tokenizer.pad_id, policy_version=0)
+    generator = TorchSampler.copy_of(model, dtype=DTYPES[cfg.rollout_dtype], eos_token_ids=tokenizer.eos_token_ids,
+                                     pad_id=tokenizer.pad_id)
     reference = None
     if cfg.reference.enabled:
         # the run's starting weights, also after a resume
