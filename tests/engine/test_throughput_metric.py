@@ -56,9 +56,11 @@ def test_sync_async_and_pipelined_rates_agree_for_the_same_tokens(
           "tokens / time/train_s", {m: round(r) for m, r in over_train_time.items()})
     # the same problems and full-length completions: nearly the same tokens (pipelined pads each chunk on its own)
     assert max(tokens.values()) < 1.1 * min(tokens.values())
-    # The old definition (tokens / time/train_s) read pipelined 1.7-2.7x async in these runs: its time/train_s is only
-    # the training left after the last chunk. Now the modes differ only as much as their step times do (pipelined
-    # makes 4 requests a step, so on 2 cores its tiny steps are no faster than async's).
-    # (a timing ratio: it read 1.25-2.7x across loaded and unloaded 2-core runs; the bound says "above", not how much)
-    assert over_train_time["pipelined"] > 1.1 * over_train_time["async"]
-    assert 0.4 < rate["pipelined"] / rate["async"] < 1.3
+    # The old definition (tokens / time/train_s) read pipelined 1.2-2.7x async in these runs: its time/train_s is only
+    # the training left after the last chunk. A step's wall time holds its training and more (at least the generation
+    # of its first chunk), so in every mode the rate now reads below the old definition, step by step. How far below
+    # is a timing ratio: tests/bench prints those.
+    for mode, (_, sink) in monarch_mode_runs.items():
+        rates, step_tokens, train_s = (dict(sink.series(k)) for k in (
+            "throughput/train_tokens_per_s", "data/train_tokens", "time/train_s"))
+        assert all(rates[s] < step_tokens[s] / train_s[s] for s in measured), mode

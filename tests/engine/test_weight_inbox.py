@@ -68,8 +68,12 @@ def test_a_rank_stages_into_the_same_memory_only_when_every_read_ended_and_the_l
         first = outbox.staged[1].data_ptr()
         outbox.stage(seeded_state(2), rank=0, world=1, sharded=False, reuse=True)
         assert outbox.staged[1].data_ptr() == first, "the last publication's memory, its registrations kept"
+        still_read = outbox.staged[1]  # a reader that did not end holds this memory
+        before = still_read.clone()
         outbox.stage(seeded_state(3), rank=0, world=1, sharded=False, reuse=False)
-        assert outbox.staged[1].data_ptr() != first, "a read that did not end may still be reading it"
+        assert outbox.staged[1].data_ptr() != still_read.data_ptr(), "a read that did not end may still be reading it"
+        assert torch.equal(still_read, before), "the unfinished read still sees publication 2"
+        del still_read, before
         second = outbox.staged[1].data_ptr()
         outbox.stage({"embed": torch.zeros(8)}, rank=0, world=1, sharded=False, reuse=True)
         assert outbox.staged[1].data_ptr() != second and outbox.staged[0].nbytes == 64, "another layout"
