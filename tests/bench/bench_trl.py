@@ -15,6 +15,8 @@ total torch thread count (`--threads`, split over the processes that compute) an
   ours_sync      recipes/grpo_monarch.py, trainer proc + generator proc x threads/2 each.
   ours_sync_in_trainer  the same with generator.in_trainer: no generator proc, the trainer's proc generates from a
                  copy of its weights, x threads (one computing process, like TRL's and ours_local).
+  ours_sync_in_trainer_dp  the same with trainer.ranks=2 x threads/2 each: each rank generates its share of the
+                 groups and trains on it (data parallel), so no thread waits on another proc's turn.
   ours_async     the same with grpo.mode=async, max_policy_age=1 (--max-policy-age): generation overlaps training.
   ours_async2    the same with max_policy_age=2: up to 3 batches in flight (new weights reach a replica between
                  requests, through its weight inbox, without waiting behind the requests queued there).
@@ -64,6 +66,7 @@ RUNS = {
     "ours_local": ("local", lambda t: t),
     "ours_sync": ("monarch_sync", lambda t: max(1, t // 2)),
     "ours_sync_in_trainer": ("monarch_sync_in_trainer", lambda t: t),  # one proc generates and trains, as TRL's
+    "ours_sync_in_trainer_dp": ("monarch_sync_in_trainer_dp", lambda t: max(1, t // 2)),  # two ranks, each both
     "ours_async": ("monarch_async", lambda t: max(1, t // 2)),
     "ours_async2": ("monarch_async2", lambda t: max(1, t // 2)),
     "ours_pipelined": ("monarch_pipelined", lambda t: max(1, t // 2)),
@@ -75,7 +78,7 @@ RUNS = {
     # (2T configured, at most T busy at once); not part of the equal-total comparison
     "ours_sync_turns": ("monarch_sync", lambda t: t),
 }
-DEFAULT_RUNS = "trl,ours_local,ours_sync,ours_sync_in_trainer,ours_async,ours_async2,ours_pipelined,trl_half,ours_local_half"
+DEFAULT_RUNS = "trl,ours_local,ours_sync,ours_sync_in_trainer,ours_sync_in_trainer_dp,ours_async,ours_async2,ours_pipelined,trl_half,ours_local_half"
 
 
 def _set_threads(threads: int) -> None:
@@ -92,7 +95,8 @@ def _ours(args: argparse.Namespace, mode: str, threads: int) -> dict:
     from workers.engine.metrics import Recorder
 
     monarch = mode.startswith("monarch")
-    in_trainer = mode == "monarch_sync_in_trainer"
+    in_trainer = mode.startswith("monarch_sync_in_trainer")
+    ranks = 2 if mode == "monarch_sync_in_trainer_dp" else 1
     _set_threads(1 if monarch else threads)  # a Monarch controller only routes and tokenizes
     overrides = [
         f"data.max_operand={args.max_operand}", "data.eval_size=64", f"generator.max_new_tokens={args.max_new_tokens}",
@@ -104,7 +108,7 @@ def _ours(args: argparse.Namespace, mode: str, threads: int) -> dict:
         f"grpo.packing={'true' if args.packing == 'on' else 'false'}",
     ]
     if monarch:
-        overrides += ["placement.backend=monarch", "trainer.ranks=1", "generator.replicas=1"]
+        overrides += ["placement.backend=monarch", f"trainer.ranks={ranks}", "generator.replicas=1"]
     if mode == "monarch_async":
         overrides += ["grpo.mode=async", f"grpo.max_policy_age={args.max_policy_age}"]
     elif mode == "monarch_async2":
@@ -150,8 +154,8 @@ def _ours(args: argparse.Namespace, mode: str, threads: int) -> dict:
     measured = [s for s in sorted(steps) if s > args.warmup]
     train_tokens = sum(round(steps[s]["data/train_tokens"]) for s in measured)
     return {
-        "processes": ("trainer+control" if in_trainer else "trainer+generator+control") if monarch else "1 process",
-        "threads": (str(threads) if in_trainer else f"{threads}+{threads}") if monarch else str(threads),
+        "processes": (f"{ranks} trainer+control" if in_trainer else "trainer+generator+control") if monarch else "1 process",
+        "threads": ("+".join([str(threads)] * ranks) if in_trainer else f"{threads}+{threads}") if monarch else str(threads),
         "steps": len(measured),
         "wall_s": ends[measured[-1]] - ends[args.warmup],
         "train_tokens": train_tokens,
@@ -411,6 +415,8 @@ def main() -> None:
     ratio("ours_sync", "trl", 2.0)
     ratio("ours_sync_in_trainer", "trl", 2.0, " (sync, generating in the trainer's proc)")
     ratio("ours_sync_in_trainer", "ours_sync", 1.0)
+    ratio("ours_sync_in_trainer_dp", "trl", 2.0, " (sync, two ranks each generating and training its share)")
+    ratio("ours_sync_in_trainer_dp", "ours_sync_in_trainer", 1.0)
     ratio("ours_local", "trl", 2.0)
     ratio("ours_async", "ours_sync", 1.5)
     ratio("ours_async2", "ours_async", 1.0, " (max_policy_age 2 vs 1)")

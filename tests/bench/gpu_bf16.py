@@ -23,6 +23,10 @@ object per line:
                               bf16 model's part of rank 0 of 1 and of 8 replicated ranks copied into its
                               host staging memory (pinned on a GPU), the first time and again into the
                               same memory; a generator's assembly of the parts into a state dict
+  {"kind": "in_trainer", ...} generator.in_trainer's weight sync: a rank's rollout copy of its model
+                              (`TorchSampler.copy_of`, made once at start-up) refreshed from the trainer's
+                              weights in device memory (the rank's weight_load before the first request after
+                              an optimizer step), and the device memory the copy holds
   {"kind": "summary", ...}    the headline numbers
 
 Model path: the engine builds torchtitan's Qwen3 (`models/titan.build_decoder`). When
@@ -179,6 +183,34 @@ def measure_weight_sync(model: nn.Module, *, device: torch.device, repeats: int)
         del flat
     return result
 
+
+def measure_in_trainer(model: nn.Module, *, vocab: int, dtype: torch.dtype, device: torch.device,
+                       repeats: int) -> dict[str, Any]:
+    """generator.in_trainer: the rank's rollout copy made once, then refreshed from the trained weights in memory."""
+    sync(device)
+    t0 = time.perf_counter()
+    rollout = TorchSampler.copy_of(model, dtype=dtype, eos_token_ids=[vocab], pad_id=0)
+    sync(device)
+    copy_s = time.perf_counter() - t0
+    with torch.no_grad():  # stands for an optimizer step: the copy must follow the trained weights
+        for parameter in model.parameters():
+            parameter.mul_(0.5)
+    refreshes = []
+    for version in range(1, repeats + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        rollout.load_weights(model.state_dict(), version)
+        sync(device)
+        refreshes.append(time.perf_counter() - t0)
+    trained = dict(model.named_parameters())
+    exact = all(torch.equal(tensor, trained[name].to(dtype)) for name, tensor in rollout.model.named_parameters())
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(2.0)
+    copy_bytes = sum(p.numel() * p.element_size() for p in rollout.model.parameters())
+    del rollout
+    return {"copy_s": round(copy_s, 4), "refresh_s": round(min(refreshes), 5),
+            "refresh_gb_per_s": round(copy_bytes / min(refreshes) / 1e9, 2), "copy_bytes": copy_bytes, "exact": exact}
 
 
 def measure_generation(model: nn.Module, *, vocab: int, batch: int, prompt_len: int, new_tokens: int,
@@ -385,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
 
     weight_sync = measure_weight_sync(model, device=device, repeats=1 if smoke else 3)
     emit("weight_sync", model_path=model_path, **weight_sync)
+    in_trainer = measure_in_trainer(model, vocab=hf_config["vocab_size"], dtype=dtype, device=device,
+                                    repeats=1 if smoke else 3)
+    emit("in_trainer", model_path=model_path, **in_trainer)
 
     emit("summary", model_path=model_path, smoke=smoke, params=n_params,
          gen_tokens_per_s=generation["tokens_per_s"], gen_tokens_per_s_grouped=generations[settings["group"]]["tokens_per_s"],
@@ -392,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
          mfu_with_attention=trains["grpo"]["mfu_with_attention"],
          sft_train_tokens_per_s=trains["sft"]["tokens_per_s"], sft_mfu=trains["sft"]["mfu"],
          weight_stage_s=weight_sync["ranks1"]["stage_s"], weight_stage_s_8_ranks=weight_sync["ranks8"]["stage_s"],
+         in_trainer_refresh_s=in_trainer["refresh_s"],
          peak_tflops=args.peak_tflops, total_s=round(time.perf_counter() - started, 1),
          imported_monarch="monarch" in sys.modules, imported_vllm="vllm" in sys.modules)
     return 0

@@ -4,6 +4,8 @@ no generator to drill or place."""
 
 from __future__ import annotations
 
+import re
+
 from forgeboard.runs.models import Run
 from forgeboard.runs.services import run_cancel, run_launch
 from tests.e2e.conftest import login, screenshot
@@ -43,7 +45,17 @@ def test_the_page_of_a_run_generating_in_its_trainer_draws_the_ranks_generation_
     drill_roles = page.locator('form[data-command="fault_drill"] select[name="payload.role"] option').all_inner_texts()
     placed_roles = page.locator('form[data-command="placement_change"] select[name="payload.role"] option').all_inner_texts()
     assert drill_roles == ["trainer", "reference", "reward"] and placed_roles == ["reward", "reference"]
+    # the start-up events read as sentences, not as their JSON payload
+    lines = page.locator("#timeline li:not([hidden])").all_inner_texts()
+    ready = [line for line in lines if " procs ready in " in line]
+    assert len(ready) == 1 and "1 trainer rank on " in ready[0] and ready[0].endswith("; the trainer generates"), lines
+    assert any(" data arithmetic: " in line and "training problems, 8 held out" in line for line in lines), lines
+    assert not [line for line in lines if "{" in line], lines
     screenshot(page, "run_page_generator_in_trainer")
+    page.locator("#timeline-all").check()  # the rollouts too: a sample of each step, prompt and completion quoted
+    rollouts = page.locator("#timeline li.ev-rollout").all_inner_texts()
+    assert rollouts and all(re.search(r' rollout step \d+, policy version \d+: "\d\+\d=" → ".*", reward [\d.]+$', line)
+                            for line in rollouts[:5]), rollouts[:5]
 
     run_cancel(actor=team.member, run=run)
     wait_for(lambda: Run.objects.get(pk=run.pk).state == "cancelled", timeout=120, what="cancelled")

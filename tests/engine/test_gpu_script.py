@@ -39,7 +39,7 @@ def _run(args: list[str]) -> dict[str, list[dict]]:
 
 
 def _check(lines: dict[str, list[dict]], model_path: str) -> None:
-    assert set(lines) == {"env", "model", "generate", "train", "weight_sync", "summary"}, sorted(lines)
+    assert set(lines) == {"env", "model", "generate", "train", "weight_sync", "in_trainer", "summary"}, sorted(lines)
     env, model, generate, summary = lines["env"][0], lines["model"][0], lines["generate"][0], lines["summary"][0]
     assert env["smoke"] is True and env["dtype"] == "float32" and env["threads"] == 1
     assert model["model_path"] == model_path and model["params"] > 0
@@ -68,6 +68,11 @@ def _check(lines: dict[str, list[dict]], model_path: str) -> None:
     one, eight = weights["ranks1"], weights["ranks8"]
     assert one["part_bytes"] >= weights["model_bytes"] > eight["part_bytes"] > 0, "8 ranks serve an eighth or so each"
     assert one["stage_s"] > 0 and eight["stage_s"] > 0 and one["pinned"] is False  # pinned only for GPU weights
+    copy = lines["in_trainer"][0]
+    assert copy["exact"] is True, "the refreshed rollout copy holds the trained weights, not the starting ones"
+    assert copy["copy_bytes"] == 4 * summary["params"], "a float32 copy of every parameter (smoke: the script's dtype)"
+    assert copy["refresh_s"] > 0 and copy["copy_s"] > 0
+    assert summary["in_trainer_refresh_s"] == copy["refresh_s"]
     assert summary["imported_monarch"] is False and summary["imported_vllm"] is False
 
 

@@ -160,6 +160,7 @@
     applyChartFilter();
   }
 
+  const plural = (n, one, many = one + "s") => `${n} ${Number(n) === 1 ? one : many}`;
   const who = (p) => `${p.role || ""}${p.replica != null ? " " + p.replica : ""}`.trim() || "run";
 
   function describe(event) {
@@ -193,8 +194,40 @@
           return `${String(p.backend).toUpperCase()} job ${p.job_id}: ${p.reason}` +
             (down.length ? `; node${down.length > 1 ? "s" : ""} down: ${down.join(", ")}` : "");
         }
+        if (p.name === "dataset") {
+          const from = p.source && p.source !== p.task ? ` (${p.source})` : "";
+          return `data ${p.task}${from}: ${plural(p.train, "training problem")}, ${p.held_out} held out` +
+            (p.unused ? `, ${p.unused} of ${p.rows} rows unused` : "");
+        }
+        if (p.name === "meshes_ready") {
+          const hosts = (p.trainer_hosts || [p.trainer_host]).filter(Boolean).join(", ");
+          const generators = p.generator_replicas === undefined ? ""
+            : p.generator_replicas === 0 ? "; the trainer generates"
+            : `; ${plural(p.generator_replicas, "generator replica")}`;
+          return `procs ready in ${seconds(number(p.seconds) ?? 0)}: ${plural(p.trainer_ranks, "trainer rank")}` +
+            `${hosts ? " on " + hosts : ""}${generators}${p.warm_spares ? `; ${plural(p.warm_spares, "warm spare")}` : ""}`;
+        }
+        if (p.name === "staleness_histogram") {
+          const ages = Object.entries(p.counts || {}).map(([age, n]) => `${plural(n, "batch", "batches")} ${plural(age, "step")} behind`);
+          return `policy age of the trained batches: ${ages.join(", ") || "none trained"}`;
+        }
+        if (p.name === "resumed") {
+          return `resumed from ${p.path} at step ${p.step}${p.policy_version != null ? `, policy version ${p.policy_version}` : ""}`;
+        }
+        if (p.name === "spares_started") return `starting ${plural(p.count, "warm spare")} for ${p.role} on ${p.host}`;
+        if (p.name === "spare_ready") return `a warm spare for ${p.role} is ready on ${p.host}`;
         if (p.text && !p.name) return p.text;
         return JSON.stringify(p).slice(0, 160);
+      case "rollout": {
+        const quoted = (text) => JSON.stringify(String(text ?? "").slice(0, 80));
+        return `step ${p.step}${p.split && p.split !== "train" ? ` (${p.split})` : ""}` +
+          `${p.policy_version != null ? `, policy version ${p.policy_version}` : ""}: ${quoted(p.prompt)} → ` +
+          `${quoted(p.completion)}, reward ${p.reward}`;
+      }
+      case "placement_applied": {
+        const plan = Object.entries(p.plan || {}).map(([index, host]) => `${index} on ${host}`);
+        return `${p.role} placed: ${plan.join(", ") || (p.hosts || []).join(", ")}`;
+      }
       default: {
         const text = JSON.stringify(p);
         return text.length > 160 ? text.slice(0, 157) + "…" : text;
