@@ -36,7 +36,7 @@ def paired_runs(sft_warm_start: tuple[Path, float], tmp_path_factory: pytest.Tem
         config = load_config(f"recipe: grpo\nmodel: {{path: '{folder}'}}\n", overrides=[
             *ARITHMETIC, "data.eval_size=8", "placement.backend=monarch", "trainer.ranks=1", where, "grpo.mode=sync",
             "trainer.steps=5", "trainer.batch_size=8", "trainer.micro_batch_size=16", "grpo.group_size=4",
-            "trainer.optimizer.lr=3e-3", "eval.every_steps=0", f"checkpoint.folder={root / 'checkpoints'}",
+            "trainer.optimizer.lr=5e-4", "eval.every_steps=0", f"checkpoint.folder={root / 'checkpoints'}",
             "telemetry.console=false", "trainer.threads_per_process=1",
         ])
         sink = MemorySink()

@@ -11,7 +11,7 @@ import torch
 from workers.engine.batching import collate_rollouts, collate_sft
 from workers.engine.losses import token_logprobs
 from workers.engine.models.hf_folder import LoadedModel, load_pretrained
-from workers.engine.sampler import SamplingParams, TorchSampler
+from workers.engine.sampler import SamplingParams, TorchSampler, draw_tokens, token_at
 
 # float32: the cached decode and the full forward differ only in summation order.
 LOGPROB_TOLERANCE = 1e-5
@@ -83,6 +83,27 @@ def test_top_p_keeps_only_the_nucleus(loaded: LoadedModel) -> None:
     tiny_nucleus = sampler.generate(prompts, SamplingParams(max_new_tokens=4, top_p=1e-6), seed=1)
     greedy = sampler.generate(prompts[:1], SamplingParams(max_new_tokens=4, greedy=True), seed=0)[0]
     assert all(c.token_ids == greedy.token_ids for c in tiny_nucleus)
+
+
+def test_a_draw_takes_the_first_token_whose_cumulative_mass_exceeds_it_and_never_one_without_mass() -> None:
+    cumulative = torch.tensor([[0.0, 0.3, 0.3, 1.0, 1.0], [2.0, 2.0, 4.0, 4.0, 4.0]])
+    def at(*uniform: float) -> list[int]:
+        return token_at(cumulative, torch.tensor(uniform)[:, None]).tolist()
+    assert at(0.0, 0.0) == [1, 0], "a draw of 0 takes the first token with mass"
+    assert at(0.3, 0.49) == [3, 0] and at(0.29, 0.5) == [1, 2]
+    assert at(1.0, 1.0) == [3, 2], "a draw that rounds up to the total takes the last token with mass"
+
+
+def test_drawn_tokens_follow_the_probabilities_and_a_broken_row_is_refused() -> None:
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).repeat(40_000, 1)
+    tokens = draw_tokens(probs, torch.Generator().manual_seed(0))
+    share = torch.bincount(tokens, minlength=4).double() / len(tokens)
+    assert share[1] == 0 and torch.allclose(share, probs[0].double(), atol=0.01), share
+    unnormalised = torch.tensor([[3.0, 1.0]]).repeat(40_000, 1)  # what a top_p filter leaves
+    assert abs(draw_tokens(unnormalised, torch.Generator().manual_seed(1)).double().mean() - 0.25) < 0.01
+    for broken in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="inf or nan"):
+            draw_tokens(torch.tensor([[0.5, broken]]), torch.Generator().manual_seed(0))
 
 
 def test_packed_examples_get_the_logprobs_they_get_alone(loaded: LoadedModel) -> None:

@@ -42,11 +42,31 @@ class Completion:
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero every token outside the smallest set whose mass reaches top_p (rows renormalised by multinomial)."""
+    """Zero every token outside the smallest set whose mass reaches top_p (rows renormalised by the draw)."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+
+
+def draw_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token a row, drawn in proportion to the row's `probs` (rows need not sum to 1). One uniform number a row
+    against the row's cumulative mass (torch.multinomial and the exponential race draw one a token: 8-16x slower on
+    CPU, from a vocabulary of 320 to one of 152k)."""
+    cumulative = probs.cumsum(dim=-1)
+    total = cumulative[:, -1]
+    if not bool(((total > 0) & torch.isfinite(total)).all()):
+        raise ValueError("no token to draw: a row's probabilities hold inf or nan, or no mass (the model's logits?)")
+    uniform = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=probs.dtype)
+    return token_at(cumulative, uniform)
+
+
+def token_at(cumulative: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The first token of each row whose cumulative mass exceeds `uniform` (in [0, 1], a column) of the row's total:
+    one with mass of its own, also where the scaled draw rounds up to the total."""
+    total = cumulative[:, -1:]
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cumulative, target, right=True).squeeze(1)
 
 
 def check_weights_fit(expected: Mapping[str, torch.Size], state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -127,7 +147,7 @@ class TorchSampler:
                 probs = logprobs.exp()
                 if params.top_p < 1.0:
                     probs = _top_p_filter(probs, params.top_p)
-                token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+                token = draw_tokens(probs, generator)
             token = token.masked_fill(done, self.pad_id)
             out_tokens.append(token)
             out_logprobs.append(logprobs.gather(1, token[:, None]).squeeze(1))
