@@ -160,6 +160,8 @@
     applyChartFilter();
   }
 
+  const listOf = (v) => (Array.isArray(v) ? v : v === null || v === undefined ? [] : [v]);
+  const objectOf = (v) => (v && typeof v === "object" && !Array.isArray(v) ? v : {});
   const plural = (n, one, many = one + "s") => `${n} ${Number(n) === 1 ? one : many}`;
   const who = (p) => `${p.role || ""}${p.replica != null ? " " + p.replica : ""}`.trim() || "run";
 
@@ -200,7 +202,7 @@
             (p.unused ? `, ${p.unused} of ${p.rows} rows unused` : "");
         }
         if (p.name === "meshes_ready") {
-          const hosts = (p.trainer_hosts || [p.trainer_host]).filter(Boolean).join(", ");
+          const hosts = listOf(p.trainer_hosts ?? p.trainer_host).filter(Boolean).join(", ");
           const generators = p.generator_replicas === undefined ? ""
             : p.generator_replicas === 0 ? "; the trainer generates"
             : `; ${plural(p.generator_replicas, "generator replica")}`;
@@ -208,7 +210,7 @@
             `${hosts ? " on " + hosts : ""}${generators}${p.warm_spares ? `; ${plural(p.warm_spares, "warm spare")}` : ""}`;
         }
         if (p.name === "staleness_histogram") {
-          const ages = Object.entries(p.counts || {}).map(([age, n]) => `${plural(n, "batch", "batches")} ${plural(age, "step")} behind`);
+          const ages = Object.entries(objectOf(p.counts)).map(([age, n]) => `${plural(n, "batch", "batches")} ${plural(age, "step")} behind`);
           return `policy age of the trained batches: ${ages.join(", ") || "none trained"}`;
         }
         if (p.name === "resumed") {
@@ -225,13 +227,22 @@
           `${quoted(p.completion)}, reward ${p.reward}`;
       }
       case "placement_applied": {
-        const plan = Object.entries(p.plan || {}).map(([index, host]) => `${index} on ${host}`);
-        return `${p.role} placed: ${plan.join(", ") || (p.hosts || []).join(", ")}`;
+        const plan = Object.entries(objectOf(p.plan)).map(([index, host]) => `${index} on ${host}`);
+        return `${p.role} placed: ${plan.join(", ") || listOf(p.hosts).join(", ")}`;
       }
       default: {
         const text = JSON.stringify(p);
         return text.length > 160 ? text.slice(0, 157) + "…" : text;
       }
+    }
+  }
+
+  function describeSafely(event) {  // a payload of an unexpected shape reads as its JSON, never stops the list
+    try {
+      return describe(event);
+    } catch (error) {
+      const text = JSON.stringify(event.payload ?? null) || "";
+      return text.length > 160 ? text.slice(0, 157) + "…" : text;
     }
   }
 
@@ -259,7 +270,7 @@
       time.textContent = new Date(event.time).toLocaleTimeString();
       const kind = document.createElement("strong");
       kind.textContent = " " + (isStartup ? "startup" : event.kind.replace(/_/g, " ")) + " ";
-      item.append(time, kind, document.createTextNode(describe(event)));
+      item.append(time, kind, document.createTextNode(describeSafely(event)));
       list.prepend(item);
     });
   }
