@@ -44,6 +44,8 @@ CASES: dict[str, list[str]] = {
     "async": ["grpo.mode=async", "grpo.max_policy_age=1"],
     "async_age2_replicas2": ["grpo.mode=async", "grpo.max_policy_age=2", "generator.replicas=2"],
     "pipelined4_replicas2": ["grpo.mode=pipelined", "grpo.pipeline_chunks=4", "generator.replicas=2"],
+    "in_trainer": ["generator.in_trainer=true"],
+    "in_trainer_ranks2": ["generator.in_trainer=true", "trainer.ranks=2"],
     "hosts2_replicas2": ["placement.local_hosts=2", "generator.replicas=2",
                          "placement.generator.hosts=[host0,host1]", "placement.trainer.hosts=[host0]"],
 }
