@@ -160,6 +160,10 @@
     applyChartFilter();
   }
 
+  const payloadText = (payload) => {  // an event's payload as its JSON, cut at 160 characters
+    const text = JSON.stringify(payload) || "";
+    return text.length > 160 ? text.slice(0, 157) + "…" : text;
+  };
   const listOf = (v) => (Array.isArray(v) ? v : v === null || v === undefined ? [] : [v]);
   const objectOf = (v) => (v && typeof v === "object" && !Array.isArray(v) ? v : {});
   const plural = (n, one, many = one + "s") => `${n} ${Number(n) === 1 ? one : many}`;
@@ -219,7 +223,7 @@
         if (p.name === "spares_started") return `starting ${plural(p.count, "warm spare")} for ${p.role} on ${p.host}`;
         if (p.name === "spare_ready") return `a warm spare for ${p.role} is ready on ${p.host}`;
         if (p.text && !p.name) return p.text;
-        return JSON.stringify(p).slice(0, 160);
+        return payloadText(p);
       case "rollout": {
         const quoted = (text) => JSON.stringify(String(text ?? "").slice(0, 80));
         return `step ${p.step}${p.split && p.split !== "train" ? ` (${p.split})` : ""}` +
@@ -230,10 +234,7 @@
         const plan = Object.entries(objectOf(p.plan)).map(([index, host]) => `${index} on ${host}`);
         return `${p.role} placed: ${plan.join(", ") || listOf(p.hosts).join(", ")}`;
       }
-      default: {
-        const text = JSON.stringify(p);
-        return text.length > 160 ? text.slice(0, 157) + "…" : text;
-      }
+      default: return payloadText(p);
     }
   }
 
@@ -241,8 +242,7 @@
     try {
       return describe(event);
     } catch (error) {
-      const text = JSON.stringify(event.payload ?? null) || "";
-      return text.length > 160 ? text.slice(0, 157) + "…" : text;
+      return payloadText(event.payload ?? null);
     }
   }
 
