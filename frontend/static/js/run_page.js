@@ -44,8 +44,7 @@
     launchFlashes.forEach((li) => { li.textContent = li.textContent.replace(/: [a-z]+\.\s*$/, `: ${state}.`); });
   }
 
-  const number = (v) => (v === null || v === undefined || v === "" || !isFinite(Number(v)) ? null : Number(v));
-  const seconds = (v) => `${Number(v).toFixed(v > 0 && v < 0.1 ? 2 : 1)} s`;  // 0.03 s, 0.1 s, 12.4 s
+  const { number, seconds } = FBEventText;
 
   // Mirrors the template filter `duration`: 1h 02m, 3m 05s, 12s.
   function formatDuration(total) {
@@ -160,92 +159,6 @@
     applyChartFilter();
   }
 
-  const payloadText = (payload) => {  // an event's payload as its JSON, cut at 160 characters
-    const text = JSON.stringify(payload) || "";
-    return text.length > 160 ? text.slice(0, 157) + "…" : text;
-  };
-  const listOf = (v) => (Array.isArray(v) ? v : v === null || v === undefined ? [] : [v]);
-  const objectOf = (v) => (v && typeof v === "object" && !Array.isArray(v) ? v : {});
-  const plural = (n, one, many = one + "s") => `${n} ${Number(n) === 1 ? one : many}`;
-  const who = (p) => `${p.role || ""}${p.replica != null ? " " + p.replica : ""}`.trim() || "run";
-
-  function describe(event) {
-    const p = event.payload || {};
-    switch (event.kind) {
-      case "state_changed": return `${p.from || "—"} → ${p.to}${p.reason ? ": " + p.reason : ""}`;
-      case "fault_injected": return `${p.fault_kind || p.kind || "fault"} on ${who(p)}${p.duration_s ? ` for ${p.duration_s} s` : ""}`;
-      case "failure_detected": return `${who(p)}${p.hung ? " hung" : " failed"}${p.time_to_detect_s != null ? ` (detected in ${Number(p.time_to_detect_s).toFixed(2)} s)` : ""}${p.reason ? ": " + p.reason.slice(0, 120) : ""}`;
-      case "replica_replaced": return `${who(p)} replaced${p.from_spare ? " by a warm spare" : ""}${p.host ? " on " + p.host : ""}${p.policy_version != null ? `, at policy version ${p.policy_version}` : ""}`;
-      case "recovered": return `recovered ${who(p)}${p.time_to_recover_s != null ? ` in ${Number(p.time_to_recover_s).toFixed(2)} s` : ""}`;
-      case "placement_changed": return `${p.action || "change"} ${who(p)}${p.host ? " → " + p.host : ""}`;
-      case "redirect_started": case "redirect_finished": return `${p.action || "redirect"} host ${p.host || ""}`;
-      case "restarted": return `restart ${p.restart || p.count || ""}${p.from_checkpoint ? " from " + p.from_checkpoint : ""}`;
-      case "command_issued": return `command ${p.command}: ${p.kind}`;
-      case "command_finished": {
-        const why = p.result && (p.result.error || p.result.reason);
-        return `command ${p.command} (${p.kind}) ${p.ok === false ? "failed" : "done"}${why ? ": " + why : ""}`;
-      }
-      case "checkpoint_saved": return `checkpoint at step ${p.step}`;
-      case "message":
-        if (p.name === "startup_phase") {
-          if (p.phase === "ready") return `ready: started in ${seconds(number(p.elapsed_s) ?? 0)}`;
-          return `${p.label || p.phase} (at ${seconds(number(p.elapsed_s) ?? 0)}` +
-            `${number(p.previous_s) !== null ? `; the previous phase took ${seconds(number(p.previous_s))}` : ""})`;
-        }
-        if (p.name === "child_run_started") return `started ${p.experiment} #${p.number} from step ${p.step}`;
-        if (p.name === "child_run_failed") return `no run started from step ${p.step}: ${p.reason}`;
-        if (p.name === "job_submitted") return `submitted as ${p.backend} job ${p.job_id}`;
-        if (p.name === "job_status") {
-          const down = Object.entries(p.nodes_down || {}).map(([node, why]) => `${node} (${why})`);
-          return `${String(p.backend).toUpperCase()} job ${p.job_id}: ${p.reason}` +
-            (down.length ? `; node${down.length > 1 ? "s" : ""} down: ${down.join(", ")}` : "");
-        }
-        if (p.name === "dataset") {
-          const from = p.source && p.source !== p.task ? ` (${p.source})` : "";
-          return `data ${p.task}${from}: ${plural(p.train, "training problem")}, ${p.held_out} held out` +
-            (p.unused ? `, ${p.unused} of ${p.rows} rows unused` : "");
-        }
-        if (p.name === "meshes_ready") {
-          const hosts = listOf(p.trainer_hosts ?? p.trainer_host).filter(Boolean).join(", ");
-          const generators = p.generator_replicas === undefined ? ""
-            : p.generator_replicas === 0 ? "; the trainer generates"
-            : `; ${plural(p.generator_replicas, "generator replica")}`;
-          return `procs ready in ${seconds(number(p.seconds) ?? 0)}: ${plural(p.trainer_ranks, "trainer rank")}` +
-            `${hosts ? " on " + hosts : ""}${generators}${p.warm_spares ? `; ${plural(p.warm_spares, "warm spare")}` : ""}`;
-        }
-        if (p.name === "staleness_histogram") {
-          const ages = Object.entries(objectOf(p.counts)).map(([age, n]) => `${plural(n, "batch", "batches")} ${plural(age, "step")} behind`);
-          return `policy age of the trained batches: ${ages.join(", ") || "none trained"}`;
-        }
-        if (p.name === "resumed") {
-          return `resumed from ${p.path} at step ${p.step}${p.policy_version != null ? `, policy version ${p.policy_version}` : ""}`;
-        }
-        if (p.name === "spares_started") return `starting ${plural(p.count, "warm spare")} for ${p.role} on ${p.host}`;
-        if (p.name === "spare_ready") return `a warm spare for ${p.role} is ready on ${p.host}`;
-        if (p.text && !p.name) return p.text;
-        return payloadText(p);
-      case "rollout": {
-        const quoted = (text) => JSON.stringify(String(text ?? "").slice(0, 80));
-        return `step ${p.step}${p.split && p.split !== "train" ? ` (${p.split})` : ""}` +
-          `${p.policy_version != null ? `, policy version ${p.policy_version}` : ""}: ${quoted(p.prompt)} → ` +
-          `${quoted(p.completion)}, reward ${p.reward}`;
-      }
-      case "placement_applied": {
-        const plan = Object.entries(objectOf(p.plan)).map(([index, host]) => `${index} on ${host}`);
-        return `${p.role} placed: ${plan.join(", ") || listOf(p.hosts).join(", ")}`;
-      }
-      default: return payloadText(p);
-    }
-  }
-
-  function describeSafely(event) {  // a payload of an unexpected shape reads as its JSON, never stops the list
-    try {
-      return describe(event);
-    } catch (error) {
-      return payloadText(event.payload ?? null);
-    }
-  }
-
   function addEvents(events) {
     const list = $("timeline");
     const showAll = $("timeline-all").checked;
@@ -270,7 +183,7 @@
       time.textContent = new Date(event.time).toLocaleTimeString();
       const kind = document.createElement("strong");
       kind.textContent = " " + (isStartup ? "startup" : event.kind.replace(/_/g, " ")) + " ";
-      item.append(time, kind, document.createTextNode(describeSafely(event)));
+      item.append(time, kind, document.createTextNode(FBEventText.describe(event)));
       list.prepend(item);
     });
   }
