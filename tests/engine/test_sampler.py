@@ -11,7 +11,8 @@ import torch
 from workers.engine.batching import collate_rollouts, collate_sft
 from workers.engine.losses import token_logprobs
 from workers.engine.models.hf_folder import LoadedModel, load_pretrained
-from workers.engine.sampler import SamplingParams, TorchSampler, draw_tokens, token_at
+from workers.engine import sampler as sampler_module
+from workers.engine.sampler import SamplingParams, TorchSampler, draw_in_nucleus, draw_tokens, token_at
 
 # float32: the cached decode and the full forward differ only in summation order.
 LOGPROB_TOLERANCE = 1e-5
@@ -99,11 +100,37 @@ def test_drawn_tokens_follow_the_probabilities_and_a_broken_row_is_refused() -> 
     tokens = draw_tokens(probs, torch.Generator().manual_seed(0))
     share = torch.bincount(tokens, minlength=4).double() / len(tokens)
     assert share[1] == 0 and torch.allclose(share, probs[0].double(), atol=0.01), share
-    unnormalised = torch.tensor([[3.0, 1.0]]).repeat(40_000, 1)  # what a top_p filter leaves
+    unnormalised = torch.tensor([[3.0, 1.0]]).repeat(40_000, 1)
     assert abs(draw_tokens(unnormalised, torch.Generator().manual_seed(1)).double().mean() - 0.25) < 0.01
     for broken in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match="inf or nan"):
             draw_tokens(torch.tensor([[0.5, broken]]), torch.Generator().manual_seed(0))
+
+
+def test_a_nucleus_draw_keeps_the_smallest_most_likely_set_reaching_top_p_in_proportion() -> None:
+    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]]).repeat(40_000, 1)
+    tokens = draw_in_nucleus(probs, 0.7, torch.Generator().manual_seed(0))
+    share = torch.bincount(tokens, minlength=4).double() / len(tokens)
+    assert share[0] == share[2] == 0, "0.5 + 0.3 reach 0.7: nothing less likely is drawn"
+    assert abs(share[1] - 0.5 / 0.8) < 0.01 and abs(share[3] - 0.3 / 0.8) < 0.01, share
+    with pytest.raises(ValueError, match="inf or nan"):
+        draw_in_nucleus(torch.tensor([[0.5, float("nan"), 0.1]]), 0.9, torch.Generator().manual_seed(0))
+
+
+def test_rows_drawn_from_their_top_candidates_or_from_a_whole_sort_get_the_same_token(monkeypatch) -> None:
+    generator = torch.Generator().manual_seed(3)
+    peaked = torch.softmax(torch.randn(32, 1000, generator=generator) * 12, dim=-1)
+    flat = torch.softmax(torch.randn(32, 1000, generator=generator) * 0.5, dim=-1)
+    probs = torch.cat([peaked, flat])[torch.randperm(64, generator=generator)]
+    monkeypatch.setattr(sampler_module, "NUCLEUS_CANDIDATES", 16)
+    assert 0 < int((probs.topk(16, dim=-1).values.sum(-1) >= 0.9).sum()) < 64, "some rows take each way"
+    mixed = draw_in_nucleus(probs, 0.9, torch.Generator().manual_seed(11))
+    monkeypatch.setattr(sampler_module, "NUCLEUS_CANDIDATES", 1000)
+    sorted_whole = draw_in_nucleus(probs, 0.9, torch.Generator().manual_seed(11))
+    assert torch.equal(mixed, sorted_whole)
+    ranks = (probs > probs.gather(1, mixed[:, None])).sum(-1)  # tokens more likely than the drawn one
+    mass_before = (probs * (probs > probs.gather(1, mixed[:, None]))).sum(-1)
+    assert bool((mass_before < 0.9).all()) and int(ranks.max()) > 16, "drawn inside each nucleus, some past 16"
 
 
 def test_packed_examples_get_the_logprobs_they_get_alone(loaded: LoadedModel) -> None:
