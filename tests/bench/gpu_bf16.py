@@ -16,8 +16,10 @@ object per line:
   {"kind": "train", ...}      one engine training step (forward, GRPO or SFT loss from
                               workers/engine/losses.py, backward, grad clip, AdamW as in
                               training.build_optimizer), 8 x 1024 tokens (or the largest
-                              micro-batch that fits, gradients accumulated); tokens/s and
-                              MFU against --peak-tflops (H200 bf16 dense: 989)
+                              micro-batch that fits, gradients accumulated); GRPO scores its
+                              targets through the fused head where it applies, as policy_update
+                              does (`logprobs`); tokens/s and MFU against the device's bf16 dense
+                              peak (PEAK_TFLOPS by its name, or --peak-tflops)
   {"kind": "weight_sync", ...} a weight sync's cost on the trainer's path (`weight_parts.py`, what every trainer
                               rank does before the generators read its part over Monarch's RDMA): the
                               bf16 model's part of rank 0 of 1 and of 8 replicated ranks copied into its
@@ -73,6 +75,16 @@ TINY = {**QWEN3_1_7B, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_
         "head_dim": 16, "intermediate_size": 128, "vocab_size": 320, "max_position_embeddings": 512}
 
 
+PEAK_TFLOPS = (  # bf16 dense, by a part of the device's name, the first that matches
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("B200", 2250.0), ("A100", 312.0),
+)
+DEFAULT_PEAK_TFLOPS = 989.0  # H100 SXM and H200
+
+
+def peak_tflops_of(device_name: str) -> float:
+    return next((tflops for part, tflops in PEAK_TFLOPS if part in device_name), DEFAULT_PEAK_TFLOPS)
+
+
 def emit(kind: str, **fields: Any) -> None:
     print(json.dumps({"kind": kind, **fields}), flush=True)
 
@@ -110,7 +122,12 @@ class HFQwen3ForEngine(nn.Module):
         fields = {k: v for k, v in hf_config.items() if k != "model_type"}
         config = Qwen3Config(**fields, attn_implementation="sdpa", use_cache=True)
         with torch.device(device):
-            self.hf = Qwen3ForCausalLM(config).to(dtype)
+            self.hf = Qwen3ForCausalLM(config)
+        rope = {name: buffer.clone() for name, buffer in self.hf.named_buffers() if buffer.is_floating_point()}
+        self.hf.to(dtype)
+        for name, buffer in rope.items():  # RoPE's inverse frequencies stay float32, as the torchtitan model's do
+            owner, _, leaf = name.rpartition(".")
+            self.hf.get_submodule(owner).register_buffer(leaf, buffer, persistent=False)
 
     def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
                 attention_masks: KVCache | None = None) -> torch.Tensor:
@@ -269,8 +286,19 @@ def _rows(vocab: int, rows: int, seq: int, device: torch.device, seed: int) -> d
     }
 
 
+def logprobs_path(model: nn.Module, model_path: str) -> str:
+    """How GRPO scores its targets here, as the engine's policy_update does (fused_head.model_logprobs): the fused
+    head, which never builds the [rows, seq, vocab] logits, where it applies (a torchtitan model), else the logits."""
+    if model_path == "engine-torchtitan":
+        from workers.engine.fused_head import fused_head_applies
+
+        if fused_head_applies(model):
+            return "fused_head"
+    return "logits"
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, rows: dict[str, torch.Tensor], *, loss: str,
-               micro: int, forward) -> float:  # noqa: ANN001
+               micro: int, forward, scoring: str) -> float:  # noqa: ANN001
     """The engine's policy_update / SFT step: micro-batches, one normaliser for the whole batch, clip, AdamW."""
     optimizer.zero_grad(set_to_none=True)
     n = rows["inputs"].shape[0]
@@ -278,14 +306,17 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, rows: dict[st
     total = 0.0
     for start in range(0, n, micro):
         part = {k: v[start:start + micro] for k, v in rows.items()}
-        logits = forward(part["inputs"])
         if loss == "grpo":
-            logprobs, entropy = token_logprobs(logits, part["targets"], 1.0)
+            if scoring == "fused_head":
+                from workers.engine.fused_head import model_logprobs
+
+                logprobs, entropy = model_logprobs(model, part["inputs"], part["targets"])
+            else:
+                logprobs, entropy = token_logprobs(forward(part["inputs"]), part["targets"], 1.0)
             value, _ = grpo_loss(logprobs, part["behaviour"], part["advantages"], part["mask"], clip_epsilon=0.2,
                                  aggregation="token", entropy=entropy.detach(), normalizer=normalizer)
         else:
-            value, _ = sft_loss(logits, part["targets"], part["mask"], normalizer=normalizer)
-        del logits
+            value, _ = sft_loss(forward(part["inputs"]), part["targets"], part["mask"], normalizer=normalizer)
         value.backward()
         total += float(value.detach())
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
@@ -294,7 +325,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, rows: dict[st
 
 
 def measure_training(model: nn.Module, hf_config: dict[str, Any], *, loss: str, rows: int, seq: int, steps: int,
-                     warmup: int, device: torch.device, peak_flops: float, n_params: int, forward) -> dict[str, Any]:  # noqa: ANN001
+                     warmup: int, device: torch.device, peak_flops: float, n_params: int, forward,  # noqa: ANN001
+                     scoring: str) -> dict[str, Any]:
     model.train()
     # training.build_optimizer: AdamW(lr, weight_decay, betas=(0.9, 0.95)) over trainable parameters
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6, weight_decay=0.0, betas=(0.9, 0.95))
@@ -303,22 +335,23 @@ def measure_training(model: nn.Module, hf_config: dict[str, Any], *, loss: str, 
     while True:  # the largest micro-batch that fits
         try:
             for _ in range(warmup):
-                train_step(model, optimizer, batch, loss=loss, micro=micro, forward=forward)
+                train_step(model, optimizer, batch, loss=loss, micro=micro, forward=forward, scoring=scoring)
             break
-        except torch.OutOfMemoryError:
-            optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        except torch.cuda.OutOfMemoryError:
             if micro == 1:
                 raise
-            micro //= 2
+        # outside the except: its traceback no longer holds the failed try's tensors, so their memory can go back
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        micro //= 2
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     losses = []
     sync(device)
     start = time.perf_counter()
     for _ in range(steps):
-        losses.append(train_step(model, optimizer, batch, loss=loss, micro=micro, forward=forward))
+        losses.append(train_step(model, optimizer, batch, loss=loss, micro=micro, forward=forward, scoring=scoring))
     sync(device)
     seconds = (time.perf_counter() - start) / steps
     tokens = rows * seq
@@ -328,7 +361,8 @@ def measure_training(model: nn.Module, hf_config: dict[str, Any], *, loss: str, 
     optimizer.zero_grad(set_to_none=True)
     del optimizer
     return {
-        "loss": loss, "rows": rows, "seq": seq, "micro_batch": micro, "tokens_per_step": tokens, "steps_timed": steps,
+        "loss": loss, "logprobs": scoring if loss == "grpo" else "logits", "rows": rows, "seq": seq,
+        "micro_batch": micro, "tokens_per_step": tokens, "steps_timed": steps,
         "seconds_per_step": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1),
         "tflops_per_s": float(f"{(flops_params + flops_attn) / seconds / 1e12:.4g}"),
         "mfu": float(f"{flops_params / seconds / peak_flops:.4g}"),  # the engine's training.mfu: 6 * params * tokens
@@ -346,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny float32 model on CPU (the test's mode)")
     parser.add_argument("--device", default=None, help="default: cuda, or cpu with --smoke")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 with --smoke, else 4)")
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak of one device (H200: 989)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="bf16 dense peak of one device (default: by the device's name, PEAK_TFLOPS)")
     parser.add_argument("--gen-batch", type=int, default=None)
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
@@ -373,13 +408,15 @@ def main(argv: list[str] | None = None) -> int:
         "train_seq": args.train_seq or (32 if smoke else 1024), "train_steps": args.train_steps or (2 if smoke else 5),
         "group": args.group or (2 if smoke else 8),
     }
-    peak = args.peak_tflops * 1e12
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    peak_tflops = args.peak_tflops or peak_tflops_of(device_name)
+    peak = peak_tflops * 1e12
     titan_ok, titan_info = torchtitan_status()
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     started = time.perf_counter()
     emit("env", python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
-         device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+         device=device_name, peak_tflops=peak_tflops,
          torchtitan=titan_info if titan_ok else None, torchtitan_error=None if titan_ok else titan_info,
          dtype=str(dtype).removeprefix("torch."), smoke=smoke, threads=torch.get_num_threads(), **settings)
 
@@ -409,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     for loss in ("grpo", "sft"):
         result = measure_training(model, hf_config, loss=loss, rows=settings["train_rows"], seq=settings["train_seq"],
                                   steps=settings["train_steps"] if loss == "grpo" else max(1, settings["train_steps"] - 2),
-                                  warmup=1, device=device, peak_flops=peak, n_params=n_params, forward=forward)
+                                  warmup=1, device=device, peak_flops=peak, n_params=n_params, forward=forward,
+                                  scoring=logprobs_path(model, model_path))
         trains[loss] = result
         emit("train", model_path=model_path, **result)
         if device.type == "cuda":
@@ -428,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
          sft_train_tokens_per_s=trains["sft"]["tokens_per_s"], sft_mfu=trains["sft"]["mfu"],
          weight_stage_s=weight_sync["ranks1"]["stage_s"], weight_stage_s_8_ranks=weight_sync["ranks8"]["stage_s"],
          in_trainer_refresh_s=in_trainer["refresh_s"],
-         peak_tflops=args.peak_tflops, total_s=round(time.perf_counter() - started, 1),
+         peak_tflops=peak_tflops, total_s=round(time.perf_counter() - started, 1),
          imported_monarch="monarch" in sys.modules, imported_vllm="vllm" in sys.modules)
     return 0
 

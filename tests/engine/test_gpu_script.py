@@ -53,6 +53,9 @@ def _check(lines: dict[str, list[dict]], model_path: str) -> None:
     assert grouped["generated_tokens"] == env["gen_batch"] * env["new_tokens"]
     assert grouped["logprob_max_abs_diff_vs_full_forward"] < 1e-4 and summary["gen_tokens_per_s_grouped"] > 0
     assert [t["loss"] for t in lines["train"]] == ["grpo", "sft"]
+    scoring = "fused_head" if model_path == "engine-torchtitan" else "logits"  # GRPO's log-probs as policy_update's
+    assert [t["logprobs"] for t in lines["train"]] == [scoring, "logits"]
+    assert env["peak_tflops"] > 0
     for train in lines["train"]:
         assert train["model_path"] == model_path and train["losses_finite"] is True
         assert train["tokens_per_step"] == env["train_rows"] * env["train_seq"]
@@ -88,3 +91,34 @@ def test_gpu_script_smoke_without_torchtitan() -> None:
     lines = _run(["-c", WITHOUT_TORCHTITAN])
     _check(lines, "transformers-fallback")
     assert lines["env"][0]["torchtitan"] is None and "torchtitan" in lines["env"][0]["torchtitan_error"]
+
+
+def _script_module():  # noqa: ANN202
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_bf16", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_mfu_peak_follows_the_lent_device_by_its_name() -> None:
+    script = _script_module()
+    assert script.peak_tflops_of("NVIDIA H100 PCIe") == 756.0
+    assert script.peak_tflops_of("NVIDIA H100 NVL") == 835.0
+    assert script.peak_tflops_of("NVIDIA H100 80GB HBM3") == script.peak_tflops_of("NVIDIA H200") == 989.0
+    assert script.peak_tflops_of("some other device") == script.DEFAULT_PEAK_TFLOPS
+
+
+def test_the_transformers_fallback_in_bf16_keeps_rope_frequencies_in_float32() -> None:
+    import torch
+
+    script = _script_module()
+    model = script.HFQwen3ForEngine(script.TINY, torch.bfloat16, torch.device("cpu"))
+    buffers = dict(model.named_buffers())
+    assert [name for name in buffers if name.endswith("inv_freq")], sorted(buffers)
+    assert all(b.dtype == torch.float32 for name, b in buffers.items() if name.endswith("inv_freq"))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        logits = model(torch.ones(1, 4, dtype=torch.long))
+    assert logits.shape == (1, 4, script.TINY["vocab_size"]) and bool(torch.isfinite(logits.float()).all())
