@@ -1,6 +1,6 @@
 """The engine's torch path in bf16 on one GPU (not a test): model, sampler, training step.
 
-    python tests/bench/gpu_bf16.py            # a lent H200: Qwen3-1.7B-sized, random init, bf16, cuda (< 4 min)
+    python tests/bench/gpu_bf16.py            # a lent H100 or H200: Qwen3-1.7B-sized, random init, bf16, cuda (< 4 min)
     python tests/bench/gpu_bf16.py --smoke    # tiny float32 model on CPU, seconds (tests/engine/test_gpu_script.py)
 
 Self-contained for the GPU machine (Python 3.12, torch with CUDA, transformers, triton; no
