@@ -330,6 +330,14 @@ def test_validate_refuses_aliases_with_their_line(client, team):
     assert body["errors"] == [{"field": "", "message": "YAML aliases (*name) are not allowed", "line": 4, "override": None}]
 
 
+def test_validate_names_the_line_of_a_value_yaml_cannot_build(client, team):
+    client.force_login(team.member)
+    body = _check(client, yaml="recipe: grpo\nmodel:\n  path: x\ntrainer:\n  steps: !!int abc\n").json()
+    assert body["ok"] is False
+    assert [(e["field"], e["line"]) for e in body["errors"]] == [("", 5)]
+    assert body["errors"][0]["message"].startswith("malformed YAML: invalid literal for int()")
+
+
 def test_validate_a_recipe_mismatch_and_a_bad_override(client, team):
     client.force_login(team.member)
     mismatch = _check(client, recipe="sft").json()["errors"]

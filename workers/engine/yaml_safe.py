@@ -7,6 +7,7 @@ a clear message before it costs memory or time.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import yaml
@@ -14,6 +15,7 @@ from yaml.nodes import MappingNode, Node
 
 MAX_CONFIG_BYTES = 64 * 1024
 MAX_DEPTH = 16
+UNREADABLE_VALUE = (ValueError, TypeError, OverflowError)  # what building a tagged or implicitly typed value raises
 
 
 @dataclass(frozen=True)
@@ -43,14 +45,42 @@ class _LimitedLoader(yaml.SafeLoader):
                 self._depth -= 1
         return super().compose_node(parent, index)
 
+    def construct_object(self, node: Node, deep: bool = False) -> object:  # type: ignore[override]
+        try:
+            return super().construct_object(node, deep=deep)
+        except UNREADABLE_VALUE as exc:  # a date with month 13, `!!int abc`, an integer of 5000 digits
+            raise YamlProblem(f"malformed YAML: {exc}", node.start_mark.line + 1) from None
+
     def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict:  # type: ignore[override]
         seen: set[object] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (list, dict, set)):
+                raise YamlProblem("a key must be a plain value, not a list or a mapping", key_node.start_mark.line + 1)
             if key in seen:
                 raise YamlProblem(f"duplicate key {key!r}", key_node.start_mark.line + 1)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+def _refuse_tag(loader: _LimitedLoader, node: Node) -> None:
+    raise YamlProblem(f"the YAML tag !!{node.tag.rsplit(':', 1)[-1]} is not allowed: a config holds text, numbers, "
+                      "true/false, null, lists and mappings", node.start_mark.line + 1)
+
+
+def _finite_float(loader: _LimitedLoader, node: Node) -> float:
+    value = yaml.SafeLoader.construct_yaml_float(loader, node)
+    if not math.isfinite(value):
+        raise YamlProblem(f"{node.value} is not a finite number", node.start_mark.line + 1)
+    return value
+
+
+# Only what JSON can hold: a date stays the text it was written as (JSON has no dates), .nan and .inf are refused, and
+# so are the tags that build bytes, sets or ordered pairs.
+_LimitedLoader.add_constructor("tag:yaml.org,2002:timestamp", yaml.SafeLoader.construct_yaml_str)
+_LimitedLoader.add_constructor("tag:yaml.org,2002:float", _finite_float)
+for _tag in ("binary", "set", "omap", "pairs"):
+    _LimitedLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", _refuse_tag)
 
 
 def load_yaml_mapping(text: str, *, max_bytes: int = MAX_CONFIG_BYTES) -> dict:
@@ -72,6 +102,8 @@ def load_yaml_mapping(text: str, *, max_bytes: int = MAX_CONFIG_BYTES) -> dict:
         line = exc.problem_mark.line + 1 if exc.problem_mark else None
         raise YamlProblem(f"malformed YAML: {exc.problem or exc.context}", line) from None
     except yaml.YAMLError as exc:
+        raise YamlProblem(f"malformed YAML: {exc}") from None
+    except UNREADABLE_VALUE as exc:  # raised where the loader fills in a mapping or a list after building it
         raise YamlProblem(f"malformed YAML: {exc}") from None
     if not isinstance(data, dict):
         raise YamlProblem(f"config must be a mapping of sections, got {type(data).__name__}")
