@@ -68,6 +68,7 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "forgeboard.api_errors.ApiErrorShapeMiddleware",
     "forgeboard.body_limits.BodyLimitMiddleware",
+    "forgeboard.request_refusals.RequestRefusalMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "forgeboard.logs.RequestContextMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",

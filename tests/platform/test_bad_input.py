@@ -397,3 +397,59 @@ def test_a_webhook_with_a_nul_is_refused_at_its_field(team, field, url, secret):
         webhook_create(actor=team.owner, project=team.project, url=url, events=["run_failed"], secret=secret)
     assert caught.value.problems[0].field == field and "NUL" in caught.value.message
     assert not Webhook.objects.exists()
+
+
+# --- a NUL in a URL or a form field: a 400 naming where, before a view looks anything up with it -----------------
+# (Postgres refuses a NUL in a query's text parameter: each of these was a 500 there)
+
+@pytest.mark.parametrize(("method", "url", "where"), [
+    ("get", "/api/v1/projects/a%00b", "path"),
+    ("get", "/api/v1/projects/alpha/artifacts?kind=%00", "query field 'kind'"),
+    ("get", "/api/v1/runs/1/metrics/a%00b", "path"),
+    ("post", "/api/v1/projects/alpha/suites/a%00b/runs", "path"),
+    ("delete", "/api/v1/projects/%00/artifacts/x", "path"),
+])
+def test_a_nul_in_an_api_url_is_a_400_naming_where(client, team, bearer, method, url, where):
+    before = _everything_stored()
+    body = {"data": "{}", "content_type": "application/json"} if method == "post" else {}
+    response = getattr(client, method)(url, **body, **bearer)
+    body = _assert_refused(response, 400, "bad_request", where)
+    assert "NUL" in body["message"]
+    assert _everything_stored() == before
+
+
+def test_a_nul_in_a_page_url_or_a_form_field_is_a_400_and_changes_nothing(client, team):
+    from forgeboard.accounts.models import ApiToken, Membership
+
+    client.force_login(team.owner)
+    for url in ("/p/alpha/?q=%00", "/p/alpha/?tag=%00", "/p/alpha/suites/%00/", "/p/alpha/?%00=1"):
+        response = client.get(url)
+        assert response.status_code == 400 and b"must not contain NUL" in response.content, url
+    stored = (ApiToken.objects.count(), Membership.objects.count())
+    refused = [client.post("/settings/tokens/", {"project": "\x00", "name": "t", "scope": "read"}),
+               client.post("/p/alpha/members/", {"username": "a\x00b", "role": "viewer"})]
+    assert [(r.status_code, b"form field" in r.content) for r in refused] == [(400, True), (400, True)]
+    assert (ApiToken.objects.count(), Membership.objects.count()) == stored
+    assert client.get("/p/alpha/?q=math").status_code == 200, "a search without one still works"
+
+
+def test_a_browser_session_may_label_an_api_body_multipart_without_a_500(team):
+    """Its CSRF check reads the body as a form; the JSON parser still finds it (it read an empty stream: a 500)."""
+    from django.test import Client
+
+    browser = Client(enforce_csrf_checks=True)
+    browser.force_login(team.member)
+    browser.get("/settings/tokens/")
+    csrf = {"HTTP_X_CSRFTOKEN": browser.cookies["csrftoken"].value}
+    body = '{"name": "from-a-form", "scope": "read"}'
+    labelled = browser.post("/api/v1/projects/alpha/tokens", data=body, content_type="multipart/form-data; boundary=zz",
+                            **csrf)
+    assert labelled.status_code == 201 and labelled.json()["name"] == "from-a-form", labelled.content[:300]
+    unreadable = browser.post("/api/v1/projects/alpha/tokens", data=body, content_type="multipart/form-data", **csrf)
+    _assert_refused(unreadable, 400, "bad_request", "form body")
+
+
+def test_a_page_form_body_that_is_not_multipart_is_a_400(client, team):
+    client.force_login(team.owner)
+    response = client.post("/settings/tokens/", data="name=t", content_type="multipart/form-data")
+    assert response.status_code == 400 and b"not a readable multipart body" in response.content
