@@ -291,6 +291,58 @@ def test_an_override_with_a_nul_is_refused_by_the_api_and_the_service(client, te
     assert _everything_stored() == before
 
 
+# A NUL or a lone surrogate written as a YAML escape: the text is plain ASCII, the parsed value is not storable.
+CHECK = {"name": "c", "metric": "reward", "direction": "higher_is_better"}
+ESCAPES = {"surrogate": (r"\uD800", "lone surrogates"), "nul": (r"\0", "NUL")}
+
+
+@pytest.mark.parametrize("escape", list(ESCAPES))
+@pytest.mark.parametrize("in_override", [False, True])
+def test_an_escaped_unstorable_config_value_is_refused_at_its_field(client, team, bearer, grpo_yaml, escape,
+                                                                     in_override):
+    code, reason = ESCAPES[escape]
+    if in_override:
+        yaml_text, overrides = grpo_yaml, [f'checkpoint.folder="s{code}t"']
+    else:
+        yaml_text, overrides = grpo_yaml + f'checkpoint:\n  folder: "s{code}t"\n', []
+    before = _everything_stored()
+    body = _assert_refused(_post(client, f"/experiments/{team.experiment.pk}/runs",
+                                 {"config_yaml": yaml_text, "overrides": overrides}, bearer),
+                           400, "validation_failed", "config.checkpoint.folder")
+    assert reason in body["message"]
+    stage = {"name": "s", "experiment_id": team.experiment.pk, "config_yaml": yaml_text, "overrides": overrides,
+             "checks": [CHECK]}
+    _assert_refused(_post(client, "/projects/alpha/suites", {"name": "smoke", "spec": {"stages": [stage]}}, bearer),
+                    400, "validation_failed", "spec.stages.0.config.checkpoint.folder")
+    plan = {"project": "alpha", "recipe": "grpo", "yaml": yaml_text, "overrides": overrides}
+    _assert_refused(_post(client, "/plans", plan, bearer), 400, "validation_failed", "config.checkpoint.folder")
+    check = _post(client, "/configs/validate", {"recipe": "grpo", "yaml": yaml_text, "overrides": overrides}, bearer)
+    assert check.status_code == 200 and check.json()["ok"] is False
+    problem = next(e for e in check.json()["errors"] if e["field"] == "checkpoint.folder")
+    assert reason in problem["message"] and problem["override"] == (1 if overrides else None)
+    assert _everything_stored() == before
+
+
+def test_an_escaped_unstorable_config_key_is_refused_at_its_section(client, team, bearer, grpo_yaml):
+    before = _everything_stored()
+    body = {"config_yaml": grpo_yaml + 'checkpoint:\n  "fol\\0der": x\n'}
+    response = _assert_refused(_post(client, f"/experiments/{team.experiment.pk}/runs", body, bearer), 400,
+                               "validation_failed", "config.checkpoint")
+    assert "key" in response["message"] and "NUL" in response["message"]
+    assert _everything_stored() == before
+
+
+def test_a_suite_stored_before_the_check_is_refused_at_launch(client, team, bearer, grpo_yaml):
+    # Stored as the JSON text it is (a NUL escape), as suites created before the check were.
+    stage = {"name": "s", "experiment_id": team.experiment.pk, "checks": [CHECK],
+             "config_yaml": grpo_yaml + 'checkpoint:\n  folder: "s\\0t"\n'}
+    Suite.objects.create(project=team.project, name="smoke", spec={"stages": [stage]})
+    before = _everything_stored()
+    _assert_refused(_post(client, "/projects/alpha/suites/smoke/runs", {}, bearer), 400, "validation_failed",
+                    "config.checkpoint.folder")
+    assert _everything_stored() == before
+
+
 def test_a_command_payload_with_a_nul_is_refused(client, running_run, bearer):
     run, _ = running_run
     before = _everything_stored()

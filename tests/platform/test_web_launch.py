@@ -152,6 +152,28 @@ def test_chosen_hosts_pin_every_role_of_the_run(client, team):
         assert f'placement.{role}.hosts=["gpu-b"]' in run.config.overrides
 
 
+def test_a_host_named_with_an_emoji_is_pinned_as_named(client, team):
+    # The inventory takes any host name without spaces, so the choice keeps the emoji as it is.
+    client.force_login(team.member)
+    response = client.post("/p/alpha/launch/", _form(team, hosts=["\U0001f642"]))
+    assert response.status_code == 400 and "not in the cluster inventory: \U0001f642" in response.content.decode()
+    Host.objects.create(hostname="\U0001f642")
+    response = client.post("/p/alpha/launch/", _form(team, hosts=["\U0001f642"]))
+    assert response.status_code == 302
+    run = Run.objects.get()
+    assert run.placement_plan["trainer"]["hosts"] == ["\U0001f642"]
+    assert 'placement.trainer.hosts=["\U0001f642"]' in run.config.overrides
+
+
+def test_an_escaped_lone_surrogate_in_the_config_is_shown_at_its_field(client, team):
+    client.force_login(team.member)
+    escaped = GRPO_YAML + 'checkpoint:\n  folder: "s\\uD800t"\n'
+    response = client.post("/p/alpha/launch/", _form(team, config_yaml=escaped))
+    html = response.content.decode()
+    assert response.status_code == 400 and "checkpoint.folder" in html and "lone surrogates" in html
+    assert Run.objects.count() == 0
+
+
 def test_viewer_sees_a_read_only_page(client, team):
     client.force_login(team.viewer)
     page = client.get("/p/alpha/launch/")

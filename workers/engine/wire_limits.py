@@ -75,20 +75,27 @@ def unstorable_reason(text: str) -> str | None:
 
 def unstorable_in(value: Any, *, max_depth: int = MAX_JSON_DEPTH) -> str | None:
     """The first problem found in a JSON-like value's keys and strings (or its depth), else None."""
-    stack: list[tuple[Any, int]] = [(value, 0)]
+    found = unstorable_at(value, max_depth=max_depth)
+    return found[1] if found else None
+
+
+def unstorable_at(value: Any, *, max_depth: int = MAX_JSON_DEPTH) -> tuple[str, str] | None:
+    """Where the first problem in a JSON-like value's keys and strings (or its depth) is, and what it is:
+    (dotted path, reason); the path is "" for the value itself and, for a key, that of its mapping. None if none."""
+    stack: list[tuple[Any, int, str]] = [(value, 0, "")]
     while stack:
-        item, depth = stack.pop()
+        item, depth, path = stack.pop()
         if depth > max_depth:
-            return f"nested deeper than {max_depth} levels"
+            return path, f"nested deeper than {max_depth} levels"
         if isinstance(item, str):
             reason = unstorable_reason(item)
             if reason:
-                return reason
+                return path, reason
         elif isinstance(item, dict):
             for key, child in item.items():
-                if isinstance(key, str) and unstorable_reason(key):
-                    return f"key: {unstorable_reason(key)}"
-                stack.append((child, depth + 1))
+                if isinstance(key, str) and (reason := unstorable_reason(key)):
+                    return path, f"key: {reason}"
+                stack.append((child, depth + 1, f"{path}.{key}" if path else str(key)))
         elif isinstance(item, list | tuple):
-            stack.extend((child, depth + 1) for child in item)
+            stack.extend((child, depth + 1, f"{path}.{i}" if path else str(i)) for i, child in enumerate(item))
     return None

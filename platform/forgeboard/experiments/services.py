@@ -15,8 +15,14 @@ from forgeboard.accounts.permissions import Actor, actor_user, require_project_r
 from forgeboard.audit.services import audit_record
 from forgeboard.errors import AlreadyExists, FieldProblem, ValidationFailed, clean_text
 from forgeboard.experiments.models import ConfigSnapshot, Experiment, Recipe
-from workers.engine.config import ConfigError, FieldError, RunConfig, load_config
-from workers.engine.wire_limits import unstorable_reason
+from workers.engine.config import (
+    ConfigError,
+    FieldError,
+    RunConfig,
+    config_mapping,
+    parse_config_mapping,
+)
+from workers.engine.wire_limits import unstorable_at, unstorable_reason
 
 MAX_TAGS = 20
 MAX_TAG_LENGTH = 50
@@ -53,6 +59,14 @@ def _refuse_unstorable(*, yaml_text: str, overrides: Sequence[str]) -> None:
             raise ValidationFailed.on(f"overrides.{index}", "must be text")
         if reason := unstorable_reason(override):
             raise ValidationFailed.on(f"overrides.{index}", reason)
+
+
+def _refuse_unstorable_values(data: dict[str, object]) -> None:
+    """What the YAML and overrides parse to, refused at its config path where it cannot be stored (an escape
+    such as "\\0" or "\\uD800"); before the schema, whose messages may quote it."""
+    if found := unstorable_at(data):
+        path, reason = found
+        raise ValidationFailed.on(f"config.{path}" if path else "config", reason)
 
 
 def experiment_create(
@@ -181,7 +195,9 @@ def _engine_validated(*, yaml_text: str, overrides: Sequence[str], recipe: str) 
         raise ValidationFailed.on("overrides", f"at most {MAX_OVERRIDES} overrides, got {len(overrides)}")
     _refuse_unstorable(yaml_text=yaml_text, overrides=overrides)
     try:
-        config = load_config(yaml_text, overrides=list(overrides))
+        data = config_mapping(yaml_text, overrides=list(overrides))
+        _refuse_unstorable_values(data)
+        config = parse_config_mapping(data)
     except ConfigError as exc:
         problems = _config_problems(exc.errors)
         raise ValidationFailed("invalid config: " + "; ".join(str(e) for e in exc.errors), problems=problems) from None

@@ -45,7 +45,8 @@ def placement_overrides(*, recipe: str, hosts: Sequence[str]) -> list[str]:
     """Overrides that pin every role the recipe starts to these hosts (nothing when no host is chosen)."""
     if not hosts:
         return []
-    return [f"placement.{role}.hosts={json.dumps(list(hosts))}" for role in RECIPE_ROLES.get(recipe, ("trainer",))]
+    pinned = json.dumps(list(hosts), ensure_ascii=False)  # YAML would read "\ud83d\ude42" as two lone surrogates
+    return [f"placement.{role}.hosts={pinned}" for role in RECIPE_ROLES.get(recipe, ("trainer",))]
 
 
 def run_launch_submit(*, actor: Actor, project: Project, experiment: Experiment | None,
