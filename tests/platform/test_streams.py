@@ -140,3 +140,54 @@ async def test_outsider_token_cannot_subscribe(running_run, team):
     connected, close_code = await communicator.connect(timeout=10)
     await communicator.disconnect()
     assert not connected and close_code == 4404
+
+
+@pytest.mark.parametrize("path", [
+    "/ws/projects/d%C3%A9mo/", "/ws/projects/%00/", "/ws/runs/1" + "0" * 5000 + "/", "/ws/nope/", "/",
+])
+async def test_unknown_paths_are_refused(path):
+    communicator = WebsocketCommunicator(application, path, headers=HEADERS)
+    connected, close_code = await communicator.connect(timeout=10)  # an exception in the app would raise here
+    await communicator.disconnect()
+    assert not connected and close_code == 4404
+
+
+@pytest.mark.parametrize("run_id", ["1" + "0" * 30, "1" + "0" * 4000])
+async def test_run_id_past_the_database_integer_is_not_found(team, run_id):
+    token = await _token(team)
+    communicator = WebsocketCommunicator(application, f"/ws/runs/{run_id}/?token={token}", headers=HEADERS)
+    connected, close_code = await communicator.connect(timeout=10)
+    await communicator.disconnect()
+    assert not connected and close_code == 4404
+
+
+GARBAGE_FRAMES = [  # as uvicorn hands them over; the communicator's send_to refuses an empty text frame
+    {"bytes": b"\x00\xff"}, {"text": "not json"}, {"text": ""}, {"text": "[1, 2]"}, {"text": '"ping"'},
+    {"text": '{"type": "nope"}'}, {"text": "[" * 2_000}, {"text": json.dumps({"type": "ping", "pad": "x" * 1_000_000})},
+]
+
+
+async def test_garbage_frames_are_ignored_and_the_run_stream_goes_on(running_run, team):
+    run, _ = running_run
+    token = await _token(team)
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={token}")
+    await stream.receive_from(timeout=10)
+    for frame in GARBAGE_FRAMES:
+        await stream.send_input({"type": "websocket.receive", **frame})
+    await _ingest(run, 1)
+    live = await _receive_until(stream, lambda m: m.get("batch") == 1)  # an exception in the consumer raises here
+    assert {"type": "pong"} not in live  # the oversized ping went unanswered
+    await stream.send_json_to({"type": "ping"})
+    assert json.loads(await stream.receive_from(timeout=10)) == {"type": "pong"}
+    await stream.disconnect()
+
+
+async def test_garbage_frames_are_ignored_and_the_project_stream_goes_on(running_run, team):
+    run, _ = running_run
+    token = await _token(team)
+    stream = await _connect(f"/ws/projects/{team.project.slug}/?token={token}")
+    for frame in GARBAGE_FRAMES:
+        await stream.send_input({"type": "websocket.receive", **frame})
+    await sync_to_async(run_transition)(run_id=run.pk, from_state=RunState.RUNNING, to_state=RunState.PAUSED)
+    assert json.loads(await stream.receive_from(timeout=10)) == {"type": "run.state", "run": run.pk, "state": "paused"}
+    await stream.disconnect()

@@ -11,7 +11,7 @@ from urllib.parse import parse_qs
 
 from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
-from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocketConsumer
 
 from forgeboard.accounts.permissions import project_role
 from forgeboard.accounts.services import api_token_authenticate
@@ -29,6 +29,7 @@ BACKLOG_TIMELINES = 50
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_NOT_FOUND = 4404
 CLOSE_BAD_REQUEST = 4400
+CLIENT_FRAME_MAX_CHARS = 4096  # a client sends only small control messages (a ping)
 
 
 def _int_param(query: dict[str, list[str]], name: str) -> int | None:
@@ -68,6 +69,23 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             return
         await super().dispatch(message)
 
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs) -> None:
+        """A frame that is binary, oversized or not JSON is ignored: the stream goes on."""
+        if not text_data or len(text_data) > CLIENT_FRAME_MAX_CHARS:
+            return
+        try:
+            content = await self.decode_json(text_data)
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
+            return
+        await self.receive_json(content)
+
+
+class UnknownPathConsumer(AsyncWebsocketConsumer):
+    """The last route: a path that matches no stream is refused like a stream that is not there."""
+
+    async def connect(self) -> None:
+        await self.close(code=CLOSE_NOT_FOUND)
+
 
 class RunStreamConsumer(LiveConsumer):
     live_types = frozenset({"run.update"})
@@ -82,10 +100,11 @@ class RunStreamConsumer(LiveConsumer):
         if actor is None:
             await self.close(code=CLOSE_UNAUTHORIZED)
             return
-        self.run_id = int(self.scope["url_route"]["kwargs"]["run_id"])
-        if not await self._may_read(actor):
+        run_id = self.scope["url_route"]["kwargs"]["run_id"]
+        if not await self._may_read(actor, run_id):
             await self.close(code=CLOSE_NOT_FOUND)
             return
+        self.run_id = run_id
         # Join first, then read the backlog: anything published in between arrives twice and is deduplicated.
         self.last_seq = after_seq
         await self.channel_layer.group_add(run_group(self.run_id), self.channel_name)
@@ -119,8 +138,8 @@ class RunStreamConsumer(LiveConsumer):
         await self.send_json(update)
 
     @database_sync_to_async
-    def _may_read(self, actor) -> bool:  # noqa: ANN001
-        run = Run.objects.select_related("experiment__project").filter(pk=self.run_id).first()
+    def _may_read(self, actor, run_id: int) -> bool:  # noqa: ANN001
+        run = Run.objects.select_related("experiment__project").filter(pk=run_id).first()
         self.project_id = run.experiment.project_id if run else None
         return run is not None and project_role(actor=actor, project=run.experiment.project) is not None
 
