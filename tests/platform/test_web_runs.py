@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from forgeboard.accounts.models import Membership
+from forgeboard.errors import ValidationFailed
 from forgeboard.experiments.services import experiment_create
 from forgeboard.runs.models import Command, Run
 from forgeboard.runs.services import run_launch
@@ -67,6 +68,29 @@ def test_form_payload_nests_and_types_fields():
     fields = {"kind": "fault_drill", "payload.kind": "hang", "payload.replica": "1", "payload.duration_s": "2.5",
               "payload.schedule.at_step": "7", "payload.latency_ms": ""}
     assert form_payload(fields) == {"kind": "hang", "replica": 1, "duration_s": 2.5, "schedule": {"at_step": 7}}
+    assert form_payload({"payload.replica": "1" + "0" * 5000}) == {"replica": "1" + "0" * 5000}, "text, not int()"
+
+
+@pytest.mark.parametrize("fields", [{"payload.role": "generator", "payload.role.x": "1"},
+                                    {"payload.role.x": "1", "payload.role": "generator"}])
+def test_form_payload_refuses_a_field_that_is_both_a_value_and_a_section(fields):
+    with pytest.raises(ValidationFailed) as caught:
+        form_payload(fields)
+    assert caught.value.problems[0].field == list(fields)[1] and "conflicts with" in caught.value.message
+
+
+def test_the_command_form_answers_hostile_fields_with_their_reason(client, team, runs):
+    run = runs[0]
+    Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING)
+    client.force_login(team.member)
+    for fields, reason in (({"payload.replica": "9" * 5000}, "payload.replica: Unable to parse input string"),
+                           ({"payload.role": "generator", "payload.role.x": "1"},
+                            "payload.role.x: conflicts with payload.role, which holds a value")):
+        response = client.post(f"/runs/{run.pk}/commands/", {"kind": "fault_drill", "payload.kind": "kill", **fields},
+                               follow=True)
+        shown = [str(message) for message in response.context["messages"]]
+        assert response.status_code == 200 and any(reason in message for message in shown), shown
+        assert run.commands.count() == 0, fields
 
 
 def test_the_command_form_fallback_stores_a_command_or_shows_the_reason(client, team, runs):

@@ -17,7 +17,7 @@ from django.views.decorators.http import require_GET, require_POST
 from forgeboard.accounts.models import Role
 from forgeboard.accounts.permissions import project_role
 from forgeboard.cluster.models import Host
-from forgeboard.errors import ServiceError
+from forgeboard.errors import ServiceError, ValidationFailed
 from forgeboard.experiments.models import Recipe
 from forgeboard.experiments.selectors import experiments_for_project
 from forgeboard.runs.checkpoints import run_checkpoints, run_launch_from_checkpoint_request
@@ -160,13 +160,14 @@ def run_cancel_view(request: HttpRequest, run_id: int) -> HttpResponse:
     return redirect("run_detail", run_id=run.pk)
 
 
-NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
+NUMBER = re.compile(r"^-?\d{1,18}(\.\d{1,18})?$")  # longer digit runs stay text, for the service to refuse
 
 
 def form_payload(fields: dict[str, str]) -> dict[str, Any]:
     """Form fields `payload.a.b=v` as a nested payload; numbers become numbers, empty fields are left out.
 
-    The browser script builds the same shape; the service validates it (field and reason).
+    The browser script builds the same shape; the service validates it (field and reason). A field that is both a
+    value and a section (`payload.role` and `payload.role.x`) is refused at the second one.
     """
     payload: dict[str, Any] = {}
     for name, raw in fields.items():
@@ -177,8 +178,13 @@ def form_payload(fields: dict[str, str]) -> dict[str, Any]:
             value = float(raw) if "." in raw else int(raw)
         *parents, leaf = name.removeprefix("payload.").split(".")
         node = payload
-        for parent in parents:
+        for depth, parent in enumerate(parents, start=1):
             node = node.setdefault(parent, {})
+            if not isinstance(node, dict):
+                section = ".".join(["payload", *parents[:depth]])
+                raise ValidationFailed.on(name, f"conflicts with {section}, which holds a value")
+        if isinstance(node.get(leaf), dict):
+            raise ValidationFailed.on(name, f"conflicts with the fields under {name}")
         node[leaf] = value
     return payload
 
