@@ -28,6 +28,25 @@ class ContextFilter(logging.Filter):
         return True
 
 
+SECRET_QUERY_PARAMETER = re.compile(r"([?&]token=)[^&\s\"']*")
+
+
+def redacted(text: str) -> str:
+    """A path with its query string, the value of any `token` parameter replaced."""
+    return SECRET_QUERY_PARAMETER.sub(r"\1[redacted]", text)
+
+
+class RedactTokens(logging.Filter):
+    """uvicorn logs each websocket handshake with its path and query string, where a client may pass its API token
+    (`/ws/runs/7/?token=fb_...`, the streams' documented alternative to a session): the token never reaches a log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(redacted(arg) if isinstance(arg, str) else arg for arg in record.args)
+        record.msg = redacted(record.msg) if isinstance(record.msg, str) else record.msg
+        return True
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {

@@ -138,3 +138,15 @@ def test_requests_get_an_id_header(client, db):
     assert response["X-Request-ID"] == "abc-123"
     spoofed = client.get("/healthz", HTTP_X_REQUEST_ID="bad id\nwith newline")
     assert spoofed["X-Request-ID"] != "bad id\nwith newline" and len(spoofed["X-Request-ID"]) == 32
+
+
+def test_an_api_token_in_a_logged_query_string_is_redacted():
+    import logging
+
+    from forgeboard.logs import RedactTokens
+
+    record = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 1, '%s - "WebSocket %s" [accepted]',
+                               ("127.0.0.1:5", "/ws/runs/7/?after_seq=3&token=fb_abc_SECRET&x=1"), None)
+    assert RedactTokens().filter(record)
+    line = record.getMessage()
+    assert "SECRET" not in line and "/ws/runs/7/?after_seq=3&token=[redacted]&x=1" in line

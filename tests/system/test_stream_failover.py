@@ -74,3 +74,5 @@ def test_reconnect_to_a_second_web_process_resumes_without_a_gap(tmp_path, runni
                 seen.extend(_batches_in(json.loads(ws_b.recv(timeout=20))))
         stop_group(server_a)
     assert seen == list(range(1, BATCHES + 1)), "every batch once, in order, across the failover"
+    logged = (tmp_path / "a.log").read_text() + (tmp_path / "b.log").read_text()
+    assert f"/ws/runs/{run.pk}/?token=[redacted]" in logged and read_token not in logged, "uvicorn logs handshakes"
