@@ -451,38 +451,43 @@ def test_a_webhook_with_a_nul_is_refused_at_its_field(team, field, url, secret):
     assert not Webhook.objects.exists()
 
 
-# --- a NUL in a URL or a form field: a 400 naming where, before a view looks anything up with it -----------------
-# (Postgres refuses a NUL in a query's text parameter: each of these was a 500 there)
+# --- a NUL in a URL or a form field names nothing: a 404 for a path, a 400 naming a query parameter, a form's own
+# refusal for a field; nothing stored (Postgres refuses a NUL in a query's text parameter: each of these was a 500)
 
-@pytest.mark.parametrize(("method", "url", "where"), [
-    ("get", "/api/v1/projects/a%00b", "path"),
-    ("get", "/api/v1/projects/alpha/artifacts?kind=%00", "query field 'kind'"),
-    ("get", "/api/v1/runs/1/metrics/a%00b", "path"),
-    ("post", "/api/v1/projects/alpha/suites/a%00b/runs", "path"),
-    ("delete", "/api/v1/projects/%00/artifacts/x", "path"),
+@pytest.mark.parametrize(("method", "url", "status", "field"), [
+    ("get", "/api/v1/projects/a%00b", 404, "path"),
+    ("get", "/api/v1/runs/1/metrics/a%00b", 404, "path"),
+    ("post", "/api/v1/projects/alpha/suites/a%00b/runs", 404, "path"),
+    ("delete", "/api/v1/projects/%00/artifacts/x", 404, "path"),
+    ("get", "/api/v1/projects/alpha/artifacts?kind=%00", 400, "kind"),
 ])
-def test_a_nul_in_an_api_url_is_a_400_naming_where(client, team, bearer, method, url, where):
+def test_a_nul_in_an_api_url_is_refused_naming_where(client, team, bearer, method, url, status, field):
     before = _everything_stored()
     body = {"data": "{}", "content_type": "application/json"} if method == "post" else {}
     response = getattr(client, method)(url, **body, **bearer)
-    body = _assert_refused(response, 400, "bad_request", where)
-    assert "NUL" in body["message"]
+    refused = _assert_refused(response, status, {404: "not_found", 400: "bad_request"}[status], field)
+    assert "NUL" in refused["message"]
     assert _everything_stored() == before
 
 
-def test_a_nul_in_a_page_url_or_a_form_field_is_a_400_and_changes_nothing(client, team):
+def test_a_nul_in_a_page_url_or_a_form_field_is_refused_and_changes_nothing(client, team):
     from forgeboard.accounts.models import ApiToken, Membership
+    from forgeboard.cluster.models import Host
 
     client.force_login(team.owner)
-    for url in ("/p/alpha/?q=%00", "/p/alpha/?tag=%00", "/p/alpha/suites/%00/", "/p/alpha/?%00=1"):
+    for url in ("/p/alpha/?q=%00", "/p/alpha/?tag=%00", "/p/alpha/?%00=1"):
         response = client.get(url)
         assert response.status_code == 400 and b"must not contain NUL" in response.content, url
-    stored = (ApiToken.objects.count(), Membership.objects.count())
-    refused = [client.post("/settings/tokens/", {"project": "\x00", "name": "t", "scope": "read"}),
-               client.post("/p/alpha/members/", {"username": "a\x00b", "role": "viewer"})]
-    assert [(r.status_code, b"form field" in r.content) for r in refused] == [(400, True), (400, True)]
-    assert (ApiToken.objects.count(), Membership.objects.count()) == stored
+    assert client.get("/p/alpha/suites/%00/").status_code == 404
+    stored = (ApiToken.objects.count(), Membership.objects.count(), Host.objects.count())
+    token = client.post("/settings/tokens/", {"project": "\x00", "name": "t", "scope": "read"})
+    member = client.post("/p/alpha/members/", {"username": "a\x00b", "role": "viewer"}, follow=True)
+    assert token.status_code == 404
+    assert member.status_code == 200 and any("no active user named" in str(m) for m in member.context["messages"])
     assert client.get("/p/alpha/?q=math").status_code == 200, "a search without one still works"
+    client.force_login(team.operator)
+    assert client.post("/cluster/", {"hostname": "h\x00", "state": "draining"}).status_code == 404
+    assert (ApiToken.objects.count(), Membership.objects.count(), Host.objects.count()) == stored
 
 
 def test_a_browser_session_may_label_an_api_body_multipart_without_a_500(team):
@@ -498,7 +503,7 @@ def test_a_browser_session_may_label_an_api_body_multipart_without_a_500(team):
                             **csrf)
     assert labelled.status_code == 201 and labelled.json()["name"] == "from-a-form", labelled.content[:300]
     unreadable = browser.post("/api/v1/projects/alpha/tokens", data=body, content_type="multipart/form-data", **csrf)
-    _assert_refused(unreadable, 400, "bad_request", "form body")
+    _assert_refused(unreadable, 400, "bad_request", "body")
 
 
 def test_a_page_form_body_that_is_not_multipart_is_a_400(client, team):

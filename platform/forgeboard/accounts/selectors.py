@@ -5,6 +5,7 @@ from django.db.models import QuerySet
 from forgeboard.accounts.models import ApiToken, Membership, Project, Role, User
 from forgeboard.accounts.permissions import Actor, project_role
 from forgeboard.errors import NotFound, is_db_id
+from workers.engine.wire_limits import unstorable_reason
 
 
 def projects_for_user(*, user: User) -> QuerySet[Project]:
@@ -15,7 +16,7 @@ def projects_for_user(*, user: User) -> QuerySet[Project]:
 
 def project_get(*, actor: Actor, slug: str) -> Project:
     """The project if the actor may see it; outsiders get the same answer as for a missing project."""
-    project = Project.objects.filter(slug=slug).first()
+    project = Project.objects.filter(slug=slug).first() if unstorable_reason(slug) is None else None
     if project is None or project_role(actor=actor, project=project) is None:
         raise NotFound(f"no project {slug!r}")
     return project

@@ -15,6 +15,7 @@ from forgeboard.accounts.selectors import memberships_of, projects_for_user
 from forgeboard.accounts.services import membership_remove, membership_set
 from forgeboard.errors import ServiceError, ValidationFailed
 from forgeboard.web.errors import project_or_404, refusal_or_flash
+from workers.engine.wire_limits import unstorable_reason
 
 
 @require_GET
@@ -50,7 +51,8 @@ def members(request: HttpRequest, slug: str) -> HttpResponse:
 
 def _change_membership(request: HttpRequest, *, project) -> None:  # noqa: ANN001 - a Project
     username = request.POST.get("username", "").strip()
-    user = User.objects.filter(username=username, is_active=True).first()
+    storable = unstorable_reason(username) is None  # a NUL names no user (and Postgres refuses it)
+    user = User.objects.filter(username=username, is_active=True).first() if storable else None
     if user is None:
         raise ValidationFailed.on("username", f"no active user named {username!r}")
     if request.POST.get("action") == "remove":
