@@ -1,8 +1,10 @@
-"""YAML loading with limits: size, nesting depth, no aliases, no duplicate keys.
+"""YAML loading with limits: size, nesting depth, no aliases, no duplicate keys, and only what JSON can hold.
 
 Configs come from browsers and API clients, so a malicious document (an alias
 "billion laughs" bomb, a deeply nested list, a huge file) must be refused with
-a clear message before it costs memory or time.
+a clear message before it costs memory or time; and what it parses to is stored
+as JSON, so a value YAML cannot build, a key that is a list, .nan or a tag that
+builds bytes or a set is refused with its line, never raised as it is.
 """
 
 from __future__ import annotations
