@@ -35,7 +35,6 @@ class FlushRetryingDeadlocks(flush.Command):
                 if attempt == ATTEMPTS or not lost_to_another_session(error):
                     raise
                 time.sleep(0.2 * attempt)
-        return None
 
 
 def retry_flush_on_deadlock() -> None:

@@ -41,6 +41,7 @@ class Completion:
     policy_version: int = 0
 
 
+NO_TOKEN_TO_DRAW = "no token to draw: a row's probabilities hold inf or nan, or no mass (the model's logits?)"
 NUCLEUS_CANDIDATES = 256  # a trained model's top_p nucleus is mostly far smaller than its vocabulary
 
 
@@ -67,7 +68,7 @@ def _draw_sorted(sorted_probs: torch.Tensor, order: torch.Tensor, top_p: float, 
     outside = (cumulative - sorted_probs) >= top_p
     kept = cumulative.masked_fill(outside, 0.0).amax(dim=-1, keepdim=True)
     if not bool(((kept > 0) & torch.isfinite(kept)).all()):
-        raise ValueError("no token to draw: a row's probabilities hold inf or nan, or no mass (the model's logits?)")
+        raise ValueError(NO_TOKEN_TO_DRAW)
     return order.gather(1, token_at(torch.minimum(cumulative, kept), uniform)[:, None]).squeeze(1)
 
 
@@ -78,7 +79,7 @@ def draw_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     cumulative = probs.cumsum(dim=-1)
     total = cumulative[:, -1]
     if not bool(((total > 0) & torch.isfinite(total)).all()):
-        raise ValueError("no token to draw: a row's probabilities hold inf or nan, or no mass (the model's logits?)")
+        raise ValueError(NO_TOKEN_TO_DRAW)
     uniform = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=probs.dtype)
     return token_at(cumulative, uniform)
 
