@@ -61,6 +61,7 @@ INSTALLED_APPS = [
     "forgeboard.regressions",
     "forgeboard.alerts",
     "forgeboard.artifacts",
+    "forgeboard.idempotency",
     "forgeboard.web",
 ]
 
@@ -77,6 +78,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "forgeboard.idempotency.middleware.IdempotencyMiddleware",
 ]
 
 ROOT_URLCONF = "forgeboard.urls"

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from typing import Any
 
 import httpx
+
+RETRY_PAUSES_S = (0.5, 2.0)  # before the second and third try of a keyed write
+RETRY_STATUSES = {502, 503, 504}  # a proxy that lost the server: the write may or may not have happened
 
 
 class ApiError(Exception):
@@ -28,11 +32,23 @@ class ForgeboardClient:
             raise ApiError(0, {"message": "set FORGEBOARD_URL and FORGEBOARD_TOKEN (or pass --url and --token)"})
         return cls(url, token)
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise ApiError(0, {"message": f"cannot reach {self._http.base_url}: {exc}"}) from None
+    def _call(self, method: str, path: str, *, keyed: bool = False, **kwargs: Any) -> Any:
+        """One request; a `keyed` write (one that creates something) carries an Idempotency-Key and is sent again,
+        with the same key, when the connection fails or a gateway answers 502-504: the server creates it once."""
+        if keyed:
+            kwargs["headers"] = {**kwargs.get("headers", {}), "Idempotency-Key": str(uuid.uuid4())}
+        attempts = len(RETRY_PAUSES_S) + 1 if keyed else 1
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(RETRY_PAUSES_S[attempt - 1])
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                if attempt + 1 < attempts:
+                    continue
+                raise ApiError(0, {"message": f"cannot reach {self._http.base_url}: {exc}"}) from None
+            if response.status_code not in RETRY_STATUSES or attempt + 1 == attempts:
+                break
         try:
             body = response.json()
         except ValueError:
@@ -46,17 +62,17 @@ class ForgeboardClient:
 
     def launch_run(self, experiment_id: int, config_yaml: str, overrides: list[str] | None = None) -> dict:
         return self._call("POST", f"/experiments/{experiment_id}/runs",
-                          json={"config_yaml": config_yaml, "overrides": overrides or []})
+                          json={"config_yaml": config_yaml, "overrides": overrides or []}, keyed=True)
 
     def run(self, run_id: int) -> dict:
         return self._call("GET", f"/runs/{run_id}")
 
     def create_suite(self, project: str, name: str, spec: dict, description: str = "") -> dict:
         return self._call("POST", f"/projects/{project}/suites",
-                          json={"name": name, "spec": spec, "description": description})
+                          json={"name": name, "spec": spec, "description": description}, keyed=True)
 
     def launch_suite(self, project: str, name: str) -> dict:
-        return self._call("POST", f"/projects/{project}/suites/{name}/runs")
+        return self._call("POST", f"/projects/{project}/suites/{name}/runs", keyed=True)
 
     def suite_run(self, suite_run_id: int) -> dict:
         return self._call("GET", f"/suite-runs/{suite_run_id}")

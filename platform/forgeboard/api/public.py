@@ -12,11 +12,13 @@ from ninja.pagination import paginate
 from forgeboard.accounts.models import ApiToken, Project
 from forgeboard.accounts.selectors import project_get, projects_for_user
 from forgeboard.api.auth import USER_AUTH, actor_of, require_write_scope
+from forgeboard.api.idempotent import idempotent
 from forgeboard.api.pagination import Pages
 from forgeboard.api.query import OptionalQueryInt, QueryInt
 from forgeboard.api.schemas import (
     BODY_ERRORS,
     ERRORS,
+    IDEMPOTENT_ERRORS,
     CheckpointExportOut,
     CheckpointRunIn,
     CommandIn,
@@ -76,7 +78,9 @@ def list_experiments(request: HttpRequest, slug: str):  # noqa: ANN201
     return experiments_for_project(project=project_get(actor=actor_of(request), slug=slug))
 
 
-@router.post("/projects/{slug}/experiments", response={201: ExperimentOut, **BODY_ERRORS}, tags=["experiments"])
+@router.post("/projects/{slug}/experiments", response={201: ExperimentOut, **BODY_ERRORS, **IDEMPOTENT_ERRORS},
+             tags=["experiments"])
+@idempotent
 def create_experiment(request: HttpRequest, slug: str, body: ExperimentIn):  # noqa: ANN201
     require_write_scope(request)
     project = project_get(actor=actor_of(request), slug=slug)
@@ -90,7 +94,9 @@ def get_experiment(request: HttpRequest, experiment_id: int):  # noqa: ANN201
     return experiment_get(actor=actor_of(request), experiment_id=experiment_id)
 
 
-@router.post("/experiments/{experiment_id}/runs", response={201: RunDetailOut, **BODY_ERRORS}, tags=["runs"])
+@router.post("/experiments/{experiment_id}/runs", response={201: RunDetailOut, **BODY_ERRORS, **IDEMPOTENT_ERRORS},
+             tags=["runs"])
+@idempotent
 def launch_run(request: HttpRequest, experiment_id: int, body: RunIn):  # noqa: ANN201
     """Validate the config against the engine's schema, snapshot it, and queue the run.
 
@@ -127,7 +133,9 @@ def list_commands(request: HttpRequest, run_id: int):  # noqa: ANN201
     return Command.objects.filter(run=run_get(actor=actor_of(request), run_id=run_id)).order_by("-pk")
 
 
-@router.post("/runs/{run_id}/commands", response={201: CommandOut, **BODY_ERRORS}, tags=["commands"])
+@router.post("/runs/{run_id}/commands", response={201: CommandOut, **BODY_ERRORS, **IDEMPOTENT_ERRORS},
+             tags=["commands"])
+@idempotent
 def send_command(request: HttpRequest, run_id: int, body: CommandIn):  # noqa: ANN201
     """Pause, resume, checkpoint, placement change, fault drill or load redirect for a live run.
 
@@ -155,7 +163,9 @@ def export_checkpoint(request: HttpRequest, run_id: int, step: int = Path(..., g
 
 
 @router.post("/runs/{run_id}/checkpoints/{step}/runs", response={201: RunDetailOut, 202: CheckpointExportOut,
-                                                                **BODY_ERRORS}, tags=["checkpoints"])
+                                                                **BODY_ERRORS, **IDEMPOTENT_ERRORS},
+             tags=["checkpoints"])
+@idempotent
 def launch_from_checkpoint(request: HttpRequest, run_id: int, body: CheckpointRunIn,  # noqa: ANN201
                            step: int = Path(..., ge=0, le=MAX_STEP)):
     """Start a run of any recipe from the checkpoint at `step`: its weights are the child's model

@@ -9,7 +9,8 @@ from pydantic import Field
 
 from forgeboard.accounts.selectors import project_get
 from forgeboard.api.auth import USER_AUTH, actor_of, require_write_scope
-from forgeboard.api.schemas import BODY_ERRORS, ERRORS, NOT_BLANK, text
+from forgeboard.api.idempotent import idempotent
+from forgeboard.api.schemas import BODY_ERRORS, ERRORS, IDEMPOTENT_ERRORS, NOT_BLANK, text
 from forgeboard.errors import NotFound, is_db_id
 from forgeboard.accounts.permissions import project_role
 from forgeboard.regressions.models import Suite, SuiteRun
@@ -95,7 +96,8 @@ def _suite(request: HttpRequest, slug: str, name: str) -> Suite:
     return suite
 
 
-@router.post("/projects/{slug}/suites", response={201: SuiteOut, **BODY_ERRORS})
+@router.post("/projects/{slug}/suites", response={201: SuiteOut, **BODY_ERRORS, **IDEMPOTENT_ERRORS})
+@idempotent
 def create_suite(request: HttpRequest, slug: str, body: SuiteIn):
     """Define a suite. Beyond the spec's shape, each stage must name an experiment of this project and a
     config that experiment can run (YAML checked as a launch checks it), and names must be unique: a body
@@ -113,7 +115,8 @@ def list_suites(request: HttpRequest, slug: str):
     return list(Suite.objects.filter(project=project_get(actor=actor_of(request), slug=slug)).order_by("name"))
 
 
-@router.post("/projects/{slug}/suites/{name}/runs", response={202: SuiteRunOut, **ERRORS})
+@router.post("/projects/{slug}/suites/{name}/runs", response={202: SuiteRunOut, **ERRORS, **IDEMPOTENT_ERRORS})
+@idempotent
 def launch_suite(request: HttpRequest, slug: str, name: str):
     """Launch every stage; poll `status_url` for the verdict."""
     require_write_scope(request)

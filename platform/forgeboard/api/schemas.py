@@ -245,4 +245,6 @@ class CheckpointExportOut(Schema):
 ERRORS = {400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut, 409: ErrorOut, 429: ErrorOut}
 # Operations with a request body also answer 413 `payload_too_large` for a body over MAX_REQUEST_BYTES.
 BODY_ERRORS = {**ERRORS, 413: ErrorOut}
+# Operations that honour an Idempotency-Key (api/idempotent.py) answer 422 for a key reused with another request.
+IDEMPOTENT_ERRORS = {422: ErrorOut}
 BODY_LIMIT_NOTE = f"The body is at most {MAX_REQUEST_BYTES} bytes (413 `payload_too_large` above it)."

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ from forgeboard.runs.models import Run
 from forgeboard.runs.planning import calibration_runs
 from forgeboard.runs.launching import LaunchRefused, NewExperiment, run_launch_submit
 from forgeboard.web.errors import error_page, project_or_404, run_or_404
+from forgeboard.web.idempotent import idempotent_form
 from workers.engine.config import RECIPE_ROLES
 from workers.engine.planning.devices import DEVICE_NAMES
 
@@ -160,6 +162,7 @@ def _context(request: HttpRequest, *, project: Project, form: LaunchForm, clone_
         "placement_roles": PLACEMENT_ROLES,
         "hosts": list(hosts_with_devices().order_by("hostname")),
         "form": form,
+        "submission_key": uuid.uuid4().hex,  # web/idempotent.py: a double-click launches once
         "config_lines": range(1, form.config_yaml.count("\n") + 2),
         "clone_of": clone_of,
         "checkpoint": checkpoint,
@@ -321,6 +324,7 @@ def _launch_page(request: HttpRequest, *, project: Project, clone_of: Run | None
 
 @login_required
 @require_http_methods(["GET", "POST"])
+@idempotent_form
 def launch(request: HttpRequest, slug: str) -> HttpResponse:
     project = project_or_404(request, slug)
     return _launch_page(request, project=project)
@@ -328,6 +332,7 @@ def launch(request: HttpRequest, slug: str) -> HttpResponse:
 
 @login_required
 @require_http_methods(["GET", "POST"])
+@idempotent_form
 def clone(request: HttpRequest, run_id: int) -> HttpResponse:
     run = run_or_404(request, run_id)
     return _launch_page(request, project=run.experiment.project, clone_of=run)
@@ -335,6 +340,7 @@ def clone(request: HttpRequest, run_id: int) -> HttpResponse:
 
 @login_required
 @require_http_methods(["GET", "POST"])
+@idempotent_form
 def from_checkpoint(request: HttpRequest, run_id: int, step: int) -> HttpResponse:
     """The launch form starting from a checkpoint of the run: any experiment of the project, any recipe and config."""
     run = run_or_404(request, run_id)

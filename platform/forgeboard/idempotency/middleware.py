@@ -1,0 +1,38 @@
+"""Runs a write sent with an idempotency key as one transaction, and keeps its answer if its view claimed the key.
+
+The view's `idempotent` decorator (api/idempotent.py, web/idempotent.py) claims the key or answers with the stored
+answer; this middleware, around the view, records a successful answer in the same transaction that made it, and
+rolls back a refused one whole, so a key is never left claimed by a request that changed nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from django.db import transaction
+from django.http import HttpRequest, HttpResponse
+
+from forgeboard.idempotency.services import idempotent_record, requested_key
+
+
+class IdempotencyMiddleware:
+    """Last in MIDDLEWARE: its transaction holds only the view."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]):
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        key = requested_key(request)
+        if key is None:
+            return self.get_response(request)
+        request.idempotency_key = key
+        with transaction.atomic():
+            response = self.get_response(request)
+            claim = getattr(request, "idempotency_claim", None)
+            if claim is not None and response.status_code >= 400:
+                transaction.set_rollback(True)
+            elif claim is not None and response.streaming:
+                claim.delete()  # done, but an answer that streams cannot be kept: the key is forgotten
+            elif claim is not None:
+                idempotent_record(claim=claim, response=response)
+        return response

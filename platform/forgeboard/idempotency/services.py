@@ -1,0 +1,139 @@
+"""Idempotency keys: a second copy of a write (a retried launch, a double-clicked form) gets the first one's answer.
+
+A client sends `Idempotency-Key: <text>` (a form, a hidden `idempotency_key` field) with a write that creates
+something. The first copy is handled as usual and, if it succeeded (an answer under 400), its answer is kept for
+KEY_LIFETIME; any copy after that gets the same status and body again, marked `Idempotent-Replayed: true`, and
+creates nothing. A refused or failed request keeps nothing, so the same key can be sent again once it is fixed.
+The same key with a different method, path or body is refused (422): it names another request.
+
+Keys are per credential (an API token, or a user's session), so one caller can never read another's answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from datetime import timedelta
+
+from django.db import IntegrityError, transaction
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.utils import timezone
+
+from forgeboard.accounts.models import ApiToken
+from forgeboard.errors import Conflict, FieldProblem, ServiceError, ValidationFailed
+from forgeboard.idempotency.models import IdempotentRequest
+from workers.engine.wire_limits import loads_bounded
+
+HEADER = "Idempotency-Key"
+FORM_FIELD = "idempotency_key"
+REPLAYED_HEADER = "Idempotent-Replayed"
+KEY_LIFETIME = timedelta(hours=24)
+MAX_KEY_CHARS = 200  # and a form's key takes 33 more (replay_or_claim): the column holds 255
+_KEY = re.compile(rf"[\x21-\x7e]{{1,{MAX_KEY_CHARS}}}")  # visible ASCII: what a header carries unchanged
+_FORMS = ("application/x-www-form-urlencoded", "multipart/form-data")
+_NOT_THE_REQUEST = ("csrfmiddlewaretoken", FORM_FIELD)  # form fields that differ between copies of one submission
+
+
+class KeyReused(ServiceError):
+    status = 422
+    code = "idempotency_key_reused"
+
+
+def requested_key(request: HttpRequest) -> str | None:
+    """The key a write was sent with (the header, else a form's field), unchecked; None for a read or no key."""
+    if request.method not in ("POST", "PUT", "PATCH", "DELETE"):
+        return None
+    if HEADER in request.headers:
+        return request.headers[HEADER]
+    if request.content_type in _FORMS and FORM_FIELD in request.POST:
+        return request.POST[FORM_FIELD]
+    return None
+
+
+def checked_key(text: str) -> str:
+    if not _KEY.fullmatch(text):
+        raise ValidationFailed.on(HEADER, f"must be 1 to {MAX_KEY_CHARS} visible ASCII characters (a UUID is one)")
+    return text
+
+
+def owner_of(actor: object) -> str:
+    """Whose key space a request is in: its API token's, or its user's."""
+    if isinstance(actor, ApiToken):
+        return f"token:{actor.pk}"
+    return f"user:{actor.pk}"
+
+
+def request_fingerprint(request: HttpRequest) -> str:
+    """What makes two requests copies of one: method, path with query, and the body (JSON compared by value,
+    a form by its fields)."""
+    digest = hashlib.sha256(f"{request.method} {request.get_full_path()}\n".encode())
+    digest.update(_canonical_body(request))
+    return digest.hexdigest()
+
+
+def _canonical_body(request: HttpRequest) -> bytes:
+    if request.content_type in _FORMS:
+        fields = sorted((name, value) for name, values in request.POST.lists() if name not in _NOT_THE_REQUEST
+                        for value in values)
+        return json.dumps(fields).encode()
+    try:
+        return json.dumps(loads_bounded(request.body), sort_keys=True, separators=(",", ":")).encode()
+    except ValueError:
+        return request.body
+
+
+def idempotent_claim(*, owner: str, key: str, fingerprint: str) -> IdempotentRequest:
+    """Claim the key for this request (a new row, answer None) or find the answer its first copy got.
+
+    Call inside the request's transaction: the claim is committed with the answer, or not at all."""
+    IdempotentRequest.objects.filter(owner=owner, created_at__lt=timezone.now() - KEY_LIFETIME).delete()
+    try:
+        with transaction.atomic():
+            return IdempotentRequest.objects.create(owner=owner, key=key, fingerprint=fingerprint)
+    except IntegrityError:  # a copy committed first (this insert waited for it)
+        stored = IdempotentRequest.objects.get(owner=owner, key=key)
+    if stored.fingerprint != fingerprint:
+        raise KeyReused(f"{HEADER} {key!r} was already used for a different request (method, path or body): "
+                        "use a new key for a new request",
+                        problems=[FieldProblem(HEADER, "already used for a different request")])
+    if stored.status_code is None:
+        raise Conflict(f"the first request with {HEADER} {key!r} has not finished: send it again shortly")
+    return stored
+
+
+def idempotent_record(*, claim: IdempotentRequest, response: HttpResponse) -> None:
+    claim.status_code = response.status_code
+    claim.content_type = response.get("Content-Type", "")
+    claim.location = response.get("Location", "")
+    claim.body = bytes(response.content)
+    claim.save(update_fields=["status_code", "content_type", "location", "body"])
+
+
+def replayed_answer(stored: IdempotentRequest) -> HttpResponse:
+    if stored.location:
+        response: HttpResponse = HttpResponseRedirect(stored.location, content_type=stored.content_type or None)
+        response.status_code = stored.status_code
+    else:
+        response = HttpResponse(status=stored.status_code, content_type=stored.content_type or None)
+    response.content = bytes(stored.body)
+    response[REPLAYED_HEADER] = "true"
+    return response
+
+
+def replay_or_claim(request: HttpRequest, *, actor: object, edited_is_new: bool = False) -> HttpResponse | None:
+    """For a view's `idempotent` decorator: the stored answer when this request is a copy, else None with the key
+    claimed (IdempotencyMiddleware records the view's answer). None too when no key was sent.
+
+    `edited_is_new` is for a form's key: a page brought back and changed before it is sent again is a new
+    submission, not a reused key, so the key stands for this key and this body together."""
+    key = getattr(request, "idempotency_key", None)  # set by IdempotencyMiddleware
+    if key is None:
+        return None
+    fingerprint = request_fingerprint(request)
+    key = checked_key(key) + (f":{fingerprint[:32]}" if edited_is_new else "")
+    claim = idempotent_claim(owner=owner_of(actor), key=key, fingerprint=fingerprint)
+    if claim.status_code is not None:
+        return replayed_answer(claim)
+    request.idempotency_claim = claim
+    return None

@@ -1,0 +1,239 @@
+"""A second copy of a write (a retried launch, a double-clicked form) creates nothing and gets the first answer."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+
+import httpx
+import pytest
+from django.db import connections
+
+from forgeboard.accounts.services import api_token_create, project_create
+from forgeboard.audit.models import AuditEvent
+from forgeboard.experiments.models import Experiment
+from forgeboard.idempotency.models import IdempotentRequest
+from forgeboard.regressions.models import SuiteRun
+from forgeboard.regressions.services import suite_create
+from forgeboard.runs.models import Command, Run
+
+KEY = "0b6f3c1e-3f7e-4f0e-9a55-5a1c2d3e4f50"
+
+
+@pytest.fixture
+def tokens(team):
+    _, write = api_token_create(actor=team.member, project=team.project, name="ci-write", scope="write")
+    _, second = api_token_create(actor=team.member, project=team.project, name="ci-second", scope="write")
+    _, read = api_token_create(actor=team.member, project=team.project, name="ci-read", scope="read")
+    other = project_create(actor=team.outsider, slug="beta", name="Beta")
+    _, foreign = api_token_create(actor=team.outsider, project=other, name="beta-ci", scope="write")
+    return {"write": write, "second": second, "read": read, "foreign": foreign}
+
+
+def post(client, path: str, token: str, body: dict | str | None = None, key: str | None = KEY):
+    headers = {"HTTP_AUTHORIZATION": f"Bearer {token}"} | ({"HTTP_IDEMPOTENCY_KEY": key} if key is not None else {})
+    data = body if isinstance(body, str) else json.dumps(body or {})
+    return client.post(f"/api/v1{path}", data=data, content_type="application/json", **headers)
+
+
+def launch(client, team, token, body=None, key=KEY):
+    return post(client, f"/experiments/{team.experiment.pk}/runs", token, body, key)
+
+
+def test_a_retried_launch_creates_one_run_and_gets_the_first_answer(client, team, tokens, grpo_yaml):
+    body = {"config_yaml": grpo_yaml, "overrides": ["trainer.steps=9"], "priority": 5}
+    first = launch(client, team, tokens["write"], body)
+    again = launch(client, team, tokens["write"], body)
+    assert first.status_code == again.status_code == 201, again.content
+    assert "Idempotent-Replayed" not in first and again["Idempotent-Replayed"] == "true"
+    assert again.json() == first.json() and again["Content-Type"] == first["Content-Type"]
+    assert Run.objects.count() == 1
+    assert AuditEvent.objects.filter(action="run.launch").count() == 1
+    # The same body written another way (key order, spacing) is the same request.
+    reordered = '{"priority": 5,  "overrides": ["trainer.steps=9"], "config_yaml": ' + json.dumps(grpo_yaml) + "}"
+    assert launch(client, team, tokens["write"], reordered)["Idempotent-Replayed"] == "true"
+    # Without a key, or with a new one, a launch is a new run.
+    assert launch(client, team, tokens["write"], body, key=None).json()["number"] == 2
+    assert launch(client, team, tokens["write"], body, key="another-key").json()["number"] == 3
+
+
+def test_the_key_with_another_body_is_refused_and_creates_nothing(client, team, tokens, grpo_yaml):
+    assert launch(client, team, tokens["write"], {"config_yaml": grpo_yaml}).status_code == 201
+    other = launch(client, team, tokens["write"], {"config_yaml": grpo_yaml, "priority": 3})
+    assert other.status_code == 422, other.content
+    assert other.json()["code"] == "idempotency_key_reused"
+    assert [e["field"] for e in other.json()["errors"]] == ["Idempotency-Key"]
+    elsewhere = post(client, "/projects/alpha/experiments", tokens["write"], {"name": "x", "recipe": "sft"})
+    assert elsewhere.status_code == 422
+    assert Run.objects.count() == 1 and not Experiment.objects.filter(name="x").exists()
+
+
+def test_a_refused_request_keeps_nothing_so_the_key_can_be_sent_again_fixed(client, team, tokens, grpo_yaml):
+    bad = launch(client, team, tokens["write"], {"config_yaml": grpo_yaml.replace("steps: 5", "steps: 0")})
+    assert bad.status_code == 400 and "config.trainer.steps" in [e["field"] for e in bad.json()["errors"]]
+    assert not IdempotentRequest.objects.exists()
+    fixed = launch(client, team, tokens["write"], {"config_yaml": grpo_yaml})
+    assert fixed.status_code == 201 and "Idempotent-Replayed" not in fixed
+    assert Run.objects.count() == 1 and IdempotentRequest.objects.count() == 1
+    # A read-only token's refused write claims nothing either.
+    assert launch(client, team, tokens["read"], {"config_yaml": grpo_yaml}, key="read-key").status_code == 403
+    assert not IdempotentRequest.objects.filter(key="read-key").exists()
+
+
+def test_keys_belong_to_their_credential(client, team, tokens, grpo_yaml):
+    """Another token never gets this token's answer: with the same key it is its own request."""
+    body = {"config_yaml": grpo_yaml}
+    mine = launch(client, team, tokens["write"], body)
+    theirs = launch(client, team, tokens["second"], body)
+    assert theirs.status_code == 201 and "Idempotent-Replayed" not in theirs
+    assert theirs.json()["id"] != mine.json()["id"]
+    foreign = launch(client, team, tokens["foreign"], body)
+    assert foreign.status_code == 404 and foreign.json()["code"] == "not_found" and "Idempotent-Replayed" not in foreign
+    # A browser session is its own key space too.
+    client.force_login(team.member)
+    session = client.post(f"/api/v1/experiments/{team.experiment.pk}/runs", data=json.dumps(body),
+                          content_type="application/json", HTTP_IDEMPOTENCY_KEY=KEY)
+    assert session.status_code == 201 and "Idempotent-Replayed" not in session
+    assert Run.objects.count() == 3
+
+
+@pytest.mark.parametrize("key", ["", " ", "k" * 201, "ключ", "a b", "tab\there", "nul\x00"])
+def test_a_malformed_key_is_refused_at_its_field(client, team, tokens, grpo_yaml, key):
+    response = launch(client, team, tokens["write"], {"config_yaml": grpo_yaml}, key=key)
+    assert response.status_code == 400, response.content
+    assert [e["field"] for e in response.json()["errors"]] == ["Idempotency-Key"]
+    assert not Run.objects.exists() and not IdempotentRequest.objects.exists()
+
+
+def test_a_key_older_than_a_day_is_forgotten(client, team, tokens, grpo_yaml):
+    assert launch(client, team, tokens["write"], {"config_yaml": grpo_yaml}).status_code == 201
+    IdempotentRequest.objects.update(created_at=IdempotentRequest.objects.get().created_at - timedelta(hours=25))
+    later = launch(client, team, tokens["write"], {"config_yaml": grpo_yaml})
+    assert later.status_code == 201 and "Idempotent-Replayed" not in later
+    assert Run.objects.count() == 2 and IdempotentRequest.objects.count() == 1
+
+
+def test_commands_experiments_and_suites_are_created_once(client, team, tokens, grpo_yaml, running_run):
+    run, _ = running_run
+    for _ in range(2):
+        assert post(client, f"/runs/{run.pk}/commands", tokens["write"], {"kind": "pause"}).status_code == 201
+        made = post(client, "/projects/alpha/experiments", tokens["write"], {"name": "again", "recipe": "sft"},
+                    key="experiment-key")
+        assert made.status_code == 201
+    assert Command.objects.filter(run=run, kind="pause").count() == 1
+    assert Experiment.objects.filter(name="again").count() == 1
+    spec = {"stages": [{"name": "one", "experiment_id": team.experiment.pk, "config_yaml": grpo_yaml,
+                        "checks": [{"name": "r", "metric": "eval/reward_mean", "direction": "higher_is_better"}]}]}
+    suite_create(actor=team.member, project=team.project, name="smoke", spec=spec)
+    answers = [post(client, "/projects/alpha/suites/smoke/runs", tokens["write"], key="suite-key") for _ in range(2)]
+    assert [a.status_code for a in answers] == [202, 202] and answers[0].json() == answers[1].json()
+    assert SuiteRun.objects.count() == 1
+
+
+def test_the_openapi_document_says_which_operations_take_a_key(client):
+    operations = client.get("/api/v1/openapi.json").json()["paths"]
+    launch_op = operations["/api/v1/experiments/{experiment_id}/runs"]["post"]
+    assert "Idempotency-Key" in launch_op["description"] and "422" in launch_op["responses"]
+    assert "config_yaml" in launch_op["description"]  # the operation's own text is kept
+    assert "422" not in operations["/api/v1/runs/{run_id}/cancel"]["post"]["responses"]
+
+
+# --- the launch form ----------------------------------------------------------------------------------------------
+
+def _form(team, grpo_yaml, **fields) -> dict:
+    return {"experiment": str(team.experiment.pk), "config_yaml": grpo_yaml, "overrides": "", "priority": "0",
+            "idempotency_key": "form-key-1"} | fields
+
+
+def test_a_double_submitted_launch_form_launches_once_and_lands_on_the_run(client, team, grpo_yaml):
+    client.force_login(team.member)
+    page = client.get("/p/alpha/launch/").content.decode()
+    assert page.count('name="idempotency_key"') >= 1
+    first = client.post("/p/alpha/launch/", _form(team, grpo_yaml))
+    again = client.post("/p/alpha/launch/", _form(team, grpo_yaml), follow=True)
+    run = Run.objects.get()
+    assert first.status_code == 302 and first["Location"] == f"/runs/{run.pk}/"
+    assert again.redirect_chain == [(f"/runs/{run.pk}/", 302)]
+    assert "already sent" in again.content.decode()
+    # The page brought back and changed is a new launch, not a refusal.
+    edited = client.post("/p/alpha/launch/", _form(team, grpo_yaml, priority="4"))
+    assert edited.status_code == 302 and Run.objects.count() == 2
+    # Two fresh renders give two keys.
+    assert client.get("/p/alpha/launch/").context["submission_key"] != client.get("/p/alpha/launch/").context[
+        "submission_key"]
+
+
+def test_a_refused_form_keeps_nothing(client, team, grpo_yaml):
+    client.force_login(team.member)
+    refused = client.post("/p/alpha/launch/", _form(team, grpo_yaml, config_yaml="recipe: [unclosed"))
+    assert refused.status_code == 400 and not IdempotentRequest.objects.exists()
+    client.force_login(team.viewer)
+    assert client.post("/p/alpha/launch/", _form(team, grpo_yaml)).status_code == 403
+    assert not IdempotentRequest.objects.exists() and not Run.objects.exists()
+
+
+# --- two copies at once --------------------------------------------------------------------------------------------
+
+@pytest.mark.django_db(transaction=True)
+def test_two_copies_sent_at_once_launch_one_run(team, tokens, grpo_yaml, monkeypatch, wsgi_in_process):
+    """The second copy waits for the first to commit (on the claim's unique key; on SQLite, for the one writer's
+    lock), then gets its answer."""
+    from forgeboard.api import public
+    from forgeboard.wsgi import application
+
+    original = public.run_launch
+
+    def slow_launch(**kwargs):
+        run = original(**kwargs)
+        time.sleep(0.5)  # the first copy holds its claim while the second arrives
+        return run
+
+    monkeypatch.setattr(public, "run_launch", slow_launch)
+    answers: list[httpx.Response] = []
+
+    def send() -> None:
+        with httpx.Client(transport=httpx.WSGITransport(app=application), base_url="http://testserver") as http:
+            answers.append(http.post(f"/api/v1/experiments/{team.experiment.pk}/runs",
+                                     json={"config_yaml": grpo_yaml},
+                                     headers={"Authorization": f"Bearer {tokens['write']}", "Idempotency-Key": KEY}))
+        connections.close_all()
+
+    threads = [threading.Thread(target=send) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.1)
+    for thread in threads:
+        thread.join(timeout=30)
+    assert [a.status_code for a in answers] == [201, 201], [a.text for a in answers]
+    assert answers[0].json()["id"] == answers[1].json()["id"]
+    assert sorted(a.headers.get("Idempotent-Replayed", "no") for a in answers) == ["no", "true"]
+    assert Run.objects.count() == 1
+
+
+# --- the client ---------------------------------------------------------------------------------------------------
+
+def test_the_client_retries_a_lost_launch_with_the_same_key(team, tokens, grpo_yaml, wsgi_in_process, monkeypatch):
+    """The answer to the first try is lost on the way back: the retry gets it, and one run exists."""
+    from forgeboard.wsgi import application
+    from forgeboard_client import client as client_module
+
+    monkeypatch.setattr(client_module, "RETRY_PAUSES_S", (0.0, 0.0))
+    server = httpx.WSGITransport(app=application)
+    seen: list[str] = []
+
+    class LosesTheFirstAnswer(httpx.BaseTransport):
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            seen.append(request.headers.get("Idempotency-Key", ""))
+            response = server.handle_request(request)
+            if len(seen) == 1:
+                raise httpx.ReadError("connection reset", request=request)
+            return response
+
+    api = client_module.ForgeboardClient("http://testserver", tokens["write"], transport=LosesTheFirstAnswer())
+    run = api.launch_run(team.experiment.pk, grpo_yaml)
+    assert len(seen) == 2 and seen[0] == seen[1] and len(seen[0]) == 36
+    assert Run.objects.count() == 1 and run["id"] == Run.objects.get().pk
+    api.launch_run(team.experiment.pk, grpo_yaml)  # a new call is a new key: a new run
+    assert len(set(seen)) == 2 and Run.objects.count() == 2
