@@ -58,7 +58,7 @@ def main() -> None:
     for name, overrides in {"sync": ["grpo.mode=sync"], "async_age2": ["grpo.mode=async", "grpo.max_policy_age=2"]}.items():
         config = load_config(f"recipe: grpo\nmodel: {{path: '{warm_start}'}}\n", overrides=[
             *DATA, *overrides, f"trainer.steps={args.grpo_steps}", "trainer.batch_size=16",
-            "trainer.micro_batch_size=128", "grpo.group_size=8", "trainer.optimizer.lr=5e-4",
+            "trainer.micro_batch_size=128", "grpo.group_size=8", "trainer.optimizer.lr=2e-4",
             f"eval.every_steps={args.grpo_steps}", f"checkpoint.folder={out / name}",
         ])
         sink = MemorySink()
