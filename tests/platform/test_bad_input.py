@@ -490,6 +490,23 @@ def test_a_nul_in_a_page_url_or_a_form_field_is_refused_and_changes_nothing(clie
     assert (ApiToken.objects.count(), Membership.objects.count(), Host.objects.count()) == stored
 
 
+@pytest.mark.parametrize("name", ["a\x00b", "lone \ud800 surrogate"])
+def test_a_name_no_database_can_store_finds_nothing(team, name):
+    """Postgres refuses to compare with such a name (a DataError, a 500); the lookups find nothing instead."""
+    from forgeboard.accounts.selectors import project_get
+    from forgeboard.cluster.models import Host
+    from forgeboard.cluster.selectors import host_get
+    from forgeboard.errors import NotFound, is_db_text
+
+    Host.objects.create(hostname="gpu-1")
+    assert not is_db_text(name) and is_db_text("gpu-1")
+    with pytest.raises(NotFound):
+        project_get(actor=team.owner, slug=name)
+    with pytest.raises(NotFound):
+        host_get(hostname=name)
+    assert project_get(actor=team.owner, slug="alpha") == team.project and host_get(hostname="gpu-1").hostname == "gpu-1"
+
+
 def test_a_browser_session_may_label_an_api_body_multipart_without_a_500(team):
     """Its CSRF check reads the body as a form; the JSON parser still finds it (it read an empty stream: a 500)."""
     from django.test import Client
