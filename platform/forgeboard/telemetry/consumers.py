@@ -79,6 +79,11 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             return
         await self.receive_json(content)
 
+    async def receive_json(self, content, **kwargs) -> None:  # noqa: ANN001
+        """A client's one message: a ping, answered with a pong."""
+        if isinstance(content, dict) and content.get("type") == "ping":
+            await self.send_json({"type": "pong"})
+
 
 class UnknownPathConsumer(AsyncWebsocketConsumer):
     """The last route: a path that matches no stream is refused like a stream that is not there."""
@@ -117,10 +122,6 @@ class RunStreamConsumer(LiveConsumer):
     async def disconnect(self, code: int) -> None:
         if hasattr(self, "run_id"):
             await self.channel_layer.group_discard(run_group(self.run_id), self.channel_name)
-
-    async def receive_json(self, content, **kwargs) -> None:  # noqa: ANN001
-        if isinstance(content, dict) and content.get("type") == "ping":
-            await self.send_json({"type": "pong"})
 
     async def run_update(self, message: dict) -> None:
         update = message["update"]
