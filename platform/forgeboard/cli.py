@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from forgeboard.stream_limits import CLIENT_FRAME_MAX_BYTES
 from forgeboard.supervisor import Child, supervise
 
 REPO_DIR = Path(__file__).resolve().parents[2]
@@ -27,6 +28,7 @@ def web_server_argv(*, host: str, port: int) -> list[str]:
     subscribers its p99 went past 100 ms). Channels does not speak ASGI lifespan."""
     return [sys.executable, "-m", "uvicorn", "--host", host, "--port", str(port), "--lifespan", "off",
             "--no-access-log", "--no-proxy-headers",  # X-Forwarded-For: trusted proxies only (api/ratelimit.py)
+            "--ws-max-size", str(CLIENT_FRAME_MAX_BYTES),  # a larger frame closes its stream (uvicorn's default: 16 MiB)
             "--timeout-graceful-shutdown", "5", "forgeboard.asgi:application"]
 
 

@@ -16,6 +16,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocke
 from forgeboard.accounts.permissions import project_role
 from forgeboard.accounts.services import api_token_authenticate
 from forgeboard.runs.models import Run
+from forgeboard.stream_limits import CLIENT_FRAME_MAX_CHARS
 from forgeboard.telemetry.ingest import wire_number
 from forgeboard.telemetry.models import LogLine, MetricSeries
 from forgeboard.telemetry.selectors import events_after, metric_downsampled, step_timelines
@@ -29,7 +30,6 @@ BACKLOG_TIMELINES = 50
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_NOT_FOUND = 4404
 CLOSE_BAD_REQUEST = 4400
-CLIENT_FRAME_MAX_CHARS = 4096  # a client sends only small control messages (a ping)
 
 
 def _int_param(query: dict[str, list[str]], name: str) -> int | None:
