@@ -13,7 +13,7 @@ from websockets.sync.client import connect
 
 from forgeboard.accounts.services import api_token_create
 from forgeboard.audit.models import AuditEvent
-from forgeboard.errors import ValidationFailed
+from forgeboard.errors import AlreadyExists, ValidationFailed
 from forgeboard.experiments.models import ConfigSnapshot, Experiment
 from forgeboard.experiments.services import experiment_create
 from forgeboard.regressions.models import Suite
@@ -140,7 +140,7 @@ def test_bad_priority_is_refused(team, grpo_yaml, priority):
 def test_duplicate_project_slug_is_refused(team):
     from forgeboard.accounts.services import project_create
 
-    with pytest.raises(ValidationFailed, match="already exists") as caught:
+    with pytest.raises(AlreadyExists, match="already exists") as caught:
         project_create(actor=team.outsider, slug="alpha", name="Again")
     assert caught.value.problems[0].field == "slug"
     with pytest.raises(ValidationFailed) as caught:
