@@ -39,10 +39,7 @@ def _manage(*args: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Migrate, seed the demo, then run the web server and a Celery worker (with beat) until interrupted,
     starting either again when it dies (forgeboard/supervisor.py)."""
-    _manage("migrate", "--noinput")
-    _manage("createcachetable")  # the database cache of the embedded default (no-op with Redis)
-    if "channels" in _database_aliases():
-        _manage("migrate", "--noinput", "--database", "channels")
+    _manage("migrate", "--noinput")  # also the cache table and the channel layer's database (after_migrate.py)
     if args.demo:
         _manage("seed_demo", "--launch")
     env = _django_env()
@@ -60,15 +57,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"Forgeboard on http://{args.host}:{args.port}/ (log in as demo / forgeboard-demo); Ctrl-C stops it",
           flush=True)
     return supervise(children)  # restarts a child that dies; SIGTERM or Ctrl-C stops them all
-
-
-def _database_aliases() -> list[str]:
-    out = subprocess.run(
-        [sys.executable, "-c", "from django.conf import settings; import django; django.setup(); "
-         "print(' '.join(settings.DATABASES))"],
-        env=_django_env(), capture_output=True, text=True, check=True,
-    )
-    return out.stdout.split()
 
 
 def token_main(argv: list[str]) -> int:
