@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from forgeboard.stream_limits import CLIENT_FRAME_MAX_BYTES
 from forgeboard.supervisor import Child, supervise
 
 REPO_DIR = Path(__file__).resolve().parents[2]
@@ -27,6 +28,7 @@ def web_server_argv(*, host: str, port: int) -> list[str]:
     subscribers its p99 went past 100 ms). Channels does not speak ASGI lifespan."""
     return [sys.executable, "-m", "uvicorn", "--host", host, "--port", str(port), "--lifespan", "off",
             "--no-access-log", "--no-proxy-headers",  # X-Forwarded-For: trusted proxies only (api/ratelimit.py)
+            "--ws-max-size", str(CLIENT_FRAME_MAX_BYTES),  # a larger frame closes its stream (uvicorn's default: 16 MiB)
             "--timeout-graceful-shutdown", "5", "forgeboard.asgi:application"]
 
 
@@ -37,10 +39,7 @@ def _manage(*args: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Migrate, seed the demo, then run the web server and a Celery worker (with beat) until interrupted,
     starting either again when it dies (forgeboard/supervisor.py)."""
-    _manage("migrate", "--noinput")
-    _manage("createcachetable")  # the database cache of the embedded default (no-op with Redis)
-    if "channels" in _database_aliases():
-        _manage("migrate", "--noinput", "--database", "channels")
+    _manage("migrate", "--noinput")  # also the cache table and the channel layer's database (after_migrate.py)
     if args.demo:
         _manage("seed_demo", "--launch")
     env = _django_env()
@@ -58,15 +57,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"Forgeboard on http://{args.host}:{args.port}/ (log in as demo / forgeboard-demo); Ctrl-C stops it",
           flush=True)
     return supervise(children)  # restarts a child that dies; SIGTERM or Ctrl-C stops them all
-
-
-def _database_aliases() -> list[str]:
-    out = subprocess.run(
-        [sys.executable, "-c", "from django.conf import settings; import django; django.setup(); "
-         "print(' '.join(settings.DATABASES))"],
-        env=_django_env(), capture_output=True, text=True, check=True,
-    )
-    return out.stdout.split()
 
 
 def token_main(argv: list[str]) -> int:

@@ -69,6 +69,12 @@ def is_db_id(value: int) -> bool:
     return isinstance(value, int) and 0 < value <= MAX_DB_ID
 
 
+def is_db_text(value: str) -> bool:
+    """Whether text from a request can name a row at all: no database stores a NUL or a lone surrogate (and
+    Postgres refuses a query that compares with one, a 500 where it should find nothing)."""
+    return unstorable_reason(value) is None
+
+
 def clean_text(*, field: str, value: object, max_length: int, required: bool = True) -> str:
     """Stripped text within a length, or ValidationFailed naming the field (names, descriptions)."""
     if not isinstance(value, str):

@@ -13,7 +13,7 @@ from django.urls import include, path
 from forgeboard.audit.models import AuditEvent
 from forgeboard.cluster.models import AgentToken, Device, Health, Host, HostState
 from forgeboard.cluster.services import agent_token_authenticate, agent_token_create, agent_token_revoke
-from forgeboard.errors import PermissionDenied, ValidationFailed
+from forgeboard.errors import AlreadyExists, PermissionDenied
 from tests.workers.fake_nvml import FakeNvml
 from workers import agent
 
@@ -56,7 +56,7 @@ def test_only_operators_create_agent_tokens(team):
     assert raw not in (token.token_hash, token.prefix) and len(token.token_hash) == 64
     entry = AuditEvent.objects.get(action="agent_token.create")
     assert entry.actor_label == "user:opal" and entry.payload == {"name": "rack-a1", "prefix": token.prefix}
-    with pytest.raises(ValidationFailed) as caught:
+    with pytest.raises(AlreadyExists) as caught:
         agent_token_create(actor=team.operator, name="rack-a1")
     assert caught.value.problems[0].field == "name"
 

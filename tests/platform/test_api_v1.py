@@ -91,6 +91,12 @@ def test_experiments_and_pagination(client, team, tokens):
     assert page["count"] == 6 and len(page["items"]) == 2
 
 
+@pytest.mark.parametrize("things", ["experiments", "suites", "artifacts", "tokens"])
+def test_the_openapi_document_states_a_taken_name_is_a_409(client, things):
+    responses = client.get("/api/v1/openapi.json").json()["paths"][f"/api/v1/projects/{{slug}}/{things}"]["post"]["responses"]
+    assert responses["409"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorOut")
+
+
 def test_commands_metrics_and_events(client, team, tokens, running_run):
     run, _ = running_run
     sent = call(client, "post", f"/runs/{run.pk}/commands", tokens["write"], {"kind": "checkpoint"})

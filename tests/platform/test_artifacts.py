@@ -14,7 +14,7 @@ from forgeboard.accounts.services import project_create
 from forgeboard.artifacts.models import Artifact
 from forgeboard.artifacts.services import artifact_register
 from forgeboard.audit.models import AuditEvent
-from forgeboard.errors import PermissionDenied, ValidationFailed
+from forgeboard.errors import AlreadyExists, PermissionDenied, ValidationFailed
 from forgeboard.experiments.models import ConfigSnapshot
 from forgeboard.experiments.services import experiment_create
 from forgeboard.runs.models import Run
@@ -168,7 +168,7 @@ def test_registering_checks_the_roots_and_the_operator_role_and_is_audited(team,
     assert artifact.path == str(world["model"])  # stored resolved
     entry = AuditEvent.objects.get(action="artifact.register", project=team.project)
     assert entry.payload == {"name": "tiny", "kind": "model", "path": str(world["model"])}
-    with pytest.raises(ValidationFailed, match="already exists"):
+    with pytest.raises(AlreadyExists, match="already exists"):
         artifact_register(actor=team.operator, project=team.project, name="tiny", kind="model", path=str(link))
 
 
@@ -184,6 +184,9 @@ def test_artifact_api_is_project_scoped_and_bounded(client, team, world):
                           content_type="application/json")
     assert created.status_code == 201, created.content
     assert created.json()["reference"] == "alpha/tiny" and created.json()["path"] == str(world["model"])
+    again = client.post("/api/v1/projects/alpha/artifacts", {"name": "tiny", "kind": "model", "path": str(world["model"])},
+                        content_type="application/json")
+    assert again.status_code == 409 and again.json()["code"] == "conflict" and again.json()["errors"][0]["field"] == "name"
     refused = client.post("/api/v1/projects/alpha/artifacts", {"name": "etc", "kind": "model", "path": "/etc"},
                           content_type="application/json")
     assert refused.status_code == 400 and refused.json()["errors"][0]["field"] == "path"
@@ -218,6 +221,17 @@ def test_artifacts_page_lists_the_projects_artifacts_only(client, team, world):
     assert b"/p/alpha/artifacts/" in client.get("/p/alpha/").content
     client.force_login(team.outsider)
     assert client.get("/p/alpha/artifacts/").status_code == 404
+
+
+def test_artifacts_page_says_a_name_is_taken(client, team, world):
+    from forgeboard.accounts.services import membership_set
+
+    membership_set(actor=team.owner, project=team.project, user=team.operator, role="member")
+    artifact_register(actor=team.operator, project=team.project, name="tiny", kind="model", path=str(world["model"]))
+    client.force_login(team.operator)
+    page = client.post("/p/alpha/artifacts/", {"name": "tiny", "kind": "model", "path": str(world["model"])}, follow=True)
+    assert page.status_code == 200 and "an artifact named &#x27;tiny&#x27; already exists in alpha" in page.content.decode()
+    assert Artifact.objects.filter(project=team.project).count() == 1
 
 
 def test_artifact_command_registers_and_lists(team, world, capsys):

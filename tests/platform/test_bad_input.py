@@ -7,15 +7,19 @@ import select
 import socket
 
 import pytest
+from django.conf import settings
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
 
 from forgeboard.accounts.services import api_token_create
 from forgeboard.audit.models import AuditEvent
-from forgeboard.errors import ValidationFailed
+from forgeboard.errors import AlreadyExists, ValidationFailed
 from forgeboard.experiments.models import ConfigSnapshot, Experiment
 from forgeboard.experiments.services import experiment_create
 from forgeboard.regressions.models import Suite
 from forgeboard.runs.models import Command, Run
 from forgeboard.runs.services import run_launch
+from forgeboard.stream_limits import CLIENT_FRAME_MAX_BYTES, CLIENT_FRAME_MAX_CHARS
 from forgeboard.telemetry.models import RunEvent
 from tests.support.processes import free_port, web_server
 from workers.engine.wire_limits import MAX_JSON_DEPTH, MAX_REQUEST_BYTES
@@ -136,7 +140,7 @@ def test_bad_priority_is_refused(team, grpo_yaml, priority):
 def test_duplicate_project_slug_is_refused(team):
     from forgeboard.accounts.services import project_create
 
-    with pytest.raises(ValidationFailed, match="already exists") as caught:
+    with pytest.raises(AlreadyExists, match="already exists") as caught:
         project_create(actor=team.outsider, slug="alpha", name="Again")
     assert caught.value.problems[0].field == "slug"
     with pytest.raises(ValidationFailed) as caught:
@@ -251,6 +255,27 @@ def test_uvicorn_refuses_a_chunked_body_over_the_limit_as_it_arrives(tmp_path, t
     assert json.loads(rest)["code"] == "payload_too_large"
     assert MAX_REQUEST_BYTES <= sent < MAX_REQUEST_BYTES + 8 * 1024 * 1024, sent  # refused soon after the limit
     assert at_once.startswith(b"HTTP/1.1 413"), at_once[:300]
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True, databases=list(settings.DATABASES))
+def test_uvicorn_closes_a_stream_that_sends_a_frame_over_the_limit_and_others_go_on(tmp_path, team):
+    _, token = api_token_create(actor=team.member, project=team.project, name="ws", scope="read")
+    port = free_port()
+    url, origin = f"ws://127.0.0.1:{port}/ws/projects/alpha/?token={token}", f"http://127.0.0.1:{port}"
+    pad = "\N{GRINNING FACE}" * (CLIENT_FRAME_MAX_CHARS - len('{"type": "ping", "pad": ""}'))
+    largest = json.dumps({"type": "ping", "pad": pad}, ensure_ascii=False)  # the longest frame a stream reads
+    assert len(largest) == CLIENT_FRAME_MAX_CHARS and len(largest.encode()) <= CLIENT_FRAME_MAX_BYTES
+    with web_server(tmp_path / "web.log", port=port), connect(url, origin=origin, open_timeout=10) as kept, \
+            connect(url, origin=origin, open_timeout=10) as flooding:
+        kept.send(largest)
+        assert json.loads(kept.recv(timeout=10)) == {"type": "pong"}
+        flooding.send("x" * (CLIENT_FRAME_MAX_BYTES + 1))
+        with pytest.raises(ConnectionClosed) as closed:
+            flooding.recv(timeout=10)
+        kept.send(json.dumps({"type": "ping"}))
+        assert json.loads(kept.recv(timeout=10)) == {"type": "pong"}
+    assert closed.value.rcvd.code == 1009  # message too big
 
 
 NUL = "bad\x00text"
@@ -488,6 +513,23 @@ def test_a_nul_in_a_page_url_or_a_form_field_is_refused_and_changes_nothing(clie
     client.force_login(team.operator)
     assert client.post("/cluster/", {"hostname": "h\x00", "state": "draining"}).status_code == 404
     assert (ApiToken.objects.count(), Membership.objects.count(), Host.objects.count()) == stored
+
+
+@pytest.mark.parametrize("name", ["a\x00b", "lone \ud800 surrogate"])
+def test_a_name_no_database_can_store_finds_nothing(team, name):
+    """Postgres refuses to compare with such a name (a DataError, a 500); the lookups find nothing instead."""
+    from forgeboard.accounts.selectors import project_get
+    from forgeboard.cluster.models import Host
+    from forgeboard.cluster.selectors import host_get
+    from forgeboard.errors import NotFound, is_db_text
+
+    Host.objects.create(hostname="gpu-1")
+    assert not is_db_text(name) and is_db_text("gpu-1")
+    with pytest.raises(NotFound):
+        project_get(actor=team.owner, slug=name)
+    with pytest.raises(NotFound):
+        host_get(hostname=name)
+    assert project_get(actor=team.owner, slug="alpha") == team.project and host_get(hostname="gpu-1").hostname == "gpu-1"
 
 
 def test_a_browser_session_may_label_an_api_body_multipart_without_a_500(team):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -16,6 +18,19 @@ from tests.support.processes import REPO_DIR, platform_env
 def _manage(*args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO_DIR / "manage.py"), *args], env=platform_env(**env),
                           capture_output=True, text=True, timeout=300)
+
+
+def _migrate_without_redis(*, url: str, data_dir: Path) -> subprocess.CompletedProcess:
+    """A plain `manage.py migrate`, where the cache and the channel layer live in databases too (no REDIS_URL)."""
+    env = platform_env(DATABASE_URL=url, FORGEBOARD_DATA_DIR=str(data_dir))
+    env.pop("REDIS_URL", None)
+    return subprocess.run([sys.executable, str(REPO_DIR / "manage.py"), "migrate", "--noinput"], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _sqlite_tables(path: Path) -> set[str]:
+    with sqlite3.connect(path) as conn:
+        return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
 
 
 def test_no_missing_migrations(db):
@@ -34,7 +49,7 @@ def test_migrations_apply_to_an_empty_database(tmp_path):
             conn.execute(f'CREATE DATABASE "{name}"')
         try:
             url = f"postgres://{params['USER']}@{admin['host']}:{admin['port']}/{name}"
-            result = _manage("migrate", "--noinput", DATABASE_URL=url)
+            result = _migrate_without_redis(url=url, data_dir=tmp_path)
             assert result.returncode == 0, result.stderr
             with psycopg.connect(**(admin | {"dbname": name})) as conn:
                 tables = {r[0] for r in conn.execute("SELECT tablename FROM pg_tables WHERE schemaname='public'")}
@@ -43,13 +58,12 @@ def test_migrations_apply_to_an_empty_database(tmp_path):
                 conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     else:
         url = f"sqlite://{tmp_path / 'scratch.sqlite3'}"
-        result = _manage("migrate", "--noinput", DATABASE_URL=url, FORGEBOARD_DATA_DIR=str(tmp_path))
+        result = _migrate_without_redis(url=url, data_dir=tmp_path)
         assert result.returncode == 0, result.stderr
-        import sqlite3
-
-        with sqlite3.connect(tmp_path / "scratch.sqlite3") as conn:
-            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        tables = _sqlite_tables(tmp_path / "scratch.sqlite3")
     expected = {"accounts_project", "accounts_membership", "accounts_apitoken", "experiments_experiment",
                 "experiments_configsnapshot", "runs_run", "runs_command", "telemetry_metricseries",
                 "telemetry_metricpoint", "telemetry_runevent", "cluster_host", "cluster_device", "audit_auditevent"}
     assert expected <= tables, expected - tables
+    assert "forgeboard_cache" in tables  # the database cache's table: not a migration's
+    assert "channels_lite_event" in _sqlite_tables(tmp_path / "channels.sqlite3")  # the channel layer's own database

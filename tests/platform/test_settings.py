@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
+from forgeboard.cli import web_server_argv
 from forgeboard.env import Env, database_from_url
 from tests.support.processes import REPO_DIR, platform_env
 
@@ -92,6 +94,14 @@ def test_check_deploy_passes_with_production_settings():
     result = _manage(["check", "--deploy", "--fail-level", "WARNING"], **PRODUCTION)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no issues" in result.stdout
+
+
+@pytest.mark.parametrize("deployment", ["Dockerfile", "compose.yaml", "k8s/web.yaml", "systemd/forgeboard-web.service"])
+def test_every_deployment_runs_the_web_server_as_forgeboard_serve_does(deployment):
+    argv = web_server_argv(host="0.0.0.0", port=8000)
+    options = " ".join(argv[argv.index("--lifespan"):])  # what follows the address: limits, logs, proxies
+    command = re.sub(r'[\s\[\]",]+', " ", (REPO_DIR / "infra" / deployment).read_text())  # JSON lists or shell
+    assert options in command
 
 
 @pytest.mark.parametrize(

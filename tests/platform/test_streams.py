@@ -106,6 +106,17 @@ async def test_live_updates_skip_the_shared_sync_thread(running_run, team, monke
     await stream.disconnect()
 
 
+async def test_the_project_stream_answers_a_ping_and_goes_on(running_run, team):
+    run, _ = running_run
+    token = await _token(team)
+    stream = await _connect(f"/ws/projects/{team.project.slug}/?token={token}")
+    await stream.send_json_to({"type": "ping"})
+    assert json.loads(await stream.receive_from(timeout=10)) == {"type": "pong"}
+    await sync_to_async(run_transition)(run_id=run.pk, from_state=RunState.RUNNING, to_state=RunState.PAUSED)
+    assert json.loads(await stream.receive_from(timeout=10)) == {"type": "run.state", "run": run.pk, "state": "paused"}
+    await stream.disconnect()
+
+
 async def test_state_changes_reach_run_and_project_subscribers(running_run, team):
     run, _ = running_run
     token = await _token(team)

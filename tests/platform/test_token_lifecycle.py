@@ -104,6 +104,8 @@ def test_api_creates_lists_and_revokes_tokens(client, team):
     secret = body["secret"]
     assert secret.startswith(f"fb_{body['prefix']}_") and body["scope"] == "read" and body["active"] is True
     assert body["project"] == "alpha" and body["created_by"] == "mateo" and body["expires_at"]
+    taken = session_call(client, "post", "/projects/alpha/tokens", {"name": "ci", "scope": "write"})
+    assert taken.status_code == 409 and taken.json()["code"] == "conflict" and taken.json()["errors"][0]["field"] == "name"
 
     listed = session_call(client, "get", "/projects/alpha/tokens")
     assert listed.status_code == 200
@@ -201,7 +203,7 @@ def test_settings_page_creates_shows_the_secret_once_and_revokes(client, team):
 
     duplicate = client.post("/settings/tokens/", {"project": "alpha", "name": "laptop", "scope": "read",
                                                   "expires": ""})
-    assert duplicate.status_code == 400 and "already exists" in duplicate.content.decode()
+    assert duplicate.status_code == 409 and "already exists" in duplicate.content.decode()
     assert ApiToken.objects.count() == 1
 
     revoked = client.post(f"/settings/tokens/{token.pk}/revoke/", follow=True)

@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from forgeboard.accounts.models import ApiToken
 from forgeboard.accounts.services import api_token_authenticate, api_token_create, api_token_revoke
-from forgeboard.errors import ValidationFailed
+from forgeboard.errors import AlreadyExists, ValidationFailed
 
 
 def test_token_is_stored_hashed_and_authenticates(team):
@@ -60,6 +60,6 @@ def test_bad_token_requests_are_refused(team, kwargs, field):
 
 def test_duplicate_token_name_is_refused(team):
     api_token_create(actor=team.member, project=team.project, name="ci", scope="read")
-    with pytest.raises(ValidationFailed, match="already exists"):
+    with pytest.raises(AlreadyExists, match="already exists"):
         api_token_create(actor=team.owner, project=team.project, name="ci", scope="write")
     assert ApiToken.objects.count() == 1

@@ -4,8 +4,7 @@ from django.db.models import QuerySet
 
 from forgeboard.accounts.models import ApiToken, Membership, Project, Role, User
 from forgeboard.accounts.permissions import Actor, project_role
-from forgeboard.errors import NotFound, is_db_id
-from workers.engine.wire_limits import unstorable_reason
+from forgeboard.errors import NotFound, is_db_id, is_db_text
 
 
 def projects_for_user(*, user: User) -> QuerySet[Project]:
@@ -16,7 +15,7 @@ def projects_for_user(*, user: User) -> QuerySet[Project]:
 
 def project_get(*, actor: Actor, slug: str) -> Project:
     """The project if the actor may see it; outsiders get the same answer as for a missing project."""
-    project = Project.objects.filter(slug=slug).first() if unstorable_reason(slug) is None else None
+    project = Project.objects.filter(slug=slug).first() if is_db_text(slug) else None
     if project is None or project_role(actor=actor, project=project) is None:
         raise NotFound(f"no project {slug!r}")
     return project

@@ -12,7 +12,7 @@ from forgeboard.accounts.models import ApiToken, Membership, Project, Role, Toke
 from forgeboard.accounts.permissions import Actor, require_project_role
 from forgeboard.audit.services import audit_record
 from forgeboard.bearer import mint_token, token_matches, token_prefix
-from forgeboard.errors import Conflict, PermissionDenied, ValidationFailed, clean_text
+from forgeboard.errors import AlreadyExists, Conflict, PermissionDenied, ValidationFailed, clean_text
 
 TOKEN_LAST_USED_RESOLUTION = timedelta(minutes=1)
 MAX_TOKEN_LIFETIME = timedelta(days=3650)
@@ -33,7 +33,7 @@ def project_create(*, actor: User, slug: str, name: str, description: str = "") 
             Membership.objects.create(project=project, user=actor, role=Role.OWNER)
             audit_record(actor=actor, action="project.create", target=project, project=project, payload={"slug": slug})
     except IntegrityError:
-        raise ValidationFailed.on("slug", f"a project with slug {slug!r} already exists") from None
+        raise AlreadyExists.on("slug", f"a project with slug {slug!r} already exists") from None
     return project
 
 
@@ -102,7 +102,7 @@ def api_token_create(
             audit_record(actor=actor, action="api_token.create", target=token, project=project,
                          payload={"name": name, "scope": scope, "prefix": prefix})
     except IntegrityError:
-        raise ValidationFailed.on("name", f"a token named {name!r} already exists in {project.slug}") from None
+        raise AlreadyExists.on("name", f"a token named {name!r} already exists in {project.slug}") from None
     return token, raw
 
 

@@ -12,7 +12,7 @@ from forgeboard.accounts.permissions import Actor, actor_user, require_operator
 from forgeboard.artifacts.models import Artifact, ArtifactKind
 from forgeboard.artifacts.resolver import path_problem
 from forgeboard.audit.services import audit_record
-from forgeboard.errors import ValidationFailed, clean_text
+from forgeboard.errors import AlreadyExists, ValidationFailed, clean_text
 from workers.engine.config import ARTIFACT_NAME_PATTERN
 
 MAX_PATH_LENGTH = 4096
@@ -60,7 +60,7 @@ def artifact_register(*, actor: Actor, project: Project, name: str, kind: str, p
             audit_record(actor=actor, action="artifact.register", target=artifact, project=project,
                          payload={"name": name, "kind": kind, "path": str(real)})
     except IntegrityError:
-        raise ValidationFailed.on("name", f"an artifact named {name!r} already exists in {project.slug}") from None
+        raise AlreadyExists.on("name", f"an artifact named {name!r} already exists in {project.slug}") from None
     return artifact
 
 

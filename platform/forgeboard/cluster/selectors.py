@@ -10,12 +10,11 @@ from django.db.models import Max, Prefetch, Q, QuerySet
 from forgeboard.accounts.models import User
 from forgeboard.accounts.selectors import projects_for_user
 from forgeboard.cluster.models import AgentToken, Device, Host
-from forgeboard.errors import NotFound
+from forgeboard.errors import NotFound, is_db_text
 from forgeboard.runs.models import Run
 from forgeboard.runs.states import ACTIVE_STATES
 from forgeboard.telemetry.models import EventKind, RunEvent
 from workers.engine.config import PLACED_ROLES
-from workers.engine.wire_limits import unstorable_reason
 
 
 def hosts_with_devices() -> QuerySet[Host]:
@@ -172,8 +171,7 @@ def cluster_overview(*, viewer: User, now: datetime, stale_after_s: float) -> Cl
     return ClusterOverview(hosts=overview, elsewhere=dict(sorted(by_host.items())), unplaced=unplaced)
 
 def host_get(*, hostname: str) -> Host:
-    storable = bool(hostname) and unstorable_reason(hostname) is None  # a NUL names no host (and Postgres refuses it)
-    host = Host.objects.filter(hostname=hostname).first() if storable else None
+    host = Host.objects.filter(hostname=hostname).first() if hostname and is_db_text(hostname) else None
     if host is None:
         raise NotFound(f"no host {hostname[:255]!r}")
     return host

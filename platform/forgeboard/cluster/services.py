@@ -24,7 +24,7 @@ from forgeboard.audit.services import audit_record
 from forgeboard.bearer import mint_token, token_matches, token_prefix
 from forgeboard.cluster.models import AgentToken, Device, DeviceKind, Health, Host, HostState
 from forgeboard.cluster.selectors import active_run_ids_on_host
-from forgeboard.errors import Conflict, NotFound, PermissionDenied, ValidationFailed, clean_text
+from forgeboard.errors import AlreadyExists, Conflict, NotFound, PermissionDenied, ValidationFailed, clean_text
 
 
 
@@ -317,7 +317,7 @@ def agent_token_create(*, actor: User, name: str) -> tuple[AgentToken, str]:
             audit_record(actor=actor, action="agent_token.create", target=token,
                          payload={"name": name, "prefix": prefix})
     except IntegrityError:
-        raise ValidationFailed.on("name", f"an agent token named {name!r} already exists") from None
+        raise AlreadyExists.on("name", f"an agent token named {name!r} already exists") from None
     return token, raw
 
 

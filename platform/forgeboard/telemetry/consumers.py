@@ -16,6 +16,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocke
 from forgeboard.accounts.permissions import project_role
 from forgeboard.accounts.services import api_token_authenticate
 from forgeboard.runs.models import Run
+from forgeboard.stream_limits import CLIENT_FRAME_MAX_CHARS
 from forgeboard.telemetry.ingest import wire_number
 from forgeboard.telemetry.models import LogLine, MetricSeries
 from forgeboard.telemetry.selectors import events_after, metric_downsampled, step_timelines
@@ -29,7 +30,6 @@ BACKLOG_TIMELINES = 50
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_NOT_FOUND = 4404
 CLOSE_BAD_REQUEST = 4400
-CLIENT_FRAME_MAX_CHARS = 4096  # a client sends only small control messages (a ping)
 
 
 def _int_param(query: dict[str, list[str]], name: str) -> int | None:
@@ -79,6 +79,11 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             return
         await self.receive_json(content)
 
+    async def receive_json(self, content, **kwargs) -> None:  # noqa: ANN001
+        """A client's one message: a ping, answered with a pong."""
+        if isinstance(content, dict) and content.get("type") == "ping":
+            await self.send_json({"type": "pong"})
+
 
 class UnknownPathConsumer(AsyncWebsocketConsumer):
     """The last route: a path that matches no stream is refused like a stream that is not there."""
@@ -117,10 +122,6 @@ class RunStreamConsumer(LiveConsumer):
     async def disconnect(self, code: int) -> None:
         if hasattr(self, "run_id"):
             await self.channel_layer.group_discard(run_group(self.run_id), self.channel_name)
-
-    async def receive_json(self, content, **kwargs) -> None:  # noqa: ANN001
-        if isinstance(content, dict) and content.get("type") == "ping":
-            await self.send_json({"type": "pong"})
 
     async def run_update(self, message: dict) -> None:
         update = message["update"]

@@ -13,9 +13,8 @@ from forgeboard.accounts.models import Role, User
 from forgeboard.accounts.permissions import project_role
 from forgeboard.accounts.selectors import memberships_of, projects_for_user
 from forgeboard.accounts.services import membership_remove, membership_set
-from forgeboard.errors import ServiceError, ValidationFailed
+from forgeboard.errors import ServiceError, ValidationFailed, is_db_text
 from forgeboard.web.errors import project_or_404, refusal_or_flash
-from workers.engine.wire_limits import unstorable_reason
 
 
 @require_GET
@@ -51,8 +50,7 @@ def members(request: HttpRequest, slug: str) -> HttpResponse:
 
 def _change_membership(request: HttpRequest, *, project) -> None:  # noqa: ANN001 - a Project
     username = request.POST.get("username", "").strip()
-    storable = unstorable_reason(username) is None  # a NUL names no user (and Postgres refuses it)
-    user = User.objects.filter(username=username, is_active=True).first() if storable else None
+    user = User.objects.filter(username=username, is_active=True).first() if is_db_text(username) else None
     if user is None:
         raise ValidationFailed.on("username", f"no active user named {username!r}")
     if request.POST.get("action") == "remove":
