@@ -19,6 +19,7 @@ from forgeboard.dispatch import (
     CLUSTER_MARK_DOWN_HOSTS,
     CLUSTER_PROBE,
     CLUSTER_PROBE_HOST,
+    IDEMPOTENCY_PURGE,
     RUNS_LAUNCH,
     RUNS_POLL_JOBS,
     RUNS_RECONCILE,
@@ -172,6 +173,16 @@ def mark_down_hosts() -> list[int]:
     for down in marked:
         logger.warning("host %s is down; active runs on it: %s", down.host.hostname, down.run_ids)
     return [run_id for down in marked for run_id in down.run_ids]
+
+
+@shared_task(name=IDEMPOTENCY_PURGE)
+def purge_idempotency_keys() -> int:
+    """Periodic: forget the answers kept for idempotency keys past their lifetime; returns how many."""
+    from django.utils import timezone
+
+    from forgeboard.idempotency.services import idempotency_keys_purge
+
+    return idempotency_keys_purge(now=timezone.now())
 
 
 _collector = None  # one per worker process: NVML is initialised once, CPU use is measured between probes

@@ -25,6 +25,7 @@ CLUSTER_PROBE = "cluster.probe"
 CLUSTER_PROBE_HOST = "cluster.probe_host"
 CHECKPOINTS_EXPORT = "checkpoints.export"
 ALERTS_DELIVER = "alerts.deliver"
+IDEMPOTENCY_PURGE = "idempotency.purge"
 
 LAUNCH_QUEUE_PREFIX = "launch."
 PROBE_QUEUE_PREFIX = "probe."

@@ -15,6 +15,7 @@ from django.core.exceptions import ImproperlyConfigured
 from forgeboard.dispatch import (
     CLUSTER_MARK_DOWN_HOSTS,
     CLUSTER_PROBE,
+    IDEMPOTENCY_PURGE,
     RUNS_POLL_JOBS,
     RUNS_RECONCILE,
     RUNS_SCHEDULE,
@@ -256,6 +257,7 @@ CELERY_BEAT_SCHEDULE = {
     "schedule-runs": {"task": RUNS_SCHEDULE, "schedule": env.int("FORGEBOARD_SCHEDULE_SECONDS", 10, minimum=1)},
     "reconcile-runs": {"task": RUNS_RECONCILE, "schedule": env.int("FORGEBOARD_RECONCILE_SECONDS", 15, minimum=1)},
     "mark-down-hosts": {"task": CLUSTER_MARK_DOWN_HOSTS, "schedule": 30.0},
+    "purge-idempotency-keys": {"task": IDEMPOTENCY_PURGE, "schedule": 3600.0},
 }
 POLL_JOBS_SECONDS = env.int("FORGEBOARD_POLL_JOBS_SECONDS", 30, minimum=5)
 for _backend, _configured in (("slurm", SLURM_PARTITION), ("kubernetes", K8S_API_URL and K8S_IMAGE)):

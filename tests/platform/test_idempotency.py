@@ -10,6 +10,7 @@ from datetime import timedelta
 import httpx
 import pytest
 from django.db import connections
+from django.utils import timezone
 
 from forgeboard.accounts.services import api_token_create, project_create
 from forgeboard.audit.models import AuditEvent
@@ -113,6 +114,18 @@ def test_a_key_older_than_a_day_is_forgotten(client, team, tokens, grpo_yaml):
     later = launch(client, team, tokens["write"], {"config_yaml": grpo_yaml})
     assert later.status_code == 201 and "Idempotent-Replayed" not in later
     assert Run.objects.count() == 2 and IdempotentRequest.objects.count() == 1
+
+
+def test_the_hourly_purge_forgets_every_owners_expired_keys(client, team, tokens, grpo_yaml, settings):
+    from workers.tasks import purge_idempotency_keys
+
+    for token in ("write", "second"):
+        assert launch(client, team, tokens[token], {"config_yaml": grpo_yaml}).status_code == 201
+    assert launch(client, team, tokens["write"], {"config_yaml": grpo_yaml}, key="fresh").status_code == 201
+    IdempotentRequest.objects.exclude(key="fresh").update(created_at=timezone.now() - timedelta(hours=25))
+    assert purge_idempotency_keys.apply().get() == 2
+    assert list(IdempotentRequest.objects.values_list("key", flat=True)) == ["fresh"]
+    assert settings.CELERY_BEAT_SCHEDULE["purge-idempotency-keys"]["task"] == purge_idempotency_keys.name
 
 
 def test_commands_experiments_and_suites_are_created_once(client, team, tokens, grpo_yaml, running_run):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.db import IntegrityError, transaction
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
@@ -83,11 +83,20 @@ def _canonical_body(request: HttpRequest) -> bytes:
         return request.body
 
 
+def idempotency_keys_purge(*, now: datetime, owner: str | None = None) -> int:
+    """Forget the answers kept longer than KEY_LIFETIME (only `owner`'s when given): how many were forgotten."""
+    expired = IdempotentRequest.objects.filter(created_at__lt=now - KEY_LIFETIME)
+    if owner is not None:
+        expired = expired.filter(owner=owner)
+    return expired.delete()[0]
+
+
 def idempotent_claim(*, owner: str, key: str, fingerprint: str) -> IdempotentRequest:
     """Claim the key for this request (a new row, answer None) or find the answer its first copy got.
 
-    Call inside the request's transaction: the claim is committed with the answer, or not at all."""
-    IdempotentRequest.objects.filter(owner=owner, created_at__lt=timezone.now() - KEY_LIFETIME).delete()
+    Call inside the request's transaction: the claim is committed with the answer, or not at all. The owner's
+    expired keys go first, so a key past its lifetime is new again at once (the hourly purge catches the rest)."""
+    idempotency_keys_purge(now=timezone.now(), owner=owner)
     try:
         with transaction.atomic():
             return IdempotentRequest.objects.create(owner=owner, key=key, fingerprint=fingerprint)
