@@ -85,6 +85,36 @@ def test_member_sees_a_bad_value_at_its_line_fixes_it_and_launches(page, server,
     screenshot(page, "launch_landed_on_run_page")
 
 
+def test_a_launch_that_reaches_the_server_twice_starts_one_run_and_says_so(page, server, team, demo_model):
+    """The Launch button's POST arrives twice (sent again after its answer was lost, as a proxy or a second click
+    sends it): one run starts, and the browser lands on it with a note that the form was already sent."""
+    login(page, server, "mateo")
+    page.goto(f"{server['url']}/p/alpha/launch/")
+    page.locator("#experiment").select_option("new")
+    page.locator("#new_name").fill("sent-twice")
+    page.locator("#new_recipe").select_option("sft")
+    page.locator("#preset").select_option("cpu_demo_sft")
+    page.locator("#overrides").fill("trainer.steps=2\ntelemetry.console=false")
+    page.wait_for_function("document.getElementById('config-status').textContent === 'Config is valid.'")
+    answers: list[tuple[int, str | None]] = []
+
+    def send_twice(route):
+        for _ in range(2):
+            response = route.fetch(max_redirects=0)
+            answers.append((response.status, response.headers.get("idempotent-replayed")))
+        route.fulfill(response=response)
+
+    page.route("**/p/alpha/launch/", send_twice)
+    page.locator("#launch-button").click()
+    page.wait_for_url(re.compile(r"/runs/\d+/$"), timeout=30_000)
+    run = Run.objects.get(experiment__name="sent-twice")
+    assert page.url == f"{server['url']}/runs/{run.pk}/"
+    assert answers == [(302, None), (302, "true")]
+    note = page.get_by_text("This form was already sent")
+    assert note.is_visible() and note.bounding_box()["height"] > 0
+    screenshot(page, "launch_sent_twice")
+
+
 def test_viewer_cannot_launch(page, server, team):
     login(page, server, "vera")
     page.goto(f"{server['url']}/p/alpha/launch/")
