@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -397,6 +398,23 @@ def test_start_from_a_checkpoint_is_checked_before_anything_is_queued(dashboard,
         refused = dashboard.client.post(dashboard.url)
     assert refused.status_code == 403
     assert dashboard.sent == [] and Run.objects.count() == 1
+
+
+def test_start_a_new_run_from_here_sent_twice_asks_once(dashboard, django_capture_on_commit_callbacks):
+    """The button's form carries an idempotency key: a double click, or the form sent again, starts one run."""
+    from forgeboard.idempotency.models import IdempotentRequest
+
+    table = dashboard.client.get(f"/runs/{dashboard.parent.pk}/checkpoints/").content.decode()
+    key = re.search(r'name="idempotency_key" value="([0-9a-f]{32})"', table).group(1)
+    with django_capture_on_commit_callbacks(execute=True):
+        missing = dashboard.client.post(f"/runs/{dashboard.parent.pk}/checkpoints/3/launch/", {"idempotency_key": key})
+    assert missing.status_code == 302 and not IdempotentRequest.objects.exists(), "a refusal keeps no answer"
+    with django_capture_on_commit_callbacks(execute=True):
+        answers = [dashboard.client.post(dashboard.url, {"idempotency_key": key}) for _ in range(2)]
+    assert [a.status_code for a in answers] == [302, 302] and answers[0].url == answers[1].url
+    assert "Idempotent-Replayed" not in answers[0] and answers[1]["Idempotent-Replayed"] == "true"
+    assert [name for name, _, _ in dashboard.sent] == ["checkpoints.export"], "one export, for one run"
+    assert AuditEvent.objects.filter(action="checkpoint.launch_request").count() == 1
 
 
 # --- any checkpoint starts any recipe: another experiment, another config, the checkpoint as the model ---------

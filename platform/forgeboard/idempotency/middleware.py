@@ -29,7 +29,7 @@ class IdempotencyMiddleware:
         with transaction.atomic():
             response = self.get_response(request)
             claim = getattr(request, "idempotency_claim", None)
-            if claim is not None and response.status_code >= 400:
+            if claim is not None and (response.status_code >= 400 or getattr(request, "idempotency_refused", False)):
                 transaction.set_rollback(True)
             elif claim is not None and response.streaming:
                 claim.delete()  # done, but an answer that streams cannot be kept: the key is forgotten

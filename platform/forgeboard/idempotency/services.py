@@ -111,6 +111,12 @@ def idempotent_claim(*, owner: str, key: str, fingerprint: str) -> IdempotentReq
     return stored
 
 
+def idempotent_refused(request: HttpRequest) -> None:
+    """For a view whose refusal is not a 4xx (an error flashed on the page it came from, and a redirect): keep no
+    answer, so the key can be sent again."""
+    request.idempotency_refused = True
+
+
 def idempotent_record(*, claim: IdempotentRequest, response: HttpResponse) -> None:
     claim.status_code = response.status_code
     claim.content_type = response.get("Content-Type", "")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,7 +161,6 @@ def _context(request: HttpRequest, *, project: Project, form: LaunchForm, clone_
         "placement_roles": PLACEMENT_ROLES,
         "hosts": list(hosts_with_devices().order_by("hostname")),
         "form": form,
-        "submission_key": uuid.uuid4().hex,  # web/idempotent.py: a double-click launches once
         "config_lines": range(1, form.config_yaml.count("\n") + 2),
         "clone_of": clone_of,
         "checkpoint": checkpoint,

@@ -27,7 +27,9 @@ from forgeboard.runs.services import command_create, run_cancel
 from forgeboard.runs.states import ACTIVE_STATES, RunState
 from forgeboard.telemetry.models import EventKind, MetricSeries, RunEvent
 from forgeboard.telemetry.selectors import KEY_METRICS
+from forgeboard.idempotency.services import idempotent_refused
 from forgeboard.web.errors import project_or_404, refusal_or_flash, run_or_404
+from forgeboard.web.idempotent import idempotent_form
 from workers.engine.operations import DrillKind, DrillRole, PlacedRole
 
 RUNS_PER_PAGE = 50
@@ -206,11 +208,13 @@ def run_command(request: HttpRequest, run_id: int) -> HttpResponse:
 
 @login_required
 @require_POST
+@idempotent_form
 def run_from_checkpoint(request: HttpRequest, run_id: int, step: int) -> HttpResponse:
     run = run_or_404(request, run_id)
     try:
         child = run_launch_from_checkpoint_request(actor=request.user, run=run, step=step)
     except ServiceError as error:
+        idempotent_refused(request)
         return refusal_or_flash(request, error) or redirect("run_detail", run_id=run.pk)
     if isinstance(child, Run):
         messages.success(request, f"started {child.experiment.name} #{child.number} from step {step} of #{run.number}")
