@@ -13,7 +13,8 @@ import pytest
 from django.db import connections
 from django.utils import timezone
 
-from forgeboard.accounts.services import api_token_create, project_create
+from forgeboard.accounts.models import ApiToken
+from forgeboard.accounts.services import api_token_create, api_token_revoke, project_create
 from forgeboard.audit.models import AuditEvent
 from forgeboard.experiments.models import Experiment
 from forgeboard.idempotency.models import IdempotentRequest
@@ -99,6 +100,10 @@ def test_keys_belong_to_their_credential(client, team, tokens, grpo_yaml):
                           content_type="application/json", HTTP_IDEMPOTENCY_KEY=KEY)
     assert session.status_code == 201 and "Idempotent-Replayed" not in session
     assert Run.objects.count() == 3
+    # A revoked token's copy is refused like any request of it, not answered from what it once got.
+    api_token_revoke(actor=team.member, token=ApiToken.objects.get(name="ci-write"))
+    revoked = launch(client, team, tokens["write"], body)
+    assert revoked.status_code == 401 and "Idempotent-Replayed" not in revoked
 
 
 @pytest.mark.parametrize("key", ["", " ", "k" * 201, "ключ", "a b", "tab\there", "nul\x00"])

@@ -49,7 +49,9 @@ api = ForgeboardAPI(
         f"Every request body is at most {MAX_REQUEST_BYTES} bytes (a larger one, with or without Content-Length, "
         f"is answered 413 `payload_too_large` before it is read) and its JSON nests at most {MAX_JSON_DEPTH} "
         "levels. Text must not contain NUL characters or lone surrogates. Every error is "
-        "`{code, message, errors: [{field, message}]}`."
+        "`{code, message, errors: [{field, message}]}`.\n\n"
+        "The operations that launch runs, send commands, or create experiments and suites take an `Idempotency-Key` "
+        "header: a retry with the same key gets the first answer (`Idempotent-Replayed: true`) and creates nothing."
     ),
     urls_namespace="api-v1",
     parser=BoundedJsonParser(),
