@@ -232,6 +232,63 @@ def test_two_copies_sent_at_once_launch_one_run(team, tokens, grpo_yaml, monkeyp
     assert Run.objects.count() == 1
 
 
+
+def test_a_refused_keyed_request_still_counts_against_the_tokens_budget(client, team, tokens, settings):
+    """What a refusal rolls back is what its key claimed: the embedded default counts requests in the database,
+    and a key with a bad body was never counted there, so it was never slowed either."""
+    from django.core.cache import cache
+
+    cache.clear()
+    settings.API_RATE_PER_MINUTE = 3
+    codes = [launch(client, team, tokens["write"], {"config_yaml": "recipe: [unclosed"}, key=f"k{i}").status_code
+             for i in range(5)]
+    assert codes == [400, 400, 400, 429, 429]
+    assert not IdempotentRequest.objects.exists()
+    cache.clear()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_key_on_an_operation_that_takes_none_holds_nothing_while_it_runs(team, tokens, grpo_yaml, monkeypatch,
+                                                                           wsgi_in_process):
+    """/configs/validate takes no key: sent with one, a slow check runs as it would without, and the token's next
+    request does not wait for it (a transaction around it held the token's row on Postgres and the database's
+    write lock on SQLite until the check was done)."""
+    from forgeboard.api import configs
+    from forgeboard.wsgi import application
+
+    checking, release = threading.Event(), threading.Event()
+    original = configs.config_problems
+
+    def slow_check(**kwargs):
+        checking.set()
+        release.wait(timeout=30)
+        return original(**kwargs)
+
+    monkeypatch.setattr(configs, "config_problems", slow_check)
+    answers: dict[str, httpx.Response] = {}
+
+    def send(name: str, path: str, body: dict, headers: dict[str, str]) -> None:
+        with httpx.Client(transport=httpx.WSGITransport(app=application), base_url="http://testserver") as http:
+            answers[name] = http.post(path, json=body, headers={"Authorization": f"Bearer {tokens['write']}"} | headers)
+        connections.close_all()
+
+    check = threading.Thread(target=send, args=("check", "/api/v1/configs/validate",
+                                                {"recipe": "grpo", "yaml": grpo_yaml}, {"Idempotency-Key": KEY}))
+    check.start()
+    assert checking.wait(timeout=10)
+    launched = threading.Thread(target=send, args=("launch", f"/api/v1/experiments/{team.experiment.pk}/runs",
+                                                   {"config_yaml": grpo_yaml}, {}))
+    launched.start()
+    launched.join(timeout=5)
+    done_while_checking = not launched.is_alive()
+    release.set()
+    for thread in (check, launched):
+        thread.join(timeout=30)
+    assert done_while_checking
+    assert answers["launch"].status_code == 201 and answers["check"].json() == {"ok": True, "errors": []}
+    assert not IdempotentRequest.objects.exists()
+
+
 # --- the client ---------------------------------------------------------------------------------------------------
 
 def test_the_client_retries_a_lost_launch_with_the_same_key(team, tokens, grpo_yaml, wsgi_in_process, monkeypatch):

@@ -94,7 +94,7 @@ def idempotency_keys_purge(*, now: datetime, owner: str | None = None) -> int:
 def idempotent_claim(*, owner: str, key: str, fingerprint: str) -> IdempotentRequest:
     """Claim the key for this request (a new row, answer None) or find the answer its first copy got.
 
-    Call inside the request's transaction: the claim is committed with the answer, or not at all. The owner's
+    Call inside the transaction that records the answer: the claim is committed with it, or not at all. The owner's
     expired keys go first, so a key past its lifetime is new again at once (the hourly purge catches the rest)."""
     idempotency_keys_purge(now=timezone.now(), owner=owner)
     try:
@@ -138,7 +138,8 @@ def replayed_answer(stored: IdempotentRequest) -> HttpResponse:
 
 def replay_or_claim(request: HttpRequest, *, actor: object, edited_is_new: bool = False) -> HttpResponse | None:
     """For a view's `idempotent` decorator: the stored answer when this request is a copy, else None with the key
-    claimed (IdempotencyMiddleware records the view's answer). None too when no key was sent.
+    claimed in a transaction that holds the rest of the view (IdempotencyMiddleware records the view's answer in it
+    and closes it). None too when no key was sent.
 
     `edited_is_new` is for a form's key: a page brought back and changed before it is sent again is a new
     submission, not a reused key, so the key stands for this key and this body together."""
@@ -147,6 +148,7 @@ def replay_or_claim(request: HttpRequest, *, actor: object, edited_is_new: bool 
         return None
     fingerprint = request_fingerprint(request)
     key = checked_key(key) + (f":{fingerprint[:32]}" if edited_is_new else "")
+    request.idempotency_transaction.enter_context(transaction.atomic())
     claim = idempotent_claim(owner=owner_of(actor), key=key, fingerprint=fingerprint)
     if claim.status_code is not None:
         return replayed_answer(claim)
