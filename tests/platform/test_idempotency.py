@@ -106,6 +106,21 @@ def test_keys_belong_to_their_credential(client, team, tokens, grpo_yaml):
     assert revoked.status_code == 401 and "Idempotent-Replayed" not in revoked
 
 
+
+def test_a_json_body_labelled_as_a_form_is_compared_as_the_api_reads_it(client, team, tokens, grpo_yaml):
+    """`curl -d` labels its body a form; the API reads it as JSON all the same, and so does the key's comparison. Read
+    as form fields, `+` and a space were one character: another config with the same key got the first one's run."""
+    def send(config_yaml: str):
+        return client.post(f"/api/v1/experiments/{team.experiment.pk}/runs", data=json.dumps({"config_yaml": config_yaml}),
+                           content_type="application/x-www-form-urlencoded", HTTP_IDEMPOTENCY_KEY=KEY,
+                           HTTP_AUTHORIZATION=f"Bearer {tokens['write']}")
+
+    assert send(grpo_yaml + "# lr 1e+3\n").status_code == 201
+    other = send(grpo_yaml + "# lr 1e 3\n")
+    assert other.status_code == 422 and other.json()["code"] == "idempotency_key_reused", other.content
+    assert send(grpo_yaml + "# lr 1e+3\n")["Idempotent-Replayed"] == "true"
+    assert Run.objects.count() == 1
+
 @pytest.mark.parametrize("key", ["", " ", "k" * 201, "ключ", "a b", "tab\there", "nul\x00"])
 def test_a_malformed_key_is_refused_at_its_field(client, team, tokens, grpo_yaml, key):
     response = launch(client, team, tokens["write"], {"config_yaml": grpo_yaml}, key=key)

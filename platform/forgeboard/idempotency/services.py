@@ -64,16 +64,16 @@ def owner_of(actor: object) -> str:
     return f"user:{actor.pk}"
 
 
-def request_fingerprint(request: HttpRequest) -> str:
-    """What makes two requests copies of one: method, path with query, and the body (JSON compared by value,
-    a form by its fields)."""
+def request_fingerprint(request: HttpRequest, *, form: bool = False) -> str:
+    """What makes two requests copies of one: method, path with query, and the body as its view reads it (a form's
+    by its fields; else JSON compared by value, whatever the body is labelled)."""
     digest = hashlib.sha256(f"{request.method} {request.get_full_path()}\n".encode())
-    digest.update(_canonical_body(request))
+    digest.update(_canonical_body(request, form=form))
     return digest.hexdigest()
 
 
-def _canonical_body(request: HttpRequest) -> bytes:
-    if request.content_type in _FORMS:
+def _canonical_body(request: HttpRequest, *, form: bool) -> bytes:
+    if form:
         fields = sorted((name, value) for name, values in request.POST.lists() if name not in _NOT_THE_REQUEST
                         for value in values)
         return json.dumps(fields).encode()
@@ -136,18 +136,19 @@ def replayed_answer(stored: IdempotentRequest) -> HttpResponse:
     return response
 
 
-def replay_or_claim(request: HttpRequest, *, actor: object, edited_is_new: bool = False) -> HttpResponse | None:
+def replay_or_claim(request: HttpRequest, *, actor: object, form: bool = False) -> HttpResponse | None:
     """For a view's `idempotent` decorator: the stored answer when this request is a copy, else None with the key
     claimed in a transaction that holds the rest of the view (IdempotencyMiddleware records the view's answer in it
     and closes it). None too when no key was sent.
 
-    `edited_is_new` is for a form's key: a page brought back and changed before it is sent again is a new
-    submission, not a reused key, so the key stands for this key and this body together."""
+    `form` is for a form's hidden key: the request is the form's fields, and a page brought back and changed before
+    it is sent again is a new submission, not a reused key, so the key stands for this key and these fields together.
+    """
     key = getattr(request, "idempotency_key", None)  # set by IdempotencyMiddleware
     if key is None:
         return None
-    fingerprint = request_fingerprint(request)
-    key = checked_key(key) + (f":{fingerprint[:32]}" if edited_is_new else "")
+    fingerprint = request_fingerprint(request, form=form)
+    key = checked_key(key) + (f":{fingerprint[:32]}" if form else "")
     request.idempotency_transaction.enter_context(transaction.atomic())
     claim = idempotent_claim(owner=owner_of(actor), key=key, fingerprint=fingerprint)
     if claim.status_code is not None:
