@@ -6,6 +6,7 @@ import json
 import re
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import httpx
@@ -262,6 +263,48 @@ def test_a_refused_keyed_request_still_counts_against_the_tokens_budget(client, 
     cache.clear()
 
 
+def _sent_in_background(token: str, path: str, body: dict, answers: dict[str, httpx.Response], *,
+                        key: str | None = None) -> threading.Thread:
+    """POST through WSGI in a thread of its own (a connection of its own); its answer lands in answers[path]."""
+    from forgeboard.wsgi import application
+
+    def send() -> None:
+        with httpx.Client(transport=httpx.WSGITransport(app=application), base_url="http://testserver") as http:
+            headers = {"Authorization": f"Bearer {token}"} | ({"Idempotency-Key": key} if key else {})
+            answers[path] = http.post(path, json=body, headers=headers)
+        connections.close_all()
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread
+
+
+def _answered_while_the_first_waits(monkeypatch, paused: tuple[object, str], first: Callable[[], threading.Thread],
+                                    second: Callable[[], threading.Thread]) -> bool:
+    """Whether `second`'s request is answered while `first`'s waits in `paused` (a module, and the function of it that
+    its view calls)."""
+    called, release = threading.Event(), threading.Event()
+    module, name = paused
+    original = getattr(module, name)
+
+    def waiting(**kwargs):
+        if not called.is_set():
+            called.set()
+            release.wait(timeout=30)
+        return original(**kwargs)
+
+    monkeypatch.setattr(module, name, waiting)
+    threads = [first()]
+    assert called.wait(timeout=10)
+    threads.append(second())
+    threads[1].join(timeout=8)
+    answered = not threads[1].is_alive()
+    release.set()
+    for thread in threads:
+        thread.join(timeout=30)
+    return answered
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_key_on_an_operation_that_takes_none_holds_nothing_while_it_runs(team, tokens, grpo_yaml, monkeypatch,
                                                                            wsgi_in_process):
@@ -269,40 +312,37 @@ def test_a_key_on_an_operation_that_takes_none_holds_nothing_while_it_runs(team,
     request does not wait for it (a transaction around it held the token's row on Postgres and the database's
     write lock on SQLite until the check was done)."""
     from forgeboard.api import configs
-    from forgeboard.wsgi import application
 
-    checking, release = threading.Event(), threading.Event()
-    original = configs.config_problems
-
-    def slow_check(**kwargs):
-        checking.set()
-        release.wait(timeout=30)
-        return original(**kwargs)
-
-    monkeypatch.setattr(configs, "config_problems", slow_check)
     answers: dict[str, httpx.Response] = {}
-
-    def send(name: str, path: str, body: dict, headers: dict[str, str]) -> None:
-        with httpx.Client(transport=httpx.WSGITransport(app=application), base_url="http://testserver") as http:
-            answers[name] = http.post(path, json=body, headers={"Authorization": f"Bearer {tokens['write']}"} | headers)
-        connections.close_all()
-
-    check = threading.Thread(target=send, args=("check", "/api/v1/configs/validate",
-                                                {"recipe": "grpo", "yaml": grpo_yaml}, {"Idempotency-Key": KEY}))
-    check.start()
-    assert checking.wait(timeout=10)
-    launched = threading.Thread(target=send, args=("launch", f"/api/v1/experiments/{team.experiment.pk}/runs",
-                                                   {"config_yaml": grpo_yaml}, {}))
-    launched.start()
-    launched.join(timeout=5)
-    done_while_checking = not launched.is_alive()
-    release.set()
-    for thread in (check, launched):
-        thread.join(timeout=30)
-    assert done_while_checking
-    assert answers["launch"].status_code == 201 and answers["check"].json() == {"ok": True, "errors": []}
+    check, runs = "/api/v1/configs/validate", f"/api/v1/experiments/{team.experiment.pk}/runs"
+    assert _answered_while_the_first_waits(
+        monkeypatch, (configs, "config_problems"),
+        lambda: _sent_in_background(tokens["write"], check, {"recipe": "grpo", "yaml": grpo_yaml}, answers, key=KEY),
+        lambda: _sent_in_background(tokens["write"], runs, {"config_yaml": grpo_yaml}, answers))
+    assert answers[runs].status_code == 201 and answers[check].json() == {"ok": True, "errors": []}
     assert not IdempotentRequest.objects.exists()
 
+
+@pytest.mark.django_db(transaction=True)
+def test_a_tokens_expired_key_does_not_make_its_launches_wait_for_each_other(team, tokens, grpo_yaml, monkeypatch,
+                                                                             wsgi_in_process):
+    """Each claim forgot every expired key of its token, so until the hourly purge every keyed launch of the token
+    waited on the first one's lock of those rows, for its whole launch; now a claim forgets only its own key's."""
+    from forgeboard.api import public
+
+    if connections["default"].vendor != "postgresql":
+        pytest.skip("SQLite has one writer: a claim holds the database's write lock until its answer is recorded")
+    token = ApiToken.objects.get(name="ci-write")
+    IdempotentRequest.objects.create(owner=f"token:{token.pk}", key="yesterday", fingerprint="0" * 64, status_code=201)
+    IdempotentRequest.objects.update(created_at=timezone.now() - timedelta(hours=25))
+    answers: dict[str, httpx.Response] = {}
+    runs = f"/api/v1/experiments/{team.experiment.pk}/runs"
+    assert _answered_while_the_first_waits(
+        monkeypatch, (public, "run_launch"),
+        lambda: _sent_in_background(tokens["write"], runs, {"config_yaml": grpo_yaml}, answers, key="first"),
+        lambda: _sent_in_background(tokens["write"], runs, {"config_yaml": grpo_yaml, "priority": 1}, answers,
+                                    key="second"))
+    assert Run.objects.count() == 2
 
 # --- the client ---------------------------------------------------------------------------------------------------
 

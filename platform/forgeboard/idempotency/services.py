@@ -17,6 +17,7 @@ import re
 from datetime import datetime, timedelta
 
 from django.db import IntegrityError, transaction
+from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.utils import timezone
 
@@ -83,20 +84,22 @@ def _canonical_body(request: HttpRequest, *, form: bool) -> bytes:
         return request.body
 
 
-def idempotency_keys_purge(*, now: datetime, owner: str | None = None) -> int:
-    """Forget the answers kept longer than KEY_LIFETIME (only `owner`'s when given): how many were forgotten."""
-    expired = IdempotentRequest.objects.filter(created_at__lt=now - KEY_LIFETIME)
-    if owner is not None:
-        expired = expired.filter(owner=owner)
-    return expired.delete()[0]
+def idempotency_keys_purge(*, now: datetime) -> int:
+    """Forget the answers kept longer than KEY_LIFETIME: how many were forgotten."""
+    return _expired(now).delete()[0]
+
+
+def _expired(now: datetime) -> QuerySet[IdempotentRequest]:
+    return IdempotentRequest.objects.filter(created_at__lt=now - KEY_LIFETIME)
 
 
 def idempotent_claim(*, owner: str, key: str, fingerprint: str) -> IdempotentRequest:
     """Claim the key for this request (a new row, answer None) or find the answer its first copy got.
 
-    Call inside the transaction that records the answer: the claim is committed with it, or not at all. The owner's
-    expired keys go first, so a key past its lifetime is new again at once (the hourly purge catches the rest)."""
-    idempotency_keys_purge(now=timezone.now(), owner=owner)
+    Call inside the transaction that records the answer: the claim is committed with it, or not at all. The key's
+    expired answer goes first, so a key past its lifetime is new again at once. The hourly purge forgets the others:
+    deleted here, they stayed locked until this request was done, and the owner's other keyed requests waited."""
+    _expired(timezone.now()).filter(owner=owner, key=key).delete()
     try:
         with transaction.atomic():
             return IdempotentRequest.objects.create(owner=owner, key=key, fingerprint=fingerprint)
