@@ -369,3 +369,19 @@ def test_the_client_retries_a_lost_launch_with_the_same_key(team, tokens, grpo_y
     assert Run.objects.count() == 1 and run["id"] == Run.objects.get().pk
     api.launch_run(team.experiment.pk, grpo_yaml)  # a new call is a new key: a new run
     assert len(set(seen)) == 2 and Run.objects.count() == 2
+
+
+def test_a_claim_that_loses_to_a_copy_forgotten_meanwhile_is_asked_to_retry(db, monkeypatch):
+    """The copy whose claim this one collided with is gone by the time it looks (the hourly purge): a 409 that a
+    retry settles, not a 500."""
+    from django.db import IntegrityError
+
+    from forgeboard.errors import Conflict
+    from forgeboard.idempotency import services
+
+    def collide(**_):
+        raise IntegrityError("duplicate key value violates unique constraint")
+
+    monkeypatch.setattr(services.IdempotentRequest.objects, "create", collide)
+    with pytest.raises(Conflict, match="send it again shortly"):
+        services.idempotent_claim(owner="token:1", key=KEY, fingerprint="f" * 64)

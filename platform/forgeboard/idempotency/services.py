@@ -104,13 +104,13 @@ def idempotent_claim(*, owner: str, key: str, fingerprint: str) -> IdempotentReq
         with transaction.atomic():
             return IdempotentRequest.objects.create(owner=owner, key=key, fingerprint=fingerprint)
     except IntegrityError:  # a copy committed first (this insert waited for it)
-        stored = IdempotentRequest.objects.get(owner=owner, key=key)
+        stored = IdempotentRequest.objects.filter(owner=owner, key=key).first()
+    if stored is None or stored.status_code is None:  # forgotten meanwhile, or unfinished: a retry settles it
+        raise Conflict(f"the first request with {HEADER} {key!r} has not finished: send it again shortly")
     if stored.fingerprint != fingerprint:
         raise KeyReused(f"{HEADER} {key!r} was already used for a different request (method, path or body): "
                         "use a new key for a new request",
                         problems=[FieldProblem(HEADER, "already used for a different request")])
-    if stored.status_code is None:
-        raise Conflict(f"the first request with {HEADER} {key!r} has not finished: send it again shortly")
     return stored
 
 
