@@ -107,7 +107,6 @@ def test_keys_belong_to_their_credential(client, team, tokens, grpo_yaml):
     assert revoked.status_code == 401 and "Idempotent-Replayed" not in revoked
 
 
-
 def test_a_json_body_labelled_as_a_form_is_compared_as_the_api_reads_it(client, team, tokens, grpo_yaml):
     """`curl -d` labels its body a form; the API reads it as JSON all the same, and so does the key's comparison. Read
     as form fields, `+` and a space were one character: another config with the same key got the first one's run."""
@@ -121,6 +120,7 @@ def test_a_json_body_labelled_as_a_form_is_compared_as_the_api_reads_it(client, 
     assert other.status_code == 422 and other.json()["code"] == "idempotency_key_reused", other.content
     assert send(grpo_yaml + "# lr 1e+3\n")["Idempotent-Replayed"] == "true"
     assert Run.objects.count() == 1
+
 
 @pytest.mark.parametrize("key", ["", " ", "k" * 201, "ключ", "a b", "tab\there", "nul\x00"])
 def test_a_malformed_key_is_refused_at_its_field(client, team, tokens, grpo_yaml, key):
@@ -248,7 +248,6 @@ def test_two_copies_sent_at_once_launch_one_run(team, tokens, grpo_yaml, monkeyp
     assert Run.objects.count() == 1
 
 
-
 def test_a_refused_keyed_request_still_counts_against_the_tokens_budget(client, team, tokens, settings):
     """What a refusal rolls back is what its key claimed: the embedded default counts requests in the database,
     and a key with a bad body was never counted there, so it was never slowed either."""
@@ -343,6 +342,7 @@ def test_a_tokens_expired_key_does_not_make_its_launches_wait_for_each_other(tea
         lambda: _sent_in_background(tokens["write"], runs, {"config_yaml": grpo_yaml, "priority": 1}, answers,
                                     key="second"))
     assert Run.objects.count() == 2
+
 
 # --- the client ---------------------------------------------------------------------------------------------------
 
