@@ -25,9 +25,10 @@ FORMS = ("application/x-www-form-urlencoded", "multipart/form-data")
 def query_problem(request: HttpRequest) -> tuple[str, str] | None:
     """(parameter, why) for the first query parameter whose name or value cannot be stored, or None."""
     for name, values in request.GET.lists():
-        for text in (name, *values):
-            if reason := unstorable_reason(text):
-                return (name if unstorable_reason(name) is None else "query"), reason
+        if reason := unstorable_reason(name):
+            return "query", reason
+        if reason := next(filter(None, map(unstorable_reason, values)), None):
+            return name, reason
     return None
 
 

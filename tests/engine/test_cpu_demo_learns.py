@@ -36,10 +36,6 @@ def sft_warm_start(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return export_hf(result.checkpoint, root / "sft-hf")
 
 
-def _held_out_rewards(sink: MemorySink) -> dict[int, float]:
-    return dict(sink.series("eval/reward_mean"))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", SEEDS)
 def test_the_cpu_demo_grpo_run_learns_on_every_seed(sft_warm_start, tmp_path, seed):
@@ -47,7 +43,7 @@ def test_the_cpu_demo_grpo_run_learns_on_every_seed(sft_warm_start, tmp_path, se
         f"model.path={sft_warm_start}", f"trainer.seed={seed}", f"checkpoint.folder={tmp_path / 'grpo'}", *QUIET])
     sink = MemorySink()
     train_grpo(config, Recorder([sink]))
-    rewards = _held_out_rewards(sink)
+    rewards = dict(sink.series("eval/reward_mean"))  # step -> held-out reward
     start, end = rewards[0], rewards[config.trainer.steps]
     later = {step: value for step, value in rewards.items() if step >= 60}
     assert end >= start + 0.4, rewards

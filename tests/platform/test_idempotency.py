@@ -111,7 +111,8 @@ def test_a_json_body_labelled_as_a_form_is_compared_as_the_api_reads_it(client, 
     """`curl -d` labels its body a form; the API reads it as JSON all the same, and so does the key's comparison. Read
     as form fields, `+` and a space were one character: another config with the same key got the first one's run."""
     def send(config_yaml: str):
-        return client.post(f"/api/v1/experiments/{team.experiment.pk}/runs", data=json.dumps({"config_yaml": config_yaml}),
+        return client.post(f"/api/v1/experiments/{team.experiment.pk}/runs",
+                           data=json.dumps({"config_yaml": config_yaml}),
                            content_type="application/x-www-form-urlencoded", HTTP_IDEMPOTENCY_KEY=KEY,
                            HTTP_AUTHORIZATION=f"Bearer {tokens['write']}")
 
@@ -196,8 +197,8 @@ def test_a_double_submitted_launch_form_launches_once_and_lands_on_the_run(clien
     edited = client.post("/p/alpha/launch/", _form(team, grpo_yaml, priority="4"))
     assert edited.status_code == 302 and Run.objects.count() == 2
     # Each render of the page has keys of its own.
-    keys = [re.findall(r'name="idempotency_key" value="([0-9a-f]{32})"', client.get("/p/alpha/launch/").content.decode())
-            for _ in range(2)]
+    field = re.compile(r'name="idempotency_key" value="([0-9a-f]{32})"')
+    keys = [field.findall(client.get("/p/alpha/launch/").content.decode()) for _ in range(2)]
     assert len(keys[0]) == 2 and not set(keys[0]) & set(keys[1]), keys
 
 
@@ -205,6 +206,9 @@ def test_a_refused_form_keeps_nothing(client, team, grpo_yaml):
     client.force_login(team.member)
     refused = client.post("/p/alpha/launch/", _form(team, grpo_yaml, config_yaml="recipe: [unclosed"))
     assert refused.status_code == 400 and not IdempotentRequest.objects.exists()
+    malformed = client.post("/p/alpha/launch/", _form(team, grpo_yaml, idempotency_key="ключ"))
+    assert malformed.status_code == 400
+    assert "Idempotency-Key: must be 1 to 200 visible ASCII" in malformed.content.decode()
     client.force_login(team.viewer)
     assert client.post("/p/alpha/launch/", _form(team, grpo_yaml)).status_code == 403
     assert not IdempotentRequest.objects.exists() and not Run.objects.exists()
@@ -212,12 +216,27 @@ def test_a_refused_form_keeps_nothing(client, team, grpo_yaml):
 
 # --- two copies at once --------------------------------------------------------------------------------------------
 
+def _sent_in_background(name: str, token: str, path: str, body: dict, answers: dict[str, httpx.Response], *,
+                        key: str | None = None) -> threading.Thread:
+    """POST through WSGI in a thread of its own (a connection of its own); its answer lands in answers[name]."""
+    from forgeboard.wsgi import application
+
+    def send() -> None:
+        with httpx.Client(transport=httpx.WSGITransport(app=application), base_url="http://testserver") as http:
+            headers = {"Authorization": f"Bearer {token}"} | ({"Idempotency-Key": key} if key else {})
+            answers[name] = http.post(path, json=body, headers=headers)
+        connections.close_all()
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread
+
+
 @pytest.mark.django_db(transaction=True)
 def test_two_copies_sent_at_once_launch_one_run(team, tokens, grpo_yaml, monkeypatch, wsgi_in_process):
     """The second copy waits for the first to commit (on the claim's unique key; on SQLite, for the one writer's
     lock), then gets its answer."""
     from forgeboard.api import public
-    from forgeboard.wsgi import application
 
     original = public.run_launch
 
@@ -227,21 +246,15 @@ def test_two_copies_sent_at_once_launch_one_run(team, tokens, grpo_yaml, monkeyp
         return run
 
     monkeypatch.setattr(public, "run_launch", slow_launch)
-    answers: list[httpx.Response] = []
-
-    def send() -> None:
-        with httpx.Client(transport=httpx.WSGITransport(app=application), base_url="http://testserver") as http:
-            answers.append(http.post(f"/api/v1/experiments/{team.experiment.pk}/runs",
-                                     json={"config_yaml": grpo_yaml},
-                                     headers={"Authorization": f"Bearer {tokens['write']}", "Idempotency-Key": KEY}))
-        connections.close_all()
-
-    threads = [threading.Thread(target=send) for _ in range(2)]
-    for thread in threads:
-        thread.start()
+    answered: dict[str, httpx.Response] = {}
+    threads = []
+    for copy in ("first", "second"):
+        threads.append(_sent_in_background(copy, tokens["write"], f"/api/v1/experiments/{team.experiment.pk}/runs",
+                                           {"config_yaml": grpo_yaml}, answered, key=KEY))
         time.sleep(0.1)
     for thread in threads:
         thread.join(timeout=30)
+    answers = list(answered.values())
     assert [a.status_code for a in answers] == [201, 201], [a.text for a in answers]
     assert answers[0].json()["id"] == answers[1].json()["id"]
     assert sorted(a.headers.get("Idempotent-Replayed", "no") for a in answers) == ["no", "true"]
@@ -260,22 +273,6 @@ def test_a_refused_keyed_request_still_counts_against_the_tokens_budget(client, 
     assert codes == [400, 400, 400, 429, 429]
     assert not IdempotentRequest.objects.exists()
     cache.clear()
-
-
-def _sent_in_background(token: str, path: str, body: dict, answers: dict[str, httpx.Response], *,
-                        key: str | None = None) -> threading.Thread:
-    """POST through WSGI in a thread of its own (a connection of its own); its answer lands in answers[path]."""
-    from forgeboard.wsgi import application
-
-    def send() -> None:
-        with httpx.Client(transport=httpx.WSGITransport(app=application), base_url="http://testserver") as http:
-            headers = {"Authorization": f"Bearer {token}"} | ({"Idempotency-Key": key} if key else {})
-            answers[path] = http.post(path, json=body, headers=headers)
-        connections.close_all()
-
-    thread = threading.Thread(target=send)
-    thread.start()
-    return thread
 
 
 def _answered_while_the_first_waits(monkeypatch, paused: tuple[object, str], first: Callable[[], threading.Thread],
@@ -316,8 +313,9 @@ def test_a_key_on_an_operation_that_takes_none_holds_nothing_while_it_runs(team,
     check, runs = "/api/v1/configs/validate", f"/api/v1/experiments/{team.experiment.pk}/runs"
     assert _answered_while_the_first_waits(
         monkeypatch, (configs, "config_problems"),
-        lambda: _sent_in_background(tokens["write"], check, {"recipe": "grpo", "yaml": grpo_yaml}, answers, key=KEY),
-        lambda: _sent_in_background(tokens["write"], runs, {"config_yaml": grpo_yaml}, answers))
+        lambda: _sent_in_background(check, tokens["write"], check, {"recipe": "grpo", "yaml": grpo_yaml}, answers,
+                                    key=KEY),
+        lambda: _sent_in_background(runs, tokens["write"], runs, {"config_yaml": grpo_yaml}, answers))
     assert answers[runs].status_code == 201 and answers[check].json() == {"ok": True, "errors": []}
     assert not IdempotentRequest.objects.exists()
 
@@ -338,9 +336,9 @@ def test_a_tokens_expired_key_does_not_make_its_launches_wait_for_each_other(tea
     runs = f"/api/v1/experiments/{team.experiment.pk}/runs"
     assert _answered_while_the_first_waits(
         monkeypatch, (public, "run_launch"),
-        lambda: _sent_in_background(tokens["write"], runs, {"config_yaml": grpo_yaml}, answers, key="first"),
-        lambda: _sent_in_background(tokens["write"], runs, {"config_yaml": grpo_yaml, "priority": 1}, answers,
-                                    key="second"))
+        lambda: _sent_in_background("first", tokens["write"], runs, {"config_yaml": grpo_yaml}, answers, key="first"),
+        lambda: _sent_in_background("second", tokens["write"], runs, {"config_yaml": grpo_yaml, "priority": 1},
+                                    answers, key="second"))
     assert Run.objects.count() == 2
 
 
@@ -385,3 +383,29 @@ def test_a_claim_that_loses_to_a_copy_forgotten_meanwhile_is_asked_to_retry(db, 
     monkeypatch.setattr(services.IdempotentRequest.objects, "create", collide)
     with pytest.raises(Conflict, match="send it again shortly"):
         services.idempotent_claim(owner="token:1", key=KEY, fingerprint="f" * 64)
+
+
+def test_the_client_sends_a_write_again_after_a_gateways_503_and_a_read_once(team, tokens, grpo_yaml,
+                                                                              wsgi_in_process, monkeypatch):
+    """A proxy that lost the server answers 503: the launch may or may not have happened, so it is sent again with
+    its key; a read carries no key and is not sent again."""
+    from forgeboard.wsgi import application
+    from forgeboard_client import client as client_module
+
+    monkeypatch.setattr(client_module, "RETRY_PAUSES_S", (0.0, 0.0))
+    server = httpx.WSGITransport(app=application)
+    seen: list[tuple[str, str]] = []
+
+    class GatewayFailsFirst(httpx.BaseTransport):
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            seen.append((request.method, request.headers.get("Idempotency-Key", "")))
+            answer = server.handle_request(request)
+            return httpx.Response(503, text="upstream lost") if len(seen) in (1, 3) else answer
+
+    api = client_module.ForgeboardClient("http://testserver", tokens["write"], transport=GatewayFailsFirst())
+    run = api.launch_run(team.experiment.pk, grpo_yaml)
+    assert [method for method, _ in seen] == ["POST", "POST"] and seen[0][1] == seen[1][1] != ""
+    assert Run.objects.count() == 1 and run["id"] == Run.objects.get().pk
+    with pytest.raises(client_module.ApiError) as failed:
+        api.run(run["id"])
+    assert failed.value.status == 503 and seen[2] == ("GET", "") and len(seen) == 3

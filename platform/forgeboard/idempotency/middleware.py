@@ -3,7 +3,8 @@
 The view's `idempotent` decorator (api/idempotent.py, web/idempotent.py) opens a transaction and claims the key in
 it, or answers with the stored answer; this middleware, around the view, records a successful answer in that
 transaction, with what the view made, and rolls back a refused one (from the claim on), so a key is never left
-claimed by a request that changed nothing. A view that takes no key runs as it would without one.
+claimed by a request that changed nothing. A view that takes no key runs as it would without one. The views that
+take one answer whole (JSON, a page, a redirect), never streamed: an answer is kept as its bytes.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ class IdempotencyMiddleware:
             claim = getattr(request, "idempotency_claim", None)
             if claim is not None and (response.status_code >= 400 or getattr(request, "idempotency_refused", False)):
                 transaction.set_rollback(True)
-            elif claim is not None and response.streaming:
-                claim.delete()  # done, but an answer that streams cannot be kept: the key is forgotten
             elif claim is not None:
                 idempotent_record(claim=claim, response=response)
         return response

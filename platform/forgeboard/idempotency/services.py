@@ -24,6 +24,7 @@ from django.utils import timezone
 from forgeboard.accounts.models import ApiToken
 from forgeboard.errors import Conflict, FieldProblem, ServiceError, ValidationFailed
 from forgeboard.idempotency.models import IdempotentRequest
+from forgeboard.request_refusals import FORMS
 from workers.engine.wire_limits import loads_bounded
 
 HEADER = "Idempotency-Key"
@@ -32,7 +33,6 @@ REPLAYED_HEADER = "Idempotent-Replayed"
 KEY_LIFETIME = timedelta(hours=24)
 MAX_KEY_CHARS = 200  # and a form's key takes 33 more (replay_or_claim): the column holds 255
 _KEY = re.compile(rf"[\x21-\x7e]{{1,{MAX_KEY_CHARS}}}")  # visible ASCII: what a header carries unchanged
-_FORMS = ("application/x-www-form-urlencoded", "multipart/form-data")
 _NOT_THE_REQUEST = ("csrfmiddlewaretoken", FORM_FIELD)  # form fields that differ between copies of one submission
 
 
@@ -47,7 +47,7 @@ def requested_key(request: HttpRequest) -> str | None:
         return None
     if HEADER in request.headers:
         return request.headers[HEADER]
-    if request.content_type in _FORMS and FORM_FIELD in request.POST:
+    if request.content_type in FORMS and FORM_FIELD in request.POST:
         return request.POST[FORM_FIELD]
     return None
 
