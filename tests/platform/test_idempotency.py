@@ -14,8 +14,14 @@ import pytest
 from django.db import connections
 from django.utils import timezone
 
-from forgeboard.accounts.models import ApiToken
-from forgeboard.accounts.services import api_token_create, api_token_revoke, project_create
+from forgeboard.accounts.models import ApiToken, Role
+from forgeboard.accounts.services import (
+    api_token_create,
+    api_token_revoke,
+    membership_remove,
+    membership_set,
+    project_create,
+)
 from forgeboard.audit.models import AuditEvent
 from forgeboard.experiments.models import Experiment
 from forgeboard.idempotency.models import IdempotentRequest
@@ -105,6 +111,67 @@ def test_keys_belong_to_their_credential(client, team, tokens, grpo_yaml):
     api_token_revoke(actor=team.member, token=ApiToken.objects.get(name="ci-write"))
     revoked = launch(client, team, tokens["write"], body)
     assert revoked.status_code == 401 and "Idempotent-Replayed" not in revoked
+
+
+def test_a_copy_is_answered_only_while_its_sender_may_still_send_it(client, team, grpo_yaml):
+    """A member removed since (or made a viewer) gets the refusal the request would get now, not the answer they
+    once had: the replay would show them a run of a project they no longer belong to."""
+    client.force_login(team.member)
+    body = json.dumps({"config_yaml": grpo_yaml})
+    path = f"/api/v1/experiments/{team.experiment.pk}/runs"
+    assert client.post(path, data=body, content_type="application/json", HTTP_IDEMPOTENCY_KEY=KEY).status_code == 201
+    form = client.post("/p/alpha/launch/", _form(team, grpo_yaml))
+    assert form.status_code == 302
+
+    membership_set(actor=team.owner, project=team.project, user=team.member, role=Role.VIEWER)
+    demoted = client.post(path, data=body, content_type="application/json", HTTP_IDEMPOTENCY_KEY=KEY)
+    assert demoted.status_code == 403 and "Idempotent-Replayed" not in demoted, demoted.content
+    assert "needs the member role; you are a viewer" in demoted.json()["message"]
+
+    membership_remove(actor=team.owner, project=team.project, user=team.member)
+    removed = client.post(path, data=body, content_type="application/json", HTTP_IDEMPOTENCY_KEY=KEY)
+    assert removed.status_code == 404 and removed.json() == {"code": "not_found", "message": (
+        f"no experiment {team.experiment.pk}"), "errors": []}, removed.content
+    again = client.post("/p/alpha/launch/", _form(team, grpo_yaml))
+    assert again.status_code == 404 and "Idempotent-Replayed" not in again
+    assert Run.objects.count() == 2 and IdempotentRequest.objects.count() == 2  # kept, answered to nobody
+
+    membership_set(actor=team.owner, project=team.project, user=team.member, role=Role.MEMBER)
+    back = client.post(path, data=body, content_type="application/json", HTTP_IDEMPOTENCY_KEY=KEY)
+    assert back.status_code == 201 and back["Idempotent-Replayed"] == "true" and Run.objects.count() == 2
+
+
+def test_every_keyed_url_names_the_project_a_replay_is_checked_against(client):
+    from django.urls import get_resolver
+
+    from forgeboard.idempotency.services import project_in_path
+    from forgeboard.web.idempotent import idempotent_form
+
+    def wraps_a_keyed_form(view) -> bool:  # functools.wraps copies the name: the code object keeps its own
+        while view is not None and getattr(view, "__code__", None) is not keyed_form_code:
+            view = getattr(view, "__wrapped__", None)
+        return view is not None
+
+    keyed_form_code = idempotent_form(lambda request: None).__code__
+
+    names = {"slug", "experiment_id", "run_id"}
+    pages = [p for p in _url_patterns(get_resolver()) if wraps_a_keyed_form(p.callback)]
+    assert len(pages) == 4 and all(names & set(p.pattern.regex.groupindex) for p in pages), pages
+    schema = client.get("/api/v1/openapi.json").json()
+    keyed = {path: {p["name"] for p in op.get("parameters", []) if p["in"] == "path"}
+             for path, ops in schema["paths"].items() for op in ops.values()
+             if "Idempotency-Key" in op.get("description", "")}
+    assert len(keyed) == 6 and all(names & params for params in keyed.values()), keyed
+    with pytest.raises(LookupError):
+        project_in_path(actor=None, path={"step": 3})
+
+
+def _url_patterns(resolver):
+    for pattern in resolver.url_patterns:
+        if hasattr(pattern, "url_patterns"):
+            yield from _url_patterns(pattern)
+        else:
+            yield pattern
 
 
 def test_a_json_body_labelled_as_a_form_is_compared_as_the_api_reads_it(client, team, tokens, grpo_yaml):

@@ -13,8 +13,8 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from forgeboard.accounts.models import ApiToken
-from forgeboard.accounts.services import api_token_create
+from forgeboard.accounts.models import ApiToken, Role
+from forgeboard.accounts.services import api_token_create, membership_remove, membership_set
 from forgeboard.audit.models import AuditEvent
 from tests.support.processes import REPO_DIR, free_port, platform_env, web_server
 
@@ -230,3 +230,39 @@ def test_admin_cannot_make_broken_tokens_but_can_revoke(client, team):
     token.refresh_from_db()
     assert token.revoked_at is not None and bearer(Client(), "get", "/projects", raw).status_code == 401
     assert AuditEvent.objects.filter(action="api_token.revoke").count() == 1
+
+
+def test_a_token_acts_no_further_than_its_creator_can_now(client, team):
+    """A token acts for the person who made it: removed from the project, deactivated or made a viewer, their tokens
+    lose what they lost, at once (not when someone remembers to revoke them)."""
+    made = {scope: api_token_create(actor=team.member, project=team.project, name=f"ci-{scope}", scope=scope)[1]
+            for scope in ("write", "read")}
+    _, owners = api_token_create(actor=team.owner, project=team.project, name="owner-ci", scope="write")
+    experiment = {"name": "x", "recipe": "sft"}
+    assert bearer(client, "post", "/projects/alpha/experiments", made["write"], experiment).status_code == 201
+
+    membership_set(actor=team.owner, project=team.project, user=team.member, role=Role.VIEWER)
+    demoted = bearer(client, "post", "/projects/alpha/experiments", made["write"], experiment | {"name": "y"})
+    assert demoted.status_code == 403 and "you are a viewer" in demoted.json()["message"], demoted.content
+    assert bearer(client, "get", "/projects/alpha/experiments", made["write"]).status_code == 200
+
+    team.member.is_active = False
+    team.member.save(update_fields=["is_active"])
+    for raw in made.values():
+        refused = bearer(client, "get", "/projects", raw)
+        assert refused.status_code == 401 and refused.json()["code"] == "unauthenticated"
+    team.member.is_active = True
+    team.member.save(update_fields=["is_active"])
+    assert bearer(client, "get", "/projects", made["read"]).status_code == 200
+
+    membership_remove(actor=team.owner, project=team.project, user=team.member)
+    for raw in made.values():
+        assert bearer(client, "get", "/projects/alpha", raw).status_code == 401
+    assert set(ApiToken.objects.filter(created_by=team.member).values_list("revoked_at", flat=True)) != {None}
+    assert not ApiToken.objects.filter(created_by=team.member, revoked_at__isnull=True).exists()
+    revoked = AuditEvent.objects.filter(action="api_token.revoke", payload__reason="mateo was removed from the project")
+    assert revoked.count() == 2
+    # Added back, they make new tokens: the old ones stay revoked. Other people's tokens never noticed.
+    membership_set(actor=team.owner, project=team.project, user=team.member, role=Role.MEMBER)
+    assert bearer(client, "get", "/projects/alpha", made["write"]).status_code == 401
+    assert bearer(client, "post", "/projects/alpha/experiments", owners, experiment | {"name": "z"}).status_code == 201

@@ -11,11 +11,15 @@ Actor: TypeAlias = User | ApiToken
 
 
 def project_role(*, actor: Actor, project: Project) -> Role | None:
-    """The actor's role in the project; an API token acts as a member (write) or viewer (read) of its own project."""
+    """The actor's role in the project. An API token acts as a member (write) or viewer (read) of its own project,
+    and never beyond its creator's role there now: a creator removed or deactivated takes their tokens' access with
+    them, and one made a viewer leaves a write token read-only."""
     if isinstance(actor, ApiToken):
-        if actor.project_id != project.pk or actor.revoked_at is not None:
+        if actor.project_id != project.pk or actor.revoked_at is not None or actor.created_by is None:
             return None
-        return Role.MEMBER if actor.scope == TokenScope.WRITE else Role.VIEWER
+        creator = project_role(actor=actor.created_by, project=project)
+        granted = Role.MEMBER if actor.scope == TokenScope.WRITE else Role.VIEWER
+        return None if creator is None else min(granted, creator, key=lambda role: role.rank)
     if not actor.is_active:
         return None
     if actor.is_superuser:

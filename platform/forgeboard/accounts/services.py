@@ -9,7 +9,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from forgeboard.accounts.models import ApiToken, Membership, Project, Role, TokenScope, User, slug_validator
-from forgeboard.accounts.permissions import Actor, require_project_role
+from forgeboard.accounts.permissions import Actor, project_role, require_project_role
 from forgeboard.audit.services import audit_record
 from forgeboard.bearer import mint_token, token_matches, token_prefix
 from forgeboard.errors import AlreadyExists, Conflict, PermissionDenied, ValidationFailed, clean_text
@@ -76,6 +76,18 @@ def membership_remove(*, actor: Actor, project: Project, user: User) -> None:
     audit_record(actor=actor, action="membership.remove", target=membership, project=project,
                  payload={"user": user.username})
     membership.delete()
+    _revoke_tokens_of_removed_member(actor=actor, project=project, user=user)
+
+
+def _revoke_tokens_of_removed_member(*, actor: Actor, project: Project, user: User) -> None:
+    """A removed member's tokens already act for nobody (project_role); revoked, the tokens page says so, and being
+    added back later does not bring them back to life."""
+    now = timezone.now()
+    for token in ApiToken.objects.filter(project=project, created_by=user, revoked_at__isnull=True):
+        token.revoked_at = now
+        token.save(update_fields=["revoked_at"])
+        audit_record(actor=actor, action="api_token.revoke", target=token, project=project,
+                     payload={"prefix": token.prefix, "reason": f"{user.username} was removed from the project"})
 
 
 def api_token_create(
@@ -135,6 +147,8 @@ def api_token_authenticate(*, raw: str) -> ApiToken | None:
         return None
     now = timezone.now()
     if token.revoked_at is not None or (token.expires_at is not None and token.expires_at <= now):
+        return None
+    if project_role(actor=token, project=token.project) is None:  # its creator is no longer in the project
         return None
     if token.last_used_at is None or now - token.last_used_at > TOKEN_LAST_USED_RESOLUTION:
         ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)

@@ -21,7 +21,7 @@ IDEMPOTENCY_NOTE = ("Send `Idempotency-Key: <a new UUID>` to make a retry safe: 
 def idempotent(view: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(view)
     def keyed(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
-        replayed = replay_or_claim(request, actor=actor_of(request))
+        replayed = replay_or_claim(request, actor=actor_of(request), path=kwargs)
         return view(request, *args, **kwargs) if replayed is None else replayed
 
     keyed.__doc__ = f"{inspect.cleandoc(view.__doc__)}\n\n{IDEMPOTENCY_NOTE}" if view.__doc__ else IDEMPOTENCY_NOTE

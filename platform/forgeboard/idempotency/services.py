@@ -6,7 +6,9 @@ KEY_LIFETIME; any copy after that gets the same status and body again, marked `I
 creates nothing. A refused or failed request keeps nothing, so the same key can be sent again once it is fixed.
 The same key with a different method, path or body is refused (422): it names another request.
 
-Keys are per credential (an API token, or a user's session), so one caller can never read another's answers.
+Keys are per credential (an API token, or a user's session), so one caller can never read another's answers, and a
+copy is answered only while its caller may still send it: a member removed since, or made a viewer, gets the refusal
+the request would get now, not the answer they once had.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 
 from django.db import IntegrityError, transaction
@@ -21,10 +24,14 @@ from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.utils import timezone
 
-from forgeboard.accounts.models import ApiToken
+from forgeboard.accounts.models import ApiToken, Project, Role
+from forgeboard.accounts.permissions import Actor, require_project_role
+from forgeboard.accounts.selectors import project_get
 from forgeboard.errors import Conflict, FieldProblem, ServiceError, ValidationFailed
+from forgeboard.experiments.selectors import experiment_get
 from forgeboard.idempotency.models import IdempotentRequest
 from forgeboard.request_refusals import FORMS
+from forgeboard.runs.selectors import run_get
 from workers.engine.wire_limits import loads_bounded
 
 HEADER = "Idempotency-Key"
@@ -58,7 +65,7 @@ def checked_key(text: str) -> str:
     return text
 
 
-def owner_of(actor: object) -> str:
+def owner_of(actor: Actor) -> str:
     """Whose key space a request is in: its API token's, or its user's."""
     if isinstance(actor, ApiToken):
         return f"token:{actor.pk}"
@@ -139,10 +146,29 @@ def replayed_answer(stored: IdempotentRequest) -> HttpResponse:
     return response
 
 
-def replay_or_claim(request: HttpRequest, *, actor: object, form: bool = False) -> HttpResponse | None:
+def project_in_path(*, actor: Actor, path: Mapping[str, object]) -> Project:
+    """The project a keyed request's URL names (by its slug, an experiment or a run), as the actor may see it."""
+    if "slug" in path:
+        return project_get(actor=actor, slug=str(path["slug"]))
+    if "experiment_id" in path:
+        return experiment_get(actor=actor, experiment_id=path["experiment_id"]).project  # type: ignore[arg-type]
+    if "run_id" in path:
+        return run_get(actor=actor, run_id=path["run_id"]).experiment.project  # type: ignore[arg-type]
+    raise LookupError(f"a keyed view's URL names no project: {sorted(path)}")
+
+
+def _require_may_send_again(*, actor: Actor, path: Mapping[str, object]) -> None:
+    """Every keyed request creates something in its project, which takes the member role."""
+    require_project_role(actor=actor, project=project_in_path(actor=actor, path=path), minimum=Role.MEMBER,
+                         action="sending this request")
+
+
+def replay_or_claim(request: HttpRequest, *, actor: Actor, path: Mapping[str, object],
+                    form: bool = False) -> HttpResponse | None:
     """For a view's `idempotent` decorator: the stored answer when this request is a copy, else None with the key
     claimed in a transaction that holds the rest of the view (IdempotencyMiddleware records the view's answer in it
-    and closes it). None too when no key was sent.
+    and closes it). None too when no key was sent. `path` is the view's URL parameters: a copy is answered only
+    while the actor may still write to the project they name.
 
     `form` is for a form's hidden key: the request is the form's fields, and a page brought back and changed before
     it is sent again is a new submission, not a reused key, so the key stands for this key and these fields together.
@@ -155,6 +181,7 @@ def replay_or_claim(request: HttpRequest, *, actor: object, form: bool = False) 
     request.idempotency_transaction.enter_context(transaction.atomic())
     claim = idempotent_claim(owner=owner_of(actor), key=key, fingerprint=fingerprint)
     if claim.status_code is not None:
+        _require_may_send_again(actor=actor, path=path)
         return replayed_answer(claim)
     request.idempotency_claim = claim
     return None

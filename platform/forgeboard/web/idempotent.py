@@ -19,7 +19,7 @@ def idempotent_form(view: Callable[..., HttpResponse]) -> Callable[..., HttpResp
     @functools.wraps(view)
     def keyed(request: HttpRequest, *args: object, **kwargs: object) -> HttpResponse:
         try:
-            replayed = replay_or_claim(request, actor=request.user, form=True)
+            replayed = replay_or_claim(request, actor=request.user, path=kwargs, form=True)
         except ServiceError as exc:
             return error_page(request, exc)
         if replayed is not None:
