@@ -14,6 +14,7 @@ from ninja.security import HttpBearer, SessionAuth
 from forgeboard.accounts.services import api_token_authenticate
 from forgeboard.api.ratelimit import count_token_request, refuse_failed_authentication
 from forgeboard.api_errors import CODES, api_internal_error, csrf_failure
+from forgeboard.db_busy import busy_error, is_database_busy, with_retry_after
 from forgeboard.errors import ServiceError
 from forgeboard.runs.tokens import run_token_authenticate
 from workers.engine.wire_limits import MAX_JSON_DEPTH, MAX_REQUEST_BYTES, JsonBodyProblem, loads_bounded
@@ -100,6 +101,8 @@ def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
 
 @api.exception_handler(Exception)
 def _unexpected_error(request: HttpRequest, exc: Exception) -> HttpResponse:
+    if is_database_busy(exc):
+        return with_retry_after(_service_error(request, busy_error()))
     return api_internal_error(request, exc)
 
 

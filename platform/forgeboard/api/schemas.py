@@ -242,7 +242,8 @@ class CheckpointExportOut(Schema):
     updated_at: datetime | None
 
 
-ERRORS = {400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut, 409: ErrorOut, 429: ErrorOut}
+# 503 `database_busy` (with Retry-After) when the database stayed locked past its timeout: nothing was changed.
+ERRORS = {400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut, 409: ErrorOut, 429: ErrorOut, 503: ErrorOut}
 # Operations with a request body also answer 413 `payload_too_large` for a body over MAX_REQUEST_BYTES.
 BODY_ERRORS = {**ERRORS, 413: ErrorOut}
 # Operations that honour an Idempotency-Key (api/idempotent.py) answer 422 for a key reused with another request.
