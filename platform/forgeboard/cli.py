@@ -12,6 +12,7 @@ from forgeboard.stream_limits import CLIENT_FRAME_MAX_BYTES
 from forgeboard.supervisor import Child, supervise
 
 REPO_DIR = Path(__file__).resolve().parents[2]
+WEBSOCKET_PROTOCOL = "forgeboard.websocket_protocol:WebSocketProtocol"
 
 
 def _django_env() -> dict[str, str]:
@@ -28,6 +29,7 @@ def web_server_argv(*, host: str, port: int) -> list[str]:
     subscribers its p99 went past 100 ms). Channels does not speak ASGI lifespan."""
     return [sys.executable, "-m", "uvicorn", "--host", host, "--port", str(port), "--lifespan", "off",
             "--no-access-log", "--no-proxy-headers",  # X-Forwarded-For: trusted proxies only (api/ratelimit.py)
+            "--ws", WEBSOCKET_PROTOCOL,  # answers a handshake too long to read (uvicorn's leaves it hanging)
             "--ws-max-size", str(CLIENT_FRAME_MAX_BYTES),  # a larger frame closes its stream (uvicorn's default: 16 MiB)
             "--timeout-graceful-shutdown", "5", "forgeboard.asgi:application"]
 

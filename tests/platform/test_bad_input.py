@@ -278,6 +278,35 @@ def test_uvicorn_closes_a_stream_that_sends_a_frame_over_the_limit_and_others_go
     assert closed.value.rcvd.code == 1009  # message too big
 
 
+def _handshake(port: int, *, path: str, headers: str = "") -> bytes:
+    """The first line a websocket handshake is answered with, or b"" when none came in 10 s."""
+    request = (f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nOrigin: http://127.0.0.1:{port}\r\n{headers}"
+               "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+               "Sec-WebSocket-Version: 13\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request.encode())
+        try:
+            return sock.recv(4096).split(b"\r\n")[0]
+        except TimeoutError:
+            return b""
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True, databases=list(settings.DATABASES))
+def test_a_stream_handshake_too_long_to_read_is_answered_and_others_go_on(tmp_path, team):
+    """websockets reads a handshake line up to 8 KiB: a longer URL or header is refused at once (414, 431), not
+    left hanging with no answer, and the next stream opens."""
+    _, token = api_token_create(actor=team.member, project=team.project, name="ws", scope="read")
+    port = free_port()
+    with web_server(tmp_path / "web.log", port=port):
+        assert _handshake(port, path=f"/ws/projects/alpha/?token={token}&pad={'a' * 9000}") == (
+            b"HTTP/1.1 414 Request-URI Too Long")
+        assert _handshake(port, path=f"/ws/projects/alpha/?token={'a' * 70000}") == b"HTTP/1.1 414 Request-URI Too Long"
+        assert _handshake(port, path="/ws/projects/alpha/", headers=f"Cookie: c={'b' * 9000}\r\n") == (
+            b"HTTP/1.1 431 Request Header Fields Too Large")
+        assert _handshake(port, path=f"/ws/projects/alpha/?token={token}") == b"HTTP/1.1 101 Switching Protocols"
+
+
 NUL = "bad\x00text"
 
 
