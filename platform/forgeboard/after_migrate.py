@@ -19,7 +19,8 @@ def finish_migrate(*, using: str, verbosity: int, plan: list | None = None,
     A post_migrate handler; a flush (between transactional tests) sends that signal too, with no plan."""
     if plan is None:
         return
-    call_command("createcachetable", database=using, verbosity=verbosity, stdout=stdout)  # only where it is routed
+    # Only where it is routed; quiet at the default verbosity, where it would say the table already exists each time.
+    call_command("createcachetable", database=using, verbosity=max(verbosity - 1, 0), stdout=stdout)
     if using == DEFAULT_DB_ALIAS and CHANNELS_DATABASE in settings.DATABASES:
         if verbosity and stdout:
             stdout.write(f"The channel layer's database ({CHANNELS_DATABASE}):")

@@ -28,6 +28,12 @@ def _migrate_without_redis(*, url: str, data_dir: Path) -> subprocess.CompletedP
                           capture_output=True, text=True, timeout=300)
 
 
+def _assert_a_second_migrate_says_nothing_is_left(*, url: str, data_dir: Path) -> None:
+    again = _migrate_without_redis(url=url, data_dir=data_dir)
+    assert again.returncode == 0, again.stderr
+    assert "No migrations to apply." in again.stdout and "already exists" not in again.stdout, again.stdout
+
+
 def _sqlite_tables(path: Path) -> set[str]:
     with sqlite3.connect(path) as conn:
         return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
@@ -51,6 +57,7 @@ def test_migrations_apply_to_an_empty_database(tmp_path):
             url = f"postgres://{params['USER']}@{admin['host']}:{admin['port']}/{name}"
             result = _migrate_without_redis(url=url, data_dir=tmp_path)
             assert result.returncode == 0, result.stderr
+            _assert_a_second_migrate_says_nothing_is_left(url=url, data_dir=tmp_path)
             with psycopg.connect(**(admin | {"dbname": name})) as conn:
                 tables = {r[0] for r in conn.execute("SELECT tablename FROM pg_tables WHERE schemaname='public'")}
         finally:
@@ -60,6 +67,7 @@ def test_migrations_apply_to_an_empty_database(tmp_path):
         url = f"sqlite://{tmp_path / 'scratch.sqlite3'}"
         result = _migrate_without_redis(url=url, data_dir=tmp_path)
         assert result.returncode == 0, result.stderr
+        _assert_a_second_migrate_says_nothing_is_left(url=url, data_dir=tmp_path)
         tables = _sqlite_tables(tmp_path / "scratch.sqlite3")
     expected = {"accounts_project", "accounts_membership", "accounts_apitoken", "experiments_experiment",
                 "experiments_configsnapshot", "runs_run", "runs_command", "telemetry_metricseries",
