@@ -191,6 +191,9 @@ else:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.db.DatabaseCache", "LOCATION": "forgeboard_cache"}}
 # Tests make thousands of calls a minute from one address; the tests of the limits set their own.
 _UNLIMITED_IN_TESTS = 10**9 if FORGEBOARD_ENV == "test" else None
+# How often an open live stream checks that its user or token may still read it (a revoked token or a removed member
+# is told at once; a user deactivated in the admin, or a token that expired, within this many seconds).
+STREAM_ACCESS_RECHECK_S = env.int("FORGEBOARD_STREAM_ACCESS_RECHECK_S", 30, minimum=1, maximum=3600)
 API_RATE_PER_MINUTE = env.int("FORGEBOARD_API_RATE_PER_MINUTE", _UNLIMITED_IN_TESTS or 600, minimum=1)
 API_AUTH_FAILURES_PER_MINUTE = env.int("FORGEBOARD_API_AUTH_FAILURES_PER_MINUTE", _UNLIMITED_IN_TESTS or 20, minimum=1)
 # Failed logins: past these counts in one window a login is refused (429), even with the right password.

@@ -3,10 +3,11 @@ survive new data and a reconnect; operator controls are confirmed, sent, and sho
 
 from __future__ import annotations
 
+from forgeboard.accounts.services import membership_remove
 from forgeboard.experiments.services import experiment_create
 from forgeboard.runs.models import Command
 from forgeboard.runs.services import run_cancel, run_launch
-from tests.e2e.conftest import login, screenshot
+from tests.e2e.conftest import login, outside_the_browser_loop, screenshot
 from tests.support.configs import sft_yaml
 from tests.support.processes import wait_for
 
@@ -100,3 +101,19 @@ def test_viewer_sees_the_run_but_no_controls(page, server, team, tiny_model):
     assert page.locator("#checkpoints button").count() == 0
     assert page.get_by_role("button", name="Cancel run").count() == 0
     assert page.locator("#config").inner_text().startswith("recipe: sft")
+
+
+def test_a_member_removed_while_watching_sees_the_stream_end(page, server, team, tiny_model):
+    """The live stream closes the moment its watcher leaves the project; the page says so and stops reconnecting."""
+    run = _launch(team, tiny_model, steps=3)
+    login(page, server, "vera")
+    page.goto(f"{server['url']}/runs/{run.pk}/")
+    page.wait_for_function("document.getElementById('conn').textContent === 'live'", timeout=30_000)
+    outside_the_browser_loop(membership_remove, actor=team.owner, project=team.project, user=team.viewer)
+    page.wait_for_function("document.getElementById('conn').textContent === 'no longer allowed to follow this run'",
+                           timeout=10_000)
+    assert "conn-closed" in page.locator("#conn").get_attribute("class")
+    page.wait_for_timeout(1500)  # past the first reconnect's delay: none was tried
+    assert page.locator("#conn").inner_text() == "no longer allowed to follow this run"
+    screenshot(page, "run_page_access_withdrawn")
+

@@ -53,7 +53,11 @@ async def _receive_until(communicator: WebsocketCommunicator, predicate, timeout
 
 
 async def _token(team) -> str:
-    _, raw = await sync_to_async(api_token_create)(actor=team.member, project=team.project, name="ws", scope="read")
+    return await _token_named(team, "ws")
+
+
+async def _token_named(team, name: str) -> str:
+    _, raw = await sync_to_async(api_token_create)(actor=team.member, project=team.project, name=name, scope="read")
     return raw
 
 
@@ -202,3 +206,88 @@ async def test_garbage_frames_are_ignored_and_the_project_stream_goes_on(running
     await sync_to_async(run_transition)(run_id=run.pk, from_state=RunState.RUNNING, to_state=RunState.PAUSED)
     assert json.loads(await stream.receive_from(timeout=10)) == {"type": "run.state", "run": run.pk, "state": "paused"}
     await stream.disconnect()
+
+
+# --- a stream is open only while its credential may read the project ------------------------------------------------
+
+async def _closed_with(stream: WebsocketCommunicator, *, timeout: float = 10.0) -> int:
+    """The close code the server ends the stream with, skipping what it sent before."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        output = await stream.receive_output(timeout=max(deadline - loop.time(), 0.01))
+        if output["type"] == "websocket.close":
+            return output["code"]
+
+
+async def _still_answers(stream: WebsocketCommunicator) -> bool:
+    await stream.send_json_to({"type": "ping"})
+    while (message := json.loads(await stream.receive_from(timeout=10)))["type"] != "pong":
+        pass
+    return message == {"type": "pong"}
+
+
+def _session_cookie(user) -> bytes:
+    from django.test import Client
+
+    client = Client()
+    client.force_login(user)
+    return f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}".encode()
+
+
+async def _connect_as(user, path: str) -> WebsocketCommunicator:
+    cookie = await sync_to_async(_session_cookie)(user)
+    communicator = WebsocketCommunicator(application, path, headers=[*HEADERS, (b"cookie", cookie)])
+    connected, code = await communicator.connect(timeout=10)
+    assert connected, code
+    return communicator
+
+
+async def test_a_revoked_tokens_streams_close_at_once_and_others_go_on(running_run, team):
+    from forgeboard.accounts.models import ApiToken
+    from forgeboard.accounts.services import api_token_revoke
+
+    run, _ = running_run
+    revoked, kept = await _token(team), await _token_named(team, "kept")
+    run_stream = await _connect(f"/ws/runs/{run.pk}/?token={revoked}")
+    project_stream = await _connect(f"/ws/projects/{team.project.slug}/?token={revoked}")
+    other = await _connect(f"/ws/projects/{team.project.slug}/?token={kept}")
+    token = await sync_to_async(ApiToken.objects.get)(name="ws")
+    await sync_to_async(api_token_revoke)(actor=team.member, token=token)
+    assert await _closed_with(run_stream) == 4403
+    assert await _closed_with(project_stream) == 4403
+    assert await _still_answers(other)
+    await other.disconnect()
+
+
+async def test_a_removed_members_streams_close_at_once(running_run, team):
+    from forgeboard.accounts.services import membership_remove
+
+    run, _ = running_run
+    member = await _connect_as(team.member, f"/ws/runs/{run.pk}/")
+    owner = await _connect_as(team.owner, f"/ws/runs/{run.pk}/")
+    await sync_to_async(membership_remove)(actor=team.owner, project=team.project, user=team.member)
+    assert await _closed_with(member) == 4403
+    assert await _still_answers(owner)
+    await owner.disconnect()
+
+
+async def test_a_deactivated_user_or_an_expired_token_is_closed_at_the_next_check(running_run, team, settings):
+    from django.utils import timezone
+
+    from forgeboard.accounts.models import ApiToken, User
+
+    settings.STREAM_ACCESS_RECHECK_S = 1
+    run, _ = running_run
+    expiring = await _token(team)
+    user_stream = await _connect_as(team.viewer, f"/ws/runs/{run.pk}/")
+    token_stream = await _connect(f"/ws/projects/{team.project.slug}/?token={expiring}")
+    owner = await _connect_as(team.owner, f"/ws/projects/{team.project.slug}/")
+    # As the admin's forms do: a plain save, nothing told.
+    await sync_to_async(User.objects.filter(pk=team.viewer.pk).update)(is_active=False)
+    await sync_to_async(ApiToken.objects.filter(name="ws").update)(expires_at=timezone.now())
+    assert await _closed_with(user_stream, timeout=5) == 4403
+    assert await _closed_with(token_stream, timeout=5) == 4403
+    await asyncio.sleep(1.5)  # a check came and went: the owner's stream is open
+    assert await _still_answers(owner)
+    await owner.disconnect()

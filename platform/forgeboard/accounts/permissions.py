@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TypeAlias
 
+from django.utils import timezone
+
 from forgeboard.accounts.models import ApiToken, Membership, Project, Role, TokenScope, User
 from forgeboard.errors import PermissionDenied
 
@@ -49,3 +51,14 @@ def actor_user(actor: Actor) -> User | None:
 
 def actor_label(actor: Actor) -> str:
     return f"token:{actor.prefix}" if isinstance(actor, ApiToken) else f"user:{actor.username}"
+
+
+def project_role_now(*, actor: Actor, project: Project) -> Role | None:
+    """The actor's role as the database has it now, for a credential checked some time ago (an open live stream):
+    a token revoked or expired since, or a user deactivated, removed or deleted since, has none."""
+    if isinstance(actor, ApiToken):
+        token = ApiToken.objects.select_related("created_by").filter(pk=actor.pk).first()
+        live = token is not None and (token.expires_at is None or token.expires_at > timezone.now())
+        return project_role(actor=token, project=project) if live else None
+    user = User.objects.filter(pk=actor.pk).first()
+    return None if user is None else project_role(actor=user, project=project)

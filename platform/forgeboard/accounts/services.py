@@ -13,6 +13,7 @@ from forgeboard.accounts.permissions import Actor, project_role, require_project
 from forgeboard.audit.services import audit_record
 from forgeboard.bearer import mint_token, token_matches, token_prefix
 from forgeboard.errors import AlreadyExists, Conflict, PermissionDenied, ValidationFailed, clean_text
+from forgeboard.telemetry.streams import actor_group, publish_access_withdrawn
 
 TOKEN_LAST_USED_RESOLUTION = timedelta(minutes=1)
 MAX_TOKEN_LIFETIME = timedelta(days=3650)
@@ -76,18 +77,11 @@ def membership_remove(*, actor: Actor, project: Project, user: User) -> None:
     audit_record(actor=actor, action="membership.remove", target=membership, project=project,
                  payload={"user": user.username})
     membership.delete()
-    _revoke_tokens_of_removed_member(actor=actor, project=project, user=user)
-
-
-def _revoke_tokens_of_removed_member(*, actor: Actor, project: Project, user: User) -> None:
-    """A removed member's tokens already act for nobody (project_role); revoked, the tokens page says so, and being
-    added back later does not bring them back to life."""
-    now = timezone.now()
+    # Their tokens already act for nobody (project_role); revoked, the tokens page says so, and being added back
+    # later does not bring them back to life.
     for token in ApiToken.objects.filter(project=project, created_by=user, revoked_at__isnull=True):
-        token.revoked_at = now
-        token.save(update_fields=["revoked_at"])
-        audit_record(actor=actor, action="api_token.revoke", target=token, project=project,
-                     payload={"prefix": token.prefix, "reason": f"{user.username} was removed from the project"})
+        _revoke(actor=actor, token=token, reason=f"{user.username} was removed from the project")
+    publish_access_withdrawn(groups=[actor_group(kind="user", pk=user.pk)])
 
 
 def api_token_create(
@@ -130,11 +124,16 @@ def api_token_revoke(*, actor: User, token: ApiToken) -> ApiToken:
     if role != Role.OWNER and token.created_by_id != actor.pk:
         raise PermissionDenied("only an owner or the token's creator may revoke it")
     if token.revoked_at is None:
-        token.revoked_at = timezone.now()
-        token.save(update_fields=["revoked_at"])
-        audit_record(actor=actor, action="api_token.revoke", target=token, project=token.project,
-                     payload={"prefix": token.prefix})
+        _revoke(actor=actor, token=token)
     return token
+
+
+def _revoke(*, actor: Actor, token: ApiToken, reason: str = "") -> None:
+    token.revoked_at = timezone.now()
+    token.save(update_fields=["revoked_at"])
+    audit_record(actor=actor, action="api_token.revoke", target=token, project=token.project,
+                 payload={"prefix": token.prefix} | ({"reason": reason} if reason else {}))
+    publish_access_withdrawn(groups=[actor_group(kind="token", pk=token.pk)])  # its open live streams close
 
 
 def api_token_authenticate(*, raw: str) -> ApiToken | None:

@@ -2,18 +2,23 @@
 
 A client that reconnects sends the last event sequence and metric step it saw; the backlog comes
 from the database, so nothing is lost across reconnects or web processes. Authenticated by the
-session cookie, or by `?token=` with an API token of the run's project.
+session cookie, or by `?token=` with an API token of the run's project. A stream stays open only while
+its credential may read the project: it is closed (4403) when the token is revoked or the member removed,
+at once, and when the token expires or the user is deactivated, within STREAM_ACCESS_RECHECK_S.
 """
 
 from __future__ import annotations
 
+import asyncio
 from urllib.parse import parse_qs
 
 from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocketConsumer
+from django.conf import settings
 
-from forgeboard.accounts.permissions import project_role
+from forgeboard.accounts.models import ApiToken, Project
+from forgeboard.accounts.permissions import project_role, project_role_now
 from forgeboard.accounts.services import api_token_authenticate
 from forgeboard.runs.models import Run
 from forgeboard.stream_limits import CLIENT_FRAME_MAX_CHARS
@@ -21,13 +26,14 @@ from forgeboard.telemetry.ingest import wire_number
 from forgeboard.telemetry.models import LogLine, MetricSeries
 from forgeboard.telemetry.selectors import events_after, metric_downsampled, step_timelines
 from forgeboard.telemetry.services import event_to_wire
-from forgeboard.telemetry.streams import project_group, run_group
+from forgeboard.telemetry.streams import actor_group, project_group, run_group
 
 BACKLOG_EVENTS = 5_000
 BACKLOG_POINTS_PER_KEY = 500
 BACKLOG_LOG_LINES = 200
 BACKLOG_TIMELINES = 50
 CLOSE_UNAUTHORIZED = 4401
+CLOSE_ACCESS_WITHDRAWN = 4403
 CLOSE_NOT_FOUND = 4404
 CLOSE_BAD_REQUEST = 4400
 
@@ -84,6 +90,37 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         if isinstance(content, dict) and content.get("type") == "ping":
             await self.send_json({"type": "pong"})
 
+    async def follow_access(self, *, actor, project_id: int) -> None:  # noqa: ANN001 - a User or an ApiToken
+        """Once accepted: close the stream when its credential may no longer read the project (told at once by
+        streams.publish_access_withdrawn, and checked every STREAM_ACCESS_RECHECK_S besides)."""
+        self.actor, self.project_id = actor, project_id
+        self.actor_group = actor_group(kind="token" if isinstance(actor, ApiToken) else "user", pk=actor.pk)
+        await self.channel_layer.group_add(self.actor_group, self.channel_name)
+        self.access_rechecks = asyncio.create_task(self._check_access_every(settings.STREAM_ACCESS_RECHECK_S))
+
+    async def stop_following_access(self) -> None:
+        if hasattr(self, "actor_group"):
+            self.access_rechecks.cancel()
+            await self.channel_layer.group_discard(self.actor_group, self.channel_name)
+
+    async def access_check(self, message: dict) -> bool:
+        """Whether the stream may go on; closed if not."""
+        if await self._may_still_read():
+            return True
+        await self.close(code=CLOSE_ACCESS_WITHDRAWN)
+        return False
+
+    async def _check_access_every(self, seconds: int) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            if not await self.access_check({}):
+                return
+
+    @database_sync_to_async
+    def _may_still_read(self) -> bool:
+        project = Project.objects.filter(pk=self.project_id).first()
+        return project is not None and project_role_now(actor=self.actor, project=project) is not None
+
 
 class UnknownPathConsumer(AsyncWebsocketConsumer):
     """The last route: a path that matches no stream is refused like a stream that is not there."""
@@ -114,12 +151,14 @@ class RunStreamConsumer(LiveConsumer):
         self.last_seq = after_seq
         await self.channel_layer.group_add(run_group(self.run_id), self.channel_name)
         await self.accept()
+        await self.follow_access(actor=actor, project_id=self.project_id)
         backlog = await self._backlog(after_seq=after_seq, after_step=after_step)
         await self.send_json(backlog)
         if backlog["events"]:
             self.last_seq = backlog["events"][-1]["seq"]
 
     async def disconnect(self, code: int) -> None:
+        await self.stop_following_access()
         if hasattr(self, "run_id"):
             await self.channel_layer.group_discard(run_group(self.run_id), self.channel_name)
 
@@ -177,8 +216,10 @@ class ProjectStreamConsumer(LiveConsumer):
             return
         await self.channel_layer.group_add(project_group(self.project_id), self.channel_name)
         await self.accept()
+        await self.follow_access(actor=actor, project_id=self.project_id)
 
     async def disconnect(self, code: int) -> None:
+        await self.stop_following_access()
         if getattr(self, "project_id", None) is not None:
             await self.channel_layer.group_discard(project_group(self.project_id), self.channel_name)
 
@@ -187,8 +228,6 @@ class ProjectStreamConsumer(LiveConsumer):
 
     @database_sync_to_async
     def _project_id(self, actor, slug: str) -> int | None:  # noqa: ANN001
-        from forgeboard.accounts.models import Project
-
         project = Project.objects.filter(slug=slug).first()
         if project is None or project_role(actor=actor, project=project) is None:
             return None

@@ -2,16 +2,19 @@
 
 Subscribers of a run get its events, downsampled metrics and log lines; subscribers of a project
 get its runs' state changes. Pushing is best effort: the database holds everything, and a client
-that reconnects reads what it missed from there.
+that reconnects reads what it missed from there. A credential's streams are told when its access is
+withdrawn (`publish_access_withdrawn`), so they check it again at once.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
+from django.db import transaction
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +25,26 @@ def run_group(run_id: int) -> str:
 
 def project_group(project_id: int) -> str:
     return f"project-{project_id}"
+
+
+def actor_group(*, kind: str, pk: int) -> str:
+    """The streams a user ("user") or an API token ("token") holds open."""
+    return f"{kind}-{pk}"
+
+
+def publish_access_withdrawn(*, groups: Iterable[str]) -> None:
+    """Once the transaction that withdrew some access commits, tell these actor groups' streams to check theirs."""
+    targets = list(groups)
+
+    def send() -> None:
+        layer = get_channel_layer()
+        for group in targets if layer is not None else ():
+            try:
+                async_to_sync(layer.group_send)(group, {"type": "access.check"})
+            except Exception:  # noqa: BLE001 - each stream also checks on its own every STREAM_ACCESS_RECHECK_S
+                logger.exception("could not tell %s's streams to check their access", group)
+
+    transaction.on_commit(send)
 
 
 def publish_run_update(*, run, update: dict) -> None:  # noqa: ANN001 - a Run; imported lazily by callers
