@@ -227,16 +227,17 @@ async def _still_answers(stream: WebsocketCommunicator) -> bool:
     return message == {"type": "pong"}
 
 
-def _session_cookie(user) -> bytes:
+def _logged_in(user):
     from django.test import Client
 
     client = Client()
     client.force_login(user)
-    return f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}".encode()
+    return client
 
 
-async def _connect_as(user, path: str) -> WebsocketCommunicator:
-    cookie = await sync_to_async(_session_cookie)(user)
+async def _connect_as(user, path: str, *, browser=None) -> WebsocketCommunicator:
+    browser = browser or await sync_to_async(_logged_in)(user)
+    cookie = f"{settings.SESSION_COOKIE_NAME}={browser.cookies[settings.SESSION_COOKIE_NAME].value}".encode()
     communicator = WebsocketCommunicator(application, path, headers=[*HEADERS, (b"cookie", cookie)])
     connected, code = await communicator.connect(timeout=10)
     assert connected, code
@@ -272,7 +273,7 @@ async def test_a_removed_members_streams_close_at_once(running_run, team):
     await owner.disconnect()
 
 
-async def test_a_deactivated_user_or_an_expired_token_is_closed_at_the_next_check(running_run, team, settings):
+async def test_a_deactivated_user_an_expired_token_or_a_logout_is_closed_at_the_next_check(running_run, team, settings):
     from django.utils import timezone
 
     from forgeboard.accounts.models import ApiToken, User
@@ -282,12 +283,16 @@ async def test_a_deactivated_user_or_an_expired_token_is_closed_at_the_next_chec
     expiring = await _token(team)
     user_stream = await _connect_as(team.viewer, f"/ws/runs/{run.pk}/")
     token_stream = await _connect(f"/ws/projects/{team.project.slug}/?token={expiring}")
+    browser = await sync_to_async(_logged_in)(team.member)
+    logged_out = await _connect_as(team.member, f"/ws/runs/{run.pk}/", browser=browser)
     owner = await _connect_as(team.owner, f"/ws/projects/{team.project.slug}/")
     # As the admin's forms do: a plain save, nothing told.
     await sync_to_async(User.objects.filter(pk=team.viewer.pk).update)(is_active=False)
     await sync_to_async(ApiToken.objects.filter(name="ws").update)(expires_at=timezone.now())
+    await sync_to_async(browser.logout)()
     assert await _closed_with(user_stream, timeout=5) == 4403
     assert await _closed_with(token_stream, timeout=5) == 4403
+    assert await _closed_with(logged_out, timeout=5) == 4403
     await asyncio.sleep(1.5)  # a check came and went: the owner's stream is open
     assert await _still_answers(owner)
     await owner.disconnect()

@@ -4,18 +4,24 @@ A client that reconnects sends the last event sequence and metric step it saw; t
 from the database, so nothing is lost across reconnects or web processes. Authenticated by the
 session cookie, or by `?token=` with an API token of the run's project. A stream stays open only while
 its credential may read the project: it is closed (4403) when the token is revoked or the member removed,
-at once, and when the token expires or the user is deactivated, within STREAM_ACCESS_RECHECK_S.
+at once, and within STREAM_ACCESS_RECHECK_S when the token expires, the user is deactivated, or the browser's
+session ends (logged out, expired, the password changed).
 """
 
 from __future__ import annotations
 
 import asyncio
+from importlib import import_module
 from urllib.parse import parse_qs
 
 from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocketConsumer
 from django.conf import settings
+from django.contrib.auth import get_user
+from django.contrib.auth.base_user import AbstractBaseUser
+from django.contrib.auth.models import AnonymousUser
+from django.http import HttpRequest
 
 from forgeboard.accounts.models import ApiToken, Project
 from forgeboard.accounts.permissions import project_role, project_role_now
@@ -118,8 +124,18 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
 
     @database_sync_to_async
     def _may_still_read(self) -> bool:
+        session = self.scope.get("session")
+        if not isinstance(self.actor, ApiToken) and _logged_in_user(session.session_key) != self.actor:
+            return False  # the browser logged out, the session expired, or the password changed since
         project = Project.objects.filter(pk=self.project_id).first()
         return project is not None and project_role_now(actor=self.actor, project=project) is not None
+
+
+def _logged_in_user(session_key: str | None) -> AbstractBaseUser | AnonymousUser:
+    """Whom a session is logged in as now, found as a request's would be (anonymous once it is not)."""
+    request = HttpRequest()
+    request.session = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
+    return get_user(request)
 
 
 class UnknownPathConsumer(AsyncWebsocketConsumer):
