@@ -388,6 +388,34 @@ def test_a_failed_export_says_on_the_timeline_why_no_run_started(dashboard, djan
     assert "RuntimeError: trainer.pt is not a checkpoint" in failed.payload["reason"]
 
 
+def test_a_token_that_expires_before_its_export_runs_starts_no_run(client, team, run_with_checkpoints, export_worker,
+                                                                     django_capture_on_commit_callbacks):
+    """A CI token asks for a run from a checkpoint (202, the export is queued) and expires before a worker gets to it:
+    the worker exports nothing and starts no run, and the parent's timeline says the token may no longer do it (as a
+    revoked token, or one whose creator left the project)."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from forgeboard.accounts.models import ApiToken
+    from forgeboard.accounts.services import api_token_create
+    from forgeboard.telemetry.models import RunEvent
+
+    parent = run_with_checkpoints
+    token, raw = api_token_create(actor=team.member, project=team.project, name="ci", scope="write",
+                                  expires_at=timezone.now() + timedelta(hours=1))
+    with django_capture_on_commit_callbacks(execute=True):
+        queued = client.post(f"/api/v1/runs/{parent.pk}/checkpoints/2/runs", {}, content_type="application/json",
+                             HTTP_AUTHORIZATION=f"Bearer {raw}")
+    assert queued.status_code == 202, queued.content
+    ApiToken.objects.filter(pk=token.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    _work(export_worker.sent)
+    assert not Run.objects.filter(parent=parent).exists()
+    assert not (run_dir(parent) / "exports" / "step_2").exists()
+    failed = RunEvent.objects.get(run=parent, kind="message", payload__name="child_run_failed")
+    assert "you are not a member of project 'alpha'" in failed.payload["reason"]
+
+
 def test_start_from_a_checkpoint_is_checked_before_anything_is_queued(dashboard, team, django_capture_on_commit_callbacks):
     with django_capture_on_commit_callbacks(execute=True):
         missing = dashboard.client.post(f"/runs/{dashboard.parent.pk}/checkpoints/3/launch/")

@@ -15,9 +15,12 @@ Actor: TypeAlias = User | ApiToken
 def project_role(*, actor: Actor, project: Project) -> Role | None:
     """The actor's role in the project. An API token acts as a member (write) or viewer (read) of its own project,
     and never beyond its creator's role there now: a creator removed or deactivated takes their tokens' access with
-    them, and one made a viewer leaves a write token read-only."""
+    them, and one made a viewer leaves a write token read-only. A revoked or expired token has no role: work it queued
+    (an export, the run started after it) is refused when it runs."""
     if isinstance(actor, ApiToken):
         if actor.project_id != project.pk or actor.revoked_at is not None or actor.created_by is None:
+            return None
+        if actor.expires_at is not None and actor.expires_at <= timezone.now():
             return None
         creator = project_role(actor=actor.created_by, project=project)
         granted = Role.MEMBER if actor.scope == TokenScope.WRITE else Role.VIEWER
