@@ -144,6 +144,22 @@ def test_owners_manage_members_and_others_cannot(client, team):
     assert "Add a member" not in page and "olivia" in page
 
 
+def test_only_owners_learn_whether_an_account_exists_from_the_members_form(client, team):
+    """A viewer or member who posts the members form gets the same refusal page whether the name is an account
+    (oscar) or not: they cannot probe the platform for usernames. An owner is told which names are not accounts."""
+    for who in (team.viewer, team.member):
+        client.force_login(who)
+        answers = [client.post("/p/alpha/members/", {"username": name, "role": "viewer", "action": action})
+                   for name in ("oscar", "nobody-by-this-name") for action in ("set", "remove")]
+        assert [a.status_code for a in answers] == [403] * 4, who.username
+        role = "viewer" if who == team.viewer else "member"
+        assert all(f"changing members needs the owner role; you are a {role}" in a.content.decode() for a in answers)
+        assert all("no active user" not in a.content.decode() for a in answers)
+    client.force_login(team.owner)
+    told = client.post("/p/alpha/members/", {"username": "nobody-by-this-name", "role": "viewer"}, follow=True)
+    assert "no active user named &#x27;nobody-by-this-name&#x27;" in told.content.decode()
+
+
 def test_the_run_page_shows_which_replica_runs_where(client, team, runs):
     from forgeboard.telemetry.services import event_append
 

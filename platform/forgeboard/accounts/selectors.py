@@ -3,8 +3,8 @@ from __future__ import annotations
 from django.db.models import QuerySet
 
 from forgeboard.accounts.models import ApiToken, Membership, Project, Role, User
-from forgeboard.accounts.permissions import Actor, project_role
-from forgeboard.errors import NotFound, is_db_id, is_db_text
+from forgeboard.accounts.permissions import Actor, project_role, require_project_role
+from forgeboard.errors import NotFound, ValidationFailed, is_db_id, is_db_text
 
 
 def projects_for_user(*, user: User) -> QuerySet[Project]:
@@ -19,6 +19,16 @@ def project_get(*, actor: Actor, slug: str) -> Project:
     if project is None or project_role(actor=actor, project=project) is None:
         raise NotFound(f"no project {slug!r}")
     return project
+
+
+def member_candidate(*, actor: Actor, project: Project, username: str) -> User:
+    """The active user an owner names to add, re-role or remove. Only an owner may look: anyone else is refused before
+    the name is looked up, so they cannot learn which accounts exist."""
+    require_project_role(actor=actor, project=project, minimum=Role.OWNER, action="changing members")
+    user = User.objects.filter(username=username, is_active=True).first() if is_db_text(username) else None
+    if user is None:
+        raise ValidationFailed.on("username", f"no active user named {username!r}")
+    return user
 
 
 def memberships_of(*, project: Project) -> QuerySet[Membership]:

@@ -9,11 +9,11 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_http_methods
 
-from forgeboard.accounts.models import Role, User
+from forgeboard.accounts.models import Role
 from forgeboard.accounts.permissions import project_role
-from forgeboard.accounts.selectors import memberships_of, projects_for_user
+from forgeboard.accounts.selectors import member_candidate, memberships_of, projects_for_user
 from forgeboard.accounts.services import membership_remove, membership_set
-from forgeboard.errors import ServiceError, ValidationFailed, is_db_text
+from forgeboard.errors import ServiceError
 from forgeboard.web.errors import project_or_404, refusal_or_flash
 
 
@@ -49,10 +49,7 @@ def members(request: HttpRequest, slug: str) -> HttpResponse:
 
 
 def _change_membership(request: HttpRequest, *, project) -> None:  # noqa: ANN001 - a Project
-    username = request.POST.get("username", "").strip()
-    user = User.objects.filter(username=username, is_active=True).first() if is_db_text(username) else None
-    if user is None:
-        raise ValidationFailed.on("username", f"no active user named {username!r}")
+    user = member_candidate(actor=request.user, project=project, username=request.POST.get("username", "").strip())
     if request.POST.get("action") == "remove":
         membership_remove(actor=request.user, project=project, user=user)
         messages.success(request, f"{user.username} removed from {project.name}")
