@@ -184,6 +184,20 @@ def test_without_a_placement_event_the_launch_plan_puts_enabled_roles_on_the_run
     assert "launch plan" in row
 
 
+def test_host_names_only_another_projects_run_gives_are_not_shown(client, team, cluster):
+    """Beta's engine reports an actor on "beta-codename-7", a host no agent registered: alpha's viewer does not see that
+    name on the cluster page (beta's own people do), while beta's run still shows as "another project" on gpu-a."""
+    event_append(run=cluster["theirs"], kind="placement_applied",
+                 payload={"actors": [{"role": "generator", "replica": 0, "host": "beta-codename-7"},
+                                     {"role": "trainer", "rank": 0, "host": "gpu-b"}]})
+    client.force_login(team.viewer)
+    html = client.get("/cluster/").content.decode()
+    assert "beta-codename-7" not in html
+    assert 'data-run="hidden"' in _host_section(html, "gpu-a") and 'data-run="hidden"' in _host_section(html, "gpu-b")
+    client.force_login(team.operator)  # beta's owner
+    assert 'data-hostname="beta-codename-7"' in client.get("/cluster/").content.decode()
+
+
 def test_runs_on_unregistered_hosts_and_unplaced_runs_are_listed_too(client, team, cluster, grpo_yaml):
     local = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
     launching = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)

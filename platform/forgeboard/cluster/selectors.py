@@ -129,10 +129,12 @@ def cluster_overview(*, viewer: User, now: datetime, stale_after_s: float) -> Cl
 
     A run is on a host when the host is its `host`, a key of its `allocation`, or where its latest placement
     event (else its launch plan) puts an actor. Runs of projects the viewer cannot see are included with
-    `visible=False` and no identifying detail. Runs on hosts missing from the inventory (a local run with no
-    node agent) are listed under `elsewhere`, runs with no host at all under `unplaced`.
+    `visible=False` and no identifying detail, and their actors count only on inventory hosts: a host name that only
+    their engine or config gives is that project's text. Runs on hosts missing from the inventory (a local run with
+    no node agent) are listed under `elsewhere`, runs with no host at all under `unplaced`.
     """
     hosts = list(hosts_with_devices())
+    inventory = {host.hostname for host in hosts}
     visible_projects = set(projects_for_user(user=viewer).values_list("pk", flat=True))
     runs = list(Run.objects.filter(state__in=ACTIVE_STATES).select_related("experiment__project", "config")
                 .order_by("pk"))
@@ -147,7 +149,8 @@ def cluster_overview(*, viewer: User, now: datetime, stale_after_s: float) -> Cl
             actors.setdefault(hostname, []).append(name)
         placement = placements.get(run.pk)
         source = f"{placement.get_kind_display().lower()} #{placement.seq}" if placement else "launch plan"
-        hostnames = [name for name in dict.fromkeys([run.host, *allocation, *actors]) if name]
+        placed_on = [name for name in actors if visible or name in inventory]
+        hostnames = [name for name in dict.fromkeys([run.host, *allocation, *placed_on]) if name]
         for hostname in hostnames or [""]:
             reserved = allocation.get(hostname) if isinstance(allocation.get(hostname), Mapping) else {}
             placed = RunOnHost(
