@@ -277,6 +277,7 @@ async def test_a_deactivated_user_an_expired_token_or_a_logout_is_closed_at_the_
     from django.utils import timezone
 
     from forgeboard.accounts.models import ApiToken, User
+    from forgeboard.accounts.services import membership_set
 
     settings.STREAM_ACCESS_RECHECK_S = 1
     run, _ = running_run
@@ -285,14 +286,19 @@ async def test_a_deactivated_user_an_expired_token_or_a_logout_is_closed_at_the_
     token_stream = await _connect(f"/ws/projects/{team.project.slug}/?token={expiring}")
     browser = await sync_to_async(_logged_in)(team.member)
     logged_out = await _connect_as(team.member, f"/ws/runs/{run.pk}/", browser=browser)
+    maya = await sync_to_async(User.objects.create_user)("maya", password="pw-maya-1")
+    await sync_to_async(membership_set)(actor=team.owner, project=team.project, user=maya, role="member")
+    _, mayas = await sync_to_async(api_token_create)(actor=maya, project=team.project, name="maya-ci", scope="read")
+    creator_gone = await _connect(f"/ws/runs/{run.pk}/?token={mayas}")
     owner = await _connect_as(team.owner, f"/ws/projects/{team.project.slug}/")
     # As the admin's forms do: a plain save, nothing told.
-    await sync_to_async(User.objects.filter(pk=team.viewer.pk).update)(is_active=False)
+    await sync_to_async(User.objects.filter(pk__in=[team.viewer.pk, maya.pk]).update)(is_active=False)
     await sync_to_async(ApiToken.objects.filter(name="ws").update)(expires_at=timezone.now())
     await sync_to_async(browser.logout)()
     assert await _closed_with(user_stream, timeout=5) == 4403
     assert await _closed_with(token_stream, timeout=5) == 4403
     assert await _closed_with(logged_out, timeout=5) == 4403
+    assert await _closed_with(creator_gone, timeout=5) == 4403  # a token acts no further than its creator
     await asyncio.sleep(1.5)  # a check came and went: the owner's stream is open
     assert await _still_answers(owner)
     await owner.disconnect()

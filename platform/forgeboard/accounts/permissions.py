@@ -60,8 +60,7 @@ def project_role_now(*, actor: Actor, project: Project) -> Role | None:
     """The actor's role as the database has it now, for a credential checked some time ago (an open live stream):
     a token revoked or expired since, or a user deactivated, removed or deleted since, has none."""
     if isinstance(actor, ApiToken):
-        token = ApiToken.objects.select_related("created_by").filter(pk=actor.pk).first()
-        live = token is not None and (token.expires_at is None or token.expires_at > timezone.now())
-        return project_role(actor=token, project=project) if live else None
-    user = User.objects.filter(pk=actor.pk).first()
-    return None if user is None else project_role(actor=user, project=project)
+        now: Actor | None = ApiToken.objects.select_related("created_by").filter(pk=actor.pk).first()
+    else:
+        now = User.objects.filter(pk=actor.pk).first()
+    return None if now is None else project_role(actor=now, project=project)
