@@ -17,8 +17,10 @@ from forgeboard.errors import NotFound, PermissionDenied, ValidationFailed
 from forgeboard.experiments.services import experiment_create
 from forgeboard.runs import checkpoints
 from forgeboard.runs.checkpoints import (
+    STATE_FILE,
     ExportFailed,
     checkpoint_export,
+    checkpoints_on_disk,
     checkpoints_reported,
     run_checkpoints,
     run_launch_from_checkpoint,
@@ -74,6 +76,24 @@ def test_checkpoints_are_listed_from_disk_and_events(run_with_checkpoints):
     assert listed[0].path == "/elsewhere/step_000001"  # reported, then pruned or on another machine
     assert all(c.created_at.tzinfo is not None for c in listed)
     assert [(c.step, c.size_bytes) for c in checkpoints_reported(run=run)] == [(1, None), (4, 300)]
+
+
+def test_a_run_never_lists_measures_or_exports_another_runs_checkpoint(team, grpo_yaml, run_with_checkpoints):
+    """A run's engine can report any path, and a link in its folder can point anywhere: the checkpoints table
+    shows another run's checkpoint as a bare report (no size: nothing about that folder is read), and a link to it
+    is neither listed nor exported."""
+    run = run_with_checkpoints
+    other = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    theirs = run_dir(other) / "checkpoints" / "step_000007"
+    _write(theirs / STATE_FILE, 700)
+    event_append(run=run, kind=EventKind.CHECKPOINT_SAVED, payload={"step": 7, "path": str(theirs)})
+    event_append(run=run, kind=EventKind.CHECKPOINT_SAVED, payload={"step": 8, "path": "/tmp/" + "a" * 5000})
+    (run_dir(run) / "checkpoints" / "step_000009").symlink_to(theirs, target_is_directory=True)
+    listed = {c.step: c.size_bytes for c in run_checkpoints(run=run)}
+    assert listed == {1: None, 2: 120, 4: 300, 7: None, 8: None}, listed
+    with pytest.raises(NotFound, match="no checkpoint at step 9"):
+        checkpoint_export(actor=team.member, run=run, step=9)
+    assert [c.step for c in checkpoints_on_disk(run=other)] == [7]  # its own run still has it
 
 
 def test_export_checks_role_step_and_that_the_checkpoint_is_here(team, run_with_checkpoints):
