@@ -96,6 +96,20 @@ def test_a_run_never_lists_measures_or_exports_another_runs_checkpoint(team, grp
     assert [c.step for c in checkpoints_on_disk(run=other)] == [7]  # its own run still has it
 
 
+def test_a_reported_path_no_file_system_can_look_up_leaves_the_run_page_working(client, team, run_with_checkpoints):
+    """A run's engine reports a checkpoint in its own folder under a name longer than a file system allows: the run
+    page and its checkpoints table still open, and list that step as a bare report (no size)."""
+    run = run_with_checkpoints
+    too_long = run_dir(run) / ("a" * 300) / "step_000011"
+    event_append(run=run, kind=EventKind.CHECKPOINT_SAVED, payload={"step": 11, "path": str(too_long)})
+    assert {c.step: c.size_bytes for c in run_checkpoints(run=run)} == {1: None, 2: 120, 4: 300, 11: None}
+    client.force_login(team.member)
+    for url in (f"/runs/{run.pk}/", f"/runs/{run.pk}/checkpoints/"):
+        page = client.get(url)
+        assert page.status_code == 200, url
+        assert "a" * 300 + "/step_000011" in page.content.decode()
+
+
 def test_export_checks_role_step_and_that_the_checkpoint_is_here(team, run_with_checkpoints):
     run = run_with_checkpoints
     with pytest.raises(PermissionDenied):

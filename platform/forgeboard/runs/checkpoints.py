@@ -69,11 +69,17 @@ def _folder_size(folder: Path) -> int:
 
 def _on_disk(folder: Path) -> Checkpoint | None:
     match = STEP_FOLDER.match(folder.name)
-    state = folder / STATE_FILE
-    if match is None or not state.is_file():
+    if match is None:
         return None
-    created = datetime.fromtimestamp(state.stat().st_mtime, tz=UTC)
-    return Checkpoint(step=int(match.group(1)), path=str(folder), size_bytes=_folder_size(folder), created_at=created)
+    state = folder / STATE_FILE
+    try:
+        if not state.is_file():
+            return None
+        created = datetime.fromtimestamp(state.stat().st_mtime, tz=UTC)
+        size = _folder_size(folder)
+    except OSError:  # a reported path with a name too long, or a folder removed while it is measured
+        return None
+    return Checkpoint(step=int(match.group(1)), path=str(folder), size_bytes=size, created_at=created)
 
 
 def _in_run_folder(run: Run, path: Path) -> bool:
