@@ -137,6 +137,9 @@ POISON = [
     ("events", {"kind": "message", "payload": {"k\x00": 1}, "time": 1.0}, "payload"),
     ("events", {"kind": "message", "payload": {"reward": float("nan")}, "time": 1.0}, "payload"),
     ("events", {"kind": "message", "payload": {"s": "\ud800"}, "time": 1.0}, "payload"),
+    # An integer past a float's range: it took the telemetry request (a recovery's time) or the rollouts table down.
+    ("events", {"kind": "recovered", "payload": {"time_to_recover_s": 10**400}, "time": 1.0}, "payload"),
+    ("events", {"kind": "rollout", "payload": {"step": 1, "reward": [-10**400]}, "time": 1.0}, "payload"),
     ("logs", {"line": "x" * 9000, "time": 1.0}, "line"),
     ("logs", {"line": "\udc00", "time": 1.0}, "line"),
     ("logs", "a bare string", None),

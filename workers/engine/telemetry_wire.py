@@ -56,31 +56,48 @@ def _no_text_or_bool(value: Any) -> Any:
 
 
 def payload_problem(value: Any, *, max_depth: int = MAX_JSON_DEPTH) -> str | None:
-    """Why an event payload cannot be stored, else None.
+    """Why an event payload cannot be stored, else None (see `payload_problem_at`)."""
+    found = payload_problem_at(value, max_depth=max_depth)
+    return f"{found[0]}: {found[1]}" if found else None
+
+
+def payload_problem_at(value: Any, *, max_depth: int = MAX_JSON_DEPTH, root: str = "payload") -> tuple[str, str] | None:
+    """Where the first reason a JSON value cannot be stored is (a dotted path from `root`) and what it is, else None.
 
     Keys must be storable text; string values may hold NUL (a random model's completions do: it is
-    replaced on storage) but not lone surrogates; numbers must be finite (jsonb has no NaN).
+    replaced on storage) but not lone surrogates; numbers must be finite (jsonb has no NaN) and integers
+    within a float's range (what reads them, a page or a browser, takes them as floats).
     """
-    stack: list[tuple[Any, int, str]] = [(value, 0, "payload")]
+    stack: list[tuple[Any, int, str]] = [(value, 0, root)]
     while stack:
         item, depth, where = stack.pop()
         if depth > max_depth:
-            return f"{where}: nested deeper than {max_depth} levels"
+            return where, f"nested deeper than {max_depth} levels"
         if isinstance(item, str):
             reason = unstorable_reason(item.replace("\x00", ""))
             if reason:
-                return f"{where}: {reason}"
+                return where, reason
         elif isinstance(item, float) and not math.isfinite(item):
-            return f"{where}: must be a finite number (JSON has no NaN or infinity)"
+            return where, "must be a finite number (JSON has no NaN or infinity)"
+        elif isinstance(item, int) and not isinstance(item, bool) and not _fits_a_float(item):
+            return where, "must be a number within a float's range"
         elif isinstance(item, dict):
             for key, child in item.items():
                 reason = unstorable_reason(key) if isinstance(key, str) else "keys must be text"
                 if reason:
-                    return f"{where}: key {key!r} {reason}"
+                    return where, f"key {key!r} {reason}"
                 stack.append((child, depth + 1, f"{where}.{key}"))
         elif isinstance(item, list | tuple):
             stack.extend((child, depth + 1, f"{where}.{i}") for i, child in enumerate(item))
     return None
+
+
+def _fits_a_float(number: int) -> bool:
+    try:
+        float(number)
+    except OverflowError:
+        return False
+    return True
 
 
 def _storable_payload(payload: dict[str, Any]) -> dict[str, Any]:
