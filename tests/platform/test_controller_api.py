@@ -367,3 +367,30 @@ def test_a_command_result_with_a_nul_is_stored(client, monarch_running_run, team
     assert response.status_code == 200
     command.refresh_from_db()
     assert command.state == "failed" and command.result == {"error": "engine said \ufffd"}
+
+
+@pytest.mark.parametrize(("result", "field"), [
+    ('{"recovered_s": NaN}', "result.recovered_s"),
+    ('{"recovered_s": -Infinity}', "result.recovered_s"),
+    ('{"error": "\\ud800"}', "result.error"),
+    ('{"\\udc00": 1}', "result"),
+    ('{"steps": [1, %s]}' % ("9" * 400), "result.steps.1"),
+])
+def test_a_command_result_no_database_or_page_can_hold_is_a_field_error(client, monarch_running_run, team, result,
+                                                                          field):
+    """A run's engine reports a command's result with NaN, a lone surrogate or a number past a float: it gets a 400
+    naming the field (not a 500), the command stays open, and the result sent again without it is recorded."""
+    run, token = monarch_running_run
+    command = command_create(actor=team.member, run=run, kind="pause")
+    url = f"/api/v1/controller/runs/{run.pk}/commands/{command.pk}/result"
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {token}"}
+    refused = client.post(url, data='{"ok": false, "result": %s}' % result, content_type="application/json", **auth)
+    assert refused.status_code == 400, refused.content
+    assert refused.json()["code"] == "validation_failed"
+    assert [e["field"] for e in refused.json()["errors"]] == [field]
+    command.refresh_from_db()
+    assert command.state == "pending" and command.result in ({}, None)
+    done = client.post(url, data='{"ok": false, "result": {"error": "gone"}}', content_type="application/json", **auth)
+    assert done.status_code == 200 and done.json()["state"] == "failed"
+    client.force_login(team.member)
+    assert client.get(f"/runs/{run.pk}/").status_code == 200

@@ -25,6 +25,7 @@ from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append, storable
 from workers.engine.config import IN_TRAINER, RunConfig
 from workers.engine.operations import OperationError, parse_operation
+from workers.engine.telemetry_wire import payload_problem_at
 from workers.engine.wire_limits import unstorable_in
 
 logger = logging.getLogger(__name__)
@@ -260,6 +261,8 @@ def command_acknowledge(*, run: Run, command_id: int) -> Command:
 
 def command_finish(*, run: Run, command_id: int, ok: bool, result: dict[str, Any]) -> Command:
     """Record a command's outcome once; a repeated report of a finished command changes nothing."""
+    if problem := payload_problem_at(result, root="result"):
+        raise ValidationFailed.on(*problem)
     if len(json.dumps(result)) > MAX_COMMAND_PAYLOAD_BYTES:
         raise ValidationFailed.on("result", f"over {MAX_COMMAND_PAYLOAD_BYTES} bytes")
     now = timezone.now()
