@@ -394,3 +394,31 @@ def test_a_command_result_no_database_or_page_can_hold_is_a_field_error(client, 
     assert done.status_code == 200 and done.json()["state"] == "failed"
     client.force_login(team.member)
     assert client.get(f"/runs/{run.pk}/").status_code == 200
+
+
+def test_a_run_cannot_grow_its_metric_keys_without_bound(client, running_run, team, monkeypatch):
+    """A run's engine that makes up a new metric key for every point would put an endless list of charts on its
+    page and in its stream: past the run's limit, points of new keys are refused by position (nothing of that
+    request is stored), the rest lands when sent again, and the keys the run has keep taking points."""
+    monkeypatch.setattr("forgeboard.telemetry.ingest.MAX_METRIC_KEYS_PER_RUN", 3)
+    run, token = running_run
+    first = {"seq": 1, "metrics": [metric(key="a"), metric(key="b")]}
+    assert post(client, run, token, {"batches": [first]}).status_code == 200
+    second = {"seq": 2, "metrics": [metric(key="a", step=2), metric(key="c"), metric(key="d"), metric(key="c", step=2)]}
+    third = {"seq": 3, "metrics": [metric(key="e"), metric(key="b", step=3)]}
+    response = post(client, run, token, {"batches": [second, third]})
+    assert response.status_code == 422, response.content
+    body = response.json()
+    assert body["code"] == "items_refused" and body["applied_seq"] == 1
+    assert [(r["seq"], r["index"], r["field"]) for r in body["refused"]] == [
+        (2, 2, "batches.0.metrics.2.key"), (3, 0, "batches.1.metrics.0.key")]
+    assert "at most 3 metric keys" in body["refused"][0]["reason"]
+    assert stored(run)[0] == 2
+    del second["metrics"][2], third["metrics"][0]
+    again = post(client, run, token, {"batches": [second, third]})
+    assert again.status_code == 200 and again.json()["applied_seq"] == 3
+    assert post(client, run, token, {"batches": [{"seq": 4, "metrics": [metric(key="c", step=9)]}]}).status_code == 200
+    client.force_login(team.member)
+    keys = [series["key"] for series in client.get(f"/api/v1/runs/{run.pk}/metrics").json()]
+    assert keys == ["a", "b", "c"]
+    assert stored(run)[0] == 7

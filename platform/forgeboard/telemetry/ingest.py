@@ -22,6 +22,7 @@ from forgeboard.telemetry.services import event_to_wire, storable
 from forgeboard.telemetry.streams import publish_run_update
 from workers.engine.telemetry_wire import (
     MAX_DUPLICATES_LISTED,
+    MAX_METRIC_KEYS_PER_RUN,
     MAX_REFUSED_PER_ANSWER,
     STEP_TIMELINE,
     DroppedDuplicate,
@@ -82,11 +83,13 @@ def telemetry_ingest(
     *, run: Run, batches: Sequence[TelemetryBatch], refused: Sequence[RefusedItem] = ()
 ) -> IngestResult:
     """Apply batches in sequence order. A batch already applied is skipped; a gap is refused; refused items of a
-    batch not yet applied refuse the request (ItemsRefused) before anything is stored."""
+    batch not yet applied, or its points of keys past the run's MAX_METRIC_KEYS_PER_RUN, refuse the request
+    (ItemsRefused) before anything is stored."""
     result = IngestResult(applied_seq=run.telemetry_seq)
-    if refused:
+    if refused or any(batch.metrics for batch in batches):
         applied = Run.objects.filter(pk=run.pk).values_list("telemetry_seq", flat=True).get()
-        pending = [r for r in refused if r.seq > applied]
+        pending = [r for r in refused if r.seq > applied] or _keys_over_the_limit(run_id=run.pk, batches=batches,
+                                                                                  applied=applied)
         if pending:
             raise ItemsRefused(refused=pending, applied_seq=applied)
     for batch in sorted(batches, key=lambda b: b.seq):
@@ -119,6 +122,21 @@ def telemetry_ingest(
     if not batches:
         Run.objects.filter(pk=run.pk).update(last_heartbeat_at=timezone.now())
     return result
+
+
+def _keys_over_the_limit(*, run_id: int, batches: Sequence[TelemetryBatch], applied: int) -> list[RefusedItem]:
+    """The points of batches not yet applied whose keys would take the run past MAX_METRIC_KEYS_PER_RUN keys (the
+    keys first seen last are refused)."""
+    pending = [(position, batch) for position, batch in enumerate(batches) if batch.seq > applied]
+    known = set(MetricSeries.objects.filter(run_id=run_id).values_list("key", flat=True))  # at most the limit
+    new = [key for key in dict.fromkeys(metric.key for _, batch in pending for metric in batch.metrics)
+           if key not in known]
+    over = set(new[max(0, MAX_METRIC_KEYS_PER_RUN - len(known)):])
+    if not over:
+        return []
+    return [RefusedItem(seq=batch.seq, section="metrics", index=index, field=f"batches.{position}.metrics.{index}.key",
+                        reason=f"a run has at most {MAX_METRIC_KEYS_PER_RUN} metric keys")
+            for position, batch in pending for index, metric in enumerate(batch.metrics) if metric.key in over]
 
 
 def _last_value_per_step(batch: TelemetryBatch) -> tuple[list[WireMetric], list[DroppedDuplicate]]:
