@@ -172,3 +172,28 @@ def test_the_run_page_shows_which_replica_runs_where(client, team, runs):
     response = client.get(f"/runs/{run.pk}/")
     assert response.context["placement"]["replicas"] == [("0", "b"), ("1", "b"), ("10", "a")]
     assert "Generator replica" in response.content.decode()
+
+
+def test_a_runs_rollouts_table_stays_small_whatever_its_engine_reports(client, team, running_run):
+    """A run's engine reports rollouts whose step and policy version are huge text, with a huge prompt: the rollouts
+    table shows a dash for those fields and a cut prompt, so it stays a few kilobytes, and the good sample is there."""
+    import json
+
+    run, token = running_run
+    huge = "9" * 200_000
+    events = [{"kind": "rollout", "time": 1.7e9, "payload": payload} for payload in (
+        {"step": huge, "policy_version": huge, "prompt": "p" * 200_000, "completion": "c", "reward": huge,
+         "advantage": {"a": huge}},
+        {"step": 12, "policy_version": 3, "prompt": "2+2=", "completion": "4", "reward": 1.0, "advantage": 0.5},
+    )]
+    sent = client.post(f"/api/v1/controller/runs/{run.pk}/telemetry", content_type="application/json",
+                       data=json.dumps({"batches": [{"seq": 1, "events": events}]}),
+                       HTTP_AUTHORIZATION=f"Bearer {token}")
+    assert sent.status_code == 200, sent.content
+    client.force_login(team.viewer)
+    table = client.get(f"/runs/{run.pk}/rollouts/")
+    assert table.status_code == 200
+    html = table.content.decode()
+    assert len(html) < 10_000, len(html)
+    assert "99999999999" not in html and "p" * 200 not in html
+    assert '<td class="num">12</td>' in html and "2+2=" in html and '<td class="num">3</td>' in html

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from django.db.models import Avg, Count, ExpressionWrapper, F, IntegerField, Max, Min, QuerySet
 
 from forgeboard.runs.models import Run
-from forgeboard.telemetry.models import MetricPoint, MetricSeries, RunEvent, StepTimeline
+from forgeboard.telemetry.models import EventKind, MetricPoint, MetricSeries, RunEvent, StepTimeline
 
 
 # The metrics a runs list or a comparison summarises a run by, when the run has them.
@@ -88,3 +88,40 @@ def step_timelines(*, run: Run, last: int) -> list[dict]:
     """The last `last` steps' timelines (`telemetry_wire.StepTimeline` payloads), in step order."""
     rows = StepTimeline.objects.filter(run=run).order_by("-step").values_list("payload", flat=True)[:last]
     return list(rows)[::-1]
+
+
+ROLLOUT_TEXT_CHARS = 2_000  # of a prompt or a completion, kept for a table that shows fewer
+
+
+@dataclass(frozen=True)
+class RolloutSample:
+    """A rollout event's fields as a table shows them: what is not of its type (the engine's word) is None."""
+
+    step: int | None
+    prompt: str
+    completion: str
+    reward: float | None
+    advantage: float | None
+    policy_version: int | None
+
+
+def _whole(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _number(value: object) -> float | None:
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _text(value: object) -> str:
+    return value[:ROLLOUT_TEXT_CHARS] if isinstance(value, str) else ""
+
+
+def rollout_samples(*, run: Run, last: int) -> list[RolloutSample]:
+    """The run's newest `last` rollout samples, newest first."""
+    payloads = (RunEvent.objects.filter(run=run, kind=EventKind.ROLLOUT).order_by("-seq")
+                .values_list("payload", flat=True)[:last])
+    return [RolloutSample(step=_whole(p.get("step")), prompt=_text(p.get("prompt")),
+                          completion=_text(p.get("completion")), reward=_number(p.get("reward")),
+                          advantage=_number(p.get("advantage")), policy_version=_whole(p.get("policy_version")))
+            for p in payloads if isinstance(p, dict)]

@@ -26,7 +26,7 @@ from forgeboard.runs.selectors import RunFilters, runs_search
 from forgeboard.runs.services import command_create, run_cancel
 from forgeboard.runs.states import ACTIVE_STATES, RunState
 from forgeboard.telemetry.models import EventKind, MetricSeries, RunEvent
-from forgeboard.telemetry.selectors import KEY_METRICS
+from forgeboard.telemetry.selectors import KEY_METRICS, rollout_samples
 from forgeboard.idempotency.services import idempotent_refused
 from forgeboard.web.errors import project_or_404, refusal_or_flash, run_or_404
 from forgeboard.web.idempotent import idempotent_form
@@ -145,8 +145,7 @@ def run_checkpoints_part(request: HttpRequest, run_id: int) -> HttpResponse:
 def run_rollouts(request: HttpRequest, run_id: int) -> HttpResponse:
     """The newest rollout samples (prompt, completion, reward, advantage, policy version); htmx refreshes it."""
     run = run_or_404(request, run_id)
-    events = RunEvent.objects.filter(run=run, kind=EventKind.ROLLOUT).order_by("-seq")[:ROLLOUTS_SHOWN]
-    return render(request, "web/_rollouts.html", {"rollouts": [e.payload for e in events]})
+    return render(request, "web/_rollouts.html", {"rollouts": rollout_samples(run=run, last=ROLLOUTS_SHOWN)})
 
 
 @login_required
