@@ -197,3 +197,24 @@ def test_a_runs_rollouts_table_stays_small_whatever_its_engine_reports(client, t
     assert len(html) < 10_000, len(html)
     assert "99999999999" not in html and "p" * 200 not in html
     assert '<td class="num">12</td>' in html and "2+2=" in html and '<td class="num">3</td>' in html
+
+
+def test_a_placement_event_of_any_size_leaves_the_run_page_small(client, team, monarch_running_run):
+    """A run's engine reports a placement of 60,000 replicas under a huge role name: the run page shows the first
+    replicas and how many more there are, and a cut plan, instead of megabytes."""
+    import json
+
+    run, token = monarch_running_run
+    plan = {str(i): f"host-{i}" for i in range(60_000)}
+    event = {"kind": "placement_applied", "time": 1.7e9, "payload": {"role": "r" * 100_000, "plan": plan}}
+    sent = client.post(f"/api/v1/controller/runs/{run.pk}/telemetry", content_type="application/json",
+                       data=json.dumps({"batches": [{"seq": 1, "events": [event]}]}),
+                       HTTP_AUTHORIZATION=f"Bearer {token}")
+    assert sent.status_code == 200, sent.content
+    client.force_login(team.viewer)
+    page = client.get(f"/runs/{run.pk}/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert len(html) < 200_000, len(html)
+    assert "<td>0</td><td>host-0</td>" in html and "host-59999" not in html
+    assert "and 59744 more" in html and "r" * 100 not in html

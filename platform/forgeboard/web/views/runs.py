@@ -34,6 +34,8 @@ from workers.engine.operations import DrillKind, DrillRole, PlacedRole
 
 RUNS_PER_PAGE = 50
 ROLLOUTS_SHOWN = 40
+PLACEMENT_ROWS_SHOWN = 256
+PLACEMENT_JSON_CHARS = 20_000
 PLACEMENT_EVENTS = (EventKind.PLACEMENT_APPLIED, EventKind.PLACEMENT_CHANGED)
 # The operator controls' words for the engine's drill kinds (DrillKind).
 DRILL_KIND_LABELS = {"kill": "kill a process (SIGKILL)", "hang": "hang (SIGSTOP, then SIGCONT)",
@@ -84,13 +86,21 @@ def run_list(request: HttpRequest, slug: str) -> HttpResponse:
 
 
 def _placement(run: Run) -> dict[str, Any]:
-    """Which actor runs where: the newest placement event's plan, else the launch plan and allocation."""
+    """Which actor runs where: the newest placement event's plan, else the launch plan and allocation; at most
+    PLACEMENT_ROWS_SHOWN replicas and PLACEMENT_JSON_CHARS of the plan, whatever the run's engine reported."""
     latest = (RunEvent.objects.filter(run=run, kind__in=PLACEMENT_EVENTS).order_by("-seq").first())
     replicas = latest.payload.get("plan") if latest else None
+    rows = sorted(replicas.items(), key=lambda item: str(item[0]).zfill(6)) if isinstance(replicas, dict) else []
+    plan = latest.payload if latest else run.placement_plan
+    plan_json = json.dumps(plan, indent=2, sort_keys=True)
+    if len(plan_json) > PLACEMENT_JSON_CHARS:
+        plan_json = f"{plan_json[:PLACEMENT_JSON_CHARS]}\n… ({PLACEMENT_JSON_CHARS} of {len(plan_json)} characters shown)"
     return {
-        "plan": latest.payload if latest else run.placement_plan,
+        "plan": plan,
+        "plan_json": plan_json,
         "role": latest.payload.get("role", "") if latest else "",
-        "replicas": sorted(replicas.items(), key=lambda item: str(item[0]).zfill(6)) if isinstance(replicas, dict) else [],
+        "replicas": rows[:PLACEMENT_ROWS_SHOWN],
+        "replicas_not_shown": max(0, len(rows) - PLACEMENT_ROWS_SHOWN),
         "source": f"{latest.get_kind_display().lower()} at {latest.occurred_at:%H:%M:%S}" if latest else "launch plan",
         "allocation": run.allocation,
     }
@@ -110,7 +120,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "active": run.state in ACTIVE_STATES, "duration": duration_of(run),
         "multi_process": config.placement.backend != LaunchBackend.LOCAL,  # monarch, or a SLURM / Kubernetes job
         "checkpoints": run_checkpoints(run=run), "placement": placement,
-        "placement_json": json.dumps(placement["plan"], indent=2, sort_keys=True),
+        "placement_json": placement["plan_json"],
         "commands": run.commands.select_related("created_by").order_by("-id")[:20],
         "generator_replicas": config.role_processes().get("generator", 0),  # 0: generator.in_trainer
         "trainer_ranks": config.trainer.ranks,
