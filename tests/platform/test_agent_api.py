@@ -123,6 +123,43 @@ def test_heartbeat_for_unknown_host_or_device_asks_to_register(client, raw_token
     assert status == 409 and answer["code"] == "conflict" and "gpu8" in answer["message"]
 
 
+def test_an_agent_token_reports_only_for_the_hosts_it_registered(client, team, raw_token):
+    """A second token (leaked, or a misconfigured agent) cannot empty, move or speak for a host another live token
+    registered; once an operator revokes the first token, the next one to register the host takes it over."""
+    _post(client, REGISTER, _register_body(), raw_token)
+    other_token, other = agent_token_create(actor=team.operator, name="rack-b2")
+    status, answer = _post(client, REGISTER, _register_body(devices=[], pool="evil"), other)
+    assert status == 409 and answer["errors"] == [{"field": "hostname", "message": "reported by agent token 'rack-a1'"}]
+    assert "an operator revokes that token" in answer["message"]
+    beat = {"hostname": "gpu-001", "cpu_utilization": 99.0, "memory_utilization": 99.0}
+    assert _post(client, HEARTBEAT, beat, other)[0] == 409
+    host = Host.objects.get()
+    assert (host.pool, host.devices.count(), host.cpu_utilization) == ("h200", 8, None)
+    assert _post(client, HEARTBEAT, beat, raw_token)[0] == 200  # its own token goes on
+    # A host of its own is fine for the second token, and an operator's own edits are not refused.
+    assert _post(client, REGISTER, _register_body(hostname="gpu-002"), other)[0] == 200
+
+    agent_token_revoke(actor=team.operator, token=AgentToken.objects.get(name="rack-a1"))
+    status, answer = _post(client, HEARTBEAT, beat, other)
+    assert status == 409 and "register it with this token to take it over" in answer["message"]
+    assert _post(client, REGISTER, _register_body(pool="h200-b"), other)[0] == 200
+    assert Host.objects.get(hostname="gpu-001").agent_token == other_token
+    assert _post(client, HEARTBEAT, beat, other)[0] == 200
+
+
+def test_an_agent_whose_host_another_token_reports_stops_with_the_reason(client, team, raw_token, caplog):
+    def node(token: str) -> agent.Agent:
+        http = httpx.Client(base_url="http://testserver", transport=_django_transport(client),
+                            headers={"Authorization": f"Bearer {token}"})
+        collector = agent.Collector(nvml=FakeNvml(), hostname="gpu-node-07")
+        return agent.Agent(plane=agent.ControlPlane(http), collect=collector.collect, sleep=lambda s: None)
+
+    assert node(raw_token).run(max_reports=1) == agent.EXIT_OK
+    _, other = agent_token_create(actor=team.operator, name="rack-b2")
+    assert node(other).run(max_reports=1) == agent.EXIT_REFUSED
+    assert "HTTP 409" in caplog.text and "is reported by agent token 'rack-a1'" in caplog.text
+
+
 # --- refusals -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("header", [None, "Bearer", "Basic abc", "Bearer fba_000000000000_nope", "Bearer fb_x_y",

@@ -37,6 +37,9 @@ class Host(models.Model):
     cpu_utilization = models.FloatField(null=True, blank=True)
     memory_utilization = models.FloatField(null=True, blank=True)
     agent_version = models.CharField(max_length=50, blank=True)
+    agent_token = models.ForeignKey(
+        "AgentToken", null=True, blank=True, on_delete=models.SET_NULL, related_name="hosts",
+        help_text="The agent token that registered the host: no other token reports for it until this one is revoked")
     registered_at = models.DateTimeField(auto_now_add=True)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
     # A cluster scheduler's view of this host as a node (SLURM's sinfo), written by the worker that follows its jobs.

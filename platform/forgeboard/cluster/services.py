@@ -24,7 +24,15 @@ from forgeboard.audit.services import audit_record
 from forgeboard.bearer import mint_token, token_matches, token_prefix
 from forgeboard.cluster.models import AgentToken, Device, DeviceKind, Health, Host, HostState
 from forgeboard.cluster.selectors import active_run_ids_on_host
-from forgeboard.errors import AlreadyExists, Conflict, NotFound, PermissionDenied, ValidationFailed, clean_text
+from forgeboard.errors import (
+    AlreadyExists,
+    Conflict,
+    FieldProblem,
+    NotFound,
+    PermissionDenied,
+    ValidationFailed,
+    clean_text,
+)
 
 
 
@@ -85,6 +93,26 @@ def _require_inventory_writer(*, actor: InventoryActor, action: str) -> None:
     require_operator(actor=actor, action=action)
 
 
+def _locked_host(hostname: str) -> Host | None:
+    return Host.objects.select_for_update(of=("self",)).select_related("agent_token").filter(hostname=hostname).first()
+
+
+def _require_host_reporter(*, actor: InventoryActor, host: Host | None, registering: bool) -> None:
+    """An agent token reports only for the hosts it registered, as a kubelet may change only its own node: another
+    token's register or heartbeat is a 409, so one leaked or misconfigured token cannot take over, empty or move
+    every host. A host whose token was revoked is taken over by the next token that registers it; operators and
+    worker probes report for any host."""
+    if not isinstance(actor, AgentToken) or host is None or host.agent_token_id in (None, actor.pk):
+        return
+    owner = host.agent_token
+    if owner.revoked_at is not None and registering:
+        return
+    raise Conflict(f"host {host.hostname!r} is reported by agent token {owner.name!r}"
+                   + ("; register it with this token to take it over" if owner.revoked_at is not None else
+                      "; an operator revokes that token before another may report for this host"),
+                   problems=[FieldProblem("hostname", f"reported by agent token {owner.name!r}")])
+
+
 def _audit(*, actor: InventoryActor, action: str, target: Host, payload: dict[str, Any]) -> None:
     if isinstance(actor, WorkerProbe):
         audit_record(actor=None, action=action, target=target, payload=payload | {"worker": actor.worker})
@@ -138,12 +166,14 @@ def host_register(
     _require_inventory_writer(actor=actor, action="registering hosts")
     labels = dict(labels or {})
     _check_report(hostname=hostname, pool=pool, labels=labels, devices=devices)
+    _require_host_reporter(actor=actor, host=_locked_host(hostname), registering=True)
+    owner = {"agent_token": actor} if isinstance(actor, AgentToken) else {}
     host, created = Host.objects.update_or_create(
         hostname=hostname,
         defaults={"pool": pool, "labels": labels, "cpu_count": cpu_count, "memory_bytes": memory_bytes,
                   "agent_version": agent_version, "cpu_utilization": cpu_utilization,
                   "memory_utilization": memory_utilization, "last_heartbeat_at": timezone.now(),
-                  "health": _worst_health([d.health for d in devices])},
+                  "health": _worst_health([d.health for d in devices])} | owner,
     )
     if not created and host.state == HostState.DOWN:
         host.state = HostState.UP
@@ -177,9 +207,10 @@ def host_heartbeat(
     A heartbeat for an unknown host or device raises NotFound or Conflict: the agent registers again.
     """
     _require_inventory_writer(actor=actor, action="reporting heartbeats")
-    host = Host.objects.select_for_update().filter(hostname=hostname).first()
+    host = _locked_host(hostname)
     if host is None:
         raise NotFound(f"host {hostname!r} is not registered; register it first")
+    _require_host_reporter(actor=actor, host=host, registering=False)
     registered = {(d.kind, d.index): d for d in host.devices.all()}
     seen = set()
     for i, sample in enumerate(devices):
