@@ -406,6 +406,31 @@ def test_a_command_payload_with_a_nul_is_refused(client, running_run, bearer):
     assert _everything_stored() == before
 
 
+@pytest.mark.parametrize(("number", "reason"), [
+    ("NaN", "NaN is not a JSON number"), ("-Infinity", "-Infinity is not a JSON number"),
+    ("1e999", "1e999 is past a float's range"),
+])
+def test_a_number_json_does_not_have_is_refused_at_the_body(client, running_run, bearer, number, reason):
+    """Python's parser takes NaN and Infinity, and no database's JSON column does: they were 500s."""
+    run, _ = running_run
+    before = _everything_stored()
+    for path, body in ((f"/runs/{run.pk}/commands", '{"kind": "pause", "payload": {"x": %s}}'),
+                       ("/projects/alpha/experiments", '{"name": "x", "recipe": "sft", "tags": [%s]}')):
+        answer = _assert_refused(_post(client, path, body % number, bearer), 400, "validation_failed", "body")
+        assert reason in answer["message"], answer
+    assert _everything_stored() == before
+
+
+def test_a_command_payload_integer_no_float_holds_is_refused_at_its_field(client, running_run, bearer):
+    run, _ = running_run
+    before = _everything_stored()
+    response = _post(client, f"/runs/{run.pk}/commands", '{"kind": "pause", "payload": {"x": [%s]}}' % ("9" * 400),
+                     bearer)
+    answer = _assert_refused(response, 400, "validation_failed", "payload.x.0")
+    assert "within a float's range" in answer["message"]
+    assert _everything_stored() == before
+
+
 def test_a_suite_spec_with_a_nul_is_refused(client, team, bearer, grpo_yaml):
     before = _everything_stored()
     stage = {"name": "s", "experiment_id": team.experiment.pk, "config_yaml": grpo_yaml,

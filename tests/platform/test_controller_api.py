@@ -370,8 +370,8 @@ def test_a_command_result_with_a_nul_is_stored(client, monarch_running_run, team
 
 
 @pytest.mark.parametrize(("result", "field"), [
-    ('{"recovered_s": NaN}', "result.recovered_s"),
-    ('{"recovered_s": -Infinity}', "result.recovered_s"),
+    ('{"recovered_s": NaN}', "body"),  # not JSON: the API's parser refuses it before the schema
+    ('{"recovered_s": -Infinity}', "body"),
     ('{"error": "\\ud800"}', "result.error"),
     ('{"\\udc00": 1}', "result"),
     ('{"steps": [1, %s]}' % ("9" * 400), "result.steps.1"),

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
@@ -50,16 +51,28 @@ def json_depth(raw: str | bytes) -> int:
     return deepest
 
 
-def loads_bounded(raw: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """json.loads that refuses bodies nested deeper than `max_depth` instead of exhausting the stack."""
+def loads_bounded(raw: str | bytes, *, max_depth: int = MAX_JSON_DEPTH, allow_nan: bool = True) -> Any:
+    """json.loads that refuses bodies nested deeper than `max_depth` instead of exhausting the stack, and with
+    `allow_nan=False` the NaN and Infinity that JSON itself does not have (Python's parser takes them)."""
     if json_depth(raw) > max_depth:
         raise JsonBodyProblem(f"nested deeper than {max_depth} levels")
     try:
-        return json.loads(raw)
+        return json.loads(raw) if allow_nan else json.loads(raw, parse_constant=_not_json, parse_float=_finite)
     except ValueError as exc:  # not JSON, not UTF-8, or an integer past Python's digit limit
         raise JsonBodyProblem(f"not valid JSON: {exc}") from None
     except RecursionError:  # pragma: no cover - the depth check comes first
         raise JsonBodyProblem(f"nested deeper than {max_depth} levels") from None
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON number (send a finite number, or null)")
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if math.isinf(number):
+        raise ValueError(f"{text[:40]} is past a float's range (send a finite number, or null)")
+    return number
 
 
 def unstorable_reason(text: str) -> str | None:

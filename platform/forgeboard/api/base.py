@@ -23,10 +23,11 @@ logger = logging.getLogger(__name__)
 
 
 class BoundedJsonParser(Parser):
-    """JSON bodies nested at most MAX_JSON_DEPTH deep (a deeper one would exhaust the parser's stack)."""
+    """JSON bodies nested at most MAX_JSON_DEPTH deep (a deeper one would exhaust the parser's stack), and JSON's
+    numbers only: a NaN or an Infinity is refused at `body` (no database's JSON column takes one)."""
 
     def parse_body(self, request: HttpRequest):  # noqa: ANN201
-        return loads_bounded(request.body)
+        return loads_bounded(request.body, allow_nan=False)
 
 
 class ForgeboardAPI(NinjaAPI):

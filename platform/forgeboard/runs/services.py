@@ -199,6 +199,8 @@ def command_create(*, actor: Actor, run: Run, kind: str, payload: dict[str, Any]
         raise ValidationFailed.on("payload", "must be an object")
     if unstorable := unstorable_in(payload):
         raise ValidationFailed.on("payload", unstorable)
+    if problem := payload_problem_at(payload):  # an integer no float holds: the engine and the pages read floats
+        raise ValidationFailed.on(*problem)
     if len(json.dumps(payload)) > MAX_COMMAND_PAYLOAD_BYTES:
         raise ValidationFailed.on("payload", f"over {MAX_COMMAND_PAYLOAD_BYTES} bytes")
     if kind in OPERATION_KINDS:
