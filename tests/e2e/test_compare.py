@@ -15,6 +15,7 @@ from forgeboard.runs.models import Run
 from forgeboard.runs.services import run_launch
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.ingest import telemetry_ingest
+from forgeboard.telemetry.services import event_append
 from tests.e2e.conftest import login, screenshot
 from tests.platform.conftest import TINY_GRPO_YAML
 from workers.engine.telemetry_wire import TelemetryBatch
@@ -148,3 +149,24 @@ def test_cluster_shows_a_registered_host_and_its_run(page, server, team):
     assert "gpu-e2e is now draining." in page.locator(".messages").inner_text()
     assert Host.objects.get(hostname="gpu-e2e").state == "draining"
     screenshot(page, "cluster_operator")
+
+
+def test_a_run_placing_thousands_of_actors_leaves_the_cluster_page_readable(page, server, team):
+    """An engine reporting 20,000 actors (18,000 on hosts no agent registered) shows 32 of those hosts and says how
+    many more; the registered host lists 64 of its 2,000 actors and the rest as a count."""
+    host_register(actor=team.operator, hostname="gpu-big", pool="h200", cpu_count=32, memory_bytes=256 * 1024**3)
+    with transaction.atomic():
+        run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=TINY_GRPO_YAML)
+        Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING, host="gpu-big", last_heartbeat_at=timezone.now())
+    actors = [{"role": "generator", "replica": i, "host": f"ghost-{i:05d}"} for i in range(18_000)]
+    actors += [{"role": "trainer", "rank": i, "host": "gpu-big"} for i in range(2_000)]
+    event_append(run=run, kind="placement_applied", payload={"actors": actors})
+    login(page, server, "mateo")
+    page.goto(f"{server['url']}/cluster/")
+    assert page.locator("section.unregistered").count() == 32
+    more = page.locator("#elsewhere-more")
+    assert more.is_visible() and more.inner_text().startswith("and 17968 more hosts outside the inventory")
+    row = page.locator(f'section[data-hostname="gpu-big"] tr[data-run="{run.pk}"]')
+    assert row.locator(".tag").count() == 64 and "and 1936 more" in row.inner_text()
+    assert page.evaluate("document.body.scrollHeight") < 40_000
+    screenshot(page, "cluster_many_actors")

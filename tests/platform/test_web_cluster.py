@@ -11,7 +11,7 @@ from django.utils import timezone
 from forgeboard.accounts.services import project_create
 from forgeboard.audit.models import AuditEvent
 from forgeboard.cluster.models import Host, HostState
-from forgeboard.cluster.selectors import placement_actors
+from forgeboard.cluster.selectors import ELSEWHERE_HOSTS_PER_RUN, placement_actors
 from forgeboard.cluster.services import DeviceReport, host_register
 from forgeboard.experiments.services import experiment_create
 from forgeboard.runs.models import Run
@@ -211,3 +211,17 @@ def test_runs_on_unregistered_hosts_and_unplaced_runs_are_listed_too(client, tea
     assert f'data-run="{launching.pk}"' in unplaced and f"math #{launching.number}" in unplaced
     assert f'data-run="{launching.pk}"' not in html[:html.index('id="unplaced"')]
     assert "not in the inventory" not in _host_section(html, "gpu-a")
+
+
+def test_a_placement_of_any_size_leaves_the_cluster_page_small(client, team, cluster):
+    """An engine reporting 20,000 actors, each on a host no agent registered and 2,000 on one of them, puts at most
+    ELSEWHERE_HOSTS_PER_RUN cards on the page and a bounded list of actors on each, saying how many more there are."""
+    actors = [{"role": "generator", "replica": i, "host": f"ghost-{i:05d}"} for i in range(18_000)]
+    actors += [{"role": "trainer", "rank": i, "host": "gpu-a"} for i in range(2_000)]
+    event_append(run=cluster["ours"], kind="placement_applied", payload={"actors": actors})
+    client.force_login(team.member)
+    html = client.get("/cluster/").content.decode()
+    assert len(html) < 200_000, len(html)
+    assert html.count('class="card host-card unregistered"') == ELSEWHERE_HOSTS_PER_RUN
+    assert "and 17968 more hosts outside the inventory" in html
+    assert "and 1936 more" in _host_section(html, "gpu-a")

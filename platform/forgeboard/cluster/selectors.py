@@ -74,6 +74,10 @@ def placement_actors(*, payload: Mapping[str, Any], default_host: str) -> list[t
     return [(host, name) for host, name in placed if host]
 
 
+ELSEWHERE_HOSTS_PER_RUN = 32  # hosts outside the inventory one run may add to the page (its engine names them)
+ACTORS_SHOWN = 64  # a run's actors listed on one host
+
+
 @dataclass
 class RunOnHost:
     """A run with something on a host. `visible`: False for runs of projects the viewer is not in (shown
@@ -87,6 +91,7 @@ class RunOnHost:
     gpus: int | None = None
     slots: int | None = None
     actors: list[str] = field(default_factory=list)
+    actors_more: int = 0  # past ACTORS_SHOWN
     placement_source: str = ""
 
 
@@ -122,6 +127,7 @@ class ClusterOverview:
     hosts: list[HostOverview]
     elsewhere: dict[str, list[RunOnHost]]  # runs on hosts no agent has registered, by host name
     unplaced: list[RunOnHost]  # active runs not on any host yet (launching)
+    elsewhere_more: int = 0  # hosts outside the inventory past each run's ELSEWHERE_HOSTS_PER_RUN
 
 
 def cluster_overview(*, viewer: User, now: datetime, stale_after_s: float) -> ClusterOverview:
@@ -141,6 +147,7 @@ def cluster_overview(*, viewer: User, now: datetime, stale_after_s: float) -> Cl
     placements = _latest_placements(run_ids=[run.pk for run in runs])
     by_host: dict[str, list[RunOnHost]] = {}
     unplaced: list[RunOnHost] = []
+    elsewhere_more = 0
     for run in runs:
         visible = run.experiment.project_id in visible_projects
         allocation = run.allocation if isinstance(run.allocation, Mapping) else {}
@@ -151,6 +158,9 @@ def cluster_overview(*, viewer: User, now: datetime, stale_after_s: float) -> Cl
         source = f"{placement.get_kind_display().lower()} #{placement.seq}" if placement else "launch plan"
         placed_on = [name for name in actors if visible or name in inventory]
         hostnames = [name for name in dict.fromkeys([run.host, *allocation, *placed_on]) if name]
+        outside = [name for name in hostnames if name not in inventory][ELSEWHERE_HOSTS_PER_RUN:]
+        elsewhere_more += len(outside)
+        hostnames = [name for name in hostnames if name not in set(outside)]
         for hostname in hostnames or [""]:
             reserved = allocation.get(hostname) if isinstance(allocation.get(hostname), Mapping) else {}
             placed = RunOnHost(
@@ -158,7 +168,9 @@ def cluster_overview(*, viewer: User, now: datetime, stale_after_s: float) -> Cl
                 label=f"{run.experiment.name} #{run.number}" if visible else "another project",
                 project_slug=run.experiment.project.slug if visible else "",
                 gpus=reserved.get("gpus"), slots=reserved.get("slots"),
-                actors=actors.get(hostname, []) if visible else [], placement_source=source if visible else "",
+                actors=actors.get(hostname, [])[:ACTORS_SHOWN] if visible else [],
+                actors_more=max(len(actors.get(hostname, [])) - ACTORS_SHOWN, 0) if visible else 0,
+                placement_source=source if visible else "",
             )
             if hostname:
                 by_host.setdefault(hostname, []).append(placed)
@@ -171,7 +183,8 @@ def cluster_overview(*, viewer: User, now: datetime, stale_after_s: float) -> Cl
             host=host, devices=list(host.devices.all()), heartbeat_age_s=age,
             stale=age is None or age > stale_after_s, runs=by_host.pop(host.hostname, []),
         ))
-    return ClusterOverview(hosts=overview, elsewhere=dict(sorted(by_host.items())), unplaced=unplaced)
+    return ClusterOverview(hosts=overview, elsewhere=dict(sorted(by_host.items())), unplaced=unplaced,
+                           elsewhere_more=elsewhere_more)
 
 def host_get(*, hostname: str) -> Host:
     host = Host.objects.filter(hostname=hostname).first() if hostname and is_db_text(hostname) else None

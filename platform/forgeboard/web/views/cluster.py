@@ -12,7 +12,7 @@ from django.views.decorators.http import require_http_methods
 
 from forgeboard.accounts.permissions import require_operator
 from forgeboard.cluster.models import HostState
-from forgeboard.cluster.selectors import cluster_overview, host_get
+from forgeboard.cluster.selectors import ELSEWHERE_HOSTS_PER_RUN, cluster_overview, host_get
 from forgeboard.cluster.services import host_set_state
 from forgeboard.errors import ServiceError, clean_text
 from forgeboard.web.errors import error_page
@@ -34,6 +34,7 @@ def cluster(request: HttpRequest) -> HttpResponse:
                                 stale_after_s=settings.HOST_HEARTBEAT_TIMEOUT_S / 2)
     return render(request, "web/cluster.html", {
         "hosts": overview.hosts, "elsewhere": overview.elsewhere, "unplaced": overview.unplaced,
+        "elsewhere_more": overview.elsewhere_more, "elsewhere_per_run": ELSEWHERE_HOSTS_PER_RUN,
         "can_operate": _is_operator(request), "settable_states": SETTABLE_STATES,
         "stale_after_s": int(settings.HOST_HEARTBEAT_TIMEOUT_S / 2),
         "gpu_count": sum(1 for h in overview.hosts for d in h.devices if d.kind == "gpu"),
