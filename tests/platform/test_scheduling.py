@@ -19,6 +19,7 @@ from forgeboard.experiments.services import config_snapshot_create, experiment_c
 from forgeboard.runs.models import Run
 from forgeboard.runs.demand import LOCAL_HOST, run_demand
 from forgeboard.runs.scheduling import project_quota_set, runs_schedule
+from forgeboard.runs.services import run_launch
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import RunEvent
 from workers.engine.config import RunConfig
@@ -185,6 +186,26 @@ def test_gpu_run_on_a_machine_without_inventory_never_fits(team, grpo_yaml):
     assert _schedule() == []
     run.refresh_from_db()
     assert run.state == RunState.FAILED and "the largest host has 0" in run.exit_reason
+
+
+def test_a_run_may_start_at_most_64_processes_without_a_gpu(team, grpo_yaml):
+    """CPU processes are not capacity the scheduler counts (a CPU-only run takes one slot), so one config could start
+    thousands on a shared host: a launch asking for more than 64 is refused at the field to change, and a queued one
+    fails with the reason. GPU procs are bounded by the GPUs and do not count."""
+    _host("h1", 8)
+    with pytest.raises(ValidationFailed) as raised:
+        run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml,
+                   overrides=["placement.backend=monarch", "generator.replicas=100000"])
+    assert [p.field for p in raised.value.problems] == ["config.generator.replicas"]
+    assert "starts 100003 processes without a GPU (trainer 1, generator 100000, reward 1, replay_buffer 1); a run " \
+           "may start at most 64" in raised.value.problems[0].message
+    many = _queued(team, grpo_yaml, "placement.backend=monarch", "trainer.ranks=62")
+    fits = _queued(team, grpo_yaml, "placement.backend=monarch", "trainer.ranks=61")
+    gpus = _queued(team, grpo_yaml, "placement.backend=monarch", *_gpus(8))
+    started = _schedule()
+    assert fits.pk in started and gpus.pk in started and many.pk not in started
+    many.refresh_from_db()
+    assert many.state == RunState.FAILED and "starts 65 processes without a GPU" in many.exit_reason
 
 
 def test_quota_service_is_for_operators_validated_and_audited(team):

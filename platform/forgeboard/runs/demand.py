@@ -28,6 +28,10 @@ from forgeboard.runs.models import EXTERNAL_BACKENDS, LaunchBackend
 from workers.engine.config import RunConfig
 
 LOCAL_HOST = "(local)"
+# Processes without a GPU one run may start: they are not counted as capacity (a CPU-only run takes one slot), so
+# without a bound one config could start thousands on a shared host.
+MAX_CPU_PROCESSES = 64
+PROCESS_FIELDS = {"trainer": "trainer.ranks", "generator": "generator.replicas", "reference": "reference.replicas"}
 
 Allocation = dict[str, dict[str, int]]
 
@@ -209,6 +213,13 @@ def _never_fits_at(*, demand: Demand, project: Project | None,
         return [(gpu_field, f"needs {demand.gpus} GPUs but project {project.slug!r} may hold at most {project.max_gpus}")]
     if unknown := _unknown_hosts(demand, whole):
         return unknown
+    cpu_roles = [role for role in demand.roles if not role.gpus_per_proc]
+    if sum(role.procs for role in cpu_roles) > MAX_CPU_PROCESSES:
+        largest_role = max(cpu_roles, key=lambda role: role.procs)
+        counts = ", ".join(f"{role.role} {role.procs}" for role in cpu_roles)
+        return [(PROCESS_FIELDS.get(largest_role.role, "placement"),
+                 f"starts {sum(role.procs for role in cpu_roles)} processes without a GPU ({counts}); a run may start "
+                 f"at most {MAX_CPU_PROCESSES}")]
     largest = max(r.gpus for r in whole.values())
     if demand.gpus and not largest:
         where = ("no node agent has registered a host, and this machine counts as one without GPUs"
