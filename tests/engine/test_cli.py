@@ -69,6 +69,12 @@ def test_preflight_refuses_what_it_cannot_run(tiny_llama3: Path, tmp_path: Path,
     assert "placement.trainer.procs_per_host: trainer.ranks 3 do not fill hosts of 2" in capsys.readouterr().err
     assert main(["train", "--config", str(grpo), "placement.backend=monarch", "placement.trainer.hosts=[a, b]"]) == 2
     assert "placement.trainer.hosts: no hosts to place it on: set placement.local_hosts" in capsys.readouterr().err
+    # The tiny model has 1024 positions: a prompt and its completion, or an SFT sequence, must fit in them.
+    assert main(["train", "--config", str(grpo), "generator.max_new_tokens=2000000000"]) == 2
+    assert ("generator.max_new_tokens: data.max_prompt_tokens 64 + generator.max_new_tokens 2000000000 = 2000000064 "
+            "is longer than the model's 1024 positions") in capsys.readouterr().err
+    assert main(["train", "--config", str(sft), "data.seq_len=1025"]) == 2
+    assert "data.seq_len: 1025 is longer than the model's 1024 positions" in capsys.readouterr().err
 
 
 def test_hosts_for_every_role_pass_preflight_where_there_are_hosts(tiny_llama3: Path, monkeypatch: pytest.MonkeyPatch) -> None:

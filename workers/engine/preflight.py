@@ -112,8 +112,9 @@ def preflight_errors(config: RunConfig) -> list[FieldError]:
     else:
         config_json = Path(config.model.path) / "config.json"
         try:
-            model_type = json.loads(config_json.read_text()).get("model_type")
-        except (OSError, ValueError) as exc:
+            hf_config = json.loads(config_json.read_text())
+            model_type = hf_config.get("model_type")
+        except (OSError, ValueError, AttributeError) as exc:
             errors.append(FieldError("model.path", f"cannot read {config_json}: {exc}"))
         else:
             family = _MODEL_TYPES.get(model_type)
@@ -121,6 +122,7 @@ def preflight_errors(config: RunConfig) -> list[FieldError]:
                 errors.append(FieldError("model.path", f"model_type {model_type!r} is not supported (qwen3, llama)"))
             elif family != config.model.family:
                 errors.append(FieldError("model.family", f"the folder holds a {family} model, not {config.model.family}"))
+            errors.extend(_context_errors(config, hf_config.get("max_position_embeddings")))
     if config.data.source == "jsonl" and config.data.path and not Path(config.data.path).is_file():
         errors.append(FieldError("data.path", f"file {config.data.path} does not exist"))
     elif config.data.source == "arithmetic" or config.data.path:
@@ -129,6 +131,23 @@ def preflight_errors(config: RunConfig) -> list[FieldError]:
         errors.append(FieldError("checkpoint.resume_from", f"{config.checkpoint.resume_from} does not exist"))
     errors.extend(_unsupported(config))
     return errors
+
+
+def _context_errors(config: RunConfig, context: object) -> list[FieldError]:
+    """Sequences longer than the model's positions: its position embeddings end there (and a sampler asked for a
+    billion new tokens would allocate their cache before it failed)."""
+    if not isinstance(context, int) or isinstance(context, bool) or context < 1:
+        return []
+    if config.recipe == "sft":
+        if config.data.seq_len > context:
+            return [FieldError("data.seq_len", f"{config.data.seq_len} is longer than the model's {context} positions")]
+        return []
+    longest = config.data.max_prompt_tokens + config.generator.max_new_tokens
+    if longest > context:
+        return [FieldError("generator.max_new_tokens", f"data.max_prompt_tokens {config.data.max_prompt_tokens} + "
+                           f"generator.max_new_tokens {config.generator.max_new_tokens} = {longest} is longer than "
+                           f"the model's {context} positions")]
+    return []
 
 
 def preflight(config: RunConfig) -> None:
