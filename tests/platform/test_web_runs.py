@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from forgeboard.accounts.models import Membership
@@ -177,8 +179,6 @@ def test_the_run_page_shows_which_replica_runs_where(client, team, runs):
 def test_a_runs_rollouts_table_stays_small_whatever_its_engine_reports(client, team, running_run):
     """A run's engine reports rollouts whose step and policy version are huge text, with a huge prompt: the rollouts
     table shows a dash for those fields and a cut prompt, so it stays a few kilobytes, and the good sample is there."""
-    import json
-
     run, token = running_run
     huge = "9" * 200_000
     events = [{"kind": "rollout", "time": 1.7e9, "payload": payload} for payload in (
@@ -186,10 +186,7 @@ def test_a_runs_rollouts_table_stays_small_whatever_its_engine_reports(client, t
          "advantage": {"a": huge}},
         {"step": 12, "policy_version": 3, "prompt": "2+2=", "completion": "4", "reward": 1.0, "advantage": 0.5},
     )]
-    sent = client.post(f"/api/v1/controller/runs/{run.pk}/telemetry", content_type="application/json",
-                       data=json.dumps({"batches": [{"seq": 1, "events": events}]}),
-                       HTTP_AUTHORIZATION=f"Bearer {token}")
-    assert sent.status_code == 200, sent.content
+    _report(client, run, token, events)
     client.force_login(team.viewer)
     table = client.get(f"/runs/{run.pk}/rollouts/")
     assert table.status_code == 200
@@ -199,18 +196,21 @@ def test_a_runs_rollouts_table_stays_small_whatever_its_engine_reports(client, t
     assert '<td class="num">12</td>' in html and "2+2=" in html and '<td class="num">3</td>' in html
 
 
+def _report(client, run, token: str, events: list[dict]) -> None:
+    """The events as the run's engine sends them: one telemetry batch through the controller API."""
+    sent = client.post(f"/api/v1/controller/runs/{run.pk}/telemetry", content_type="application/json",
+                       data=json.dumps({"batches": [{"seq": 1, "events": events}]}),
+                       HTTP_AUTHORIZATION=f"Bearer {token}")
+    assert sent.status_code == 200, sent.content
+
+
 def test_a_placement_event_of_any_size_leaves_the_run_page_small(client, team, monarch_running_run):
     """A run's engine reports a placement of 60,000 replicas under a huge role name: the run page shows the first
     replicas and how many more there are, and a cut plan, instead of megabytes."""
-    import json
-
     run, token = monarch_running_run
     plan = {str(i): f"host-{i}" for i in range(60_000)}
     event = {"kind": "placement_applied", "time": 1.7e9, "payload": {"role": "r" * 100_000, "plan": plan}}
-    sent = client.post(f"/api/v1/controller/runs/{run.pk}/telemetry", content_type="application/json",
-                       data=json.dumps({"batches": [{"seq": 1, "events": [event]}]}),
-                       HTTP_AUTHORIZATION=f"Bearer {token}")
-    assert sent.status_code == 200, sent.content
+    _report(client, run, token, [event])
     client.force_login(team.viewer)
     page = client.get(f"/runs/{run.pk}/")
     assert page.status_code == 200
