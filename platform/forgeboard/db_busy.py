@@ -8,13 +8,10 @@ Idempotency-Key). Any other database error is a bug and stays a 500.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from django.db import InterfaceError, OperationalError
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpResponse
 
 from forgeboard.errors import ServiceError
-from forgeboard.web.errors import error_page
 
 RETRY_AFTER_S = 2
 # Postgres SQLSTATEs: serialization failure, deadlock, lock timeout, statement timeout, shutting down, too many
@@ -46,15 +43,3 @@ def with_retry_after(response: HttpResponse) -> HttpResponse:
     response["Retry-After"] = str(RETRY_AFTER_S)
     return response
 
-
-class DatabaseBusyMiddleware:
-    """For the dashboard's pages (the API's handler in api/base.py answers its own): a busy database's error page."""
-
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]):
-        self.get_response = get_response
-
-    def __call__(self, request: HttpRequest) -> HttpResponse:
-        return self.get_response(request)
-
-    def process_exception(self, request: HttpRequest, exc: Exception) -> HttpResponse | None:
-        return with_retry_after(error_page(request, busy_error())) if is_database_busy(exc) else None

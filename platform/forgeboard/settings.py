@@ -79,7 +79,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    "forgeboard.db_busy.DatabaseBusyMiddleware",
+    "forgeboard.web.errors.DatabaseBusyMiddleware",
     "forgeboard.idempotency.middleware.IdempotencyMiddleware",
 ]
 

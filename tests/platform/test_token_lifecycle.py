@@ -266,3 +266,21 @@ def test_a_token_acts_no_further_than_its_creator_can_now(client, team):
     membership_set(actor=team.owner, project=team.project, user=team.member, role=Role.MEMBER)
     assert bearer(client, "get", "/projects/alpha", made["write"]).status_code == 401
     assert bearer(client, "post", "/projects/alpha/experiments", owners, experiment | {"name": "z"}).status_code == 201
+
+
+def test_a_revoke_stands_when_its_streams_cannot_be_told(team, monkeypatch, caplog, django_capture_on_commit_callbacks):
+    """The channel layer down: the token is revoked all the same (its streams find out at their next check)."""
+    from forgeboard.accounts.services import api_token_revoke
+    from forgeboard.telemetry import streams
+
+    class DownLayer:
+        async def group_send(self, group, message):  # noqa: ANN001, ANN202
+            raise ConnectionError("channel layer down")
+
+    monkeypatch.setattr(streams, "get_channel_layer", DownLayer)
+    token, _ = api_token_create(actor=team.member, project=team.project, name="ci", scope="read")
+    with django_capture_on_commit_callbacks(execute=True) as callbacks:
+        api_token_revoke(actor=team.member, token=token)
+    assert len(callbacks) == 1
+    assert ApiToken.objects.get(pk=token.pk).revoked_at is not None
+    assert f"could not tell token-{token.pk}'s streams to check their access" in caplog.text

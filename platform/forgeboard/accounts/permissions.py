@@ -55,12 +55,3 @@ def actor_user(actor: Actor) -> User | None:
 def actor_label(actor: Actor) -> str:
     return f"token:{actor.prefix}" if isinstance(actor, ApiToken) else f"user:{actor.username}"
 
-
-def project_role_now(*, actor: Actor, project: Project) -> Role | None:
-    """The actor's role as the database has it now, for a credential checked some time ago (an open live stream):
-    a token revoked or expired since, or a user deactivated, removed or deleted since, has none."""
-    if isinstance(actor, ApiToken):
-        now: Actor | None = ApiToken.objects.select_related("created_by").filter(pk=actor.pk).first()
-    else:
-        now = User.objects.filter(pk=actor.pk).first()
-    return None if now is None else project_role(actor=now, project=project)

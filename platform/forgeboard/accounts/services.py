@@ -144,11 +144,9 @@ def api_token_authenticate(*, raw: str) -> ApiToken | None:
     token = ApiToken.objects.select_related("project", "created_by").filter(prefix=prefix).first()
     if token is None or not token_matches(raw, token.token_hash):
         return None
+    if project_role(actor=token, project=token.project) is None:  # revoked, expired, or its creator is gone
+        return None
     now = timezone.now()
-    if token.revoked_at is not None or (token.expires_at is not None and token.expires_at <= now):
-        return None
-    if project_role(actor=token, project=token.project) is None:  # its creator is no longer in the project
-        return None
     if token.last_used_at is None or now - token.last_used_at > TOKEN_LAST_USED_RESOLUTION:
         ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
         token.last_used_at = now

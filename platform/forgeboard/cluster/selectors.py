@@ -158,9 +158,9 @@ def cluster_overview(*, viewer: User, now: datetime, stale_after_s: float) -> Cl
         source = f"{placement.get_kind_display().lower()} #{placement.seq}" if placement else "launch plan"
         placed_on = [name for name in actors if visible or name in inventory]
         hostnames = [name for name in dict.fromkeys([run.host, *allocation, *placed_on]) if name]
-        outside = [name for name in hostnames if name not in inventory][ELSEWHERE_HOSTS_PER_RUN:]
-        elsewhere_more += len(outside)
-        hostnames = [name for name in hostnames if name not in set(outside)]
+        dropped = set([name for name in hostnames if name not in inventory][ELSEWHERE_HOSTS_PER_RUN:])
+        elsewhere_more += len(dropped)
+        hostnames = [name for name in hostnames if name not in dropped]
         for hostname in hostnames or [""]:
             reserved = allocation.get(hostname) if isinstance(allocation.get(hostname), Mapping) else {}
             placed = RunOnHost(

@@ -82,33 +82,35 @@ def _on_disk(folder: Path) -> Checkpoint | None:
     return Checkpoint(step=int(match.group(1)), path=str(folder), size_bytes=size, created_at=created)
 
 
-def _in_run_folder(run: Run, path: Path) -> bool:
-    """Whether a path is in the run's own folder once links are followed: what another run (or a link in this
-    one) points at is never listed, measured or exported here."""
+def _inside(root: Path, path: Path) -> bool:
+    """Whether a path is in the run's own folder (`root`, resolved) once links are followed: what another run (or a
+    link in this one) points at is never listed, measured or exported here."""
     try:
-        return path.resolve().is_relative_to(run_dir(run).resolve())
+        return path.resolve().is_relative_to(root)
     except (OSError, ValueError):  # a NUL, a name too long, a loop of links: not a folder of this run's
         return False
 
 
 def checkpoints_on_disk(*, run: Run) -> list[Checkpoint]:
     """The complete checkpoints in the run's folder on this machine, by step."""
+    root = run_dir(run).resolve()
     folder = run_dir(run) / "checkpoints"
-    if not folder.is_dir() or not _in_run_folder(run, folder):
+    if not folder.is_dir() or not _inside(root, folder):
         return []
-    found = (_on_disk(child) for child in folder.iterdir() if child.is_dir() and _in_run_folder(run, child))
+    found = (_on_disk(child) for child in folder.iterdir() if child.is_dir() and _inside(root, child))
     return sorted((c for c in found if c is not None), key=lambda c: c.step)
 
 
 def checkpoints_reported(*, run: Run) -> list[Checkpoint]:
     """The checkpoints the engine reported (`checkpoint_saved` events); a later report of a step wins. A reported
     path is the engine's word: it is measured only inside the run's folder (size None elsewhere)."""
+    root = run_dir(run).resolve()
     by_step: dict[int, Checkpoint] = {}
     for event in RunEvent.objects.filter(run=run, kind=EventKind.CHECKPOINT_SAVED).order_by("seq"):
         step, path = event.payload.get("step"), event.payload.get("path")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0 or not isinstance(path, str) or not path:
             continue
-        on_disk = _on_disk(Path(path)) if _in_run_folder(run, Path(path)) else None
+        on_disk = _on_disk(Path(path)) if _inside(root, Path(path)) else None
         by_step[step] = Checkpoint(step=step, path=path, size_bytes=on_disk.size_bytes if on_disk else None,
                                    created_at=event.occurred_at)
     return [by_step[step] for step in sorted(by_step)]

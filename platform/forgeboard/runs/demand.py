@@ -214,12 +214,13 @@ def _never_fits_at(*, demand: Demand, project: Project | None,
     if unknown := _unknown_hosts(demand, whole):
         return unknown
     cpu_roles = [role for role in demand.roles if not role.gpus_per_proc]
-    if sum(role.procs for role in cpu_roles) > MAX_CPU_PROCESSES:
+    cpu_processes = sum(role.procs for role in cpu_roles)
+    if cpu_processes > MAX_CPU_PROCESSES:
         largest_role = max(cpu_roles, key=lambda role: role.procs)
         counts = ", ".join(f"{role.role} {role.procs}" for role in cpu_roles)
         return [(PROCESS_FIELDS.get(largest_role.role, "placement"),
-                 f"starts {sum(role.procs for role in cpu_roles)} processes without a GPU ({counts}); a run may start "
-                 f"at most {MAX_CPU_PROCESSES}")]
+                 f"starts {cpu_processes} processes without a GPU ({counts}); a run may start at most "
+                 f"{MAX_CPU_PROCESSES}")]
     largest = max(r.gpus for r in whole.values())
     if demand.gpus and not largest:
         where = ("no node agent has registered a host, and this machine counts as one without GPUs"

@@ -24,7 +24,7 @@ from django.contrib.auth.models import AnonymousUser
 from django.http import HttpRequest
 
 from forgeboard.accounts.models import ApiToken, Project
-from forgeboard.accounts.permissions import project_role, project_role_now
+from forgeboard.accounts.permissions import project_role
 from forgeboard.accounts.services import api_token_authenticate
 from forgeboard.runs.models import Run
 from forgeboard.stream_limits import CLIENT_FRAME_MAX_CHARS
@@ -124,11 +124,16 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
 
     @database_sync_to_async
     def _may_still_read(self) -> bool:
-        session = self.scope.get("session")
-        if not isinstance(self.actor, ApiToken) and _logged_in_user(session.session_key) != self.actor:
-            return False  # the browser logged out, the session expired, or the password changed since
+        """The credential as the database has it now: a token revoked or expired since, or a user deactivated,
+        removed, or logged out (the session ended, expired, or went stale with a password change) reads nothing."""
+        if isinstance(self.actor, ApiToken):
+            current = ApiToken.objects.select_related("created_by").filter(pk=self.actor.pk).first()
+        else:
+            current = _logged_in_user(self.scope["session"].session_key)
         project = Project.objects.filter(pk=self.project_id).first()
-        return project is not None and project_role_now(actor=self.actor, project=project) is not None
+        if current != self.actor or project is None:  # None, or anonymous: gone
+            return False
+        return project_role(actor=current, project=project) is not None
 
 
 def _logged_in_user(session_key: str | None) -> AbstractBaseUser | AnonymousUser:

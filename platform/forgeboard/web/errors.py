@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from django.contrib import messages
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import render
 
 from forgeboard.accounts.models import Project
 from forgeboard.accounts.selectors import project_get
+from forgeboard.db_busy import busy_error, is_database_busy, with_retry_after
 from forgeboard.errors import NotFound, ServiceError
 from forgeboard.runs.models import Run
 from forgeboard.runs.selectors import run_get
@@ -43,3 +46,16 @@ def refusal_or_flash(request: HttpRequest, error: ServiceError) -> HttpResponse 
         return error_page(request, error)
     flash_error(request, error)
     return None
+
+
+class DatabaseBusyMiddleware:
+    """For the dashboard's pages (the API's handler in api/base.py answers its own): a busy database's error page."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]):
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        return self.get_response(request)
+
+    def process_exception(self, request: HttpRequest, exc: Exception) -> HttpResponse | None:
+        return with_retry_after(error_page(request, busy_error())) if is_database_busy(exc) else None

@@ -96,7 +96,6 @@ def _placement(run: Run) -> dict[str, Any]:
     if len(plan_json) > PLACEMENT_JSON_CHARS:
         plan_json = f"{plan_json[:PLACEMENT_JSON_CHARS]}\n… ({PLACEMENT_JSON_CHARS} of {len(plan_json)} characters shown)"
     return {
-        "plan": plan,
         "plan_json": plan_json,
         "role": latest.payload.get("role", "") if latest else "",
         "replicas": rows[:PLACEMENT_ROWS_SHOWN],
