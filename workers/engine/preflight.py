@@ -1,7 +1,8 @@
 """Checks that a valid config can run here, before anything is loaded or spawned.
 
 Field-level, like schema errors: the model folder exists and holds the family the config
-names, every row of the data file can be used (else its line and why not), and the config
+names, its sequences fit the model's positions, a CPU run's processes could fit in this host's
+memory, every row of the data file can be used (else its line and why not), and the config
 asks only for what this runner implements.
 Importing this module does not import torch.
 """
@@ -14,6 +15,8 @@ from pathlib import Path
 
 from workers.engine.config import ConfigError, FieldError, RunConfig, check_model_folder
 from workers.engine.env import ALLOWED_PATHS_ENV, WORKERS_ENV, read_env
+from workers.engine.planning.shapes import BYTES_PER_VALUE, ModelShape
+from workers.engine.planning.whatif import TRAINER_STATE_BYTES_PER_PARAM, Placement, Workload, generate_requests
 from workers.engine.tasks import data_errors
 
 _MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama3"}
@@ -123,6 +126,7 @@ def preflight_errors(config: RunConfig) -> list[FieldError]:
             elif family != config.model.family:
                 errors.append(FieldError("model.family", f"the folder holds a {family} model, not {config.model.family}"))
             errors.extend(_context_errors(config, hf_config.get("max_position_embeddings")))
+            errors.extend(memory_errors(config, hf_config, host_bytes=host_memory_bytes()))
     if config.data.source == "jsonl" and config.data.path and not Path(config.data.path).is_file():
         errors.append(FieldError("data.path", f"file {config.data.path} does not exist"))
     elif config.data.source == "arithmetic" or config.data.path:
@@ -148,6 +152,67 @@ def _context_errors(config: RunConfig, context: object) -> list[FieldError]:
                            f"generator.max_new_tokens {config.generator.max_new_tokens} = {longest} is longer than "
                            f"the model's {context} positions")]
     return []
+
+
+GIB = 1 << 30
+
+
+def host_memory_bytes() -> int:
+    """This host's memory, or the cgroup's limit where that is lower (what the kernel's OOM killer enforces)."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return physical
+    return min(physical, int(limit)) if limit.isdigit() else physical
+
+
+def memory_errors(config: RunConfig, hf_config: dict, *, host_bytes: int) -> list[FieldError]:
+    """A run whose processes compute on this host's CPU and could never fit in its memory: each count is a floor of
+    what the engine allocates (no activations, no allocator slack), so a refusal is certain. Without it, a typo'd
+    trainer.batch_size ran until the kernel killed the largest process on a shared host, which need not be the run's.
+    On a GPU the allocator fails cleanly in the run's own device, so only the CPU is checked here."""
+    if not _computes_on_cpu(config):
+        return []
+    try:
+        shape = ModelShape.from_hf_config(hf_config)
+    except ValueError:
+        return []  # the model's loader says what is wrong with its config.json
+    errors = []
+    dtype_bytes = BYTES_PER_VALUE[config.model.dtype]
+    state = shape.params() * TRAINER_STATE_BYTES_PER_PARAM[config.trainer.optimizer.name] * dtype_bytes // 4
+    sharded = config.trainer.sharding == "fsdp"
+    state //= config.trainer.ranks if sharded else 1
+    if state > host_bytes:
+        errors.append(FieldError("model.path", f"a trainer rank holds at least {state / GIB:.1f} GiB (the model's "
+                                 f"{shape.params():,} parameters: weights, gradients and optimizer state"
+                                 f"{'' if sharded else '; trainer.sharding: fsdp shards them over the ranks'}), "
+                                 f"more than this host's {host_bytes / GIB:.1f} GiB"))
+    if config.recipe != "grpo" or config.generator.backend != "torch":
+        return errors  # vLLM schedules its sequences into the cache it has
+    _, prompts = generate_requests(Workload.from_config(config), Placement.from_config(config))
+    sequences = prompts * config.grpo.group_size
+    # The sampler allocates every sequence's KV cache for its whole length up front, and one step's log-probs over
+    # the vocabulary (float32) beside it.
+    cache = sequences * (1 + config.generator.max_new_tokens) * shape.kv_bytes_per_token(config.rollout_dtype)
+    request = cache + sequences * shape.vocab * 4
+    in_trainer = config.generator.in_trainer  # the rank also holds its training state
+    if request + (state if in_trainer else 0) > host_bytes:
+        beside = " beside its training state" if in_trainer else ""
+        errors.append(FieldError("trainer.batch_size", f"a generate request of {sequences:,} sequences (its share of "
+                                 f"trainer.batch_size x grpo.group_size) needs at least {request / GIB:.1f} GiB for "
+                                 f"their KV cache and log-probs{beside}, more than this host's {host_bytes / GIB:.1f} "
+                                 f"GiB: fewer prompts a step, or more "
+                                 f"{'trainer.ranks' if in_trainer else 'generator.replicas'}"))
+    return errors
+
+
+def _computes_on_cpu(config: RunConfig) -> bool:
+    if config.trainer.device != "auto":
+        return config.trainer.device == "cpu"
+    import torch  # noqa: PLC0415 - the rest of preflight runs without torch
+
+    return not torch.cuda.is_available()
 
 
 def preflight(config: RunConfig) -> None:
