@@ -7,10 +7,12 @@ import threading
 import pytest
 from django.db import connection
 
-from forgeboard.runs.models import Run
-from forgeboard.runs.services import IllegalTransition, run_launch, run_transition
+from forgeboard.errors import Conflict
+from forgeboard.runs.models import Command, CommandKind, Run
+from forgeboard.runs.services import IllegalTransition, command_create, run_cancel, run_launch, run_transition
 from forgeboard.runs.states import TERMINAL_STATES, TRANSITIONS, RunState
 from forgeboard.telemetry.models import RunEvent
+from tests.support.races import racing_an_open_transaction
 
 ALL_PAIRS = [(a, b) for a in RunState for b in RunState]
 
@@ -79,3 +81,28 @@ def test_concurrent_claims_of_one_queued_run_have_exactly_one_winner(team, grpo_
     assert Run.objects.get(pk=run.pk).state == RunState.LAUNCHING
     claims = RunEvent.objects.filter(run=run, kind="state_changed", payload__to=RunState.LAUNCHING)
     assert claims.count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_cancel_racing_the_schedulers_claim_cancels_the_run_it_finds(team, grpo_yaml):
+    """The scheduler claims a queued run while its cancel is on the way: the cancel waits for the claim and cancels
+    the launching run (it was refused, 409 'is launching, not queued', though a launching run can be cancelled)."""
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    outcome = racing_an_open_transaction(
+        lambda: run_transition(run_id=run.pk, from_state=RunState.QUEUED, to_state=RunState.LAUNCHING),
+        lambda: run_cancel(actor=team.member, run=Run.objects.get(pk=run.pk)))
+    assert isinstance(outcome, Run) and outcome.state == RunState.CANCELLING, outcome
+    assert Run.objects.get(pk=run.pk).state == RunState.CANCELLING
+    assert list(Command.objects.filter(run=run).values_list("kind", flat=True)) == [CommandKind.CANCEL]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_command_racing_a_cancel_is_refused_once_the_run_is_cancelling(team, grpo_yaml):
+    """A pause sent while the run's cancel is being stored read the run as running and was queued behind the cancel,
+    a pending command on a cancelling run; now it waits for the cancel and gets its 409."""
+    run = _run_in_state(team, grpo_yaml, RunState.RUNNING)
+    outcome = racing_an_open_transaction(
+        lambda: run_cancel(actor=team.owner, run=Run.objects.get(pk=run.pk)),
+        lambda: command_create(actor=team.member, run=Run.objects.get(pk=run.pk), kind=CommandKind.PAUSE))
+    assert isinstance(outcome, Conflict) and "is cancelling" in str(outcome), outcome
+    assert list(Command.objects.filter(run=run).values_list("kind", flat=True)) == [CommandKind.CANCEL]

@@ -167,10 +167,10 @@ def run_transition(
 
 def run_cancel(*, actor: Actor, run: Run) -> Run:
     require_project_role(actor=actor, project=run.experiment.project, minimum=Role.MEMBER, action="cancelling runs")
-    run.refresh_from_db()
-    if run.state in TERMINAL_STATES:
-        raise Conflict(f"run {run.pk} already ended ({run.state})")
     with transaction.atomic():
+        _lock_run(run)  # a claim or another cancel in flight commits first: this one acts on the state it left
+        if run.state in TERMINAL_STATES:
+            raise Conflict(f"run {run.pk} already ended ({run.state})")
         if run.state == RunState.QUEUED:
             run = run_transition(run_id=run.pk, from_state=RunState.QUEUED, to_state=RunState.CANCELLED,
                                  reason="cancelled before launch")
@@ -179,6 +179,11 @@ def run_cancel(*, actor: Actor, run: Run) -> Run:
             _command_insert(actor=actor, run=run, kind=CommandKind.CANCEL, payload={})
         audit_record(actor=actor, action="run.cancel", target=run, project=run.experiment.project)
     return run
+
+
+def _lock_run(run: Run) -> None:
+    """Read the run's current state and hold its row to the end of the transaction (run_transition waits for it)."""
+    run.refresh_from_db(from_queryset=Run.objects.select_for_update(of=("self",)))
 
 
 def _command_insert(*, actor: Actor, run: Run, kind: CommandKind, payload: dict[str, Any]) -> Command:
@@ -205,10 +210,10 @@ def command_create(*, actor: Actor, run: Run, kind: str, payload: dict[str, Any]
         raise ValidationFailed.on("payload", f"over {MAX_COMMAND_PAYLOAD_BYTES} bytes")
     if kind in OPERATION_KINDS:
         _check_operation(run=run, kind=kind, payload=payload)
-    run.refresh_from_db()
-    if run.state not in ACTIVE_STATES or run.state == RunState.CANCELLING:
-        raise Conflict(f"run {run.pk} is {run.state}: commands go to launching, running or paused runs")
     with transaction.atomic():
+        _lock_run(run)
+        if run.state not in ACTIVE_STATES or run.state == RunState.CANCELLING:
+            raise Conflict(f"run {run.pk} is {run.state}: commands go to launching, running or paused runs")
         command = _command_insert(actor=actor, run=run, kind=CommandKind(kind), payload=payload)
         audit_record(actor=actor, action=f"command.{kind}", target=command, project=run.experiment.project,
                      payload=payload)
