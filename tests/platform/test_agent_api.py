@@ -12,8 +12,15 @@ from django.urls import include, path
 
 from forgeboard.audit.models import AuditEvent
 from forgeboard.cluster.models import AgentToken, Device, Health, Host, HostState
-from forgeboard.cluster.services import agent_token_authenticate, agent_token_create, agent_token_revoke
-from forgeboard.errors import AlreadyExists, PermissionDenied
+from forgeboard.cluster.services import (
+    DeviceReport,
+    agent_token_authenticate,
+    agent_token_create,
+    agent_token_revoke,
+    host_register,
+)
+from forgeboard.errors import AlreadyExists, Conflict, FieldProblem, PermissionDenied
+from tests.support.races import racing_an_open_transaction
 from tests.workers.fake_nvml import FakeNvml
 from workers import agent
 
@@ -145,6 +152,22 @@ def test_an_agent_token_reports_only_for_the_hosts_it_registered(client, team, r
     assert _post(client, REGISTER, _register_body(pool="h200-b"), other)[0] == 200
     assert Host.objects.get(hostname="gpu-001").agent_token == other_token
     assert _post(client, HEARTBEAT, beat, other)[0] == 200
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_tokens_registering_one_new_host_at_once_leave_it_to_the_first(team):
+    """Both saw no host and checked no owner: the second waited for the first's insert, then wrote over its pool,
+    devices and token (a takeover the 409 above refuses). Now it is refused as if it had come a moment later."""
+    first = agent_token_create(actor=team.operator, name="rack-a1")[0]
+    second = agent_token_create(actor=team.operator, name="rack-b2")[0]
+    gpu = [DeviceReport(kind="gpu", index=0, model="NVIDIA H200", memory_bytes=H200_BYTES)]
+    outcome = racing_an_open_transaction(
+        lambda: host_register(actor=first, hostname="gpu-001", pool="h200", devices=gpu),
+        lambda: host_register(actor=second, hostname="gpu-001", pool="evil"))
+    assert isinstance(outcome, Conflict), outcome
+    assert outcome.problems == [FieldProblem("hostname", "reported by agent token 'rack-a1'")]
+    host = Host.objects.get()
+    assert (host.agent_token, host.pool, host.devices.count()) == (first, "h200", 1)
 
 
 def test_an_agent_whose_host_another_token_reports_stops_with_the_reason(client, team, raw_token, caplog):

@@ -166,18 +166,27 @@ def host_register(
     _require_inventory_writer(actor=actor, action="registering hosts")
     labels = dict(labels or {})
     _check_report(hostname=hostname, pool=pool, labels=labels, devices=devices)
-    _require_host_reporter(actor=actor, host=_locked_host(hostname), registering=True)
     owner = {"agent_token": actor} if isinstance(actor, AgentToken) else {}
-    host, created = Host.objects.update_or_create(
-        hostname=hostname,
-        defaults={"pool": pool, "labels": labels, "cpu_count": cpu_count, "memory_bytes": memory_bytes,
-                  "agent_version": agent_version, "cpu_utilization": cpu_utilization,
-                  "memory_utilization": memory_utilization, "last_heartbeat_at": timezone.now(),
-                  "health": _worst_health([d.health for d in devices])} | owner,
-    )
-    if not created and host.state == HostState.DOWN:
-        host.state = HostState.UP
-        host.save(update_fields=["state"])
+    fields = {"pool": pool, "labels": labels, "cpu_count": cpu_count, "memory_bytes": memory_bytes,
+              "agent_version": agent_version, "cpu_utilization": cpu_utilization,
+              "memory_utilization": memory_utilization, "last_heartbeat_at": timezone.now(),
+              "health": _worst_health([d.health for d in devices])} | owner
+    host, created = _locked_host(hostname), False
+    if host is None:
+        try:
+            with transaction.atomic():
+                host, created = Host.objects.create(hostname=hostname, **fields), True
+        except IntegrityError:  # another registration of this new host committed first: its owner decides
+            host = _locked_host(hostname)
+            if host is None:
+                raise Conflict(f"host {hostname!r} was removed while it registered: register it again",
+                               problems=[FieldProblem("hostname", "removed meanwhile")]) from None
+    _require_host_reporter(actor=actor, host=host, registering=True)
+    if not created:
+        for name, value in fields.items():
+            setattr(host, name, value)
+        host.state = HostState.UP if host.state == HostState.DOWN else host.state
+        host.save(update_fields=[*fields, "state"])
     reported = {(r.kind, r.index) for r in devices}
     host.devices.exclude(pk__in=[d.pk for d in host.devices.all() if (d.kind, d.index) in reported]).delete()
     for report in devices:
