@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
+from django.db import connection
 
 from forgeboard.audit.models import AuditEvent
 from forgeboard.errors import NotFound, PermissionDenied, ValidationFailed
@@ -20,6 +23,7 @@ from forgeboard.runs.checkpoints import (
     STATE_FILE,
     ExportFailed,
     checkpoint_export,
+    checkpoint_export_request,
     checkpoints_on_disk,
     checkpoints_reported,
     run_checkpoints,
@@ -309,6 +313,43 @@ def test_export_requests_are_checked_before_anything_is_queued(export_api, team,
     as_viewer = client.post(f"/api/v1/runs/{api.run.pk}/checkpoints/2/export")
     assert as_viewer.status_code == 403 and "needs the member role" in as_viewer.json()["message"]
     assert api.sent == [] and not (run_dir(api.run) / "exports").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_export_requests_at_once_queue_one_export(team, run_with_checkpoints, monkeypatch):
+    """Two requests (two operators, or a retry) for one checkpoint each read 'never asked for' before either wrote
+    'queued', and both queued an export: the checkpoint was exported twice at once. Now a request reads and writes
+    the status under the run's row lock, so the second finds the first's 'queued'."""
+    run = run_with_checkpoints
+    queued: list[int] = []
+    monkeypatch.setattr(checkpoints, "_enqueue_export", lambda *, run_id, step, actor: queued.append(step))
+    both_read = threading.Barrier(2, timeout=2)  # a request that cannot read before the other writes goes on alone
+    read_status, first_read = checkpoints._read_status, threading.local()
+
+    def read_then_wait_for_the_other(**kwargs):
+        status = read_status(**kwargs)
+        if not getattr(first_read, "done", False):
+            first_read.done = True
+            with contextlib.suppress(threading.BrokenBarrierError):
+                both_read.wait()
+        return status
+
+    monkeypatch.setattr(checkpoints, "_read_status", read_then_wait_for_the_other)
+    answers: list[str] = []
+
+    def request() -> None:
+        try:
+            answers.append(checkpoint_export_request(actor=team.member, run=Run.objects.get(pk=run.pk), step=2).state)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=request) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert answers == ["queued", "queued"]
+    assert queued == [2], "one export queued for two requests"
 
 
 def test_an_export_whose_worker_vanished_is_reported_lost_and_can_be_asked_again(export_api,

@@ -363,11 +363,12 @@ def checkpoint_export_request(*, actor: Actor, run: Run, step: int) -> ExportSta
                          action="exporting checkpoints")
     step = _clean_step(step)
     _checkpoint_at(run=run, step=step)
-    status = _read_status(run=run, step=step)
-    if status is not None and status.state != ExportState.FAILED:
-        return status
-    _write_status(run=run, step=step, state=ExportState.QUEUED)
     with transaction.atomic():
+        Run.objects.select_for_update(of=("self",)).filter(pk=run.pk).first()  # a concurrent request writes its status first
+        status = _read_status(run=run, step=step)
+        if status is not None and status.state != ExportState.FAILED:
+            return status
+        _write_status(run=run, step=step, state=ExportState.QUEUED)
         audit_record(actor=actor, action="checkpoint.export_request", target=run, project=run.experiment.project,
                      payload={"step": step})
         transaction.on_commit(lambda: _enqueue_export(run_id=run.pk, step=step, actor=actor))
