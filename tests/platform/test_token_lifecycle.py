@@ -16,7 +16,9 @@ from django.utils import timezone
 from forgeboard.accounts.models import ApiToken, Role
 from forgeboard.accounts.services import api_token_create, membership_remove, membership_set
 from forgeboard.audit.models import AuditEvent
+from forgeboard.errors import PermissionDenied
 from tests.support.processes import REPO_DIR, free_port, platform_env, web_server
+from tests.support.races import racing_an_open_transaction
 
 
 def bearer(client: Client, method: str, path: str, token: str, body: dict | None = None):
@@ -284,3 +286,15 @@ def test_a_revoke_stands_when_its_streams_cannot_be_told(team, monkeypatch, capl
     assert len(callbacks) == 1
     assert ApiToken.objects.get(pk=token.pk).revoked_at is not None
     assert f"could not tell token-{token.pk}'s streams to check their access" in caplog.text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_token_made_while_its_creator_is_removed_does_not_outlive_the_removal(team):
+    """The member's token request passed its role check while the owner's removal was being stored, then made a live
+    token the removal never saw: once added back, the member had a token that should have died with the removal.
+    Now the request waits for the removal and is refused."""
+    outcome = racing_an_open_transaction(
+        lambda: membership_remove(actor=team.owner, project=team.project, user=team.member),
+        lambda: api_token_create(actor=team.member, project=team.project, name="made-meanwhile", scope="write"))
+    assert isinstance(outcome, PermissionDenied) and "not a member" in str(outcome), outcome
+    assert not ApiToken.objects.filter(created_by=team.member, revoked_at__isnull=True).exists()

@@ -101,6 +101,9 @@ def api_token_create(
     prefix, raw = minted.prefix, minted.raw
     try:
         with transaction.atomic():
+            # A removal stored meanwhile revoked the creator's tokens without this one: it commits first, and refuses.
+            Membership.objects.select_for_update().filter(project=project, user=actor).first()
+            require_project_role(actor=actor, project=project, minimum=Role.MEMBER, action="creating API tokens")
             token = ApiToken.objects.create(
                 project=project, name=name, prefix=prefix, token_hash=minted.token_hash, scope=scope,
                 created_by=actor, expires_at=expires_at,
