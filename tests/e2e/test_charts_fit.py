@@ -1,7 +1,8 @@
 """Charts that fit their cards, in Chromium at 1024 and 1600 px windows: every canvas inside its card, the x axis
 reaching the run's last step, the legend visible and following a window resize; signed, scaled axis labels;
 a live duration, the launch flash following the run's state, and the startup panel built from startup_phase
-events (live and after a reload). A 100k-point series is measured."""
+events (live and after a reload); the metrics that say whether a run learns first, with their meaning, and a
+metric's lone point drawn. A 100k-point series is measured."""
 
 from __future__ import annotations
 
@@ -307,3 +308,47 @@ def test_a_100k_point_series_stays_smooth(page, server, team):
         assert figures["length"] == 100_500 and figures["lastX"] == 100_499
         assert abs(figures["width"] - figures["content"]) <= 1
         assert figures["appendMedian"] < 250, figures
+
+
+def test_what_says_whether_a_run_learns_comes_first_and_a_lone_point_shows(page, server, team):
+    """The demo's GRPO page had forty charts by name: the held-out reward the README promises was the 8th, below
+    the fold, and while it had only its step-0 evaluation it was an empty frame."""
+    with transaction.atomic():
+        run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=TINY_GRPO_YAML)
+        Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING, started_at=timezone.now())
+    names = ["buffer/batches", "clip_fraction", "data/train_tokens", "entropy", "grad_norm", "kl", "loss", "lr",
+             "reward/mean", "reward/std", "time/step_s"]
+    metrics = [{"key": key, "step": step, "value": 0.1 * step, "time": START + step}
+               for step in range(1, 9) for key in names]
+    metrics += [{"key": "eval/reward_mean", "step": 0, "value": 0.31, "time": START}]
+    telemetry_ingest(run=run, batches=[TelemetryBatch(seq=1, metrics=metrics)])
+    login(page, server, "mateo")
+    page.set_viewport_size({"width": 1366, "height": 900})
+    page.goto(f"{server['url']}/runs/{run.pk}/")
+    page.wait_for_function("document.querySelectorAll('#charts figure.chart').length === 12", timeout=30_000)
+    _wait_until_fitted(page, RUN_GRID)
+    order = page.evaluate("Array.from(document.querySelectorAll('#charts figure.chart')).map(f => f.dataset.key)")
+    assert order[:3] == ["eval/reward_mean", "reward/mean", "loss"], order
+    held_out = page.locator('figure.chart[data-key="eval/reward_mean"]')
+    box = held_out.bounding_box()
+    assert box["y"] + box["height"] <= 900, f"the held-out reward below the fold: {box}"
+    assert held_out.locator(".chart-note").inner_text().startswith("Held-out reward: the mean reward on problems")
+    assert page.locator('figure.chart[data-key="buffer/batches"] .chart-note').count() == 0
+
+    # Its one point is drawn: pixels of the series' colour in the plot.
+    blue = """key => { const c = document.querySelector(`figure.chart[data-key="${key}"] canvas`);
+        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let n = 0;
+        for (let i = 0; i < d.length; i += 4) if (Math.abs(d[i] - 11) < 40 && Math.abs(d[i + 1] - 87) < 40
+            && Math.abs(d[i + 2] - 208) < 40 && d[i + 3] > 200) n++;
+        return n; }"""
+    assert page.evaluate(blue, "eval/reward_mean") >= 12, "the step-0 evaluation is not drawn"
+    screenshot(page, "run_page_headline_charts")
+
+    # A key that arrives later still takes its place among the first; the lone point turns into a line.
+    outside_the_browser_loop(telemetry_ingest, run=run, batches=[TelemetryBatch(seq=2, metrics=[
+        {"key": "eval/accuracy", "step": 0, "value": 0.3, "time": START},
+        {"key": "eval/accuracy", "step": 20, "value": 0.6, "time": START + 20},
+        {"key": "eval/reward_mean", "step": 20, "value": 0.62, "time": START + 20}])])
+    page.wait_for_function("document.querySelectorAll('#charts figure.chart').length === 13", timeout=30_000)
+    order = page.evaluate("Array.from(document.querySelectorAll('#charts figure.chart')).map(f => f.dataset.key)")
+    assert order[:4] == ["eval/reward_mean", "eval/accuracy", "reward/mean", "loss"], order

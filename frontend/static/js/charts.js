@@ -145,6 +145,15 @@
     return Math.ceil(size) + 4;
   }
 
+  // A series' dots are drawn only where its line cannot be: a lone point (the first evaluation, at step 0) is
+  // otherwise an empty chart.
+  function lonePoint(u, seriesIndex, i0, i1) {
+    const values = u.data[seriesIndex];
+    let seen = 0;
+    for (let i = i0; i <= i1 && seen < 2; i++) if (values[i] !== null && values[i] !== undefined) seen++;
+    return seen === 1;
+  }
+
   const HEIGHT = 220;
   const MIN_WIDTH = 160;
 
@@ -155,8 +164,9 @@
   }
 
   class Chart {
-    // labels: one per series. options.xLabel: "step" or "seconds". options.onZoom(min, max|null).
-    constructor(container, { title, labels, xLabel = "step", onZoom = null, height = HEIGHT }) {
+    // labels: one per series. options.xLabel: "step" or "seconds". options.onZoom(min, max|null). options.note: a
+    // line under the title saying what the metric means.
+    constructor(container, { title, labels, xLabel = "step", onZoom = null, height = HEIGHT, note = "" }) {
       this.title = title;
       this.labels = labels;
       this.series = labels.map(() => new Series());
@@ -170,6 +180,12 @@
       const caption = document.createElement("figcaption");
       caption.textContent = title;
       figure.appendChild(caption);
+      if (note) {
+        const meaning = document.createElement("p");
+        meaning.className = "chart-note";
+        meaning.textContent = note;
+        figure.appendChild(meaning);
+      }
       container.appendChild(figure);
       this.figure = figure;
       const unit = unitOf(title);
@@ -183,7 +199,8 @@
         cursor: { drag: { x: true, y: false } },
         legend: { live: true },
         series: [{ label: xLabel, value: (u, v) => valueLabel(v) }].concat(labels.map((label, i) => ({
-          label, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true, points: { show: false },
+          label, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true,
+          points: { show: lonePoint, size: 7, fill: PALETTE[i % PALETTE.length] },
           value: (u, v) => valueLabel(v),
         }))),
         hooks: {
@@ -261,10 +278,13 @@
     }
   }
 
-  // Charts keyed by metric name, created on first data, redrawn at most once per animation frame.
+  // Charts keyed by metric name, created on first data, redrawn at most once per animation frame. options.first:
+  // the keys shown before all others, in that order, whenever their data arrives; options.notes: key -> meaning.
   class ChartGrid {
-    constructor(container, { labels, xLabel = "step", onZoom = null }) {
+    constructor(container, { labels, xLabel = "step", onZoom = null, first = [], notes = {} }) {
       this.container = container;
+      this.first = first;
+      this.notes = notes;
       this.labels = labels;
       this.xLabel = xLabel;
       this.onZoom = onZoom;
@@ -278,13 +298,22 @@
       let chart = this.charts.get(key);
       if (!chart) {
         chart = new Chart(this.container, {
-          title: key, labels: this.labels, xLabel: this.xLabel,
+          title: key, labels: this.labels, xLabel: this.xLabel, note: this.notes[key] || "",
           onZoom: this.onZoom ? (min, max) => this.onZoom(key, min, max) : null,
         });
         chart.smoothing = this.smoothing;
+        const rank = this.rank(key);
+        const after = Array.from(this.container.children).find((f) => this.charts.has(f.dataset.key)
+          && this.rank(f.dataset.key) > rank);
+        if (after) this.container.insertBefore(chart.figure, after);
         this.charts.set(key, chart);
       }
       return chart;
+    }
+
+    rank(key) {
+      const at = this.first.indexOf(key);
+      return at === -1 ? this.first.length : at;
     }
 
     add(key, points, seriesIndex = 0) {
