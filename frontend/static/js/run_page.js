@@ -14,7 +14,10 @@
   let currentState = run.state;
   let startedAt = run.startedAt ? Date.parse(run.startedAt) : null;
   let finishedAt = run.finishedAt ? Date.parse(run.finishedAt) : null;
-  const startup = { phases: [], done: false, total: null };
+  // offset: seconds from the run's start (launching → running) to the engine's first startup phase, when the
+  // engine was spawned before it could report (a local run: its Python and torch imports).
+  const startup = { phases: [], done: false, total: null, offset: 0, metricsSeen: false };
+  const ENGINE_PROCESS = "engine_process";
 
   // What tells whether a run learns comes first, each with what it means; the other metrics follow by name.
   const HEADLINE_NOTES = {
@@ -72,7 +75,14 @@
   function followStateTimes(event) {
     const p = event.payload || {}, time = Date.parse(event.time);
     if (isNaN(time)) return;
-    if (p.from === "launching" && p.to === "running") { startedAt = time; finishedAt = null; }
+    if (p.from === "launching" && p.to === "running") {
+      startedAt = time; finishedAt = null;
+      if (!startup.phases.length && !startup.metricsSeen) {  // the engine has said nothing yet: its process is starting
+        startup.phases.push({ phase: ENGINE_PROCESS, label: "spawning the engine", elapsed: 0, at: time,
+          duration: null });
+        renderStartup();
+      }
+    }
     if (TERMINAL.has(p.to)) finishedAt = time;
   }
 
@@ -83,16 +93,19 @@
     const phase = String(p.phase || "");
     const last = startup.phases[startup.phases.length - 1];
     if ((startup.done && phase !== "ready") || (last && elapsed < last.elapsed)) {  // a restart starts again
-      startup.phases = []; startup.done = false; startup.total = null;
+      startup.phases = []; startup.done = false; startup.total = null; startup.offset = 0;
     }
     const current = startup.phases[startup.phases.length - 1];
-    if (current && current.duration === null) {
+    if (current && current.phase === ENGINE_PROCESS && current.duration === null) {
+      current.duration = Math.max(0, ((Date.parse(event.time) || Date.now()) - current.at) / 1000);
+      startup.offset = current.duration;
+    } else if (current && current.duration === null) {
       current.duration = previousS ?? Math.max(0, elapsed - current.elapsed);
       current.parts = startupParts(p.previous_parts);
     }
     if (phase === "ready") {
       startup.done = true;
-      startup.total = elapsed;
+      startup.total = startup.offset + elapsed;
     } else {
       startup.phases.push({ phase, label: String(p.label || phase.replace(/_/g, " ")), elapsed,
         at: Date.parse(event.time) || Date.now(), duration: null });
@@ -109,7 +122,9 @@
   }
 
   function startupFinishedByMetrics() {
-    if (!startup.phases.length || startup.done) return;
+    startup.metricsSeen = true;
+    if (startup.phases.length === 1 && startup.phases[0].phase === ENGINE_PROCESS) startup.phases = [];  // an engine that tells no phases
+    if (!startup.phases.length || startup.done) { renderStartup(); return; }
     startup.done = true;
     renderStartup();
   }
@@ -130,7 +145,7 @@
       const running = Math.max(0, (end - current.at) / 1000);
       panel.dataset.state = TERMINAL.has(currentState) ? "stopped" : "starting";
       summary.textContent = TERMINAL.has(currentState)
-        ? `Stopped while ${current.label}, after ${seconds(current.elapsed + running)}`
+        ? `Stopped while ${current.label}, after ${seconds(startup.offset + current.elapsed + running)}`
         : `Starting: ${current.label}… ${seconds(running)}`;
     }
     list.replaceChildren(...startup.phases.map((ph) => {
