@@ -106,6 +106,30 @@ def test_hostile_paths_are_refused_at_launch_and_nothing_is_stored(client, team,
     assert (Run.objects.count(), ConfigSnapshot.objects.count()) == (runs, snapshots)
 
 
+def test_a_mistyped_artifact_name_is_answered_with_the_closest_and_the_projects_names(team, world):
+    artifact_register(actor=team.operator, project=team.project, name="tiny-qwen3", kind="model", path=str(world["model"]))
+    artifact_register(actor=team.operator, project=team.project, name="tiny-qwen3-sft", kind="model",
+                      path=str(world["model"]))
+    artifact_register(actor=team.operator, project=team.project, name="train", kind="dataset", path=str(world["dataset"]))
+    with pytest.raises(ValidationFailed) as typo:
+        run_launch(actor=team.member, experiment=team.experiment, config_yaml=_grpo("artifact: tiny-qwen3-sfx"))
+    [problem] = [p for p in typo.value.problems if p.field.endswith("model.artifact")]
+    assert problem.message == ("no artifact 'tiny-qwen3-sfx' in project alpha: did you mean 'tiny-qwen3-sft'? "
+                               "Its models: tiny-qwen3, tiny-qwen3-sft")
+    with pytest.raises(ValidationFailed) as unlike:  # nothing close: the names alone, of the kind asked for
+        run_launch(actor=team.member, experiment=team.experiment, config_yaml=_grpo("artifact: llama"))
+    [problem] = [p for p in unlike.value.problems if p.field.endswith("model.artifact")]
+    assert problem.message == "no artifact 'llama' in project alpha; its models: tiny-qwen3, tiny-qwen3-sft"
+    for i in range(11):
+        artifact_register(actor=team.operator, project=team.project, name=f"m{i:02d}", kind="model",
+                          path=str(world["model"]))
+    with pytest.raises(ValidationFailed) as many:
+        run_launch(actor=team.member, experiment=team.experiment, config_yaml=_grpo("artifact: zzz"))
+    [problem] = [p for p in many.value.problems if p.field.endswith("model.artifact")]
+    assert problem.message.endswith("; its models: m00, m01, m02, m03, m04, m05, m06, m07, m08, m09 and 3 more")
+    assert "secret" not in problem.message  # another project's names are not told
+
+
 def test_own_artifact_and_own_run_resolve_and_the_engine_config_carries_the_paths(team, world):
     artifact_register(actor=team.operator, project=team.project, name="tiny", kind="model", path=str(world["model"]))
     artifact_register(actor=team.operator, project=team.project, name="train", kind="dataset", path=str(world["dataset"]))

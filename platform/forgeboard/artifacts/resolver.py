@@ -12,6 +12,7 @@ The engine's preflight checks the resolved paths again on the host that runs it 
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
@@ -27,6 +28,7 @@ from workers.engine.config import ARTIFACT_REFERENCE, RUN_REFERENCE, RunConfig
 RESOLVED_FIELDS = {"model.path": ("model.artifact", ArtifactKind.MODEL), "data.path": ("data.artifact", ArtifactKind.DATASET),
                    "checkpoint.resume_from": ("checkpoint.resume_from", None)}
 RUN_FOLDER_FIELDS = ("checkpoint.folder", "telemetry.jsonl_path")
+KNOWN_SHOWN = 10  # the artifact names a "no artifact" problem lists
 
 
 def _real(path: str | Path) -> Path:
@@ -84,13 +86,23 @@ def _registered(*, reference: str, kind: str, project: Project | None) -> tuple[
                       f"(register it in {project.slug!r})")
     artifact = Artifact.objects.filter(project=project, name=name).first()
     if artifact is None:
-        return None, f"no artifact {name!r} in project {project.slug}"
+        return None, f"no artifact {name!r} in project {project.slug}{_known_artifacts(project=project, name=name, kind=kind)}"
     if artifact.kind != kind:
         return None, f"artifact {name!r} is a {artifact.kind}, not a {kind}"
     real, problem = path_problem(artifact.path)  # the roots (or a symlink) may have changed since it was registered
     if problem:
         return None, f"artifact {name!r}: {problem}"
     return real, None
+
+
+def _known_artifacts(*, project: Project, name: str, kind: str) -> str:
+    """What a mistyped name could have been: the closest of the project's artifacts of that kind and their names."""
+    names = list(Artifact.objects.filter(project=project, kind=kind).order_by("name").values_list("name", flat=True))
+    if not names:
+        return ""
+    close = difflib.get_close_matches(name, names, n=1)
+    shown = ", ".join(names[:KNOWN_SHOWN]) + (f" and {len(names) - KNOWN_SHOWN} more" if len(names) > KNOWN_SHOWN else "")
+    return (f": did you mean {close[0]!r}? Its {kind}s: " if close else f"; its {kind}s: ") + shown
 
 
 def _of_run(*, reference: str, field: str, project: Project | None) -> tuple[Path | None, str | None]:
