@@ -53,6 +53,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
+    "ninja",  # /api/v1/docs from its own static Swagger UI (without it, from a CDN: blank on a machine offline)
     "forgeboard.accounts",
     "forgeboard.experiments",
     "forgeboard.runs",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from django.test import Client
@@ -89,6 +90,23 @@ def test_experiments_and_pagination(client, team, tokens):
     assert duplicate.status_code == 409 and duplicate.json()["errors"][0]["field"] == "name"  # a taken name
     page = call(client, "get", "/projects/alpha/experiments?limit=2&offset=2", tokens["read"]).json()
     assert page["count"] == 6 and len(page["items"]) == 2
+
+
+def test_the_api_docs_page_loads_nothing_from_another_site(client, team):
+    """/api/v1/docs was a blank page on a machine offline: its Swagger UI came from cdn.jsdelivr.net."""
+    client.force_login(team.member)
+    page = client.get("/api/v1/docs")
+    assert page.status_code == 200
+    html = page.content.decode()
+    sources = re.findall(r'(?:src|href)="([^"]+)"', html)
+    assert any(s.endswith("swagger-ui-bundle.js") for s in sources), sources
+    assert [s for s in sources if not s.startswith("/")] == [], "every script, style and icon from this server"
+    for source in sources:
+        served = client.get(source)
+        assert served.status_code == 200, source
+        if hasattr(served, "close"):
+            served.close()
+    assert '"url": "/api/v1/openapi.json"' in html
 
 
 @pytest.mark.parametrize("things", ["experiments", "suites", "artifacts", "tokens"])
