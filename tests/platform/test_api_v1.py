@@ -109,6 +109,22 @@ def test_the_api_docs_page_loads_nothing_from_another_site(client, team):
     assert '"url": "/api/v1/openapi.json"' in html
 
 
+def test_the_openapi_document_has_no_key_twice(client):
+    """Swagger UI refused the document ("Parser error: duplicated mapping key"): the operations with a body had
+    ninja's 413 (an int key) and the 413 added for the body limit (a string key), both written as "413"."""
+    twice: list[tuple[str, list[str]]] = []
+
+    def pairs(items: list[tuple[str, object]]) -> dict:
+        keys = [key for key, _ in items]
+        twice.extend((key, keys) for key in set(keys) if keys.count(key) > 1)
+        return dict(items)
+
+    document = json.loads(client.get("/api/v1/openapi.json").content, object_pairs_hook=pairs)
+    assert twice == []
+    launch = document["paths"]["/api/v1/experiments/{experiment_id}/runs"]["post"]["responses"]
+    assert launch["413"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorOut")
+
+
 @pytest.mark.parametrize("things", ["experiments", "suites", "artifacts", "tokens"])
 def test_the_openapi_document_states_a_taken_name_is_a_409(client, things):
     responses = client.get("/api/v1/openapi.json").json()["paths"][f"/api/v1/projects/{{slug}}/{things}"]["post"]["responses"]

@@ -39,7 +39,9 @@ class ForgeboardAPI(NinjaAPI):
         for item in schema.get("paths", {}).values():
             for operation in item.values():
                 if isinstance(operation, dict) and "requestBody" in operation:
-                    operation.setdefault("responses", {}).setdefault("413", too_large)
+                    responses = operation.setdefault("responses", {})
+                    if 413 not in responses and "413" not in responses:  # ninja's own keys are ints
+                        responses["413"] = too_large
         return schema
 
 
