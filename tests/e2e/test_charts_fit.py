@@ -1,6 +1,6 @@
 """Charts that fit their cards, in Chromium at 1024 and 1600 px windows: every canvas inside its card, the x axis
 reaching the run's last step, the legend visible and following a window resize; signed, scaled axis labels;
-a live duration, the launch flash following the run's state, and the startup panel built from startup_phase
+a live duration, the launch flash following the run's state, the step under way, the startup panel built from startup_phase
 events (live and after a reload); the metrics that say whether a run learns first, with their meaning, and a
 metric's lone point drawn. A 100k-point series is measured."""
 
@@ -40,8 +40,13 @@ LAYOUT = """grid => Array.from(grid.charts.entries()).map(([key, chart]) => {
         content: f.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight),
         overflowing: f.scrollWidth > f.clientWidth, plotWidth: chart.plot.width,
         xMax: chart.plot.scales.x.max, lastX: chart.plot.data[0][chart.plot.data[0].length - 1],
-        yTicks: chart.plot.axes[1]._values || [], yLabel: chart.plot.axes[1].label || ''};
+        yTicks: chart.plot.axes[1]._values || [], yLabel: chart.plot.axes[1].label || '', ...yRoom(chart.plot)};
 })"""
+# The widest y tick label against the room uPlot left for it beside the plot (CSS px).
+Y_ROOM = """function yRoom(u) { const a = u.axes[1]; u.ctx.font = a.font[0];
+    const widest = Math.max(0, ...(a._values || []).map(v => u.ctx.measureText(v).width / devicePixelRatio));
+    return {yLabelWidth: widest, yLabelRoom: u.bbox.left / devicePixelRatio - a.ticks.size - a.gap
+        - (a.label ? a.labelSize : 0)}; }"""
 
 
 def _seed_run(team, *, scale: float = 1.0, state: RunState = RunState.SUCCEEDED, started_ago_s: float = 3600) -> Run:
@@ -74,6 +79,7 @@ def _assert_charts_fit(layout: list[dict], *, keys: list[str], where: str) -> No
         assert figure["top"] <= canvas["top"] and canvas["bottom"] <= figure["bottom"], what
         assert abs(chart["plotWidth"] - chart["content"]) <= 1, f"{what}: sized from the card's content box"
         assert not chart["overflowing"], f"{what}: nothing wider than the card"
+        assert chart["yLabelWidth"] <= chart["yLabelRoom"], f"{what}: y labels {chart['yTicks']} cut at the left"
         assert chart["xMax"] >= LAST_STEP and chart["lastX"] == LAST_STEP, f"{what}: x axis ends at {chart['xMax']}"
         assert legend["width"] > 0 and legend["height"] > 0, f"{what}: legend shown"
         assert figure["left"] <= legend["left"] and legend["right"] <= figure["right"] + 0.5, f"{what}: legend {legend}"
@@ -90,7 +96,7 @@ def _wait_until_fitted(page, grid: str) -> None:
 
 
 def _layout(page, grid: str) -> list[dict]:
-    return page.evaluate(f"({LAYOUT})({grid})")
+    return page.evaluate(f"(() => {{ {Y_ROOM}; return ({LAYOUT})({grid}); }})()")
 
 
 def test_run_page_charts_fit_their_cards_at_1600_and_1024_and_follow_a_resize(page, server, team):
@@ -383,3 +389,46 @@ def test_what_says_whether_a_run_learns_comes_first_and_a_lone_point_shows(page,
     page.wait_for_function("document.querySelectorAll('#charts figure.chart').length === 13", timeout=30_000)
     order = page.evaluate("Array.from(document.querySelectorAll('#charts figure.chart')).map(f => f.dataset.key)")
     assert order[:4] == ["eval/reward_mean", "eval/accuracy", "reward/mean", "loss"], order
+
+
+STEP = "document.getElementById('run-step').textContent"
+
+
+def test_the_page_says_which_step_a_run_is_on_and_when_its_log_is_empty(page, server, team):
+    """A first step that takes long (a big batch) looked like a stalled run: nothing said a step was under way,
+    and the log tail was an empty box."""
+    with transaction.atomic():
+        run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=TINY_GRPO_YAML)  # 5 steps
+        Run.objects.filter(pk=run.pk).update(state=RunState.LAUNCHING)
+    login(page, server, "mateo")
+    page.goto(f"{server['url']}/runs/{run.pk}/")
+    page.wait_for_function("document.getElementById('conn').textContent === 'live'", timeout=30_000)
+    assert page.evaluate(STEP) == "— of 5"
+    assert page.locator(".facts div", has_text="Restarts").locator("dd").inner_text() == "none allowed"
+    assert page.locator("#logs-empty").is_visible()
+
+    _transition(run, RunState.LAUNCHING, RunState.RUNNING)
+    _phase(run, "loading_model", "loading the model and data", 0.0, None)
+    assert page.evaluate(STEP) == "— of 5", "no step is under way while the run starts"
+    _phase(run, "ready", "ready", 0.1, 0.1)
+    page.wait_for_function(f"{STEP} === '— of 5 · step 1 running'", timeout=10_000)
+
+    outside_the_browser_loop(telemetry_ingest, run=run, batches=[TelemetryBatch(seq=1, metrics=[
+        {"key": key, "step": step, "value": 0.5, "time": START + step}
+        for step in (1, 2) for key in ("loss", "reward/mean")], logs=[{"line": "step 2 done", "time": START + 2}])])
+    page.wait_for_function(f"{STEP} === '2 of 5 · step 3 running'", timeout=10_000)
+    page.wait_for_function("document.getElementById('logs').textContent.includes('step 2 done')", timeout=10_000)
+    assert page.locator("#logs-empty").is_hidden()
+    for chart in _layout(page, RUN_GRID):  # a flat series: ticks five decimals long ("0.49950")
+        assert chart["yLabelWidth"] <= chart["yLabelRoom"], f"{chart['key']}: y labels {chart['yTicks']} cut"
+        assert len(chart["yTicks"][0]) == 7, chart["yTicks"]
+    step_box, state_box = page.locator("#run-step").bounding_box(), page.locator("#run-state").bounding_box()
+    assert step_box["width"] > 0 and step_box["y"] + step_box["height"] <= 900, step_box
+    assert step_box["y"] > state_box["y"], "the step sits in the facts below the run's name"
+    screenshot(page, "run_page_step_under_way")
+
+    _transition(run, RunState.RUNNING, RunState.SUCCEEDED)
+    page.wait_for_function(f"{STEP} === '2 of 5'", timeout=10_000)
+    page.reload()
+    page.wait_for_function(f"{STEP} === '2 of 5'", timeout=10_000)
+    assert page.locator("#logs-empty").is_hidden()

@@ -132,17 +132,20 @@
     return "";
   }
 
-  // An axis as wide as its longest label (uPlot's fixed 50 px cut the sign off "-0.0015").
+  // An axis as wide as its longest label (uPlot's fixed 50 px cut the sign off "-0.0015"). uPlot lays the chart
+  // out in up to three passes, and the plot's height can change between them, so a later pass may pick ticks one
+  // decimal finer ("0.4995" then "0.49950") after the plot was placed: a decimal label gets one digit of room more,
+  // and within a layout the axis only grows.
   function axisSize(u, values, axisIndex, cycle) {
     const axis = u.axes[axisIndex];
-    if (cycle > 1) return axis._size;
     let size = axis.ticks.size + axis.gap + (axis.label ? axis.labelSize : 0);
     const longest = (values || []).reduce((acc, v) => (v.length > acc.length ? v : acc), "");
     if (longest) {
       u.ctx.font = axis.font[0];
-      size += u.ctx.measureText(longest).width / devicePixelRatio;
+      size += u.ctx.measureText(longest.includes(".") ? longest + "0" : longest).width / devicePixelRatio;
     }
-    return Math.ceil(size) + 4;
+    size = Math.ceil(size) + 4;
+    return cycle > 1 ? Math.max(size, axis._size || 0) : size;
   }
 
   // A series' dots are drawn only where its line cannot be: a lone point (the first evaluation, at step 0) is

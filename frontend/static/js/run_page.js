@@ -10,7 +10,7 @@
   const MAX_LOG_LINES = 500;
   const ZOOM_BUCKETS = 600;
 
-  let lastSeq = 0, lastStep = 0, socket = null, attempts = 0, closedByPage = false;
+  let lastSeq = 0, lastStep = 0, stepSeen = false, socket = null, attempts = 0, closedByPage = false;
   let currentState = run.state;
   let startedAt = run.startedAt ? Date.parse(run.startedAt) : null;
   let finishedAt = run.finishedAt ? Date.parse(run.finishedAt) : null;
@@ -47,6 +47,7 @@
     badge.dataset.state = state;
     currentState = state;
     updateLaunchFlash(state);
+    showStep();
   }
 
   // The launch page's "Launched … #N: queued." flash follows the run's state instead of going stale.
@@ -111,6 +112,7 @@
         at: Date.parse(event.time) || Date.now(), duration: null });
     }
     renderStartup();
+    showStep();
   }
 
   // The parts of a phase that ran side by side (each role's procs loading): [name, seconds into the phase], slowest
@@ -166,6 +168,14 @@
     }));
   }
 
+  // "Step 40 of 200", and while the run runs past its startup the step under way, so a long first step (a big
+  // batch) does not look like a stalled run.
+  function showStep() {
+    const reported = stepSeen ? `${lastStep} of ${run.totalSteps}` : `— of ${run.totalSteps}`;
+    const working = currentState === "running" && (startup.done || stepSeen) && lastStep < run.totalSteps;
+    $("run-step").textContent = working ? `${reported} · step ${lastStep + 1} running` : reported;
+  }
+
   function tick() {
     if (startedAt !== null && finishedAt === null) showDuration();
     if (startup.phases.length && !startup.done) renderStartup();
@@ -178,7 +188,9 @@
       if (!points.length) return;
       grid.add(key, points);
       lastStep = Math.max(lastStep, points[points.length - 1][0]);
+      stepSeen = true;
     });
+    showStep();
     if (keys.length) { $("charts-empty").hidden = true; startupFinishedByMetrics(); }
     applyChartFilter();
   }
@@ -214,6 +226,7 @@
 
   function addLogs(lines) {
     if (!lines || !lines.length) return;
+    $("logs-empty").hidden = true;
     const pre = $("logs");
     const atBottom = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
     const kept = (pre.textContent ? pre.textContent.split("\n") : []).concat(lines).slice(-MAX_LOG_LINES);

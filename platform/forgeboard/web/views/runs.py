@@ -129,7 +129,9 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "placement_roles": [role for role in get_args(PlacedRole) if role != "generator" or not config.generator.in_trainer],
         "has_replicas": config.recipe != Recipe.SFT,  # an SFT run has trainer ranks only: nothing to place
         "hosts": list(Host.objects.order_by("hostname").values_list("hostname", flat=True)),
+        "total_steps": config.trainer.steps,
         "run_data": {"id": run.pk, "number": run.number, "state": run.state, "active": run.state in ACTIVE_STATES,
+                     "totalSteps": config.trainer.steps,
                      "startedAt": run.started_at.isoformat() if run.started_at else None,
                      "finishedAt": run.finished_at.isoformat() if run.finished_at else None,
                      "wsPath": f"/ws/runs/{run.pk}/", "apiPath": f"/api/v1/runs/{run.pk}/"},
