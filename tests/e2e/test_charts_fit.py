@@ -177,13 +177,19 @@ DURATION = "document.getElementById('run-duration').textContent"
 SUMMARY = "document.getElementById('startup-summary').textContent"
 
 
-def test_duration_ticks_and_startup_panel_shows_phases(page, server, team):
+def _watch_a_launching_run(page, server, team) -> Run:
+    """A run the worker skips (launching once the launch commits), its page open and live."""
     with transaction.atomic():
         run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=TINY_GRPO_YAML)
         Run.objects.filter(pk=run.pk).update(state=RunState.LAUNCHING)
     login(page, server, "mateo")
     page.goto(f"{server['url']}/runs/{run.pk}/")
     page.wait_for_function("document.getElementById('conn').textContent === 'live'", timeout=30_000)
+    return run
+
+
+def test_duration_ticks_and_startup_panel_shows_phases(page, server, team):
+    run = _watch_a_launching_run(page, server, team)
     assert page.evaluate(DURATION) == "—"  # not started
     assert page.locator("#startup").is_hidden()
 
@@ -243,12 +249,7 @@ def test_duration_ticks_and_startup_panel_shows_phases(page, server, team):
 def test_a_local_run_counts_its_engine_spawn_in_the_startup(page, server, team):
     """A local run is running from the moment its engine process is spawned; the engine tells its first phase
     only after its imports (12 s on a busy 2-core host), so the page said "Started in 0.1 s" after a blank wait."""
-    with transaction.atomic():
-        run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=TINY_GRPO_YAML)
-        Run.objects.filter(pk=run.pk).update(state=RunState.LAUNCHING)
-    login(page, server, "mateo")
-    page.goto(f"{server['url']}/runs/{run.pk}/")
-    page.wait_for_function("document.getElementById('conn').textContent === 'live'", timeout=30_000)
+    run = _watch_a_launching_run(page, server, team)
     assert page.locator("#startup").is_hidden()
 
     _transition(run, RunState.LAUNCHING, RunState.RUNNING)
@@ -397,12 +398,7 @@ STEP = "document.getElementById('run-step').textContent"
 def test_the_page_says_which_step_a_run_is_on_and_when_its_log_is_empty(page, server, team):
     """A first step that takes long (a big batch) looked like a stalled run: nothing said a step was under way,
     and the log tail was an empty box."""
-    with transaction.atomic():
-        run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=TINY_GRPO_YAML)  # 5 steps
-        Run.objects.filter(pk=run.pk).update(state=RunState.LAUNCHING)
-    login(page, server, "mateo")
-    page.goto(f"{server['url']}/runs/{run.pk}/")
-    page.wait_for_function("document.getElementById('conn').textContent === 'live'", timeout=30_000)
+    run = _watch_a_launching_run(page, server, team)  # 5 steps
     assert page.evaluate(STEP) == "— of 5"
     assert page.locator(".facts div", has_text="Restarts").locator("dd").inner_text() == "none allowed"
     assert page.locator("#logs-empty").is_visible()
