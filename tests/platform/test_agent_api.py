@@ -319,3 +319,13 @@ def test_agent_token_command_creates_a_usable_token_and_revokes_it(team, tmp_pat
         call_command("agent_token", "create", "rack-c4", "--operator", "mateo", stdout=StringIO())
     call_command("agent_token", "revoke", "rack-c3", "--operator", "opal", stdout=StringIO())
     assert agent_token_authenticate(raw=out.read_text().strip()) is None
+
+
+def test_a_second_revoke_of_an_agent_token_loaded_before_the_first_changes_nothing(team):
+    token, _ = agent_token_create(actor=team.operator, name="rack-a1")
+    first, second = AgentToken.objects.get(pk=token.pk), AgentToken.objects.get(pk=token.pk)
+    agent_token_revoke(actor=team.operator, token=first)
+    revoked_at = AgentToken.objects.get(pk=token.pk).revoked_at
+    assert agent_token_revoke(actor=team.operator, token=second).revoked_at == revoked_at
+    assert AgentToken.objects.get(pk=token.pk).revoked_at == revoked_at
+    assert AuditEvent.objects.filter(action="agent_token.revoke", target_id=str(token.pk)).count() == 1

@@ -125,6 +125,28 @@ def test_the_openapi_document_has_no_key_twice(client):
     assert launch["413"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorOut")
 
 
+@pytest.mark.parametrize("path", ["/api/v1/openapi.json", "/api/v1/docs"])
+@pytest.mark.parametrize("method", ["post", "put", "patch", "delete"])
+def test_the_api_document_and_its_page_are_only_read(client, path, method):
+    answer = getattr(client, method)(path)
+    assert answer.status_code == 405 and answer["Allow"] == "GET, HEAD"
+    assert answer.json()["code"] == "method_not_allowed"
+
+
+def test_the_openapi_document_is_built_once(client, monkeypatch):
+    from ninja import NinjaAPI
+
+    from forgeboard.api.base import api
+
+    builds = []
+    build = NinjaAPI.get_openapi_schema
+    monkeypatch.setattr(NinjaAPI, "get_openapi_schema", lambda self, **kw: builds.append(kw) or build(self, **kw))
+    monkeypatch.setattr(api, "_schemas", {}, raising=False)
+    first, second = client.get("/api/v1/openapi.json"), client.get("/api/v1/openapi.json")
+    assert first.status_code == second.status_code == 200 and first.content == second.content
+    assert len(builds) == 1
+
+
 @pytest.mark.parametrize("things", ["experiments", "suites", "artifacts", "tokens"])
 def test_the_openapi_document_states_a_taken_name_is_a_409(client, things):
     responses = client.get("/api/v1/openapi.json").json()["paths"][f"/api/v1/projects/{{slug}}/{things}"]["post"]["responses"]

@@ -298,3 +298,17 @@ def test_a_token_made_while_its_creator_is_removed_does_not_outlive_the_removal(
         lambda: api_token_create(actor=team.member, project=team.project, name="made-meanwhile", scope="write"))
     assert isinstance(outcome, PermissionDenied) and "not a member" in str(outcome), outcome
     assert not ApiToken.objects.filter(created_by=team.member, revoked_at__isnull=True).exists()
+
+
+def test_a_second_revoke_from_a_page_loaded_before_the_first_changes_nothing(team):
+    """Two owners revoking one token from pages loaded before either did: the first revoke's time and its one audit
+    entry stand (each request held its own copy, revoked_at None, and wrote both again)."""
+    from forgeboard.accounts.services import api_token_revoke
+
+    token, _ = api_token_create(actor=team.member, project=team.project, name="ci", scope="read")
+    first, second = ApiToken.objects.get(pk=token.pk), ApiToken.objects.get(pk=token.pk)
+    api_token_revoke(actor=team.owner, token=first)
+    revoked_at = ApiToken.objects.get(pk=token.pk).revoked_at
+    assert api_token_revoke(actor=team.member, token=second).revoked_at == revoked_at
+    assert ApiToken.objects.get(pk=token.pk).revoked_at == revoked_at
+    assert AuditEvent.objects.filter(action="api_token.revoke", target_id=str(token.pk)).count() == 1

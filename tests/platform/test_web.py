@@ -47,3 +47,9 @@ def test_seed_demo_is_idempotent(db):
     assert User.objects.filter(username="demo").count() == 1
     assert Project.objects.get(slug="demo").experiments.count() == 2
     assert set(Experiment.objects.values_list("recipe", flat=True)) == {"sft", "grpo"}
+
+
+def test_the_home_page_is_only_read(client, team):
+    client.force_login(team.member)
+    assert client.post("/").status_code == 405
+    assert client.get("/").status_code == 200

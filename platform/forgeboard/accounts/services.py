@@ -132,8 +132,11 @@ def api_token_revoke(*, actor: User, token: ApiToken) -> ApiToken:
 
 
 def _revoke(*, actor: Actor, token: ApiToken, reason: str = "") -> None:
-    token.revoked_at = timezone.now()
-    token.save(update_fields=["revoked_at"])
+    now = timezone.now()
+    if not ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=now):
+        token.refresh_from_db(fields=["revoked_at"])  # another revoke (or the creator's removal) came first
+        return
+    token.revoked_at = now
     audit_record(actor=actor, action="api_token.revoke", target=token, project=token.project,
                  payload={"prefix": token.prefix} | ({"reason": reason} if reason else {}))
     publish_access_withdrawn(groups=[actor_group(kind="token", pk=token.pk)])  # its open live streams close

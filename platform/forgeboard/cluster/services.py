@@ -363,10 +363,12 @@ def agent_token_create(*, actor: User, name: str) -> tuple[AgentToken, str]:
 
 def agent_token_revoke(*, actor: User, token: AgentToken) -> AgentToken:
     require_operator(actor=actor, action="revoking agent tokens")
-    if token.revoked_at is None:
-        token.revoked_at = timezone.now()
-        token.save(update_fields=["revoked_at"])
+    now = timezone.now()
+    if AgentToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=now):
+        token.revoked_at = now
         audit_record(actor=actor, action="agent_token.revoke", target=token, payload={"prefix": token.prefix})
+    else:
+        token.refresh_from_db(fields=["revoked_at"])  # revoked before: the first revoke's time and audit stand
     return token
 
 

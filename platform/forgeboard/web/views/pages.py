@@ -25,6 +25,7 @@ def healthz(request: HttpRequest) -> JsonResponse:
 
 
 @login_required
+@require_GET
 def home(request: HttpRequest) -> HttpResponse:
     projects = projects_for_user(user=request.user)
     return render(request, "web/home.html", {"projects": projects})
