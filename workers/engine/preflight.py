@@ -172,12 +172,12 @@ def memory_errors(config: RunConfig, hf_config: dict, *, host_bytes: int) -> lis
     what the engine allocates (no activations, no allocator slack), so a refusal is certain. Without it, a typo'd
     trainer.batch_size ran until the kernel killed the largest process on a shared host, which need not be the run's.
     On a GPU the allocator fails cleanly in the run's own device, so only the CPU is checked here."""
-    if not _computes_on_cpu(config):
-        return []
     try:
         shape = ModelShape.from_hf_config(hf_config)
     except ValueError:
         return []  # the model's loader says what is wrong with its config.json
+    if not _computes_on_cpu(config):
+        return []
     errors = []
     dtype_bytes = BYTES_PER_VALUE[config.model.dtype]
     state = shape.params() * TRAINER_STATE_BYTES_PER_PARAM[config.trainer.optimizer.name] * dtype_bytes // 4
@@ -210,8 +210,10 @@ def memory_errors(config: RunConfig, hf_config: dict, *, host_bytes: int) -> lis
 def _computes_on_cpu(config: RunConfig) -> bool:
     if config.trainer.device != "auto":
         return config.trainer.device == "cpu"
-    import torch  # noqa: PLC0415 - the rest of preflight runs without torch
-
+    try:
+        import torch  # noqa: PLC0415 - the rest of preflight runs without torch
+    except ImportError:
+        return True  # no CUDA here either
     return not torch.cuda.is_available()
 
 
