@@ -110,6 +110,18 @@ def test_a_group_wider_than_the_unit_limit_is_split_into_units_that_each_hold_th
     assert len(packed.source) == 8 * 600
 
 
+def test_padding_of_a_row_wider_than_the_padded_layout_keeps_to_its_positions() -> None:
+    # a group of long responses packs two a unit (rows of 1980 positions); a group of one-token responses, a row of
+    # its own, is padded to that width. Its padding's positions once ran to 1915, past a 1024-position model's rope
+    # (generator.max_new_tokens=960 with data.max_prompt_tokens 64 failed its first train step).
+    long, short = [5] * 959, [5]
+    batch = collate_rollouts([[1] * 64] * 8 + [[2] * 64] * 8, [long] * 8 + [short] * 8,
+                             [[-1.0] * 959] * 8 + [[-1.0]] * 8, [0.0] * 16, pad_id=0)
+    packed = pack_rollouts(batch)
+    assert packed.inputs.shape[1] > batch.inputs.shape[1] and packed.padding_positions > batch.inputs.shape[1]
+    assert int(packed.positions.max()) == batch.inputs.shape[1] - 1
+
+
 def test_an_empty_response_has_no_target_and_its_group_still_packs() -> None:
     batch = collate_rollouts([[1, 2, 3], [1, 2, 3], [4, 5]], [[], [6, 7], []], [[], [-1.0, -1.0], []],
                              [0.0, 0.0, 0.0], pad_id=0)

@@ -220,7 +220,8 @@ def pack_rollouts(batch: RolloutBatch) -> PackedRows:
         if pad:  # padding: a unit of its own, so every position sees at least itself
             unit_id, units_seen = units_seen, units_seen + 1
             take.extend([-1] * pad)
-            positions.extend(range(pad))
+            # a packed row may be wider than the model's positions: padding's stop at the padded layout's last
+            positions.extend(min(i, padded_width - 1) for i in range(pad))
             unit_ids.extend([unit_id] * pad)
             segments.extend([0] * pad)
     shape = (len(rows), width)
