@@ -180,6 +180,9 @@ class OptimizerConfig(_Section):
     grad_clip: Annotated[float, Field(gt=0.0)] | None = 1.0
 
 
+MAX_THREADS_PER_PROCESS = 1024  # more cores than a host has; 2**31 - 1 made OpenMP allocate 432 GiB
+
+
 class TrainerConfig(_Section):
     steps: PositiveInt = 100
     batch_size: PositiveInt = Field(default=8, description="prompts per step (GRPO) or sequences per step (SFT)")
@@ -196,7 +199,8 @@ class TrainerConfig(_Section):
                                    "gradients and optimizer state (autocast; FSDP's policy when sharded, which also "
                                    "reduces gradients in float32); the generator and the reference hold bfloat16 "
                                    "weights. Needs model.dtype float32")
-    threads_per_process: PositiveInt = 1
+    threads_per_process: Annotated[int, Field(ge=1, le=MAX_THREADS_PER_PROCESS)] = Field(
+        default=1, description="torch's CPU threads in each process (OpenMP allocates for each when it starts)")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when available, else cpu")
     recover_failures: NonNegativeInt = Field(
         default=0,
