@@ -3,9 +3,13 @@ at validation or preflight, naming the field and why."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from workers.engine.config import MAX_THREADS_PER_PROCESS, ConfigError, load_config
+from workers.engine.preflight import preflight_errors
 
 GRPO = "recipe: grpo\nmodel: {path: /x}\n"
 
@@ -16,8 +20,25 @@ def _field_errors(config_text: str, *overrides: str) -> dict[str, str]:
     return {e.field: e.message for e in caught.value.errors}
 
 
+def _preflight(model: Path, *overrides: str, recipe: str = "grpo") -> dict[str, str]:
+    config = load_config(f"recipe: {recipe}\nmodel: {{path: '{model}'}}\n", overrides=list(overrides))
+    return {e.field: e.message for e in preflight_errors(config)}
+
+
 def test_threads_per_process_stops_at_more_cores_than_a_host_has() -> None:
     # 2**31 - 1 threads validated, then OpenMP tried to allocate 432 GiB and the run died without a field
     assert "trainer.threads_per_process" in _field_errors(GRPO, "trainer.threads_per_process=2147483647")
     config = load_config(GRPO, overrides=[f"trainer.threads_per_process={MAX_THREADS_PER_PROCESS}"])
     assert config.trainer.threads_per_process == MAX_THREADS_PER_PROCESS
+
+
+def test_a_gpu_this_host_lacks_is_refused_before_a_single_process_run(tiny_qwen3: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # trainer.device=cuda on a host without CUDA passed preflight and raised from the recipe's setup
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    errors = _preflight(tiny_qwen3, "trainer.device=cuda", "placement.trainer.gpus_per_proc=1")
+    assert errors == {"trainer.device": "this host has no CUDA device: set it to cpu or auto",
+                      "placement.trainer.gpus_per_proc": "this host has no CUDA device: set it to 0"}
+    assert "trainer.device" not in _preflight(tiny_qwen3, "trainer.device=cuda", "placement.backend=monarch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "trainer.device" not in _preflight(tiny_qwen3, "trainer.device=cuda")

@@ -134,7 +134,25 @@ def preflight_errors(config: RunConfig) -> list[FieldError]:
     if config.checkpoint.resume_from and not Path(config.checkpoint.resume_from).exists():
         errors.append(FieldError("checkpoint.resume_from", f"{config.checkpoint.resume_from} does not exist"))
     errors.extend(_unsupported(config))
+    errors.extend(_device_errors(config))
     return errors
+
+
+def _device_errors(config: RunConfig) -> list[FieldError]:
+    """A single-process run asked for a GPU this host does not have (a Monarch run's procs may be on other hosts: the
+    trainer rank that finds none says so)."""
+    if config.placement.runs_on_monarch:
+        return []
+    wants = [(field, fix) for field, asked, fix in (
+        ("trainer.device", config.trainer.device == "cuda", "set it to cpu or auto"),
+        ("placement.trainer.gpus_per_proc", config.placement.trainer.gpus_per_proc > 0, "set it to 0")) if asked]
+    if not wants:
+        return []
+    import torch  # noqa: PLC0415 - the rest of preflight runs without torch
+
+    if torch.cuda.is_available():
+        return []
+    return [FieldError(field, f"this host has no CUDA device: {fix}") for field, fix in wants]
 
 
 def _context_errors(config: RunConfig, context: object) -> list[FieldError]:
