@@ -3,6 +3,7 @@ at validation or preflight, naming the field and why."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,20 @@ def test_a_gpu_this_host_lacks_is_refused_before_a_single_process_run(tiny_qwen3
     assert "trainer.device" not in _preflight(tiny_qwen3, "trainer.device=cuda", "placement.backend=monarch")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert "trainer.device" not in _preflight(tiny_qwen3, "trainer.device=cuda")
+
+
+def test_a_prompt_longer_than_max_prompt_tokens_is_refused_with_where_it_comes_from(tiny_qwen3: Path,
+                                                                                    tmp_path: Path) -> None:
+    # The first step that drew such a prompt raised ValueError (a traceback); the eval never checked it at all.
+    # The tiny model's byte tokenizer and chat template make '20+20=' a prompt of 25 tokens.
+    errors = _preflight(tiny_qwen3, "data.max_operand=20", "data.max_prompt_tokens=24")
+    assert errors == {"data.max_prompt_tokens": "24 is shorter than a prompt of 25 tokens (data.max_operand 20: "
+                                                "'20+20=', in the chat template)"}
+    assert _preflight(tiny_qwen3, "data.max_operand=20", "data.max_prompt_tokens=25") == {}
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps({"prompt": text, "answer": "2", "response": "2"}) for text in ("1+1=", "", "x" * 300, "1+1=")))
+    errors = _preflight(tiny_qwen3, "data.source=jsonl", f"data.path={rows}", "data.eval_size=1")
+    assert errors == {"data.max_prompt_tokens": "64 is shorter than a prompt of 319 tokens (data.path line 3, in the "
+                                                "chat template)"}
+    # SFT truncates its sequences at data.seq_len instead
+    assert _preflight(tiny_qwen3, "data.source=jsonl", f"data.path={rows}", "data.eval_size=1", recipe="sft") == {}

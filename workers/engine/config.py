@@ -121,7 +121,8 @@ class DataConfig(_Section):
         default=None, description="examples to train on, after eval_size are held out; unset: every other row of a "
                                   f"JSONL file, or {ARITHMETIC_TRAIN_SIZE} arithmetic problems (at most all pairs)")
     eval_size: PositiveInt = 64
-    max_prompt_tokens: PositiveInt = Field(default=64, description="GRPO: longest prompt in tokens; a longer one stops the run with an error")
+    max_prompt_tokens: PositiveInt = Field(default=64, description="GRPO: longest prompt in tokens, chat template included; "
+                                                                 "preflight refuses data with a longer one")
     packing: bool = Field(default=True, description="SFT: pack several examples into one sequence")
     seq_len: PositiveInt = 256
 

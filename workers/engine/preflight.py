@@ -17,7 +17,7 @@ from workers.engine.config import ConfigError, FieldError, RunConfig, check_mode
 from workers.engine.env import ALLOWED_PATHS_ENV, WORKERS_ENV, read_env
 from workers.engine.planning.shapes import BYTES_PER_VALUE, ModelShape
 from workers.engine.planning.whatif import TRAINER_STATE_BYTES_PER_PARAM, Placement, Workload, generate_requests
-from workers.engine.tasks import data_errors
+from workers.engine.tasks import data_errors, prompts_to_check
 
 _MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama3"}
 PATH_FIELDS = ("model.path", "data.path", "checkpoint.resume_from", "checkpoint.folder", "telemetry.jsonl_path")
@@ -135,7 +135,29 @@ def preflight_errors(config: RunConfig) -> list[FieldError]:
         errors.append(FieldError("checkpoint.resume_from", f"{config.checkpoint.resume_from} does not exist"))
     errors.extend(_unsupported(config))
     errors.extend(_device_errors(config))
+    if not errors:  # a usable model folder and data: their prompts in the model's tokens
+        errors.extend(prompt_length_errors(config))
     return errors
+
+
+def prompt_length_errors(config: RunConfig) -> list[FieldError]:
+    """GRPO: a prompt longer than data.max_prompt_tokens stops the step that draws it (or the held-out eval), so every
+    prompt the data can give is counted in the model's tokens first; the first one too long is refused."""
+    if config.recipe != "grpo":
+        return []
+    from workers.engine.models.tokenizer import ChatTokenizer  # noqa: PLC0415 - transformers, only once all else passed
+
+    try:
+        tokenizer = ChatTokenizer(config.model.path)
+    except (OSError, ValueError) as exc:
+        return [FieldError("model.path", f"cannot load its tokenizer: {exc}")]
+    limit = config.data.max_prompt_tokens
+    for where, problem in prompts_to_check(config):
+        tokens = len(tokenizer.encode_prompt(problem.messages))
+        if tokens > limit:
+            return [FieldError("data.max_prompt_tokens", f"{limit} is shorter than a prompt of {tokens} tokens "
+                                                         f"({where}, in the chat template)")]
+    return []
 
 
 def _device_errors(config: RunConfig) -> list[FieldError]:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from workers.engine.config import FieldError, Recipe, RunConfig
-from workers.engine.tasks.arithmetic import arithmetic_pairs, arithmetic_task
-from workers.engine.tasks.jsonl_chat import Needs, jsonl_task
-from workers.engine.tasks.problem import DataError, Task
+from workers.engine.tasks.arithmetic import arithmetic_pairs, arithmetic_problem, arithmetic_task
+from workers.engine.tasks.jsonl_chat import Needs, jsonl_task, numbered_jsonl_problems
+from workers.engine.tasks.problem import DataError, Problem, Task
 
 
 def needs_of(config: RunConfig) -> Needs:
@@ -40,3 +40,15 @@ def data_errors(config: RunConfig) -> list[FieldError]:
     except OSError as exc:
         return [FieldError("data.path", f"cannot read {data.path}: {exc.strerror or exc}")]
     return []
+
+
+def prompts_to_check(config: RunConfig) -> list[tuple[str, Problem]]:
+    """(where it comes from, problem) of the prompts that bound the run's prompt length: every row of a JSONL file (the
+    data check has passed), or the arithmetic problem with the longest text."""
+    data = config.data
+    if data.source == "arithmetic":
+        top = data.max_operand
+        return [(f"data.max_operand {top}: '{top}+{top}='", arithmetic_problem(top, top))]
+    assert data.path is not None  # the config validator requires it
+    return [(f"data.path line {line}", problem)
+            for line, problem in numbered_jsonl_problems(data.path, data=data, needs=needs_of(config))]

@@ -20,7 +20,8 @@ from typing import Any
 from workers.engine.config import DataConfig, DataFields
 from workers.engine.tasks.problem import DataError, Message, Problem, Task, split_by_seed
 
-__all__ = ["DataError", "Needs", "extract_answer", "jsonl_task", "problem_from_row", "read_jsonl_problems"]
+__all__ = ["DataError", "Needs", "extract_answer", "jsonl_task", "numbered_jsonl_problems", "problem_from_row",
+           "read_jsonl_problems"]
 
 _ROLES = {"system", "user", "assistant", "tool"}
 # read too when data.fields keeps the conventional key
@@ -109,6 +110,11 @@ def problem_from_row(record: Any, *, line: int, data: DataConfig, needs: Needs) 
 
 
 def read_jsonl_problems(path: str | Path, *, data: DataConfig, needs: Needs) -> list[Problem]:
+    return [problem for _, problem in numbered_jsonl_problems(path, data=data, needs=needs)]
+
+
+def numbered_jsonl_problems(path: str | Path, *, data: DataConfig, needs: Needs) -> list[tuple[int, Problem]]:
+    """(line number, problem) of every row that is not blank."""
     problems = []
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
@@ -126,7 +132,7 @@ def read_jsonl_problems(path: str | Path, *, data: DataConfig, needs: Needs) -> 
                 raise DataError(f"not JSON ({exc.msg})", line=number) from None
             except RecursionError:
                 raise DataError("nested too deeply", line=number) from None
-            problems.append(problem_from_row(record, line=number, data=data, needs=needs))
+            problems.append((number, problem_from_row(record, line=number, data=data, needs=needs)))
     if not problems:
         raise DataError("no rows: every line is blank")
     return problems
