@@ -237,6 +237,18 @@ def test_overlong_penalty_in_a_run(tiny_trainable_qwen3: Path, make_config) -> N
         assert m["reward/mean"] == pytest.approx(m["reward/exact_math"] + m["reward/overlong"], abs=1e-6)
 
 
+def test_a_batch_whose_every_response_is_filtered_trains_on_nothing_without_nan(tiny_trainable_qwen3: Path,
+                                                                                make_config) -> None:
+    """The random model's replies run to max_new_tokens: grpo.overlong.filter masks every one, and the token
+    normaliser (0 tokens) once made the loss 0 / 0 = NaN."""
+    result = train_grpo(make_config("grpo", tiny_trainable_qwen3, *ARITHMETIC, "trainer.steps=2", "trainer.batch_size=2",
+                                    "trainer.micro_batch_size=64", "grpo.group_size=4", "eval.every_steps=0",
+                                    "grpo.overlong.filter=true", "generator.max_new_tokens=1"),
+                        Recorder())
+    assert all(m["response_length/mean"] == 1.0 for m in result.metrics)
+    assert result.losses == [0.0, 0.0] and all(m["grad_norm"] == 0.0 for m in result.metrics)
+
+
 def test_dynamic_sampling_fills_every_async_batch(sft_warm_start: tuple[Path, float], make_config) -> None:
     folder, _ = sft_warm_start
     sink = MemorySink()

@@ -24,7 +24,8 @@ from workers.engine.timeline import WorkSpans
 
 def loss_normalizer(batch: RolloutBatch, aggregation: str, *, max_new_tokens: int | None = None) -> float:
     """Of the whole step's batch: response tokens (token aggregation), sequences (sequence, sequence_sum), or
-    sequences x generator.max_new_tokens (constant)."""
+    sequences x generator.max_new_tokens (constant). Parts of a batch add up to the whole's; divide by
+    `dividing_normalizer` of the sum."""
     if aggregation == "token":
         return float(batch.response_mask.sum())
     if aggregation == "constant":
@@ -71,6 +72,12 @@ def kl_reward_advantages(batch: RolloutBatch, rewards: list[float], *, grpo: Grp
     shaped = torch.tensor(rewards, dtype=torch.float32, device=penalty.device) - penalty
     batch.advantages = group_advantages(shaped, grpo.group_size, std_normalised=grpo.std_normalised_advantages)
     return float(penalty.mean())
+
+
+def dividing_normalizer(normalizer: float) -> float:
+    """What a loss and its gradients are divided by: at least 1, so a batch without a response token in the loss (every
+    response cut off under grpo.overlong.filter) gives a loss and gradients of 0, not 0 / 0."""
+    return max(normalizer, 1.0)
 
 
 @dataclass
@@ -124,7 +131,8 @@ def policy_update(
         with span("forward_backward"):
             loss, update_parts = accumulate_gradients(
                 model, mine, grpo=grpo, temperature=temperature, micro_batch_size=micro_batch_size,
-                normalizer=loss_normalizer(update, grpo.aggregation, max_new_tokens=max_new_tokens), passes=passes,
+                normalizer=dividing_normalizer(loss_normalizer(update, grpo.aggregation, max_new_tokens=max_new_tokens)),
+                passes=passes,
                 filler=update.rows(0, 1), sync=True)
         if share.reduce_gradients is not None:
             with span("all_reduce"):

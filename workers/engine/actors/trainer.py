@@ -25,8 +25,8 @@ from workers.engine.actors.trainer_rank import TrainerRankActor
 from workers.engine.batching import RolloutBatch, collate_record
 from workers.engine.behaviour_weights import BehaviourWeights
 from workers.engine.data_parallel import all_reduce_gradients, apply_update, zero_weighted_pass
-from workers.engine.grpo_math import (accumulate_gradients, kl_reward_advantages, loss_normalizer, policy_update,
-                                      prepare_old_logprobs)
+from workers.engine.grpo_math import (accumulate_gradients, dividing_normalizer, kl_reward_advantages, loss_normalizer,
+                                      policy_update, prepare_old_logprobs)
 from workers.engine.replay_buffer import RolloutBatchRecord
 from workers.engine.precision import DTYPES
 from workers.engine.sampler import Completion, SamplingParams, TorchSampler
@@ -154,14 +154,15 @@ class TrainerActor(TrainerRankActor):
                 zero_weighted_pass(self.model, step["filler"])
             elif self.world > 1:
                 all_reduce_gradients(self.model)
+        normalizer = dividing_normalizer(step["normalizer"])
         with spans.span("optimizer"):
             for param in self.model.parameters():
                 if param.grad is not None:
-                    param.grad.div_(step["normalizer"])
+                    param.grad.div_(normalizer)
             grad_norm, lr = apply_update(self.model, self.optimizer, self.scheduler,
                                          grad_clip=self.config.trainer.optimizer.grad_clip)
         self.optimizer.zero_grad(set_to_none=True)
         self._step_so_far = _new_step()
-        return {"loss": step["loss"] / step["normalizer"], "parts": step["parts"], "grad_norm": grad_norm, "lr": lr,
+        return {"loss": step["loss"] / normalizer, "parts": step["parts"], "grad_norm": grad_norm, "lr": lr,
                 "updates": 1, "shaping": {key: value / step["rows"] for key, value in step["shaping"].items()},
                 "train_tokens": step["train_tokens"], "spans": spans.items}
