@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.engine.config import MAX_THREADS_PER_PROCESS, ConfigError, load_config
+from workers.engine.config import MAX_REWARD_WEIGHT, MAX_THREADS_PER_PROCESS, ConfigError, load_config
 from workers.engine.preflight import preflight_errors
 
 GRPO = "recipe: grpo\nmodel: {path: /x}\n"
@@ -31,6 +31,21 @@ def test_threads_per_process_stops_at_more_cores_than_a_host_has() -> None:
     assert "trainer.threads_per_process" in _field_errors(GRPO, "trainer.threads_per_process=2147483647")
     config = load_config(GRPO, overrides=[f"trainer.threads_per_process={MAX_THREADS_PER_PROCESS}"])
     assert config.trainer.threads_per_process == MAX_THREADS_PER_PROCESS
+
+
+@pytest.mark.parametrize("weights", ["[.nan]", "[.inf]", "[-.inf]", "[1e308, 1e308]"])
+def test_reward_weights_are_finite(weights: str) -> None:
+    # each validated; the combined reward was nan or inf, so were the advantages and, after one update, the model's
+    # weights: the second step's sampler stopped with 'no token to draw' (a traceback)
+    functions = "reward.functions=[exact_math, format]" if "," in weights else "reward.functions=[exact_math]"
+    errors = _field_errors(GRPO, functions, f"reward.weights={weights}")
+    assert set(errors) <= {"reward.weights.0", "reward.weights.1"} and errors
+
+
+def test_reward_weights_keep_their_range() -> None:
+    config = load_config(GRPO, overrides=["reward.functions=[exact_math, format]",
+                                          f"reward.weights=[{-MAX_REWARD_WEIGHT}, {MAX_REWARD_WEIGHT}]"])
+    assert config.reward.weights == [-MAX_REWARD_WEIGHT, MAX_REWARD_WEIGHT]
 
 
 def test_a_gpu_this_host_lacks_is_refused_before_a_single_process_run(tiny_qwen3: Path,

@@ -359,9 +359,13 @@ class ReferenceConfig(_Section):
     replicas: PositiveInt = 1
 
 
+MAX_REWARD_WEIGHT = 1000.0  # finite: a nan, inf or 1e308 weight made the advantages, then the model, nan
+
+
 class RewardConfig(_Section):
     functions: list[Literal["exact_math", "format"]] = Field(default_factory=lambda: ["exact_math"], min_length=1)
-    weights: list[float] | None = None
+    weights: list[Annotated[float, Field(ge=-MAX_REWARD_WEIGHT, le=MAX_REWARD_WEIGHT)]] | None = Field(
+        default=None, description="one per function, the combined reward their weighted sum; unset: 1 each")
 
     @model_validator(mode="after")
     def _weights_match(self) -> RewardConfig:
