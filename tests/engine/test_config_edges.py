@@ -75,3 +75,12 @@ def test_a_prompt_longer_than_max_prompt_tokens_is_refused_with_where_it_comes_f
                                                 "chat template)"}
     # SFT truncates its sequences at data.seq_len instead
     assert _preflight(tiny_qwen3, "data.source=jsonl", f"data.path={rows}", "data.eval_size=1", recipe="sft") == {}
+
+
+def test_a_tokenizer_that_cannot_load_is_a_model_path_error(tiny_qwen3: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "model"
+    broken.mkdir()
+    for item in tiny_qwen3.iterdir():
+        (broken / item.name).write_bytes(item.read_bytes())
+    (broken / "tokenizer.json").write_text("{}")
+    assert _preflight(broken)["model.path"].startswith("cannot load its tokenizer (")

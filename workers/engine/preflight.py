@@ -9,6 +9,7 @@ Importing this module does not import torch.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -143,14 +144,14 @@ def preflight_errors(config: RunConfig) -> list[FieldError]:
 def prompt_length_errors(config: RunConfig) -> list[FieldError]:
     """GRPO: a prompt longer than data.max_prompt_tokens stops the step that draws it (or the held-out eval), so every
     prompt the data can give is counted in the model's tokens first; the first one too long is refused."""
-    if config.recipe != "grpo":
+    if config.recipe != "grpo" or importlib.util.find_spec("transformers") is None:  # a torch-free checker
         return []
     from workers.engine.models.tokenizer import ChatTokenizer  # noqa: PLC0415 - transformers, only once all else passed
 
     try:
         tokenizer = ChatTokenizer(config.model.path)
-    except (OSError, ValueError) as exc:
-        return [FieldError("model.path", f"cannot load its tokenizer: {exc}")]
+    except Exception as exc:  # noqa: BLE001 - whatever the folder's tokenizer files hold, the run could not load them
+        return [FieldError("model.path", f"cannot load its tokenizer ({type(exc).__name__}: {exc})")]
     limit = config.data.max_prompt_tokens
     for where, problem in prompts_to_check(config):
         tokens = len(tokenizer.encode_prompt(problem.messages))
