@@ -84,3 +84,25 @@ def test_a_tokenizer_that_cannot_load_is_a_model_path_error(tiny_qwen3: Path, tm
         (broken / item.name).write_bytes(item.read_bytes())
     (broken / "tokenizer.json").write_text("{}")
     assert _preflight(broken)["model.path"].startswith("cannot load its tokenizer (")
+
+
+def test_what_the_run_writes_or_resumes_from_is_checked_before_it_starts(tiny_qwen3: Path, tmp_path: Path) -> None:
+    # each validated; a checkpoint folder that is a file failed at the first save (the run's end, its training lost),
+    # a telemetry file that is a folder when its sink opened, a resume folder without a checkpoint when it loaded
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    assert _preflight(tiny_qwen3, f"checkpoint.folder={a_file}") == {
+        "checkpoint.folder": f"{a_file} is a file: name a folder"}
+    assert _preflight(tiny_qwen3, f"checkpoint.folder={a_file / 'ckpt'}") == {
+        "checkpoint.folder": f"{a_file} is a file: {a_file / 'ckpt'} cannot be made inside it"}
+    assert _preflight(tiny_qwen3, f"telemetry.jsonl_path={tmp_path}") == {
+        "telemetry.jsonl_path": f"{tmp_path} is a folder: name a file"}
+    empty = tmp_path / "checkpoints"
+    (empty / "step_000002").mkdir(parents=True)  # a folder name, not a complete checkpoint
+    assert _preflight(tiny_qwen3, f"checkpoint.resume_from={empty}") == {
+        "checkpoint.resume_from": f"{empty} holds no checkpoint (a step_N folder, or a folder of them)"}
+    assert "checkpoint.resume_from" in _preflight(tiny_qwen3, f"checkpoint.resume_from={a_file}")
+    (empty / "step_000002" / "trainer.pt").write_bytes(b"")
+    fine = (f"checkpoint.folder={tmp_path / 'new' / 'ckpt'}", f"telemetry.jsonl_path={tmp_path / 'new' / 'm.jsonl'}")
+    assert _preflight(tiny_qwen3, *fine, f"checkpoint.resume_from={empty}") == {}
+    assert _preflight(tiny_qwen3, *fine, f"checkpoint.resume_from={empty / 'step_000002'}") == {}

@@ -29,7 +29,8 @@ def _copy_model(source: Path, target: Path) -> Path:
 def layout(tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     """A run folder, a root holding a model and a dataset, and another run's folder with an export."""
     run = tmp_path / "runs" / "7-abc"
-    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "step_000001").mkdir(parents=True)
+    (run / "checkpoints" / "step_000001" / "trainer.pt").write_bytes(b"")  # what resume_from must hold
     root = tmp_path / "models"
     model = _copy_model(tiny_qwen3, root / "tiny")
     dataset = root / "train.jsonl"

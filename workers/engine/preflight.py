@@ -134,11 +134,46 @@ def preflight_errors(config: RunConfig) -> list[FieldError]:
         errors.extend(data_errors(config))  # every row read and checked: cheap beside loading the model
     if config.checkpoint.resume_from and not Path(config.checkpoint.resume_from).exists():
         errors.append(FieldError("checkpoint.resume_from", f"{config.checkpoint.resume_from} does not exist"))
+    elif config.checkpoint.resume_from and not _holds_a_checkpoint(Path(config.checkpoint.resume_from)):
+        errors.append(FieldError("checkpoint.resume_from", f"{config.checkpoint.resume_from} holds no checkpoint (a "
+                                                           "step_N folder, or a folder of them)"))
+    errors.extend(_output_path_errors(config))
     errors.extend(_unsupported(config))
     errors.extend(_device_errors(config))
     if not errors:  # a usable model folder and data: their prompts in the model's tokens
         errors.extend(prompt_length_errors(config))
     return errors
+
+
+def _holds_a_checkpoint(path: Path) -> bool:
+    """What checkpoint.resolve_checkpoint finds: a step folder itself, or a complete step_N folder inside."""
+    from workers.engine.checkpoint import STATE_FILE  # noqa: PLC0415 - torch, as the model loads next anyway
+
+    return (path / STATE_FILE).is_file() or any(state.parent.name.removeprefix("step_").isdigit()
+                                                 for state in path.glob(f"step_*/{STATE_FILE}"))
+
+
+def _output_path_errors(config: RunConfig) -> list[FieldError]:
+    """What the run would write where it cannot: a checkpoint folder that is a file (found when the first checkpoint is
+    saved, at the end of a run without checkpoint.every_steps), a telemetry file that is a folder."""
+    errors = []
+    if problem := _cannot_make(Path(config.checkpoint.folder), folder=True):
+        errors.append(FieldError("checkpoint.folder", problem))
+    if config.telemetry.jsonl_path and (problem := _cannot_make(Path(config.telemetry.jsonl_path), folder=False)):
+        errors.append(FieldError("telemetry.jsonl_path", problem))
+    return errors
+
+
+def _cannot_make(path: Path, *, folder: bool) -> str | None:
+    """Why the run could not use or make `path` (a folder, or a file), as far as the kinds of the paths tell."""
+    if path.exists():
+        if path.is_dir() == folder:
+            return None
+        return f"{path} is a {'file' if folder else 'folder'}: name a {'folder' if folder else 'file'}"
+    ancestor = next((parent for parent in path.parents if parent.exists()), None)
+    if ancestor is not None and not ancestor.is_dir():
+        return f"{ancestor} is a file: {path} cannot be made inside it"
+    return None
 
 
 def prompt_length_errors(config: RunConfig) -> list[FieldError]:
