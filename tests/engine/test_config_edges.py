@@ -106,3 +106,14 @@ def test_what_the_run_writes_or_resumes_from_is_checked_before_it_starts(tiny_qw
     fine = (f"checkpoint.folder={tmp_path / 'new' / 'ckpt'}", f"telemetry.jsonl_path={tmp_path / 'new' / 'm.jsonl'}")
     assert _preflight(tiny_qwen3, *fine, f"checkpoint.resume_from={empty}") == {}
     assert _preflight(tiny_qwen3, *fine, f"checkpoint.resume_from={empty / 'step_000002'}") == {}
+
+
+def test_an_sft_eval_that_would_generate_past_the_models_positions_is_refused(tiny_qwen3: Path) -> None:
+    # generator.max_new_tokens=1023 validated for SFT (only data.seq_len was held to the 1024 positions); the held-out
+    # eval before the first step generated past position 1023 and torchtitan's rope raised
+    arithmetic = ("data.max_operand=20", "data.eval_size=8")
+    assert _preflight(tiny_qwen3, *arithmetic, "generator.max_new_tokens=1023", recipe="sft") == {
+        "generator.max_new_tokens": "the held-out eval generates 1023 tokens after prompts of up to 25: 1048 is longer "
+                                    "than the model's 1024 positions"}
+    assert _preflight(tiny_qwen3, *arithmetic, "generator.max_new_tokens=999", recipe="sft") == {}
+    assert _preflight(tiny_qwen3, *arithmetic, "generator.max_new_tokens=1023", "eval.every_steps=0", recipe="sft") == {}

@@ -18,7 +18,7 @@ from workers.engine.config import ConfigError, FieldError, RunConfig, check_mode
 from workers.engine.env import ALLOWED_PATHS_ENV, WORKERS_ENV, read_env
 from workers.engine.planning.shapes import BYTES_PER_VALUE, ModelShape
 from workers.engine.planning.whatif import TRAINER_STATE_BYTES_PER_PARAM, Placement, Workload, generate_requests
-from workers.engine.tasks import data_errors, prompts_to_check
+from workers.engine.tasks import build_task, data_errors, prompts_to_check
 
 _MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama3"}
 PATH_FIELDS = ("model.path", "data.path", "checkpoint.resume_from", "checkpoint.folder", "telemetry.jsonl_path")
@@ -109,6 +109,7 @@ def preflight_errors(config: RunConfig) -> list[FieldError]:
         if confined:
             return confined  # nothing outside is opened, not even to check it
     errors: list[FieldError] = []
+    context = None  # the model's positions, when its config.json gives them
     try:
         check_model_folder(config)
     except ConfigError as exc:
@@ -126,7 +127,8 @@ def preflight_errors(config: RunConfig) -> list[FieldError]:
                 errors.append(FieldError("model.path", f"model_type {model_type!r} is not supported (qwen3, llama)"))
             elif family != config.model.family:
                 errors.append(FieldError("model.family", f"the folder holds a {family} model, not {config.model.family}"))
-            errors.extend(_context_errors(config, hf_config.get("max_position_embeddings")))
+            context = hf_config.get("max_position_embeddings")
+            errors.extend(_context_errors(config, context))
             errors.extend(memory_errors(config, hf_config, host_bytes=host_memory_bytes()))
     if config.data.source == "jsonl" and config.data.path and not Path(config.data.path).is_file():
         errors.append(FieldError("data.path", f"file {config.data.path} does not exist"))
@@ -141,7 +143,7 @@ def preflight_errors(config: RunConfig) -> list[FieldError]:
     errors.extend(_unsupported(config))
     errors.extend(_device_errors(config))
     if not errors:  # a usable model folder and data: their prompts in the model's tokens
-        errors.extend(prompt_length_errors(config))
+        errors.extend(prompt_length_errors(config, context=context if _positions(context) else None))
     return errors
 
 
@@ -176,10 +178,13 @@ def _cannot_make(path: Path, *, folder: bool) -> str | None:
     return None
 
 
-def prompt_length_errors(config: RunConfig) -> list[FieldError]:
-    """GRPO: a prompt longer than data.max_prompt_tokens stops the step that draws it (or the held-out eval), so every
-    prompt the data can give is counted in the model's tokens first; the first one too long is refused."""
-    if config.recipe != "grpo" or importlib.util.find_spec("transformers") is None:  # a torch-free checker
+def prompt_length_errors(config: RunConfig, *, context: int | None) -> list[FieldError]:
+    """Prompts counted in the model's tokens, chat template included, before anything loads. GRPO: a prompt longer than
+    data.max_prompt_tokens stops the step that draws it (or the held-out eval), so every prompt the data can give is
+    counted and the first one too long refused. SFT: the held-out eval (when its problems carry answers) generates
+    generator.max_new_tokens after each held-out prompt, past the model's positions if the longest does not leave room."""
+    sft_eval = config.recipe == "sft" and config.eval.every_steps > 0 and context is not None
+    if not (config.recipe == "grpo" or sft_eval) or importlib.util.find_spec("transformers") is None:  # torch-free
         return []
     from workers.engine.models.tokenizer import ChatTokenizer  # noqa: PLC0415 - transformers, only once all else passed
 
@@ -187,6 +192,16 @@ def prompt_length_errors(config: RunConfig) -> list[FieldError]:
         tokenizer = ChatTokenizer(config.model.path)
     except Exception as exc:  # noqa: BLE001 - whatever the folder's tokenizer files hold, the run could not load them
         return [FieldError("model.path", f"cannot load its tokenizer ({type(exc).__name__}: {exc})")]
+    if config.recipe == "sft":
+        task = build_task(config)
+        if not task.verifiable:
+            return []
+        longest, new = max(len(tokenizer.encode_prompt(p.messages)) for p in task.held_out), config.generator.max_new_tokens
+        if longest + new <= context:
+            return []
+        return [FieldError("generator.max_new_tokens", f"the held-out eval generates {new} tokens after prompts of up "
+                                                       f"to {longest}: {longest + new} is longer than the model's "
+                                                       f"{context} positions")]
     limit = config.data.max_prompt_tokens
     for where, problem in prompts_to_check(config):
         tokens = len(tokenizer.encode_prompt(problem.messages))
@@ -213,10 +228,15 @@ def _device_errors(config: RunConfig) -> list[FieldError]:
     return [FieldError(field, f"this host has no CUDA device: {fix}") for field, fix in wants]
 
 
+def _positions(context: object) -> bool:
+    """A config.json's max_position_embeddings that says how many positions the model has."""
+    return isinstance(context, int) and not isinstance(context, bool) and context >= 1
+
+
 def _context_errors(config: RunConfig, context: object) -> list[FieldError]:
     """Sequences longer than the model's positions: its position embeddings end there (and a sampler asked for a
     billion new tokens would allocate their cache before it failed)."""
-    if not isinstance(context, int) or isinstance(context, bool) or context < 1:
+    if not _positions(context):
         return []
     if config.recipe == "sft":
         if config.data.seq_len > context:
