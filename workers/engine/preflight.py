@@ -2,8 +2,10 @@
 
 Field-level, like schema errors: the model folder exists and holds the family the config
 names, its sequences fit the model's positions, a CPU run's processes could fit in this host's
-memory, every row of the data file can be used (else its line and why not), and the config
-asks only for what this runner implements.
+memory, every row of the data file can be used (else its line and why not), its prompts counted
+in the model's tokens fit data.max_prompt_tokens (GRPO) or leave the held-out eval room (SFT), the
+run can write its checkpoint folder and telemetry file and resume from a checkpoint, a single-process
+run's GPU exists, and the config asks only for what this runner implements.
 Importing this module does not import torch.
 """
 
