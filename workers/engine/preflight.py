@@ -223,9 +223,7 @@ def _device_errors(config: RunConfig) -> list[FieldError]:
         ("placement.trainer.gpus_per_proc", config.placement.trainer.gpus_per_proc > 0, "set it to 0")) if asked]
     if not wants:
         return []
-    import torch  # noqa: PLC0415 - the rest of preflight runs without torch
-
-    if torch.cuda.is_available():
+    if _cuda_here():
         return []
     return [FieldError(field, f"this host has no CUDA device: {fix}") for field, fix in wants]
 
@@ -308,11 +306,15 @@ def memory_errors(config: RunConfig, hf_config: dict, *, host_bytes: int) -> lis
 def _computes_on_cpu(config: RunConfig) -> bool:
     if config.trainer.device != "auto":
         return config.trainer.device == "cpu"
+    return not _cuda_here()
+
+
+def _cuda_here() -> bool:
     try:
         import torch  # noqa: PLC0415 - the rest of preflight runs without torch
     except ImportError:
-        return True  # no CUDA here either
-    return not torch.cuda.is_available()
+        return False
+    return torch.cuda.is_available()
 
 
 def preflight(config: RunConfig) -> None:
