@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from forgeboard.runs.models import Run
 from forgeboard.runs.services import run_launch
 from tests.e2e.conftest import login, screenshot
 
@@ -29,6 +30,8 @@ UNNAMED = """() => Array.from(document.querySelectorAll('input:not([type=hidden]
 @pytest.fixture
 def pages(team, grpo_yaml_monarch):
     run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml_monarch)
+    # A launched run's log file (a worker may launch it first, with its own path as long): one unbroken word
+    Run.objects.filter(pk=run.pk).update(log_path=f"/var/lib/forgeboard/data/runs/{run.pk}-402a5a989c2d/engine.log")
     return ["/", "/p/alpha/", f"/runs/{run.pk}/", "/p/alpha/launch/", "/cluster/", "/p/alpha/members/",
             "/p/alpha/artifacts/", "/settings/tokens/"]
 
