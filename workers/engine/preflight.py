@@ -221,9 +221,7 @@ def _device_errors(config: RunConfig) -> list[FieldError]:
     wants = [(field, fix) for field, asked, fix in (
         ("trainer.device", config.trainer.device == "cuda", "set it to cpu or auto"),
         ("placement.trainer.gpus_per_proc", config.placement.trainer.gpus_per_proc > 0, "set it to 0")) if asked]
-    if not wants:
-        return []
-    if _cuda_here():
+    if not wants or _cuda_here():
         return []
     return [FieldError(field, f"this host has no CUDA device: {fix}") for field, fix in wants]
 

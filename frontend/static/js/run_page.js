@@ -10,7 +10,7 @@
   const MAX_LOG_LINES = 500;
   const ZOOM_BUCKETS = 600;
 
-  let lastSeq = 0, lastStep = 0, stepSeen = false, socket = null, attempts = 0, closedByPage = false;
+  let lastSeq = 0, lastStep = 0, socket = null, attempts = 0, closedByPage = false;
   let currentState = run.state;
   let startedAt = run.startedAt ? Date.parse(run.startedAt) : null;
   let finishedAt = run.finishedAt ? Date.parse(run.finishedAt) : null;
@@ -171,8 +171,9 @@
   // "Step 40 of 200", and while the run runs past its startup the step under way, so a long first step (a big
   // batch) does not look like a stalled run.
   function showStep() {
-    const reported = stepSeen ? `${lastStep} of ${run.totalSteps}` : `— of ${run.totalSteps}`;
-    const working = currentState === "running" && (startup.done || stepSeen) && lastStep < run.totalSteps;
+    const seen = startup.metricsSeen;
+    const reported = seen ? `${lastStep} of ${run.totalSteps}` : `— of ${run.totalSteps}`;
+    const working = currentState === "running" && (startup.done || seen) && lastStep < run.totalSteps;
     $("run-step").textContent = working ? `${reported} · step ${lastStep + 1} running` : reported;
   }
 
@@ -188,10 +189,9 @@
       if (!points.length) return;
       grid.add(key, points);
       lastStep = Math.max(lastStep, points[points.length - 1][0]);
-      stepSeen = true;
     });
-    showStep();
     if (keys.length) { $("charts-empty").hidden = true; startupFinishedByMetrics(); }
+    showStep();
     applyChartFilter();
   }
 
