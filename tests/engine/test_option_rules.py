@@ -117,3 +117,25 @@ def test_a_generator_in_the_trainers_procs_refuses_what_configures_generator_pro
     drill = "drills=[{kind: kill, role: generator, replica: 0, schedule: {at_step: 2}}]"
     assert "drill the trainer" in _errors(*in_trainer, drill)["drills.0.role"]
     assert load_config(GRPO, overrides=[MONARCH, drill]).drills[0].role == "generator", "with generator procs: allowed"
+
+
+SFT = "recipe: sft\nmodel: {path: /x}\n"
+
+
+def test_grpo_options_on_an_sft_run_are_refused_down_to_the_nested_field() -> None:
+    errors = _errors("grpo.loss=cispo", "grpo.overlong.penalty_tokens=4", "grpo.dynamic_sampling.max_rounds=2",
+                     "generator.temperature=0.7", "generator.routing=sticky", "reference.enabled=true",
+                     "replay_buffer.capacity=64", text=SFT)
+    assert set(errors) == {"grpo.loss", "grpo.overlong.penalty_tokens", "grpo.dynamic_sampling",
+                           "generator.temperature", "generator.routing", "reference.enabled", "replay_buffer.capacity"}
+    assert all("recipe: sft" in message for message in errors.values())
+    # what an SFT run reads: its held-out eval's max_new_tokens and reward functions
+    config = load_config(SFT, overrides=["generator.max_new_tokens=32", "reward.functions=[exact_math, format]"])
+    assert config.generator.max_new_tokens == 32
+    assert load_config(config_to_yaml(config)) == config, "a full dump writes every GRPO default, and validates"
+
+
+def test_generator_routing_on_the_local_recipe_is_refused() -> None:
+    assert "placement.backend: monarch" in _errors("generator.routing=sticky")["generator.routing"]
+    assert load_config(GRPO, overrides=[MONARCH, "generator.replicas=2", "generator.routing=sticky"]).generator.routing \
+        == "sticky"

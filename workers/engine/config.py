@@ -589,7 +589,38 @@ def unused_option_errors(config: RunConfig, *, monarch_grpo: bool) -> list[Field
     optimizer = config.trainer.optimizer
     if optimizer.name != "adamw" and "betas" in changed_fields(optimizer):
         errors.append(FieldError("trainer.optimizer.betas", f"betas are AdamW's; {optimizer.name} has none"))
+    if config.recipe == Recipe.SFT:
+        errors.extend(sft_unused_errors(config))
+    elif not monarch_grpo and "routing" in changed_fields(config.generator):
+        errors.append(FieldError("generator.routing", "picks among generator replicas, and the local recipe generates "
+                                                      "in its one process: placement.backend: monarch"))
     return errors
+
+
+# What of GRPO's sections an SFT run reads: its held-out eval generates greedily up to max_new_tokens and scores
+# with the reward functions. replicas, backend and in_trainer have rules of their own.
+SFT_READS = {"generator": ("max_new_tokens", "replicas", "backend", "in_trainer")}
+GRPO_ONLY_SECTIONS = ("grpo", "generator", "reference", "replay_buffer")
+
+
+def sft_unused_errors(config: RunConfig) -> list[FieldError]:
+    """GRPO's options set on an SFT run, each named down to the nested field that was changed."""
+    return [FieldError(path, "a GRPO option: this is an SFT run (recipe: sft), which does not read it")
+            for section in GRPO_ONLY_SECTIONS
+            for path in changed_paths(getattr(config, section), prefix=section)
+            if path.split(".")[1] not in SFT_READS.get(section, ())]
+
+
+def changed_paths(section: _Section, *, prefix: str) -> list[str]:
+    """Dotted paths of the fields that differ from their defaults, descending into nested sections."""
+    paths = []
+    for name in changed_fields(section):
+        value, default = getattr(section, name), type(section).model_fields[name].get_default(call_default_factory=True)
+        if isinstance(value, _Section) and isinstance(default, _Section):
+            paths.extend(changed_paths(value, prefix=f"{prefix}.{name}"))
+        else:
+            paths.append(f"{prefix}.{name}")
+    return paths
 
 
 def grpo_update_errors(config: RunConfig, *, monarch_grpo: bool) -> list[FieldError]:
