@@ -8,6 +8,8 @@ Idempotency-Key). Any other database error is a bug and stays a 500.
 
 from __future__ import annotations
 
+import sqlite3
+
 from django.db import InterfaceError, OperationalError
 from django.http import HttpResponse
 
@@ -17,7 +19,7 @@ RETRY_AFTER_S = 2
 # Postgres SQLSTATEs: serialization failure, deadlock, lock timeout, statement timeout, shutting down, too many
 # connections; and any connection exception (class 08).
 _PG_TRANSIENT = {"40001", "40P01", "55P03", "57014", "57P01", "57P02", "57P03", "53300"}
-_SQLITE_TRANSIENT = ("database is locked", "database table is locked")
+_SQLITE_TRANSIENT = {sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED}
 
 
 class DatabaseBusy(ServiceError):
@@ -28,11 +30,14 @@ class DatabaseBusy(ServiceError):
 def is_database_busy(exc: BaseException) -> bool:
     if not isinstance(exc, OperationalError | InterfaceError):
         return False
-    sqlstate = getattr(exc.__cause__, "sqlstate", None)
+    cause = exc.__cause__
+    if isinstance(cause, sqlite3.Error):
+        return cause.sqlite_errorcode & 0xFF in _SQLITE_TRANSIENT  # an extended code keeps its primary in the low byte
+    sqlstate = getattr(cause, "sqlstate", None)
     if sqlstate is not None:
         return sqlstate in _PG_TRANSIENT or sqlstate.startswith("08")
-    text = str(exc)
-    return text.startswith(_SQLITE_TRANSIENT) or "connection" in text and ("closed" in text or "refused" in text)
+    text = str(exc)  # psycopg gives a connection that failed or closed no SQLSTATE
+    return "connection" in text and ("closed" in text or "refused" in text)
 
 
 def busy_error() -> DatabaseBusy:

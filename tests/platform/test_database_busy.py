@@ -63,7 +63,29 @@ def test_a_launch_while_the_database_is_locked_is_a_503_that_keeps_nothing_and_c
     assert client.post("/p/alpha/launch/", form).status_code == 302 and Run.objects.count() == 2
 
 
-def test_only_a_passing_database_condition_counts_as_busy():
-    assert is_database_busy(OperationalError("database is locked"))
-    assert not is_database_busy(OperationalError("no such column: runs_run.nope"))
+def _django_error_from_sqlite(statement: str, tmp_path) -> OperationalError:
+    """Django's OperationalError raised from what SQLite itself answers, while another connection holds the write
+    lock (the same way Django wraps a driver's error: the driver's is its cause)."""
+    path = str(tmp_path / "busy.sqlite3")
+    holder, waiter = sqlite3.connect(path, isolation_level=None), sqlite3.connect(path, timeout=0, isolation_level=None)
+    holder.execute("CREATE TABLE IF NOT EXISTS t (x)")
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        waiter.execute(statement)
+    except sqlite3.Error as driver_error:
+        error = OperationalError(str(driver_error))
+        error.__cause__ = driver_error
+        return error
+    finally:
+        holder.rollback()
+        holder.close()
+        waiter.close()
+    raise AssertionError(f"{statement} did not fail")
+
+
+def test_only_a_passing_database_condition_counts_as_busy(tmp_path):
+    locked = _django_error_from_sqlite("INSERT INTO t VALUES (1)", tmp_path)
+    assert str(locked) == "database is locked" and is_database_busy(locked)
+    assert not is_database_busy(_django_error_from_sqlite("SELECT nope FROM t", tmp_path))  # no such column
+    assert not is_database_busy(OperationalError("database is locked")), "a message alone is not SQLite's answer"
     assert not is_database_busy(ValueError("database is locked"))
