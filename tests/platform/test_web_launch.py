@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -304,6 +306,37 @@ def test_the_grpo_demo_preset_says_it_needs_the_sft_export_and_offers_to_make_it
     _register_sft_model(team, tmp_path)
     html = client.get("/p/alpha/launch/").content.decode()
     assert "preset-needs-sft" not in html and "launch-sft-demo" not in html
+
+
+def test_the_examples_are_parsed_once_and_an_edited_example_is_picked_up(client, team, settings, tmp_path, monkeypatch):
+    shutil.copytree(Path(settings.REPO_DIR) / "examples" / "configs", tmp_path / "examples" / "configs")
+    settings.REPO_DIR = tmp_path
+    examples = sorted((tmp_path / "examples" / "configs").glob("*.yaml"))
+    parsed: list[str] = []
+    safe_load = yaml.safe_load
+    monkeypatch.setattr(yaml, "safe_load", lambda text: parsed.append(text) or safe_load(text))
+    client.force_login(team.member)
+
+    first = client.get("/p/alpha/launch/")
+    assert len(parsed) == len(examples), "each example parsed once, not once per use"
+    second = client.get("/p/alpha/launch/")
+    assert len(parsed) == len(examples), "unchanged examples are not parsed again"
+    assert second.context["presets_json"] == first.context["presets_json"]
+    assert second.content.decode().count("recipe: sft") == first.content.decode().count("recipe: sft") > 0
+
+    # an edit that keeps the file's size (an editor saving a second later): the new text is on the page
+    sft = tmp_path / "examples" / "configs" / "cpu_demo_sft.yaml"
+    text = sft.read_text(encoding="utf-8")
+    assert "max_operand: 20" in text
+    sft.write_text(text.replace("max_operand: 20", "max_operand: 30"), encoding="utf-8")
+    stat = sft.stat()
+    os.utime(sft, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2_000_000_000))
+    edited = client.get("/p/alpha/launch/")
+    assert len(parsed) == len(examples) + 1, "only the edited example is parsed again"
+    preset = next(p for p in edited.context["presets_json"] if p["key"] == "cpu_demo_sft")
+    assert "max_operand: 30" in preset["yaml"] and "max_operand: 20" not in preset["yaml"]
+    assert yaml.safe_load(preset["yaml"])["model"]["path"] == str(Path(settings.DATA_DIR) / "models" / "tiny-qwen3")
+    assert "max_operand: 30" in edited.content.decode()
 
 
 # --- the validate API -------------------------------------------------------------------------------------------

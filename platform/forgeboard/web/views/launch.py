@@ -125,17 +125,32 @@ def launch_presets() -> list[Preset]:
     """Model presets from examples/configs. The CPU demo SFT preset points model.path at the demo model folder
     (inside the default artifact roots, FORGEBOARD_ARTIFACT_ROOTS; seed_demo also registers it as the demo project's
     `tiny-qwen3`); the GRPO demo preset starts from the SFT demo's export, the model artifact `tiny-qwen3-sft`."""
-    presets = []
-    for path in sorted((Path(settings.REPO_DIR) / "examples" / "configs").glob("*.yaml")):
-        text = path.read_text(encoding="utf-8")
-        recipe = str((yaml.safe_load(text) or {}).get("recipe", ""))
-        if path.stem in SFT_WARM_START_PRESETS:
-            text = _model_path_to_artifact(text, SFT_MODEL)
-        elif path.stem.startswith("cpu_demo"):
-            text = _set_yaml_scalar(text, ["model", "path"], str(demo_model_dir()))
-        label = PRESET_LABELS.get(path.stem, f"{path.stem.replace('_', ' ')} ({recipe})")
-        presets.append(Preset(key=path.stem, label=label, recipe=recipe, yaml=text))
+    paths = sorted((Path(settings.REPO_DIR) / "examples" / "configs").glob("*.yaml"))
+    presets = [_example_preset(path) for path in paths]
     return sorted(presets, key=lambda p: (not p.key.startswith("cpu_demo"), p.key))
+
+
+# Each example's preset, parsed once and kept while its file (modification time, size) and the demo model folder
+# stay the same: parsing the examples took 30+ ms, and the launch page lists them all.
+_parsed_examples: dict[Path, tuple[tuple[int, int, str], Preset]] = {}
+
+
+def _example_preset(path: Path) -> Preset:
+    stat = path.stat()
+    stamp = (stat.st_mtime_ns, stat.st_size, str(demo_model_dir()))
+    cached = _parsed_examples.get(path)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    text = path.read_text(encoding="utf-8")
+    recipe = str((yaml.safe_load(text) or {}).get("recipe", ""))
+    if path.stem in SFT_WARM_START_PRESETS:
+        text = _model_path_to_artifact(text, SFT_MODEL)
+    elif path.stem.startswith("cpu_demo"):
+        text = _set_yaml_scalar(text, ["model", "path"], str(demo_model_dir()))
+    label = PRESET_LABELS.get(path.stem, f"{path.stem.replace('_', ' ')} ({recipe})")
+    preset = Preset(key=path.stem, label=label, recipe=recipe, yaml=text)
+    _parsed_examples[path] = (stamp, preset)
+    return preset
 
 
 def _split_overrides(text: str) -> list[str]:
