@@ -20,7 +20,7 @@ from forgeboard.errors import Conflict, FieldProblem, NotFound, ValidationFailed
 from forgeboard.experiments.models import Experiment, Recipe
 from forgeboard.experiments.services import config_snapshot_create, validate_and_resolve
 from forgeboard.runs.models import EXTERNAL_BACKENDS, Command, CommandKind, CommandState, LaunchBackend, Run
-from forgeboard.runs.states import ACTIVE_STATES, TERMINAL_STATES, TRANSITIONS, RunState
+from forgeboard.runs.states import COMMAND_STATES, TERMINAL_STATES, TRANSITIONS, RunState
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append, storable
 from workers.engine.config import IN_TRAINER, RunConfig
@@ -212,7 +212,7 @@ def command_create(*, actor: Actor, run: Run, kind: str, payload: dict[str, Any]
         _check_operation(run=run, kind=kind, payload=payload)
     with transaction.atomic():
         _lock_run(run)
-        if run.state not in ACTIVE_STATES or run.state == RunState.CANCELLING:
+        if run.state not in COMMAND_STATES:
             raise Conflict(f"run {run.pk} is {run.state}: commands go to launching, running or paused runs")
         command = _command_insert(actor=actor, run=run, kind=CommandKind(kind), payload=payload)
         audit_record(actor=actor, action=f"command.{kind}", target=command, project=run.experiment.project,

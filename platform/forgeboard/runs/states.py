@@ -32,6 +32,10 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
 }
 TERMINAL_STATES = frozenset(state for state, targets in TRANSITIONS.items() if not targets)
 ACTIVE_STATES = frozenset({S.LAUNCHING, S.RUNNING, S.PAUSED, S.CANCELLING})
+# The states in which the cancel action moves a run on, and those in which it takes operator commands (the services
+# refuse the rest; the run page shows only the actions that apply and follows the run's state as it changes).
+CANCELLABLE_STATES = frozenset({S.QUEUED, S.LAUNCHING, S.RUNNING, S.PAUSED})
+COMMAND_STATES = frozenset({S.LAUNCHING, S.RUNNING, S.PAUSED})
 
 
 def sources_of(target: RunState) -> frozenset[RunState]:
