@@ -1,13 +1,23 @@
 """The run page in Chromium, on a real run: chart points arrive over the websocket; zoom and hidden series
-survive new data and a reconnect; operator controls are confirmed, sent, and show up in the timeline."""
+survive new data and a reconnect; operator controls are confirmed, sent, and show up in the timeline; a run that
+ends while its page is open loses its live-only controls and shows how and why it ended, without a reload."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
+import pytest
+from django.db import transaction
+from django.utils import timezone
+from playwright.sync_api import expect
+
 from forgeboard.accounts.services import membership_remove
 from forgeboard.experiments.services import experiment_create
-from forgeboard.runs.models import Command
-from forgeboard.runs.services import run_cancel, run_launch
+from forgeboard.runs.models import Command, Run
+from forgeboard.runs.services import run_cancel, run_launch, run_transition
+from forgeboard.runs.states import RunState
 from tests.e2e.conftest import login, outside_the_browser_loop, screenshot
+from tests.platform.conftest import TINY_MONARCH_GRPO_YAML
 from tests.support.configs import sft_yaml
 from tests.support.processes import wait_for
 
@@ -117,3 +127,111 @@ def test_a_member_removed_while_watching_sees_the_stream_end(page, server, team,
     assert page.locator("#conn").inner_text() == "no longer allowed to follow this run"
     screenshot(page, "run_page_access_withdrawn")
 
+
+
+def _seeded_run(team, state: RunState = RunState.RUNNING) -> Run:
+    """A multi-process run (every operator control) that the worker skips: not queued once the launch commits,
+    started 90 s ago."""
+    def launch() -> Run:
+        with transaction.atomic():
+            run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=TINY_MONARCH_GRPO_YAML)
+            Run.objects.filter(pk=run.pk).update(state=state, started_at=timezone.now() - timedelta(seconds=90))
+        return run
+    return outside_the_browser_loop(launch)
+
+
+def _open(page, server, run, *, width: int) -> None:
+    page.set_viewport_size({"width": width, "height": 900})
+    login(page, server, "mateo")
+    page.goto(f"{server['url']}/runs/{run.pk}/")
+    page.wait_for_function("document.getElementById('conn').textContent === 'live'", timeout=30_000)
+
+
+def _open_live(page, server, run, *, width: int) -> None:
+    _open(page, server, run, width=width)
+    expect(page.locator("#run-state")).to_have_text("Running")
+    expect(page.get_by_role("button", name="Cancel run")).to_be_visible()
+    expect(page.get_by_role("heading", name="Operator controls")).to_be_visible()
+    expect(page.get_by_role("button", name="Inject")).to_be_visible()
+    expect(page.get_by_role("note").filter(has_text="Exit reason")).to_have_count(0)
+
+
+def _fits(page, width: int) -> None:
+    overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+    assert overflow <= 1, f"the run page scrolls sideways by {overflow}px at {width}px"
+
+
+@pytest.mark.parametrize("width", [1280, 390])
+def test_a_run_that_fails_while_its_page_is_open_shows_it_without_a_reload(page, server, team, width):
+    run = _seeded_run(team)
+    _open_live(page, server, run, width=width)
+    screenshot(page, f"run_page_before_end_{width}")
+
+    # what the local supervisor does when the engine exits with an error (its reason: the code and the log's tail)
+    reason = "engine exited with code 1\nTraceback (most recent call last):\nRuntimeError: out of memory on rank 0"
+    outside_the_browser_loop(run_transition, run_id=run.pk, from_state=RunState.RUNNING, to_state=RunState.FAILED,
+                             reason=reason)
+
+    expect(page.locator("#run-state")).to_have_text("Failed")
+    expect(page.get_by_role("button", name="Cancel run")).to_be_hidden()
+    expect(page.get_by_role("heading", name="Operator controls")).to_be_hidden()
+    for button in ("Inject", "Apply", "Redirect", "Send"):
+        expect(page.get_by_role("button", name=button, exact=True)).to_be_hidden()
+    card = page.get_by_role("note").filter(has_text="Exit reason")
+    expect(card).to_be_visible()
+    expect(card).to_contain_text("engine exited with code 1")
+    expect(card).to_contain_text("RuntimeError: out of memory on rank 0")
+    duration = page.locator("#run-duration").inner_text()
+    assert duration.startswith("1m 3"), duration
+    page.wait_for_timeout(1200)
+    assert page.locator("#run-duration").inner_text() == duration, "the duration stops at the end"
+    _fits(page, width)
+    screenshot(page, f"run_page_after_end_{width}")
+
+    page.reload()  # what a fresh page shows is what the live one came to
+    page.wait_for_function("document.getElementById('conn').textContent === 'live'", timeout=30_000)
+    expect(page.locator("#run-state")).to_have_text("Failed")
+    expect(page.get_by_role("button", name="Cancel run")).to_have_count(0)
+    expect(page.get_by_role("note").filter(has_text="Exit reason")).to_contain_text("RuntimeError: out of memory")
+
+
+def test_a_run_cancelled_by_someone_else_while_its_page_is_open(page, server, team):
+    run = _seeded_run(team)
+    _open_live(page, server, run, width=1280)
+
+    outside_the_browser_loop(run_cancel, actor=team.owner, run=run)  # the owner, in another window
+    expect(page.locator("#run-state")).to_have_text("Cancelling")
+    expect(page.get_by_role("button", name="Cancel run")).to_be_hidden()
+    expect(page.get_by_role("button", name="Inject")).to_be_hidden()
+    expect(page.locator("#controls-note")).to_contain_text("takes no more commands")
+    screenshot(page, "run_page_cancelling")
+
+    # the supervisor, once the engine stopped
+    outside_the_browser_loop(run_transition, run_id=run.pk, from_state=RunState.CANCELLING,
+                             to_state=RunState.CANCELLED, reason="cancelled by operator")
+    expect(page.locator("#run-state")).to_have_text("Cancelled")
+    expect(page.get_by_role("heading", name="Operator controls")).to_be_hidden()
+    expect(page.get_by_role("note").filter(has_text="Exit reason")).to_contain_text("cancelled by operator")
+
+
+def test_a_lost_run_restarted_while_its_page_is_open_gets_its_controls_back(page, server, team):
+    """The reverse: the actions of a live run come back as the reconciler restarts a lost run (without a reload)."""
+    run = _seeded_run(team, state=RunState.LOST)
+    _open(page, server, run, width=1280)
+    expect(page.locator("#run-state")).to_have_text("Lost")
+    expect(page.get_by_role("button", name="Cancel run")).to_be_hidden()  # the service cannot cancel a lost run
+    expect(page.locator("#controls-note")).to_contain_text("restarts from its last checkpoint")
+    expect(page.get_by_role("button", name="Inject")).to_be_hidden()
+
+    outside_the_browser_loop(run_transition, run_id=run.pk, from_state=RunState.LOST, to_state=RunState.QUEUED,
+                             reason="restart 1 of 2: engine killed by signal 9")
+    expect(page.locator("#run-state")).to_have_text("Queued")
+    expect(page.get_by_role("button", name="Cancel run")).to_be_visible()
+    expect(page.locator("#controls-note")).to_contain_text("once the run is launching")
+    expect(page.get_by_role("note").filter(has_text="Exit reason")).to_contain_text("restart 1 of 2")
+
+    outside_the_browser_loop(run_transition, run_id=run.pk, from_state=RunState.QUEUED, to_state=RunState.LAUNCHING)
+    expect(page.locator("#run-state")).to_have_text("Launching")
+    expect(page.get_by_role("button", name="Inject")).to_be_visible()
+    expect(page.locator("#controls-note")).to_be_hidden()
+    expect(page.get_by_role("button", name="Cancel run")).to_be_visible()

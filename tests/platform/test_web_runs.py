@@ -59,6 +59,30 @@ def test_the_run_page_for_a_member_has_controls_and_for_a_viewer_none(client, te
     assert 'id="controls"' not in page and "Cancel run" not in page and "recipe: grpo" in page
 
 
+def _shown(page: str, element_id: str) -> str | None:
+    """Whether the element with this id is on the page and shown, or put away (rendered hidden); None if absent."""
+    start = page.find(f'id="{element_id}"')
+    if start < 0:
+        return None
+    return "put away" if " hidden" in page[start:page.index(">", start)] else "shown"
+
+
+@pytest.mark.parametrize(("state", "cancel", "commands"), [
+    ("queued", "shown", "put away"), ("running", "shown", "shown"), ("cancelling", "put away", "put away"),
+    ("lost", "put away", "put away"), ("failed", None, None), ("succeeded", None, None)])
+def test_the_run_page_offers_the_actions_its_state_allows(client, team, runs, state, cancel, commands):
+    """A run that has not ended has its actions on the page, put away in the states that refuse them (the page's
+    script shows and hides them as the state changes); an ended run has none, and its rollouts stop polling."""
+    run = runs[0]
+    Run.objects.filter(pk=run.pk).update(state=state, exit_reason="engine exited with code 1" if state == "failed" else "")
+    client.force_login(team.member)
+    page = client.get(f"/runs/{run.pk}/").content.decode()
+    assert (_shown(page, "cancel-run"), _shown(page, "controls-forms")) == (cancel, commands)
+    assert _shown(page, "exit-reason") == ("shown" if state == "failed" else "put away")
+    rollouts = client.get(f"/runs/{run.pk}/rollouts/")
+    assert rollouts.status_code == (286 if state in ("failed", "succeeded") else 200), "htmx stops polling at 286"
+
+
 def test_outsiders_get_404_for_runs_and_rollouts(client, team, runs):
     client.force_login(team.outsider)
     assert client.get(f"/runs/{runs[0].pk}/").status_code == 404

@@ -6,12 +6,13 @@
   const run = JSON.parse(document.getElementById("run-data").textContent);
   const $ = (id) => document.getElementById(id);
   const QUIET_KINDS = new Set(["rollout", "eval", "command_acknowledged"]);
-  const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
+  const TERMINAL = new Set(run.terminalStates);
+  const CANCELLABLE = new Set(run.cancelStates), TAKES_COMMANDS = new Set(run.commandStates);
   const MAX_LOG_LINES = 500;
   const ZOOM_BUCKETS = 600;
 
   let lastSeq = 0, lastStep = 0, socket = null, attempts = 0, closedByPage = false;
-  let currentState = run.state;
+  let currentState = run.state, endSeen = TERMINAL.has(run.state);
   let startedAt = run.startedAt ? Date.parse(run.startedAt) : null;
   let finishedAt = run.finishedAt ? Date.parse(run.finishedAt) : null;
   // offset: seconds from the run's start (launching → running) to the engine's first startup phase, when the
@@ -47,7 +48,31 @@
     badge.dataset.state = state;
     currentState = state;
     updateLaunchFlash(state);
+    showActions(state);
     showStep();
+    if (TERMINAL.has(state) && !endSeen) {  // the checkpoints table, as the run left it
+      endSeen = true;
+      document.body.dispatchEvent(new CustomEvent("run-ended"));
+    }
+  }
+
+  // The actions a person may take follow the run's state, as the page would render them fresh: cancel while it
+  // moves the run on, the operator controls while the run takes commands (else a note says why), neither once
+  // the run has ended.
+  function showActions(state) {
+    const cancel = $("cancel-run"), controls = $("controls");
+    if (cancel) cancel.hidden = !CANCELLABLE.has(state);
+    if (!controls) return;  // a viewer's page, or a run that had ended when the page was rendered
+    controls.hidden = TERMINAL.has(state);
+    $("controls-forms").hidden = !TAKES_COMMANDS.has(state);
+    $("controls-note").hidden = TAKES_COMMANDS.has(state);
+    $("controls-note").textContent = run.controlsNotes[state] || "";
+  }
+
+  function showExitReason(reason) {
+    if (typeof reason !== "string" || reason === "") return;
+    $("exit-reason-text").textContent = reason;
+    $("exit-reason").hidden = false;
   }
 
   // The launch page's "Launched … #N: queued." flash follows the run's state instead of going stale.
@@ -204,6 +229,7 @@
       if (event.kind === "state_changed" && event.payload && event.payload.to) {
         followStateTimes(event);
         setState(event.payload.to);
+        showExitReason(event.payload.reason);
         showDuration();
       }
       const isStartup = event.kind === "message" && event.payload && event.payload.name === "startup_phase";

@@ -24,7 +24,7 @@ from forgeboard.runs.checkpoints import run_checkpoints, run_launch_from_checkpo
 from forgeboard.runs.models import LaunchBackend, Run
 from forgeboard.runs.selectors import RunFilters, runs_search
 from forgeboard.runs.services import command_create, run_cancel
-from forgeboard.runs.states import ACTIVE_STATES, RunState
+from forgeboard.runs.states import CANCELLABLE_STATES, COMMAND_STATES, TERMINAL_STATES, RunState
 from forgeboard.telemetry.models import EventKind, MetricSeries, RunEvent
 from forgeboard.telemetry.selectors import KEY_METRICS, rollout_samples
 from forgeboard.idempotency.services import idempotent_refused
@@ -41,6 +41,15 @@ PLACEMENT_EVENTS = (EventKind.PLACEMENT_APPLIED, EventKind.PLACEMENT_CHANGED)
 DRILL_KIND_LABELS = {"kill": "kill a process (SIGKILL)", "hang": "hang (SIGSTOP, then SIGCONT)",
                      "raise": "raise in an endpoint", "latency": "add message latency", "bandwidth": "cap bandwidth",
                      "slow_host": "slow the host (stop/continue)"}
+# Why the operator controls are put away in a state of a run that has not ended (they are shown in COMMAND_STATES).
+CONTROLS_NOTES = {
+    RunState.QUEUED: "Queued: the controls work once the run is launching.",
+    RunState.CANCELLING: "Cancelling: the run takes no more commands.",
+    RunState.LOST: "Lost: the run stopped without an end of its own. It restarts from its last checkpoint if it has "
+                   "restarts left, else it fails; the controls work again once it is launching.",
+}
+# htmx stops polling a part that answers with this status (and still shows the answer).
+STOP_POLLING = 286
 
 
 def _filters(request: HttpRequest) -> RunFilters:
@@ -116,7 +125,9 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     placement = _placement(run)
     context = {
         "run": run, "project": project, "role": role, "can_operate": can_operate,
-        "active": run.state in ACTIVE_STATES, "duration": duration_of(run),
+        "ended": run.state in TERMINAL_STATES, "can_cancel": run.state in CANCELLABLE_STATES,
+        "takes_commands": run.state in COMMAND_STATES, "controls_note": CONTROLS_NOTES.get(run.state, ""),
+        "duration": duration_of(run),
         "multi_process": config.placement.backend != LaunchBackend.LOCAL,  # monarch, or a SLURM / Kubernetes job
         "checkpoints": run_checkpoints(run=run), "placement": placement,
         "placement_json": placement["plan_json"],
@@ -130,8 +141,9 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "has_replicas": config.recipe != Recipe.SFT,  # an SFT run has trainer ranks only: nothing to place
         "hosts": list(Host.objects.order_by("hostname").values_list("hostname", flat=True)),
         "total_steps": config.trainer.steps,
-        "run_data": {"id": run.pk, "number": run.number, "state": run.state, "active": run.state in ACTIVE_STATES,
-                     "totalSteps": config.trainer.steps,
+        "run_data": {"id": run.pk, "number": run.number, "state": run.state, "totalSteps": config.trainer.steps,
+                     "terminalStates": sorted(TERMINAL_STATES), "cancelStates": sorted(CANCELLABLE_STATES),
+                     "commandStates": sorted(COMMAND_STATES), "controlsNotes": CONTROLS_NOTES,
                      "startedAt": run.started_at.isoformat() if run.started_at else None,
                      "finishedAt": run.finished_at.isoformat() if run.finished_at else None,
                      "wsPath": f"/ws/runs/{run.pk}/", "apiPath": f"/api/v1/runs/{run.pk}/"},
@@ -154,9 +166,11 @@ def run_checkpoints_part(request: HttpRequest, run_id: int) -> HttpResponse:
 @login_required
 @require_GET
 def run_rollouts(request: HttpRequest, run_id: int) -> HttpResponse:
-    """The newest rollout samples (prompt, completion, reward, advantage, policy version); htmx refreshes it."""
+    """The newest rollout samples (prompt, completion, reward, advantage, policy version); htmx refreshes it until
+    the run has ended."""
     run = run_or_404(request, run_id)
-    return render(request, "web/_rollouts.html", {"rollouts": rollout_samples(run=run, last=ROLLOUTS_SHOWN)})
+    return render(request, "web/_rollouts.html", {"rollouts": rollout_samples(run=run, last=ROLLOUTS_SHOWN)},
+                  status=STOP_POLLING if run.state in TERMINAL_STATES else 200)
 
 
 @login_required
