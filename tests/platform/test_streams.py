@@ -136,6 +136,27 @@ async def test_state_changes_reach_run_and_project_subscribers(running_run, team
     await project_stream.disconnect()
 
 
+async def test_an_ending_run_tells_its_subscribers_why_live_and_in_a_later_backlog(running_run, team):
+    """The run page hides its live-only actions and shows the exit reason from these, without a reload."""
+    run, _ = running_run
+    token = await _token(team)
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={token}")
+    backlog = json.loads(await stream.receive_from(timeout=10))
+    assert (backlog["state"], backlog["exit_reason"]) == ("running", "")
+    await sync_to_async(run_transition)(run_id=run.pk, from_state=RunState.RUNNING, to_state=RunState.FAILED,
+                                        reason="engine exited with code 1")
+    update = await _receive_until(stream, lambda m: any(e["kind"] == "state_changed" for e in m["events"]))
+    assert update[-1]["events"][-1]["payload"] == {"from": "running", "to": "failed",
+                                                   "reason": "engine exited with code 1"}
+    await stream.disconnect()
+
+    last_seq = update[-1]["events"][-1]["seq"]  # a page that reconnects after the end has every event already
+    again = await _connect(f"/ws/runs/{run.pk}/?token={token}&after_seq={last_seq}&after_step=0")
+    backlog = json.loads(await again.receive_from(timeout=10))
+    assert (backlog["state"], backlog["exit_reason"], backlog["events"]) == ("failed", "engine exited with code 1", [])
+    await again.disconnect()
+
+
 @pytest.mark.parametrize(("query", "code"), [("", 4401), ("?token=fb_nope_nope", 4401), ("?after_seq=x", 4400)])
 async def test_refused_connections(running_run, query, code):
     run, _ = running_run

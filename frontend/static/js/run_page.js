@@ -264,7 +264,10 @@
     const data = JSON.parse(message.data);
     if (data.type === "pong") return;
     addEvents(data.events || []);
-    if (data.type === "run.backlog" && data.state) setState(data.state);  // current, whatever events the backlog held
+    if (data.type === "run.backlog" && data.state) {  // current, whatever events the backlog held
+      setState(data.state);
+      showExitReason(data.exit_reason);
+    }
     addMetrics(data.metrics || {});
     addLogs(data.logs);
     stepTimeline.add(data.timelines);

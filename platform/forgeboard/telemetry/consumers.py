@@ -215,7 +215,8 @@ class RunStreamConsumer(LiveConsumer):
             metrics[series.key] = [[b.step, wire_number(b.mean)] for b in buckets]
         logs = list(LogLine.objects.filter(run=run).order_by("-batch_seq", "-index")
                     .values_list("line", flat=True)[:BACKLOG_LOG_LINES])[::-1]
-        return {"type": "run.backlog", "run": run.pk, "state": run.state, "events": events, "metrics": metrics,
+        return {"type": "run.backlog", "run": run.pk, "state": run.state, "exit_reason": run.exit_reason,
+                "events": events, "metrics": metrics,
                 "logs": logs, "timelines": step_timelines(run=run, last=BACKLOG_TIMELINES),
                 "telemetry_seq": run.telemetry_seq}
 
