@@ -225,17 +225,13 @@ def probe_hosts() -> list[str]:
 
 
 @shared_task(name=CHECKPOINTS_EXPORT, acks_late=False)
-def export_checkpoint(run_id: int, step: int, actor_kind: str, actor_id: int, launch_child: bool = False,
-                      overrides: list[str] | None = None, experiment_id: int | None = None,
-                      config_yaml: str | None = None, priority: int | None = None) -> str:
-    """Export a checkpoint as an HF folder, off the request that asked for it, and maybe start a run from it
-    (see runs/checkpoints.py)."""
+def export_checkpoint(run_id: int, step: int, actor_kind: str, actor_id: int) -> str:
+    """Export a checkpoint as an HF folder, off the request that asked for it, then start the runs asked for from
+    it meanwhile (see runs/checkpoints.py)."""
     from forgeboard.runs.checkpoints import checkpoint_export_queued
 
     with run_log_context(run_id):
-        status = checkpoint_export_queued(run_id=run_id, step=step, actor_kind=actor_kind, actor_id=actor_id,
-                                          launch_child=launch_child, overrides=overrides or (),
-                                          experiment_id=experiment_id, config_yaml=config_yaml, priority=priority)
+        status = checkpoint_export_queued(run_id=run_id, step=step, actor_kind=actor_kind, actor_id=actor_id)
         if status.error:
             logger.warning("export of step %s failed: %s", step, status.error)
         return status.state

@@ -30,7 +30,7 @@ from forgeboard.runs.checkpoints import (
     run_launch_from_checkpoint,
     run_launch_from_checkpoint_request,
 )
-from forgeboard.runs.models import Run
+from forgeboard.runs.models import PendingChildRun, Run
 from forgeboard.runs.services import run_launch
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append
@@ -429,8 +429,9 @@ def test_start_a_new_run_from_here_exports_in_a_worker_then_starts_the_run(dashb
     assert answer.status_code == 302 and answer.url == f"/runs/{parent.pk}/", "back on the parent's page at once"
     assert Run.objects.count() == 1 and not (run_dir(parent) / "exports" / "step_2").exists(), "nothing exported yet"
     assert "exporting step 2; the new run starts when the export is done" in dashboard.client.get(answer.url).content.decode()
-    assert [(name, kwargs) for name, _, kwargs in dashboard.sent] == [
-        ("checkpoints.export", {"launch_child": True, "overrides": []})]
+    assert [(name, kwargs) for name, _, kwargs in dashboard.sent] == [("checkpoints.export", {})]
+    assert [(p.step, p.overrides) for p in PendingChildRun.objects.filter(parent=parent)] == [(2, [])], \
+        "the run waits for the export"
 
     _work(dashboard.sent)
     child = Run.objects.get(parent=parent)
@@ -519,6 +520,59 @@ def test_start_a_new_run_from_here_sent_twice_asks_once(dashboard, django_captur
     assert [name for name, _, _ in dashboard.sent] == ["checkpoints.export"], "one export, for one run"
     assert AuditEvent.objects.filter(action="checkpoint.launch_request").count() == 1
 
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_runs_started_from_one_checkpoint_at_once_share_one_export(team, run_with_checkpoints, export_worker,
+                                                                        monkeypatch):
+    """Two members (or two CI jobs) start a run from the same checkpoint at once. Each request queued an export of its
+    own (a second request, even a minute later, queued a second export while the first was queued or running), so
+    two workers exported one checkpoint side by side. Now the second request finds the first's export under the
+    run's row lock and waits for it: one export is queued, and it starts both runs from the exported weights."""
+    from forgeboard.telemetry.models import RunEvent
+    from workers.tasks import export_checkpoint
+
+    parent = run_with_checkpoints
+    both_read = threading.Barrier(2, timeout=2)  # a request that cannot read before the other writes goes on alone
+    read_status, first_read = checkpoints._read_status, threading.local()
+
+    def read_then_wait_for_the_other(**kwargs):
+        status = read_status(**kwargs)
+        if not getattr(first_read, "done", False):
+            first_read.done = True
+            with contextlib.suppress(threading.BrokenBarrierError):
+                both_read.wait()
+        return status
+
+    monkeypatch.setattr(checkpoints, "_read_status", read_then_wait_for_the_other)
+    answers: list[object] = []
+
+    def request(steps: int) -> None:
+        try:
+            answers.append(run_launch_from_checkpoint_request(actor=team.member, run=Run.objects.get(pk=parent.pk),
+                                                              step=2, overrides=[f"trainer.steps={steps}"]))
+        except BaseException as error:  # noqa: BLE001 - asserted below
+            answers.append(error)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=request, args=(steps,)) for steps in (2, 3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert [getattr(answer, "state", answer) for answer in answers] == ["queued", "queued"], answers
+    [(name, args, kwargs)] = export_worker.sent
+    assert name == "checkpoints.export", "one export for two runs"
+
+    export_checkpoint.apply(args=args, kwargs=kwargs)
+    children = list(Run.objects.filter(parent=parent).order_by("pk"))
+    assert sorted(child.config.parsed["trainer"]["steps"] for child in children) == [2, 3]
+    export = str(run_dir(parent) / "exports" / "step_2")
+    assert [child.artifact_paths["model.path"] for child in children] == [export, export]
+    started = RunEvent.objects.filter(run=parent, kind="message", payload__name="child_run_started")
+    assert sorted(event.payload["run"] for event in started) == [child.pk for child in children]
+    assert AuditEvent.objects.filter(action="checkpoint.export").count() == 1
 
 # --- any checkpoint starts any recipe: another experiment, another config, the checkpoint as the model ---------
 
@@ -612,8 +666,9 @@ def test_the_checkpoint_form_launches_another_recipe_after_the_export(checkpoint
         answer = checkpoint_form.client.post(checkpoint_form.url, form)
     assert answer.status_code == 302 and answer.url == f"/runs/{sft_parent.pk}/", "back on the parent: exporting"
     assert "the new run starts when the export is done" in checkpoint_form.client.get(answer.url).content.decode()
-    [(name, _, kwargs)] = checkpoint_form.sent
-    assert name == "checkpoints.export" and kwargs["experiment_id"] == team.experiment.pk and kwargs["priority"] == 2
+    [(name, _, _)] = checkpoint_form.sent
+    [pending] = PendingChildRun.objects.filter(parent=sft_parent)
+    assert name == "checkpoints.export" and pending.experiment == team.experiment and pending.priority == 2
 
     _work(checkpoint_form.sent)
     child = Run.objects.get(parent=sft_parent)

@@ -25,7 +25,7 @@ from forgeboard.runs.demo import (
     demo_sft_launch,
     demo_sft_model_dir,
 )
-from forgeboard.runs.models import Run
+from forgeboard.runs.models import PendingChildRun, Run
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import MetricPoint, MetricSeries
 from tests.platform.test_checkpoints import SUCCEEDING_EXPORTER
@@ -91,8 +91,9 @@ def test_the_demo_chain_runs_sft_then_grpo_from_its_export(demo, django_capture_
     assert (exporting.phase, exporting.step) == (Phase.EXPORTING, 240), "from the last checkpoint"
     with django_capture_on_commit_callbacks(execute=True):
         assert demo_chain_advance(actor=demo.user).phase == Phase.EXPORTING
-    assert [kwargs["experiment_id"] for _, _, kwargs in demo.sent] == [exporting.sft.experiment.project.experiments
-                                                                       .get(name="arithmetic-grpo").pk], "queued once"
+    assert [name for name, _, _ in demo.sent] == ["checkpoints.export"], "queued once"
+    assert [pending.experiment.name for pending in PendingChildRun.objects.filter(parent=exporting.sft)] == [
+        "arithmetic-grpo"], "one GRPO run waits for it"
     assert "exporting SFT step 240" in demo_chain_summary(exporting)
 
     _work(demo.sent)

@@ -171,10 +171,11 @@ def launch_from_checkpoint(request: HttpRequest, run_id: int, body: CheckpointRu
     """Start a run of any recipe from the checkpoint at `step`: its weights are the child's model
     (`model.artifact: run:<run_id>@step:<step>`), its optimizer starts afresh, and the child's parent is this run.
 
-    201 with the child when the checkpoint is already exported. Otherwise the export is queued and the answer is
-    202 with its status: the child starts when it is done, and this run's events say which run started
-    (`child_run_started`) or why none could (`child_run_failed`). The experiment, config and overrides are
-    checked before anything is queued (400 with each problem at its field)."""
+    201 with the child when the checkpoint is already exported. Otherwise the export is queued (unless it already
+    is: every run asked for meanwhile waits for that one export) and the answer is 202 with its status: the child
+    starts when it is done, and this run's events say which run started (`child_run_started`) or why none could
+    (`child_run_failed`). The experiment, config and overrides are checked before anything is queued (400 with each
+    problem at its field)."""
     require_write_scope(request)
     actor = actor_of(request)
     run = run_get(actor=actor, run_id=run_id)

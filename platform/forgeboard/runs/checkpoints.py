@@ -7,7 +7,8 @@ The export runs the engine's exporter in a subprocess: the control plane never i
 Off the request: `checkpoint_export_request` queues the `checkpoints.export` Celery task and
 `checkpoint_export_status` tells how it goes. The state lives beside the export, in
 `<run folder>/exports/step_N.status.json` (queued, running or failed with the reason); a complete
-export folder means done.
+export folder means done. `run_launch_from_checkpoint_request` adds a `PendingChildRun` that the
+export's task starts when it is done: one export for every run asked for meanwhile.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from forgeboard.errors import NotFound, ServiceError, ValidationFailed
 from forgeboard.experiments.models import Experiment
 from forgeboard.experiments.services import validate_run_config
 from forgeboard.runs.folders import run_dir
-from forgeboard.runs.models import Run
+from forgeboard.runs.models import PendingChildRun, Run
 from forgeboard.runs.services import run_launch, run_launch_queue
 from forgeboard.telemetry.models import EventKind, RunEvent
 from forgeboard.telemetry.services import event_append
@@ -231,30 +232,31 @@ def run_launch_from_checkpoint_request(*, actor: Actor, run: Run, step: int, ove
 
     The child is a run of `experiment` (any recipe, the parent's experiment by default) with `config_yaml` (the
     parent's config by default) starting from the checkpoint's weights. The checkpoint already exported: the
-    child run, now. Otherwise the export is queued (the `checkpoints.export` task) and the child starts when it
-    is done; the parent's timeline then says which run started, or why none could. Permission, the step, the
-    experiment and the config are checked here first.
+    child run, now. Otherwise the child waits for the export (a `PendingChildRun`), which is queued (the
+    `checkpoints.export` task) unless it already is: one export serves every run asked for meanwhile, and starts
+    them when it is done; the parent's timeline then says which run started, or why none could. Permission, the
+    step, the experiment and the config are checked here first.
     """
     require_project_role(actor=actor, project=run.experiment.project, minimum=Role.MEMBER, action="launching runs")
     step = _clean_step(step)
     _checkpoint_at(run=run, step=step)
     _child_spec(run=run, step=step, overrides=overrides, experiment=experiment, config_yaml=config_yaml,
                 priority=priority)
-    status = _read_status(run=run, step=step)
-    if status is not None and status.state == ExportState.DONE:
-        return run_launch_from_checkpoint(actor=actor, run=run, step=step, overrides=overrides, experiment=experiment,
-                                          config_yaml=config_yaml, priority=priority)
-    if status is None or status.state == ExportState.FAILED:
-        _write_status(run=run, step=step, state=ExportState.QUEUED)
-    child = {key: value for key, value in (("experiment_id", experiment.pk if experiment else None),
-                                           ("config_yaml", config_yaml), ("priority", priority)) if value is not None}
     with transaction.atomic():
-        audit_record(actor=actor, action="checkpoint.launch_request", target=run, project=run.experiment.project,
-                     payload={"step": step, "overrides": list(overrides)}
-                     | ({"experiment": experiment.pk} if experiment else {}))
-        transaction.on_commit(lambda: _enqueue_export(run_id=run.pk, step=step, actor=actor,
-                                                      launch_child=True, overrides=list(overrides), child=child))
-    return _read_status(run=run, step=step)  # type: ignore[return-value]
+        _lock_exports(run=run)
+        status = _read_status(run=run, step=step)
+        if status is None or status.state != ExportState.DONE:
+            PendingChildRun.objects.create(parent=run, step=step, actor_kind=_actor_kind(actor), actor_id=actor.pk,
+                                           experiment=experiment, config_yaml=config_yaml, overrides=list(overrides),
+                                           priority=priority)
+            if status is None or status.state == ExportState.FAILED:
+                _queue_export(run=run, step=step, actor=actor)
+            audit_record(actor=actor, action="checkpoint.launch_request", target=run, project=run.experiment.project,
+                         payload={"step": step, "overrides": list(overrides)}
+                         | ({"experiment": experiment.pk} if experiment else {}))
+            return _read_status(run=run, step=step)  # type: ignore[return-value]
+    return run_launch_from_checkpoint(actor=actor, run=run, step=step, overrides=overrides, experiment=experiment,
+                                      config_yaml=config_yaml, priority=priority)
 
 
 def run_launch_from_checkpoint(*, actor: Actor, run: Run, step: int, overrides: Sequence[str] = (),
@@ -344,13 +346,32 @@ def checkpoint_export_status(*, actor: Actor, run: Run, step: int) -> ExportStat
     return status
 
 
-def _enqueue_export(*, run_id: int, step: int, actor: Actor, launch_child: bool = False,
-                    overrides: Sequence[str] = (), child: dict[str, Any] | None = None) -> None:
-    kind = "token" if isinstance(actor, ApiToken) else "user"
+def _lock_exports(*, run: Run) -> None:
+    """Take the run's row lock (SQLite: the transaction's write lock), under which the status of its exports is
+    read and written and the runs waiting for them are added and taken: two requests never both queue an export,
+    and a run asked for while an export finishes is either taken by it or finds it done."""
+    Run.objects.select_for_update(of=("self",)).filter(pk=run.pk).first()
+
+
+def _actor_kind(actor: Actor) -> str:
+    return "token" if isinstance(actor, ApiToken) else "user"
+
+
+def _actor(*, kind: str, actor_id: int) -> Actor | None:
+    model: Any = ApiToken if kind == "token" else User
+    return model.objects.filter(pk=actor_id).first()
+
+
+def _queue_export(*, run: Run, step: int, actor: Actor) -> None:
+    """Under `_lock_exports`: record the export as queued and send its task once the transaction commits."""
+    _write_status(run=run, step=step, state=ExportState.QUEUED)
+    transaction.on_commit(lambda: _enqueue_export(run_id=run.pk, step=step, actor=actor))
+
+
+def _enqueue_export(*, run_id: int, step: int, actor: Actor) -> None:
     # The checkpoint is on the disk where the run ran: a worker of that host's pool exports it.
     queue = run_launch_queue(run_id=run_id)
-    enqueue(CHECKPOINTS_EXPORT, args=[run_id, step, kind, actor.pk],
-            kwargs={"launch_child": launch_child, "overrides": list(overrides), **(child or {})}, queue=queue)
+    enqueue(CHECKPOINTS_EXPORT, args=[run_id, step, _actor_kind(actor), actor.pk], queue=queue)
 
 
 def checkpoint_export_request(*, actor: Actor, run: Run, step: int) -> ExportStatus:
@@ -364,62 +385,59 @@ def checkpoint_export_request(*, actor: Actor, run: Run, step: int) -> ExportSta
     step = _clean_step(step)
     _checkpoint_at(run=run, step=step)
     with transaction.atomic():
-        Run.objects.select_for_update(of=("self",)).filter(pk=run.pk).first()  # a concurrent request writes its status first
+        _lock_exports(run=run)
         status = _read_status(run=run, step=step)
         if status is not None and status.state != ExportState.FAILED:
             return status
-        _write_status(run=run, step=step, state=ExportState.QUEUED)
+        _queue_export(run=run, step=step, actor=actor)
         audit_record(actor=actor, action="checkpoint.export_request", target=run, project=run.experiment.project,
                      payload={"step": step})
-        transaction.on_commit(lambda: _enqueue_export(run_id=run.pk, step=step, actor=actor))
     return _read_status(run=run, step=step)  # type: ignore[return-value]
 
 
-def checkpoint_export_queued(*, run_id: int, step: int, actor_kind: str, actor_id: int, launch_child: bool = False,
-                             overrides: Sequence[str] = (), experiment_id: int | None = None,
-                             config_yaml: str | None = None, priority: int | None = None) -> ExportStatus:
-    """The task's side: export as the actor who asked, recording running, then done or failed with the reason.
-
-    `launch_child`: then start a run from the export (`run_launch_from_checkpoint`, in `experiment_id` with
-    `config_yaml` when given), and say so on the parent's timeline, with the child or the reason none started.
-    """
+def checkpoint_export_queued(*, run_id: int, step: int, actor_kind: str, actor_id: int) -> ExportStatus:
+    """The task's side: export as the actor who asked, recording running, then done or failed with the reason;
+    then start the runs asked for from this checkpoint meanwhile (`PendingChildRun`), each as the actor who asked
+    for it, and say so on the parent's timeline, with the child or the reason none started."""
     run = Run.objects.select_related("experiment__project").get(pk=run_id)
-    model: Any = ApiToken if actor_kind == "token" else User
-    actor = model.objects.filter(pk=actor_id).first()
+    actor = _actor(kind=actor_kind, actor_id=actor_id)
     _write_status(run=run, step=step, state=ExportState.RUNNING)
+    error = ""
     try:
         if actor is None:
             raise NotFound(f"the {actor_kind} that asked for this export no longer exists")
         checkpoint_export(actor=actor, run=run, step=step)
     except ServiceError as exc:
-        _write_status(run=run, step=step, state=ExportState.FAILED, error=exc.message)
+        error = exc.message
     except OSError as exc:
-        _write_status(run=run, step=step, state=ExportState.FAILED, error=f"{type(exc).__name__}: {exc}")
-    else:
-        _status_file(run=run, step=step).unlink(missing_ok=True)  # the export folder now says done
+        error = f"{type(exc).__name__}: {exc}"
+    with transaction.atomic():
+        _lock_exports(run=run)
+        if error:
+            _write_status(run=run, step=step, state=ExportState.FAILED, error=error)
+        else:
+            _status_file(run=run, step=step).unlink(missing_ok=True)  # the export folder now says done
+        waiting = list(PendingChildRun.objects.filter(parent=run, step=step).select_related("experiment"))
+        PendingChildRun.objects.filter(pk__in=[pending.pk for pending in waiting]).delete()
     status = _read_status(run=run, step=step)
-    if launch_child:
-        _launch_child(run=run, step=step, actor=actor, status=status, overrides=overrides,
-                      experiment_id=experiment_id, config_yaml=config_yaml, priority=priority)
+    for pending in waiting:
+        _launch_child(run=run, step=step, pending=pending, status=status)
     return status  # type: ignore[return-value]
 
 
-def _launch_child(*, run: Run, step: int, actor: Actor | None, status: ExportStatus | None,
-                  overrides: Sequence[str], experiment_id: int | None, config_yaml: str | None,
-                  priority: int | None) -> None:
-    if status is None or status.state != ExportState.DONE or actor is None:
+def _launch_child(*, run: Run, step: int, pending: PendingChildRun, status: ExportStatus | None) -> None:
+    if status is None or status.state != ExportState.DONE:
         reason = status.error if status is not None and status.error else "the export did not finish"
         event_append(run=run, kind=EventKind.MESSAGE,
                      payload={"name": "child_run_failed", "step": step, "reason": f"exporting step {step}: {reason}"})
         return
     try:
-        experiment = None
-        if experiment_id is not None:
-            experiment = Experiment.objects.filter(pk=experiment_id).first()
-            if experiment is None:
-                raise NotFound(f"experiment {experiment_id} no longer exists")
-        child = run_launch_from_checkpoint(actor=actor, run=run, step=step, overrides=overrides, experiment=experiment,
-                                           config_yaml=config_yaml, priority=priority)
+        actor = _actor(kind=pending.actor_kind, actor_id=pending.actor_id)
+        if actor is None:
+            raise NotFound(f"the {pending.actor_kind} that asked for this run no longer exists")
+        child = run_launch_from_checkpoint(actor=actor, run=run, step=step, overrides=pending.overrides,
+                                           experiment=pending.experiment, config_yaml=pending.config_yaml,
+                                           priority=pending.priority)
     except ServiceError as exc:
         event_append(run=run, kind=EventKind.MESSAGE, payload={"name": "child_run_failed", "step": step, "reason": exc.message})
         return

@@ -130,3 +130,26 @@ class RunToken(models.Model):
 
     def __str__(self) -> str:
         return f"run token fbr_{self.prefix}_… for {self.run}"
+
+
+class PendingChildRun(models.Model):
+    """A run asked for from a checkpoint whose export was not done yet: the task that finishes the export starts it
+    (or says on the parent's timeline why it could not). One export serves every run asked for meanwhile."""
+
+    parent = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="pending_children")
+    step = models.BigIntegerField()
+    actor_kind = models.CharField(max_length=8, help_text="user or token: who asked, and as whom the run starts")
+    actor_id = models.BigIntegerField()
+    experiment = models.ForeignKey(Experiment, null=True, blank=True, on_delete=models.CASCADE,
+                                   help_text="The child's experiment; none: the parent's")
+    config_yaml = models.TextField(null=True, blank=True, help_text="The child's config; none: the parent's")
+    overrides = models.JSONField(default=list, blank=True)
+    priority = models.SmallIntegerField(null=True, blank=True, help_text="None: the parent's")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["parent", "step"], name="pending_child_export_idx")]
+
+    def __str__(self) -> str:
+        return f"a run from step {self.step} of {self.parent}"
