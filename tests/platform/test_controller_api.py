@@ -422,3 +422,44 @@ def test_a_run_cannot_grow_its_metric_keys_without_bound(client, running_run, te
     keys = [series["key"] for series in client.get(f"/api/v1/runs/{run.pk}/metrics").json()]
     assert keys == ["a", "b", "c"]
     assert stored(run)[0] == 7
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_requests_at_once_never_take_a_run_past_its_metric_key_limit(running_run):
+    """A run 4 keys short of its limit: one request stores 3 new keys while another brings 3 more. The second counted
+    the keys before taking the run's lock, so it saw 4 keys free and stored all 3 once the first committed: 2 past
+    the limit. Now it counts under the lock: 1 key is free, and its points of the other 2 get the 422 that names them
+    (nothing of the request is stored); sent again without them, the rest lands and the run has exactly its limit."""
+    import httpx
+
+    from forgeboard.telemetry.ingest import telemetry_ingest
+    from forgeboard.telemetry.models import MetricSeries
+    from forgeboard.wsgi import application
+    from tests.support.races import racing_an_open_transaction
+    from workers.engine.telemetry_wire import MAX_METRIC_KEYS_PER_RUN, TelemetryBatch
+
+    run, token = running_run
+    MetricSeries.objects.bulk_create(MetricSeries(run=run, key=f"old/{i}") for i in range(MAX_METRIC_KEYS_PER_RUN - 4))
+    second = {"seq": 2, "metrics": [metric(key=f"second/{i}") for i in range(3)]}
+
+    def send_second() -> httpx.Response:
+        with httpx.Client(transport=httpx.WSGITransport(app=application), base_url="http://testserver") as http:
+            return http.post(f"/api/v1/controller/runs/{run.pk}/telemetry", json={"batches": [second]},
+                             headers={"Authorization": f"Bearer {token}"})
+
+    answer = racing_an_open_transaction(
+        lambda: telemetry_ingest(run=Run.objects.get(pk=run.pk), batches=[TelemetryBatch.model_validate(
+            {"seq": 1, "metrics": [metric(key=f"first/{i}") for i in range(3)]})]),
+        send_second)
+    assert isinstance(answer, httpx.Response), answer
+    assert answer.status_code == 422, answer.content
+    body = answer.json()
+    assert body["code"] == "items_refused" and body["applied_seq"] == 1
+    assert [(r["seq"], r["field"]) for r in body["refused"]] == [(2, "batches.0.metrics.1.key"),
+                                                                   (2, "batches.0.metrics.2.key")]
+    assert f"at most {MAX_METRIC_KEYS_PER_RUN} metric keys" in body["refused"][0]["reason"]
+    assert MetricSeries.objects.filter(run=run).count() == MAX_METRIC_KEYS_PER_RUN - 1
+
+    del second["metrics"][1:]
+    assert send_second().json()["applied_seq"] == 2
+    assert MetricSeries.objects.filter(run=run).count() == MAX_METRIC_KEYS_PER_RUN

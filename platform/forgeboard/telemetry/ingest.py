@@ -82,46 +82,58 @@ class IngestResult:
 def telemetry_ingest(
     *, run: Run, batches: Sequence[TelemetryBatch], refused: Sequence[RefusedItem] = ()
 ) -> IngestResult:
-    """Apply batches in sequence order. A batch already applied is skipped; a gap is refused; refused items of a
-    batch not yet applied, or its points of keys past the run's MAX_METRIC_KEYS_PER_RUN, refuse the request
-    (ItemsRefused) before anything is stored."""
+    """Apply batches in sequence order, in one transaction under the run's row lock. A batch already applied is
+    skipped; a gap is refused (the batches before it are kept); refused items of a batch not yet applied, or its
+    points of keys past the run's MAX_METRIC_KEYS_PER_RUN, refuse the request (ItemsRefused) before anything is
+    stored. The keys are counted under the lock: two requests at once cannot both take the run's last free keys."""
     result = IngestResult(applied_seq=run.telemetry_seq)
-    if refused or any(batch.metrics for batch in batches):
-        applied = Run.objects.filter(pk=run.pk).values_list("telemetry_seq", flat=True).get()
-        pending = [r for r in refused if r.seq > applied] or _keys_over_the_limit(run_id=run.pk, batches=batches,
-                                                                                  applied=applied)
-        if pending:
-            raise ItemsRefused(refused=pending, applied_seq=applied)
-    for batch in sorted(batches, key=lambda b: b.seq):
-        with transaction.atomic():
-            locked = Run.objects.select_for_update().only("pk", "telemetry_seq", "last_event_seq").get(pk=run.pk)
+    if not batches and not refused:
+        Run.objects.filter(pk=run.pk).update(last_heartbeat_at=timezone.now())
+        return result
+    gap: SequenceGap | None = None
+    with transaction.atomic():
+        locked = Run.objects.select_for_update().only("pk", "telemetry_seq", "last_event_seq").get(pk=run.pk)
+        result.applied_seq = locked.telemetry_seq
+        if refused or any(batch.metrics for batch in batches):
+            pending = [r for r in refused if r.seq > locked.telemetry_seq] or _keys_over_the_limit(
+                run_id=run.pk, batches=batches, applied=locked.telemetry_seq)
+            if pending:
+                raise ItemsRefused(refused=pending, applied_seq=locked.telemetry_seq)
+        for batch in sorted(batches, key=lambda b: b.seq):
             if batch.seq <= locked.telemetry_seq:
                 result.duplicates += 1
-                result.applied_seq = locked.telemetry_seq
                 continue
             if batch.seq != locked.telemetry_seq + 1:
-                raise SequenceGap(expected=locked.telemetry_seq + 1, got=batch.seq)
-            metrics, dropped = _last_value_per_step(batch)
-            result.points += _store_metrics(run_id=run.pk, metrics=metrics)
-            result.duplicates_dropped_total += len(dropped)
-            result.duplicates_dropped.extend(dropped[:MAX_DUPLICATES_LISTED - len(result.duplicates_dropped)])
-            events = _store_events(run=locked, batch=batch)
-            timelines = _store_timelines(run_id=run.pk, batch=batch)
-            _alert_slow_recoveries(run=run, events=events)
-            LogLine.objects.bulk_create(
-                [LogLine(run_id=run.pk, batch_seq=batch.seq, index=i, line=storable(log.line), wall_time=log.time)
-                 for i, log in enumerate(batch.logs)]
-            )
-            Run.objects.filter(pk=run.pk).update(
-                telemetry_seq=batch.seq, last_event_seq=locked.last_event_seq, last_heartbeat_at=timezone.now()
-            )
-            result.applied_seq = batch.seq
-            result.events.extend(events)
-            update = _wire_update(run=run, batch=batch, events=events, timelines=timelines)
-            transaction.on_commit(lambda update=update: publish_run_update(run=run, update=update))
-    if not batches:
-        Run.objects.filter(pk=run.pk).update(last_heartbeat_at=timezone.now())
+                gap = SequenceGap(expected=locked.telemetry_seq + 1, got=batch.seq)
+                break
+            _apply_batch(run=run, locked=locked, batch=batch, result=result)
+    if gap is not None:
+        raise gap
     return result
+
+
+def _apply_batch(*, run: Run, locked: Run, batch: TelemetryBatch, result: IngestResult) -> None:
+    """Store one batch, the next in sequence, under the lock of `locked` (the run's row, whose sequence numbers
+    move on with the batch)."""
+    metrics, dropped = _last_value_per_step(batch)
+    result.points += _store_metrics(run_id=run.pk, metrics=metrics)
+    result.duplicates_dropped_total += len(dropped)
+    result.duplicates_dropped.extend(dropped[:MAX_DUPLICATES_LISTED - len(result.duplicates_dropped)])
+    events = _store_events(run=locked, batch=batch)
+    timelines = _store_timelines(run_id=run.pk, batch=batch)
+    _alert_slow_recoveries(run=run, events=events)
+    LogLine.objects.bulk_create(
+        [LogLine(run_id=run.pk, batch_seq=batch.seq, index=i, line=storable(log.line), wall_time=log.time)
+         for i, log in enumerate(batch.logs)]
+    )
+    Run.objects.filter(pk=run.pk).update(
+        telemetry_seq=batch.seq, last_event_seq=locked.last_event_seq, last_heartbeat_at=timezone.now()
+    )
+    locked.telemetry_seq = batch.seq
+    result.applied_seq = batch.seq
+    result.events.extend(events)
+    update = _wire_update(run=run, batch=batch, events=events, timelines=timelines)
+    transaction.on_commit(lambda: publish_run_update(run=run, update=update))
 
 
 def _keys_over_the_limit(*, run_id: int, batches: Sequence[TelemetryBatch], applied: int) -> list[RefusedItem]:
