@@ -212,11 +212,11 @@ def probe_own_host() -> str:
 def probe_hosts() -> list[str]:
     """Periodic: report this worker's host, and ask the workers of every other host that probes reported (and
     that is not down) to report theirs, through their host's queue. Returns the hosts asked."""
-    from forgeboard.cluster.models import Host, HostState
+    from forgeboard.cluster.models import Host, HostLiveness
     from forgeboard.cluster.services import PROBE_AGENT_PREFIX
 
     own = probe_own_host()
-    others = list(Host.objects.filter(agent_version__startswith=PROBE_AGENT_PREFIX).exclude(state=HostState.DOWN)
+    others = list(Host.objects.filter(agent_version__startswith=PROBE_AGENT_PREFIX).exclude(liveness=HostLiveness.DOWN)
                   .exclude(hostname=own).order_by("hostname").values_list("hostname", flat=True))
     for hostname in others:
         # A probe not taken before the next one is pointless: it expires instead of piling up.

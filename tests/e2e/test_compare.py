@@ -138,7 +138,7 @@ def test_cluster_shows_a_registered_host_and_its_run(page, server, team):
     login(page, server, "opal")
     page.goto(f"{server['url']}/cluster/")
     form = page.locator('section[data-hostname="gpu-e2e"] form.host-state-form')
-    form.locator('select[name="state"]').select_option("draining")
+    form.locator('select[name="intent"]').select_option("draining")
     form.locator('input[name="reason"]').fill("maintenance")
     page.once("dialog", lambda dialog: dialog.dismiss())  # declined: nothing changes
     form.get_by_role("button", name="Apply").click()

@@ -20,7 +20,7 @@ model: {{family: qwen3, path: {model}}}
 placement: {{backend: slurm, trainer: {{procs_per_host: 1}}}}
 trainer: {{ranks: 2, steps: 2}}
 """
-ALARM = "rgb(251, 224, 222)"  # .host-state-down's background
+ALARM = "rgb(251, 224, 222)"  # .host-liveness-down's background
 
 
 def _hosts() -> None:

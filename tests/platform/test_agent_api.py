@@ -11,7 +11,7 @@ from django.test import Client
 from django.urls import include, path
 
 from forgeboard.audit.models import AuditEvent
-from forgeboard.cluster.models import AgentToken, Device, Health, Host, HostState
+from forgeboard.cluster.models import AgentToken, Device, Health, Host, HostLiveness
 from forgeboard.cluster.services import (
     DeviceReport,
     agent_token_authenticate,
@@ -85,7 +85,8 @@ def test_token_authentication_and_revocation(team, raw_token):
 def test_register_creates_the_host_with_its_gpus(client, raw_token):
     status, answer = _post(client, REGISTER, _register_body(cpu_utilization=12.5), raw_token)
     assert status == 200, answer
-    assert answer == {"hostname": "gpu-001", "state": "up", "health": "healthy", "devices": 8}
+    assert answer == {"hostname": "gpu-001", "state": "up", "liveness": "up", "intent": "schedulable",
+                      "health": "healthy", "devices": 8}
     host = Host.objects.get(hostname="gpu-001")
     assert (host.pool, host.cpu_count, host.agent_version, host.cpu_utilization) == ("h200", 192, "0.1.0", 12.5)
     assert host.devices.filter(kind="gpu", model="NVIDIA H200", memory_bytes=H200_BYTES).count() == 8
@@ -103,7 +104,8 @@ def test_heartbeat_updates_utilization_health_and_devices(client, raw_token):
                          "health": "degraded"}]}
     status, answer = _post(client, HEARTBEAT, beat, raw_token)
     assert status == 200, answer
-    assert answer == {"hostname": "gpu-001", "state": "up", "health": "degraded"}
+    assert answer == {"hostname": "gpu-001", "state": "up", "liveness": "up", "intent": "schedulable",
+                      "health": "degraded"}
     host = Host.objects.get()
     assert (host.cpu_utilization, host.memory_utilization) == (63.0, 41.0) and host.last_heartbeat_at > before
     gpu3 = Device.objects.get(host=host, index=3)
@@ -113,10 +115,10 @@ def test_heartbeat_updates_utilization_health_and_devices(client, raw_token):
 
 def test_heartbeat_brings_a_down_host_back_up(client, raw_token):
     _post(client, REGISTER, _register_body(devices=[]), raw_token)
-    Host.objects.update(state=HostState.DOWN, health=Health.UNHEALTHY)
+    Host.objects.update(liveness=HostLiveness.DOWN, health=Health.UNHEALTHY)
     status, answer = _post(client, HEARTBEAT, {"hostname": "gpu-001", "cpu_utilization": 1.0,
                                                "memory_utilization": 2.0}, raw_token)
-    assert status == 200 and answer["state"] == "up" and answer["health"] == "healthy"
+    assert status == 200 and answer["state"] == answer["liveness"] == "up" and answer["health"] == "healthy"
     assert AuditEvent.objects.get(action="host.up").payload["reason"] == "heartbeat resumed"
 
 

@@ -1,13 +1,18 @@
-"""Inventory: hosts register with their devices; re-registering replaces the device list."""
+"""Inventory: hosts register with their devices; re-registering replaces the device list; operators drain and
+cordon hosts."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
+from django.utils import timezone
 
 from forgeboard.audit.models import AuditEvent
-from forgeboard.cluster.models import Device, Host, HostState
-from forgeboard.cluster.services import DeviceReport, host_register, host_set_state
+from forgeboard.cluster.models import Device, Host, HostIntent, HostLiveness
+from forgeboard.cluster.services import DeviceReport, host_register, host_set_intent, hosts_mark_down
 from forgeboard.errors import ValidationFailed
+from tests.support.races import racing_an_open_transaction
 
 H200 = 141 * 2**30
 
@@ -24,9 +29,9 @@ def test_register_then_update_replaces_devices(team):
 
 
 def test_down_host_comes_back_up_when_it_registers_again(team):
-    Host.objects.create(hostname="gpu-002", state=HostState.DOWN)
+    Host.objects.create(hostname="gpu-002", liveness=HostLiveness.DOWN)
     host = host_register(actor=team.operator, hostname="gpu-002")
-    assert host.state == HostState.UP
+    assert host.liveness == HostLiveness.UP
 
 
 @pytest.mark.parametrize(
@@ -50,9 +55,62 @@ def test_bad_reports_are_refused(team, kwargs, field):
 
 def test_down_is_not_an_operator_choice(team):
     host = host_register(actor=team.operator, hostname="gpu-004")
-    with pytest.raises(ValidationFailed, match="down is set by missed heartbeats"):
-        host_set_state(actor=team.operator, host=host, state=HostState.DOWN)
-    drained = host_set_state(actor=team.operator, host=host, state="draining", reason="maintenance")
-    assert Host.objects.get(pk=drained.pk).state == HostState.DRAINING
-    entry = AuditEvent.objects.get(action="host.set_state")
-    assert entry.payload == {"from": "up", "to": "draining", "reason": "maintenance"}
+    for liveness in HostLiveness.values:
+        with pytest.raises(ValidationFailed, match="whether a host is up or down comes from its heartbeats"):
+            host_set_intent(actor=team.operator, host=host, intent=liveness)
+    drained = host_set_intent(actor=team.operator, host=host, intent="draining", reason="maintenance")
+    assert Host.objects.get(pk=drained.pk).intent == HostIntent.DRAINING
+    entry = AuditEvent.objects.get(action="host.set_intent")
+    assert entry.payload == {"from": "schedulable", "to": "draining", "reason": "maintenance"}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_cordon_racing_the_reconcile_leaves_the_host_down_and_cordoned(team):
+    """The reconcile marks a silent host down while an operator cordons it: the cordon was saved from the row read
+    before, over "down", so the host looked alive (cordoned) and the next reconcile marked it down again. Now the
+    cordon waits for the row and changes only the intent: the host is down and cordoned, and stays so."""
+    host = host_register(actor=team.operator, hostname="gpu-005")
+    Host.objects.filter(pk=host.pk).update(last_heartbeat_at=timezone.now() - timedelta(minutes=10))
+    seen_before = Host.objects.get(pk=host.pk)
+    outcome = racing_an_open_transaction(
+        lambda: hosts_mark_down(now=timezone.now(), timeout_s=60),
+        lambda: host_set_intent(actor=team.operator, host=seen_before, intent=HostIntent.CORDONED))
+    assert isinstance(outcome, Host), outcome
+    assert (outcome.liveness, outcome.intent) == (HostLiveness.DOWN, HostIntent.CORDONED)
+    assert hosts_mark_down(now=timezone.now(), timeout_s=60) == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_operators_at_once_each_change_the_host_as_the_other_left_it(team):
+    """The second of two changes at once was audited from what the host was before either (the first's drain went
+    missing from the log); now it waits for the first and says it replaced the drain."""
+    host = host_register(actor=team.operator, hostname="gpu-006")
+    first_page, second_page = Host.objects.get(pk=host.pk), Host.objects.get(pk=host.pk)  # each operator's view
+    outcome = racing_an_open_transaction(
+        lambda: host_set_intent(actor=team.operator, host=first_page, intent=HostIntent.DRAINING, reason="kernel"),
+        lambda: host_set_intent(actor=team.operator, host=second_page, intent=HostIntent.CORDONED, reason="fan"))
+    assert isinstance(outcome, Host) and outcome.intent == HostIntent.CORDONED, outcome
+    entries = AuditEvent.objects.filter(action="host.set_intent").order_by("pk")
+    assert [(e.payload["from"], e.payload["to"]) for e in entries] == [("schedulable", "draining"),
+                                                                       ("draining", "cordoned")]
+
+
+def test_the_api_shows_a_hosts_state_with_its_liveness_and_intent(client, team):
+    """`state` keeps its one word for existing clients (down wins, else the intent, up when schedulable); `liveness`
+    and `intent` say each side apart, so a client sees a down host's cordon before it comes back."""
+    from forgeboard.accounts.services import api_token_create
+    from forgeboard.cluster.services import host_heartbeat
+
+    _, raw = api_token_create(actor=team.member, project=team.project, name="ci-read", scope="read")
+    host = host_register(actor=team.operator, hostname="gpu-007")
+
+    def listed() -> tuple[str, str, str]:
+        [answer] = client.get("/api/v1/hosts", HTTP_AUTHORIZATION=f"Bearer {raw}").json()
+        return answer["state"], answer["liveness"], answer["intent"]
+
+    assert listed() == ("up", "up", "schedulable")
+    Host.objects.filter(pk=host.pk).update(liveness=HostLiveness.DOWN)
+    host_set_intent(actor=team.operator, host=host, intent=HostIntent.CORDONED)
+    assert listed() == ("down", "down", "cordoned")
+    host_heartbeat(actor=team.operator, hostname="gpu-007", cpu_utilization=1.0, memory_utilization=1.0)
+    assert listed() == ("cordoned", "up", "cordoned")

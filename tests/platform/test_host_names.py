@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
-from forgeboard.cluster.models import Device, DeviceKind, Health, Host, HostState
+from forgeboard.cluster.models import Device, DeviceKind, Health, Host, HostLiveness
 from forgeboard.experiments.services import experiment_create
 from forgeboard.runs.models import Run
 from forgeboard.runs.demand import LOCAL_HOST
@@ -30,7 +30,7 @@ def _example(name: str) -> str:
 
 
 def _host(name: str, gpus: int = 0) -> Host:
-    host = Host.objects.create(hostname=name, state=HostState.UP, health=Health.HEALTHY)
+    host = Host.objects.create(hostname=name, liveness=HostLiveness.UP, health=Health.HEALTHY)
     for index in range(gpus):
         Device.objects.create(host=host, kind=DeviceKind.GPU, index=index, model="H200", health=Health.HEALTHY)
     return host

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from forgeboard.audit.models import AuditEvent
-from forgeboard.cluster.models import Host, HostState
+from forgeboard.cluster.models import Host, HostLiveness
 from forgeboard.cluster.services import DeviceReport, WorkerProbe, host_probe_record, host_register
 from tests.support.processes import REPO_DIR, celery_worker, platform_env, wait_for
 from tests.workers.fake_nvml import FakeNvml
@@ -47,8 +47,8 @@ def test_a_changed_host_is_registered_again_keeping_its_labels(db):
 
 
 def test_a_down_host_comes_back_up_when_its_worker_reports(db):
-    Host.objects.filter(pk=_record().pk).update(state=HostState.DOWN)
-    assert _record().state == HostState.UP
+    Host.objects.filter(pk=_record().pk).update(liveness=HostLiveness.DOWN)
+    assert _record().liveness == HostLiveness.UP
 
 
 def test_an_agent_reported_host_keeps_its_pool_and_agent_version(team):
@@ -78,10 +78,12 @@ def test_the_beat_task_asks_the_other_probed_hosts_through_their_queues(db, sett
 
     settings.PROBE_SECONDS = 20
     monkeypatch.setattr(tasks, "probe_own_host", lambda: "me")
-    for name, version, state in (("me", "worker-probe/0.1.0", HostState.UP), ("w2", "worker-probe/0.1.0", "up"),
-                                 ("w3", "worker-probe/0.1.0", HostState.CORDONED),
-                                 ("gone", "worker-probe/0.1.0", HostState.DOWN), ("agent-host", "0.1.0", "up")):
-        Host.objects.create(hostname=name, agent_version=version, state=state)
+    for name, version, liveness, intent in (("me", "worker-probe/0.1.0", "up", "schedulable"),
+                                            ("w2", "worker-probe/0.1.0", "up", "schedulable"),
+                                            ("w3", "worker-probe/0.1.0", "up", "cordoned"),
+                                            ("gone", "worker-probe/0.1.0", "down", "schedulable"),
+                                            ("agent-host", "0.1.0", "up", "schedulable")):
+        Host.objects.create(hostname=name, agent_version=version, liveness=liveness, intent=intent)
     sent = []
     monkeypatch.setattr(app, "send_task", lambda name, **kw: sent.append((name, kw["queue"], kw["expires"])))
     assert tasks.probe_hosts() == ["w2", "w3"]

@@ -75,3 +75,32 @@ def test_migrations_apply_to_an_empty_database(tmp_path):
     assert expected <= tables, expected - tables
     assert "forgeboard_cache" in tables  # the database cache's table: not a migration's
     assert "channels_lite_event" in _sqlite_tables(tmp_path / "channels.sqlite3")  # the channel layer's own database
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_hosts_one_state_splits_into_intent_and_liveness_and_back():
+    """cluster 0005: up, draining and cordoned are intents of a live host; down is liveness (its lost drain or cordon
+    cannot be told), and going back joins them again."""
+    from django.db.migrations.executor import MigrationExecutor
+
+    before, after = [("cluster", "0004_host_agent_token")], [("cluster", "0005_host_intent_and_liveness")]
+    executor = MigrationExecutor(connection)
+    latest = executor.loader.graph.leaf_nodes()
+    try:
+        executor.migrate(before)
+        old = MigrationExecutor(connection).loader.project_state(before).apps.get_model("cluster", "Host")
+        for state in ("up", "draining", "cordoned", "down"):
+            old.objects.create(hostname=f"gpu-{state}", state=state)
+        executor = MigrationExecutor(connection)
+        executor.migrate(after)
+        new = executor.loader.project_state(after).apps.get_model("cluster", "Host")
+        assert dict(new.objects.values_list("hostname", "intent")) == {
+            "gpu-up": "schedulable", "gpu-draining": "draining", "gpu-cordoned": "cordoned", "gpu-down": "schedulable"}
+        assert dict(new.objects.values_list("hostname", "liveness")) == {
+            "gpu-up": "up", "gpu-draining": "up", "gpu-cordoned": "up", "gpu-down": "down"}
+        new.objects.filter(hostname="gpu-down").update(intent="cordoned")  # cordoned while down: down wins
+        MigrationExecutor(connection).migrate(before)
+        assert dict(old.objects.values_list("hostname", "state")) == {
+            "gpu-up": "up", "gpu-draining": "draining", "gpu-cordoned": "cordoned", "gpu-down": "down"}
+    finally:
+        MigrationExecutor(connection).migrate(latest)

@@ -14,8 +14,8 @@ from forgeboard.accounts.services import (
     user_set_operator,
 )
 from forgeboard.audit.models import AuditEvent
-from forgeboard.cluster.models import Host, HostState
-from forgeboard.cluster.services import host_register, host_set_state
+from forgeboard.cluster.models import Host, HostIntent
+from forgeboard.cluster.services import host_register, host_set_intent
 from forgeboard.errors import Conflict, PermissionDenied
 from forgeboard.experiments.services import experiment_create, experiment_update
 from forgeboard.runs.models import Command, Run
@@ -119,8 +119,8 @@ def test_cluster_actions_need_the_operator_role(team, role):
     allowed = role == "operator"
     _expect(allowed, lambda: host_register(actor=team.by_role(role), hostname=f"gpu-{role}", cpu_count=8))
     host = Host.objects.create(hostname=f"spare-{role}")
-    _expect(allowed, lambda: host_set_state(actor=team.by_role(role), host=host, state=HostState.DRAINING))
-    assert Host.objects.get(pk=host.pk).state == (HostState.DRAINING if allowed else HostState.UP)
+    _expect(allowed, lambda: host_set_intent(actor=team.by_role(role), host=host, intent=HostIntent.DRAINING))
+    assert Host.objects.get(pk=host.pk).intent == (HostIntent.DRAINING if allowed else HostIntent.SCHEDULABLE)
 
 
 def test_operator_role_is_granted_by_an_administrator_only(team):

@@ -12,7 +12,7 @@ from django.utils import timezone
 from forgeboard.accounts.models import Project
 from forgeboard.accounts.services import project_create
 from forgeboard.audit.models import AuditEvent
-from forgeboard.cluster.models import Device, DeviceKind, Health, Host, HostState
+from forgeboard.cluster.models import Device, DeviceKind, Health, Host, HostLiveness
 from forgeboard.errors import PermissionDenied, ValidationFailed
 from forgeboard.experiments.models import Experiment
 from forgeboard.experiments.services import config_snapshot_create, experiment_create
@@ -40,9 +40,9 @@ def _gpus(n: int, per_host: int | None = None) -> tuple[str, ...]:
             f"placement.trainer.procs_per_host={per_host or n}")
 
 
-def _host(name: str, gpus: int, *, state: str = HostState.UP, unhealthy: int = 0) -> Host:
-    host = Host.objects.create(hostname=name, state=state,
-                               health=Health.UNHEALTHY if unhealthy or state == HostState.DOWN else Health.HEALTHY)
+def _host(name: str, gpus: int, *, liveness: str = HostLiveness.UP, unhealthy: int = 0) -> Host:
+    host = Host.objects.create(hostname=name, liveness=liveness,
+                               health=Health.UNHEALTHY if unhealthy or liveness == HostLiveness.DOWN else Health.HEALTHY)
     for index in range(gpus):
         Device.objects.create(host=host, kind=DeviceKind.GPU, index=index, model="H200",
                               health=Health.UNHEALTHY if index < unhealthy else Health.HEALTHY)
@@ -105,7 +105,7 @@ def test_gpu_runs_fit_hosts_and_wait_for_free_gpus(team, grpo_yaml):
     _host("big", 4)
     _host("small", 2)
     _host("broken", 8, unhealthy=1)  # unhealthy: none of its GPUs count
-    _host("gone", 8, state=HostState.DOWN)
+    _host("gone", 8, liveness=HostLiveness.DOWN)
     four = _queued(team, grpo_yaml, *_gpus(4, per_host=4), priority=3)
     two = _queued(team, grpo_yaml, *_gpus(2, per_host=2), priority=2)
     waits = _queued(team, grpo_yaml, *_gpus(2, per_host=2), priority=1)
@@ -156,7 +156,7 @@ def test_project_quotas_hold_runs_without_blocking_other_projects(team, grpo_yam
 
 def test_runs_that_can_never_fit_fail_with_the_reason(team, grpo_yaml):
     _host("h1", 4)
-    _host("h2", 2, state=HostState.DOWN)  # down now, but it may come back: it counts for never-fits
+    _host("h2", 2, liveness=HostLiveness.DOWN)  # down now, but it may come back: it counts for never-fits
     too_big = _queued(team, grpo_yaml, *_gpus(8, per_host=8))
     too_wide = _queued(team, grpo_yaml, *_gpus(6, per_host=3))
     unknown = _queued(team, grpo_yaml, *_gpus(1), "placement.trainer.hosts=[nowhere]")

@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from forgeboard.accounts.services import project_create
 from forgeboard.audit.models import AuditEvent
-from forgeboard.cluster.models import Host, HostState
+from forgeboard.cluster.models import Host, HostIntent, HostLiveness
 from forgeboard.cluster.selectors import ELSEWHERE_HOSTS_PER_RUN, placement_actors
 from forgeboard.cluster.services import DeviceReport, host_register
 from forgeboard.experiments.services import experiment_create
@@ -100,7 +100,7 @@ def test_only_operators_see_the_state_controls(client, team, cluster):
     for user in (team.owner, team.member, team.viewer, team.outsider):
         client.force_login(user)
         html = client.get("/cluster/").content.decode()
-        assert "host-state-form" not in html and 'name="state"' not in html
+        assert "host-state-form" not in html and 'name="intent"' not in html
     client.force_login(team.operator)
     html = client.get("/cluster/").content.decode()
     form = _host_section(html, "gpu-a")
@@ -111,38 +111,55 @@ def test_only_operators_see_the_state_controls(client, team, cluster):
 @pytest.mark.parametrize("role", ["owner", "member", "viewer", "outsider"])
 def test_a_forged_state_change_from_a_non_operator_is_forbidden(client, team, cluster, role):
     client.force_login(team.by_role(role))
-    response = client.post("/cluster/", {"hostname": "gpu-a", "state": "draining", "reason": "sneaky"})
+    response = client.post("/cluster/", {"hostname": "gpu-a", "intent": "draining", "reason": "sneaky"})
     assert response.status_code == 403 and "platform operator role" in response.content.decode()
-    assert Host.objects.get(hostname="gpu-a").state == HostState.UP
-    assert not AuditEvent.objects.filter(action="host.set_state").exists()
+    assert Host.objects.get(hostname="gpu-a").intent == HostIntent.SCHEDULABLE
+    assert not AuditEvent.objects.filter(action="host.set_intent").exists()
 
 
 def test_an_operator_drains_and_restores_a_host_with_an_audit_entry(client, team, cluster):
     client.force_login(team.operator)
-    response = client.post("/cluster/", {"hostname": "gpu-a", "state": "draining", "reason": "kernel update"})
+    response = client.post("/cluster/", {"hostname": "gpu-a", "intent": "draining", "reason": "kernel update"})
     assert response.status_code == 302 and response["Location"] == "/cluster/"
-    assert Host.objects.get(hostname="gpu-a").state == HostState.DRAINING
-    entry = AuditEvent.objects.get(action="host.set_state")
-    assert entry.actor == team.operator and entry.payload == {"from": "up", "to": "draining", "reason": "kernel update"}
+    assert Host.objects.get(hostname="gpu-a").intent == HostIntent.DRAINING
+    entry = AuditEvent.objects.get(action="host.set_intent")
+    assert entry.actor == team.operator and entry.payload == {"from": "schedulable", "to": "draining",
+                                                              "reason": "kernel update"}
     page = client.get("/cluster/").content.decode()
     assert "gpu-a is now draining." in page and 'data-state="draining"' in _host_section(page, "gpu-a")
-    client.post("/cluster/", {"hostname": "gpu-a", "state": "up"})
-    assert Host.objects.get(hostname="gpu-a").state == HostState.UP
+    client.post("/cluster/", {"hostname": "gpu-a", "intent": "schedulable"})
+    assert Host.objects.get(hostname="gpu-a").intent == HostIntent.SCHEDULABLE
+
+
+def test_the_page_shows_a_hosts_liveness_apart_from_what_an_operator_wants(client, team, cluster):
+    """A host cordoned while down shows both: down (its heartbeats) and cordoned (the operator's word, kept for
+    when it comes back); the form shows the intent to change."""
+    Host.objects.filter(hostname="gpu-b").update(liveness=HostLiveness.DOWN)
+    client.force_login(team.operator)
+    response = client.post("/cluster/", {"hostname": "gpu-b", "intent": "cordoned", "reason": "bad fan"})
+    page = client.get(response["Location"]).content.decode()
+    assert "gpu-b is now cordoned. It is down: nothing is placed there before its heartbeats resume." in page
+    section = _host_section(page, "gpu-b")
+    assert 'data-state="down" data-liveness="down" data-intent="cordoned"' in section
+    assert '<span class="state host-liveness-down" title="from its heartbeats">Down</span>' in section
+    assert '<span class="state host-intent-cordoned" title="set by an operator">Cordoned</span>' in section
+    assert '<option value="cordoned" selected>Cordoned</option>' in section
 
 
 @pytest.mark.parametrize("form, status, reason", [
-    ({"hostname": "gpu-a", "state": "down"}, 400, "choose up, draining or cordoned"),
-    ({"hostname": "gpu-a", "state": "sideways"}, 400, "choose up, draining or cordoned"),
-    ({"hostname": "gpu-a"}, 400, "choose up, draining or cordoned"),
-    ({"hostname": "gpu-z", "state": "draining"}, 404, "no host &#x27;gpu-z&#x27;"),
-    ({"state": "draining"}, 404, "no host"),
-    ({"hostname": "gpu-a", "state": "draining", "reason": "x" * 501}, 400, "at most 500 characters"),
+    ({"hostname": "gpu-a", "intent": "down"}, 400, "choose schedulable, draining or cordoned"),
+    ({"hostname": "gpu-a", "intent": "up"}, 400, "choose schedulable, draining or cordoned"),
+    ({"hostname": "gpu-a", "intent": "sideways"}, 400, "choose schedulable, draining or cordoned"),
+    ({"hostname": "gpu-a"}, 400, "choose schedulable, draining or cordoned"),
+    ({"hostname": "gpu-z", "intent": "draining"}, 404, "no host &#x27;gpu-z&#x27;"),
+    ({"intent": "draining"}, 404, "no host"),
+    ({"hostname": "gpu-a", "intent": "draining", "reason": "x" * 501}, 400, "at most 500 characters"),
 ])
 def test_bad_state_changes_get_a_clear_error(client, team, cluster, form, status, reason):
     client.force_login(team.operator)
     response = client.post("/cluster/", form)
     assert response.status_code == status and reason in response.content.decode()
-    assert Host.objects.get(hostname="gpu-a").state == HostState.UP
+    assert Host.objects.get(hostname="gpu-a").intent == HostIntent.SCHEDULABLE
 
 
 def test_other_methods_are_refused(client, team, cluster):

@@ -242,6 +242,9 @@ def get_timeline(request: HttpRequest, run_id: int, last: QueryInt = Query(50, g
 
 @router.get("/hosts", response={200: list[HostOut], **ERRORS}, tags=["inventory"])
 def list_hosts(request: HttpRequest):  # noqa: ANN201
+    """The cluster inventory: each host with its devices. A host's `state` is the one word it always had; it is made
+    of `liveness` (its heartbeats say up or down) and `intent` (an operator drains or cordons it): a host cordoned
+    while down stays cordoned when it comes back."""
     return list(hosts_with_devices())
 
 

@@ -213,7 +213,11 @@ class DeviceOut(Schema):
 class HostOut(Schema):
     hostname: str
     pool: str
-    state: str
+    state: str = Field(description="up, draining, cordoned or down, from the two fields below: down when `liveness` "
+                                   "is down, else `intent` (up when schedulable)")
+    liveness: str = Field(description="up or down: from the host's heartbeats (down once they stop)")
+    intent: str = Field(description="schedulable, draining or cordoned: what an operator wants of the host; only a "
+                                    "schedulable host that is up and healthy is given new work")
     health: str
     cpu_count: int
     memory_bytes: int

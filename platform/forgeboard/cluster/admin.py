@@ -11,8 +11,8 @@ class DeviceInline(admin.TabularInline):
 
 @admin.register(Host)
 class HostAdmin(admin.ModelAdmin):
-    list_display = ("hostname", "pool", "state", "health", "cpu_count", "last_heartbeat_at")
-    list_filter = ("state", "health", "pool")
+    list_display = ("hostname", "pool", "liveness", "intent", "health", "cpu_count", "last_heartbeat_at")
+    list_filter = ("liveness", "intent", "health", "pool")
     inlines = [DeviceInline]
 
 

@@ -13,7 +13,7 @@ from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel, ValidationError
 
 from forgeboard.cluster.agent_schemas import HeartbeatIn, RegisterIn
-from forgeboard.cluster.models import AgentToken
+from forgeboard.cluster.models import AgentToken, Host
 from forgeboard.cluster.services import (
     DeviceReport,
     DeviceSample,
@@ -97,9 +97,17 @@ def _agent_view(handler: Callable[[HttpRequest, AgentToken], JsonResponse]) -> C
     return view
 
 
+def _host_answer(host: Host) -> dict[str, str]:
+    """`state` (up, draining, cordoned or down) is down when `liveness` is, else the operator's `intent` (up when
+    schedulable)."""
+    return {"hostname": host.hostname, "state": host.state, "liveness": host.liveness, "intent": host.intent,
+            "health": host.health}
+
+
 @_agent_view
 def register(request: HttpRequest, token: AgentToken) -> JsonResponse:
-    """POST /api/agent/v1/hosts/register: add or update a host and its devices."""
+    """POST /api/agent/v1/hosts/register: add or update a host and its devices; answers the host (`_host_answer`)
+    and its device count."""
     body = _parse(request, RegisterIn)
     host = host_register(
         actor=token, hostname=body.hostname, pool=body.pool, labels=body.labels, cpu_count=body.cpu_count,
@@ -107,17 +115,17 @@ def register(request: HttpRequest, token: AgentToken) -> JsonResponse:
         cpu_utilization=body.cpu_utilization, memory_utilization=body.memory_utilization,
         devices=[DeviceReport(**device.model_dump()) for device in body.devices],
     )
-    return JsonResponse({"hostname": host.hostname, "state": host.state, "health": host.health,
-                         "devices": len(body.devices)})
+    return JsonResponse(_host_answer(host) | {"devices": len(body.devices)})
 
 
 @_agent_view
 def heartbeat(request: HttpRequest, token: AgentToken) -> JsonResponse:
-    """POST /api/agent/v1/hosts/heartbeat: utilization and health; 404 or 409 means register again."""
+    """POST /api/agent/v1/hosts/heartbeat: utilization and health; answers the host (`_host_answer`). 404 or 409
+    means register again."""
     body = _parse(request, HeartbeatIn)
     host = host_heartbeat(
         actor=token, hostname=body.hostname, cpu_utilization=body.cpu_utilization,
         memory_utilization=body.memory_utilization,
         devices=[DeviceSample(**device.model_dump()) for device in body.devices],
     )
-    return JsonResponse({"hostname": host.hostname, "state": host.state, "health": host.health})
+    return JsonResponse(_host_answer(host))

@@ -6,11 +6,32 @@ from django.conf import settings
 from django.db import models
 
 
+class HostIntent(models.TextChoices):
+    """What an operator wants of a host; only a schedulable host is given new work. Set by operators only."""
+
+    SCHEDULABLE = "schedulable", "Schedulable"
+    DRAINING = "draining", "Draining"
+    CORDONED = "cordoned", "Cordoned"
+
+
+class HostLiveness(models.TextChoices):
+    """Whether a host is alive: down once its heartbeats stop, up again at its next heartbeat or registration."""
+
+    UP = "up", "Up"
+    DOWN = "down", "Down"
+
+
 class HostState(models.TextChoices):
+    """A host in one word (`Host.state`): down when it is down, else the operator's intent (up when schedulable)."""
+
     UP = "up", "Up"
     DRAINING = "draining", "Draining"
     CORDONED = "cordoned", "Cordoned"
     DOWN = "down", "Down"
+
+
+_STATE_OF_INTENT = {HostIntent.SCHEDULABLE: HostState.UP, HostIntent.DRAINING: HostState.DRAINING,
+                    HostIntent.CORDONED: HostState.CORDONED}
 
 
 class Health(models.TextChoices):
@@ -30,7 +51,8 @@ class Host(models.Model):
     hostname = models.CharField(max_length=255, unique=True)
     pool = models.CharField(max_length=100, default="default", help_text="Node pool; each has its Celery queue")
     labels = models.JSONField(default=dict, blank=True)
-    state = models.CharField(max_length=16, choices=HostState.choices, default=HostState.UP)
+    intent = models.CharField(max_length=16, choices=HostIntent.choices, default=HostIntent.SCHEDULABLE)
+    liveness = models.CharField(max_length=8, choices=HostLiveness.choices, default=HostLiveness.UP)
     health = models.CharField(max_length=16, choices=Health.choices, default=Health.UNKNOWN)
     cpu_count = models.PositiveIntegerField(default=0)
     memory_bytes = models.BigIntegerField(default=0)
@@ -50,12 +72,17 @@ class Host(models.Model):
     class Meta:
         ordering = ["hostname"]
         constraints = [
-            models.CheckConstraint(condition=models.Q(state__in=HostState.values), name="host_state_valid"),
+            models.CheckConstraint(condition=models.Q(intent__in=HostIntent.values), name="host_intent_valid"),
+            models.CheckConstraint(condition=models.Q(liveness__in=HostLiveness.values), name="host_liveness_valid"),
             models.CheckConstraint(condition=models.Q(health__in=Health.values), name="host_health_valid"),
         ]
 
     def __str__(self) -> str:
         return self.hostname
+
+    @property
+    def state(self) -> HostState:
+        return HostState.DOWN if self.liveness == HostLiveness.DOWN else _STATE_OF_INTENT[HostIntent(self.intent)]
 
     @property
     def scheduler_unavailable(self) -> bool:

@@ -1,5 +1,10 @@
 """Inventory writes: hosts register and report; operators drain, cordon and restore them.
 
+A host has two sides that never write each other: whether it is alive (`liveness`: its registrations and
+heartbeats bring it up, `hosts_mark_down` marks it down) and what an operator wants of it (`intent`:
+`host_set_intent` only). A cordon set on a down host stays when it comes back; an operator cannot declare a dead
+host up.
+
 Node agents act through an `AgentToken`. An agent is not a person: its audit entries are
 recorded as "system" with the token's prefix in the payload. A Celery worker reporting its own
 host (the `cluster.probe` task, for clusters without agents) acts as a `WorkerProbe`, recorded
@@ -22,7 +27,7 @@ from forgeboard.accounts.models import User
 from forgeboard.accounts.permissions import Actor, require_operator
 from forgeboard.audit.services import audit_record
 from forgeboard.bearer import mint_token, token_matches, token_prefix
-from forgeboard.cluster.models import AgentToken, Device, DeviceKind, Health, Host, HostState
+from forgeboard.cluster.models import AgentToken, Device, DeviceKind, Health, Host, HostIntent, HostLiveness
 from forgeboard.cluster.selectors import active_run_ids_on_host
 from forgeboard.errors import (
     AlreadyExists,
@@ -162,7 +167,7 @@ def host_register(
     cpu_utilization: float | None = None,
     memory_utilization: float | None = None,
 ) -> Host:
-    """Add or update a host and replace its device list. A host that was down comes back up."""
+    """Add or update a host and replace its device list. A host that was down comes back up (its intent stays)."""
     _require_inventory_writer(actor=actor, action="registering hosts")
     labels = dict(labels or {})
     _check_report(hostname=hostname, pool=pool, labels=labels, devices=devices)
@@ -185,8 +190,8 @@ def host_register(
     if not created:
         for name, value in fields.items():
             setattr(host, name, value)
-        host.state = HostState.UP if host.state == HostState.DOWN else host.state
-        host.save(update_fields=[*fields, "state"])
+        host.liveness = HostLiveness.UP
+        host.save(update_fields=[*fields, "liveness"])
     reported = {(r.kind, r.index) for r in devices}
     host.devices.exclude(pk__in=[d.pk for d in host.devices.all() if (d.kind, d.index) in reported]).delete()
     for report in devices:
@@ -238,14 +243,13 @@ def host_heartbeat(
         device.utilization = sample.utilization
         device.memory_used_bytes = sample.memory_used_bytes
         device.save(update_fields=["health", "utilization", "memory_used_bytes"])
-    was_down = host.state == HostState.DOWN
+    was_down = host.liveness == HostLiveness.DOWN
     host.cpu_utilization = cpu_utilization
     host.memory_utilization = memory_utilization
     host.health = _worst_health([d.health for d in registered.values()])
     host.last_heartbeat_at = timezone.now()
-    if was_down:
-        host.state = HostState.UP
-    host.save(update_fields=["cpu_utilization", "memory_utilization", "health", "last_heartbeat_at", "state"])
+    host.liveness = HostLiveness.UP
+    host.save(update_fields=["cpu_utilization", "memory_utilization", "health", "last_heartbeat_at", "liveness"])
     if was_down:
         _audit(actor=actor, action="host.up", target=host, payload={"reason": "heartbeat resumed"})
     return host
@@ -291,22 +295,30 @@ def host_probe_record(
     )
 
 
-def host_set_state(*, actor: Actor, host: Host, state: HostState | str, reason: str = "") -> Host:
-    """Drain (no new work), cordon, or bring a host back up."""
+def host_set_intent(*, actor: Actor, host: Host, intent: HostIntent | str, reason: str = "") -> Host:
+    """Drain or cordon a host (no new work placed there), or make it schedulable again; returns it as it now is.
+
+    Only the operator's intent changes, on the locked row: whether the host is up or down is its heartbeats' to say.
+    """
     require_operator(actor=actor, action="changing a host's state")
-    if state not in HostState.values or state == HostState.DOWN:
-        raise ValidationFailed.on("state", "choose up, draining or cordoned (down is set by missed heartbeats)")
-    previous = host.state
+    if intent not in HostIntent.values:
+        raise ValidationFailed.on("intent", "choose schedulable, draining or cordoned (whether a host is up or down "
+                                            "comes from its heartbeats)")
     with transaction.atomic():
-        host.state = state
-        host.save(update_fields=["state"])
-        audit_record(actor=actor, action="host.set_state", target=host,
-                     payload={"from": previous, "to": state, "reason": reason})
-    return host
+        locked = Host.objects.select_for_update().filter(pk=host.pk).first()
+        if locked is None:
+            raise NotFound(f"no host {host.hostname!r}: it was removed")
+        previous = locked.intent
+        locked.intent = intent
+        locked.save(update_fields=["intent"])
+        audit_record(actor=actor, action="host.set_intent", target=locked,
+                     payload={"from": previous, "to": intent, "reason": reason})
+    return locked
 
 
 def hosts_mark_down(*, now: datetime, timeout_s: float) -> list[HostDown]:
-    """Mark hosts whose last heartbeat is older than `timeout_s` as down and unhealthy.
+    """Mark hosts whose last heartbeat is older than `timeout_s` as down and unhealthy; their intent (drained,
+    cordoned) stays as the operator set it.
 
     Returns each host marked down with the ids of the active runs placed on it, for the
     reconciler to act on; run states are not changed here. Each host is claimed with a
@@ -317,10 +329,10 @@ def hosts_mark_down(*, now: datetime, timeout_s: float) -> list[HostDown]:
     cutoff = now - timedelta(seconds=timeout_s)
     stale = (Q(last_heartbeat_at__lt=cutoff) | Q(last_heartbeat_at__isnull=True, registered_at__lt=cutoff))
     marked: list[HostDown] = []
-    for host in Host.objects.filter(stale).exclude(state=HostState.DOWN).order_by("hostname"):
+    for host in Host.objects.filter(stale, liveness=HostLiveness.UP).order_by("hostname"):
         with transaction.atomic():
-            claimed = (Host.objects.filter(pk=host.pk).filter(stale).exclude(state=HostState.DOWN)
-                       .update(state=HostState.DOWN, health=Health.UNHEALTHY))
+            claimed = (Host.objects.filter(stale, pk=host.pk, liveness=HostLiveness.UP)
+                       .update(liveness=HostLiveness.DOWN, health=Health.UNHEALTHY))
             if claimed != 1:
                 continue
             previous = host.state

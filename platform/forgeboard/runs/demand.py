@@ -22,7 +22,7 @@ from django.conf import settings
 from django.db.models import Count, Q
 
 from forgeboard.accounts.models import Project
-from forgeboard.cluster.models import DeviceKind, Health, Host, HostState
+from forgeboard.cluster.models import DeviceKind, Health, Host, HostIntent, HostLiveness
 from forgeboard.errors import FieldProblem
 from forgeboard.runs.models import EXTERNAL_BACKENDS, LaunchBackend
 from workers.engine.config import RunConfig
@@ -171,14 +171,14 @@ def place(demand: Demand, room: Mapping[str, HostRoom]) -> Allocation | None:
 
 
 def inventory(*, usable_only: bool) -> dict[str, HostRoom]:
-    """Each host's GPUs and slots: usable now (up, healthy, healthy GPUs) or in the whole inventory."""
+    """Each host's GPUs and slots: usable now (up, schedulable, healthy, healthy GPUs) or in the whole inventory."""
     slots: int = settings.LOCAL_RUN_SLOTS
     if not Host.objects.exists():
         return {LOCAL_HOST: HostRoom(gpus=0, slots=slots)}
     hosts = Host.objects.all()
     gpu_filter = Q(devices__kind=DeviceKind.GPU)
     if usable_only:
-        hosts = hosts.filter(state=HostState.UP, health=Health.HEALTHY)
+        hosts = hosts.filter(liveness=HostLiveness.UP, intent=HostIntent.SCHEDULABLE, health=Health.HEALTHY)
         gpu_filter &= Q(devices__health=Health.HEALTHY)
     counted = hosts.annotate(gpus=Count("devices", filter=gpu_filter)).values_list("hostname", "gpus")
     return {hostname: HostRoom(gpus=gpus, slots=slots) for hostname, gpus in counted}
