@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,10 @@ from transformers import AutoModelForCausalLM
 
 from tests.engine.conftest import ARITHMETIC
 from workers.engine.checkpoint import list_checkpoints, resolve_checkpoint, save_checkpoint
+from workers.engine.config import ConfigError
 from workers.engine.metrics import MemorySink, Recorder
 from workers.engine.models.hf_folder import export_hf, load_pretrained
+from workers.engine.preflight import preflight_errors
 from workers.engine.recipes.grpo import train_grpo
 from workers.engine.recipes.sft import train_sft
 
@@ -69,9 +72,41 @@ def test_export_is_an_hf_folder_that_starts_a_new_run(tiny_trainable_qwen3: Path
     assert again.losses[0] < result.losses[0]  # continues from the trained weights
 
 
+def test_a_checkpoint_of_the_other_recipe_is_refused_naming_resume_from(tiny_trainable_qwen3: Path, make_config,
+                                                                        tmp_path: Path) -> None:
+    # GRPO resuming an SFT checkpoint loaded it, then stopped on KeyError: 'generations' (a traceback); SFT resuming a
+    # GRPO checkpoint trained on from the GRPO run's data position as if nothing were amiss
+    model = tiny_trainable_qwen3
+    short = {"sft": (*ARITHMETIC, "trainer.steps=1", "trainer.batch_size=2", "trainer.micro_batch_size=4",
+                     "eval.every_steps=0")}
+    short["grpo"] = (*short["sft"], "grpo.group_size=2")
+    sft = train_sft(make_config("sft", model, *short["sft"], f"checkpoint.folder={tmp_path / 'sft'}"),
+                    Recorder()).checkpoint
+    grpo = train_grpo(make_config("grpo", model, *short["grpo"], f"checkpoint.folder={tmp_path / 'grpo'}"),
+                      Recorder()).checkpoint
+    assert sft is not None and grpo is not None
+    assert json.loads((sft / "checkpoint.json").read_text()) == {"recipe": "sft", "step": 1}
+    assert json.loads((grpo / "checkpoint.json").read_text()) == {"recipe": "grpo", "step": 1}
+
+    for recipe, train, other, holds, run in (("grpo", train_grpo, sft, "an SFT run", "a GRPO run"),
+                                             ("sft", train_sft, grpo, "a GRPO run", "an SFT run")):
+        refusal = (f"{other} holds {holds}'s checkpoint, and {run} resumes only its own recipe's; to start it from "
+                   f"these weights, export them (python -m workers.engine export --checkpoint {other} --out DIR) and "
+                   "set model.path to DIR (on the platform: model.artifact=run:<id>@step:<step>)")
+        config = make_config(recipe, model, *short[recipe], f"checkpoint.folder={tmp_path / 'resumed'}",
+                             f"checkpoint.resume_from={other.parent}")  # the folder of step folders: its newest
+        assert {e.field: e.message for e in preflight_errors(config)} == {"checkpoint.resume_from": refusal}
+        (other / "checkpoint.json").unlink()  # as checkpoints were written before it: told by their progress on load
+        assert preflight_errors(config) == []
+        with pytest.raises(ConfigError) as refused:
+            train(config, Recorder())
+        assert [(e.field, e.message) for e in refused.value.errors] == [("checkpoint.resume_from", refusal)]
+    assert not (tmp_path / "resumed").exists()
+
+
 def _save(folder: Path, step: int, keep_last: int) -> Path:
-    return save_checkpoint(folder, step=step, model_state={"w": torch.zeros(1)}, optimizer_state={}, scheduler_state={},
-                           progress={"step": step}, model_folder=folder, keep_last=keep_last)
+    return save_checkpoint(folder, step=step, recipe="sft", model_state={"w": torch.zeros(1)}, optimizer_state={},
+                           scheduler_state={}, progress={"step": step}, model_folder=folder, keep_last=keep_last)
 
 
 def test_pruning_keeps_this_runs_newest_by_step_and_the_one_just_written(tmp_path: Path) -> None:

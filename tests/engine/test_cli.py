@@ -124,6 +124,35 @@ def test_make_tiny_model_and_train_end_to_end(tmp_path: Path) -> None:
     assert (tmp_path / "exported" / "model.safetensors").is_file()
 
 
+def test_resuming_the_other_recipes_checkpoint_exits_2_naming_resume_from(tiny_trainable_qwen3: Path, tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    # a GRPO run resuming an SFT checkpoint loaded the model, then stopped on KeyError: 'generations' (a traceback)
+    from workers.engine.config import load_config
+    from workers.engine.metrics import Recorder
+    from workers.engine.recipes.sft import train_sft
+
+    short = ("data.max_operand=5", "data.eval_size=4", "trainer.steps=1", "trainer.batch_size=2", "eval.every_steps=0",
+             "trainer.threads_per_process=1", "telemetry.console=false")
+    sft = train_sft(load_config(f"recipe: sft\nmodel: {{path: '{tiny_trainable_qwen3}'}}\n",
+                                overrides=[*short, f"checkpoint.folder={tmp_path / 'sft'}"]), Recorder()).checkpoint
+    assert sft is not None
+    grpo = _write(tmp_path / "grpo.yaml", f"recipe: grpo\nmodel: {{path: '{tiny_trainable_qwen3}'}}\n")
+    resume = [*short, "grpo.group_size=2", "generator.max_new_tokens=4", f"checkpoint.folder={tmp_path / 'grpo'}",
+              f"checkpoint.resume_from={sft}"]
+    refusal = (f"checkpoint.resume_from: {sft} holds an SFT run's checkpoint, and a GRPO run resumes only its own "
+               "recipe's; to start it from these weights, export them (python -m workers.engine export --checkpoint "
+               f"{sft} --out DIR) and set model.path to DIR")
+
+    result = _run_cli("train", "--config", str(grpo), *resume)  # refused by preflight, from its checkpoint.json
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[1:] == [f"  {refusal} (on the platform: model.artifact=run:<id>@step:<step>)"]
+
+    (sft / "checkpoint.json").unlink()  # written before there was one: told by its progress once it loads
+    assert main(["train", "--config", str(grpo), *resume]) == 2
+    assert refusal in capsys.readouterr().err
+    assert not (tmp_path / "grpo").exists()
+
+
 def test_schema_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)

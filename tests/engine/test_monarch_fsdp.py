@@ -143,8 +143,9 @@ def test_checkpoints_move_between_unsharded_and_fsdp_trainers(sft_warm_start: tu
     ])
     first, second = _record(folder, rows=8, seed=2), _record(folder, rows=8, seed=3)
     model, optimizer, scheduler, _ = _single_process(folder, config, first)
-    plain = save_checkpoint(tmp_path / "plain", step=1, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(),
-                            scheduler_state=scheduler.state_dict(), progress={"step": 1}, model_folder=folder, keep_last=1)
+    plain = save_checkpoint(tmp_path / "plain", step=1, recipe="grpo", model_state=model.state_dict(),
+                            optimizer_state=optimizer.state_dict(), scheduler_state=scheduler.state_dict(),
+                            progress={"step": 1}, model_folder=folder, keep_last=1)
     _single_process_step(model, optimizer, scheduler, config, second, load_pretrained(folder).tokenizer.pad_id)
 
     procs, trainer = _sharded_trainer(config, 2)

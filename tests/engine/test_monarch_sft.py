@@ -185,6 +185,40 @@ def test_a_killed_sft_rank_is_restored_and_the_run_matches_one_resumed_from_that
     assert resumed.losses == pytest.approx(killed.losses[-4:], abs=1e-6)
 
 
+@pytest.mark.slow
+def test_monarch_runs_refuse_the_other_recipes_checkpoint(tiny_trainable_qwen3: Path, tmp_path: Path) -> None:
+    # a Monarch GRPO run resuming an SFT checkpoint stopped on KeyError: 'generations' once its trainer had loaded it;
+    # a Monarch SFT run resuming a GRPO checkpoint trained on from the GRPO run's data position
+    from workers.engine.recipes.grpo_monarch import train_grpo_monarch
+    from workers.engine.recipes.sft_monarch import train_sft_monarch
+
+    model, monarch = tiny_trainable_qwen3, ("placement.backend=monarch", "trainer.steps=2", "eval.every_steps=0")
+    grpo_run = ("data.max_operand=20", "data.eval_size=8", "trainer.batch_size=2", "grpo.group_size=2",
+                "generator.max_new_tokens=4", "eval.every_steps=0", "telemetry.console=false",
+                "trainer.threads_per_process=1")
+    sft = train_sft(_config(model, tmp_path / "sft", "trainer.steps=1", "eval.every_steps=0"), Recorder()).checkpoint
+    grpo = train_grpo(load_config(f"recipe: grpo\nmodel: {{path: '{model}'}}\n", overrides=[
+        *grpo_run, "trainer.steps=1", f"checkpoint.folder={tmp_path / 'grpo'}"]), Recorder()).checkpoint
+    assert sft is not None and grpo is not None
+
+    (sft / "checkpoint.json").unlink()  # written before there was one: told by its progress, once the ranks loaded it
+    with pytest.raises(ConfigError) as refused:
+        train_grpo_monarch(load_config(f"recipe: grpo\nmodel: {{path: '{model}'}}\n", overrides=[
+            *grpo_run, *monarch, "generator.in_trainer=true", f"checkpoint.folder={tmp_path / 'grpo-resumed'}",
+            f"checkpoint.resume_from={sft}"]), Recorder())
+    [error] = refused.value.errors
+    assert error.field == "checkpoint.resume_from"
+    assert error.message.startswith(f"{sft} holds an SFT run's checkpoint, and a GRPO run resumes only")
+
+    with pytest.raises(ConfigError) as refused:  # told by its checkpoint.json, before the ranks load it
+        train_sft_monarch(_config(model, tmp_path / "sft-resumed", *monarch, f"checkpoint.resume_from={grpo}"),
+                          Recorder())
+    [error] = refused.value.errors
+    assert error.field == "checkpoint.resume_from"
+    assert error.message.startswith(f"{grpo} holds a GRPO run's checkpoint, and an SFT run resumes only")
+    assert not (tmp_path / "grpo-resumed").exists() and not (tmp_path / "sft-resumed").exists()
+
+
 def test_sft_on_monarch_is_accepted_and_its_refusals_name_the_trainer(tmp_path: Path) -> None:
     def errors(*overrides: str) -> dict[str, str]:
         with pytest.raises(ConfigError) as caught:

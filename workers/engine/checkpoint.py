@@ -1,10 +1,12 @@
 """Checkpoints: everything a run needs to continue exactly, and export as an HF folder.
 
 A checkpoint is a folder `<checkpoint.folder>/step_NNNNNN/` holding
-  trainer.pt   model (torchtitan names), optimizer, scheduler, RNG states, and the
-               recipe's own progress (step, data position, policy version, buffer, ...)
-  config.json  + tokenizer files: the HF description of the model, so the folder can be
-               exported (or read by `hf_folder.export_hf`) without the original model folder.
+  trainer.pt       model (torchtitan names), optimizer, scheduler, RNG states, and the
+                   recipe's own progress (step, data position, policy version, buffer, ...)
+  checkpoint.json  which recipe wrote it, readable without torch: a run of the other recipe
+                   refuses to resume it (`checkpoint_folders.py`)
+  config.json      + tokenizer files: the HF description of the model, so the folder can be
+                   exported (or read by `hf_folder.export_hf`) without the original model folder.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.engine.checkpoint_folders import (
+    STATE_FILE, check_resume_recipe, checkpoint_step, list_checkpoints, resolve_checkpoint, write_checkpoint_info,
+)
 from workers.engine.sharding import load_full_state
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json", "config.json")
-STATE_FILE = "trainer.pt"
 
 
 def rng_state() -> dict[str, Any]:
@@ -36,6 +40,7 @@ def save_checkpoint(
     folder: str | Path,
     *,
     step: int,
+    recipe: str,
     model_state: dict[str, torch.Tensor],
     optimizer_state: dict[str, Any],
     scheduler_state: dict[str, Any],
@@ -67,6 +72,7 @@ def save_checkpoint(
         },
         tmp / STATE_FILE,
     )
+    write_checkpoint_info(tmp, recipe=recipe, step=step)
     for name in _TOKENIZER_FILES:
         source = Path(model_folder) / name
         if source.is_file():
@@ -80,30 +86,6 @@ def save_checkpoint(
     return final
 
 
-def checkpoint_step(path: Path) -> int:
-    return int(path.name.removeprefix("step_"))
-
-
-def list_checkpoints(folder: str | Path) -> list[Path]:
-    """The complete step_* folders, oldest step first."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    found = [p for p in folder.glob("step_*") if p.name.removeprefix("step_").isdigit() and (p / STATE_FILE).is_file()]
-    return sorted(found, key=checkpoint_step)
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A step_* folder as given, or the newest one inside a checkpoints folder."""
-    path = Path(path)
-    if (path / STATE_FILE).is_file():
-        return path
-    found = list_checkpoints(path)
-    if not found:
-        raise FileNotFoundError(f"no checkpoint in {path}")
-    return found[-1]
-
-
 def load_checkpoint(
     path: str | Path,
     *,
@@ -111,9 +93,15 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     restore_rng: bool = True,
+    recipe: str | None = None,
 ) -> dict[str, Any]:
-    """Load states into the given objects, sharded (FSDP2) or not; return the recipe's progress dict."""
-    state = torch.load(resolve_checkpoint(path) / STATE_FILE, map_location="cpu", weights_only=False)
+    """Load states into the given objects, sharded (FSDP2) or not; return the recipe's progress dict.
+
+    `recipe`: the resuming run's; a checkpoint the other recipe wrote is a ConfigError, before a state is loaded."""
+    folder = resolve_checkpoint(path)
+    state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
+    if recipe is not None:
+        check_resume_recipe(folder, recipe=recipe, progress=state["progress"])
     load_full_state(model, optimizer, model_state=state["model"], optimizer_state=state["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])

@@ -97,6 +97,9 @@ def _train(args: argparse.Namespace) -> int:
             from workers.engine.recipes.grpo import train_grpo
 
             result = train_grpo(config, recorder, control=control)
+    except ConfigError as exc:  # what preflight cannot tell before loading (a checkpoint's recipe, from its progress)
+        _print_config_error(exc)
+        return EXIT_CONFIG_ERROR
     finally:
         recorder.close()
     summary = {

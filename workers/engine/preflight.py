@@ -4,8 +4,8 @@ Field-level, like schema errors: the model folder exists and holds the family th
 names, its sequences fit the model's positions, a CPU run's processes could fit in this host's
 memory, every row of the data file can be used (else its line and why not), its prompts counted
 in the model's tokens fit data.max_prompt_tokens (GRPO) or leave the held-out eval room (SFT), the
-run can write its checkpoint folder and telemetry file and resume from a checkpoint, a single-process
-run's GPU exists, and the config asks only for what this runner implements.
+run can write its checkpoint folder and telemetry file and resume from a checkpoint (one its own recipe
+wrote), a single-process run's GPU exists, and the config asks only for what this runner implements.
 Importing this module does not import torch.
 """
 
@@ -16,6 +16,7 @@ import json
 import os
 from pathlib import Path
 
+from workers.engine.checkpoint_folders import check_resume_recipe
 from workers.engine.config import ConfigError, FieldError, RunConfig, check_model_folder
 from workers.engine.env import ALLOWED_PATHS_ENV, WORKERS_ENV, read_env
 from workers.engine.planning.shapes import BYTES_PER_VALUE, ModelShape
@@ -136,11 +137,7 @@ def preflight_errors(config: RunConfig) -> list[FieldError]:
         errors.append(FieldError("data.path", f"file {config.data.path} does not exist"))
     elif config.data.source == "arithmetic" or config.data.path:
         errors.extend(data_errors(config))  # every row read and checked: cheap beside loading the model
-    if config.checkpoint.resume_from and not Path(config.checkpoint.resume_from).exists():
-        errors.append(FieldError("checkpoint.resume_from", f"{config.checkpoint.resume_from} does not exist"))
-    elif config.checkpoint.resume_from and not _holds_a_checkpoint(Path(config.checkpoint.resume_from)):
-        errors.append(FieldError("checkpoint.resume_from", f"{config.checkpoint.resume_from} holds no checkpoint (a "
-                                                           "step_N folder, or a folder of them)"))
+    errors.extend(_resume_errors(config))
     errors.extend(_output_path_errors(config))
     errors.extend(_unsupported(config))
     errors.extend(_device_errors(config))
@@ -149,12 +146,23 @@ def preflight_errors(config: RunConfig) -> list[FieldError]:
     return errors
 
 
-def _holds_a_checkpoint(path: Path) -> bool:
-    """What checkpoint.resolve_checkpoint finds: a step folder itself, or a complete step_N folder inside."""
-    from workers.engine.checkpoint import STATE_FILE  # noqa: PLC0415 - torch, as the model loads next anyway
-
-    return (path / STATE_FILE).is_file() or any(state.parent.name.removeprefix("step_").isdigit()
-                                                 for state in path.glob(f"step_*/{STATE_FILE}"))
+def _resume_errors(config: RunConfig) -> list[FieldError]:
+    """A checkpoint.resume_from that does not exist, holds no checkpoint (what `resolve_checkpoint` finds: a step
+    folder itself, or a complete step_N folder inside), or holds the other recipe's (its checkpoint.json says so; one
+    written before there was one is told by its progress when it loads)."""
+    path = config.checkpoint.resume_from
+    if not path:
+        return []
+    if not Path(path).exists():
+        return [FieldError("checkpoint.resume_from", f"{path} does not exist")]
+    try:
+        check_resume_recipe(path, recipe=config.recipe)
+    except FileNotFoundError:
+        return [FieldError("checkpoint.resume_from",
+                           f"{path} holds no checkpoint (a step_N folder, or a folder of them)")]
+    except ConfigError as exc:
+        return exc.errors
+    return []
 
 
 def _output_path_errors(config: RunConfig) -> list[FieldError]:

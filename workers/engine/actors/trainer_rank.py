@@ -127,9 +127,9 @@ class TrainerRankActor(FaultInjectableActor):
         if self.rank != 0:
             return None
         cfg = self.config.checkpoint
-        path = save_checkpoint(cfg.folder, step=step, model_state=model_state, optimizer_state=optimizer_state,
-                               scheduler_state=self.scheduler.state_dict(), progress=progress,
-                               model_folder=self.config.model.path, keep_last=cfg.keep_last)
+        path = save_checkpoint(cfg.folder, step=step, recipe=self.config.recipe, model_state=model_state,
+                               optimizer_state=optimizer_state, scheduler_state=self.scheduler.state_dict(),
+                               progress=progress, model_folder=self.config.model.path, keep_last=cfg.keep_last)
         return str(path)
 
     @endpoint

@@ -11,6 +11,7 @@ from typing import Any
 
 from workers.engine.actors.fleet import CallFailed, Failover, ProcFailure
 from workers.engine.actors.hosts import HostsUnreachable
+from workers.engine.checkpoint_folders import check_resume_recipe
 from workers.engine.config import RunConfig
 from workers.engine.controller.control_procs import ControlLost, ControlProcs
 from workers.engine.controller.generation import GenerationPipeline
@@ -34,6 +35,15 @@ class TrainerRecovery:
     def restore(self, path: str | None) -> None:
         """Put every stateful part back to a checkpoint (or to the run's start)."""
         raise NotImplementedError
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Every trainer rank back to a checkpoint; the progress saved with it. A checkpoint the other recipe wrote
+        (`checkpoint.resume_from`) is a ConfigError: told by its checkpoint.json before the ranks load it, or for one
+        written before there was one, by its progress before that is read."""
+        check_resume_recipe(path, recipe=self.config.recipe)
+        progress = self.trainer.load(path)
+        check_resume_recipe(path, recipe=self.config.recipe, progress=progress)
+        return progress
 
     def resume(self, path: str) -> None:
         """Start from `checkpoint.resume_from`."""
@@ -121,7 +131,7 @@ class Recovery(TrainerRecovery):
         state, control = self.state, self.control
         lost_from = state.step
         control_failure = control.replace() if control.noticed is not None else None
-        progress = self.trainer.load(path) if path else self.initial_progress
+        progress = self.load(path) if path else self.initial_progress
         state.resume(progress)
         control.call(control.dataset.load_state_dict.call_one(progress["data"]))
         control.call(control.buffer.load_state_dict.call_one(progress["buffer"]))
@@ -167,6 +177,6 @@ class SftRecovery(TrainerRecovery):
         return path
 
     def restore(self, path: str | None) -> None:
-        progress = self.trainer.load(path) if path else self.initial_progress
+        progress = self.load(path) if path else self.initial_progress
         self.state.step, self.state.policy_version = progress["step"], progress["policy_version"]
         self.stream.load_state_dict(progress["data"])

@@ -108,7 +108,8 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
     start_step, policy_version, generations = 0, 0, 0
     staleness: Counter[int] = Counter()
     if cfg.checkpoint.resume_from:
-        progress = load_checkpoint(cfg.checkpoint.resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
+        progress = load_checkpoint(cfg.checkpoint.resume_from, model=model, optimizer=optimizer, scheduler=scheduler,
+                                   recipe=cfg.recipe)
         start_step, policy_version, generations = progress["step"], progress["policy_version"], progress["generations"]
         stream.load_state_dict(progress["data"])
         buffer.load_state_dict(progress["buffer"])
@@ -150,8 +151,8 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
 
     def checkpoint(step: int) -> Path:
         path = save_checkpoint(
-            cfg.checkpoint.folder, step=step, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(),
-            scheduler_state=scheduler.state_dict(),
+            cfg.checkpoint.folder, step=step, recipe=cfg.recipe, model_state=model.state_dict(),
+            optimizer_state=optimizer.state_dict(), scheduler_state=scheduler.state_dict(),
             progress={"step": step, "policy_version": policy_version, "generations": generations,
                       "data": stream.state_dict(), "buffer": buffer.state_dict(), "staleness": dict(staleness)},
             model_folder=cfg.model.path, keep_last=cfg.checkpoint.keep_last,

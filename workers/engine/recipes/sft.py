@@ -57,7 +57,8 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
 
     start_step = 0
     if cfg.checkpoint.resume_from:
-        progress = load_checkpoint(cfg.checkpoint.resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
+        progress = load_checkpoint(cfg.checkpoint.resume_from, model=model, optimizer=optimizer, scheduler=scheduler,
+                                   recipe=cfg.recipe)
         start_step = progress["step"]
         stream.load_state_dict(progress["data"])
         recorder.event("resumed", step=start_step, path=cfg.checkpoint.resume_from)
@@ -76,8 +77,8 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
 
     def checkpoint(step: int) -> Path:
         path = save_checkpoint(
-            cfg.checkpoint.folder, step=step, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(),
-            scheduler_state=scheduler.state_dict(),
+            cfg.checkpoint.folder, step=step, recipe=cfg.recipe, model_state=model.state_dict(),
+            optimizer_state=optimizer.state_dict(), scheduler_state=scheduler.state_dict(),
             progress={"step": step, "data": stream.state_dict(), "policy_version": step},
             model_folder=cfg.model.path, keep_last=cfg.checkpoint.keep_last,
         )
