@@ -4,6 +4,7 @@ at validation or preflight, naming the field and why."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,45 @@ def test_what_the_run_writes_or_resumes_from_is_checked_before_it_starts(tiny_qw
     fine = (f"checkpoint.folder={tmp_path / 'new' / 'ckpt'}", f"telemetry.jsonl_path={tmp_path / 'new' / 'm.jsonl'}")
     assert _preflight(tiny_qwen3, *fine, f"checkpoint.resume_from={empty}") == {}
     assert _preflight(tiny_qwen3, *fine, f"checkpoint.resume_from={empty / 'step_000002'}") == {}
+    assert not (tmp_path / "new").exists(), "preflight makes nothing the run has not made yet"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("checkpoint.folder", "/proc/x", "/proc/x cannot be made: nothing can be created in /proc ("),
+    ("checkpoint.folder", "/sys/fb/ckpt", "/sys/fb/ckpt cannot be made: nothing can be created in /sys ("),
+    ("checkpoint.folder", "/proc/self", "cannot write in /proc/self ("),
+    ("telemetry.jsonl_path", "/proc/x.jsonl", "/proc/x.jsonl cannot be made: nothing can be created in /proc ("),
+    ("telemetry.jsonl_path", "/proc/version", "cannot write to /proc/version ("),
+])
+def test_an_output_path_that_cannot_be_made_or_written_is_refused(tiny_qwen3: Path, field: str, value: str,
+                                                                  message: str) -> None:
+    # each validated; the run loaded the model, trained, and failed when it first wrote there (a checkpoint folder: at
+    # its first save, the end of a run without checkpoint.every_steps). /proc and /sys refuse root too.
+    errors = _preflight(tiny_qwen3, f"{field}={value}")
+    assert list(errors) == [field] and errors[field].startswith(message)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in a 0o500 folder: the /proc and /sys cases cover it")
+def test_a_read_only_folder_is_refused_for_a_user(tiny_qwen3: Path, tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        assert _preflight(tiny_qwen3, f"checkpoint.folder={locked}")["checkpoint.folder"].startswith(
+            f"cannot write in {locked} (")
+        assert _preflight(tiny_qwen3, f"checkpoint.folder={locked / 'a' / 'b'}")["checkpoint.folder"].startswith(
+            f"{locked / 'a' / 'b'} cannot be made: nothing can be created in {locked} (")
+    finally:
+        locked.chmod(0o700)
+
+
+def test_a_writable_output_folder_is_left_as_it_was(tiny_qwen3: Path, tmp_path: Path) -> None:
+    existing = tmp_path / "ckpt"
+    existing.mkdir()
+    log = tmp_path / "m.jsonl"
+    log.write_text("kept\n")
+    assert _preflight(tiny_qwen3, f"checkpoint.folder={existing}", f"telemetry.jsonl_path={log}") == {}
+    assert list(existing.iterdir()) == [] and log.read_text() == "kept\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "m.jsonl"]
 
 
 def test_an_sft_eval_that_would_generate_past_the_models_positions_is_refused(tiny_qwen3: Path) -> None:

@@ -4,8 +4,9 @@ Field-level, like schema errors: the model folder exists and holds the family th
 names, its sequences fit the model's positions, a CPU run's processes could fit in this host's
 memory, every row of the data file can be used (else its line and why not), its prompts counted
 in the model's tokens fit data.max_prompt_tokens (GRPO) or leave the held-out eval room (SFT), the
-run can write its checkpoint folder and telemetry file and resume from a checkpoint (one its own recipe
-wrote), a single-process run's GPU exists, and the config asks only for what this runner implements.
+run can make and write in its checkpoint folder and write its telemetry file and resume from a
+checkpoint (one its own recipe wrote), a single-process run's GPU exists, and the config asks only
+for what this runner implements.
 Importing this module does not import torch.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from workers.engine.checkpoint_folders import check_resume_recipe
@@ -166,8 +168,9 @@ def _resume_errors(config: RunConfig) -> list[FieldError]:
 
 
 def _output_path_errors(config: RunConfig) -> list[FieldError]:
-    """What the run would write where it cannot: a checkpoint folder that is a file (found when the first checkpoint is
-    saved, at the end of a run without checkpoint.every_steps), a telemetry file that is a folder."""
+    """What the run would write where it cannot (found when the first checkpoint is saved, at the end of a run without
+    checkpoint.every_steps): a checkpoint folder that is a file or cannot be made or written in, a telemetry file that
+    is a folder or cannot be written."""
     errors = []
     if problem := _cannot_make(Path(config.checkpoint.folder), folder=True):
         errors.append(FieldError("checkpoint.folder", problem))
@@ -177,14 +180,40 @@ def _output_path_errors(config: RunConfig) -> list[FieldError]:
 
 
 def _cannot_make(path: Path, *, folder: bool) -> str | None:
-    """Why the run could not use or make `path` (a folder, or a file), as far as the kinds of the paths tell."""
-    if path.exists():
-        if path.is_dir() == folder:
+    """Why the run could not use or make `path` (a folder, or a file): the kinds of the paths, then a trial, since
+    neither mode bits (root passes them) nor os.access (it tells root yes for /proc) can say. Nothing is left behind:
+    a file that exists is opened to append and closed, else a folder is made and removed at once where the run would
+    first create something (in the folder itself, or in the nearest existing folder above what it would create)."""
+    try:
+        if path.exists():
+            if path.is_dir() != folder:
+                return f"{path} is a {'file' if folder else 'folder'}: name a {'folder' if folder else 'file'}"
+            if folder:
+                return _cannot_create_in(path, why=f"cannot write in {path}")
+            return _cannot_append_to(path)
+        ancestor = next((parent for parent in path.parents if parent.exists()), None)
+        if ancestor is None:
             return None
-        return f"{path} is a {'file' if folder else 'folder'}: name a {'folder' if folder else 'file'}"
-    ancestor = next((parent for parent in path.parents if parent.exists()), None)
-    if ancestor is not None and not ancestor.is_dir():
-        return f"{ancestor} is a file: {path} cannot be made inside it"
+        if not ancestor.is_dir():
+            return f"{ancestor} is a file: {path} cannot be made inside it"
+        return _cannot_create_in(ancestor, why=f"{path} cannot be made: nothing can be created in {ancestor}")
+    except OSError as exc:  # a folder on the way that this process may not look into
+        return f"cannot reach {path} ({exc.strerror or exc})"
+
+
+def _cannot_create_in(folder: Path, *, why: str) -> str | None:
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".preflight-", dir=folder))
+    except OSError as exc:
+        return f"{why} ({exc.strerror or exc})"
+    return None
+
+
+def _cannot_append_to(file: Path) -> str | None:
+    try:
+        open(file, "ab").close()  # noqa: SIM115 - only to learn whether it opens
+    except OSError as exc:
+        return f"cannot write to {file} ({exc.strerror or exc})"
     return None
 
 
