@@ -153,6 +153,25 @@ def test_resuming_the_other_recipes_checkpoint_exits_2_naming_resume_from(tiny_t
     assert not (tmp_path / "grpo").exists()
 
 
+def test_an_sft_run_that_cuts_some_responses_off_warns_and_reports_their_share(
+        tiny_trainable_qwen3: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # examples whose prompt filled data.seq_len trained nothing, and nothing said so
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps({"prompt": "x" * 60 if i % 2 else f"{i}+1=", "response": str(i + 1)})
+                              for i in range(12)))
+    config = _write(tmp_path / "sft.yaml", f"recipe: sft\nmodel: {{path: '{tiny_trainable_qwen3}'}}\n")
+    assert main(["train", "--config", str(config), "data.source=jsonl", f"data.path={rows}", "data.eval_size=2",
+                 "data.seq_len=40", "trainer.steps=2", "trainer.batch_size=10", "eval.every_steps=0",
+                 "trainer.threads_per_process=1", "telemetry.console=false", f"checkpoint.folder={tmp_path / 'ckpt'}",
+                 f"telemetry.jsonl_path={tmp_path / 'metrics.jsonl'}"]) == 0
+    warning = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert len(warning) == 1 and warning[0].startswith("warning: data.seq_len: ")
+    assert "training examples have prompts longer than 40 tokens (the longest: 79 tokens, data.path line" in warning[0]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    shares = [r["value"] for r in records if r["kind"] == "metric" and r["key"] == "data/no_response_share"]
+    assert len(shares) == 2 and all(0.0 < share < 1.0 for share in shares)
+
+
 def test_schema_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from workers.engine.config import MAX_REWARD_WEIGHT, MAX_THREADS_PER_PROCESS, ConfigError, load_config
-from workers.engine.preflight import preflight_errors
+from workers.engine.preflight import preflight_errors, preflight_report
+from workers.engine.tasks import jsonl_chat
 
 GRPO = "recipe: grpo\nmodel: {path: /x}\n"
 
@@ -25,6 +26,13 @@ def _field_errors(config_text: str, *overrides: str) -> dict[str, str]:
 def _preflight(model: Path, *overrides: str, recipe: str = "grpo") -> dict[str, str]:
     config = load_config(f"recipe: {recipe}\nmodel: {{path: '{model}'}}\n", overrides=list(overrides))
     return {e.field: e.message for e in preflight_errors(config)}
+
+
+def _warnings(model: Path, *overrides: str, recipe: str = "sft") -> dict[str, str]:
+    config = load_config(f"recipe: {recipe}\nmodel: {{path: '{model}'}}\n", overrides=list(overrides))
+    report = preflight_report(config)
+    assert report.errors == []
+    return {e.field: e.message for e in report.warnings}
 
 
 def test_threads_per_process_stops_at_more_cores_than_a_host_has() -> None:
@@ -157,3 +165,49 @@ def test_an_sft_eval_that_would_generate_past_the_models_positions_is_refused(ti
                                     "than the model's 1024 positions"}
     assert _preflight(tiny_qwen3, *arithmetic, "generator.max_new_tokens=999", recipe="sft") == {}
     assert _preflight(tiny_qwen3, *arithmetic, "generator.max_new_tokens=1023", "eval.every_steps=0", recipe="sft") == {}
+
+
+def test_an_sft_seq_len_that_cuts_off_every_response_is_refused_and_one_that_cuts_some_is_reported(
+        tiny_qwen3: Path, tmp_path: Path) -> None:
+    # data.seq_len shorter than the prompts validated and trained on nothing, with loss 0: every example's response
+    # lay past seq_len, so no target was a response token. The tiny model's chat template makes 'a+b=' 19 + 4..6 tokens.
+    assert _preflight(tiny_qwen3, "data.seq_len=20", recipe="sft") == {
+        "data.seq_len": "20 cuts off every training example's whole response: their prompts are 23 to 25 tokens (in "
+                        "the chat template), so the run would train on nothing, with loss 0"}
+    assert _warnings(tiny_qwen3, "data.seq_len=24") == {
+        "data.seq_len": "104 of 377 training examples have prompts longer than 24 tokens (the longest: 25 tokens, "
+                        "'12+12='): their responses are cut off whole and train nothing"}
+    assert _warnings(tiny_qwen3, "data.seq_len=25") == {}
+
+    rows = tmp_path / "rows.jsonl"
+    examples = [{"prompt": f"{i}+1=", "response": str(i + 1)} for i in range(8)]
+    examples[2], examples[5] = {"prompt": "x" * 100, "response": "x"}, {"prompt": "y" * 120, "response": "y"}
+    rows.write_text("\n".join(json.dumps(example) for example in examples) + "\n")
+    jsonl = ("data.source=jsonl", f"data.path={rows}", "data.eval_size=1")
+    assert _warnings(tiny_qwen3, *jsonl, "data.seq_len=64") == {
+        "data.seq_len": "2 of 7 training examples have prompts longer than 64 tokens (the longest: 139 tokens, "
+                        "data.path line 6): their responses are cut off whole and train nothing"}
+    assert _preflight(tiny_qwen3, *jsonl, "data.seq_len=16", recipe="sft") == {
+        "data.seq_len": "16 cuts off every training example's whole response: their prompts are 23 to 139 tokens (in "
+                        "the chat template), so the run would train on nothing, with loss 0"}
+    assert _warnings(tiny_qwen3, *jsonl, "data.seq_len=139") == {}
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "sft"])
+def test_preflight_reads_the_data_file_once(tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            recipe: str) -> None:
+    # the data check, then GRPO's prompt lengths (or SFT's seq_len and eval checks) each read the file again
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1), "response": str(i + 1)})
+                              for i in range(10)))
+    reads: list[str] = []
+    numbered = jsonl_chat.numbered_jsonl_problems
+
+    def counted(path: str, **kwargs: object) -> object:
+        reads.append(path)
+        return numbered(path, **kwargs)
+
+    monkeypatch.setattr(jsonl_chat, "numbered_jsonl_problems", counted)
+    monkeypatch.setattr("workers.engine.tasks.build.numbered_jsonl_problems", counted)
+    assert _preflight(tiny_qwen3, "data.source=jsonl", f"data.path={rows}", "data.eval_size=2", recipe=recipe) == {}
+    assert reads == [str(rows)]

@@ -255,13 +255,16 @@ class SftBatch:
     loss_mask: torch.Tensor  # [B, L] True where the target is a response token
     positions: torch.Tensor  # [B, L], restarting at 0 for each packed example
     attention_mask: torch.Tensor | None  # [B, 1, L, L] document-causal, None for one example per row
+    examples: int = 0  # of the collated batch (a slice of its rows says 0)
+    examples_cut: int = 0  # of those, the ones whose prompt left no room in seq_len for a response token
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
 
     def to(self, device: torch.device) -> SftBatch:
         mask = None if self.attention_mask is None else self.attention_mask.to(device)
-        return SftBatch(self.inputs.to(device), self.targets.to(device), self.loss_mask.to(device), self.positions.to(device), mask)
+        return SftBatch(self.inputs.to(device), self.targets.to(device), self.loss_mask.to(device),
+                        self.positions.to(device), mask, self.examples, self.examples_cut)
 
     def rows(self, start: int, stop: int) -> SftBatch:
         mask = None if self.attention_mask is None else self.attention_mask[start:stop]
@@ -308,4 +311,5 @@ def collate_sft(examples: list[tuple[list[int], list[int]]], *, seq_len: int, pa
         if at < length:
             positions[r, at:] = torch.arange(positions[r, at - 1] + 1, positions[r, at - 1] + 1 + length - at)
     attention_mask = document_causal_mask(positions) if packing else None
-    return SftBatch(inputs, targets, loss_mask, positions, attention_mask)
+    cut = sum(not any(piece_loss) for row in rows for _, _, piece_loss in row)
+    return SftBatch(inputs, targets, loss_mask, positions, attention_mask, examples=len(examples), examples_cut=cut)

@@ -8,7 +8,8 @@
        [--device h100] [--model qwen3-1.7b] [--calibrate-from RUN.jsonl [--calibration-config FILE]] [--json]
 
 Config and preflight problems print one `field: message` line each and exit with code 2
-before any model is loaded or process started. torch is imported only after that.
+before any model is loaded or process started (what preflight only warns about prints as
+`warning: field: message`, and the run goes on). torch is imported only after that.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ def _print_config_error(exc: ConfigError) -> None:
 
 
 def load_and_check(path: str, overrides: Sequence[str]) -> RunConfig:
+    """The config, validated and preflighted; preflight's warnings printed (`warning: field: message`)."""
     config = load_config_file(path, overrides=overrides)
-    preflight(config)
+    for warning in preflight(config):
+        print(f"warning: {warning}", file=sys.stderr)
     return config
 
 

@@ -3,10 +3,11 @@
 Field-level, like schema errors: the model folder exists and holds the family the config
 names, its sequences fit the model's positions, a CPU run's processes could fit in this host's
 memory, every row of the data file can be used (else its line and why not), its prompts counted
-in the model's tokens fit data.max_prompt_tokens (GRPO) or leave the held-out eval room (SFT), the
-run can make and write in its checkpoint folder and write its telemetry file and resume from a
-checkpoint (one its own recipe wrote), a single-process run's GPU exists, and the config asks only
-for what this runner implements.
+in the model's tokens fit data.max_prompt_tokens (GRPO) or leave the held-out eval room and some
+example a response token within data.seq_len (SFT), the run can make and write in its checkpoint
+folder and write its telemetry file and resume from a checkpoint (one its own recipe wrote), a
+single-process run's GPU exists, and the config asks only for what this runner implements. Warnings
+(`PreflightReport.warnings`: some SFT examples cut off before their response) stop nothing.
 Importing this module does not import torch.
 """
 
@@ -16,14 +17,19 @@ import importlib.util
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from workers.engine.checkpoint_folders import check_resume_recipe
 from workers.engine.config import ConfigError, FieldError, RunConfig, check_model_folder
 from workers.engine.env import ALLOWED_PATHS_ENV, WORKERS_ENV, read_env
 from workers.engine.planning.shapes import BYTES_PER_VALUE, ModelShape
 from workers.engine.planning.whatif import TRAINER_STATE_BYTES_PER_PARAM, Placement, Workload, generate_requests
-from workers.engine.tasks import build_task, data_errors, prompts_to_check
+from workers.engine.tasks import Problem, build_task, check_data, prompts_to_check
+
+if TYPE_CHECKING:
+    from workers.engine.models.tokenizer import ChatTokenizer
 
 _MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama3"}
 PATH_FIELDS = ("model.path", "data.path", "checkpoint.resume_from", "checkpoint.folder", "telemetry.jsonl_path")
@@ -104,16 +110,23 @@ def _unsupported(config: RunConfig) -> list[FieldError]:
     return errors
 
 
-def preflight_errors(config: RunConfig) -> list[FieldError]:
+@dataclass(frozen=True)
+class PreflightReport:
+    errors: list[FieldError]  # what stops the run before anything loads
+    warnings: list[FieldError]  # what the run would do that its config may not mean: printed, never a refusal
+
+
+def preflight_report(config: RunConfig) -> PreflightReport:
     try:
         allowed = allowed_paths()
     except ConfigError as exc:
-        return exc.errors
+        return PreflightReport(exc.errors, [])
     if allowed is not None:
         confined = confinement_errors(config, allowed)
         if confined:
-            return confined  # nothing outside is opened, not even to check it
+            return PreflightReport(confined, [])  # nothing outside is opened, not even to check it
     errors: list[FieldError] = []
+    rows = None  # a JSONL file's rows, read once by the data check and handed on
     context = None  # the model's positions, when its config.json gives them
     try:
         check_model_folder(config)
@@ -138,14 +151,21 @@ def preflight_errors(config: RunConfig) -> list[FieldError]:
     if config.data.source == "jsonl" and config.data.path and not Path(config.data.path).is_file():
         errors.append(FieldError("data.path", f"file {config.data.path} does not exist"))
     elif config.data.source == "arithmetic" or config.data.path:
-        errors.extend(data_errors(config))  # every row read and checked: cheap beside loading the model
+        checked = check_data(config)  # every row read and checked: cheap beside loading the model
+        errors.extend(checked.errors)
+        rows = checked.rows
     errors.extend(_resume_errors(config))
     errors.extend(_output_path_errors(config))
     errors.extend(_unsupported(config))
     errors.extend(_device_errors(config))
-    if not errors:  # a usable model folder and data: their prompts in the model's tokens
-        errors.extend(prompt_length_errors(config, context=context if _positions(context) else None))
-    return errors
+    if errors:
+        return PreflightReport(errors, [])
+    # a usable model folder and data: their prompts in the model's tokens
+    return prompt_length_checks(config, context=context if _positions(context) else None, rows=rows)
+
+
+def preflight_errors(config: RunConfig) -> list[FieldError]:
+    return preflight_report(config).errors
 
 
 def _resume_errors(config: RunConfig) -> list[FieldError]:
@@ -217,37 +237,65 @@ def _cannot_append_to(file: Path) -> str | None:
     return None
 
 
-def prompt_length_errors(config: RunConfig, *, context: int | None) -> list[FieldError]:
-    """Prompts counted in the model's tokens, chat template included, before anything loads. GRPO: a prompt longer than
-    data.max_prompt_tokens stops the step that draws it (or the held-out eval), so every prompt the data can give is
-    counted and the first one too long refused. SFT: the held-out eval (when its problems carry answers) generates
-    generator.max_new_tokens after each held-out prompt, past the model's positions if the longest does not leave room."""
-    sft_eval = config.recipe == "sft" and config.eval.every_steps > 0 and context is not None
-    if not (config.recipe == "grpo" or sft_eval) or importlib.util.find_spec("transformers") is None:  # torch-free
-        return []
+def prompt_length_checks(config: RunConfig, *, context: int | None,
+                         rows: list[tuple[int, Problem]] | None) -> PreflightReport:
+    """Prompts counted in the model's tokens, chat template included, before anything loads (`rows`: a JSONL file's,
+    as the data check read them). GRPO: a prompt longer than data.max_prompt_tokens stops the step that draws it (or
+    the held-out eval), so every prompt the data can give is counted and the first one too long refused. SFT: see
+    `_sft_length_checks`."""
+    if importlib.util.find_spec("transformers") is None:  # torch-free
+        return PreflightReport([], [])
     from workers.engine.models.tokenizer import ChatTokenizer  # noqa: PLC0415 - transformers, only once all else passed
 
     try:
         tokenizer = ChatTokenizer(config.model.path)
     except Exception as exc:  # noqa: BLE001 - whatever the folder's tokenizer files hold, the run could not load them
-        return [FieldError("model.path", f"cannot load its tokenizer ({type(exc).__name__}: {exc})")]
+        problem = f"cannot load its tokenizer ({type(exc).__name__}: {exc})"
+        return PreflightReport([FieldError("model.path", problem)], [])
     if config.recipe == "sft":
-        task = build_task(config)
-        if not task.verifiable:
-            return []
-        longest, new = max(len(tokenizer.encode_prompt(p.messages)) for p in task.held_out), config.generator.max_new_tokens
-        if longest + new <= context:
-            return []
-        return [FieldError("generator.max_new_tokens", f"the held-out eval generates {new} tokens after prompts of up "
-                                                       f"to {longest}: {longest + new} is longer than the model's "
-                                                       f"{context} positions")]
+        return _sft_length_checks(config, tokenizer=tokenizer, context=context, rows=rows)
     limit = config.data.max_prompt_tokens
-    for where, problem in prompts_to_check(config):
+    for where, problem in prompts_to_check(config, rows=rows):
         tokens = len(tokenizer.encode_prompt(problem.messages))
         if tokens > limit:
-            return [FieldError("data.max_prompt_tokens", f"{limit} is shorter than a prompt of {tokens} tokens "
-                                                         f"({where}, in the chat template)")]
-    return []
+            problem = f"{limit} is shorter than a prompt of {tokens} tokens ({where}, in the chat template)"
+            return PreflightReport([FieldError("data.max_prompt_tokens", problem)], [])
+    return PreflightReport([], [])
+
+
+def _sft_length_checks(config: RunConfig, *, tokenizer: ChatTokenizer, context: int | None,
+                       rows: list[tuple[int, Problem]] | None) -> PreflightReport:
+    """An SFT example whose prompt is longer than data.seq_len is cut off before its response starts: it trains no
+    token (`batching.collate_sft`). When every training example is, the run would train on nothing with loss 0:
+    refused; when some are, a warning counts them (and each step reports `data/no_response_share`). The held-out eval
+    (when its problems carry answers) generates generator.max_new_tokens after each held-out prompt, past the model's
+    positions if the longest does not leave room."""
+    task = build_task(config, rows=rows)
+    seq_len, errors, warnings = config.data.seq_len, [], []
+    lengths = [len(tokenizer.encode_prompt(problem.messages)) for problem in task.train]
+    cut = [i for i, tokens in enumerate(lengths) if tokens > seq_len]
+    if len(cut) == len(lengths):
+        errors.append(FieldError("data.seq_len", f"{seq_len} cuts off every training example's whole response: their "
+                                                 f"prompts are {min(lengths)} to {max(lengths)} tokens (in the chat "
+                                                 "template), so the run would train on nothing, with loss 0"))
+    elif cut:
+        at = max(cut, key=lengths.__getitem__)
+        lines = {id(problem): line for line, problem in rows or []}  # the split keeps the rows' objects
+        longest = task.train[at]
+        where = (f"data.path line {lines[id(longest)]}" if id(longest) in lines
+                 else repr(longest.messages[-1]["content"]))
+        warnings.append(FieldError("data.seq_len", f"{len(cut)} of {len(lengths)} training examples have prompts "
+                                                   f"longer than {seq_len} tokens (the longest: {lengths[at]} tokens, "
+                                                   f"{where}): their responses are cut off whole and train nothing"))
+    if config.eval.every_steps > 0 and context is not None and task.verifiable:
+        longest_held_out = max(len(tokenizer.encode_prompt(p.messages)) for p in task.held_out)
+        new = config.generator.max_new_tokens
+        if longest_held_out + new > context:
+            errors.append(FieldError("generator.max_new_tokens", f"the held-out eval generates {new} tokens after "
+                                                                 f"prompts of up to {longest_held_out}: "
+                                                                 f"{longest_held_out + new} is longer than the model's "
+                                                                 f"{context} positions"))
+    return PreflightReport(errors, warnings)
 
 
 def _device_errors(config: RunConfig) -> list[FieldError]:
@@ -352,7 +400,9 @@ def _cuda_here() -> bool:
     return torch.cuda.is_available()
 
 
-def preflight(config: RunConfig) -> None:
-    errors = preflight_errors(config)
-    if errors:
-        raise ConfigError(errors)
+def preflight(config: RunConfig) -> list[FieldError]:
+    """ConfigError on what stops the run; else its warnings."""
+    report = preflight_report(config)
+    if report.errors:
+        raise ConfigError(report.errors)
+    return report.warnings

@@ -87,6 +87,7 @@ def sft_step_metrics(*, update_loss: float, grad_norm: float, lr: float, batch: 
         "throughput/train_tokens_per_s": train_tokens_per_second(tokens=tokens, step_seconds=step_seconds),
         "data/train_tokens": tokens,
         "data/response_tokens": int(batch.loss_mask.sum()),
+        "data/no_response_share": batch.examples_cut / max(batch.examples, 1),  # cut off whole by data.seq_len
         "mfu": mfu(n_params=n_params, tokens=tokens, seconds=step_seconds, peak_flops_per_second=peak_flops_per_second),
         "data/epoch": epoch,
     }

@@ -138,9 +138,11 @@ def numbered_jsonl_problems(path: str | Path, *, data: DataConfig, needs: Needs)
     return problems
 
 
-def jsonl_task(data: DataConfig, *, seed: int, needs: Needs) -> Task:
+def jsonl_task(data: DataConfig, *, seed: int, needs: Needs, problems: list[Problem] | None = None) -> Task:
+    """The file's rows split by seed; `problems`: its rows already read (by preflight), else it is read here."""
     assert data.path is not None  # the config validator requires it
-    problems = read_jsonl_problems(data.path, data=data, needs=needs)
+    if problems is None:
+        problems = read_jsonl_problems(data.path, data=data, needs=needs)
     available = len(problems) - data.eval_size
     if data.train_size is not None and 0 < available < data.train_size:
         raise DataError(f"{data.train_size} asked, but {data.path} has {available} rows left after holding out "
