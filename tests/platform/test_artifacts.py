@@ -157,6 +157,21 @@ def test_own_artifact_and_own_run_resolve_and_the_engine_config_carries_the_path
     assert child.artifact_paths["model.path"] == str(run_dir(own) / "exports" / "step_3")
 
 
+def test_resuming_another_recipes_run_is_refused_and_starting_from_its_weights_is_not(team, world):
+    sft_experiment = experiment_create(actor=team.member, project=team.project, name="warm-start", recipe="sft")
+    sft = run_launch(actor=team.member, experiment=sft_experiment,
+                     config_yaml=f"recipe: sft\nmodel: {{family: qwen3, path: {world['model']}}}\n")
+    with pytest.raises(ValidationFailed) as refused:
+        run_launch(actor=team.member, experiment=team.experiment,
+                   config_yaml=_grpo(f"path: {world['model']}", f"checkpoint: {{resume_from: 'run:{sft.pk}@step:2'}}\n"))
+    [problem] = refused.value.problems
+    assert problem.field == "config.checkpoint.resume_from"
+    assert problem.message == (f"run {sft.pk} is an SFT run, and a GRPO run resumes only its own recipe's checkpoints; "
+                               f"to start from its weights, use model.artifact: run:{sft.pk}@step:2")
+    child = run_launch(actor=team.member, experiment=team.experiment, config_yaml=_grpo(f"artifact: run:{sft.pk}@step:2"))
+    assert child.artifact_paths["model.path"] == str(run_dir(sft) / "exports" / "step_2")
+
+
 def test_the_same_text_in_two_projects_resolves_to_each_projects_own_artifact(team, world):
     artifact_register(actor=team.operator, project=team.project, name="base", kind="model", path=str(world["model"]))
     artifact_register(actor=team.operator, project=world["beta"], name="base", kind="model",

@@ -105,16 +105,23 @@ def _known_artifacts(*, project: Project, name: str, kind: str) -> str:
     return (f": did you mean {close[0]!r}? Its {kind}s: " if close else f"; its {kind}s: ") + shown
 
 
-def _of_run(*, reference: str, field: str, project: Project | None) -> tuple[Path | None, str | None]:
+_A_RUN = {"grpo": "a GRPO run", "sft": "an SFT run"}
+
+
+def _of_run(*, reference: str, field: str, project: Project | None, recipe: str) -> tuple[Path | None, str | None]:
     from forgeboard.runs.models import Run
     from forgeboard.runs.folders import run_dir
 
     match = RUN_REFERENCE.match(reference)
     assert match is not None
     run_id, step = int(match.group("run")), int(match.group("step"))
-    run = Run.objects.filter(pk=run_id, experiment__project=project).first() if project is not None else None
+    run = (Run.objects.filter(pk=run_id, experiment__project=project).select_related("config").first()
+           if project is not None else None)
     if run is None:
         return None, f"no run {run_id} in project {project.slug}" if project else "a run reference needs its project"
+    if field == "checkpoint.resume_from" and run.config.recipe != recipe:
+        return None, (f"run {run_id} is {_A_RUN[run.config.recipe]}, and {_A_RUN[recipe]} resumes only its own "
+                      f"recipe's checkpoints; to start from its weights, use model.artifact: run:{run_id}@step:{step}")
     folder = _real(run_dir(run))
     target = (folder / "exports" / f"step_{step}" if field == "model.path"
               else folder / "checkpoints" / f"step_{step:06d}")
@@ -143,13 +150,14 @@ def resolve_run_paths(*, config: RunConfig, project: Project | None) -> dict[str
             continue
         if reference is not None:
             where = reference_field
-            path, problem = (_of_run(reference=reference, field=field, project=project) if RUN_REFERENCE.match(reference)
+            path, problem = (_of_run(reference=reference, field=field, project=project, recipe=config.recipe)
+                             if RUN_REFERENCE.match(reference)
                              else _registered(reference=reference, kind=kind, project=project))
         elif raw is None:
             continue
         elif RUN_REFERENCE.match(raw):
             where = field
-            path, problem = _of_run(reference=raw, field=field, project=project)
+            path, problem = _of_run(reference=raw, field=field, project=project, recipe=config.recipe)
         else:
             where = field
             path, problem = path_problem(raw)
