@@ -83,11 +83,133 @@ async def test_backlog_then_live_then_resume(running_run, team):
     second = await _connect(f"/ws/runs/{run.pk}/?token={token}&after_seq={last_seq}&after_step=3")
     resumed = json.loads(await second.receive_from(timeout=10))
     assert [e["payload"]["batch"] for e in resumed["events"]] == [4, 5]
-    assert [p[0] for p in resumed["metrics"]["loss"]] == [4, 5]
+    assert [p[0] for p in resumed["metrics"]["loss"]] == [3, 4, 5]  # the cursor's step again: see the next test
     await _ingest(run, 6)
     live = await _receive_until(second, lambda m: m.get("batch") == 6)
     assert [e["payload"]["batch"] for m in live for e in m["events"]] == [6]
     await second.disconnect()
+
+
+async def test_a_steps_metric_reported_in_a_later_batch_survives_a_reconnect(running_run, team):
+    """The engine reports a step's loss, then evaluates and reports that step's eval metrics in a later batch: a page
+    that dropped in between and resumes after the step it saw still gets them."""
+    run, _ = running_run
+    token = await _token(team)
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={token}")
+    await stream.receive_from(timeout=10)
+    await _ingest(run, 1, 2, 3)
+    live = await _receive_until(stream, lambda m: m.get("batch") == 3)
+    assert live[-1]["metrics"] == {"loss": [[3, pytest.approx(1 / 3)]]}
+    last_seq = live[-1]["events"][-1]["seq"]
+    await stream.disconnect()
+
+    evaluation = TelemetryBatch.model_validate({"seq": 4, "metrics": [
+        {"key": "eval/accuracy", "step": 3, "value": 0.5, "time": 1.7e9}]})
+    await sync_to_async(telemetry_ingest)(run=run, batches=[evaluation])
+    again = await _connect(f"/ws/runs/{run.pk}/?token={token}&after_seq={last_seq}&after_step=3")
+    backlog = json.loads(await again.receive_from(timeout=10))
+    assert backlog["metrics"]["eval/accuracy"] == [[3, 0.5]]
+    await again.disconnect()
+
+
+def _events_batch(seq: int, count: int) -> TelemetryBatch:
+    return TelemetryBatch.model_validate({
+        "seq": seq, "events": [{"kind": "message", "payload": {"batch": seq, "i": i}, "time": 1.7e9} for i in range(count)],
+    })
+
+
+async def _frames_through(stream: WebsocketCommunicator, seq: int) -> list[dict]:
+    return await _receive_until(stream, lambda m: any(e["seq"] == seq for e in m.get("events", [])))
+
+
+def _backlog_frames(frames: list[dict]) -> list[dict]:
+    return [f for f in frames if f["type"] in ("run.backlog", "run.backlog_page")]
+
+
+@pytest.mark.parametrize(("page_events", "page_chars"), [(10, 1_000_000), (1_000, 250)])
+async def test_a_backlog_longer_than_a_page_comes_whole_in_pages_then_live(running_run, team, monkeypatch,
+                                                                          page_events, page_chars):
+    """Every event once and in order, whether the engine reports while the backlog is read (before the run is read:
+    those come in the backlog and again live) or while it is paged (those come live only)."""
+    from forgeboard.telemetry import consumers
+
+    run, _ = running_run
+    monkeypatch.setattr(consumers, "BACKLOG_PAGE_EVENTS", page_events)
+    monkeypatch.setattr(consumers, "BACKLOG_PAGE_CHARS", page_chars)
+    await sync_to_async(telemetry_ingest)(run=run, batches=[_events_batch(1, 25)])
+    following, paging = consumers.LiveConsumer.follow_access, consumers.events_page
+    pages = []
+
+    async def follow_access_as_the_engine_reports(self, **kwargs):  # joined the run's group, the run not yet read
+        await sync_to_async(telemetry_ingest)(run=run, batches=[_events_batch(2, 3)])
+        await following(self, **kwargs)
+
+    def events_page_as_the_engine_reports(**kwargs):
+        pages.append(kwargs)
+        if len(pages) == 1:
+            telemetry_ingest(run=run, batches=[_events_batch(3, 3)])
+        return paging(**kwargs)
+
+    monkeypatch.setattr(consumers.LiveConsumer, "follow_access", follow_access_as_the_engine_reports)
+    monkeypatch.setattr(consumers, "events_page", events_page_as_the_engine_reports)
+    token = await _token(team)
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={token}")
+    frames = await _frames_through(stream, 1 + 25 + 3 + 3)
+    await _ingest(run, 4)
+    frames += await _receive_until(stream, lambda m: m.get("batch") == 4)
+
+    backlog = _backlog_frames(frames)
+    assert frames[:len(backlog)] == backlog and len(backlog) > 2
+    assert [f["type"] for f in backlog] == ["run.backlog"] + ["run.backlog_page"] * (len(backlog) - 1)
+    assert [f["more"] for f in backlog] == [True] * (len(backlog) - 1) + [False]
+    assert backlog[-1]["events"][-1]["seq"] == 1 + 25 + 3  # the run as it was read: the last batch comes live
+    for frame in backlog:
+        assert 0 < len(frame["events"]) <= page_events
+        assert sum(len(json.dumps(e)) for e in frame["events"][:-1]) < page_chars
+    seqs = [e["seq"] for f in frames for e in f["events"]]
+    assert seqs == list(range(1, 1 + 25 + 3 + 3 + 1 + 1))
+    await stream.disconnect()
+
+
+async def test_the_backlog_of_a_run_past_the_old_5000_event_cap_loses_nothing(running_run, team):
+    """With the default page size: 5,200 events in frames of at most 1,000, then live ones."""
+    run, _ = running_run
+    await sync_to_async(telemetry_ingest)(run=run, batches=[_events_batch(seq, 1_000 if seq < 6 else 199)
+                                                            for seq in range(1, 7)])
+    token = await _token(team)
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={token}")
+    frames = await _frames_through(stream, 5_200)
+    await _ingest(run, 7)
+    frames += await _receive_until(stream, lambda m: m.get("batch") == 7)
+    assert [len(f["events"]) for f in _backlog_frames(frames)] == [1_000] * 5 + [200]
+    assert [e["seq"] for f in frames for e in f["events"]] == list(range(1, 5_202))
+    await stream.disconnect()
+
+
+async def test_an_update_the_channel_layer_lost_or_delivered_late_is_filled_in_once(running_run, team, monkeypatch):
+    """Pushing is best effort (a full subscriber queue drops, two web processes may publish out of order): the next
+    update finds the events missing before its own and sends them first, from the database."""
+    from forgeboard.telemetry import ingest
+
+    run, _ = running_run
+    token = await _token(team)
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={token}")
+    await stream.receive_from(timeout=10)
+    held = []
+    with monkeypatch.context() as patched:
+        patched.setattr(ingest, "publish_run_update", lambda **kwargs: held.append(kwargs))
+        await _ingest(run, 1, 2)  # stored, not pushed yet
+    await _ingest(run, 3)
+    frames = await _receive_until(stream, lambda m: m.get("batch") == 3)
+    assert [e["payload"]["batch"] for f in frames for e in f["events"]] == [1, 2, 3]
+    for late in held:  # the held pushes arrive at last: their events were sent, their points still come
+        await sync_to_async(ingest.publish_run_update)(**late)
+    frames = [json.loads(await stream.receive_from(timeout=10)) for _ in held]
+    assert [(f["events"], list(f["metrics"]["loss"][0][:1])) for f in frames] == [([], [1]), ([], [2])]
+    await _ingest(run, 4)
+    frames = await _receive_until(stream, lambda m: m.get("batch") == 4)
+    assert [e["payload"]["batch"] for f in frames for e in f["events"]] == [4]
+    await stream.disconnect()
 
 
 async def test_live_updates_skip_the_shared_sync_thread(running_run, team, monkeypatch):

@@ -1,6 +1,6 @@
 // The run page, live: a websocket delivers the backlog (from the last event sequence and metric step
-// this page saw) and then every update. On a drop it reconnects with those cursors, so nothing is
-// missed or doubled, and the charts keep their zoom and hidden series.
+// this page saw, its events in pages) and then every update. On a drop it reconnects with those cursors,
+// so nothing is missed or doubled, and the charts keep their zoom and hidden series.
 (function () {
   "use strict";
   const run = JSON.parse(document.getElementById("run-data").textContent);
@@ -260,13 +260,18 @@
     if (atBottom) pre.scrollTop = pre.scrollHeight;
   }
 
+  // The backlog's state goes with its last event: it is shown once its last page is in.
+  let backlogRun = null;
+
   function onMessage(message) {
     const data = JSON.parse(message.data);
     if (data.type === "pong") return;
     addEvents(data.events || []);
-    if (data.type === "run.backlog" && data.state) {  // current, whatever events the backlog held
-      setState(data.state);
-      showExitReason(data.exit_reason);
+    if (data.type === "run.backlog") backlogRun = { state: data.state, exitReason: data.exit_reason };
+    if ((data.type === "run.backlog" || data.type === "run.backlog_page") && !data.more && backlogRun) {
+      if (backlogRun.state) setState(backlogRun.state);
+      showExitReason(backlogRun.exitReason);
+      backlogRun = null;
     }
     addMetrics(data.metrics || {});
     addLogs(data.logs);

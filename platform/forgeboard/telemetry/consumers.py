@@ -1,11 +1,18 @@
 """Websocket streams. `/ws/runs/<id>/?after_seq=N&after_step=S`: what was missed, then live updates.
 
 A client that reconnects sends the last event sequence and metric step it saw; the backlog comes
-from the database, so nothing is lost across reconnects or web processes. Authenticated by the
-session cookie, or by `?token=` with an API token of the run's project. A stream stays open only while
-its credential may read the project: it is closed (4403) when the token is revoked or the member removed,
-at once, and within STREAM_ACCESS_RECHECK_S when the token expires, the user is deactivated, or the browser's
-session ends (logged out, expired, the password changed).
+from the database, so nothing is lost across reconnects or web processes. The backlog is the run as
+of the moment it is read: a `run.backlog` frame (state, metrics from step S on, log tail, timelines,
+and the first events after N) and, while its `more` is true, `run.backlog_page` frames with the
+following events, until every event up to that moment is sent; live updates follow. Each frame holds
+at most BACKLOG_PAGE_EVENTS events and stops at BACKLOG_PAGE_CHARS of them. Events arrive once and in
+order: a live update that repeats what a frame sent loses those events, and one that finds events
+missing before its own (the channel layer is best effort) is preceded by them, from the database.
+
+Authenticated by the session cookie, or by `?token=` with an API token of the run's project. A stream
+stays open only while its credential may read the project: it is closed (4403) when the token is revoked
+or the member removed, at once, and within STREAM_ACCESS_RECHECK_S when the token expires, the user is
+deactivated, or the browser's session ends (logged out, expired, the password changed).
 """
 
 from __future__ import annotations
@@ -30,11 +37,11 @@ from forgeboard.runs.models import Run
 from forgeboard.stream_limits import CLIENT_FRAME_MAX_CHARS
 from forgeboard.telemetry.ingest import wire_number
 from forgeboard.telemetry.models import LogLine, MetricSeries
-from forgeboard.telemetry.selectors import events_after, metric_downsampled, step_timelines
-from forgeboard.telemetry.services import event_to_wire
+from forgeboard.telemetry.selectors import events_page, metric_downsampled, step_timelines
 from forgeboard.telemetry.streams import actor_group, project_group, run_group
 
-BACKLOG_EVENTS = 5_000
+BACKLOG_PAGE_EVENTS = 1_000
+BACKLOG_PAGE_CHARS = 1_000_000
 BACKLOG_POINTS_PER_KEY = 500
 BACKLOG_LOG_LINES = 200
 BACKLOG_TIMELINES = 50
@@ -173,10 +180,9 @@ class RunStreamConsumer(LiveConsumer):
         await self.channel_layer.group_add(run_group(self.run_id), self.channel_name)
         await self.accept()
         await self.follow_access(actor=actor, project_id=self.project_id)
-        backlog = await self._backlog(after_seq=after_seq, after_step=after_step)
-        await self.send_json(backlog)
-        if backlog["events"]:
-            self.last_seq = backlog["events"][-1]["seq"]
+        backlog, through_seq = await self._backlog(after_step=after_step)
+        await self._send_events(through_seq=through_seq, first=backlog,
+                                rest={"type": "run.backlog_page", "run": self.run_id})
 
     async def disconnect(self, code: int) -> None:
         await self.stop_following_access()
@@ -185,7 +191,11 @@ class RunStreamConsumer(LiveConsumer):
 
     async def run_update(self, message: dict) -> None:
         update = message["update"]
-        if message.get("text") and (message.get("min_seq") is None or message["min_seq"] > self.last_seq):
+        min_seq = message.get("min_seq")
+        if min_seq is not None and min_seq > self.last_seq + 1:  # the updates before this one were lost or are late
+            missed = {"type": "run.update", "run": self.run_id, "metrics": {}, "logs": []}
+            await self._send_events(through_seq=min_seq - 1, first=missed, rest=missed)
+        if message.get("text") and (min_seq is None or min_seq > self.last_seq):
             if update.get("events"):
                 self.last_seq = update["events"][-1]["seq"]
             await self.send(text_data=message["text"])
@@ -198,6 +208,25 @@ class RunStreamConsumer(LiveConsumer):
             return
         await self.send_json(update)
 
+    async def _send_events(self, *, through_seq: int, first: dict, rest: dict) -> None:
+        """The events after the last one sent up to `through_seq`, a page at a time (live updates wait meanwhile):
+        the first page in `first` (sent even when empty), the others in `rest`; each says whether `more` follow."""
+        frame = first
+        while True:
+            events = await self._events_page(through_seq=through_seq)
+            more = bool(events) and events[-1]["seq"] < through_seq
+            await self.send_json({**frame, "events": events, "more": more})
+            if events:
+                self.last_seq = events[-1]["seq"]
+            if not more:
+                return
+            frame = rest
+
+    @database_sync_to_async
+    def _events_page(self, *, through_seq: int) -> list[dict]:
+        return events_page(run_id=self.run_id, after_seq=self.last_seq, through_seq=through_seq,
+                           max_events=BACKLOG_PAGE_EVENTS, max_chars=BACKLOG_PAGE_CHARS)
+
     @database_sync_to_async
     def _may_read(self, actor, run_id: int) -> bool:  # noqa: ANN001
         run = Run.objects.select_related("experiment__project").filter(pk=run_id).first()
@@ -205,20 +234,22 @@ class RunStreamConsumer(LiveConsumer):
         return run is not None and project_role(actor=actor, project=run.experiment.project) is not None
 
     @database_sync_to_async
-    def _backlog(self, *, after_seq: int, after_step: int) -> dict:
+    def _backlog(self, *, after_step: int) -> tuple[dict, int]:
+        """The backlog's first frame but its events, and the last event sequence the backlog goes to: the run's as
+        it was read, which its state in the frame goes with."""
         run = Run.objects.get(pk=self.run_id)
-        events = [event_to_wire(e) for e in events_after(run=run, after_seq=after_seq, limit=BACKLOG_EVENTS)]
         metrics = {}
-        for series in MetricSeries.objects.filter(run=run, last_step__gt=after_step - 1 if after_step else -1):
-            start = after_step + 1 if after_step else None
+        # From the cursor's step itself: a step's keys may come in different batches (its evaluation after its loss).
+        for series in MetricSeries.objects.filter(run=run, last_step__gte=after_step):
+            start = after_step if after_step else None
             buckets = metric_downsampled(run=run, key=series.key, buckets=BACKLOG_POINTS_PER_KEY, start_step=start)
             metrics[series.key] = [[b.step, wire_number(b.mean)] for b in buckets]
         logs = list(LogLine.objects.filter(run=run).order_by("-batch_seq", "-index")
                     .values_list("line", flat=True)[:BACKLOG_LOG_LINES])[::-1]
-        return {"type": "run.backlog", "run": run.pk, "state": run.state, "exit_reason": run.exit_reason,
-                "events": events, "metrics": metrics,
-                "logs": logs, "timelines": step_timelines(run=run, last=BACKLOG_TIMELINES),
-                "telemetry_seq": run.telemetry_seq}
+        frame = {"type": "run.backlog", "run": run.pk, "state": run.state, "exit_reason": run.exit_reason,
+                 "metrics": metrics, "logs": logs, "timelines": step_timelines(run=run, last=BACKLOG_TIMELINES),
+                 "telemetry_seq": run.telemetry_seq}
+        return frame, run.last_event_seq
 
 
 class ProjectStreamConsumer(LiveConsumer):

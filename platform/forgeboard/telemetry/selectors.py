@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ from django.db.models import Avg, Count, ExpressionWrapper, F, IntegerField, Max
 
 from forgeboard.runs.models import Run
 from forgeboard.telemetry.models import EventKind, MetricPoint, MetricSeries, RunEvent, StepTimeline
+from forgeboard.telemetry.services import event_to_wire
 
 
 # The metrics a runs list or a comparison summarises a run by, when the run has them.
@@ -64,6 +66,21 @@ def metric_downsampled(
 
 def events_after(*, run: Run, after_seq: int = 0, limit: int = 1000) -> QuerySet[RunEvent]:
     return RunEvent.objects.filter(run=run, seq__gt=after_seq).order_by("seq")[:limit]
+
+
+def events_page(*, run_id: int, after_seq: int, through_seq: int, max_events: int, max_chars: int) -> list[dict]:
+    """The run's events after `after_seq` up to `through_seq`, as the streams send them, in order: at most
+    `max_events`, and none more once their JSON reaches `max_chars` (the first is kept however long it is)."""
+    events = RunEvent.objects.filter(run_id=run_id, seq__gt=after_seq, seq__lte=through_seq).order_by("seq")
+    page: list[dict] = []
+    chars = 0
+    for event in events[:max_events].iterator(chunk_size=100):
+        wire = event_to_wire(event)
+        page.append(wire)
+        chars += len(json.dumps(wire))
+        if chars >= max_chars:
+            break
+    return page
 
 
 def metric_series_of_runs(*, run_ids: Sequence[int]) -> QuerySet[MetricSeries]:
