@@ -4,22 +4,26 @@ ends while its page is open loses its live-only controls and shows how and why i
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
+import httpx
 import pytest
 from django.db import transaction
 from django.utils import timezone
 from playwright.sync_api import expect
 
-from forgeboard.accounts.services import membership_remove
+from forgeboard.accounts.services import api_token_create, membership_remove
 from forgeboard.experiments.services import experiment_create
 from forgeboard.runs.models import Command, Run
 from forgeboard.runs.services import run_cancel, run_launch, run_transition
 from forgeboard.runs.states import RunState
+from forgeboard.runs.tokens import run_token_issue
 from tests.e2e.conftest import login, outside_the_browser_loop, screenshot
 from tests.platform.conftest import TINY_MONARCH_GRPO_YAML
 from tests.support.configs import sft_yaml
 from tests.support.processes import wait_for
+from workers.engine.control_plane import CommandChannel, ControlPlaneTarget
 
 POINTS = "Number(document.querySelector('figure.chart[data-key=\"loss\"]')?.dataset.points || 0)"
 
@@ -235,3 +239,72 @@ def test_a_lost_run_restarted_while_its_page_is_open_gets_its_controls_back(page
     expect(page.get_by_role("button", name="Inject")).to_be_visible()
     expect(page.locator("#controls-note")).to_be_hidden()
     expect(page.get_by_role("button", name="Cancel run")).to_be_visible()
+
+
+def _compact(value) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def test_commands_appear_and_change_in_the_table_as_they_are_sent_and_run(page, server, team, tmp_path):
+    """A command sent from this page's controls and one sent through the API by another member appear at once; as
+    the engine (its own client, over HTTP) acknowledges and finishes them, their rows change in place; what anyone
+    wrote in a payload or a result is shown as text, and a reload shows the same table."""
+    run = _seeded_run(team)
+    run_token = outside_the_browser_loop(run_token_issue, run=run)
+    _, api_token = outside_the_browser_loop(api_token_create, actor=team.owner, project=team.project, name="ci",
+                                            scope="write")
+    _open_live(page, server, run, width=1280)
+    rows = page.locator("#commands tbody tr")
+    expect(rows).to_have_text(["No commands sent."])
+
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.locator('form[data-command="run"] select[name="kind"]').select_option("checkpoint")
+    page.locator('form[data-command="run"] button').click()
+    expect(page.locator("#commands tr[data-command]")).to_have_count(1)
+    sent = Command.objects.get(run=run).pk
+    mine = page.locator(f'#commands tr[data-command="{sent}"]')
+    expect(mine.locator("td")).to_have_text([str(sent), "Checkpoint now", "mateo", "Pending", "{}", ""])
+
+    hostile = '<img src=x onerror="window.pwned=1">'
+    answer = httpx.post(f"{server['url']}/api/v1/runs/{run.pk}/commands", json={"kind": "pause",
+                        "payload": {"note": hostile}}, headers={"Authorization": f"Bearer {api_token}"})
+    assert answer.status_code == 201, answer.text
+    theirs = page.locator(f'#commands tr[data-command="{answer.json()["id"]}"]')
+    expect(rows).to_have_count(2)
+    expect(rows.first).to_have_attribute("data-command", str(answer.json()["id"]))  # the newest on top
+    expect(theirs.locator("td")).to_have_text([str(answer.json()["id"]), "Pause", "olivia", "Pending",
+                                               _compact({"note": hostile}), ""])
+
+    def engine_runs(kind, payload):  # the engine has acknowledged the command it is running
+        row = mine if kind == "checkpoint" else theirs
+        expect(row.locator('[data-field="state"]')).to_have_text("Delivered")
+        if kind == "pause":
+            raise RuntimeError("<b>cannot pause</b> during a weight sync")
+        return {"path": "<script>window.pwned=2</script>/step-40"}
+
+    channel = CommandChannel(ControlPlaneTarget(url=server["url"], run_id=run.pk, token=run_token),
+                             ledger=tmp_path / "commands.json")
+    try:
+        assert channel.poll(engine_runs) == 2
+    finally:
+        channel.close()
+    expect(mine.locator('[data-field="state"]')).to_have_text("Succeeded")
+    expect(mine.locator('[data-field="result"]')).to_have_text(_compact({"path": "<script>window.pwned=2</script>/step-40"}))
+    expect(theirs.locator('[data-field="state"]')).to_have_text("Failed")
+    expect(theirs.locator('[data-field="result"]')).to_have_text(
+        _compact({"error": "<b>cannot pause</b> during a weight sync"}))
+    assert page.locator("#commands img, #commands script, #commands b").count() == 0
+    assert page.evaluate("window.pwned") is None
+    expect(page.locator("#run-state")).to_have_text("Running")  # the pause failed
+    screenshot(page, "run_page_commands_1280")
+    table = "rows => rows.map((row) => Array.from(row.cells, (cell) => cell.textContent))"
+    live = page.eval_on_selector_all("#commands tbody tr", table)
+
+    page.set_viewport_size({"width": 390, "height": 900})
+    page.wait_for_timeout(300)
+    _fits(page, 390)
+    screenshot(page, "run_page_commands_390")
+    page.reload()
+    page.wait_for_function("document.getElementById('conn').textContent === 'live'", timeout=30_000)
+    assert page.eval_on_selector_all("#commands tbody tr", table) == live, "a fresh page shows what the live one did"
+

@@ -12,7 +12,7 @@ from django.conf import settings
 
 from forgeboard.accounts.services import api_token_create
 from forgeboard.asgi import application
-from forgeboard.runs.services import run_transition
+from forgeboard.runs.services import command_acknowledge, command_create, command_finish, run_transition
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.ingest import telemetry_ingest
 from workers.engine.telemetry_wire import TelemetryBatch
@@ -209,6 +209,30 @@ async def test_an_update_the_channel_layer_lost_or_delivered_late_is_filled_in_o
     await _ingest(run, 4)
     frames = await _receive_until(stream, lambda m: m.get("batch") == 4)
     assert [e["payload"]["batch"] for f in frames for e in f["events"]] == [4]
+    await stream.disconnect()
+
+
+async def test_a_commands_life_reaches_the_run_stream(running_run, team):
+    """Issued (who sent what), acknowledged and finished by the engine: what the run page's commands table shows."""
+    run, _ = running_run
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={await _token(team)}")
+    await stream.receive_from(timeout=10)
+
+    def command_event(kind):
+        return lambda m: any(e["kind"] == kind for e in m["events"])
+
+    command = await sync_to_async(command_create)(actor=team.owner, run=run, kind="checkpoint",
+                                                  payload={"note": "<b>now</b>"})
+    issued = (await _receive_until(stream, command_event("command_issued")))[-1]["events"][-1]
+    assert issued["payload"] == {"command": command.pk, "kind": "checkpoint", "by": "olivia",
+                                 "payload": {"note": "<b>now</b>"}}
+    await sync_to_async(command_acknowledge)(run=run, command_id=command.pk)
+    acknowledged = (await _receive_until(stream, command_event("command_acknowledged")))[-1]["events"][-1]
+    assert acknowledged["payload"] == {"command": command.pk}
+    await sync_to_async(command_finish)(run=run, command_id=command.pk, ok=False, result={"error": "<i>disk full</i>"})
+    finished = (await _receive_until(stream, command_event("command_finished")))[-1]["events"][-1]
+    assert finished["payload"] == {"command": command.pk, "kind": "checkpoint", "ok": False,
+                                   "result": {"error": "<i>disk full</i>"}}
     await stream.disconnect()
 
 

@@ -83,6 +83,25 @@ def test_the_run_page_offers_the_actions_its_state_allows(client, team, runs, st
     assert rollouts.status_code == (286 if state in ("failed", "succeeded") else 200), "htmx stops polling at 286"
 
 
+def test_the_commands_table_shows_payloads_and_results_as_json_text(client, team, runs):
+    """As the page's script writes the rows it adds live: compact JSON, escaped, an empty result as nothing."""
+    run = runs[0]
+    done = Command.objects.create(run=run, kind="checkpoint", state="failed", created_by=team.owner,
+                                  payload={"note": "<script>alert(1)</script>"}, result={"error": "a \"quoted\" <b>"})
+    pending = Command.objects.create(run=run, kind="pause", created_by=None)
+    client.force_login(team.viewer)
+    page = client.get(f"/runs/{run.pk}/").content.decode()
+    assert "<script>alert(1)" not in page
+    assert (f'<tr data-command="{done.pk}" data-state="failed"><td class="num">{done.pk}</td><td>Checkpoint now</td>'
+            '<td>olivia</td><td data-field="state">Failed</td>'
+            '<td data-field="payload"><code>{&quot;note&quot;:&quot;&lt;script&gt;alert(1)&lt;/script&gt;&quot;}</code></td>'
+            '<td data-field="result"><code>{&quot;error&quot;:&quot;a \\&quot;quoted\\&quot; &lt;b&gt;&quot;}</code></td>'
+            '</tr>') in page
+    assert (f'<tr data-command="{pending.pk}" data-state="pending"><td class="num">{pending.pk}</td><td>Pause</td>'
+            '<td>—</td><td data-field="state">Pending</td><td data-field="payload"><code>{}</code></td>'
+            '<td data-field="result"><code></code></td></tr>') in page
+
+
 def test_outsiders_get_404_for_runs_and_rollouts(client, team, runs):
     client.force_login(team.outsider)
     assert client.get(f"/runs/{runs[0].pk}/").status_code == 404

@@ -235,6 +235,7 @@
       const isStartup = event.kind === "message" && event.payload && event.payload.name === "startup_phase";
       if (isStartup) addStartupPhase(event);
       if (event.kind === "checkpoint_saved") document.body.dispatchEvent(new CustomEvent("checkpoint-saved"));
+      if (event.kind.startsWith("command_")) followCommand(event);
       const item = document.createElement("li");
       item.className = "ev-" + event.kind;
       item.dataset.kind = event.kind;
@@ -248,6 +249,65 @@
       item.append(time, kind, document.createTextNode(FBEventText.describe(event)));
       list.prepend(item);
     });
+  }
+
+  // The commands table follows the command events: a new command's row on top, its state and result in place as
+  // the engine acknowledges and finishes it. The backlog replays the run's whole history: a command older than the
+  // newest row is not added, and a row's state never goes back.
+  const COMMAND_PROGRESS = { pending: 0, delivered: 1, succeeded: 2, failed: 2, expired: 2 };
+
+  function followCommand(event) {
+    const p = event.payload || {}, id = p.command;
+    if (!Number.isInteger(id)) return;
+    const body = $("commands").tBodies[0];
+    const rows = Array.from(body.querySelectorAll("tr[data-command]"));
+    const row = rows.find((r) => Number(r.dataset.command) === id);
+    if (event.kind === "command_issued" && !row && !(rows.length && id < Number(rows[0].dataset.command))) {
+      body.prepend(commandRow(id, p));
+      const empty = $("commands-empty");
+      if (empty) empty.remove();
+      rows.slice(run.commandsShown - 1).forEach((old) => old.remove());
+    } else if (row && event.kind === "command_acknowledged") {
+      advanceCommand(row, "delivered");
+    } else if (row && event.kind === "command_finished" && advanceCommand(row, p.ok === false ? "failed" : "succeeded")) {
+      row.querySelector('[data-field="result"] code').textContent = commandJson(p.result, true);
+    }
+  }
+
+  function commandRow(id, p) {
+    const row = document.createElement("tr");
+    row.dataset.command = id;
+    row.dataset.state = "pending";
+    const cell = (text, { field = null, className = "", code = false } = {}) => {
+      const td = document.createElement("td");
+      if (field) td.dataset.field = field;
+      if (className) td.className = className;
+      const holder = code ? td.appendChild(document.createElement("code")) : td;
+      holder.textContent = text;
+      return td;
+    };
+    const kind = String(p.kind ?? "");
+    row.append(cell(String(id), { className: "num" }), cell(run.commandKindLabels[kind] || kind),
+      cell(typeof p.by === "string" && p.by ? p.by : "—"),
+      cell(run.commandStateLabels.pending, { field: "state" }),
+      cell(commandJson(p.payload, false), { field: "payload", code: true }), cell("", { field: "result", code: true }));
+    return row;
+  }
+
+  // Whether the row moved on to this state (and shows it).
+  function advanceCommand(row, state) {
+    if (COMMAND_PROGRESS[state] <= COMMAND_PROGRESS[row.dataset.state]) return false;
+    row.dataset.state = state;
+    row.querySelector('[data-field="state"]').textContent = run.commandStateLabels[state] || state;
+    return true;
+  }
+
+  // Mirrors the template filter `json_text`; an empty result reads as nothing.
+  function commandJson(value, emptyAsNothing) {
+    const object = value && typeof value === "object" ? value : {};
+    if (emptyAsNothing && !Object.keys(object).length) return "";
+    const text = JSON.stringify(object);
+    return text.length > run.commandTextChars ? text.slice(0, run.commandTextChars - 1) + "…" : text;
   }
 
   function addLogs(lines) {

@@ -188,7 +188,10 @@ def _lock_run(run: Run) -> None:
 
 def _command_insert(*, actor: Actor, run: Run, kind: CommandKind, payload: dict[str, Any]) -> Command:
     command = Command.objects.create(run=run, kind=kind, payload=payload, created_by=actor_user(actor))
-    event_append(run=run, kind=EventKind.COMMAND_ISSUED, payload={"command": command.pk, "kind": kind})
+    # Who sent what: the run page adds the command's row to its table from this event.
+    by = command.created_by.username if command.created_by else None
+    event_append(run=run, kind=EventKind.COMMAND_ISSUED,
+                 payload={"command": command.pk, "kind": kind, "by": by, "payload": payload})
     return command
 
 

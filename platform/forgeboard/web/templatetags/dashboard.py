@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 from django import template
@@ -20,6 +21,13 @@ def duration(seconds: float | None) -> str:
     if hours:
         return f"{hours}h {minutes:02d}m"
     return f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"
+
+
+@register.filter
+def json_text(value: object, limit: int) -> str:
+    """A JSON value as one line of compact JSON, as a browser's JSON.stringify writes it, cut at `limit` characters."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 @register.filter

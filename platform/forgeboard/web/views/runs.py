@@ -21,7 +21,7 @@ from forgeboard.errors import ServiceError, ValidationFailed
 from forgeboard.experiments.models import Recipe
 from forgeboard.experiments.selectors import experiments_for_project
 from forgeboard.runs.checkpoints import run_checkpoints, run_launch_from_checkpoint_request
-from forgeboard.runs.models import LaunchBackend, Run
+from forgeboard.runs.models import CommandKind, CommandState, LaunchBackend, Run
 from forgeboard.runs.selectors import RunFilters, runs_search
 from forgeboard.runs.services import command_create, run_cancel
 from forgeboard.runs.states import CANCELLABLE_STATES, COMMAND_STATES, TERMINAL_STATES, RunState
@@ -33,6 +33,8 @@ from forgeboard.web.idempotent import idempotent_form
 from workers.engine.operations import DrillKind, DrillRole, PlacedRole
 
 RUNS_PER_PAGE = 50
+COMMANDS_SHOWN = 20
+COMMAND_TEXT_CHARS = 500  # of a command's payload or result, as JSON
 ROLLOUTS_SHOWN = 40
 PLACEMENT_ROWS_SHOWN = 256
 PLACEMENT_JSON_CHARS = 20_000
@@ -131,7 +133,8 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "multi_process": config.placement.backend != LaunchBackend.LOCAL,  # monarch, or a SLURM / Kubernetes job
         "checkpoints": run_checkpoints(run=run), "placement": placement,
         "placement_json": placement["plan_json"],
-        "commands": run.commands.select_related("created_by").order_by("-id")[:20],
+        "commands": run.commands.select_related("created_by").order_by("-id")[:COMMANDS_SHOWN],
+        "command_text_chars": COMMAND_TEXT_CHARS,
         "generator_replicas": config.role_processes().get("generator", 0),  # 0: generator.in_trainer
         "trainer_ranks": config.trainer.ranks,
         "drill_kinds": [(kind, DRILL_KIND_LABELS[kind]) for kind in get_args(DrillKind)],
@@ -144,6 +147,8 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "run_data": {"id": run.pk, "number": run.number, "state": run.state, "totalSteps": config.trainer.steps,
                      "terminalStates": sorted(TERMINAL_STATES), "cancelStates": sorted(CANCELLABLE_STATES),
                      "commandStates": sorted(COMMAND_STATES), "controlsNotes": CONTROLS_NOTES,
+                     "commandsShown": COMMANDS_SHOWN, "commandTextChars": COMMAND_TEXT_CHARS,
+                     "commandKindLabels": dict(CommandKind.choices), "commandStateLabels": dict(CommandState.choices),
                      "startedAt": run.started_at.isoformat() if run.started_at else None,
                      "finishedAt": run.finished_at.isoformat() if run.finished_at else None,
                      "wsPath": f"/ws/runs/{run.pk}/", "apiPath": f"/api/v1/runs/{run.pk}/"},
