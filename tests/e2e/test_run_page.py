@@ -219,10 +219,13 @@ def test_a_run_cancelled_by_someone_else_while_its_page_is_open(page, server, te
 
 
 def test_a_lost_run_restarted_while_its_page_is_open_gets_its_controls_back(page, server, team):
-    """The reverse: the actions of a live run come back as the reconciler restarts a lost run (without a reload)."""
+    """The reverse: the actions of a live run come back as the reconciler restarts a lost run (without a reload);
+    the reason it keeps reads as its last restart's while it goes on, and as its exit reason once it ends."""
     run = _seeded_run(team, state=RunState.LOST)
+    Run.objects.filter(pk=run.pk).update(exit_reason="engine killed by signal 9")
     _open(page, server, run, width=1280)
     expect(page.locator("#run-state")).to_have_text("Lost")
+    expect(page.locator("#exit-reason")).to_have_text("Lost: engine killed by signal 9")
     expect(page.get_by_role("button", name="Cancel run")).to_be_hidden()  # the service cannot cancel a lost run
     expect(page.locator("#controls-note")).to_contain_text("restarts from its last checkpoint")
     expect(page.get_by_role("button", name="Inject")).to_be_hidden()
@@ -232,13 +235,29 @@ def test_a_lost_run_restarted_while_its_page_is_open_gets_its_controls_back(page
     expect(page.locator("#run-state")).to_have_text("Queued")
     expect(page.get_by_role("button", name="Cancel run")).to_be_visible()
     expect(page.locator("#controls-note")).to_contain_text("once the run is launching")
-    expect(page.get_by_role("note").filter(has_text="Exit reason")).to_contain_text("restart 1 of 2")
+    reason = page.locator("#exit-reason")
+    expect(reason).to_have_text("Last restart: restart 1 of 2: engine killed by signal 9")
 
     outside_the_browser_loop(run_transition, run_id=run.pk, from_state=RunState.QUEUED, to_state=RunState.LAUNCHING)
     expect(page.locator("#run-state")).to_have_text("Launching")
     expect(page.get_by_role("button", name="Inject")).to_be_visible()
     expect(page.locator("#controls-note")).to_be_hidden()
     expect(page.get_by_role("button", name="Cancel run")).to_be_visible()
+    outside_the_browser_loop(run_transition, run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
+    expect(page.locator("#run-state")).to_have_text("Running")
+    expect(reason).to_have_text("Last restart: restart 1 of 2: engine killed by signal 9")
+    screenshot(page, "run_page_running_after_restart")
+    page.reload()
+    page.wait_for_function("document.getElementById('conn').textContent === 'live'", timeout=30_000)
+    expect(reason).to_have_text("Last restart: restart 1 of 2: engine killed by signal 9")
+
+    # it ends: the reason it ended is its exit reason, live and on a reload
+    outside_the_browser_loop(run_transition, run_id=run.pk, from_state=RunState.RUNNING, to_state=RunState.SUCCEEDED,
+                             reason="finished")
+    expect(page.locator("#run-state")).to_have_text("Succeeded")
+    expect(reason).to_have_text("Exit reason: finished")
+    page.reload()
+    expect(reason).to_have_text("Exit reason: finished")
 
 
 def _compact(value) -> str:

@@ -83,6 +83,21 @@ def test_the_run_page_offers_the_actions_its_state_allows(client, team, runs, st
     assert rollouts.status_code == (286 if state in ("failed", "succeeded") else 200), "htmx stops polling at 286"
 
 
+@pytest.mark.parametrize(("state", "reason", "label"), [
+    ("queued", "restart 1 of 2: engine killed by signal 9", "Last restart"),
+    ("running", "restart 1 of 2: engine killed by signal 9", "Last restart"),
+    ("lost", "no heartbeat for 120 s", "Lost"),
+    ("failed", "lost (no heartbeat for 120 s) after 2 of 2 restarts", "Exit reason"),
+    ("succeeded", "finished", "Exit reason")])
+def test_the_run_page_says_what_its_reason_is_in_each_state(client, team, runs, state, reason, label):
+    """A restarted run keeps its restart's reason while it runs again: that is no exit reason until it ends."""
+    run = runs[0]
+    Run.objects.filter(pk=run.pk).update(state=state, exit_reason=reason)
+    client.force_login(team.member)
+    page = client.get(f"/runs/{run.pk}/").content.decode()
+    assert f'<strong id="exit-reason-label">{label}:</strong> <span id="exit-reason-text">{reason}</span>' in page
+
+
 def test_the_commands_table_shows_payloads_and_results_as_json_text(client, team, runs):
     """As the page's script writes the rows it adds live: compact JSON, escaped, an empty result as nothing."""
     run = runs[0]

@@ -47,6 +47,7 @@
     badge.className = "state state-" + state;
     badge.dataset.state = state;
     currentState = state;
+    $("exit-reason-label").textContent = `${run.reasonLabels[state] || "Exit reason"}:`;
     updateLaunchFlash(state);
     showActions(state);
     showStep();

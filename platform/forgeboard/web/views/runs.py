@@ -50,6 +50,10 @@ CONTROLS_NOTES = {
     RunState.LOST: "Lost: the run stopped without an end of its own. It restarts from its last checkpoint if it has "
                    "restarts left, else it fails; the controls work again once it is launching.",
 }
+# What a run's stored reason is in each state: why it ended, why it was lost, or, while it goes on after a restart,
+# why it was restarted ("restart 1 of 2: …").
+REASON_LABELS = {state: "Exit reason" if state in TERMINAL_STATES else "Lost" if state == RunState.LOST
+                 else "Last restart" for state in RunState}
 # htmx stops polling a part that answers with this status (and still shows the answer).
 STOP_POLLING = 286
 
@@ -134,7 +138,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "checkpoints": run_checkpoints(run=run), "placement": placement,
         "placement_json": placement["plan_json"],
         "commands": run.commands.select_related("created_by").order_by("-id")[:COMMANDS_SHOWN],
-        "command_text_chars": COMMAND_TEXT_CHARS,
+        "command_text_chars": COMMAND_TEXT_CHARS, "reason_label": REASON_LABELS[run.state],
         "generator_replicas": config.role_processes().get("generator", 0),  # 0: generator.in_trainer
         "trainer_ranks": config.trainer.ranks,
         "drill_kinds": [(kind, DRILL_KIND_LABELS[kind]) for kind in get_args(DrillKind)],
@@ -147,6 +151,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "run_data": {"id": run.pk, "number": run.number, "state": run.state, "totalSteps": config.trainer.steps,
                      "terminalStates": sorted(TERMINAL_STATES), "cancelStates": sorted(CANCELLABLE_STATES),
                      "commandStates": sorted(COMMAND_STATES), "controlsNotes": CONTROLS_NOTES,
+                     "reasonLabels": REASON_LABELS,
                      "commandsShown": COMMANDS_SHOWN, "commandTextChars": COMMAND_TEXT_CHARS,
                      "commandKindLabels": dict(CommandKind.choices), "commandStateLabels": dict(CommandState.choices),
                      "startedAt": run.started_at.isoformat() if run.started_at else None,
