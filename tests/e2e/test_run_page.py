@@ -19,11 +19,13 @@ from forgeboard.runs.models import Command, Run
 from forgeboard.runs.services import run_cancel, run_launch, run_transition
 from forgeboard.runs.states import RunState
 from forgeboard.runs.tokens import run_token_issue
+from forgeboard.telemetry.ingest import telemetry_ingest
 from tests.e2e.conftest import login, outside_the_browser_loop, screenshot
 from tests.platform.conftest import TINY_MONARCH_GRPO_YAML
 from tests.support.configs import sft_yaml
 from tests.support.processes import wait_for
 from workers.engine.control_plane import CommandChannel, ControlPlaneTarget
+from workers.engine.telemetry_wire import TelemetryBatch
 
 POINTS = "Number(document.querySelector('figure.chart[data-key=\"loss\"]')?.dataset.points || 0)"
 
@@ -327,3 +329,25 @@ def test_commands_appear_and_change_in_the_table_as_they_are_sent_and_run(page, 
     page.wait_for_function("document.getElementById('conn').textContent === 'live'", timeout=30_000)
     assert page.eval_on_selector_all("#commands tbody tr", table) == live, "a fresh page shows what the live one did"
 
+
+def _events_batch(seq: int, count: int) -> TelemetryBatch:
+    return TelemetryBatch.model_validate({"seq": seq, "events": [
+        {"kind": "message", "payload": {"text": f"batch {seq} event {i}"}, "time": 1.7e9} for i in range(count)]})
+
+
+def test_a_run_with_more_events_than_a_backlog_page_shows_every_one_and_its_state(page, server, team):
+    """The backlog comes in pages of 1,000 events: the page shows all 2,502, once each and in order, then the run's
+    state as of the last one, then live events."""
+    run = _seeded_run(team)
+    outside_the_browser_loop(telemetry_ingest, run=run, batches=[_events_batch(1, 1_000), _events_batch(2, 1_000),
+                                                                 _events_batch(3, 500)])
+    outside_the_browser_loop(run_transition, run_id=run.pk, from_state=RunState.RUNNING, to_state=RunState.PAUSED)
+    _open(page, server, run, width=1280)
+    page.wait_for_function("FBRunPage.cursors().lastSeq === 2502", timeout=30_000)
+    expect(page.locator("#run-state")).to_have_text("Paused")
+    seqs = page.eval_on_selector_all("#timeline li", "items => items.map(li => Number(li.dataset.seq))")
+    assert seqs == list(range(2502, 0, -1)), "every event once, the newest on top"
+
+    outside_the_browser_loop(run_transition, run_id=run.pk, from_state=RunState.PAUSED, to_state=RunState.RUNNING)
+    expect(page.locator("#run-state")).to_have_text("Running")
+    expect(page.locator("#timeline li").first).to_have_attribute("data-seq", "2503")
