@@ -401,7 +401,7 @@ def test_the_page_says_which_step_a_run_is_on_and_when_its_log_is_empty(page, se
     run = _watch_a_launching_run(page, server, team)  # 5 steps
     assert page.evaluate(STEP) == "— of 5"
     assert page.locator(".facts div", has_text="Restarts").locator("dd").inner_text() == "none allowed"
-    assert page.locator("#logs-empty").is_visible()
+    assert page.locator("#logs-empty").is_visible() and page.locator("#logs").is_hidden(), "no empty box under it"
 
     _transition(run, RunState.LAUNCHING, RunState.RUNNING)
     _phase(run, "loading_model", "loading the model and data", 0.0, None)
@@ -414,7 +414,7 @@ def test_the_page_says_which_step_a_run_is_on_and_when_its_log_is_empty(page, se
         for step in (1, 2) for key in ("loss", "reward/mean")], logs=[{"line": "step 2 done", "time": START + 2}])])
     page.wait_for_function(f"{STEP} === '2 of 5 · step 3 running'", timeout=10_000)
     page.wait_for_function("document.getElementById('logs').textContent.includes('step 2 done')", timeout=10_000)
-    assert page.locator("#logs-empty").is_hidden()
+    assert page.locator("#logs-empty").is_hidden() and page.locator("#logs").is_visible()
     for chart in _layout(page, RUN_GRID):  # a flat series: ticks five decimals long ("0.49950")
         assert chart["yLabelWidth"] <= chart["yLabelRoom"], f"{chart['key']}: y labels {chart['yTicks']} cut"
         assert len(chart["yTicks"][0]) == 7, chart["yTicks"]

@@ -315,6 +315,7 @@
     if (!lines || !lines.length) return;
     $("logs-empty").hidden = true;
     const pre = $("logs");
+    pre.hidden = false;
     const atBottom = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
     const kept = (pre.textContent ? pre.textContent.split("\n") : []).concat(lines).slice(-MAX_LOG_LINES);
     pre.textContent = kept.join("\n");
