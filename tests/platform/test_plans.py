@@ -51,6 +51,11 @@ eval:
 REPLICAS2 = ["generator.replicas=2"]
 
 
+def _as_sft(grpo_yaml: str) -> str:
+    """The same settings as an SFT config: its recipe, without GRPO's own section (an SFT run refuses it)."""
+    return grpo_yaml.replace("recipe: grpo", "recipe: sft").replace("grpo:\n  group_size: 4\n", "")
+
+
 @pytest.fixture(scope="module")
 def bench_model(tmp_path_factory) -> Path:
     """The bench's tiny Qwen3 (its shape is what the recorded runs ran)."""
@@ -172,7 +177,7 @@ def test_runs_that_cannot_calibrate_are_refused_at_the_field(client, team, beare
     assert "no step_timeline events" in refused(plan(client, bearer, yaml=bench_yaml, calibration_run=fresh.pk),
                                                 "calibration_run")
     sft = experiment_create(actor=team.member, project=team.project, name="sft", recipe="sft")
-    sft_run = run_launch(actor=team.member, experiment=sft, config_yaml=bench_yaml.replace("grpo", "sft", 1))
+    sft_run = run_launch(actor=team.member, experiment=sft, config_yaml=_as_sft(bench_yaml))
     assert "only GRPO runs calibrate" in refused(plan(client, bearer, yaml=bench_yaml, calibration_run=sft_run.pk),
                                                  "calibration_run")
 
@@ -196,7 +201,7 @@ def test_hostile_plans_are_refused_at_their_field(client, team, bearer, bench_ya
 
 def test_an_sft_config_and_a_broken_model_folder_are_refused(client, team, bearer, bench_yaml, bench_model, tmp_path,
                                                               settings):
-    sft = bench_yaml.replace("recipe: grpo", "recipe: sft")
+    sft = _as_sft(bench_yaml)
     assert "models GRPO steps" in refused(plan(client, bearer, recipe="sft", yaml=sft), "recipe")
     broken = tmp_path / "broken"
     broken.mkdir()
