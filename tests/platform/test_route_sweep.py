@@ -124,7 +124,7 @@ PAGES = {
                                      form_values=LAUNCH_FORM_AGAIN),
     "runs/<int:run_id>/checkpoints/<int:step>/new/": Page(("GET", "POST"), query=("experiment", "preset"),
                                                           form=LAUNCH_FORM, form_values=LAUNCH_FORM_AGAIN),
-    "cluster/": Page(("GET", "POST"), form={"hostname": "node-1", "state": "cordoned", "reason": "r"}),
+    "cluster/": Page(("GET", "POST"), form={"hostname": "node-1", "intent": "cordoned", "reason": "r"}),
     "settings/tokens/": Page(("GET", "POST"), form={"project": "{slug}", "name": "t", "scope": "read",
                                                     "expires": "30"}),
     "settings/tokens/<int:token_id>/revoke/": Page(("POST",)),
