@@ -464,11 +464,13 @@ def test_a_failed_export_says_on_the_timeline_why_no_run_started(dashboard, djan
     assert "RuntimeError: trainer.pt is not a checkpoint" in failed.payload["reason"]
 
 
-def test_a_token_that_expires_before_its_export_runs_starts_no_run(client, team, run_with_checkpoints, export_worker,
-                                                                     django_capture_on_commit_callbacks):
+def test_a_token_that_expires_before_its_export_runs_fails_only_its_own_run(client, team, run_with_checkpoints,
+                                                                           export_worker,
+                                                                           django_capture_on_commit_callbacks):
     """A CI token asks for a run from a checkpoint (202, the export is queued) and expires before a worker gets to it:
-    the worker exports nothing and starts no run, and the parent's timeline says the token may no longer do it (as a
-    revoked token, or one whose creator left the project)."""
+    the checkpoint is exported (the system exports for the project; the token was checked when it asked) but no run
+    starts, and the parent's timeline says the token may no longer do it (as a revoked token, or one whose creator
+    left the project)."""
     from datetime import timedelta
 
     from django.utils import timezone
@@ -487,9 +489,43 @@ def test_a_token_that_expires_before_its_export_runs_starts_no_run(client, team,
     ApiToken.objects.filter(pk=token.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
     _work(export_worker.sent)
     assert not Run.objects.filter(parent=parent).exists()
-    assert not (run_dir(parent) / "exports" / "step_2").exists()
+    assert (run_dir(parent) / "exports" / "step_2" / "config.json").is_file()
     failed = RunEvent.objects.get(run=parent, kind="message", payload__name="child_run_failed")
     assert "you are not a member of project 'alpha'" in failed.payload["reason"]
+
+
+def test_a_first_asker_who_lost_access_fails_no_one_elses_run(client, team, run_with_checkpoints, export_worker,
+                                                                django_capture_on_commit_callbacks):
+    """A CI token asks for a run from a checkpoint and queues its export; a member asks for another while it is
+    queued; the token is revoked before a worker gets to the export. The export ran as the token, so it failed and
+    took the member's run down with it. Now the system exports on behalf of the project (each asker was checked when
+    they asked): the member's run starts, the token's alone fails with its reason, and the audit record of the
+    export says who asked for it."""
+    from forgeboard.accounts.services import api_token_create, api_token_revoke
+    from forgeboard.telemetry.models import RunEvent
+
+    parent = run_with_checkpoints
+    token, raw = api_token_create(actor=team.member, project=team.project, name="ci", scope="write")
+    with django_capture_on_commit_callbacks(execute=True):
+        queued = client.post(f"/api/v1/runs/{parent.pk}/checkpoints/2/runs", {"overrides": ["trainer.steps=2"]},
+                             content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {raw}")
+    assert queued.status_code == 202, queued.content
+    with django_capture_on_commit_callbacks(execute=True):
+        waiting = run_launch_from_checkpoint_request(actor=team.member, run=parent, step=2,
+                                                     overrides=["trainer.steps=3"])
+    assert waiting.state == "queued" and len(export_worker.sent) == 1, "one export for both"
+    api_token_revoke(actor=team.member, token=token)
+
+    _work(export_worker.sent)
+    [child] = Run.objects.filter(parent=parent)
+    assert child.config.parsed["trainer"]["steps"] == 3 and child.launched_by == team.member
+    assert RunEvent.objects.filter(run=parent, payload__name="child_run_started", payload__run=child.pk).exists()
+    [failed] = RunEvent.objects.filter(run=parent, kind="message", payload__name="child_run_failed")
+    assert "you are not a member of project 'alpha'" in failed.payload["reason"], failed.payload
+    export = AuditEvent.objects.get(action="checkpoint.export")
+    assert export.actor_label == "system" and export.payload["requested_by"] == f"token:{token.prefix}"
+    launched = AuditEvent.objects.get(action="run.launch_from_checkpoint")
+    assert launched.actor == team.member and launched.target_id == str(child.pk)
 
 
 def test_start_from_a_checkpoint_is_checked_before_anything_is_queued(dashboard, team, django_capture_on_commit_callbacks):

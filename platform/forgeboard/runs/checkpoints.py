@@ -31,7 +31,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from forgeboard.accounts.models import ApiToken, Role, User
-from forgeboard.accounts.permissions import Actor, require_project_role
+from forgeboard.accounts.permissions import Actor, actor_label, require_project_role
 from forgeboard.audit.services import audit_record
 from forgeboard.dispatch import CHECKPOINTS_EXPORT, enqueue
 from forgeboard.errors import NotFound, ServiceError, ValidationFailed
@@ -154,6 +154,13 @@ def checkpoint_export(*, actor: Actor, run: Run, step: int) -> Path:
     """
     require_project_role(actor=actor, project=run.experiment.project, minimum=Role.MEMBER,
                          action="exporting checkpoints")
+    return _export(run=run, step=step, actor=actor)
+
+
+def _export(*, run: Run, step: int, actor: Actor | None, requested_by: str = "") -> Path:
+    """`checkpoint_export` without the permission check. `actor` None: the system exports on behalf of the project
+    (the `checkpoints.export` task: everyone waiting for it was checked when they asked), and the audit record
+    names who asked first (`requested_by`)."""
     step = _clean_step(step)
     checkpoint = _checkpoint_at(run=run, step=step)
     out = export_folder(run=run, step=step)
@@ -181,7 +188,8 @@ def checkpoint_export(*, actor: Actor, run: Run, step: int) -> Path:
         if not _is_hf_folder(out):  # else a concurrent export of the same step finished first
             raise
     audit_record(actor=actor, action="checkpoint.export", target=run, project=run.experiment.project,
-                 payload={"step": step, "checkpoint": checkpoint.path, "out": str(out)})
+                 payload={"step": step, "checkpoint": checkpoint.path, "out": str(out)}
+                 | ({"requested_by": requested_by} if requested_by else {}))
     return out
 
 
@@ -378,7 +386,8 @@ def checkpoint_export_request(*, actor: Actor, run: Run, step: int) -> ExportSta
     """Queue the export of the checkpoint at `step` (the `checkpoints.export` task) and return its status.
 
     Done at once when the export exists; an export already queued or running is not queued twice; a
-    failed (or lost) one is queued again. The task runs `checkpoint_export` as the same actor.
+    failed (or lost) one is queued again. The task exports as the system, on behalf of the project: the actor was
+    checked here.
     """
     require_project_role(actor=actor, project=run.experiment.project, minimum=Role.MEMBER,
                          action="exporting checkpoints")
@@ -396,17 +405,21 @@ def checkpoint_export_request(*, actor: Actor, run: Run, step: int) -> ExportSta
 
 
 def checkpoint_export_queued(*, run_id: int, step: int, actor_kind: str, actor_id: int) -> ExportStatus:
-    """The task's side: export as the actor who asked, recording running, then done or failed with the reason;
-    then start the runs asked for from this checkpoint meanwhile (`PendingChildRun`), each as the actor who asked
-    for it, and say so on the parent's timeline, with the child or the reason none started."""
+    """The task's side: export, recording running, then done or failed with the reason; then start the runs asked
+    for from this checkpoint meanwhile (`PendingChildRun`), each as the actor who asked for it, and say so on the
+    parent's timeline, with the child or the reason none started.
+
+    The export runs as the system on behalf of the project: everyone who asked was checked then, and a first asker
+    who may no longer export (a token revoked or expired, a member removed) must not fail the runs of the others.
+    Each run still starts as its own asker, and fails alone if that asker lost access. The audit record of the
+    export names who asked first (`actor_kind`, `actor_id`)."""
     run = Run.objects.select_related("experiment__project").get(pk=run_id)
     actor = _actor(kind=actor_kind, actor_id=actor_id)
+    requested_by = actor_label(actor) if actor is not None else f"{actor_kind} {actor_id} (deleted)"
     _write_status(run=run, step=step, state=ExportState.RUNNING)
     error = ""
     try:
-        if actor is None:
-            raise NotFound(f"the {actor_kind} that asked for this export no longer exists")
-        checkpoint_export(actor=actor, run=run, step=step)
+        _export(run=run, step=step, actor=None, requested_by=requested_by)
     except ServiceError as exc:
         error = exc.message
     except OSError as exc:
