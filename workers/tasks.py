@@ -138,15 +138,20 @@ def schedule_runs() -> list[int]:
 
 @shared_task(name=RUNS_RECONCILE)
 def reconcile_runs() -> dict:
-    """Periodic: lost runs are restarted from their checkpoint or failed (see runs/reconcile.py)."""
+    """Periodic: lost runs are restarted from their checkpoint or failed (see runs/reconcile.py); lost checkpoint
+    exports are queued again or failed (runs/checkpoints.py)."""
     from django.utils import timezone
 
+    from forgeboard.runs.checkpoints import checkpoint_exports_reconcile
     from forgeboard.runs.reconcile import runs_reconcile
 
-    report = runs_reconcile(now=timezone.now())
+    now = timezone.now()
+    report = runs_reconcile(now=now)
     if report.lost or report.restarted or report.failed:
         logger.info("reconcile: lost %s, restarted %s, failed %s", report.lost, report.restarted, report.failed)
-    return {"lost": report.lost, "restarted": report.restarted, "failed": report.failed}
+    exports = checkpoint_exports_reconcile(now=now)
+    return {"lost": report.lost, "restarted": report.restarted, "failed": report.failed,
+            "exports_requeued": exports.requeued, "exports_failed": exports.failed}
 
 
 @shared_task(name=RUNS_POLL_JOBS)
@@ -225,13 +230,29 @@ def probe_hosts() -> list[str]:
 
 
 @shared_task(name=CHECKPOINTS_EXPORT, acks_late=False)
-def export_checkpoint(run_id: int, step: int, actor_kind: str, actor_id: int) -> str:
+def export_checkpoint(run_id: int, step: int, actor_kind: str | None = None, actor_id: int | None = None,
+                      attempt: int | None = None) -> str:
     """Export a checkpoint as an HF folder, off the request that asked for it, then start the runs asked for from
-    it meanwhile (see runs/checkpoints.py)."""
-    from forgeboard.runs.checkpoints import checkpoint_export_queued
+    it meanwhile (see runs/checkpoints.py). A message of an attempt that is no longer the export's does nothing.
+
+    Compatibility: a message queued before exports had attempts carries who asked (`actor_kind`, `actor_id`) and
+    no `attempt`."""
+    from forgeboard.runs.checkpoints import (
+        checkpoint_export_queued,
+        checkpoint_export_queued_before_upgrade,
+    )
 
     with run_log_context(run_id):
-        status = checkpoint_export_queued(run_id=run_id, step=step, actor_kind=actor_kind, actor_id=actor_id)
+        if attempt is not None:
+            status = checkpoint_export_queued(run_id=run_id, step=step, attempt=attempt)
+        elif actor_kind is not None and actor_id is not None:
+            status = checkpoint_export_queued_before_upgrade(run_id=run_id, step=step, actor_kind=actor_kind,
+                                                             actor_id=actor_id)
+        else:
+            raise ValueError("a checkpoints.export message names its attempt (or, queued before attempts, who asked)")
+        if status is None:
+            logger.info("export of step %s skipped: it is no longer asked for", step)
+            return "skipped"
         if status.error:
             logger.warning("export of step %s failed: %s", step, status.error)
         return status.state

@@ -222,6 +222,18 @@ HOST_HEARTBEAT_TIMEOUT_S = env.int("FORGEBOARD_HOST_HEARTBEAT_TIMEOUT_S", 60, mi
 RECOVERY_ALERT_S = env.int("FORGEBOARD_RECOVERY_ALERT_S", 30, minimum=1)
 # Concurrent CPU-only runs (engine controllers) per host; see runs/demand.py.
 LOCAL_RUN_SLOTS = env.int("FORGEBOARD_LOCAL_RUN_SLOTS", 2, minimum=1)
+# Checkpoint exports (runs/checkpoints.py). The exporter reads the whole checkpoint (an 8B model's weights and
+# optimizer state in float32: ~100 GB) and writes the weights as safetensors: several minutes for a big model; it is
+# killed after EXPORT_TIMEOUT_S. An export queued or running for EXPORT_LOST_AFTER_S is lost (its worker died, or its
+# task message was lost): the run reconciler queues it again, at most EXPORT_REQUEUES times, then fails it. Past the
+# timeout an export has surely stopped, so one taken for lost never runs beside the next.
+EXPORT_TIMEOUT_S = env.int("FORGEBOARD_EXPORT_TIMEOUT_S", 1800, minimum=60)
+EXPORT_LOST_AFTER_S = env.int("FORGEBOARD_EXPORT_LOST_AFTER_S", EXPORT_TIMEOUT_S + 300)
+if EXPORT_LOST_AFTER_S < EXPORT_TIMEOUT_S + 60:
+    raise ImproperlyConfigured(
+        f"FORGEBOARD_EXPORT_LOST_AFTER_S: must be at least FORGEBOARD_EXPORT_TIMEOUT_S + 60 ({EXPORT_TIMEOUT_S + 60}), "
+        f"got {EXPORT_LOST_AFTER_S}: an export still running must never be taken for lost")
+EXPORT_REQUEUES = env.int("FORGEBOARD_EXPORT_REQUEUES", 2, minimum=0)
 # The SLURM launch backend (workers/launch/slurm_backend.py): a worker with a partition set submits the
 # runs whose config says placement.backend: slurm. FORGEBOARD_DATA_DIR must then be on a filesystem
 # every node sees; give the nodes either a virtualenv or a container image (pyxis) with the project.

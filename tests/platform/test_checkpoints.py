@@ -8,12 +8,14 @@ import re
 import subprocess
 import sys
 import threading
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
 from django.db import connection
+from django.utils import timezone
 
 from forgeboard.audit.models import AuditEvent
 from forgeboard.errors import NotFound, PermissionDenied, ValidationFailed
@@ -30,7 +32,7 @@ from forgeboard.runs.checkpoints import (
     run_launch_from_checkpoint,
     run_launch_from_checkpoint_request,
 )
-from forgeboard.runs.models import PendingChildRun, Run
+from forgeboard.runs.models import CheckpointExport, PendingChildRun, Run
 from forgeboard.runs.services import run_launch
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append
@@ -240,9 +242,9 @@ def export_api(client, team, run_with_checkpoints, monkeypatch):
 
     _, write = api_token_create(actor=team.member, project=team.project, name="ci-write", scope="write")
     _, read = api_token_create(actor=team.member, project=team.project, name="ci-read", scope="read")
-    sent: list[tuple[str, list]] = []
+    sent: list[tuple[str, list, dict]] = []
     queues: list[str | None] = []
-    monkeypatch.setattr(app, "send_task", lambda name, args, **kw: (sent.append((name, args)),
+    monkeypatch.setattr(app, "send_task", lambda name, args, **kw: (sent.append((name, args, kw.get("kwargs") or {})),
                                                                      queues.append(kw.get("queue"))))
 
     def call(method: str, step: object, token: str = write):
@@ -257,9 +259,9 @@ def _run_queued_tasks(api) -> None:
     from workers.tasks import export_checkpoint
 
     while api.sent:
-        name, args = api.sent.pop(0)
+        name, args, kwargs = api.sent.pop(0)
         assert name == "checkpoints.export"
-        export_checkpoint.apply(args=args)
+        export_checkpoint.apply(args=args, kwargs=kwargs)
 
 
 def test_the_api_queues_an_export_and_the_client_polls_it(export_api, tmp_path, monkeypatch,
@@ -322,7 +324,7 @@ def test_two_export_requests_at_once_queue_one_export(team, run_with_checkpoints
     the status under the run's row lock, so the second finds the first's 'queued'."""
     run = run_with_checkpoints
     queued: list[int] = []
-    monkeypatch.setattr(checkpoints, "_enqueue_export", lambda *, run_id, step, actor: queued.append(step))
+    monkeypatch.setattr(checkpoints, "_enqueue_export", lambda *, run_id, step, attempt: queued.append(step))
     both_read = threading.Barrier(2, timeout=2)  # a request that cannot read before the other writes goes on alone
     read_status, first_read = checkpoints._read_status, threading.local()
 
@@ -350,26 +352,6 @@ def test_two_export_requests_at_once_queue_one_export(team, run_with_checkpoints
         thread.join(timeout=60)
     assert answers == ["queued", "queued"]
     assert queued == [2], "one export queued for two requests"
-
-
-def test_an_export_whose_worker_vanished_is_reported_lost_and_can_be_asked_again(export_api,
-                                                                                django_capture_on_commit_callbacks):
-    import json as jsonlib
-    from datetime import timedelta
-
-    from django.utils import timezone
-
-    api = export_api
-    with django_capture_on_commit_callbacks(execute=True):
-        api.call("post", 4)
-    status_file = run_dir(api.run) / "exports" / "step_4.status.json"
-    long_ago = timezone.now() - checkpoints.EXPORT_STALE_AFTER - timedelta(seconds=1)
-    status_file.write_text(jsonlib.dumps({"state": "running", "error": "", "updated_at": long_ago.isoformat()}))
-    lost = api.call("get", 4).json()
-    assert lost["state"] == "failed" and "was lost" in lost["error"]
-    with django_capture_on_commit_callbacks(execute=True):
-        assert api.call("post", 4).status_code == 202
-    assert len(api.sent) == 2
 
 
 def test_an_export_goes_to_the_pool_of_the_host_the_run_ran_on(export_api, team,
@@ -429,7 +411,7 @@ def test_start_a_new_run_from_here_exports_in_a_worker_then_starts_the_run(dashb
     assert answer.status_code == 302 and answer.url == f"/runs/{parent.pk}/", "back on the parent's page at once"
     assert Run.objects.count() == 1 and not (run_dir(parent) / "exports" / "step_2").exists(), "nothing exported yet"
     assert "exporting step 2; the new run starts when the export is done" in dashboard.client.get(answer.url).content.decode()
-    assert [(name, kwargs) for name, _, kwargs in dashboard.sent] == [("checkpoints.export", {})]
+    assert [(name, kwargs) for name, _, kwargs in dashboard.sent] == [("checkpoints.export", {"attempt": 1})]
     assert [(p.step, p.overrides) for p in PendingChildRun.objects.filter(parent=parent)] == [(2, [])], \
         "the run waits for the export"
 
@@ -609,6 +591,167 @@ def test_two_runs_started_from_one_checkpoint_at_once_share_one_export(team, run
     started = RunEvent.objects.filter(run=parent, kind="message", payload__name="child_run_started")
     assert sorted(event.payload["run"] for event in started) == [child.pk for child in children]
     assert AuditEvent.objects.filter(action="checkpoint.export").count() == 1
+
+# --- lost exports: the run reconciler queues them again, then fails them and the runs waiting for them ---------
+
+LONG_AGO = timedelta(hours=3)
+
+
+def _lose(run: Run, step: int, **fields) -> None:
+    """What a worker that died (or a task message that was lost) leaves behind: the export's state, written long ago."""
+    CheckpointExport.objects.filter(run=run, step=step).update(updated_at=timezone.now() - LONG_AGO, **fields)
+
+
+def _export_row(run: Run, step: int) -> CheckpointExport:
+    return CheckpointExport.objects.get(run=run, step=step)
+
+
+@pytest.fixture
+def lost_exports(settings, team, run_with_checkpoints, export_worker, django_capture_on_commit_callbacks):
+    """Two runs waiting for the export of step 2 (asked for by a member and by a CI token), and an export of step 4
+    asked for just now. Exports are lost after an hour and queued again at most twice."""
+    from forgeboard.accounts.services import api_token_create
+
+    settings.EXPORT_TIMEOUT_S, settings.EXPORT_LOST_AFTER_S, settings.EXPORT_REQUEUES = 600, 3600, 2
+    parent = run_with_checkpoints
+    token, _ = api_token_create(actor=team.member, project=team.project, name="ci", scope="write")
+    with django_capture_on_commit_callbacks(execute=True):
+        for actor, steps in ((team.member, 2), (token, 3)):
+            run_launch_from_checkpoint_request(actor=actor, run=parent, step=2, overrides=[f"trainer.steps={steps}"])
+        checkpoint_export_request(actor=team.member, run=parent, step=4)
+    assert [(args, kwargs) for _, args, kwargs in export_worker.sent] == [
+        ([parent.pk, 2], {"attempt": 1}), ([parent.pk, 4], {"attempt": 1})]
+    export_worker.sent.clear()
+    return SimpleNamespace(parent=parent, sent=export_worker.sent, exporter=export_worker.exporter)
+
+
+def test_a_lost_export_is_queued_again_then_fails_and_tells_the_runs_waiting_for_it(
+        lost_exports, team, django_capture_on_commit_callbacks):
+    """A worker dies while exporting (killed, out of memory, its host lost) or the export's task message is lost: the
+    export said queued or running forever, and the runs waiting for it never started nor failed. Now the run
+    reconciler takes an export queued or running past FORGEBOARD_EXPORT_LOST_AFTER_S for lost and queues it again,
+    at most FORGEBOARD_EXPORT_REQUEUES times; then it fails with the reason, and every waiting run is told on the
+    parent's timeline. An export asked for recently is left alone."""
+    from forgeboard.telemetry.models import RunEvent
+    from workers.tasks import export_checkpoint, reconcile_runs
+
+    parent, sent = lost_exports.parent, lost_exports.sent
+    with django_capture_on_commit_callbacks(execute=True):
+        assert reconcile_runs.apply().get()["exports_requeued"] == [], "nothing lost yet"
+
+    _lose(parent, 2)  # its task message was lost: sent again as the same attempt
+    with django_capture_on_commit_callbacks(execute=True):
+        report = reconcile_runs.apply().get()
+    assert (report["exports_requeued"], report["exports_failed"]) == ([(parent.pk, 2)], [])
+    assert [(args, kwargs) for _, args, kwargs in sent] == [([parent.pk, 2], {"attempt": 1})]
+    sent.clear()
+    assert (_export_row(parent, 2).state, _export_row(parent, 2).requeues) == ("queued", 1)
+
+    _lose(parent, 2, state="running", worker="node-a pid 4242")  # a worker took it and died
+    with django_capture_on_commit_callbacks(execute=True):
+        assert checkpoints.checkpoint_exports_reconcile(now=timezone.now()).requeued == [(parent.pk, 2)]
+    assert [(args, kwargs) for _, args, kwargs in sent] == [([parent.pk, 2], {"attempt": 2})], "a new attempt"
+    sent.clear()
+    export_checkpoint.apply(args=[parent.pk, 2], kwargs={"attempt": 1})  # the dead attempt's message, late
+    assert not (run_dir(parent) / "exports" / "step_2").exists(), "a lost attempt never runs beside the next"
+    assert (_export_row(parent, 2).state, _export_row(parent, 2).attempt) == ("queued", 2)
+
+    _lose(parent, 2)
+    with django_capture_on_commit_callbacks(execute=True):
+        report = checkpoints.checkpoint_exports_reconcile(now=timezone.now())
+    assert (report.requeued, report.failed) == ([], [(parent.pk, 2)]) and sent == []
+    status = checkpoints.checkpoint_export_status(actor=team.viewer, run=parent, step=2)
+    assert status.state == "failed"
+    assert status.error == ("the export was lost 3 times; the last time it was queued for 3600 s and no worker took "
+                            "it (its task was lost, or no worker of its run's pool is up)")
+    told = RunEvent.objects.filter(run=parent, kind="message", payload__name="child_run_failed")
+    assert [event.payload["reason"] for event in told] == [f"exporting step 2: {status.error}"] * 2, "both runs"
+    assert not PendingChildRun.objects.exists() and not Run.objects.filter(parent=parent).exists()
+    assert (_export_row(parent, 4).state, _export_row(parent, 4).requeues) == ("queued", 0), "a fresh one: left"
+
+    with django_capture_on_commit_callbacks(execute=True):  # asked for again: queued afresh
+        assert checkpoint_export_request(actor=team.member, run=parent, step=2).state == "queued"
+    assert (_export_row(parent, 2).attempt, _export_row(parent, 2).requeues) == (3, 0)
+
+
+def test_an_export_its_worker_finished_before_it_died_starts_the_runs_waiting_for_it(lost_exports):
+    """The worker died after the export folder was complete but before it recorded so: the reconciler finds it done
+    and starts the runs that waited for it."""
+    from forgeboard.telemetry.models import RunEvent
+
+    parent = lost_exports.parent
+    _fake_export(parent, 2)
+    _lose(parent, 2, state="running", worker="node-a pid 4242")
+    report = checkpoints.checkpoint_exports_reconcile(now=timezone.now())
+    assert (report.requeued, report.failed) == ([], [])
+    assert not CheckpointExport.objects.filter(run=parent, step=2).exists()
+    assert sorted(child.config.parsed["trainer"]["steps"] for child in Run.objects.filter(parent=parent)) == [2, 3]
+    assert RunEvent.objects.filter(run=parent, payload__name="child_run_started").count() == 2
+
+
+def test_a_second_copy_of_an_export_message_does_nothing(lost_exports):
+    """A queued export sent again (its first message only waited long in its pool's queue) runs once: the copy a
+    worker takes second finds it running or done."""
+    from workers.tasks import export_checkpoint
+
+    parent = lost_exports.parent
+    assert export_checkpoint.apply(args=[parent.pk, 4], kwargs={"attempt": 1}).get() == "done"
+    assert export_checkpoint.apply(args=[parent.pk, 4], kwargs={"attempt": 1}).get() == "done"
+    assert AuditEvent.objects.filter(action="checkpoint.export").count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_asked_for_while_the_reconciler_fails_its_export_gets_an_export_of_its_own(settings, team,
+                                                                                       run_with_checkpoints,
+                                                                                       export_worker):
+    """A member asks for a run from a checkpoint while the reconciler fails its lost export: the request waits for
+    the reconciler under the run's row lock, then finds the export failed and queues a new one for its run (not
+    left waiting for an export that no one will finish)."""
+    from tests.support.races import racing_an_open_transaction
+
+    settings.EXPORT_LOST_AFTER_S, settings.EXPORT_REQUEUES = 3600, 0
+    parent = run_with_checkpoints
+    run_launch_from_checkpoint_request(actor=team.member, run=parent, step=2, overrides=["trainer.steps=2"])
+    _lose(parent, 2, state="running", worker="node-a pid 4242")
+
+    def asked_meanwhile():
+        return run_launch_from_checkpoint_request(actor=team.member, run=Run.objects.get(pk=parent.pk), step=2,
+                                                  overrides=["trainer.steps=3"])
+
+    answer = racing_an_open_transaction(lambda: checkpoints.checkpoint_exports_reconcile(now=timezone.now()),
+                                        asked_meanwhile)
+    assert getattr(answer, "state", answer) == "queued"
+    assert (_export_row(parent, 2).state, _export_row(parent, 2).attempt) == ("queued", 2)
+    assert [p.overrides for p in PendingChildRun.objects.filter(parent=parent)] == [["trainer.steps=3"]]
+    assert [kwargs for _, _, kwargs in export_worker.sent] == [{"attempt": 1}, {"attempt": 2}]
+
+
+def test_an_export_message_queued_before_the_upgrade_still_exports(team, run_with_checkpoints, export_worker):
+    """A message queued before exports had attempts carries (run, step, who asked). It runs the export that runs
+    waiting for it were recorded as (by migration runs 0007, attempt 0), or an export asked for then with no record;
+    an export queued since is left to its own message."""
+    from forgeboard.telemetry.models import RunEvent
+    from workers.tasks import export_checkpoint
+
+    parent = run_with_checkpoints
+    PendingChildRun.objects.create(parent=parent, step=2, actor_kind="user", actor_id=team.member.pk,
+                                   overrides=["trainer.steps=3"])
+    CheckpointExport.objects.create(run=parent, step=2, state="queued", attempt=checkpoints.ATTEMPT_BEFORE_UPGRADE,
+                                    requested_by="user:mateo", updated_at=timezone.now())
+    assert export_checkpoint.apply(args=[parent.pk, 2, "user", team.member.pk]).get() == "done"
+    [child] = Run.objects.filter(parent=parent)
+    assert child.config.parsed["trainer"]["steps"] == 3
+    assert RunEvent.objects.filter(run=parent, payload__name="child_run_started", payload__run=child.pk).exists()
+
+    assert export_checkpoint.apply(args=[parent.pk, 4, "user", team.member.pk]).get() == "done", "no record"
+    export = AuditEvent.objects.filter(action="checkpoint.export").first()
+    assert export.payload["step"] == 4 and export.payload["requested_by"] == "user:mateo"
+
+    _write(run_dir(parent) / "checkpoints" / "step_000006" / STATE_FILE, 10)
+    checkpoint_export_request(actor=team.member, run=parent, step=6)
+    assert export_checkpoint.apply(args=[parent.pk, 6, "user", team.member.pk]).get() == "queued"
+    assert not (run_dir(parent) / "exports" / "step_6").exists(), "attempt 1's message exports it"
+
 
 # --- any checkpoint starts any recipe: another experiment, another config, the checkpoint as the model ---------
 

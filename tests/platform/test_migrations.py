@@ -104,3 +104,34 @@ def test_a_hosts_one_state_splits_into_intent_and_liveness_and_back():
             "gpu-up": "up", "gpu-draining": "draining", "gpu-cordoned": "cordoned", "gpu-down": "down"}
     finally:
         MigrationExecutor(connection).migrate(latest)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_exports_runs_wait_for_are_recorded_as_queued_before_the_upgrade(team, grpo_yaml):
+    """runs 0007: an export's state moves from its status file to a CheckpointExport row. The exports that runs were
+    waiting for then are recorded as queued, attempt 0 (which the task messages queued then take), since the first
+    run asked for, so the reconciler queues one again if its message was lost."""
+    from django.db.migrations.executor import MigrationExecutor
+
+    from forgeboard.accounts.services import api_token_create
+    from forgeboard.runs.models import PendingChildRun
+    from forgeboard.runs.services import run_launch
+
+    before, after = [("runs", "0006_pending_child_run")], [("runs", "0007_checkpoint_export")]
+    executor = MigrationExecutor(connection)
+    latest = executor.loader.graph.leaf_nodes()
+    parent = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    token, _ = api_token_create(actor=team.member, project=team.project, name="ci", scope="write")
+    try:
+        executor.migrate(before)
+        for step, kind, actor_id in ((2, "token", token.pk), (2, "user", team.member.pk), (4, "user", 999_999)):
+            PendingChildRun.objects.create(parent=parent, step=step, actor_kind=kind, actor_id=actor_id)
+        first = PendingChildRun.objects.filter(step=2).order_by("id").first()
+        executor = MigrationExecutor(connection)
+        executor.migrate(after)
+        exports = executor.loader.project_state(after).apps.get_model("runs", "CheckpointExport")
+        recorded = list(exports.objects.order_by("step").values_list("step", "state", "attempt", "requested_by"))
+        assert recorded == [(2, "queued", 0, f"token:{token.prefix}"), (4, "queued", 0, "user 999999 (deleted)")]
+        assert exports.objects.get(step=2).updated_at == first.created_at
+    finally:
+        MigrationExecutor(connection).migrate(latest)

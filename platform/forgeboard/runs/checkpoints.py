@@ -5,29 +5,32 @@ A checkpoint is `<run folder>/checkpoints/step_NNNNNN/trainer.pt` (+ config and 
 The export runs the engine's exporter in a subprocess: the control plane never imports torch.
 
 Off the request: `checkpoint_export_request` queues the `checkpoints.export` Celery task and
-`checkpoint_export_status` tells how it goes. The state lives beside the export, in
-`<run folder>/exports/step_N.status.json` (queued, running or failed with the reason); a complete
-export folder means done. `run_launch_from_checkpoint_request` adds a `PendingChildRun` that the
-export's task starts when it is done: one export for every run asked for meanwhile.
+`checkpoint_export_status` tells how it goes. A `CheckpointExport` row holds the state (queued, running
+with the worker's name, or failed with the reason) and when it was written; a complete export folder
+means done. `run_launch_from_checkpoint_request` adds a `PendingChildRun` that the export's task starts
+when it is done: one export for every run asked for meanwhile. The run reconciler queues a lost export
+again, or fails it and the runs waiting for it (`checkpoint_exports_reconcile`).
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import re
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from django.conf import settings
 from django.db import transaction
-
 from django.utils import timezone
 
 from forgeboard.accounts.models import ApiToken, Role, User
@@ -38,15 +41,16 @@ from forgeboard.errors import NotFound, ServiceError, ValidationFailed
 from forgeboard.experiments.models import Experiment
 from forgeboard.experiments.services import validate_run_config
 from forgeboard.runs.folders import run_dir
-from forgeboard.runs.models import PendingChildRun, Run
+from forgeboard.runs.models import CheckpointExport, PendingChildRun, Run
 from forgeboard.runs.services import run_launch, run_launch_queue
 from forgeboard.telemetry.models import EventKind, RunEvent
 from forgeboard.telemetry.services import event_append
 from workers.launch.local import REPO_DIR
 
+logger = logging.getLogger(__name__)
+
 STATE_FILE = "trainer.pt"  # workers.engine.checkpoint.STATE_FILE (importing that module imports torch)
 STEP_FOLDER = re.compile(r"^step_(\d+)$")
-EXPORT_TIMEOUT_S = 600
 ENGINE_COMMAND = (sys.executable, "-m", "workers.engine")
 MAX_STEP = 2**63 - 1
 
@@ -172,11 +176,12 @@ def _export(*, run: Run, step: int, actor: Actor | None, requested_by: str = "")
     try:
         result = subprocess.run(
             [*ENGINE_COMMAND, "export", "--checkpoint", checkpoint.path, "--out", str(tmp)],
-            cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=EXPORT_TIMEOUT_S, stdin=subprocess.DEVNULL,
+            cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=settings.EXPORT_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
         )
     except subprocess.TimeoutExpired:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportFailed(f"exporting step {step} of run {run.pk} took over {EXPORT_TIMEOUT_S} s") from None
+        raise ExportFailed(f"exporting step {step} of run {run.pk} took over {settings.EXPORT_TIMEOUT_S} s") from None
     if result.returncode != 0 or not _is_hf_folder(tmp):
         shutil.rmtree(tmp, ignore_errors=True)
         tail = "\n".join(result.stderr.strip().splitlines()[-5:])
@@ -299,10 +304,6 @@ class ExportState:
     FAILED = "failed"
 
 
-# A queued or running export older than this is taken as lost (its worker died) and may be requested again.
-EXPORT_STALE_AFTER = timedelta(seconds=EXPORT_TIMEOUT_S + 300)
-
-
 @dataclass(frozen=True)
 class ExportStatus:
     run_id: int
@@ -313,16 +314,8 @@ class ExportStatus:
     updated_at: datetime | None
 
 
-def _status_file(*, run: Run, step: int) -> Path:
-    return export_folder(run=run, step=step).parent / f"step_{step}.status.json"
-
-
-def _write_status(*, run: Run, step: int, state: str, error: str = "") -> None:
-    target = _status_file(run=run, step=step)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}")
-    tmp.write_text(json.dumps({"state": state, "error": error, "updated_at": timezone.now().isoformat()}))
-    tmp.replace(target)  # atomic: a reader sees the old status or the new one
+def _export_row(*, run: Run, step: int) -> CheckpointExport | None:
+    return CheckpointExport.objects.filter(run=run, step=step).first()
 
 
 def _read_status(*, run: Run, step: int) -> ExportStatus | None:
@@ -330,17 +323,11 @@ def _read_status(*, run: Run, step: int) -> ExportStatus | None:
     if _is_hf_folder(out):
         return ExportStatus(run_id=run.pk, step=step, state=ExportState.DONE, path=str(out), error="",
                             updated_at=datetime.fromtimestamp(out.stat().st_mtime, tz=UTC))
-    try:
-        recorded = json.loads(_status_file(run=run, step=step).read_text())
-        updated = datetime.fromisoformat(recorded["updated_at"])
-        state = recorded["state"]
-    except (OSError, ValueError, KeyError, TypeError):
+    export = _export_row(run=run, step=step)
+    if export is None:
         return None
-    if state in (ExportState.QUEUED, ExportState.RUNNING) and timezone.now() - updated > EXPORT_STALE_AFTER:
-        state, error = ExportState.FAILED, "the export was lost (its worker stopped); request it again"
-    else:
-        error = str(recorded.get("error") or "")
-    return ExportStatus(run_id=run.pk, step=step, state=state, path=None, error=error, updated_at=updated)
+    return ExportStatus(run_id=run.pk, step=step, state=export.state, path=None, error=export.error,
+                        updated_at=export.updated_at)
 
 
 def checkpoint_export_status(*, actor: Actor, run: Run, step: int) -> ExportStatus:
@@ -370,24 +357,35 @@ def _actor(*, kind: str, actor_id: int) -> Actor | None:
     return model.objects.filter(pk=actor_id).first()
 
 
+def _record_queued(*, run: Run, step: int, requested_by: str) -> int:
+    """Under `_lock_exports`: record the export as queued, as a new attempt (a task message of an earlier one does
+    nothing), and return the attempt."""
+    export = _export_row(run=run, step=step) or CheckpointExport(run=run, step=step, attempt=0)
+    export.attempt += 1
+    export.state, export.error, export.requeues, export.worker = ExportState.QUEUED, "", 0, ""
+    export.requested_by, export.updated_at = requested_by, timezone.now()
+    export.save()
+    return export.attempt
+
+
 def _queue_export(*, run: Run, step: int, actor: Actor) -> None:
     """Under `_lock_exports`: record the export as queued and send its task once the transaction commits."""
-    _write_status(run=run, step=step, state=ExportState.QUEUED)
-    transaction.on_commit(lambda: _enqueue_export(run_id=run.pk, step=step, actor=actor))
+    attempt = _record_queued(run=run, step=step, requested_by=actor_label(actor))
+    transaction.on_commit(partial(_enqueue_export, run_id=run.pk, step=step, attempt=attempt))
 
 
-def _enqueue_export(*, run_id: int, step: int, actor: Actor) -> None:
+def _enqueue_export(*, run_id: int, step: int, attempt: int) -> None:
     # The checkpoint is on the disk where the run ran: a worker of that host's pool exports it.
     queue = run_launch_queue(run_id=run_id)
-    enqueue(CHECKPOINTS_EXPORT, args=[run_id, step, _actor_kind(actor), actor.pk], queue=queue)
+    enqueue(CHECKPOINTS_EXPORT, args=[run_id, step], kwargs={"attempt": attempt}, queue=queue)
 
 
 def checkpoint_export_request(*, actor: Actor, run: Run, step: int) -> ExportStatus:
     """Queue the export of the checkpoint at `step` (the `checkpoints.export` task) and return its status.
 
-    Done at once when the export exists; an export already queued or running is not queued twice; a
-    failed (or lost) one is queued again. The task exports as the system, on behalf of the project: the actor was
-    checked here.
+    Done at once when the export exists; an export already queued or running is not queued twice (one that was
+    lost is queued again by the reconciler, `checkpoint_exports_reconcile`); a failed one is queued again. The task
+    exports as the system, on behalf of the project: the actor was checked here.
     """
     require_project_role(actor=actor, project=run.experiment.project, minimum=Role.MEMBER,
                          action="exporting checkpoints")
@@ -404,38 +402,86 @@ def checkpoint_export_request(*, actor: Actor, run: Run, step: int) -> ExportSta
     return _read_status(run=run, step=step)  # type: ignore[return-value]
 
 
-def checkpoint_export_queued(*, run_id: int, step: int, actor_kind: str, actor_id: int) -> ExportStatus:
-    """The task's side: export, recording running, then done or failed with the reason; then start the runs asked
-    for from this checkpoint meanwhile (`PendingChildRun`), each as the actor who asked for it, and say so on the
-    parent's timeline, with the child or the reason none started.
+def _this_worker() -> str:
+    return f"{socket.gethostname()} pid {os.getpid()}"
+
+
+def checkpoint_export_queued(*, run_id: int, step: int, attempt: int) -> ExportStatus | None:
+    """The task's side: take the export (queued → running, with this worker's name) unless it is another attempt's
+    or no longer queued, export, and record failed with the reason (done: the folder says so); then start the runs
+    asked for from this checkpoint meanwhile (`PendingChildRun`), each as the actor who asked for it, and say so on
+    the parent's timeline, with the child or the reason none started.
 
     The export runs as the system on behalf of the project: everyone who asked was checked then, and a first asker
     who may no longer export (a token revoked or expired, a member removed) must not fail the runs of the others.
     Each run still starts as its own asker, and fails alone if that asker lost access. The audit record of the
-    export names who asked first (`actor_kind`, `actor_id`)."""
+    export names who asked first."""
     run = Run.objects.select_related("experiment__project").get(pk=run_id)
-    actor = _actor(kind=actor_kind, actor_id=actor_id)
-    requested_by = actor_label(actor) if actor is not None else f"{actor_kind} {actor_id} (deleted)"
-    _write_status(run=run, step=step, state=ExportState.RUNNING)
+    with transaction.atomic():
+        _lock_exports(run=run)
+        export = _export_row(run=run, step=step)
+        if export is None or export.state != ExportState.QUEUED or export.attempt != attempt:
+            return _read_status(run=run, step=step)  # a copy of a message that another worker took, or a stale one
+        export.state, export.worker, export.updated_at = ExportState.RUNNING, _this_worker(), timezone.now()
+        export.save(update_fields=["state", "worker", "updated_at"])
     error = ""
     try:
-        _export(run=run, step=step, actor=None, requested_by=requested_by)
+        _export(run=run, step=step, actor=None, requested_by=export.requested_by)
     except ServiceError as exc:
         error = exc.message
     except OSError as exc:
         error = f"{type(exc).__name__}: {exc}"
     with transaction.atomic():
         _lock_exports(run=run)
-        if error:
-            _write_status(run=run, step=step, state=ExportState.FAILED, error=error)
+        export = _export_row(run=run, step=step)
+        if _is_hf_folder(export_folder(run=run, step=step)):
+            CheckpointExport.objects.filter(run=run, step=step).delete()  # the export folder now says done
+        elif export is None or export.attempt != attempt:
+            return _read_status(run=run, step=step)  # taken for lost and queued again: that attempt ends it
         else:
-            _status_file(run=run, step=step).unlink(missing_ok=True)  # the export folder now says done
-        waiting = list(PendingChildRun.objects.filter(parent=run, step=step).select_related("experiment"))
-        PendingChildRun.objects.filter(pk__in=[pending.pk for pending in waiting]).delete()
+            export.state, export.error, export.updated_at = ExportState.FAILED, error, timezone.now()
+            export.save(update_fields=["state", "error", "updated_at"])
+        waiting = _take_waiting(run=run, step=step)
+    return _start_waiting(run=run, step=step, waiting=waiting)
+
+
+# Compatibility with task messages queued before exports had attempts (run, step and who asked). Migration runs 0007
+# recorded the exports that runs were waiting for then as this attempt, which those messages take.
+ATTEMPT_BEFORE_UPGRADE = 0
+
+
+def checkpoint_export_queued_before_upgrade(*, run_id: int, step: int, actor_kind: str,
+                                            actor_id: int) -> ExportStatus | None:
+    """Compatibility: the task's side of a message queued before exports had attempts. It runs the export that
+    migration runs 0007 recorded (attempt 0), or one asked for then that has no record: recorded now as a new
+    attempt and run here. An export queued since, running, done or failed is left as it is."""
+    run = Run.objects.select_related("experiment__project").get(pk=run_id)
+    actor = _actor(kind=actor_kind, actor_id=actor_id)
+    with transaction.atomic():
+        _lock_exports(run=run)
+        export = _export_row(run=run, step=step)
+        if export is not None and export.state == ExportState.QUEUED and export.attempt == ATTEMPT_BEFORE_UPGRADE:
+            attempt = ATTEMPT_BEFORE_UPGRADE
+        elif export is None and not _is_hf_folder(export_folder(run=run, step=step)):
+            requested_by = actor_label(actor) if actor is not None else f"{actor_kind} {actor_id} (deleted)"
+            attempt = _record_queued(run=run, step=step, requested_by=requested_by)
+        else:
+            return _read_status(run=run, step=step)
+    return checkpoint_export_queued(run_id=run_id, step=step, attempt=attempt)
+
+
+def _take_waiting(*, run: Run, step: int) -> list[PendingChildRun]:
+    """Under `_lock_exports`, once the export is done or failed: the runs waiting for it, no longer waiting."""
+    waiting = list(PendingChildRun.objects.filter(parent=run, step=step).select_related("experiment"))
+    PendingChildRun.objects.filter(pk__in=[pending.pk for pending in waiting]).delete()
+    return waiting
+
+
+def _start_waiting(*, run: Run, step: int, waiting: Sequence[PendingChildRun]) -> ExportStatus | None:
     status = _read_status(run=run, step=step)
     for pending in waiting:
         _launch_child(run=run, step=step, pending=pending, status=status)
-    return status  # type: ignore[return-value]
+    return status
 
 
 def _launch_child(*, run: Run, step: int, pending: PendingChildRun, status: ExportStatus | None) -> None:
@@ -457,3 +503,71 @@ def _launch_child(*, run: Run, step: int, pending: PendingChildRun, status: Expo
     event_append(run=run, kind=EventKind.MESSAGE,
                  payload={"name": "child_run_started", "step": step, "run": child.pk, "number": child.number,
                           "experiment": child.experiment.name})
+
+
+# --- lost exports ---------------------------------------------------------------------------------
+
+@dataclass
+class ExportsReconcileReport:
+    requeued: list[tuple[int, int]] = field(default_factory=list)  # (run id, step)
+    failed: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _lost(*, export: CheckpointExport, lost_after_s: int) -> str:
+    if export.state == ExportState.RUNNING:
+        return (f"running on {export.worker or 'a worker'} and not done after {lost_after_s} s (the worker stopped, "
+                "or its host was lost)")
+    return (f"queued for {lost_after_s} s and no worker took it (its task was lost, or no worker of its run's pool "
+            "is up)")
+
+
+def checkpoint_exports_reconcile(*, now: datetime) -> ExportsReconcileReport:
+    """Periodic (the run reconciler's task): an export queued or running for FORGEBOARD_EXPORT_LOST_AFTER_S is lost
+    (its worker was killed or ran out of memory, its host was lost, or its task message was lost). It is queued
+    again, at most FORGEBOARD_EXPORT_REQUEUES times; then it fails with the reason, and each run waiting for it gets
+    `child_run_failed` on the parent's timeline. An export that was complete when its worker stopped is done: the
+    runs waiting for it start.
+
+    A running export is queued again as a new attempt: its task, should it ever get on, changes nothing. A queued one
+    is sent again as the same attempt: the first copy a worker takes runs it and the other does nothing, so an export
+    that only waited long in its pool's queue keeps its place. The bound is past the exporter's timeout: an export
+    taken for lost has stopped, and two never run at once."""
+    lost_after_s = settings.EXPORT_LOST_AFTER_S
+    lost_before = now - timedelta(seconds=lost_after_s)
+    report = ExportsReconcileReport()
+    lost = CheckpointExport.objects.filter(state__in=[ExportState.QUEUED, ExportState.RUNNING],
+                                           updated_at__lt=lost_before)
+    for run_id, step in list(lost.values_list("run_id", "step")):
+        run = Run.objects.select_related("experiment__project").filter(pk=run_id).first()
+        if run is None:
+            continue  # deleted meanwhile, and its exports with it
+        waiting: list[PendingChildRun] = []
+        with transaction.atomic():
+            _lock_exports(run=run)
+            export = _export_row(run=run, step=step)
+            if export is None or export.state == ExportState.FAILED or export.updated_at >= lost_before:
+                continue  # it moved on meanwhile
+            how = _lost(export=export, lost_after_s=lost_after_s)
+            if _is_hf_folder(export_folder(run=run, step=step)):
+                export.delete()
+                waiting = _take_waiting(run=run, step=step)
+            elif export.requeues >= settings.EXPORT_REQUEUES:
+                export.state, export.updated_at = ExportState.FAILED, now
+                export.error = (f"the export was lost {export.requeues + 1} times; the last time it was {how}"
+                                if export.requeues else f"the export was lost: it was {how}")
+                export.save()
+                waiting = _take_waiting(run=run, step=step)
+                report.failed.append((run_id, step))
+                logger.warning("export of step %s of run %s failed: %s", step, run_id, export.error)
+            else:
+                if export.state == ExportState.RUNNING:
+                    export.attempt += 1
+                export.state, export.worker, export.updated_at = ExportState.QUEUED, "", now
+                export.requeues += 1
+                export.save()
+                transaction.on_commit(partial(_enqueue_export, run_id=run_id, step=step, attempt=export.attempt))
+                report.requeued.append((run_id, step))
+                logger.warning("export of step %s of run %s queued again (%s of %s): it was %s", step, run_id,
+                               export.requeues, settings.EXPORT_REQUEUES, how)
+        _start_waiting(run=run, step=step, waiting=waiting)
+    return report

@@ -153,3 +153,39 @@ class PendingChildRun(models.Model):
 
     def __str__(self) -> str:
         return f"a run from step {self.step} of {self.parent}"
+
+
+class CheckpointExportState(models.TextChoices):
+    QUEUED = "queued"
+    RUNNING = "running"
+    FAILED = "failed"
+
+
+class CheckpointExport(models.Model):
+    """An export of a run's checkpoint that is queued, running or failed: a complete export folder says done, and
+    its row is deleted then. Read and written under the run's row lock (runs/checkpoints.py `_lock_exports`)."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="exports")
+    step = models.BigIntegerField()
+    state = models.CharField(max_length=8, choices=CheckpointExportState.choices)
+    error = models.TextField(blank=True, default="", help_text="Why it failed, when it did")
+    attempt = models.PositiveIntegerField(
+        default=1, help_text="Which sending of its task runs it: a task message of another attempt does nothing")
+    requeues = models.PositiveSmallIntegerField(
+        default=0, help_text="How often it was lost and queued again since it was asked for")
+    requested_by = models.CharField(max_length=200, help_text="Who asked first (user:NAME or token:PREFIX)")
+    worker = models.CharField(max_length=200, blank=True, default="", help_text="The host and process running it")
+    updated_at = models.DateTimeField(
+        help_text="When its state was last written: queued or running longer than FORGEBOARD_EXPORT_LOST_AFTER_S "
+                  "means lost")
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["run", "step"], name="checkpoint_export_once"),
+            models.CheckConstraint(condition=models.Q(state__in=CheckpointExportState.values),
+                                   name="checkpoint_export_state_valid"),
+        ]
+        indexes = [models.Index(fields=["state", "updated_at"], name="checkpoint_export_lost_idx")]
+
+    def __str__(self) -> str:
+        return f"export of step {self.step} of {self.run} ({self.state})"
