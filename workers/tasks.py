@@ -231,12 +231,15 @@ def probe_hosts() -> list[str]:
 
 @shared_task(name=CHECKPOINTS_EXPORT, acks_late=False)
 def export_checkpoint(run_id: int, step: int, actor_kind: str | None = None, actor_id: int | None = None,
-                      attempt: int | None = None) -> str:
+                      attempt: int | None = None, launch_child: bool = False, overrides: list[str] | None = None,
+                      experiment_id: int | None = None, config_yaml: str | None = None,
+                      priority: int | None = None) -> str:
     """Export a checkpoint as an HF folder, off the request that asked for it, then start the runs asked for from
     it meanwhile (see runs/checkpoints.py). A message of an attempt that is no longer the export's does nothing.
 
     Compatibility: a message queued before exports had attempts carries who asked (`actor_kind`, `actor_id`) and
-    no `attempt`."""
+    no `attempt`; the oldest also carry a run to start from the export (`launch_child`, `overrides`,
+    `experiment_id`, `config_yaml`, `priority`), which waits for it like a run asked for now."""
     from forgeboard.runs.checkpoints import (
         checkpoint_export_queued,
         checkpoint_export_queued_before_upgrade,
@@ -246,8 +249,9 @@ def export_checkpoint(run_id: int, step: int, actor_kind: str | None = None, act
         if attempt is not None:
             status = checkpoint_export_queued(run_id=run_id, step=step, attempt=attempt)
         elif actor_kind is not None and actor_id is not None:
-            status = checkpoint_export_queued_before_upgrade(run_id=run_id, step=step, actor_kind=actor_kind,
-                                                             actor_id=actor_id)
+            status = checkpoint_export_queued_before_upgrade(
+                run_id=run_id, step=step, actor_kind=actor_kind, actor_id=actor_id, launch_child=launch_child,
+                overrides=overrides or (), experiment_id=experiment_id, config_yaml=config_yaml, priority=priority)
         else:
             raise ValueError("a checkpoints.export message names its attempt (or, queued before attempts, who asked)")
         if status is None:

@@ -931,3 +931,53 @@ def test_the_api_starts_any_recipe_from_a_checkpoint(client, team, sft_parent, g
     assert at_once.status_code == 201, at_once.content
     second = Run.objects.get(pk=at_once.json()["id"])
     assert (second.parent, second.priority, second.experiment) == (sft_parent, 2, team.experiment)
+
+
+# --- task messages queued before the upgrade -------------------------------------------------------------------
+
+def test_a_run_asked_for_in_an_export_message_of_before_the_upgrade_still_starts(team, sft_parent, grpo_yaml,
+                                                                                 export_worker):
+    """Before runs waited for exports as PendingChildRun rows, the export's task message carried the run to start
+    (launch_child, overrides, experiment_id, config_yaml, priority): a worker of the next version refused those
+    keyword arguments (TypeError) and the run asked for was lost. Now the task takes them: the run waits for the
+    export like one asked for now (an export that failed since is run again for it) and starts as its asker."""
+    from forgeboard.telemetry.models import RunEvent
+    from workers.tasks import export_checkpoint
+
+    def old_message(**child) -> str:
+        kwargs = {"launch_child": True, "overrides": ["trainer.steps=2"], **child}
+        return export_checkpoint.apply(args=[sft_parent.pk, 4, "user", team.member.pk], kwargs=kwargs).get()
+
+    CheckpointExport.objects.create(run=sft_parent, step=4, state="failed", error="out of disk", attempt=1,
+                                    requested_by="user:mateo", updated_at=timezone.now())
+    assert old_message(experiment_id=team.experiment.pk, config_yaml=grpo_yaml, priority=-5) == "done"
+    [child] = Run.objects.filter(parent=sft_parent)
+    assert (child.experiment, child.config.yaml_text, child.priority) == (team.experiment, grpo_yaml, -5)
+    assert child.config.overrides[-1] == "trainer.steps=2" and child.launched_by == team.member
+    assert RunEvent.objects.filter(run=sft_parent, payload__name="child_run_started", payload__run=child.pk).exists()
+
+    assert old_message(experiment_id=team.experiment.pk, config_yaml=grpo_yaml) == "done", "exported: at once"
+    assert Run.objects.filter(parent=sft_parent).count() == 2
+    assert AuditEvent.objects.filter(action="checkpoint.export").count() == 1
+
+    old_message(experiment_id=999_999, config_yaml=grpo_yaml)
+    failed = RunEvent.objects.get(run=sft_parent, payload__name="child_run_failed")
+    assert failed.payload["reason"] == "experiment 999999 no longer exists"
+    assert Run.objects.filter(parent=sft_parent).count() == 2 and not PendingChildRun.objects.exists()
+
+
+def test_a_run_asked_for_before_the_upgrade_waits_for_the_export_queued_since(team, run_with_checkpoints,
+                                                                              export_worker,
+                                                                              django_capture_on_commit_callbacks):
+    from workers.tasks import export_checkpoint
+
+    parent = run_with_checkpoints
+    with django_capture_on_commit_callbacks(execute=True):
+        checkpoint_export_request(actor=team.member, run=parent, step=2)
+    old = export_checkpoint.apply(args=[parent.pk, 2, "user", team.member.pk],
+                                  kwargs={"launch_child": True, "overrides": ["trainer.steps=3"], "priority": 1})
+    assert old.get() == "queued", "the export queued since runs it"
+    assert [(p.overrides, p.priority) for p in PendingChildRun.objects.filter(parent=parent)] == [(["trainer.steps=3"], 1)]
+    _work(export_worker.sent)
+    [child] = Run.objects.filter(parent=parent)
+    assert (child.config.parsed["trainer"]["steps"], child.priority) == (3, 1)

@@ -450,24 +450,60 @@ def checkpoint_export_queued(*, run_id: int, step: int, attempt: int) -> ExportS
 ATTEMPT_BEFORE_UPGRADE = 0
 
 
-def checkpoint_export_queued_before_upgrade(*, run_id: int, step: int, actor_kind: str,
-                                            actor_id: int) -> ExportStatus | None:
+def checkpoint_export_queued_before_upgrade(*, run_id: int, step: int, actor_kind: str, actor_id: int,
+                                            launch_child: bool = False, overrides: Sequence[str] = (),
+                                            experiment_id: int | None = None, config_yaml: str | None = None,
+                                            priority: int | None = None) -> ExportStatus | None:
     """Compatibility: the task's side of a message queued before exports had attempts. It runs the export that
     migration runs 0007 recorded (attempt 0), or one asked for then that has no record: recorded now as a new
-    attempt and run here. An export queued since, running, done or failed is left as it is."""
+    attempt and run here. An export queued since or running is left to its own task.
+
+    The oldest messages, from before runs waited for exports as PendingChildRun rows, also carry a run to start from
+    the export (`launch_child`: in `experiment_id` with `config_yaml`, `overrides` and `priority`, as `actor_kind`
+    `actor_id`, who was checked when they asked): it waits for the export like one asked for now (a failed export
+    is run again for it), or starts at once when the export is done."""
     run = Run.objects.select_related("experiment__project").get(pk=run_id)
     actor = _actor(kind=actor_kind, actor_id=actor_id)
+    requested_by = actor_label(actor) if actor is not None else f"{actor_kind} {actor_id} (deleted)"
+    attempt: int | None = None
+    waiting: list[PendingChildRun] = []
     with transaction.atomic():
         _lock_exports(run=run)
+        child_waits = False
+        if launch_child:
+            child_waits = _wait_as_asked_before_upgrade(
+                run=run, step=step, actor_kind=actor_kind, actor_id=actor_id, overrides=overrides,
+                experiment_id=experiment_id, config_yaml=config_yaml, priority=priority)
         export = _export_row(run=run, step=step)
         if export is not None and export.state == ExportState.QUEUED and export.attempt == ATTEMPT_BEFORE_UPGRADE:
             attempt = ATTEMPT_BEFORE_UPGRADE
-        elif export is None and not _is_hf_folder(export_folder(run=run, step=step)):
-            requested_by = actor_label(actor) if actor is not None else f"{actor_kind} {actor_id} (deleted)"
+        elif _is_hf_folder(export_folder(run=run, step=step)):
+            waiting = _take_waiting(run=run, step=step)
+        elif export is None or (child_waits and export.state == ExportState.FAILED):
             attempt = _record_queued(run=run, step=step, requested_by=requested_by)
         else:
             return _read_status(run=run, step=step)
+    if attempt is None:
+        return _start_waiting(run=run, step=step, waiting=waiting)
     return checkpoint_export_queued(run_id=run_id, step=step, attempt=attempt)
+
+
+def _wait_as_asked_before_upgrade(*, run: Run, step: int, actor_kind: str, actor_id: int, overrides: Sequence[str],
+                                  experiment_id: int | None, config_yaml: str | None, priority: int | None) -> bool:
+    """Under `_lock_exports`: the run a message of before the upgrade asked for waits for the export (a
+    PendingChildRun); False, and the parent's timeline says why, when its experiment is gone."""
+    experiment = None
+    if experiment_id is not None:
+        experiment = Experiment.objects.filter(pk=experiment_id).first()
+        if experiment is None:
+            event_append(run=run, kind=EventKind.MESSAGE,
+                         payload={"name": "child_run_failed", "step": step,
+                                  "reason": f"experiment {experiment_id} no longer exists"})
+            return False
+    PendingChildRun.objects.create(parent=run, step=step, actor_kind=actor_kind, actor_id=actor_id,
+                                   experiment=experiment, config_yaml=config_yaml, overrides=list(overrides),
+                                   priority=priority)
+    return True
 
 
 def _take_waiting(*, run: Run, step: int) -> list[PendingChildRun]:
