@@ -317,15 +317,10 @@ def test_export_requests_are_checked_before_anything_is_queued(export_api, team,
     assert api.sent == [] and not (run_dir(api.run) / "exports").exists()
 
 
-@pytest.mark.django_db(transaction=True)
-def test_two_export_requests_at_once_queue_one_export(team, run_with_checkpoints, monkeypatch):
-    """Two requests (two operators, or a retry) for one checkpoint each read 'never asked for' before either wrote
-    'queued', and both queued an export: the checkpoint was exported twice at once. Now a request reads and writes
-    the status under the run's row lock, so the second finds the first's 'queued'."""
-    run = run_with_checkpoints
-    queued: list[int] = []
-    monkeypatch.setattr(checkpoints, "_enqueue_export", lambda *, run_id, step, attempt: queued.append(step))
-    both_read = threading.Barrier(2, timeout=2)  # a request that cannot read before the other writes goes on alone
+def _status_reads_wait_for_each_other(monkeypatch) -> None:
+    """Each of two requests' first read of an export's status waits until the other has read too (the race the run's
+    row lock closes); a request that cannot read before the other writes goes on alone after 2 s."""
+    both_read = threading.Barrier(2, timeout=2)
     read_status, first_read = checkpoints._read_status, threading.local()
 
     def read_then_wait_for_the_other(**kwargs):
@@ -337,6 +332,17 @@ def test_two_export_requests_at_once_queue_one_export(team, run_with_checkpoints
         return status
 
     monkeypatch.setattr(checkpoints, "_read_status", read_then_wait_for_the_other)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_export_requests_at_once_queue_one_export(team, run_with_checkpoints, monkeypatch):
+    """Two requests (two operators, or a retry) for one checkpoint each read 'never asked for' before either wrote
+    'queued', and both queued an export: the checkpoint was exported twice at once. Now a request reads and writes
+    the status under the run's row lock, so the second finds the first's 'queued'."""
+    run = run_with_checkpoints
+    queued: list[int] = []
+    monkeypatch.setattr(checkpoints, "_enqueue_export", lambda *, run_id, step, attempt: queued.append(step))
+    _status_reads_wait_for_each_other(monkeypatch)
     answers: list[str] = []
 
     def request() -> None:
@@ -551,18 +557,7 @@ def test_two_runs_started_from_one_checkpoint_at_once_share_one_export(team, run
     from workers.tasks import export_checkpoint
 
     parent = run_with_checkpoints
-    both_read = threading.Barrier(2, timeout=2)  # a request that cannot read before the other writes goes on alone
-    read_status, first_read = checkpoints._read_status, threading.local()
-
-    def read_then_wait_for_the_other(**kwargs):
-        status = read_status(**kwargs)
-        if not getattr(first_read, "done", False):
-            first_read.done = True
-            with contextlib.suppress(threading.BrokenBarrierError):
-                both_read.wait()
-        return status
-
-    monkeypatch.setattr(checkpoints, "_read_status", read_then_wait_for_the_other)
+    _status_reads_wait_for_each_other(monkeypatch)
     answers: list[object] = []
 
     def request(steps: int) -> None:
