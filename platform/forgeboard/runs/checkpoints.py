@@ -45,11 +45,11 @@ from forgeboard.runs.models import CheckpointExport, PendingChildRun, Run
 from forgeboard.runs.services import run_launch, run_launch_queue
 from forgeboard.telemetry.models import EventKind, RunEvent
 from forgeboard.telemetry.services import event_append
+from workers.engine.checkpoint_folders import STATE_FILE
 from workers.launch.local import REPO_DIR
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "trainer.pt"  # workers.engine.checkpoint.STATE_FILE (importing that module imports torch)
 STEP_FOLDER = re.compile(r"^step_(\d+)$")
 ENGINE_COMMAND = (sys.executable, "-m", "workers.engine")
 MAX_STEP = 2**63 - 1
