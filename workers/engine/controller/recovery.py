@@ -37,12 +37,16 @@ class TrainerRecovery:
         raise NotImplementedError
 
     def load(self, path: str) -> dict[str, Any]:
-        """Every trainer rank back to a checkpoint; the progress saved with it. A checkpoint the other recipe wrote
-        (`checkpoint.resume_from`) is a ConfigError: told by its checkpoint.json before the ranks load it, or for one
-        written before there was one, by its progress before that is read."""
-        check_resume_recipe(path, recipe=self.config.recipe)
+        """Every trainer rank back to a checkpoint; the progress saved with it. The run's own checkpoints are its
+        recipe's (and may be on a disk only the trainer's hosts see); `checkpoint.resume_from` may be the other
+        recipe's, a ConfigError: told by its checkpoint.json before the ranks load it, or for one written before there
+        was one, by its progress before that is read."""
+        resuming = path == self.config.checkpoint.resume_from
+        if resuming:
+            check_resume_recipe(path, recipe=self.config.recipe)
         progress = self.trainer.load(path)
-        check_resume_recipe(path, recipe=self.config.recipe, progress=progress)
+        if resuming:
+            check_resume_recipe(path, recipe=self.config.recipe, progress=progress)
         return progress
 
     def resume(self, path: str) -> None:
