@@ -16,7 +16,7 @@ STATE_FILE = "trainer.pt"
 INFO_FILE = "checkpoint.json"  # {"recipe": "grpo" | "sft", "step": N}
 # What only a GRPO run's progress holds: how a checkpoint written before INFO_FILE existed is told apart.
 GRPO_PROGRESS_KEYS = ("generations", "buffer", "staleness")
-_A_RUN = {"grpo": "a GRPO run", "sft": "an SFT run"}
+A_RUN = {"grpo": "a GRPO run", "sft": "an SFT run"}  # each recipe's run, in a sentence
 
 
 def checkpoint_step(path: Path) -> int:
@@ -54,7 +54,7 @@ def checkpoint_recipe(folder: Path, *, progress: Mapping[str, Any] | None = None
         recipe = json.loads((folder / INFO_FILE).read_text()).get("recipe")
     except (OSError, ValueError, AttributeError):
         recipe = None
-    if recipe in _A_RUN:
+    if recipe in A_RUN:
         return recipe
     if progress is None:
         return None
@@ -72,6 +72,6 @@ def check_resume_recipe(path: str | Path, *, recipe: str, progress: Mapping[str,
     if wrote is None or wrote == recipe:
         return
     raise ConfigError([FieldError("checkpoint.resume_from", (
-        f"{folder} holds {_A_RUN[wrote]}'s checkpoint, and {_A_RUN[str(recipe)]} resumes only its own recipe's; to "
+        f"{folder} holds {A_RUN[wrote]}'s checkpoint, and {A_RUN[str(recipe)]} resumes only its own recipe's; to "
         f"start it from these weights, export them (python -m workers.engine export --checkpoint {folder} --out DIR) "
         "and set model.path to DIR (on the platform: model.artifact=run:<id>@step:<step>)"))])

@@ -22,6 +22,7 @@ from django.conf import settings
 from forgeboard.accounts.models import Project
 from forgeboard.artifacts.models import Artifact, ArtifactKind
 from forgeboard.errors import FieldProblem, ValidationFailed
+from workers.engine.checkpoint_folders import A_RUN
 from workers.engine.config import ARTIFACT_REFERENCE, RUN_REFERENCE, RunConfig
 
 # the engine's field -> (the reference field beside it, the artifact kind it takes)
@@ -105,9 +106,6 @@ def _known_artifacts(*, project: Project, name: str, kind: str) -> str:
     return (f": did you mean {close[0]!r}? Its {kind}s: " if close else f"; its {kind}s: ") + shown
 
 
-_A_RUN = {"grpo": "a GRPO run", "sft": "an SFT run"}
-
-
 def _of_run(*, reference: str, field: str, project: Project | None, recipe: str) -> tuple[Path | None, str | None]:
     from forgeboard.runs.models import Run
     from forgeboard.runs.folders import run_dir
@@ -120,7 +118,7 @@ def _of_run(*, reference: str, field: str, project: Project | None, recipe: str)
     if run is None:
         return None, f"no run {run_id} in project {project.slug}" if project else "a run reference needs its project"
     if field == "checkpoint.resume_from" and run.config.recipe != recipe:
-        return None, (f"run {run_id} is {_A_RUN[run.config.recipe]}, and {_A_RUN[recipe]} resumes only its own "
+        return None, (f"run {run_id} is {A_RUN[run.config.recipe]}, and {A_RUN[recipe]} resumes only its own "
                       f"recipe's checkpoints; to start from its weights, use model.artifact: run:{run_id}@step:{step}")
     folder = _real(run_dir(run))
     target = (folder / "exports" / f"step_{step}" if field == "model.path"
