@@ -159,7 +159,7 @@ if REDIS_URL:
     }
 else:
     # Embedded default: one folder for the broker's in and out works across processes.
-    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_URL = "filesystem://localhost//"  # the transport ignores the host; kombu warns without one
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(BROKER_DIR / "messages"),
         "data_folder_out": str(BROKER_DIR / "messages"),

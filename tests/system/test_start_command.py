@@ -83,6 +83,12 @@ def test_fresh_clone_starts_and_serves_the_login_page(tmp_path):
         start, end = float(done.group(1)), float(done.group(2))
         assert end > start, done.group(0)
         assert "arithmetic-grpo #1" in login.get("/p/demo/").text
+        # The console says what happened (the runs, the worker's real tasks) without beat's housekeeping every few
+        # seconds, which ran all along: the runs were scheduled and the demo's runs reconciled.
+        console = log_path.read_text()
+        assert "Task runs.launch[" in console and "run 1 scheduled" in console, console[-4000:]
+        for routine in ("Sending due task", "Task runs.schedule[", "Task runs.reconcile[", "No hostname was supplied"):
+            assert routine not in console, routine
     finally:
         stop_group(process, timeout=45)  # serve stops its web server and worker first
         kill_processes_in(clone)
