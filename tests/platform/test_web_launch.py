@@ -12,7 +12,7 @@ import yaml
 from django.conf import settings
 
 from forgeboard.experiments.config_problems import config_problems, yaml_line_of
-from forgeboard.cluster.models import Host
+from forgeboard.cluster.models import Host, HostIntent
 from forgeboard.experiments.models import Experiment
 from forgeboard.runs.models import Run
 from forgeboard.runs.services import run_launch
@@ -142,10 +142,13 @@ def test_an_experiment_of_another_project_cannot_be_used(client, team):
 
 def test_chosen_hosts_pin_every_role_of_the_run(client, team):
     Host.objects.create(hostname="gpu-a")
-    Host.objects.create(hostname="gpu-b")
+    Host.objects.create(hostname="gpu-b", intent=HostIntent.DRAINING)
     client.force_login(team.member)
     page = client.get("/p/alpha/launch/").content.decode()
     assert 'name="hosts" value="gpu-a"' in page and 'name="hosts" value="gpu-b"' in page
+    # Each choice says the host's pool, state and health, as the cluster page does.
+    assert 'gpu-a <span class="muted">default · Up, unknown · 0 devices</span>' in page
+    assert 'gpu-b <span class="muted">default · Draining, unknown · 0 devices</span>' in page
     response = client.post("/p/alpha/launch/", _form(team, hosts=["gpu-b"]))
     assert response.status_code == 302
     run = Run.objects.get()
