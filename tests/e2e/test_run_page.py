@@ -16,7 +16,14 @@ from playwright.sync_api import expect
 from forgeboard.accounts.services import api_token_create, membership_remove
 from forgeboard.experiments.services import experiment_create
 from forgeboard.runs.models import Command, Run
-from forgeboard.runs.services import run_cancel, run_launch, run_transition
+from forgeboard.runs.services import (
+    command_acknowledge,
+    command_create,
+    command_finish,
+    run_cancel,
+    run_launch,
+    run_transition,
+)
 from forgeboard.runs.states import RunState
 from forgeboard.runs.tokens import run_token_issue
 from forgeboard.telemetry.ingest import telemetry_ingest
@@ -328,6 +335,67 @@ def test_commands_appear_and_change_in_the_table_as_they_are_sent_and_run(page, 
     page.reload()
     page.wait_for_function("document.getElementById('conn').textContent === 'live'", timeout=30_000)
     assert page.eval_on_selector_all("#commands tbody tr", table) == live, "a fresh page shows what the live one did"
+
+
+def test_open_commands_turn_expired_with_the_reason_when_the_run_ends(page, server, team):
+    """A drill the controller took and a checkpoint it never pulled are open when the run fails: their rows say
+    Expired and why, at once, and the timeline says it in words; a reload shows the same table."""
+    run = _seeded_run(team)
+    drill = outside_the_browser_loop(command_create, actor=team.member, run=run, kind="fault_drill",
+                                     payload={"kind": "kill", "role": "generator", "replica": 1})
+    checkpoint = outside_the_browser_loop(command_create, actor=team.owner, run=run, kind="checkpoint")
+    outside_the_browser_loop(command_acknowledge, run=run, command_id=drill.pk)
+    _open_live(page, server, run, width=1280)
+    drill_row = page.locator(f'#commands tr[data-command="{drill.pk}"]')
+    checkpoint_row = page.locator(f'#commands tr[data-command="{checkpoint.pk}"]')
+    expect(drill_row.locator('[data-field="state"]')).to_have_text("Delivered")
+    expect(checkpoint_row.locator('[data-field="state"]')).to_have_text("Pending")
+
+    outside_the_browser_loop(run_transition, run_id=run.pk, from_state=RunState.RUNNING, to_state=RunState.FAILED,
+                             reason="engine exited with code 1")
+
+    expect(page.locator("#run-state")).to_have_text("Failed")
+    taken = "the run failed after its controller took this command but before it reported a result (it may have run)"
+    untaken = "the run failed before its controller took this command"
+    expect(drill_row.locator("td")).to_have_text([
+        str(drill.pk), "Fault drill", "mateo", "Expired", _compact({"kind": "kill", "role": "generator", "replica": 1}),
+        _compact({"reason": taken})])
+    expect(checkpoint_row.locator("td")).to_have_text([str(checkpoint.pk), "Checkpoint now", "olivia", "Expired", "{}",
+                                                       _compact({"reason": untaken})])
+    expect(page.locator("#timeline li").filter(has_text=f"command {checkpoint.pk} (checkpoint)")).to_contain_text(
+        f"command finished command {checkpoint.pk} (checkpoint) expired: {untaken}")
+    box = checkpoint_row.locator('[data-field="result"]').bounding_box()
+    assert box and box["width"] > 100, box
+    page.locator("#commands").scroll_into_view_if_needed()
+    screenshot(page, "run_page_commands_expired")
+    table = "rows => rows.map((row) => Array.from(row.cells, (cell) => cell.textContent))"
+    live = page.eval_on_selector_all("#commands tbody tr", table)
+    page.reload()
+    page.wait_for_function("document.getElementById('conn').textContent === 'live'", timeout=30_000)
+    assert page.eval_on_selector_all("#commands tbody tr", table) == live, "a fresh page shows what the live one did"
+
+
+def test_a_lost_runs_expired_drill_shows_its_controllers_late_report(page, server, team):
+    """The run is lost while its controller runs a drill: the row expires; the controller's late report of what it
+    did moves it on to Succeeded with its result, live."""
+    run = _seeded_run(team)
+    drill = outside_the_browser_loop(command_create, actor=team.member, run=run, kind="fault_drill",
+                                     payload={"kind": "kill", "role": "generator"})
+    outside_the_browser_loop(command_acknowledge, run=run, command_id=drill.pk)
+    _open_live(page, server, run, width=1280)
+    row = page.locator(f'#commands tr[data-command="{drill.pk}"]')
+
+    outside_the_browser_loop(run_transition, run_id=run.pk, from_state=RunState.RUNNING, to_state=RunState.LOST,
+                             reason="no heartbeat for 75 s (timeout 60 s)")
+    expect(row.locator('[data-field="state"]')).to_have_text("Expired")
+    expect(row.locator('[data-field="result"]')).to_contain_text("a restarted run does not get it again")
+
+    outside_the_browser_loop(command_finish, run=run, command_id=drill.pk, ok=True, result={"killed": "generator 0"})
+    expect(row.locator('[data-field="state"]')).to_have_text("Succeeded")
+    expect(row.locator('[data-field="result"]')).to_have_text(_compact({"killed": "generator 0"}))
+    expect(page.locator("#timeline li").first).to_contain_text(
+        f"command {drill.pk} (fault_drill) done (reported after it had expired: the run was lost after its "
+        "controller took this command")
 
 
 def _events_batch(seq: int, count: int) -> TelemetryBatch:

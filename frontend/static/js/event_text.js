@@ -66,7 +66,9 @@ window.FBEventText = (function () {
     command_issued: (p) => `command ${p.command}: ${p.kind}`,
     command_finished: (p) => {
       const why = p.result && (p.result.error || p.result.reason);
-      return `command ${p.command} (${p.kind}) ${p.ok === false ? "failed" : "done"}${why ? ": " + why : ""}`;
+      const outcome = p.state === "expired" ? "expired" : p.ok === false ? "failed" : "done";
+      return `command ${p.command} (${p.kind}) ${outcome}${why ? ": " + why : ""}` +
+        `${p.late ? ` (reported after it had expired: ${p.late})` : ""}`;
     },
     checkpoint_saved: (p) => `checkpoint at step ${p.step}`,
     message: (p) => {

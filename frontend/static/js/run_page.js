@@ -254,8 +254,9 @@
 
   // The commands table follows the command events: a new command's row on top, its state and result in place as
   // the engine acknowledges and finishes it. The backlog replays the run's whole history: a command older than the
-  // newest row is not added, and a row's state never goes back.
-  const COMMAND_PROGRESS = { pending: 0, delivered: 1, succeeded: 2, failed: 2, expired: 2 };
+  // newest row is not added, and a row's state never goes back. A command expires when its run ends or is lost
+  // (a command_finished event with the state "expired"); a result its controller reports later still comes after.
+  const COMMAND_PROGRESS = { pending: 0, delivered: 1, expired: 2, succeeded: 3, failed: 3 };
 
   function followCommand(event) {
     const p = event.payload || {}, id = p.command;
@@ -270,7 +271,8 @@
       rows.slice(run.commandsShown - 1).forEach((old) => old.remove());
     } else if (row && event.kind === "command_acknowledged") {
       advanceCommand(row, "delivered");
-    } else if (row && event.kind === "command_finished" && advanceCommand(row, p.ok === false ? "failed" : "succeeded")) {
+    } else if (row && event.kind === "command_finished" &&
+               advanceCommand(row, p.state === "expired" ? "expired" : p.ok === false ? "failed" : "succeeded")) {
       row.querySelector('[data-field="result"] code').textContent = commandJson(p.result, true);
     }
   }

@@ -93,6 +93,10 @@ class CommandState(models.TextChoices):
     EXPIRED = "expired", "Expired"
 
 
+# A controller may still finish these; the others are final (but see `command_finish` for a late report).
+OPEN_COMMAND_STATES = (CommandState.PENDING, CommandState.DELIVERED)
+
+
 class Command(models.Model):
     """An operator command. The controller pulls it by id, acknowledges it, and reports its result."""
 

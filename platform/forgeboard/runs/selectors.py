@@ -10,7 +10,7 @@ from django.db.models import Q, QuerySet
 from forgeboard.accounts.models import Project
 from forgeboard.accounts.permissions import Actor, project_role
 from forgeboard.errors import NotFound, ValidationFailed, is_db_id
-from forgeboard.runs.models import Command, CommandState, Run
+from forgeboard.runs.models import OPEN_COMMAND_STATES, Command, Run
 
 
 def runs_for_project(*, project: Project, state: str | None = None) -> QuerySet[Run]:
@@ -60,9 +60,11 @@ def run_get(*, actor: Actor, run_id: int) -> Run:
 
 
 def commands_pending(*, run: Run, after_id: int = 0) -> QuerySet[Command]:
-    """Commands the controller has not finished: pending, or delivered without a result (at-least-once)."""
-    open_states = [CommandState.PENDING, CommandState.DELIVERED]
-    return Command.objects.filter(run=run, state__in=open_states, pk__gt=after_id).order_by("pk")
+    """Commands the controller has not finished: pending, or delivered without a result (at-least-once).
+
+    An expired command (its run ended or was lost, `run_transition`) is never handed out again.
+    """
+    return Command.objects.filter(run=run, state__in=OPEN_COMMAND_STATES, pk__gt=after_id).order_by("pk")
 
 
 COMPARE_MIN_RUNS = 2

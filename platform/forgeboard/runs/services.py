@@ -19,7 +19,15 @@ from forgeboard.dispatch import RUNS_LAUNCH, RUNS_START, enqueue, pool_launch_qu
 from forgeboard.errors import Conflict, FieldProblem, NotFound, ValidationFailed, is_db_id
 from forgeboard.experiments.models import Experiment, Recipe
 from forgeboard.experiments.services import config_snapshot_create, validate_and_resolve
-from forgeboard.runs.models import EXTERNAL_BACKENDS, Command, CommandKind, CommandState, LaunchBackend, Run
+from forgeboard.runs.models import (
+    EXTERNAL_BACKENDS,
+    OPEN_COMMAND_STATES,
+    Command,
+    CommandKind,
+    CommandState,
+    LaunchBackend,
+    Run,
+)
 from forgeboard.runs.states import COMMAND_STATES, TERMINAL_STATES, TRANSITIONS, RunState
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append, storable
@@ -160,9 +168,44 @@ def run_transition(
         run = Run.objects.get(pk=run_id)
         payload = {"from": from_state, "to": to_state} | ({"reason": reason} if reason else {})
         event_append(run=run, kind=EventKind.STATE_CHANGED, payload=payload)
+        if to_state in TERMINAL_STATES or to_state == RunState.LOST:
+            _commands_expire(run=run, run_state=to_state)
         if to_state in (RunState.FAILED, RunState.LOST):
             alerts_for_run_state(run=run, state=to_state)  # deliveries are sent once this commits
     return run
+
+
+# A run's open commands expire once no controller will finish them: when it ends, and when it is lost, since a
+# restart starts a new controller from the last checkpoint and does not hand it what the lost one was sent. A fault
+# drill, a placement change or a redirect names the processes, replicas and hosts of the controller that was lost, and
+# a drill fired at the new one minutes later is a fault nobody asked for then; a checkpoint, pause or resume asked of
+# the lost controller means nothing to a run that resumes from its last checkpoint. The operator sends again what is
+# still wanted. A cancel is kept: the run was being cancelled, and its restarted controller must still stop it.
+KEPT_ACROSS_A_RESTART = frozenset({CommandKind.CANCEL})
+_HOW_IT_ENDED = {
+    RunState.SUCCEEDED: "the run succeeded", RunState.FAILED: "the run failed",
+    RunState.CANCELLED: "the run was cancelled", RunState.LOST: "the run was lost",
+}
+
+
+def _commands_expire(*, run: Run, run_state: RunState) -> None:
+    """Expire the run's open commands (the caller changed its state in this transaction), each with an event that
+    the run page follows and a reason in words."""
+    commands = Command.objects.select_for_update().filter(run=run, state__in=OPEN_COMMAND_STATES).order_by("pk")
+    if run_state == RunState.LOST:
+        commands = commands.exclude(kind__in=KEPT_ACROSS_A_RESTART)
+    for command in commands:
+        taken = command.state == CommandState.DELIVERED
+        reason = _HOW_IT_ENDED[run_state] + (
+            " after its controller took this command but before it reported a result (it may have run)" if taken
+            else " before its controller took this command")
+        if run_state == RunState.LOST:
+            reason += "; a restarted run does not get it again"
+        command.state, command.result = CommandState.EXPIRED, {"reason": reason}
+        command.save(update_fields=["state", "result"])
+        event_append(run=run, kind=EventKind.COMMAND_FINISHED,
+                     payload={"command": command.pk, "kind": command.kind, "ok": False,
+                              "state": CommandState.EXPIRED, "result": command.result})
 
 
 def run_cancel(*, actor: Actor, run: Run) -> Run:
@@ -255,9 +298,11 @@ def _check_sft_operation(*, run: Run, kind: str, payload: dict[str, Any]) -> Non
 
 
 def command_acknowledge(*, run: Run, command_id: int) -> Command:
-    """Mark a command delivered to the controller. Repeating it is harmless (at-least-once delivery)."""
+    """Mark a command delivered to the controller. Repeating it is harmless (at-least-once delivery), and so is
+    acknowledging a finished or expired one: it stays as it is, and the answer says so."""
     now = timezone.now()
     with transaction.atomic():
+        _lock_run(run)  # the run's row before the command's: the order run_transition takes them in
         command = Command.objects.select_for_update().filter(pk=command_id, run=run).first() if is_db_id(command_id) else None
         if command is None:
             raise NotFound(f"run {run.pk} has no command {command_id}")
@@ -270,26 +315,36 @@ def command_acknowledge(*, run: Run, command_id: int) -> Command:
 
 
 def command_finish(*, run: Run, command_id: int, ok: bool, result: dict[str, Any]) -> Command:
-    """Record a command's outcome once; a repeated report of a finished command changes nothing."""
+    """Record a command's outcome once; a repeated report of a finished command changes nothing.
+
+    A report for an expired command (its run was lost while the controller ran it, and the controller reports
+    afterwards) is recorded too: the controller writes down what it ran before it reports (the engine's
+    CommandChannel ledger), so its outcome is the truth, and a drill that really fired must show. It changes the
+    command only: a late pause or resume moves no run, whose controller is gone.
+    """
     if problem := payload_problem_at(result, root="result"):
         raise ValidationFailed.on(*problem)
     if len(json.dumps(result)) > MAX_COMMAND_PAYLOAD_BYTES:
         raise ValidationFailed.on("result", f"over {MAX_COMMAND_PAYLOAD_BYTES} bytes")
     now = timezone.now()
     with transaction.atomic():
+        _lock_run(run)  # the run's row before the command's: the order run_transition takes them in
         command = Command.objects.select_for_update().filter(pk=command_id, run=run).first() if is_db_id(command_id) else None
         if command is None:
             raise NotFound(f"run {run.pk} has no command {command_id}")
         if command.state in (CommandState.SUCCEEDED, CommandState.FAILED):
             return command
+        expired = command.result.get("reason", "") if command.state == CommandState.EXPIRED else None
         command.acknowledged_at = command.acknowledged_at or now
         command.delivered_at = command.delivered_at or now
         command.state = CommandState.SUCCEEDED if ok else CommandState.FAILED
         command.result = storable(result)
         command.save()
-        event_append(run=run, kind=EventKind.COMMAND_FINISHED,
-                     payload={"command": command.pk, "kind": command.kind, "ok": ok, "result": result})
-        if ok and command.kind in PAUSE_RESUME:
+        payload = {"command": command.pk, "kind": command.kind, "ok": ok, "result": result}
+        if expired is not None:
+            payload["late"] = expired  # why it had expired
+        event_append(run=run, kind=EventKind.COMMAND_FINISHED, payload=payload)
+        if ok and command.kind in PAUSE_RESUME and expired is None:
             source, target = PAUSE_RESUME[command.kind]
             try:
                 run_transition(run_id=run.pk, from_state=source, to_state=target)
