@@ -148,6 +148,7 @@ API_BODIES = {
     ("POST", "/api/v1/plans"): {"project": "{slug}", "recipe": "grpo", "yaml": TINY_GRPO_YAML, "overrides": [],
                                 "gpus": [2, 4], "model": "qwen3-0.6b"},
     ("POST", "/api/v1/projects/{slug}/tokens"): {"name": "sweep-new", "scope": "read", "expires_in_days": 30},
+    ("POST", "/api/v1/hosts/{hostname}/intent"): {"intent": "cordoned", "reason": "sweep"},
     ("POST", "/api/v1/projects/{slug}/artifacts"): {"name": "sweep", "kind": "model", "path": "/models/tiny",
                                                     "description": ""},
     ("POST", "/api/v1/controller/runs/{run_id}/telemetry"): {"batches": [{"seq": 1, "metrics": [
@@ -162,6 +163,9 @@ AGENT_BODIES = {
 }
 # Body fields that name another object: another project's must be answered as one that does not exist.
 FOREIGN_BODY_FIELDS = {"project": "slug", "experiment_id": "experiment_id", "calibration_run": "run_id"}
+# Path parameters with no other project's value: a step or metric key is looked up in the run the path names, and a
+# host belongs to no project.
+NO_OTHER_PROJECTS = ("step", "key", "hostname")
 # Credentials refused whatever the path names (a run's token names its one run; an API token may not manage tokens):
 # another project's id is answered as an id of nothing is.
 REFUSED_WHATEVER_THE_ID = {("controller", "run token"), ("tokens", "bearer")}
@@ -224,8 +228,8 @@ def world(django_db_setup, django_db_blocker, tmp_path_factory) -> Iterator[Worl
                                      scope="write")
         agent, agent_token = agent_token_create(actor=user, name="sweep-agent")
         host_register(actor=agent, hostname="node-1", cpu_count=4, memory_bytes=1024)
-        yield World(own=own, foreign=foreign, user=user, bearer=bearer, run_token=own["run_token"],
-                    agent_token=agent_token)
+        yield World(own=own | {"hostname": "node-1"}, foreign=foreign, user=user, bearer=bearer,
+                    run_token=own["run_token"], agent_token=agent_token)
         transaction.set_rollback(True)
 
 
@@ -388,7 +392,7 @@ def _paths(sweep: Sweep, op: Op, clients) -> None:
     for label, client, headers in clients:
         sweep.send(client, op.method, own_path(op, world), headers, body=body, content_type=content_type, label=label)
         for param in op.params:
-            if param not in ("step", "key"):
+            if param not in NO_OTHER_PROJECTS:
                 _foreign_path(sweep, op, param, label, client, headers)
     label, client, headers = clients[-1]
     for param in op.params:

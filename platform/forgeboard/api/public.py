@@ -1,7 +1,8 @@
 """/api/v1 for people and CI: projects, experiments, runs, commands, metrics, events, inventory.
 
 Thin: every read goes through a selector, every write through a service (which checks permission
-and audits). A read-only token may read; writes need a read-write token or a session.
+and audits). A read-only token may read; writes need a read-write token or a session (a host's intent: a platform
+operator's session).
 """
 
 
@@ -10,6 +11,7 @@ from ninja import Path, Query, Router, Status
 from ninja.pagination import paginate
 
 from forgeboard.accounts.models import ApiToken, Project
+from forgeboard.accounts.permissions import require_operator
 from forgeboard.accounts.selectors import project_get, projects_for_user
 from forgeboard.api.auth import USER_AUTH, actor_of, require_write_scope
 from forgeboard.api.idempotent import idempotent
@@ -26,6 +28,7 @@ from forgeboard.api.schemas import (
     EventOut,
     ExperimentIn,
     ExperimentOut,
+    HostIntentIn,
     HostOut,
     PointsOut,
     ProjectOut,
@@ -35,7 +38,9 @@ from forgeboard.api.schemas import (
     SeriesOut,
     TimelinesOut,
 )
-from forgeboard.cluster.selectors import hosts_with_devices
+from forgeboard.cluster.selectors import host_get, hosts_with_devices
+from forgeboard.cluster.services import host_set_intent
+from forgeboard.errors import PermissionDenied
 from forgeboard.experiments.selectors import experiment_get, experiments_for_project
 from forgeboard.experiments.services import experiment_create
 from forgeboard.runs.checkpoints import (
@@ -246,6 +251,25 @@ def list_hosts(request: HttpRequest):  # noqa: ANN201
     of `liveness` (its heartbeats say up or down) and `intent` (an operator drains or cordons it): a host cordoned
     while down stays cordoned when it comes back."""
     return list(hosts_with_devices())
+
+
+@router.post("/hosts/{hostname}/intent", response={200: HostOut, **BODY_ERRORS}, tags=["inventory"])
+def set_host_intent(request: HttpRequest, body: HostIntentIn,  # noqa: ANN201
+                    hostname: str = Path(..., description="the host's name, as `GET /hosts` lists it")):
+    """Drain or cordon a host (no new work is placed there) or make it schedulable again, as the cluster page does;
+    the answer is the host as it now is. Whether it is up or down stays its heartbeats' to say: a host that is down
+    keeps the intent for when it comes back.
+
+    Platform operators only, from a logged-in session: an API token belongs to one project and cannot act on the
+    cluster (403). Asking for the intent a host already has changes nothing and gets the same answer (audited again
+    with its reason), so a retry is safe as it is: no `Idempotency-Key` is needed. 404 when no host has that name."""
+    actor = actor_of(request)
+    if isinstance(actor, ApiToken):
+        raise PermissionDenied("changing a host's state needs a platform operator's session: an API token acts only "
+                               "in its project")
+    require_operator(actor=actor, action="changing a host's state")
+    host = host_set_intent(actor=actor, host=host_get(hostname=hostname), intent=body.intent, reason=body.reason)
+    return hosts_with_devices().get(pk=host.pk)
 
 
 @router.get("/config-schema", tags=["configs"], auth=None)

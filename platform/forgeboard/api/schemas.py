@@ -11,6 +11,7 @@ from ninja import Schema
 from pydantic import AfterValidator, Field, GetCoreSchemaHandler, GetJsonSchemaHandler
 from pydantic_core import core_schema
 
+from forgeboard.cluster.services import MAX_INTENT_REASON_LENGTH
 from forgeboard.telemetry.ingest import wire_number
 from workers.engine.telemetry_wire import StepTimeline, WholeNumber
 from workers.engine.wire_limits import MAX_REQUEST_BYTES, unstorable_in, unstorable_reason
@@ -223,6 +224,15 @@ class HostOut(Schema):
     memory_bytes: int
     last_heartbeat_at: datetime | None
     devices: list[DeviceOut]
+
+
+HostIntentName = Literal["schedulable", "draining", "cordoned"]
+
+
+class HostIntentIn(Schema):
+    intent: HostIntentName = Field(description="schedulable: the host may be given new work; draining or cordoned: it "
+                                               "is given none")
+    reason: text(max_length=MAX_INTENT_REASON_LENGTH) = Field("", description="why, kept in the audit log")
 
 
 class FieldErrorOut(Schema):

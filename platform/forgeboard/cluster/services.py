@@ -54,6 +54,7 @@ PROBE_AGENT_PREFIX = "worker-probe/"
 
 AGENT_TOKEN_LAST_USED_RESOLUTION = timedelta(minutes=1)
 POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+MAX_INTENT_REASON_LENGTH = 500
 
 # Worst first: a host is as healthy as its least healthy device.
 _HEALTH_ORDER = (Health.UNHEALTHY, Health.DEGRADED, Health.UNKNOWN, Health.HEALTHY)
@@ -299,11 +300,13 @@ def host_set_intent(*, actor: Actor, host: Host, intent: HostIntent | str, reaso
     """Drain or cordon a host (no new work placed there), or make it schedulable again; returns it as it now is.
 
     Only the operator's intent changes, on the locked row: whether the host is up or down is its heartbeats' to say.
+    Setting the intent a host already has changes nothing but is audited too (with its reason).
     """
     require_operator(actor=actor, action="changing a host's state")
-    if intent not in HostIntent.values:
+    if not isinstance(intent, str) or intent not in HostIntent.values:
         raise ValidationFailed.on("intent", "choose schedulable, draining or cordoned (whether a host is up or down "
                                             "comes from its heartbeats)")
+    reason = clean_text(field="reason", value=reason, max_length=MAX_INTENT_REASON_LENGTH, required=False)
     with transaction.atomic():
         locked = Host.objects.select_for_update().filter(pk=host.pk).first()
         if locked is None:
