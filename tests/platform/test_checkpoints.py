@@ -116,6 +116,18 @@ def test_a_reported_path_no_file_system_can_look_up_leaves_the_run_page_working(
         assert "a" * 300 + "/step_000011" in page.content.decode()
 
 
+def test_a_reported_step_no_export_can_have_leaves_the_checkpoints_table_working(client, team, run_with_checkpoints):
+    """An engine reports a step past any a path or an export can name, once the run has an export folder: the table
+    still opens, with no export status for that step."""
+    run = run_with_checkpoints
+    _fake_export(run, 2)
+    event_append(run=run, kind=EventKind.CHECKPOINT_SAVED, payload={"step": 10**300, "path": "/elsewhere/step_x"})
+    assert [(c.step, c.export and c.export.summary) for c in run_checkpoints(run=run)] == [
+        (1, None), (2, "exported"), (4, None), (10**300, None)]
+    client.force_login(team.member)
+    assert client.get(f"/runs/{run.pk}/checkpoints/").status_code == 200
+
+
 def test_export_checks_role_step_and_that_the_checkpoint_is_here(team, run_with_checkpoints):
     run = run_with_checkpoints
     with pytest.raises(PermissionDenied):
@@ -667,6 +679,52 @@ def test_a_lost_export_is_queued_again_then_fails_and_tells_the_runs_waiting_for
     with django_capture_on_commit_callbacks(execute=True):  # asked for again: queued afresh
         assert checkpoint_export_request(actor=team.member, run=parent, step=2).state == "queued"
     assert (_export_row(parent, 2).attempt, _export_row(parent, 2).requeues) == (3, 0)
+
+
+def _export_cells(client, run: Run) -> dict[int, str]:
+    """What the run page's checkpoints table says of each checkpoint's export, by step."""
+    html = client.get(f"/runs/{run.pk}/checkpoints/").content.decode()
+    rows = re.findall(r'<tr><td class="num">(\d+)</td>.*?<td class="export">(.*?)</td>', html, re.S)
+    return {int(step): re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", cell)).strip() for step, cell in rows}
+
+
+def test_an_export_queued_again_says_so_in_the_api_and_on_the_run_page(lost_exports, client, team,
+                                                                       django_capture_on_commit_callbacks):
+    """A fresh request and an export whose worker (or task) was lost twice both read "queued" no more: the API gives
+    how often it was queued again and the bound, and the page says it in words."""
+    parent = lost_exports.parent
+    client.force_login(team.viewer)
+    api = f"/api/v1/runs/{parent.pk}/checkpoints/{{step}}/export"
+    fresh = client.get(api.format(step=4)).json()
+    assert (fresh["state"], fresh["requeues"], fresh["max_requeues"], fresh["summary"]) == ("queued", 0, 2, "queued")
+    assert _export_cells(client, parent) == {1: "", 2: "queued", 4: "queued"}
+
+    _lose(parent, 2)  # its task message was lost
+    with django_capture_on_commit_callbacks(execute=True):
+        checkpoints.checkpoint_exports_reconcile(now=timezone.now())
+    again = client.get(api.format(step=2)).json()
+    assert (again["state"], again["requeues"], again["max_requeues"]) == ("queued", 1, 2)
+    assert again["summary"] == "queued again after it was lost (requeue 1 of 2)"
+    assert _export_cells(client, parent) == {1: "", 2: "queued again after it was lost (requeue 1 of 2)", 4: "queued"}
+
+    _lose(parent, 2, state="running", worker="node-a pid 4242")  # a worker took it and died
+    with django_capture_on_commit_callbacks(execute=True):
+        checkpoints.checkpoint_exports_reconcile(now=timezone.now())
+    CheckpointExport.objects.filter(run=parent, step=2).update(state="running", worker="node-b pid 7")  # taken again
+    assert client.get(api.format(step=2)).json()["summary"] == "running again after it was lost (requeue 2 of 2)"
+    assert _export_cells(client, parent)[2] == "running again after it was lost (requeue 2 of 2)"
+
+    _lose(parent, 2)
+    checkpoints.checkpoint_exports_reconcile(now=timezone.now())
+    failed = client.get(api.format(step=2)).json()
+    assert (failed["state"], failed["requeues"]) == ("failed", 2)
+    assert failed["summary"] == f"failed: {failed['error']}" and failed["error"].startswith("the export was lost 3 times")
+    assert _export_cells(client, parent)[2].startswith("failed the export was lost 3 times")
+
+    _fake_export(parent, 4)
+    done = client.get(api.format(step=4)).json()
+    assert (done["state"], done["requeues"], done["summary"]) == ("done", 0, "exported")
+    assert _export_cells(client, parent)[4] == "exported"
 
 
 def test_an_export_its_worker_finished_before_it_died_starts_the_runs_waiting_for_it(lost_exports):

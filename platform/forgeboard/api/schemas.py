@@ -254,6 +254,12 @@ class CheckpointExportOut(Schema):
     path: str | None = Field(description="the exported Hugging Face folder, once done")
     error: str = Field(description="why it failed, when it did")
     updated_at: datetime | None
+    requeues: int = Field(description="how often it was lost (its worker stopped, or its task was lost) and queued "
+                                      "again since it was asked for: 0 for a fresh request")
+    max_requeues: int = Field(description="how often a lost export is queued again (FORGEBOARD_EXPORT_REQUEUES); lost "
+                                          "once more, it fails")
+    summary: str = Field(description="how it stands, in words, as the run page's checkpoints table says it: queued, "
+                                     "queued again after it was lost (requeue 1 of 2), running, exported, failed: why")
 
 
 # 503 `database_busy` (with Retry-After) when the database stayed locked past its timeout: nothing was changed.

@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
@@ -66,6 +66,7 @@ class Checkpoint:
     path: str
     size_bytes: int | None  # None: reported by the engine but not on this machine's disk (pruned, or elsewhere)
     created_at: datetime
+    export: ExportStatus | None = None  # run_checkpoints only: how its export stands (None: never asked for)
 
 
 def _folder_size(folder: Path) -> int:
@@ -122,10 +123,14 @@ def checkpoints_reported(*, run: Run) -> list[Checkpoint]:
 
 
 def run_checkpoints(*, run: Run) -> list[Checkpoint]:
-    """Every checkpoint of the run, by step: those on disk, plus those only reported (size_bytes None)."""
+    """Every checkpoint of the run, by step: those on disk, plus those only reported (size_bytes None); each with how
+    its export stands."""
     by_step = {c.step: c for c in checkpoints_reported(run=run)}
     by_step |= {c.step: c for c in checkpoints_on_disk(run=run)}
-    return [by_step[step] for step in sorted(by_step)]
+    exports = {export.step: export for export in CheckpointExport.objects.filter(run=run)}
+    return [replace(by_step[step], export=_status_of(run=run, step=step, export=exports.get(step)))
+            if step <= MAX_STEP else by_step[step]  # a step no export can have (the engine's word)
+            for step in sorted(by_step)]
 
 
 def _clean_step(step: object) -> int:
@@ -312,22 +317,54 @@ class ExportStatus:
     path: str | None  # the HF folder, once done
     error: str
     updated_at: datetime | None
+    requeues: int = 0  # how often it was lost and queued again since it was asked for
+    max_requeues: int = 0  # FORGEBOARD_EXPORT_REQUEUES: lost once more past it, it fails
+
+    @property
+    def headline(self) -> str:
+        """The state in a word or two: "queued" for a fresh request, "queued again" for one that was lost."""
+        if self.state == ExportState.DONE:
+            return "exported"
+        if self.requeues and self.state in (ExportState.QUEUED, ExportState.RUNNING):
+            return f"{self.state} again"
+        return self.state
+
+    @property
+    def detail(self) -> str:
+        """Why it failed, or how often it was lost and queued again (empty otherwise)."""
+        if self.state == ExportState.FAILED:
+            return self.error
+        if self.requeues and self.state in (ExportState.QUEUED, ExportState.RUNNING):
+            return f"after it was lost (requeue {self.requeues} of {self.max_requeues})"
+        return ""
+
+    @property
+    def summary(self) -> str:
+        """How it stands, in words (the run page's checkpoints table says the same)."""
+        if not self.detail:
+            return self.headline
+        return f"{self.headline}{':' if self.state == ExportState.FAILED else ''} {self.detail}"
 
 
 def _export_row(*, run: Run, step: int) -> CheckpointExport | None:
     return CheckpointExport.objects.filter(run=run, step=step).first()
 
 
-def _read_status(*, run: Run, step: int) -> ExportStatus | None:
+def _status_of(*, run: Run, step: int, export: CheckpointExport | None) -> ExportStatus | None:
+    """Done when the export folder is complete, else what its row says (None: never asked for)."""
     out = export_folder(run=run, step=step)
     if _is_hf_folder(out):
         return ExportStatus(run_id=run.pk, step=step, state=ExportState.DONE, path=str(out), error="",
                             updated_at=datetime.fromtimestamp(out.stat().st_mtime, tz=UTC))
-    export = _export_row(run=run, step=step)
     if export is None:
         return None
     return ExportStatus(run_id=run.pk, step=step, state=export.state, path=None, error=export.error,
-                        updated_at=export.updated_at)
+                        updated_at=export.updated_at, requeues=export.requeues,
+                        max_requeues=settings.EXPORT_REQUEUES)
+
+
+def _read_status(*, run: Run, step: int) -> ExportStatus | None:
+    return _status_of(run=run, step=step, export=_export_row(run=run, step=step))
 
 
 def checkpoint_export_status(*, actor: Actor, run: Run, step: int) -> ExportStatus:
