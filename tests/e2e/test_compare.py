@@ -40,8 +40,13 @@ def _finished_run(team, *, overrides: list[str], steps: int, scale: float, long_
     return run
 
 
+def _chart_keys(page) -> list[str]:
+    return page.locator("#compare-charts figure.chart").evaluate_all("figures => figures.map((f) => f.dataset.key)")
+
+
 def _drag(page, figure, start: float, end: float) -> None:
     """Select an x range on a chart with the mouse (a zoom)."""
+    figure.scroll_into_view_if_needed()
     box = figure.locator(".u-over").bounding_box()
     page.mouse.move(box["x"] + box["width"] * start, box["y"] + box["height"] / 2)
     page.mouse.down()
@@ -62,6 +67,12 @@ def test_compare_two_runs(page, server, team):
     page.goto(f"{server['url']}/p/alpha/compare/?runs={a.pk},{b.pk}")  # a first: the legend order below
     page.wait_for_function("document.getElementById('compare-charts').dataset.state === 'ready'", timeout=30_000)
 
+    # What tells whether the runs learn comes first, as on a run page, with what it means; the rest by name.
+    assert _chart_keys(page) == ["reward/mean", "loss", "tokens_per_s"]
+    first = page.locator("#compare-charts figure.chart").first
+    assert first.locator(".chart-note").inner_text().startswith("Training reward: the mean reward")
+    box, last = first.bounding_box(), page.locator('figure.chart[data-key="tokens_per_s"]').bounding_box()
+    assert (box["y"], box["x"]) < (last["y"], last["x"]), "the headline chart is drawn first on the page"
     loss = page.locator('figure.chart[data-key="loss"]')
     assert loss.get_attribute("data-runs-drawn") == "2"
     assert loss.get_attribute("data-series-points") == "40,25"
@@ -99,6 +110,7 @@ def test_compare_two_runs(page, server, team):
     page.wait_for_function("document.getElementById('compare-charts').dataset.axis === 'time'")
     page.wait_for_function(f"{LOSS}.plot.data[0].length > 0")
     xs = page.evaluate(f"{LOSS}.plot.data[0]")
+    assert _chart_keys(page) == ["reward/mean", "loss", "tokens_per_s"], "the new axis's charts keep the order"
     assert xs[0] == 0 and xs[-1] == 2.0 * 39  # seconds since run a's first point, two per step
     assert page.evaluate(hidden) is False, "the time axis keeps hidden series hidden"
     assert page.evaluate(f"{LOSS}.smoothing") == 0.9

@@ -341,5 +341,15 @@
     }
   }
 
-  window.FBCharts = { Chart, ChartGrid, Series, smooth, align, yRange, tickLabels, valueLabel, unitOf, decimalsFor, PALETTE };
+  // What tells whether a run learns, first on every page that draws runs' metrics, each with what it means; the
+  // other metrics follow by name.
+  const HEADLINES = {
+    "eval/reward_mean": "Held-out reward: the mean reward on problems the run never trains on, at each evaluation. "
+      + "Rising means the model learns.",
+    "eval/accuracy": "Held-out accuracy: the share of held-out problems answered correctly.",
+    "reward/mean": "Training reward: the mean reward of this step's rollouts.",
+    "loss": "The trainer's loss per step. SFT's falls as it learns; GRPO's policy loss stays near 0: read its rewards.",
+  };
+
+  window.FBCharts = { HEADLINES, Chart, ChartGrid, Series, smooth, align, yRange, tickLabels, valueLabel, unitOf, decimalsFor, PALETTE };
 })();

@@ -94,7 +94,8 @@
       });
     }
     container.replaceChildren();
-    grid = new FBCharts.ChartGrid(container, { labels, xLabel: axis === "time" ? "seconds" : "step", onZoom: loadDetail });
+    grid = new FBCharts.ChartGrid(container, { labels, xLabel: axis === "time" ? "seconds" : "step", onZoom: loadDetail,
+      first: Object.keys(FBCharts.HEADLINES), notes: FBCharts.HEADLINES });
     grid.smoothing = smoothing;
     container.dataset.axis = axis;
     data.keys.forEach((key) => {

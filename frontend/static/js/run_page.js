@@ -20,16 +20,8 @@
   const startup = { phases: [], done: false, total: null, offset: 0, metricsSeen: false };
   const ENGINE_PROCESS = "engine_process";
 
-  // What tells whether a run learns comes first, each with what it means; the other metrics follow by name.
-  const HEADLINE_NOTES = {
-    "eval/reward_mean": "Held-out reward: the mean reward on problems the run never trains on, at each evaluation. "
-      + "Rising means the model learns.",
-    "eval/accuracy": "Held-out accuracy: the share of held-out problems answered correctly.",
-    "reward/mean": "Training reward: the mean reward of this step's rollouts.",
-    "loss": "The trainer's loss per step. SFT's falls as it learns; GRPO's policy loss stays near 0: read its rewards.",
-  };
   const grid = new FBCharts.ChartGrid($("charts"), { labels: ["value"], xLabel: "step", onZoom: loadDetail,
-    first: Object.keys(HEADLINE_NOTES), notes: HEADLINE_NOTES });
+    first: Object.keys(FBCharts.HEADLINES), notes: FBCharts.HEADLINES });
   // "Where the time goes": the step timelines of the backlog and of each update; more steps from the API on demand.
   const stepTimeline = new FBTimeline.Timeline($("step-timeline"), {
     load: (last) => FB.api(`${run.apiPath}timeline?last=${last}`) });
