@@ -419,3 +419,61 @@ def test_a_run_with_more_events_than_a_backlog_page_shows_every_one_and_its_stat
     outside_the_browser_loop(run_transition, run_id=run.pk, from_state=RunState.PAUSED, to_state=RunState.RUNNING)
     expect(page.locator("#run-state")).to_have_text("Running")
     expect(page.locator("#timeline li").first).to_have_attribute("data-seq", "2503")
+
+
+def _step_batch(seq: int) -> TelemetryBatch:
+    return TelemetryBatch.model_validate({
+        "seq": seq, "metrics": [{"key": "loss", "step": seq, "value": 1.0 / seq, "time": 1.7e9}],
+        "logs": [{"line": f"step {seq}: loss {1.0 / seq:.3f}", "time": 1.7e9}]})
+
+
+LOSS_POINTS = ("() => { const c = FBRunPage.grid.charts.get('loss'); return c ? Array.from(c.plot.data[0]) : []; }")
+
+
+def test_updates_lost_on_the_way_leave_no_hole_in_the_chart_or_the_log_tail(page, server, team, monkeypatch):
+    """The channel layer drops updates for a page that is behind: the next one that arrives brings what they held, so
+    the page shows every step's loss and every log line once, then goes on, and reconnects from there."""
+    from forgeboard.telemetry import ingest
+
+    run = _seeded_run(team)
+    _open(page, server, run, width=1280)
+    outside_the_browser_loop(telemetry_ingest, run=run, batches=[_step_batch(1)])
+    expect(page.locator("#logs")).to_have_text("step 1: loss 1.000")
+    with monkeypatch.context() as patched:
+        patched.setattr(ingest, "publish_run_update", lambda **kwargs: None)  # lost on the way
+        for seq in (2, 3):
+            outside_the_browser_loop(telemetry_ingest, run=run, batches=[_step_batch(seq)])
+    page.wait_for_timeout(500)
+    assert page.locator("#logs").inner_text() == "step 1: loss 1.000", "the lost updates never came"
+    outside_the_browser_loop(telemetry_ingest, run=run, batches=[_step_batch(4)])
+
+    lines = ["step 1: loss 1.000", "step 2: loss 0.500", "step 3: loss 0.333", "step 4: loss 0.250"]
+    expect(page.locator("#logs")).to_have_text("\n".join(lines))
+    expect(page.locator("#run-step")).to_have_text("4 of 5 · step 5 running")
+    page.wait_for_function(f"({LOSS_POINTS})().length === 4", timeout=10_000)
+    assert page.evaluate(LOSS_POINTS) == [1, 2, 3, 4]
+    assert page.evaluate("FBRunPage.cursors()") == {"lastSeq": 1, "lastStep": 4, "lastBatch": 4}  # 1: queued
+    screenshot(page, "run_page_gap_filled")
+
+    page.evaluate("FBRunPage.reconnect()")  # a reconnect from these cursors doubles nothing
+    outside_the_browser_loop(telemetry_ingest, run=run, batches=[_step_batch(5)])
+    expect(page.locator("#logs")).to_have_text("\n".join([*lines, "step 5: loss 0.200"]))
+    page.wait_for_function(f"({LOSS_POINTS})().length === 5", timeout=10_000)
+    expect(page.locator("#run-step")).to_have_text("5 of 5")
+
+
+def test_a_restart_by_the_reconciler_counts_on_the_page_without_a_reload(page, server, team):
+    from forgeboard.runs.reconcile import runs_reconcile
+
+    run = _seeded_run(team, state=RunState.LOST)
+    Run.objects.filter(pk=run.pk).update(max_restarts=2, exit_reason="engine killed by signal 9")
+    _open(page, server, run, width=1280)
+    restarts = page.locator("div").filter(has=page.locator("dt", has_text="Restarts")).locator("dd")
+    expect(restarts).to_have_text("0 of 2")
+
+    outside_the_browser_loop(runs_reconcile, now=timezone.now())
+    expect(page.locator("#exit-reason")).to_have_text("Last restart: restart 1 of 2: engine killed by signal 9")
+    expect(restarts).to_have_text("1 of 2")
+    screenshot(page, "run_page_restarted")
+    page.reload()
+    expect(restarts).to_have_text("1 of 2")

@@ -15,6 +15,7 @@ from forgeboard.asgi import application
 from forgeboard.runs.services import command_acknowledge, command_create, command_finish, run_transition
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.ingest import telemetry_ingest
+from tests.platform.test_step_timelines import timeline
 from workers.engine.telemetry_wire import TelemetryBatch
 
 ALL_DATABASES = list(settings.DATABASES)
@@ -186,30 +187,178 @@ async def test_the_backlog_of_a_run_past_the_old_5000_event_cap_loses_nothing(ru
     await stream.disconnect()
 
 
-async def test_an_update_the_channel_layer_lost_or_delivered_late_is_filled_in_once(running_run, team, monkeypatch):
-    """Pushing is best effort (a full subscriber queue drops, two web processes may publish out of order): the next
-    update finds the events missing before its own and sends them first, from the database."""
+def _telemetry_batch(seq: int, *, message: bool = True) -> TelemetryBatch:
+    """A training step's batch: its loss, two log lines, its step timeline and (unless told not to) an event."""
+    return TelemetryBatch.model_validate({
+        "seq": seq,
+        "metrics": [{"key": "loss", "step": seq, "value": 1.0 / seq, "time": 1.7e9}],
+        "logs": [{"line": f"batch {seq} line {i}", "time": 1.7e9} for i in range(2)],
+        "events": [{"kind": "message", "payload": {"batch": seq}, "time": 1.7e9}] * message
+        + [{"kind": "step_timeline", "payload": timeline(seq), "time": 1.7e9}],
+    })
+
+
+async def _ingest_steps(run, *seqs: int, message: bool = True) -> None:
+    for seq in seqs:  # a request each, as the engine sends them while it trains: each batch its own update
+        await sync_to_async(telemetry_ingest)(run=run, batches=[_telemetry_batch(seq, message=message)])
+
+
+def _as_the_page_holds(frames: list[dict]) -> tuple[dict[int, float], list[str], list[int], list[int]]:
+    """What the run page makes of these frames: the loss by step (charts.js: a repeated step replaces its value), the
+    log lines appended, the steps of the timelines (held by step) and the batches of the message events (each event
+    once and in order: checked here)."""
+    loss, logs, timelines, events = {}, [], set(), []
+    for frame in frames:
+        loss.update({step: value for step, value in frame.get("metrics", {}).get("loss", [])})
+        logs += frame.get("logs", [])
+        timelines |= {t["step"] for t in frame.get("timelines", [])}
+        events += frame.get("events", [])
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    return loss, logs, sorted(timelines), [e["payload"]["batch"] for e in events if e["kind"] == "message"]
+
+
+def _lines(*seqs: int) -> list[str]:
+    return [f"batch {seq} line {i}" for seq in seqs for i in range(2)]
+
+
+def _losses(*seqs: int) -> dict[int, float]:
+    return {seq: pytest.approx(1.0 / seq) for seq in seqs}
+
+
+async def test_updates_the_channel_layer_lost_are_filled_in_once_from_the_database(running_run, team, monkeypatch):
+    """A subscriber's full queue drops updates: the next one finds the batches missing before its own (this one has no
+    event to tell of theirs) and is preceded by what they held, from the database, so the page has every point, log
+    line, timeline and event, once."""
     from forgeboard.telemetry import ingest
 
     run, _ = running_run
-    token = await _token(team)
-    stream = await _connect(f"/ws/runs/{run.pk}/?token={token}")
-    await stream.receive_from(timeout=10)
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={await _token(team)}")
+    frames = [json.loads(await stream.receive_from(timeout=10))]
+    await _ingest_steps(run, 1)
+    frames += await _receive_until(stream, lambda m: m.get("batch") == 1)
+    with monkeypatch.context() as patched:
+        patched.setattr(ingest, "publish_run_update", lambda **kwargs: None)  # never reach the group
+        await _ingest_steps(run, 2, 3, 4)
+    await _ingest_steps(run, 5, message=False)
+    frames += await _receive_until(stream, lambda m: m.get("batch") == 5)
+
+    filled = frames[-3]  # then the events, then batch 5
+    assert (filled["type"], filled["telemetry_seq"], filled["logs"]) == ("run.update", 4, _lines(2, 3, 4))
+    assert [p[0] for p in filled["metrics"]["loss"]] == [1, 2, 3, 4, 5]  # from the step the page has, as stored
+    loss, logs, timelines, messages = _as_the_page_holds(frames)
+    assert loss == _losses(1, 2, 3, 4, 5)
+    assert logs == _lines(1, 2, 3, 4, 5)
+    assert timelines == [1, 2, 3, 4, 5]
+    assert messages == [1, 2, 3, 4]
+    await _ingest_steps(run, 6)
+    after = json.loads(await stream.receive_from(timeout=10))  # the next update as it is
+    assert (after["batch"], after["metrics"], after["logs"]) == (6, {"loss": [[6, pytest.approx(1 / 6)]]}, _lines(6))
+    assert [e["payload"] for e in after["events"]] == [{"batch": 6}]
+    assert [t["step"] for t in after["timelines"]] == [6]
+    await stream.disconnect()
+
+
+async def test_an_update_the_channel_layer_delivered_late_is_filled_in_once_and_dropped_when_it_comes(
+        running_run, team, monkeypatch):
+    """Two web processes may publish out of order: the later batch's update comes first and is preceded by the
+    earlier ones' from the database; when their own updates come at last they add nothing (no line twice)."""
+    from forgeboard.telemetry import ingest
+
+    run, _ = running_run
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={await _token(team)}")
+    frames = [json.loads(await stream.receive_from(timeout=10))]
     held = []
     with monkeypatch.context() as patched:
         patched.setattr(ingest, "publish_run_update", lambda **kwargs: held.append(kwargs))
-        await _ingest(run, 1, 2)  # stored, not pushed yet
-    await _ingest(run, 3)
-    frames = await _receive_until(stream, lambda m: m.get("batch") == 3)
-    assert [e["payload"]["batch"] for f in frames for e in f["events"]] == [1, 2, 3]
-    for late in held:  # the held pushes arrive at last: their events were sent, their points still come
+        await _ingest_steps(run, 1, 2)  # stored, not pushed yet
+    await _ingest_steps(run, 3)
+    frames += await _receive_until(stream, lambda m: m.get("batch") == 3)
+    assert [f.get("telemetry_seq") for f in frames[1:]] == [None, 2, None]  # the events, the telemetry, batch 3
+    for late in held:  # the held pushes arrive at last
         await sync_to_async(ingest.publish_run_update)(**late)
-    frames = [json.loads(await stream.receive_from(timeout=10)) for _ in held]
-    assert [(f["events"], list(f["metrics"]["loss"][0][:1])) for f in frames] == [([], [1]), ([], [2])]
-    await _ingest(run, 4)
-    frames = await _receive_until(stream, lambda m: m.get("batch") == 4)
-    assert [e["payload"]["batch"] for f in frames for e in f["events"]] == [4]
+    assert await _still_answers(stream)  # nothing came before the pong
+    await _ingest_steps(run, 4)
+    frames += await _receive_until(stream, lambda m: m.get("batch") == 4)
+    loss, logs, timelines, messages = _as_the_page_holds(frames)
+    assert (loss, logs, timelines, messages) == (_losses(1, 2, 3, 4), _lines(1, 2, 3, 4), [1, 2, 3, 4], [1, 2, 3, 4])
     await stream.disconnect()
+
+
+async def test_updates_a_full_channel_drops_are_filled_in_once(running_run, team, monkeypatch, settings):
+    """The channel layer itself at capacity 1: the engine reports eight steps while the stream is still busy sending
+    its backlog, the layer drops what does not fit (silently, as it does for a slow page) and the next update fills
+    them in."""
+    from forgeboard.telemetry import consumers
+
+    layers = settings.CHANNEL_LAYERS
+    settings.CHANNEL_LAYERS = {"default": {**layers["default"],
+                                           "CONFIG": {**layers["default"].get("CONFIG", {}), "capacity": 1}}}
+    run, _ = running_run
+    paging = consumers.events_page
+
+    def events_page_as_the_engine_reports(**kwargs):  # the backlog was read: the stream receives nothing meanwhile
+        if not run.telemetry_seq:
+            for seq in range(1, 9):
+                telemetry_ingest(run=run, batches=[_telemetry_batch(seq)])
+            run.refresh_from_db()
+        return paging(**kwargs)
+
+    monkeypatch.setattr(consumers, "events_page", events_page_as_the_engine_reports)
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={await _token(team)}")
+    frames = [json.loads(await stream.receive_from(timeout=10))]
+    assert frames[0]["telemetry_seq"] == 0
+    settings.CHANNEL_LAYERS = layers  # room again, whatever the stream has yet to take of what was kept
+    await _ingest_steps(run, 9)
+    frames += await _receive_until(stream, lambda m: m.get("batch") == 9)
+    live = [f["batch"] for f in frames if "batch" in f]
+    assert len(live) < 9, f"the layer dropped nothing: {live}"
+    loss, logs, timelines, messages = _as_the_page_holds(frames)
+    assert loss == _losses(*range(1, 10))
+    assert logs == _lines(*range(1, 10))
+    assert timelines == list(range(1, 10))
+    assert messages == list(range(1, 10))
+    await stream.disconnect()
+
+
+async def test_a_lost_last_batch_comes_with_the_runs_next_event(running_run, team, monkeypatch):
+    """An engine that goes quiet after a lost update (its run ends, or pauses): the platform's next event says how far
+    the run's telemetry goes, and the stream fills in the rest before it."""
+    from forgeboard.telemetry import ingest
+
+    run, _ = running_run
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={await _token(team)}")
+    frames = [json.loads(await stream.receive_from(timeout=10))]
+    await _ingest_steps(run, 1)
+    frames += await _receive_until(stream, lambda m: m.get("batch") == 1)
+    with monkeypatch.context() as patched:
+        patched.setattr(ingest, "publish_run_update", lambda **kwargs: None)
+        await _ingest_steps(run, 2)
+    await sync_to_async(run_transition)(run_id=run.pk, from_state=RunState.RUNNING, to_state=RunState.PAUSED)
+    frames += await _receive_until(stream, lambda m: any(e["kind"] == "state_changed" for e in m["events"]))
+    assert frames[-2]["telemetry_seq"] == 2 and frames[-2]["logs"] == _lines(2)
+    loss, logs, timelines, messages = _as_the_page_holds(frames)
+    assert (loss, logs, timelines, messages) == (_losses(1, 2), _lines(1, 2), [1, 2], [1, 2])
+    await stream.disconnect()
+
+
+async def test_a_reconnect_gets_the_log_lines_after_the_last_batch_it_saw_only(running_run, team):
+    run, _ = running_run
+    token = await _token(team)
+    await _ingest_steps(run, 1, 2)
+    first = await _connect(f"/ws/runs/{run.pk}/?token={token}")
+    backlog = json.loads(await first.receive_from(timeout=10))
+    assert (backlog["logs"], backlog["telemetry_seq"]) == (_lines(1, 2), 2)
+    await first.disconnect()
+
+    await _ingest_steps(run, 3, 4)  # missed while disconnected
+    again = await _connect(f"/ws/runs/{run.pk}/?token={token}&after_seq=2&after_step=2&after_batch=2")
+    backlog = json.loads(await again.receive_from(timeout=10))
+    assert (backlog["logs"], backlog["telemetry_seq"]) == (_lines(3, 4), 4)
+    assert [p[0] for p in backlog["metrics"]["loss"]] == [2, 3, 4]
+    await _ingest_steps(run, 5)
+    live = await _receive_until(again, lambda m: m.get("batch") == 5)
+    assert [line for m in live for line in m["logs"]] == _lines(5)
+    await again.disconnect()
 
 
 async def test_a_commands_life_reaches_the_run_stream(running_run, team):

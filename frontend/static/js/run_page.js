@@ -1,6 +1,7 @@
-// The run page, live: a websocket delivers the backlog (from the last event sequence and metric step
-// this page saw, its events in pages) and then every update. On a drop it reconnects with those cursors,
-// so nothing is missed or doubled, and the charts keep their zoom and hidden series.
+// The run page, live: a websocket delivers the backlog (from the last event sequence, metric step and telemetry
+// batch this page saw, its events in pages) and then every update; the server fills in updates the channel layer
+// lost. On a drop it reconnects with those cursors, so nothing is missed or doubled, and the charts keep their zoom
+// and hidden series.
 (function () {
   "use strict";
   const run = JSON.parse(document.getElementById("run-data").textContent);
@@ -25,7 +26,7 @@
   // "Where the time goes": the step timelines of the backlog and of each update; more steps from the API on demand.
   const stepTimeline = new FBTimeline.Timeline($("step-timeline"), {
     load: (last) => FB.api(`${run.apiPath}timeline?last=${last}`) });
-  window.FBRunPage = { grid, timeline: stepTimeline, cursors: () => ({ lastSeq, lastStep }),
+  window.FBRunPage = { grid, timeline: stepTimeline, cursors: () => ({ lastSeq, lastStep, lastBatch }),
     reconnect: () => socket && socket.close() };
 
   function setConnection(text, open) {
@@ -316,12 +317,26 @@
     if (atBottom) pre.scrollTop = pre.scrollHeight;
   }
 
+  // "Restarts 1 of 2" follows the reconciler's restarted events (a backlog replays them up to the latest).
+  function showRestarts(events) {
+    const restarts = $("run-restarts");
+    events.forEach((event) => {
+      const p = event.payload || {};
+      if (event.seq <= lastSeq || event.kind !== "restarted") return;
+      if (Number.isInteger(p.restart) && Number.isInteger(p.of)) restarts.textContent = `${p.restart} of ${p.of}`;
+    });
+  }
+
   // The backlog's state goes with its last event: it is shown once its last page is in.
   let backlogRun = null;
+  // The last telemetry batch whose log lines this page has: a backlog's or a filled-in gap's `telemetry_seq`, a live
+  // update's `batch`.
+  let lastBatch = 0;
 
   function onMessage(message) {
     const data = JSON.parse(message.data);
     if (data.type === "pong") return;
+    showRestarts(data.events || []);
     addEvents(data.events || []);
     if (data.type === "run.backlog") backlogRun = { state: data.state, exitReason: data.exit_reason };
     if ((data.type === "run.backlog" || data.type === "run.backlog_page") && !data.more && backlogRun) {
@@ -331,12 +346,14 @@
     }
     addMetrics(data.metrics || {});
     addLogs(data.logs);
+    lastBatch = Math.max(lastBatch, data.telemetry_seq || 0, data.batch || 0);
     stepTimeline.add(data.timelines);
   }
 
   function connect() {
     const scheme = location.protocol === "https:" ? "wss" : "ws";
-    socket = new WebSocket(`${scheme}://${location.host}${run.wsPath}?after_seq=${lastSeq}&after_step=${lastStep}`);
+    socket = new WebSocket(`${scheme}://${location.host}${run.wsPath}?after_seq=${lastSeq}&after_step=${lastStep}`
+      + `&after_batch=${lastBatch}`);
     socket.onopen = () => { attempts = 0; setConnection("live", true); };
     socket.onmessage = onMessage;
     socket.onclose = (e) => {

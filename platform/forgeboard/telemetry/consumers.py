@@ -1,13 +1,21 @@
-"""Websocket streams. `/ws/runs/<id>/?after_seq=N&after_step=S`: what was missed, then live updates.
+"""Websocket streams. `/ws/runs/<id>/?after_seq=N&after_step=S&after_batch=B`: what was missed, then live updates.
 
-A client that reconnects sends the last event sequence and metric step it saw; the backlog comes
-from the database, so nothing is lost across reconnects or web processes. The backlog is the run as
-of the moment it is read: a `run.backlog` frame (state, metrics from step S on, log tail, timelines,
-and the first events after N) and, while its `more` is true, `run.backlog_page` frames with the
-following events, until every event up to that moment is sent; live updates follow. Each frame holds
-at most BACKLOG_PAGE_EVENTS events and stops at BACKLOG_PAGE_CHARS of them. Events arrive once and in
-order: a live update that repeats what a frame sent loses those events, and one that finds events
-missing before its own (the channel layer is best effort) is preceded by them, from the database.
+A client that reconnects sends the last event sequence, metric step and telemetry batch it saw; the
+backlog comes from the database, so nothing is lost across reconnects or web processes. The backlog
+is the run as of the moment it is read: a `run.backlog` frame (state, metrics from step S on, the
+log tail of the batches after B, timelines, the telemetry batch it goes to as `telemetry_seq`, and
+the first events after N) and, while its `more` is true, `run.backlog_page` frames with the following
+events, until every event up to that moment is sent; live updates follow. Each frame holds at most
+BACKLOG_PAGE_EVENTS events and stops at BACKLOG_PAGE_CHARS of them.
+
+The channel layer is best effort (it drops an update for a subscriber that is behind, and one may come
+late), so each stream follows what it sent. Events arrive once and in order: a live update that
+repeats what a frame sent loses those events, and one that finds events missing before its own is
+preceded by them, from the database. Telemetry likewise: an update that finds batches missing before
+its own (or, for the platform's events, before the run's last) is preceded by a `run.update` frame
+with what they held, from the database (metrics from the last step sent, their log lines, timelines;
+its `telemetry_seq` is the batch it goes to), and a batch's update that comes after that loses its
+metrics, log lines and timelines.
 
 Authenticated by the session cookie, or by `?token=` with an API token of the run's project. A stream
 stays open only while its credential may read the project: it is closed (4403) when the token is revoked
@@ -36,8 +44,7 @@ from forgeboard.accounts.services import api_token_authenticate
 from forgeboard.runs.models import Run
 from forgeboard.stream_limits import CLIENT_FRAME_MAX_CHARS
 from forgeboard.telemetry.ingest import wire_number
-from forgeboard.telemetry.models import LogLine, MetricSeries
-from forgeboard.telemetry.selectors import events_page, metric_downsampled, step_timelines
+from forgeboard.telemetry.selectors import Bucket, events_page, log_tail, metrics_from_step, step_timelines
 from forgeboard.telemetry.streams import actor_group, project_group, run_group
 
 BACKLOG_PAGE_EVENTS = 1_000
@@ -45,6 +52,7 @@ BACKLOG_PAGE_CHARS = 1_000_000
 BACKLOG_POINTS_PER_KEY = 500
 BACKLOG_LOG_LINES = 200
 BACKLOG_TIMELINES = 50
+MISSED_LOG_LINES = 500  # as many as the run page keeps
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_ACCESS_WITHDRAWN = 4403
 CLOSE_NOT_FOUND = 4404
@@ -163,7 +171,8 @@ class RunStreamConsumer(LiveConsumer):
     async def connect(self) -> None:
         query = parse_qs(self.scope["query_string"].decode())
         after_seq, after_step = _int_param(query, "after_seq"), _int_param(query, "after_step")
-        if after_seq is None or after_step is None:
+        after_batch = _int_param(query, "after_batch")
+        if after_seq is None or after_step is None or after_batch is None:
             await self.close(code=CLOSE_BAD_REQUEST)
             return
         actor = await _actor_for(self.scope, query)
@@ -180,7 +189,10 @@ class RunStreamConsumer(LiveConsumer):
         await self.channel_layer.group_add(run_group(self.run_id), self.channel_name)
         await self.accept()
         await self.follow_access(actor=actor, project_id=self.project_id)
-        backlog, through_seq = await self._backlog(after_step=after_step)
+        self.last_step = after_step
+        backlog, through_seq = await self._backlog(after_step=after_step, after_batch=after_batch)
+        self.last_batch = backlog["telemetry_seq"]
+        self._sent_metrics(backlog["metrics"])
         await self._send_events(through_seq=through_seq, first=backlog,
                                 rest={"type": "run.backlog_page", "run": self.run_id})
 
@@ -191,22 +203,49 @@ class RunStreamConsumer(LiveConsumer):
 
     async def run_update(self, message: dict) -> None:
         update = message["update"]
-        min_seq = message.get("min_seq")
+        min_seq, batch = message.get("min_seq"), update.get("batch")
+        missed = {"type": "run.update", "run": self.run_id, "metrics": {}, "logs": []}
         if min_seq is not None and min_seq > self.last_seq + 1:  # the updates before this one were lost or are late
-            missed = {"type": "run.update", "run": self.run_id, "metrics": {}, "logs": []}
             await self._send_events(through_seq=min_seq - 1, first=missed, rest=missed)
-        if message.get("text") and (min_seq is None or min_seq > self.last_seq):
+        stored_before = batch - 1 if batch is not None else message.get("telemetry_seq")
+        if stored_before is not None and stored_before > self.last_batch:  # lost or late batches: as above
+            through_seq = await self._send_telemetry(through_batch=stored_before)
+            if min_seq is not None:
+                through_seq = min(through_seq, min_seq - 1)
+            if through_seq > self.last_seq:  # their events too, when this update has none to tell of them
+                await self._send_events(through_seq=through_seq, first=missed, rest=missed)
+        new_telemetry = batch is not None and batch > self.last_batch
+        if new_telemetry:
+            self.last_batch = batch
+            if message.get("last_step") is not None:
+                self.last_step = max(self.last_step, message["last_step"])
+        if message.get("text") and (min_seq is None or min_seq > self.last_seq) and (batch is None or new_telemetry):
             if update.get("events"):
                 self.last_seq = update["events"][-1]["seq"]
             await self.send(text_data=message["text"])
             return
         update = dict(update)
+        if not new_telemetry:  # sent already, from the database
+            update.update(metrics={}, logs=[], timelines=[])
         update["events"] = [e for e in update.get("events", []) if e["seq"] > self.last_seq]
         if update["events"]:
             self.last_seq = update["events"][-1]["seq"]
         elif not update.get("metrics") and not update.get("logs") and not update.get("timelines"):
             return
         await self.send_json(update)
+
+    async def _send_telemetry(self, *, through_batch: int) -> int:
+        """What the run's telemetry batches after the last one sent through `through_batch` hold, from the database:
+        metrics from the last step sent (downsampled as the backlog's), their log lines and the timelines since. Returns
+        the run's last event sequence as it was read (the events of those batches are at most that)."""
+        frame, through_seq = await self._telemetry(through_batch=through_batch)
+        self.last_batch = through_batch
+        self._sent_metrics(frame["metrics"])
+        await self.send_json(frame)
+        return through_seq
+
+    def _sent_metrics(self, metrics: dict[str, list[list]]) -> None:
+        self.last_step = max([self.last_step, *(points[-1][0] for points in metrics.values() if points)])
 
     async def _send_events(self, *, through_seq: int, first: dict, rest: dict) -> None:
         """The events after the last one sent up to `through_seq`, a page at a time (live updates wait meanwhile):
@@ -234,22 +273,30 @@ class RunStreamConsumer(LiveConsumer):
         return run is not None and project_role(actor=actor, project=run.experiment.project) is not None
 
     @database_sync_to_async
-    def _backlog(self, *, after_step: int) -> tuple[dict, int]:
+    def _backlog(self, *, after_step: int, after_batch: int) -> tuple[dict, int]:
         """The backlog's first frame but its events, and the last event sequence the backlog goes to: the run's as
-        it was read, which its state in the frame goes with."""
+        it was read, which its state in the frame goes with (and its log lines, to its last telemetry batch)."""
         run = Run.objects.get(pk=self.run_id)
-        metrics = {}
-        # From the cursor's step itself: a step's keys may come in different batches (its evaluation after its loss).
-        for series in MetricSeries.objects.filter(run=run, last_step__gte=after_step):
-            start = after_step if after_step else None
-            buckets = metric_downsampled(run=run, key=series.key, buckets=BACKLOG_POINTS_PER_KEY, start_step=start)
-            metrics[series.key] = [[b.step, wire_number(b.mean)] for b in buckets]
-        logs = list(LogLine.objects.filter(run=run).order_by("-batch_seq", "-index")
-                    .values_list("line", flat=True)[:BACKLOG_LOG_LINES])[::-1]
+        metrics = metrics_from_step(run=run, step=after_step, buckets=BACKLOG_POINTS_PER_KEY)
+        logs = log_tail(run_id=run.pk, after_batch=after_batch, through_batch=run.telemetry_seq, last=BACKLOG_LOG_LINES)
         frame = {"type": "run.backlog", "run": run.pk, "state": run.state, "exit_reason": run.exit_reason,
-                 "metrics": metrics, "logs": logs, "timelines": step_timelines(run=run, last=BACKLOG_TIMELINES),
-                 "telemetry_seq": run.telemetry_seq}
+                 "metrics": _wire_points(metrics), "logs": logs,
+                 "timelines": step_timelines(run=run, last=BACKLOG_TIMELINES), "telemetry_seq": run.telemetry_seq}
         return frame, run.last_event_seq
+
+    @database_sync_to_async
+    def _telemetry(self, *, through_batch: int) -> tuple[dict, int]:
+        run = Run.objects.get(pk=self.run_id)
+        metrics = metrics_from_step(run=run, step=self.last_step, buckets=BACKLOG_POINTS_PER_KEY)
+        logs = log_tail(run_id=run.pk, after_batch=self.last_batch, through_batch=through_batch, last=MISSED_LOG_LINES)
+        frame = {"type": "run.update", "run": run.pk, "telemetry_seq": through_batch, "events": [],
+                 "metrics": _wire_points(metrics), "logs": logs,
+                 "timelines": step_timelines(run=run, last=BACKLOG_TIMELINES, from_step=self.last_step)}
+        return frame, run.last_event_seq
+
+
+def _wire_points(metrics: dict[str, list[Bucket]]) -> dict[str, list[list]]:
+    return {key: [[b.step, wire_number(b.mean)] for b in buckets] for key, buckets in metrics.items()}
 
 
 class ProjectStreamConsumer(LiveConsumer):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from django.db.models import Avg, Count, ExpressionWrapper, F, IntegerField, Max, Min, QuerySet
 
 from forgeboard.runs.models import Run
-from forgeboard.telemetry.models import EventKind, MetricPoint, MetricSeries, RunEvent, StepTimeline
+from forgeboard.telemetry.models import EventKind, LogLine, MetricPoint, MetricSeries, RunEvent, StepTimeline
 from forgeboard.telemetry.services import event_to_wire
 
 
@@ -64,6 +64,22 @@ def metric_downsampled(
                    wall_time=r["wall_time"]) for r in rows]
 
 
+def metrics_from_step(*, run: Run, step: int, buckets: int) -> dict[str, list[Bucket]]:
+    """Every series' points from `step` on (all of them from step 0), at most `buckets` a key: from the step itself,
+    since a step's keys may come in different batches (its evaluation after its loss)."""
+    start = step if step else None
+    return {series.key: metric_downsampled(run=run, key=series.key, buckets=buckets, start_step=start)
+            for series in MetricSeries.objects.filter(run=run, last_step__gte=step)}
+
+
+def log_tail(*, run_id: int, after_batch: int, through_batch: int, last: int) -> list[str]:
+    """The last `last` log lines of the run's telemetry batches after `after_batch` through `through_batch`, in the
+    order they were reported."""
+    lines = (LogLine.objects.filter(run_id=run_id, batch_seq__gt=after_batch, batch_seq__lte=through_batch)
+             .order_by("-batch_seq", "-index").values_list("line", flat=True)[:last])
+    return list(lines)[::-1]
+
+
 def events_after(*, run: Run, after_seq: int = 0, limit: int = 1000) -> QuerySet[RunEvent]:
     return RunEvent.objects.filter(run=run, seq__gt=after_seq).order_by("seq")[:limit]
 
@@ -101,9 +117,10 @@ def metric_first_wall_times(*, run_ids: Sequence[int]) -> dict[int, float]:
     return {row["series__run_id"]: row["first"] for row in rows}
 
 
-def step_timelines(*, run: Run, last: int) -> list[dict]:
-    """The last `last` steps' timelines (`telemetry_wire.StepTimeline` payloads), in step order."""
-    rows = StepTimeline.objects.filter(run=run).order_by("-step").values_list("payload", flat=True)[:last]
+def step_timelines(*, run: Run, last: int, from_step: int = 0) -> list[dict]:
+    """The last `last` steps' timelines (`telemetry_wire.StepTimeline` payloads) from `from_step` on, in step order."""
+    rows = (StepTimeline.objects.filter(run=run, step__gte=from_step).order_by("-step")
+            .values_list("payload", flat=True)[:last])
     return list(rows)[::-1]
 
 

@@ -2,8 +2,10 @@
 
 Subscribers of a run get its events, downsampled metrics and log lines; subscribers of a project
 get its runs' state changes. Pushing is best effort: the database holds everything, and a client
-that reconnects reads what it missed from there. A credential's streams are told when its access is
-withdrawn (`publish_access_withdrawn`), so they check it again at once.
+that reconnects reads what it missed from there. Each run update says how far the run's events and
+telemetry batches go, so a stream that finds some missing (an update lost or late) sends them from
+the database too. A credential's streams are told when its access is withdrawn
+(`publish_access_withdrawn`), so they check it again at once.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Iterable
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.db import transaction
+
+from forgeboard.runs.models import Run
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +51,17 @@ def publish_access_withdrawn(*, groups: Iterable[str]) -> None:
     transaction.on_commit(send)
 
 
-def publish_run_update(*, run, update: dict) -> None:  # noqa: ANN001 - a Run; imported lazily by callers
+def publish_run_update(*, run: Run, update: dict) -> None:
     layer = get_channel_layer()
     if layer is None:
         return
     try:
         seqs = [e["seq"] for e in update.get("events", [])]
+        steps = [point[0] for points in update.get("metrics", {}).values() for point in points]
         # Encoded once here rather than once per subscriber: fan-out to many clients stays cheap.
         message = {"type": "run.update", "update": update, "text": json.dumps(update),
-                   "min_seq": min(seqs, default=None)}
+                   "min_seq": min(seqs, default=None), "last_step": max(steps, default=None),
+                   "telemetry_seq": _telemetry_seq(run=run, update=update)}
         async_to_sync(layer.group_send)(run_group(run.pk), message)
         state_changes = [e for e in update.get("events", []) if e["kind"] == "state_changed"]
         if state_changes:
@@ -67,3 +73,11 @@ def publish_run_update(*, run, update: dict) -> None:  # noqa: ANN001 - a Run; i
             )
     except Exception:  # noqa: BLE001 - the stored data is the source of truth; log and go on
         logger.exception("could not push an update for run %s", run.pk)
+
+
+def _telemetry_seq(*, run: Run, update: dict) -> int:
+    """The run's last telemetry batch as of this update: its own, or for the platform's events the last one stored
+    (a stream that missed the run's last batches learns it here, however long the engine stays quiet)."""
+    if update.get("batch") is not None:
+        return update["batch"]
+    return Run.objects.filter(pk=run.pk).values_list("telemetry_seq", flat=True).first() or 0
