@@ -1,6 +1,6 @@
 """Operator commands end with their run: open commands expire when the run ends or is lost (a restart does not hand
-them to the new controller, a cancel aside), each with a reason and an event; a controller's late report of an
-expired command is recorded as what really happened, and moves no run."""
+them to the new controller), each with a reason and an event; a controller's late report of an expired command is
+recorded as what really happened, and moves no run."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ from django.utils import timezone
 from forgeboard.runs.models import Command, CommandState, Run
 from forgeboard.runs.reconcile import runs_reconcile
 from forgeboard.runs.selectors import commands_pending
-from forgeboard.runs.services import command_acknowledge, command_create, command_finish, run_cancel, run_transition
+from forgeboard.runs.services import (
+    IllegalTransition,
+    command_acknowledge,
+    command_create,
+    command_finish,
+    run_cancel,
+    run_transition,
+)
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import RunEvent
 from tests.support.races import racing_an_open_transaction
@@ -101,32 +108,36 @@ def test_a_lost_run_restarted_by_the_reconciler_does_not_hand_its_commands_to_th
     assert list(commands_pending(run=run)) == [again_drill]
 
 
-def test_a_run_lost_while_cancelling_keeps_its_cancel_for_the_restarted_controller(team, monarch_running_run):
-    """The run was being cancelled: its restarted controller must still stop it. The cancel expires only if the run
-    ends before a controller takes it."""
+def test_a_run_whose_controller_goes_silent_while_cancelling_ends_cancelled_and_its_commands_expire(
+        team, monarch_running_run):
+    """A run being cancelled is never lost, so no restarted controller waits for its cancel: the run ends cancelled
+    and the cancel expires with it, as it does whenever the run ends before a controller takes it."""
     run, _token = monarch_running_run
     drill = command_create(actor=team.member, run=run, kind="fault_drill", payload=DRILL)
     run_cancel(actor=team.member, run=run)
     cancel = Command.objects.get(run=run, kind="cancel")
+    with pytest.raises(IllegalTransition, match="from cancelling to lost"):
+        run_transition(run_id=run.pk, from_state=RunState.CANCELLING, to_state=RunState.LOST, reason="no heartbeat")
+    assert list(commands_pending(run=run)) == [drill, cancel]
 
-    run_transition(run_id=run.pk, from_state=RunState.CANCELLING, to_state=RunState.LOST, reason="no heartbeat")
-    assert Command.objects.get(pk=drill.pk).state == CommandState.EXPIRED
-    assert list(commands_pending(run=run)) == [cancel]
-    run_transition(run_id=run.pk, from_state=RunState.LOST, to_state=RunState.QUEUED, reason="restart 1 of 1")
-    assert list(commands_pending(run=run)) == [cancel], "the restarted controller pulls it"
+    long_ago = timezone.now() - timedelta(seconds=120)
+    Run.objects.filter(pk=run.pk).update(max_restarts=1, last_heartbeat_at=long_ago, state_changed_at=long_ago)
+    report = runs_reconcile(now=timezone.now(), heartbeat_timeout_s=60)
 
-    run_transition(run_id=run.pk, from_state=RunState.QUEUED, to_state=RunState.CANCELLED, reason="cancelled")
-    cancel.refresh_from_db()
-    assert cancel.state == CommandState.EXPIRED
-    assert cancel.result == {"reason": "the run was cancelled before its controller took this command"}
+    assert report.cancelled == [run.pk] and report.restarted == []
+    assert Run.objects.get(pk=run.pk).state == RunState.CANCELLED
+    assert list(commands_pending(run=run)) == []
+    assert {c.pk: (c.state, c.result) for c in Command.objects.filter(run=run)} == {
+        drill.pk: (CommandState.EXPIRED, {"reason": "the run was cancelled before its controller took this command"}),
+        cancel.pk: (CommandState.EXPIRED, {"reason": "the run was cancelled before its controller took this command"}),
+    }
 
 
-def test_a_lost_run_that_fails_expires_the_cancel_it_kept(team, running_run):
+def test_a_cancelling_run_that_fails_expires_its_cancel(team, running_run):
     run, _token = running_run
     run_cancel(actor=team.member, run=run)
-    run_transition(run_id=run.pk, from_state=RunState.CANCELLING, to_state=RunState.LOST, reason="no heartbeat")
     assert Command.objects.get(run=run).state == CommandState.PENDING
-    run_transition(run_id=run.pk, from_state=RunState.LOST, to_state=RunState.FAILED, reason="out of restarts")
+    run_transition(run_id=run.pk, from_state=RunState.CANCELLING, to_state=RunState.FAILED, reason="engine crashed")
     assert Command.objects.get(run=run).result == {"reason": "the run failed before its controller took this command"}
 
 

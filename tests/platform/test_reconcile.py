@@ -1,4 +1,5 @@
-"""The reconciler: silent runs become lost, then restart from their checkpoint or fail with the reason."""
+"""The reconciler: silent runs become lost, then restart from their checkpoint or fail with the reason; a silent run
+being cancelled ends cancelled."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from forgeboard.runs.models import Run
-from forgeboard.runs.reconcile import runs_reconcile
-from forgeboard.runs.services import run_launch
+from forgeboard.runs.models import Command, CommandState, Run
+from forgeboard.runs.reconcile import HEARTBEAT_TIMEOUT_S, ReconcileReport, runs_reconcile
+from forgeboard.runs.scheduling import runs_schedule
+from forgeboard.runs.selectors import commands_pending
+from forgeboard.runs.services import command_acknowledge, command_create, run_cancel, run_launch
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import RunEvent
 
@@ -71,3 +74,90 @@ def test_queued_and_finished_runs_are_not_touched(launch):
     runs_reconcile(now=timezone.now(), heartbeat_timeout_s=60)
     assert Run.objects.get(pk=queued.pk).state == RunState.QUEUED
     assert Run.objects.get(pk=done.pk).state == RunState.SUCCEEDED
+
+
+@pytest.fixture
+def sent(monkeypatch) -> list[str]:
+    """The names of the Celery tasks sent to the broker (the machine's edge)."""
+    from workers.celery import app
+
+    names: list[str] = []
+    monkeypatch.setattr(app, "send_task", lambda name, **kw: names.append(name))
+    return names
+
+
+def _cancelled_ago(run: Run, seconds: float) -> None:
+    Run.objects.filter(pk=run.pk).update(state_changed_at=timezone.now() - timedelta(seconds=seconds))
+
+
+def test_a_silent_cancelling_run_ends_cancelled_with_the_reason_and_is_not_restarted(
+        team, launch, sent, django_capture_on_commit_callbacks):
+    """Its owner asked it to stop and its controller went silent before confirming: it is not lost, so not
+    restarted (restarts remain), and its open commands expire as a cancelled run's."""
+    run = launch(state=RunState.RUNNING, heartbeat_age_s=120, max_restarts=2)
+    checkpoint = command_create(actor=team.member, run=run, kind="checkpoint")
+    command_acknowledge(run=run, command_id=checkpoint.pk)
+    run_cancel(actor=team.member, run=Run.objects.get(pk=run.pk))
+    _cancelled_ago(run, 90)
+    before = Run.objects.get(pk=run.pk).last_event_seq
+
+    with django_capture_on_commit_callbacks(execute=True):
+        report = runs_reconcile(now=timezone.now(), heartbeat_timeout_s=60)
+
+    assert report.cancelled == [run.pk]
+    assert report.lost == report.restarted == report.failed == []
+    run.refresh_from_db()
+    assert run.state == RunState.CANCELLED and run.restart_count == 0 and run.finished_at is not None
+    assert run.exit_reason == "cancelled; its controller stopped reporting before it confirmed (no heartbeat for 120 s)"
+    events = list(RunEvent.objects.filter(run=run, seq__gt=before).order_by("seq"))
+    assert (events[0].kind, events[0].payload["from"], events[0].payload["to"]) == (
+        "state_changed", "cancelling", "cancelled")
+    assert not [e for e in events if e.kind == "restarted" or e.payload.get("to") in ("lost", "queued")]
+    assert sent == [], "no relaunch (nor a lost run's alert) is sent"
+    assert list(commands_pending(run=run)) == []
+    assert {c.kind: (c.state, c.result["reason"]) for c in Command.objects.filter(run=run)} == {
+        "checkpoint": (CommandState.EXPIRED, ("the run was cancelled after its controller took this command but "
+                                              "before it reported a result (it may have run)")),
+        "cancel": (CommandState.EXPIRED, "the run was cancelled before its controller took this command"),
+    }
+    assert runs_reconcile(now=timezone.now(), heartbeat_timeout_s=60) == ReconcileReport()
+
+
+@pytest.mark.parametrize(("heartbeat_age_s", "cancelled_ago_s"), [(120, 30), (5, 600)],
+                         ids=["cancelled-just-now", "still-reporting"])
+def test_a_cancelling_run_is_left_to_confirm_its_cancel(team, launch, heartbeat_age_s, cancelled_ago_s):
+    """Cancelled less than the timeout ago, a local run's supervisor is still stopping its engine; a controller
+    still reporting is still stopping (a final checkpoint)."""
+    run = launch(state=RunState.RUNNING, heartbeat_age_s=heartbeat_age_s, max_restarts=2)
+    run_cancel(actor=team.member, run=run)
+    _cancelled_ago(run, cancelled_ago_s)
+    assert runs_reconcile(now=timezone.now(), heartbeat_timeout_s=60) == ReconcileReport()
+    assert Run.objects.get(pk=run.pk).state == RunState.CANCELLING
+
+
+def test_a_local_supervisor_confirms_a_cancel_before_the_reconciler_would_end_the_run():
+    """What lets the reconciler take a local run still cancelling after the heartbeat timeout for one without a
+    supervisor: a live supervisor has stopped its engine and ended the run by then."""
+    from workers.launch import local_supervisor
+
+    worst = local_supervisor.POLL_SECONDS + local_supervisor.CANCEL_GRACE_SECONDS + local_supervisor.STOP_GRACE_SECONDS
+    assert worst < HEARTBEAT_TIMEOUT_S
+
+
+def test_a_run_cancelled_while_launching_whose_engine_never_started_ends_cancelled_and_frees_its_capacity(
+        team, grpo_yaml, settings):
+    settings.LOCAL_RUN_SLOTS = 1
+    first = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    second = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    assert runs_schedule(now=timezone.now()) == [first.pk], "one slot: the first run holds it"
+    run_cancel(actor=team.member, run=Run.objects.get(pk=first.pk))  # its supervisor never started
+    _cancelled_ago(first, 90)
+    assert runs_schedule(now=timezone.now()) == [], "a cancelling run still holds its slot"
+
+    report = runs_reconcile(now=timezone.now(), heartbeat_timeout_s=60, launch_timeout_s=300)
+
+    assert report.cancelled == [first.pk] and report.lost == []
+    first.refresh_from_db()
+    assert first.state == RunState.CANCELLED and first.restart_count == 0
+    assert first.exit_reason == "cancelled; its controller never reported in (90 s after the cancel)"
+    assert runs_schedule(now=timezone.now()) == [second.pk], "the cancelled run's slot is free"

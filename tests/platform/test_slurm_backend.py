@@ -20,7 +20,7 @@ from django.utils import timezone
 from forgeboard.runs.models import Run
 from forgeboard.runs.reconcile import runs_reconcile
 from forgeboard.runs.scheduling import runs_schedule
-from forgeboard.runs.services import run_launch, run_launch_queue, run_transition
+from forgeboard.runs.services import run_cancel, run_launch, run_launch_queue, run_transition
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import RunEvent
 from workers.launch.backends import start_run
@@ -241,3 +241,46 @@ def test_a_job_queued_by_an_sbatch_that_then_went_quiet_is_found_by_the_runs_com
         assert run.state == RunState.FAILED and run.job_id == ""
         assert run.exit_reason == "SLURM refused the job: sbatch did not answer within 3 s"
     assert [c["args"] for c in slurm.calls("squeue")] == [["--json"]]
+
+
+@pytest.mark.django_db
+def test_a_cancelled_run_whose_engine_went_silent_has_its_job_removed_by_the_poller_not_left_by_the_reconciler(
+        team, slurm, settings):
+    """An engine that stops heartbeating while its run is cancelled, its job still running: a real cluster's engine
+    cannot be made to hang. Ended by the reconciler, its job would run on with nobody following it."""
+    settings.JOB_CANCEL_GRACE_S = 120
+    run = _submitted(team)
+    run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
+    Run.objects.filter(pk=run.pk).update(max_restarts=2, last_heartbeat_at=timezone.now() - timedelta(seconds=600))
+    run_cancel(actor=team.member, run=Run.objects.get(pk=run.pk))
+
+    report = runs_reconcile(now=timezone.now() + timedelta(hours=1))
+    assert (report.lost, report.cancelled) == ([], []) and Run.objects.get(pk=run.pk).state == RunState.CANCELLING
+
+    slurm.job("squeue", 18004, as_id="18004")
+    Run.objects.filter(pk=run.pk).update(state_changed_at=timezone.now() - timedelta(seconds=300))
+    assert poll_slurm_runs() == {run.pk: "cancelled by the scheduler"}
+    assert [c["args"] for c in slurm.calls("scancel")] == [["18004"]]
+    run.refresh_from_db()
+    assert run.state == RunState.CANCELLED and run.restart_count == 0
+    assert run.exit_reason == "SLURM job 18004 removed by the scheduler: the engine had not stopped 300 s after the cancel"
+
+
+@pytest.mark.django_db
+def test_a_run_cancelled_while_sbatch_refused_it_ends_cancelled_after_the_launch_timeout(team, slurm):
+    """A refusal racing the cancel: the run has no job for the poller to follow, and its submission could still have
+    been under way until the launch timeout."""
+    slurm.answer("sbatch", exit=1, stderr="sbatch: error: Batch job submission failed: Invalid partition specified")
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=SLURM_YAML)
+    assert runs_schedule(now=timezone.now()) == [run.pk]
+    run_cancel(actor=team.member, run=Run.objects.get(pk=run.pk))
+    start_run(run_id=run.pk)
+    run.refresh_from_db()
+    assert run.state == RunState.CANCELLING and run.job_id == ""
+
+    assert runs_reconcile(now=run.state_changed_at + timedelta(seconds=120)).cancelled == []
+    report = runs_reconcile(now=run.state_changed_at + timedelta(seconds=400))
+    assert report.cancelled == [run.pk] and report.lost == []
+    run.refresh_from_db()
+    assert run.state == RunState.CANCELLED and run.restart_count == 0
+    assert run.exit_reason == "cancelled; its controller never reported in (400 s after the cancel)"

@@ -180,8 +180,7 @@ def run_transition(
 # drill, a placement change or a redirect names the processes, replicas and hosts of the controller that was lost, and
 # a drill fired at the new one minutes later is a fault nobody asked for then; a checkpoint, pause or resume asked of
 # the lost controller means nothing to a run that resumes from its last checkpoint. The operator sends again what is
-# still wanted. A cancel is kept: the run was being cancelled, and its restarted controller must still stop it.
-KEPT_ACROSS_A_RESTART = frozenset({CommandKind.CANCEL})
+# still wanted. A cancel is never among them: a run being cancelled is not lost but ends cancelled (runs/reconcile.py).
 _HOW_IT_ENDED = {
     RunState.SUCCEEDED: "the run succeeded", RunState.FAILED: "the run failed",
     RunState.CANCELLED: "the run was cancelled", RunState.LOST: "the run was lost",
@@ -192,8 +191,6 @@ def _commands_expire(*, run: Run, run_state: RunState) -> None:
     """Expire the run's open commands (the caller changed its state in this transaction), each with an event that
     the run page follows and a reason in words."""
     commands = Command.objects.select_for_update().filter(run=run, state__in=OPEN_COMMAND_STATES).order_by("pk")
-    if run_state == RunState.LOST:
-        commands = commands.exclude(kind__in=KEPT_ACROSS_A_RESTART)
     for command in commands:
         taken = command.state == CommandState.DELIVERED
         reason = _HOW_IT_ENDED[run_state] + (

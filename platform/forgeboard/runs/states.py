@@ -23,7 +23,8 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     S.LAUNCHING: frozenset({S.RUNNING, S.FAILED, S.CANCELLING, S.LOST}),
     S.RUNNING: frozenset({S.PAUSED, S.CANCELLING, S.SUCCEEDED, S.FAILED, S.LOST}),
     S.PAUSED: frozenset({S.RUNNING, S.CANCELLING, S.FAILED, S.LOST}),
-    S.CANCELLING: frozenset({S.CANCELLED, S.FAILED, S.LOST}),
+    # Never lost: a run its owner asked to stop is not restarted; one whose controller went silent ends cancelled.
+    S.CANCELLING: frozenset({S.CANCELLED, S.FAILED}),
     # A lost run is restarted from its last checkpoint (back to queued) or given up on.
     S.LOST: frozenset({S.QUEUED, S.FAILED}),
     S.SUCCEEDED: frozenset(),
