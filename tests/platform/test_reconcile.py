@@ -12,7 +12,7 @@ from forgeboard.runs.models import Command, CommandState, Run
 from forgeboard.runs.reconcile import HEARTBEAT_TIMEOUT_S, ReconcileReport, runs_reconcile
 from forgeboard.runs.scheduling import runs_schedule
 from forgeboard.runs.selectors import commands_pending
-from forgeboard.runs.services import command_acknowledge, command_create, run_cancel, run_launch
+from forgeboard.runs.services import command_acknowledge, command_create, run_cancel, run_launch, run_transition
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import RunEvent
 
@@ -49,6 +49,25 @@ def test_silent_run_with_restarts_left_is_requeued(launch, django_capture_on_com
     path = [e.payload.get("to") for e in RunEvent.objects.filter(run=run, kind="state_changed").order_by("seq")]
     assert path[-2:] == ["lost", "queued"]
     assert RunEvent.objects.get(run=run, kind="restarted").payload["restart"] == 1
+
+
+def test_a_restarted_run_has_the_heartbeat_timeout_to_report_again(launch, django_capture_on_commit_callbacks):
+    run = launch(state=RunState.RUNNING, heartbeat_age_s=120, max_restarts=2)
+    lost_at = timezone.now()
+    with django_capture_on_commit_callbacks():
+        runs_reconcile(now=lost_at, heartbeat_timeout_s=60)
+    run.refresh_from_db()
+    assert run.state == RunState.QUEUED and run.last_heartbeat_at is None, "the lost controller's heartbeat is gone"
+    # Launched again: running as soon as its engine is started, which then takes a while to load and report.
+    run_transition(run_id=run.pk, from_state=RunState.QUEUED, to_state=RunState.LAUNCHING)
+    run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
+    running_at = Run.objects.get(pk=run.pk).state_changed_at
+    report = runs_reconcile(now=running_at + timedelta(seconds=30), heartbeat_timeout_s=60)
+    assert report.lost == [] and Run.objects.get(pk=run.pk).state == RunState.RUNNING
+    with django_capture_on_commit_callbacks():
+        report = runs_reconcile(now=running_at + timedelta(seconds=61), heartbeat_timeout_s=60)
+    assert report.lost == [run.pk], "its new engine never reported: lost after the timeout, not before"
+    assert Run.objects.get(pk=run.pk).restart_count == 2
 
 
 def test_silent_run_out_of_restarts_fails_with_the_reason(launch):

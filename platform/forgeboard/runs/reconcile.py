@@ -113,7 +113,9 @@ def _restart_or_fail(*, run: Run) -> bool:
         with transaction.atomic():
             run_transition(run_id=run.pk, from_state=RunState.LOST, to_state=RunState.QUEUED,
                            reason=f"restart {run.restart_count + 1} of {run.max_restarts}: {run.exit_reason}",
-                           restart_count=F("restart_count") + 1, pid=None)
+                           # The lost controller's last heartbeat is not the new one's: kept, it would have the
+                           # restarted run lost again as soon as it is running, before its engine could report.
+                           restart_count=F("restart_count") + 1, pid=None, last_heartbeat_at=None)
             event_append(run=run, kind=EventKind.RESTARTED,
                          payload={"restart": run.restart_count + 1, "of": run.max_restarts,
                                   "after": run.exit_reason})
