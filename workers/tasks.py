@@ -25,6 +25,7 @@ from forgeboard.dispatch import (
     RUNS_RECONCILE,
     RUNS_SCHEDULE,
     RUNS_START,
+    RUNS_STOP_ATTEMPT,
     enqueue,
     pool_launch_queue,
     probe_queue,
@@ -130,6 +131,16 @@ def start_claimed_run(run_id: int) -> str:
         return "skipped"
 
 
+@shared_task(name=RUNS_STOP_ATTEMPT, acks_late=False)
+def stop_lost_attempt(run_id: int, job_id: str, pid: int | None, host: str) -> str:
+    """Asked by the reconciler on a worker that reaches it: stop what a lost run's previous attempt left (its job, or
+    its engine on this host), then restart the run (workers/launch/backends.py `stop_attempt`)."""
+    from workers.launch.backends import stop_attempt
+
+    with run_log_context(run_id):
+        return stop_attempt(run_id=run_id, job_id=job_id, pid=pid, host=host)
+
+
 @shared_task(name=RUNS_SCHEDULE)
 def schedule_runs() -> list[int]:
     """Periodic: start queued runs that fit now that other runs have ended or hosts came back."""
@@ -147,10 +158,11 @@ def reconcile_runs() -> dict:
 
     now = timezone.now()
     report = runs_reconcile(now=now)
-    if report.lost or report.restarted or report.failed:
-        logger.info("reconcile: lost %s, restarted %s, failed %s", report.lost, report.restarted, report.failed)
+    if report.lost or report.restarted or report.failed or report.stopping:
+        logger.info("reconcile: lost %s, restarted %s, failed %s, stopping the previous attempt of %s",
+                    report.lost, report.restarted, report.failed, report.stopping)
     exports = checkpoint_exports_reconcile(now=now)
-    return {"lost": report.lost, "restarted": report.restarted, "failed": report.failed,
+    return {"lost": report.lost, "restarted": report.restarted, "failed": report.failed, "stopping": report.stopping,
             "exports_requeued": exports.requeued, "exports_failed": exports.failed}
 
 

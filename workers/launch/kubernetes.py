@@ -56,6 +56,11 @@ _FATAL_WAITING = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "Creat
                   "CreateContainerError", "ErrImageNeverPull"}
 
 
+def kubernetes_job_name(*, run_id: int, attempt: int) -> str:
+    """The Job (and ConfigMap) of a run's attempt: a restart never meets its lost attempt's objects."""
+    return f"forgeboard-run-{run_id}" + (f"-{attempt}" if attempt else "")
+
+
 @dataclass(frozen=True)
 class KubernetesLaunchRequest:
     run_id: int
@@ -77,10 +82,11 @@ class KubernetesLaunchRequest:
     service_account: str = DEFAULT_SERVICE_ACCOUNT  # may get, list and watch pods (the controller's discovery)
     active_deadline_s: int | None = None
     monarch_port: int = DEFAULT_MONARCH_PORT
+    attempt: int = 0  # the run's restart count: each attempt has a Job of its own
 
     @property
     def name(self) -> str:
-        return f"forgeboard-run-{self.run_id}"
+        return kubernetes_job_name(run_id=self.run_id, attempt=self.attempt)
 
     @property
     def token_file(self) -> str:

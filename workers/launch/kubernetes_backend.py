@@ -7,7 +7,8 @@ token, then the ConfigMap and Indexed Job built by `workers/launch/kubernetes.py
 `FORGEBOARD_K8S_ENGINE_SERVICE_ACCOUNT`, which must exist in the namespace and may read its pods (the
 engine controller finds its workers through the API: infra/k8s/engine-rbac.yaml).
 `runs.poll_jobs` reads the Job and its pods and moves the run as `workers/launch/jobs.py` says; a run
-cancelled while its pods wait to be scheduled has its Job deleted.
+cancelled while its pods wait to be scheduled has its Job deleted. A lost run's Job is deleted with its pods
+(`stop_kubernetes_job`, asked by the reconciler) before the run restarts, as a Job of its own named for the attempt.
 
 Plain HTTP through httpx (no `kubernetes` client package): three object kinds, create / get / delete.
 """
@@ -28,7 +29,8 @@ from forgeboard.runs.tokens import run_token_issue
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append
 from workers.launch.jobs import FOLLOWED_STATES, fail_launch, follow_job, node_shape
-from workers.launch.kubernetes import RUN_DIR, RUN_LABEL, KubernetesLaunchRequest, kubernetes_job_status, kubernetes_objects
+from workers.launch.kubernetes import (RUN_DIR, RUN_LABEL, KubernetesLaunchRequest, kubernetes_job_name,
+                                      kubernetes_job_status, kubernetes_objects)
 from workers.launch.local import engine_allowed_paths, engine_config_yaml
 from workers.launch.slurm import LaunchSpecError
 
@@ -101,10 +103,11 @@ class KubernetesApi:
             raise self._refused(response, f"listing the pods of run {run_id}")
         return list(response.json().get("items") or [])
 
-    def delete(self, kind: str, name: str) -> None:
-        """Delete an object and what it owns (a Job's pods); one already gone is fine."""
+    def delete(self, kind: str, name: str, *, propagation: str = "Background") -> None:
+        """Delete an object and what it owns (a Job's pods); one already gone is fine. With "Foreground" propagation
+        the object stays (being deleted) until what it owns is gone."""
         response = self._call("DELETE", f"{self._collection(kind)}/{quote(name, safe='')}",
-                              params={"propagationPolicy": "Background"})
+                              params={"propagationPolicy": propagation})
         if response.status_code not in (200, 202, 404):
             raise self._refused(response, f"deleting {kind} {name}")
 
@@ -124,11 +127,12 @@ def kubernetes_api() -> KubernetesApi:
 def kubernetes_request(*, run: Run) -> KubernetesLaunchRequest:
     """The Job request for a run: pods (one per node) enough for its GPUs, the worker's Kubernetes settings."""
     nodes, gpus_per_node = node_shape(run=run, gpus_per_node=settings.K8S_GPUS_PER_NODE)
+    name = kubernetes_job_name(run_id=run.pk, attempt=run.restart_count)
     return KubernetesLaunchRequest(
-        run_id=run.pk, image=settings.K8S_IMAGE, config_yaml=engine_config_yaml(run),
+        run_id=run.pk, attempt=run.restart_count, image=settings.K8S_IMAGE, config_yaml=engine_config_yaml(run),
         nodes=nodes, gpus_per_node=gpus_per_node,
         cpus_per_node=settings.K8S_CPUS_PER_NODE, memory=settings.K8S_MEMORY, namespace=settings.K8S_NAMESPACE,
-        control_plane_url=settings.PUBLIC_URL, token_secret=f"forgeboard-run-{run.pk}-token", python=settings.K8S_PYTHON,
+        control_plane_url=settings.PUBLIC_URL, token_secret=f"{name}-token", python=settings.K8S_PYTHON,
         service_account=settings.K8S_ENGINE_SERVICE_ACCOUNT,
         allowed_paths=tuple(engine_allowed_paths(run=run, run_folder=RUN_DIR)),
     )
@@ -159,6 +163,26 @@ def submit_kubernetes(*, run: Run, api: KubernetesApi | None = None) -> str:
                           "namespace": request.namespace, "nodes": request.nodes, "gpus_per_node": request.gpus_per_node})
     logger.info("run %s created as Kubernetes Job %s", run.pk, request.name, extra={"run_id": run.pk})
     return request.name
+
+
+def stop_kubernetes_job(*, name: str, api: KubernetesApi | None = None) -> str | None:
+    """Delete a lost run's Job with its pods, then its ConfigMap and token Secret; what was done, or None while the
+    Job is still there (its pods still stopping: it is deleted in the foreground). Raises KubernetesApiFailed when the
+    Job cannot be read or deleted."""
+    api = api or kubernetes_api()
+    if api.get_job(name) is not None:
+        api.delete("Job", name, propagation="Foreground")
+        if api.get_job(name) is not None:
+            return None
+        done = f"Kubernetes Job {name} deleted"
+    else:
+        done = f"Kubernetes Job {name} was gone"
+    try:  # tidying up: what the restart waits for is the Job's pods gone
+        api.delete("ConfigMap", name)
+        api.delete("Secret", f"{name}-token")  # its token is revoked already
+    except KubernetesApiFailed as exc:
+        logger.warning("the objects of Kubernetes Job %s are left: %s", name, exc)
+    return done
 
 
 def poll_kubernetes_runs(*, api: KubernetesApi | None = None) -> dict[int, str]:

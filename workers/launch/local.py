@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -71,3 +74,65 @@ def start_local(*, run: Run) -> int:
             start_new_session=True,
         )
     return supervisor.pid
+
+
+STOP_POLL_SECONDS = 0.1
+STOP_GRACE_SECONDS = 10.0  # from SIGTERM to SIGKILL, as the supervisor gives its engine
+
+
+def _group_members(pgid: int) -> set[int]:
+    """The live (not zombie) processes of process group `pgid` on this host (Linux's /proc)."""
+    members = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # it ended meanwhile
+        state, _parent, group = stat.rsplit(")", 1)[1].split()[:3]
+        if int(group) == pgid and state != "Z":
+            members.add(int(entry.name))
+    return members
+
+
+def _engine_group_alive(*, run_id: int, pid: int) -> bool:
+    """Whether the process group the run's engine leads (its pid: the supervisor starts it in a session of its own)
+    still has live processes, and is the engine's: a pid reused by another process is not."""
+    members = _group_members(pid)
+    if pid not in members:
+        return bool(members)  # the engine exited, its children run on: a group id is not reused while it has members
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except (ProcessLookupError, FileNotFoundError):
+        return bool(_group_members(pid) - {pid})  # the engine exited just now
+    except PermissionError:
+        return False  # another user's process: the pid was reused
+    return f"{RUN_ID_ENV}={run_id}".encode() in environ.split(b"\0")
+
+
+def _group_gone_within(*, run_id: int, pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _engine_group_alive(run_id=run_id, pid=pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(STOP_POLL_SECONDS)
+    return True
+
+
+def stop_local_engine(*, run_id: int, pid: int, host: str) -> str | None:
+    """Stop a lost run's engine (its whole process group) on this host, SIGTERM then SIGKILL as its supervisor would;
+    what was done, or None if it outlived both. Run on `host` (the worker consuming its probe queue): a process on
+    another host cannot be reached from here, so that raises OSError."""
+    if host != socket.gethostname():
+        raise OSError(f"the engine runs on {host}, not on {socket.gethostname()}")
+    if not _engine_group_alive(run_id=run_id, pid=pid):
+        return f"its engine (pid {pid} on {host}) had exited"
+    for sent, grace in ((signal.SIGTERM, STOP_GRACE_SECONDS), (signal.SIGKILL, STOP_GRACE_SECONDS)):
+        try:
+            os.killpg(pid, sent)
+        except ProcessLookupError:
+            pass
+        if _group_gone_within(run_id=run_id, pid=pid, seconds=grace):
+            return f"its engine (pid {pid} on {host}) stopped with {sent.name}"
+    return None

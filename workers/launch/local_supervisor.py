@@ -87,9 +87,10 @@ def supervise(run_id: int) -> int:
                 run_transition(run_id=run_id, from_state=RunState.CANCELLING, to_state=RunState.CANCELLED,
                                reason="cancelled by operator")
                 return 0
-        state = RunState(Run.objects.filter(pk=run_id).values_list("state", flat=True).get())
-        if state not in (RunState.RUNNING, RunState.PAUSED, RunState.CANCELLING):
-            return 0
+        state, recorded_pid = Run.objects.filter(pk=run_id).values_list("state", "pid").get()
+        state = RunState(state)
+        if state not in (RunState.RUNNING, RunState.PAUSED, RunState.CANCELLING) or recorded_pid != engine.pid:
+            return 0  # lost (and its engine stopped by the reconciler's ask), maybe restarted: not this attempt's
         if state == RunState.CANCELLING:
             run_transition(run_id=run_id, from_state=state, to_state=RunState.CANCELLED, reason="cancelled by operator")
         elif engine.returncode == 0:
@@ -97,7 +98,12 @@ def supervise(run_id: int) -> int:
         elif engine.returncode < 0:
             # Killed by a signal (SIGKILL, OOM killer): not the run's own fault, so the reconciler may restart it.
             reason = f"engine killed by signal {-engine.returncode}"
-            run_transition(run_id=run_id, from_state=state, to_state=RunState.LOST, reason=reason)
+            try:
+                os.killpg(engine.pid, signal.SIGKILL)  # what it started in its group may outlive it
+            except ProcessLookupError:
+                pass
+            # Nothing of it is left to stop: the reconciler restarts the run at once.
+            run_transition(run_id=run_id, from_state=state, to_state=RunState.LOST, reason=reason, pid=None)
         else:
             reason = f"engine exited with code {engine.returncode}\n{_log_tail(log_path)}"
             run_transition(run_id=run_id, from_state=state, to_state=RunState.FAILED, reason=reason)

@@ -8,6 +8,7 @@ the scheduler claims it at once (within the project's quotas) and a worker confi
 the job has left the queue) and moves the run: a job that failed, timed out or was preempted fails or
 loses the run with SLURM's reason, and a run cancelled while its job waits in the queue is
 scancelled. A running engine reports its own progress and end through the API, as a local one does.
+A lost run's job is scancelled (`stop_slurm_job`, asked by the reconciler) before the run restarts as a new job.
 
 The run's folder (config, token, logs, the pickled job) is under FORGEBOARD_DATA_DIR, which must be on
 a filesystem every node sees.
@@ -217,6 +218,22 @@ def job_status(*, job_id: str, cli: SlurmCli) -> SchedulerStatus | None:
     if job_id in queued:
         return queued[job_id]
     return cli.accounting(job_id).get(job_id)
+
+
+def stop_slurm_job(*, job_id: str, cli: SlurmCli | None = None) -> str | None:
+    """scancel a lost run's job unless SLURM has ended it; what was done, or None while SLURM still runs it.
+
+    Raises SlurmCommandFailed (SLURM cannot be asked) and LaunchSpecError (its answer is unreadable).
+    """
+    cli = cli or slurm_cli()
+    status = job_status(job_id=job_id, cli=cli)
+    if status is None or status.terminal:
+        return f"SLURM job {job_id} had ended" + (f" ({status.reason})" if status else "")
+    cli.cancel(job_id)
+    status = job_status(job_id=job_id, cli=cli)
+    if status is None or status.terminal:
+        return f"SLURM job {job_id} cancelled"
+    return None
 
 
 def _node_view(cli: SlurmCli) -> dict[str, tuple[str, str]]:

@@ -6,6 +6,15 @@ Called periodically by the `runs.reconcile` Celery task. Every change goes throu
 A run being cancelled is never lost: its owner asked it to stop, so a restart would spend its GPUs again on a run
 nobody wants. Whoever stops a run's processes confirms its cancel (a local run's supervisor, `runs.poll_jobs` for a
 SLURM or Kubernetes job); when none has, the reconciler ends the run cancelled, with the reason (`_cancels_end`).
+
+A lost run is silent, not necessarily dead (a hung engine, a partitioned controller): before it restarts, its
+token is revoked (its old controller can no longer report into the new attempt) and what its previous attempt left is
+stopped (`_ask_stop`): its SLURM job scancelled or its Kubernetes Job deleted by a worker of that scheduler, its local
+engine's process group killed by a worker on the engine's host. The run restarts once that is confirmed
+(`lost_attempt_stopped`); until then each pass asks again, and a stop that fails is said on its timeline
+(`lost_attempt_not_stopped`). One still not confirmed after the stop timeout fails the run rather than run twice.
+A local engine on a host the inventory has down cannot be reached: the run restarts without stopping it (never on
+that host), and its timeline says what may be left there.
 """
 
 from __future__ import annotations
@@ -16,18 +25,26 @@ from datetime import datetime, timedelta
 
 from django.db import transaction
 from django.db.models import F, Q
+from django.utils import timezone
 
-from forgeboard.runs.models import EXTERNAL_BACKENDS, Run
+from forgeboard.cluster.models import Host, HostLiveness
+from forgeboard.dispatch import RUNS_STOP_ATTEMPT, enqueue, pool_launch_queue, probe_queue
+from forgeboard.runs.models import EXTERNAL_BACKENDS, LaunchBackend, Run
 from forgeboard.runs.services import IllegalTransition, run_enqueue_launch, run_transition
 from forgeboard.runs.states import RunState
-from forgeboard.telemetry.models import EventKind
+from forgeboard.runs.tokens import run_tokens_revoke
+from forgeboard.telemetry.models import EventKind, RunEvent
 from forgeboard.telemetry.services import event_append
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_TIMEOUT_S = 60
 LAUNCH_TIMEOUT_S = 300
+STOP_TIMEOUT_S = 900  # a lost run whose previous attempt is not confirmed stopped within this fails
+STOP_ASK_EXPIRES_S = 60  # an ask to stop that no worker took by then is dropped: the next pass asks again
 WATCHED_STATES = (RunState.RUNNING, RunState.PAUSED)
+PREVIOUS_ATTEMPT_STOPPED = "previous_attempt_stopped"  # run events (messages) on the timeline
+PREVIOUS_ATTEMPT_NOT_STOPPED = "previous_attempt_not_stopped"
 
 
 @dataclass
@@ -36,10 +53,12 @@ class ReconcileReport:
     restarted: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
     cancelled: list[int] = field(default_factory=list)
+    stopping: list[int] = field(default_factory=list)  # lost runs waiting for their previous attempt to be stopped
 
 
 def runs_reconcile(
-    *, now: datetime, heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S, launch_timeout_s: int = LAUNCH_TIMEOUT_S
+    *, now: datetime, heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S, launch_timeout_s: int = LAUNCH_TIMEOUT_S,
+    stop_timeout_s: int = STOP_TIMEOUT_S,
 ) -> ReconcileReport:
     report = ReconcileReport()
     silent_since = now - timedelta(seconds=heartbeat_timeout_s)
@@ -61,11 +80,11 @@ def runs_reconcile(
             continue  # it moved on by itself meanwhile
     report.cancelled = _cancels_end(now=now, silent=silent, heartbeat_timeout_s=heartbeat_timeout_s,
                                     launch_timeout_s=launch_timeout_s)
+    outcomes = {"restarted": report.restarted, "failed": report.failed, "stopping": report.stopping}
     for run in Run.objects.filter(state=RunState.LOST):
-        if _restart_or_fail(run=run):
-            report.restarted.append(run.pk)
-        else:
-            report.failed.append(run.pk)
+        outcome = _restart_or_fail(run=run, now=now, stop_timeout_s=stop_timeout_s)
+        if outcome in outcomes:
+            outcomes[outcome].append(run.pk)
     return report
 
 
@@ -100,8 +119,34 @@ def _cancels_end(*, now: datetime, silent: Q, heartbeat_timeout_s: int, launch_t
     return ended
 
 
-def _restart_or_fail(*, run: Run) -> bool:
-    """Requeue a lost run (it resumes from its newest checkpoint) while restarts remain; else fail it."""
+def previous_attempt(run: Run) -> str:
+    """What the run's previous attempt may have left running, in words ("" when nothing): its job, or its engine."""
+    if run.backend == LaunchBackend.SLURM:
+        return f"SLURM job {run.job_id}" if run.job_id else ""
+    if run.backend == LaunchBackend.KUBERNETES:
+        return f"Kubernetes Job {run.job_id}" if run.job_id else ""
+    return f"its engine (pid {run.pid} on {run.host})" if run.pid is not None else ""
+
+
+def _engine_host_down(run: Run) -> bool:
+    """Whether the run's local engine is on a host the inventory has down: no worker there takes the ask to stop it,
+    and the scheduler places nothing on that host, the restarted run included."""
+    return (run.backend not in EXTERNAL_BACKENDS
+            and Host.objects.filter(hostname=run.host, liveness=HostLiveness.DOWN).exists())
+
+
+def _ask_stop(run: Run) -> None:
+    """Ask a worker that can reach it to stop the run's previous attempt (workers/launch/backends.py `stop_attempt`):
+    one of its scheduler's workers, or for a local engine one on the engine's host (its probe queue)."""
+    queue = pool_launch_queue(run.backend) if run.backend in EXTERNAL_BACKENDS else probe_queue(run.host)
+    enqueue(RUNS_STOP_ATTEMPT, kwargs={"run_id": run.pk, "job_id": run.job_id, "pid": run.pid, "host": run.host},
+            queue=queue, expires=STOP_ASK_EXPIRES_S)
+
+
+def _restart_or_fail(*, run: Run, now: datetime, stop_timeout_s: int) -> str:
+    """Requeue a lost run (it resumes from its newest checkpoint) while restarts remain, once its previous attempt is
+    stopped; else fail it. "restarted", "stopping" (asked to stop its previous attempt), "failed" or "moved"."""
+    left = previous_attempt(run)
     try:
         if run.restart_count >= run.max_restarts:
             run_transition(
@@ -109,17 +154,76 @@ def _restart_or_fail(*, run: Run) -> bool:
                 reason=f"lost ({run.exit_reason or 'no reason given'}) after {run.restart_count} of "
                        f"{run.max_restarts} restarts",
             )
-            return False
+            if left:
+                _ask_stop(run)  # followed by nobody once failed: removed all the same
+            return "failed"
+        run_tokens_revoke(run=run)  # the lost controller may still be alive: it must not report into the restart
+        if left and _engine_host_down(run):
+            lost_attempt_not_stopped(
+                run_id=run.pk, job_id=run.job_id, pid=run.pid,
+                problem=f"{run.host} is down: its engine cannot be reached to stop it, so the run restarts without "
+                        f"that, on another host; if {run.host} comes back with it running, stop its process group "
+                        f"{run.pid} there")
+            left = ""
+        if left:
+            waited = (now - run.state_changed_at).total_seconds()
+            if waited >= stop_timeout_s:
+                run_transition(
+                    run_id=run.pk, from_state=RunState.LOST, to_state=RunState.FAILED,
+                    reason=f"lost ({run.exit_reason or 'no reason given'}); not restarted: {left} could not be "
+                           f"confirmed stopped within {stop_timeout_s} s, and two attempts must not run at once",
+                )
+                _ask_stop(run)
+                return "failed"
+            _ask_stop(run)
+            return "stopping"
         with transaction.atomic():
             run_transition(run_id=run.pk, from_state=RunState.LOST, to_state=RunState.QUEUED,
                            reason=f"restart {run.restart_count + 1} of {run.max_restarts}: {run.exit_reason}",
                            # The lost controller's last heartbeat is not the new one's: kept, it would have the
                            # restarted run lost again as soon as it is running, before its engine could report.
-                           restart_count=F("restart_count") + 1, pid=None, last_heartbeat_at=None)
+                           restart_count=F("restart_count") + 1, pid=None, job_id="", last_heartbeat_at=None)
             event_append(run=run, kind=EventKind.RESTARTED,
                          payload={"restart": run.restart_count + 1, "of": run.max_restarts,
                                   "after": run.exit_reason})
             transaction.on_commit(lambda: run_enqueue_launch(run.pk))
-        return True
+        return "restarted"
     except IllegalTransition:
+        return "moved"
+
+
+def _still_recorded(*, run_id: int, job_id: str, pid: int | None) -> Q:
+    """The run, while it still records this attempt as its own (a restart clears it)."""
+    return Q(pk=run_id, job_id=job_id) & (Q(pid=pid) if pid is not None else Q(pid__isnull=True))
+
+
+def lost_attempt_recorded(*, run_id: int, job_id: str, pid: int | None) -> bool:
+    """Whether the run still records this attempt (lost or failed with it): a late ask to stop one of an attempt
+    already stopped and restarted must touch nothing, least of all the new attempt."""
+    return Run.objects.filter(_still_recorded(run_id=run_id, job_id=job_id, pid=pid)).exists()
+
+
+def lost_attempt_stopped(*, run_id: int, job_id: str, pid: int | None, done: str) -> bool:
+    """The lost run's previous attempt is confirmed gone (`done` says how): said on its timeline, and the run restarts
+    now if it waited for that. Whether it restarted."""
+    with transaction.atomic():
+        cleared = Run.objects.filter(_still_recorded(run_id=run_id, job_id=job_id, pid=pid), state=RunState.LOST
+                                     ).update(job_id="", pid=None)
+        run = Run.objects.get(pk=run_id)
+        event_append(run=run, kind=EventKind.MESSAGE, payload={"name": PREVIOUS_ATTEMPT_STOPPED, "detail": done})
+    logger.info("run %s: %s", run_id, done, extra={"run_id": run_id})
+    if not cleared:
         return False
+    return _restart_or_fail(run=run, now=timezone.now(), stop_timeout_s=STOP_TIMEOUT_S) == "restarted"
+
+
+def lost_attempt_not_stopped(*, run_id: int, job_id: str, pid: int | None, problem: str) -> None:
+    """A worker could not stop (or not yet confirm stopped) the lost run's previous attempt: said on its timeline
+    once per distinct problem; the reconciler asks again."""
+    run = Run.objects.get(pk=run_id)
+    payload = {"name": PREVIOUS_ATTEMPT_NOT_STOPPED, "attempt": previous_attempt(run), "problem": problem}
+    last = (RunEvent.objects.filter(run=run, kind=EventKind.MESSAGE, payload__name=PREVIOUS_ATTEMPT_NOT_STOPPED)
+            .order_by("-seq").values_list("payload", flat=True).first())
+    if last != payload:
+        event_append(run=run, kind=EventKind.MESSAGE, payload=payload)
+    logger.warning("run %s: %s not stopped: %s", run_id, payload["attempt"], problem, extra={"run_id": run_id})

@@ -9,13 +9,19 @@ from forgeboard.bearer import mint_token, token_matches, token_prefix
 from forgeboard.runs.models import Run, RunToken
 from forgeboard.runs.states import TERMINAL_STATES
 
+
 @transaction.atomic
 def run_token_issue(*, run: Run) -> str:
     """A new token for the run (older ones are revoked: a restarted controller gets a fresh one)."""
-    RunToken.objects.filter(run=run, revoked_at__isnull=True).update(revoked_at=timezone.now())
+    run_tokens_revoke(run=run)
     minted = mint_token("fbr")
     RunToken.objects.create(run=run, prefix=minted.prefix, token_hash=minted.token_hash)
     return minted.raw
+
+
+def run_tokens_revoke(*, run: Run) -> int:
+    """Revoke the run's live tokens (its lost controller's, before a restart); how many."""
+    return RunToken.objects.filter(run=run, revoked_at__isnull=True).update(revoked_at=timezone.now())
 
 
 def run_token_authenticate(*, raw: str) -> RunToken | None:

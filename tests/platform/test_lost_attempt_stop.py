@@ -1,0 +1,304 @@
+"""A lost run's previous attempt is stopped before it restarts: its SLURM job scancelled (fake SLURM programs), its
+Kubernetes Job deleted with its pods (a fake API server), its local engine's process group killed (a real process);
+its old controller's token no longer works; a stop that fails is retried and said on the run's timeline."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from forgeboard.cluster.models import Host, HostLiveness
+from forgeboard.runs.models import Run
+from forgeboard.runs.reconcile import PREVIOUS_ATTEMPT_NOT_STOPPED, PREVIOUS_ATTEMPT_STOPPED, runs_reconcile
+from forgeboard.runs.scheduling import runs_schedule
+from forgeboard.runs.services import run_launch, run_transition
+from forgeboard.runs.states import RunState
+from forgeboard.runs.tokens import run_token_authenticate, run_token_issue
+from forgeboard.telemetry.models import RunEvent
+from tests.platform.test_kubernetes_backend import K8S_YAML, k8s  # noqa: F401 (a fixture)
+from tests.platform.test_slurm_backend import SLURM_YAML, slurm  # noqa: F401 (a fixture)
+from tests.support.processes import celery_worker, wait_for
+from workers.engine.env import RUN_ID_ENV
+from workers.launch import local
+from workers.launch.backends import start_run, stop_attempt
+from workers.tasks import stop_lost_attempt
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def asks(monkeypatch) -> list[dict]:
+    """The tasks sent to the broker (the machine's edge): name, kwargs and queue."""
+    from workers.celery import app
+
+    sent: list[dict] = []
+    monkeypatch.setattr(app, "send_task", lambda name, **kw: sent.append({"name": name, **kw}))
+    return sent
+
+
+def _silent(run: Run) -> Run:
+    """The run's controller last reported two minutes ago: the reconciler finds it lost."""
+    Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING, max_restarts=2,
+                                         last_heartbeat_at=timezone.now() - timedelta(seconds=120))
+    return Run.objects.get(pk=run.pk)
+
+
+def _stop_asked(asks: list[dict], run: Run) -> dict:
+    [ask] = [a for a in asks if a["name"] == "runs.stop_attempt" and a["kwargs"]["run_id"] == run.pk]
+    asks.clear()
+    return ask
+
+
+def _messages(run: Run, name: str) -> list[dict]:
+    return [e.payload for e in RunEvent.objects.filter(run=run, kind="message", payload__name=name).order_by("seq")]
+
+
+def _launched(team, yaml: str) -> tuple[Run, str]:
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=yaml)
+    assert run.pk in runs_schedule(now=timezone.now())
+    start_run(run_id=run.pk)
+    run.refresh_from_db()
+    return run, run.job_id
+
+
+def test_a_lost_slurm_runs_job_is_scancelled_before_it_restarts_with_a_fresh_job(
+        team, slurm, asks, django_capture_on_commit_callbacks):  # noqa: F811
+    run, old_job = _launched(team, SLURM_YAML)
+    old_token = run_token_issue(run=run)  # as its engine holds it
+    run = _silent(run)
+    slurm.job("squeue", 18004, as_id=old_job)  # the job runs on: its engine hangs, or cannot reach the platform
+
+    report = runs_reconcile(now=timezone.now())
+    assert report.lost == [run.pk] and report.stopping == [run.pk] and report.restarted == []
+    assert Run.objects.get(pk=run.pk).state == RunState.LOST, "not requeued while its job may still run"
+    assert run_token_authenticate(raw=old_token) is None, "the old controller cannot report into the restart"
+    ask = _stop_asked(asks, run)
+    assert ask["queue"] == "launch.slurm" and ask["kwargs"]["job_id"] == "18004" and ask["expires"] > 0
+
+    # scancel sent, SLURM still shows it running: not confirmed, said on the timeline, the run waits
+    assert stop_attempt(**ask["kwargs"]) == "still stopping"
+    assert [c["args"] for c in slurm.calls("scancel")] == [["18004"]]
+    assert Run.objects.get(pk=run.pk).state == RunState.LOST
+    assert _messages(run, PREVIOUS_ATTEMPT_NOT_STOPPED)[-1]["attempt"] == "SLURM job 18004"
+
+    # the next pass asks again; now the job has left the queue, cancelled: the run restarts
+    assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
+    slurm.answer("squeue", jobs=[])
+    slurm.job("sacct", 17104, as_id=old_job)  # CANCELLED
+    with django_capture_on_commit_callbacks(execute=True):
+        assert stop_attempt(**_stop_asked(asks, run)["kwargs"]).endswith("restarted")
+    run.refresh_from_db()
+    assert (run.state, run.restart_count, run.job_id) == (RunState.QUEUED, 1, "")
+    assert _messages(run, PREVIOUS_ATTEMPT_STOPPED)[-1]["detail"].startswith("SLURM job 18004 had ended")
+    assert any(a["name"] == "runs.launch" for a in asks), "the relaunch is enqueued"
+
+    # the new attempt gets a job of its own, and a token the old one's does not equal
+    slurm.answer("sbatch", stdout="Submitted batch job 18010")
+    assert run.pk in runs_schedule(now=timezone.now())
+    start_run(run_id=run.pk)
+    run.refresh_from_db()
+    assert run.job_id == "18010" and run.state == RunState.LAUNCHING
+    assert run_token_authenticate(raw=old_token) is None
+    # a late ask about the old job touches nothing
+    assert stop_attempt(**ask["kwargs"]).startswith("skipped") and len(slurm.calls("scancel")) == 1
+
+
+def test_a_scheduler_that_cannot_be_reached_is_retried_said_and_in_the_end_fails_the_run(team, slurm, asks):  # noqa: F811
+    run, old_job = _launched(team, SLURM_YAML)
+    run = _silent(run)
+    slurm.answer("squeue", exit=1, stderr="slurm_load_jobs error: Unable to contact slurm controller (connect failure)")
+    runs_reconcile(now=timezone.now())
+    ask = _stop_asked(asks, run)
+    for _ in range(2):
+        assert stop_attempt(**ask["kwargs"]).startswith("not stopped: squeue exited with 1")
+    [said] = _messages(run, PREVIOUS_ATTEMPT_NOT_STOPPED)
+    assert "Unable to contact slurm controller" in said["problem"], "said once, not at every retry"
+    assert Run.objects.get(pk=run.pk).state == RunState.LOST
+
+    lost_at = Run.objects.get(pk=run.pk).state_changed_at
+    report = runs_reconcile(now=lost_at + timedelta(seconds=60), stop_timeout_s=900)
+    assert report.stopping == [run.pk] and _stop_asked(asks, run), "asked again while the stop timeout runs"
+    report = runs_reconcile(now=lost_at + timedelta(seconds=901), stop_timeout_s=900)
+    assert report.failed == [run.pk]
+    run.refresh_from_db()
+    assert run.state == RunState.FAILED and run.restart_count == 0
+    assert f"SLURM job {old_job} could not be confirmed stopped within 900 s" in run.exit_reason
+    assert _stop_asked(asks, run)["kwargs"]["job_id"] == old_job, "still asked to go once the scheduler is back"
+
+
+def test_a_lost_kubernetes_runs_job_is_deleted_with_its_pods_before_a_new_job_is_created(team, k8s, asks):  # noqa: F811
+    run, old_job = _launched(team, K8S_YAML)
+    old_token = k8s.created[0]["stringData"]["token"]
+    k8s.show("k8s_running")
+    run = _silent(run)
+    runs_reconcile(now=timezone.now())
+    ask = _stop_asked(asks, run)
+    assert ask["queue"] == "launch.kubernetes" and ask["kwargs"]["job_id"] == old_job == f"forgeboard-run-{run.pk}"
+    assert run_token_authenticate(raw=old_token) is None
+
+    k8s.refuse = (503, "etcdserver: request timed out")
+    assert stop_attempt(**ask["kwargs"]).startswith("not stopped: reading Job")
+    assert "etcdserver: request timed out" in _messages(run, PREVIOUS_ATTEMPT_NOT_STOPPED)[-1]["problem"]
+    assert Run.objects.get(pk=run.pk).state == RunState.LOST
+
+    k8s.refuse = None
+    k8s.requests.clear()
+    assert stop_attempt(**ask["kwargs"]) == "still stopping", "deleted in the foreground: its pods are stopping"
+    [delete] = [r for r in k8s.requests if r.method == "DELETE"]
+    assert delete.url.path.endswith(f"/jobs/{old_job}") and delete.url.params["propagationPolicy"] == "Foreground"
+
+    k8s.job = None  # its pods are gone, and with them the Job
+    k8s.requests.clear()
+    assert stop_attempt(**ask["kwargs"]).endswith("restarted")
+    deleted = [r.url.path.rsplit("/", 2)[-2:] for r in k8s.requests if r.method == "DELETE"]
+    assert deleted == [["configmaps", old_job], ["secrets", f"{old_job}-token"]]
+    run.refresh_from_db()
+    assert (run.state, run.restart_count, run.job_id) == (RunState.QUEUED, 1, "")
+
+    k8s.created.clear()
+    assert run.pk in runs_schedule(now=timezone.now())
+    start_run(run_id=run.pk)
+    run.refresh_from_db()
+    secret, config_map, job = k8s.created
+    assert run.job_id == job["metadata"]["name"] == config_map["metadata"]["name"] == f"forgeboard-run-{run.pk}-1"
+    assert secret["metadata"]["name"] == f"forgeboard-run-{run.pk}-1-token", "not the old Secret, which would 409"
+    assert run_token_authenticate(raw=secret["stringData"]["token"]).run_id == run.pk
+
+
+def _engine(run_id: int | None, *, ignore_term: bool = False) -> subprocess.Popen:
+    """A sleeping process in a process group of its own, with the run's id in its environment as an engine has;
+    reaped when it ends, as its supervisor (or init) would."""
+    env = dict(os.environ)
+    env.pop(RUN_ID_ENV, None)
+    if run_id is not None:
+        env[RUN_ID_ENV] = str(run_id)
+    code = ("import signal, time\n" + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore_term else "")
+            + "print('ready', flush=True)\ntime.sleep(600)")
+    engine = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True, stdout=subprocess.PIPE)
+    assert engine.stdout.readline() == b"ready\n"
+    threading.Thread(target=engine.wait, daemon=True).start()
+    return engine
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("ignore_term", [False, True])
+def test_a_lost_local_runs_engine_is_killed_on_its_host_before_it_restarts(team, grpo_yaml, asks, monkeypatch,
+                                                                             ignore_term):
+    monkeypatch.setattr(local, "STOP_GRACE_SECONDS", 2.0)
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    engine = _engine(run.pk, ignore_term=ignore_term)
+    try:
+        Run.objects.filter(pk=run.pk).update(pid=engine.pid, host=socket.gethostname())
+        run = _silent(Run.objects.get(pk=run.pk))
+        assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
+        ask = _stop_asked(asks, run)
+        assert ask["queue"] == f"probe.{socket.gethostname()}", "a worker on the engine's host"
+        assert not _gone(engine.pid)
+        assert stop_lost_attempt(**ask["kwargs"]).endswith("restarted"), "the task the worker runs"
+        assert _gone(engine.pid)
+        run.refresh_from_db()
+        assert (run.state, run.restart_count, run.pid) == (RunState.QUEUED, 1, None)
+        [stopped] = _messages(run, PREVIOUS_ATTEMPT_STOPPED)
+        assert stopped["detail"] == (f"its engine (pid {engine.pid} on {socket.gethostname()}) stopped with "
+                                     f"{'SIGKILL' if ignore_term else 'SIGTERM'}")
+    finally:
+        if not _gone(engine.pid):
+            os.killpg(engine.pid, signal.SIGKILL)
+
+
+def test_a_pid_reused_by_another_process_is_left_alone_and_the_run_restarts(team, grpo_yaml, asks):
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    stranger = _engine(None)  # its pid recorded as the engine's, but it is not the run's
+    try:
+        Run.objects.filter(pk=run.pk).update(pid=stranger.pid, host=socket.gethostname())
+        run = _silent(Run.objects.get(pk=run.pk))
+        runs_reconcile(now=timezone.now())
+        assert stop_attempt(**_stop_asked(asks, run)["kwargs"]).endswith("had exited; restarted")
+        assert not _gone(stranger.pid) and Run.objects.get(pk=run.pk).state == RunState.QUEUED
+    finally:
+        os.killpg(stranger.pid, signal.SIGKILL)
+
+
+def test_an_engine_on_another_host_is_not_stopped_from_here_and_the_run_waits(team, grpo_yaml, asks):
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    Run.objects.filter(pk=run.pk).update(pid=4242, host="gpu-node-7")
+    run = _silent(Run.objects.get(pk=run.pk))
+    runs_reconcile(now=timezone.now())
+    ask = _stop_asked(asks, run)
+    assert ask["queue"] == "probe.gpu-node-7", "only a worker on gpu-node-7 can reach its engine"
+    assert stop_attempt(**ask["kwargs"]).startswith("not stopped: the engine runs on gpu-node-7")
+    assert Run.objects.get(pk=run.pk).state == RunState.LOST
+    assert _messages(run, PREVIOUS_ATTEMPT_NOT_STOPPED)[0]["attempt"] == "its engine (pid 4242 on gpu-node-7)"
+
+
+def test_a_lost_run_that_never_started_an_engine_restarts_at_once_and_its_old_token_is_refused(
+        client, team, grpo_yaml, asks, django_capture_on_commit_callbacks):
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    old_token = run_token_issue(run=run)
+    run = _silent(run)
+    with django_capture_on_commit_callbacks(execute=True):
+        report = runs_reconcile(now=timezone.now())
+    assert report.restarted == [run.pk] and not [a for a in asks if a["name"] == "runs.stop_attempt"]
+    run_transition(run_id=run.pk, from_state=RunState.QUEUED, to_state=RunState.LAUNCHING)
+    response = client.post(f"/api/v1/controller/runs/{run.pk}/telemetry", data=json.dumps({"batches": []}),
+                           content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {old_token}")
+    assert response.status_code == 401
+    run.refresh_from_db()
+    assert run.state == RunState.LAUNCHING and run.last_heartbeat_at is None, "the old controller's report is refused"
+
+
+def test_an_engine_on_a_host_that_is_down_does_not_hold_back_the_restart(
+        team, grpo_yaml, asks, django_capture_on_commit_callbacks):
+    Host.objects.create(hostname="gpu-node-7", liveness=HostLiveness.DOWN)
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    Run.objects.filter(pk=run.pk).update(pid=4242, host="gpu-node-7")
+    run = _silent(Run.objects.get(pk=run.pk))
+    with django_capture_on_commit_callbacks(execute=True):
+        report = runs_reconcile(now=timezone.now())
+    assert report.restarted == [run.pk] and not [a for a in asks if a["name"] == "runs.stop_attempt"]
+    run.refresh_from_db()
+    assert (run.state, run.pid) == (RunState.QUEUED, None)
+    [said] = _messages(run, PREVIOUS_ATTEMPT_NOT_STOPPED)
+    assert said["attempt"] == "its engine (pid 4242 on gpu-node-7)"
+    assert said["problem"].startswith("gpu-node-7 is down: its engine cannot be reached to stop it")
+    assert "stop its process group 4242 there" in said["problem"]
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_on_the_engines_host_takes_the_ask_and_kills_the_engine_of_a_run_out_of_restarts(
+        team, grpo_yaml, tmp_path):
+    """Through the configured broker: the ask reaches the worker on the engine's host by its probe queue. The run is
+    out of restarts, so it fails at once, and its engine is stopped all the same."""
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    engine = _engine(run.pk)
+    try:
+        with celery_worker(tmp_path / "worker.log"):  # purges the launch queued above
+            Run.objects.filter(pk=run.pk).update(
+                state=RunState.RUNNING, max_restarts=0, pid=engine.pid, host=socket.gethostname(),
+                last_heartbeat_at=timezone.now() - timedelta(seconds=120))
+            assert runs_reconcile(now=timezone.now()).failed == [run.pk]
+            wait_for(lambda: _gone(engine.pid), timeout=60, what="the engine to be stopped")
+            wait_for(lambda: _messages(run, PREVIOUS_ATTEMPT_STOPPED), timeout=30, what="the stop on the timeline")
+        run.refresh_from_db()
+        assert run.state == RunState.FAILED and run.restart_count == 0
+        assert _messages(run, PREVIOUS_ATTEMPT_STOPPED)[0]["detail"].endswith("stopped with SIGTERM")
+    finally:
+        if not _gone(engine.pid):
+            os.killpg(engine.pid, signal.SIGKILL)
