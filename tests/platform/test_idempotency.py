@@ -144,6 +144,7 @@ def test_a_copy_is_answered_only_while_its_sender_may_still_send_it(client, team
 def test_every_keyed_url_names_the_project_a_replay_is_checked_against(client):
     from django.urls import get_resolver
 
+    from forgeboard.api.idempotent import IDEMPOTENCY_NOTE
     from forgeboard.idempotency.services import project_in_path
     from forgeboard.web.idempotent import idempotent_form
 
@@ -160,7 +161,7 @@ def test_every_keyed_url_names_the_project_a_replay_is_checked_against(client):
     schema = client.get("/api/v1/openapi.json").json()
     keyed = {path: {p["name"] for p in op.get("parameters", []) if p["in"] == "path"}
              for path, ops in schema["paths"].items() for op in ops.values()
-             if "Idempotency-Key" in op.get("description", "")}
+             if IDEMPOTENCY_NOTE in op.get("description", "")}
     assert len(keyed) == 6 and all(names & params for params in keyed.values()), keyed
     with pytest.raises(LookupError):
         project_in_path(actor=None, path={"step": 3})
