@@ -427,6 +427,22 @@ def _step_batch(seq: int) -> TelemetryBatch:
         "logs": [{"line": f"step {seq}: loss {1.0 / seq:.3f}", "time": 1.7e9}]})
 
 
+def test_a_batch_of_many_log_lines_shows_every_one_in_order(page, server, team):
+    """A traceback reported in one batch: the log box shows all its lines, in order, the last one in view."""
+    run = _seeded_run(team)
+    _open(page, server, run, width=1280)
+    lines = [f"traceback line {i:03d}: File \"train.py\", line {i}" for i in range(120)]
+    outside_the_browser_loop(telemetry_ingest, run=run, batches=[TelemetryBatch.model_validate(
+        {"seq": 1, "logs": [{"line": line, "time": 1.7e9} for line in lines]})])
+    logs = page.locator("#logs")
+    expect(logs).to_have_text("\n".join(lines))
+    expect(logs).to_be_visible()
+    box = logs.bounding_box()
+    assert box["width"] > 300 and box["height"] > 100
+    assert logs.evaluate("pre => pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4"), "the newest line in view"
+    screenshot(page, "run_page_long_log_batch")
+
+
 LOSS_POINTS = ("() => { const c = FBRunPage.grid.charts.get('loss'); return c ? Array.from(c.plot.data[0]) : []; }")
 
 

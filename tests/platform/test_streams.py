@@ -361,6 +361,72 @@ async def test_a_reconnect_gets_the_log_lines_after_the_last_batch_it_saw_only(r
     await again.disconnect()
 
 
+def _log_batch(seq: int, count: int, width: int) -> TelemetryBatch:
+    """A batch of `count` log lines of `width` characters (non-ASCII ones, which JSON escapes), and a step's loss."""
+    return TelemetryBatch.model_validate({
+        "seq": seq, "metrics": [{"key": "loss", "step": seq, "value": 1.0 / seq, "time": 1.7e9}],
+        "logs": [{"line": line, "time": 1.7e9} for line in _long_lines(seq, count, width)]})
+
+
+def _long_lines(seq: int, count: int, width: int) -> list[str]:
+    return [f"batch {seq} line {i:04d} ".ljust(width, "é" if i % 2 else "-") for i in range(count)]
+
+
+def _frames_are_bounded(frames: list[dict]) -> None:
+    from forgeboard.telemetry.consumers import LOG_FRAME_CHARS
+
+    sizes = [len(json.dumps(frame.get("logs", []))) for frame in frames]
+    assert max(sizes) <= LOG_FRAME_CHARS, f"a frame's log lines take {max(sizes)} characters"
+
+
+@pytest.mark.parametrize(("count", "width"), [(120, 10), (300, 2_000), (1_200, 1_000), (2_000, 8_192)])
+async def test_every_log_line_of_a_long_batch_reaches_the_page_once_and_in_order(running_run, team, count, width):
+    """A traceback or an engine that spooled while the platform was away: a batch of many or long lines. Its update
+    carries its last lines and the stream sends the ones before from the database, first, so the page gets every line
+    it keeps (the last 500) once and in order, in frames of bounded size; the next batch's update comes as it is."""
+    run, _ = running_run
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={await _token(team)}")
+    frames = [json.loads(await stream.receive_from(timeout=10))]
+    await sync_to_async(telemetry_ingest)(run=run, batches=[_log_batch(1, count, width)])
+    frames += await _receive_until(stream, lambda m: m.get("batch") == 1)
+    _, logs, _, _ = _as_the_page_holds(frames)
+    assert logs == _long_lines(1, count, width)[-500:]
+    _frames_are_bounded(frames)
+    if width > 1_000:
+        assert frames[-1]["logs_left_out"] > 0 and len(frames) > 2, "the lines came in more than one frame"
+    await _ingest_steps(run, 2)
+    after = json.loads(await stream.receive_from(timeout=10))
+    assert (after["batch"], after["logs"], after["logs_left_out"]) == (2, _lines(2), 0)
+    await stream.disconnect()
+
+
+async def test_long_batches_missed_or_before_a_connect_come_whole_in_bounded_frames(running_run, team, monkeypatch):
+    """The batches a stream fills in from the database, and a backlog's log tail, come in frames of bounded size too:
+    every line the page keeps, once and in order."""
+    from forgeboard.telemetry import consumers, ingest
+
+    run, _ = running_run
+    await sync_to_async(telemetry_ingest)(run=run, batches=[_log_batch(1, 300, 2_000)])
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={await _token(team)}")
+    frames = await _receive_until(stream, lambda m: m["type"] == "run.backlog")
+    _, logs, _, _ = _as_the_page_holds(frames)
+    assert logs == _long_lines(1, 300, 2_000)[-consumers.BACKLOG_LOG_LINES:]
+    assert len(frames) > 1 and frames[-1]["telemetry_seq"] == 1
+    _frames_are_bounded(frames)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ingest, "publish_run_update", lambda **kwargs: None)  # lost on the way
+        await sync_to_async(telemetry_ingest)(run=run, batches=[_log_batch(2, 200, 2_000), _log_batch(3, 200, 3_000)])
+    await _ingest_steps(run, 4)
+    filled = await _receive_until(stream, lambda m: m.get("batch") == 4)
+    _, logs, _, _ = _as_the_page_holds(frames + filled)
+    missed = [*_long_lines(2, 200, 2_000), *_long_lines(3, 200, 3_000)][-consumers.MISSED_LOG_LINES:]
+    assert logs == _long_lines(1, 300, 2_000)[-consumers.BACKLOG_LOG_LINES:] + missed + _lines(4)
+    assert [f.get("telemetry_seq") for f in filled].count(3) == 1 and len(filled) > 3
+    _frames_are_bounded(filled)
+    await stream.disconnect()
+
+
 async def test_a_commands_life_reaches_the_run_stream(running_run, team):
     """Issued (who sent what), acknowledged and finished by the engine: what the run page's commands table shows."""
     run, _ = running_run

@@ -17,6 +17,11 @@ with what they held, from the database (metrics from the last step sent, their l
 its `telemetry_seq` is the batch it goes to), and a batch's update that comes after that loses its
 metrics, log lines and timelines.
 
+Log lines come in frames of at most LOG_FRAME_CHARS of JSON each (one longer line goes alone): a frame's lines that
+do not fit are sent before it, in frames of their own with nothing else. A live update carries its batch's last lines
+(telemetry/ingest.py) and says how many it leaves out before them (`logs_left_out`): the stream sends those first,
+from the database, as many as the run page keeps (MISSED_LOG_LINES) with the lines that follow.
+
 Authenticated by the session cookie, or by `?token=` with an API token of the run's project. A stream
 stays open only while its credential may read the project: it is closed (4403) when the token is revoked
 or the member removed, at once, and within STREAM_ACCESS_RECHECK_S when the token expires, the user is
@@ -26,6 +31,7 @@ deactivated, or the browser's session ends (logged out, expired, the password ch
 from __future__ import annotations
 
 import asyncio
+import json
 from importlib import import_module
 from urllib.parse import parse_qs
 
@@ -43,7 +49,7 @@ from forgeboard.accounts.permissions import project_role
 from forgeboard.accounts.services import api_token_authenticate
 from forgeboard.runs.models import Run
 from forgeboard.stream_limits import CLIENT_FRAME_MAX_CHARS
-from forgeboard.telemetry.ingest import wire_number
+from forgeboard.telemetry.ingest import WIRE_LOG_CHARS, wire_number
 from forgeboard.telemetry.selectors import Bucket, events_page, log_tail, metrics_from_step, step_timelines
 from forgeboard.telemetry.streams import actor_group, project_group, run_group
 
@@ -53,6 +59,7 @@ BACKLOG_POINTS_PER_KEY = 500
 BACKLOG_LOG_LINES = 200
 BACKLOG_TIMELINES = 50
 MISSED_LOG_LINES = 500  # as many as the run page keeps
+LOG_FRAME_CHARS = WIRE_LOG_CHARS
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_ACCESS_WITHDRAWN = 4403
 CLOSE_NOT_FOUND = 4404
@@ -193,6 +200,7 @@ class RunStreamConsumer(LiveConsumer):
         backlog, through_seq = await self._backlog(after_step=after_step, after_batch=after_batch)
         self.last_batch = backlog["telemetry_seq"]
         self._sent_metrics(backlog["metrics"])
+        backlog["logs"] = await self._send_all_but_last_log_page(backlog["logs"])
         await self._send_events(through_seq=through_seq, first=backlog,
                                 rest={"type": "run.backlog_page", "run": self.run_id})
 
@@ -219,6 +227,8 @@ class RunStreamConsumer(LiveConsumer):
             self.last_batch = batch
             if message.get("last_step") is not None:
                 self.last_step = max(self.last_step, message["last_step"])
+        if new_telemetry and update.get("logs_left_out"):  # a long batch: its earlier lines, before its update
+            await self._send_logs_left_out(batch=batch, left_out=update["logs_left_out"], carried=len(update["logs"]))
         if message.get("text") and (min_seq is None or min_seq > self.last_seq) and (batch is None or new_telemetry):
             if update.get("events"):
                 self.last_seq = update["events"][-1]["seq"]
@@ -241,8 +251,30 @@ class RunStreamConsumer(LiveConsumer):
         frame, through_seq = await self._telemetry(through_batch=through_batch)
         self.last_batch = through_batch
         self._sent_metrics(frame["metrics"])
+        frame["logs"] = await self._send_all_but_last_log_page(frame["logs"])
         await self.send_json(frame)
         return through_seq
+
+    async def _send_logs_left_out(self, *, batch: int, left_out: int, carried: int) -> None:
+        """The first `left_out` lines of the live batch `batch`, which its update leaves out, from the database: as
+        many as the run page keeps with the `carried` lines of the update that follows."""
+        if carried >= MISSED_LOG_LINES:
+            return
+        lines = await database_sync_to_async(log_tail)(run_id=self.run_id, after_batch=batch - 1, through_batch=batch,
+                                                       before_index=left_out, last=MISSED_LOG_LINES - carried)
+        for page in _log_pages(lines):
+            await self.send_json(self._logs_frame(page))
+
+    async def _send_all_but_last_log_page(self, lines: list[str]) -> list[str]:
+        """These lines in pages of at most LOG_FRAME_CHARS of JSON: sends all but the last page, each in a frame of its
+        own, and returns the last (for the frame that goes next)."""
+        pages = _log_pages(lines)
+        for page in pages[:-1]:
+            await self.send_json(self._logs_frame(page))
+        return pages[-1] if pages else []
+
+    def _logs_frame(self, lines: list[str]) -> dict:
+        return {"type": "run.update", "run": self.run_id, "events": [], "metrics": {}, "logs": lines, "timelines": []}
 
     def _sent_metrics(self, metrics: dict[str, list[list]]) -> None:
         self.last_step = max([self.last_step, *(points[-1][0] for points in metrics.values() if points)])
@@ -293,6 +325,20 @@ class RunStreamConsumer(LiveConsumer):
                  "metrics": _wire_points(metrics), "logs": logs,
                  "timelines": step_timelines(run=run, last=BACKLOG_TIMELINES, from_step=self.last_step)}
         return frame, run.last_event_seq
+
+
+def _log_pages(lines: list[str]) -> list[list[str]]:
+    """The lines in order, in pages of at most LOG_FRAME_CHARS of JSON each (a longer line is a page of its own)."""
+    pages: list[list[str]] = []
+    chars = LOG_FRAME_CHARS
+    for line in lines:
+        size = len(json.dumps(line)) + 2  # its quotes and escapes, and the comma and space between lines
+        if chars + size > LOG_FRAME_CHARS:
+            pages.append([])
+            chars = 0
+        pages[-1].append(line)
+        chars += size
+    return pages
 
 
 def _wire_points(metrics: dict[str, list[Bucket]]) -> dict[str, list[list]]:

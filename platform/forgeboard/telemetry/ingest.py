@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections import Counter
@@ -33,6 +34,8 @@ from workers.engine.telemetry_wire import (
 
 logger = logging.getLogger(__name__)
 WIRE_POINTS_PER_KEY = 50
+WIRE_LOG_LINES = 500  # as many as the run page keeps
+WIRE_LOG_CHARS = 256_000  # of JSON: past the longest line the wire takes (telemetry_wire.MAX_LOG_LINE_CHARS), escaped
 TIMELINE_KEEP_RECENT = 1_000  # steps whose timelines are all kept
 TIMELINE_KEEP_EVERY = 100  # before those, the timeline of one step in this many
 
@@ -327,8 +330,9 @@ def wire_number(value: float | None) -> float | None:
 
 
 def _wire_update(*, run: Run, batch: TelemetryBatch, events: list[RunEvent], timelines: list[dict]) -> dict:
-    """What subscribers get: every event and step timeline, and at most a few points per metric key (the database
-    has all)."""
+    """What subscribers get: every event and step timeline, at most a few points per metric key, and the batch's last
+    log lines up to WIRE_LOG_LINES and WIRE_LOG_CHARS of JSON (the database has all): `logs_left_out` says how many
+    lines before them it leaves out, which the run stream sends from the database."""
     by_key: dict[str, list[list[float]]] = {}
     for metric in batch.metrics:  # the engine reports in step order
         by_key.setdefault(metric.key, []).append([metric.step, wire_number(metric.value)])
@@ -338,12 +342,26 @@ def _wire_update(*, run: Run, batch: TelemetryBatch, events: list[RunEvent], tim
             if sampled[-1] is not points[-1]:
                 sampled.append(points[-1])
             by_key[key] = sampled
+    logs = _wire_logs([log.line for log in batch.logs])
     return {
         "type": "run.update",
         "run": run.pk,
         "batch": batch.seq,
         "events": [event_to_wire(e) for e in events],
         "metrics": by_key,
-        "logs": [log.line for log in batch.logs[-50:]],
+        "logs": logs,
+        "logs_left_out": len(batch.logs) - len(logs),
         "timelines": timelines,
     }
+
+
+def _wire_logs(lines: Sequence[str]) -> list[str]:
+    """The last of these lines, up to WIRE_LOG_LINES of them and WIRE_LOG_CHARS as JSON (none if the last is longer)."""
+    kept: list[str] = []
+    chars = 0
+    for line in reversed(lines[-WIRE_LOG_LINES:]):
+        chars += len(json.dumps(line)) + 2  # its quotes and escapes, and the comma and space between lines
+        if chars > WIRE_LOG_CHARS:
+            break
+        kept.append(line)
+    return kept[::-1]

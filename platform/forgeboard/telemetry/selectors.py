@@ -72,12 +72,14 @@ def metrics_from_step(*, run: Run, step: int, buckets: int) -> dict[str, list[Bu
             for series in MetricSeries.objects.filter(run=run, last_step__gte=step)}
 
 
-def log_tail(*, run_id: int, after_batch: int, through_batch: int, last: int) -> list[str]:
+def log_tail(*, run_id: int, after_batch: int, through_batch: int, last: int,
+             before_index: int | None = None) -> list[str]:
     """The last `last` log lines of the run's telemetry batches after `after_batch` through `through_batch`, in the
-    order they were reported."""
-    lines = (LogLine.objects.filter(run_id=run_id, batch_seq__gt=after_batch, batch_seq__lte=through_batch)
-             .order_by("-batch_seq", "-index").values_list("line", flat=True)[:last])
-    return list(lines)[::-1]
+    order they were reported; with `before_index`, of the batch `through_batch` only its lines before that index."""
+    lines = LogLine.objects.filter(run_id=run_id, batch_seq__gt=after_batch, batch_seq__lte=through_batch)
+    if before_index is not None:
+        lines = lines.exclude(batch_seq=through_batch, index__gte=before_index)
+    return list(lines.order_by("-batch_seq", "-index").values_list("line", flat=True)[:last])[::-1]
 
 
 def events_after(*, run: Run, after_seq: int = 0, limit: int = 1000) -> QuerySet[RunEvent]:
