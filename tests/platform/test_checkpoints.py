@@ -681,6 +681,44 @@ def test_a_lost_export_is_queued_again_then_fails_and_tells_the_runs_waiting_for
     assert (_export_row(parent, 2).attempt, _export_row(parent, 2).requeues) == (3, 0)
 
 
+def _told(run: Run, step: int) -> list[tuple[str, str]]:
+    """What the run's timeline says of the export of `step`: each change of its state, with its words."""
+    from forgeboard.telemetry.models import RunEvent
+
+    told = RunEvent.objects.filter(run=run, kind="message", payload__name="checkpoint_export", payload__step=step)
+    return [(event.payload["state"], event.payload["summary"]) for event in told.order_by("seq")]
+
+
+def test_each_change_of_an_exports_state_is_told_on_the_runs_timeline(lost_exports,
+                                                                      django_capture_on_commit_callbacks):
+    """The run page's checkpoints table reloads on these messages, so its Export column follows the export: queued,
+    queued again when it was lost, running, then exported (before the runs waiting for it start) or failed."""
+    from forgeboard.telemetry.models import RunEvent
+    from workers.tasks import export_checkpoint
+
+    parent = lost_exports.parent
+    assert _told(parent, 2) == [("queued", "queued")], "asked for twice, queued once"
+    assert _told(parent, 4) == [("queued", "queued")]
+    _lose(parent, 2)
+    with django_capture_on_commit_callbacks(execute=True):
+        checkpoints.checkpoint_exports_reconcile(now=timezone.now())
+    export_checkpoint.apply(args=[parent.pk, 2], kwargs={"attempt": 1})
+    assert _told(parent, 2) == [("queued", "queued"),
+                                ("queued", "queued again after it was lost (requeue 1 of 2)"),
+                                ("running", "running again after it was lost (requeue 1 of 2)"),
+                                ("done", "exported")]
+    names = list(RunEvent.objects.filter(run=parent, kind="message").order_by("seq")
+                 .values_list("payload__name", flat=True))
+    assert names[-3:] == ["checkpoint_export", "child_run_started", "child_run_started"], "done, then the runs start"
+
+    lost_exports.exporter.write_text(FAILING_EXPORTER)
+    export_checkpoint.apply(args=[parent.pk, 4], kwargs={"attempt": 1})
+    export_checkpoint.apply(args=[parent.pk, 4], kwargs={"attempt": 1})  # a second copy of its message: no change
+    *_, running, failed = _told(parent, 4)
+    assert running == ("running", "running") and len(_told(parent, 4)) == 3
+    assert failed[0] == "failed" and failed[1].startswith(f"failed: exporting step 4 of run {parent.pk} failed")
+
+
 def _export_cells(client, run: Run) -> dict[int, str]:
     """What the run page's checkpoints table says of each checkpoint's export, by step."""
     html = client.get(f"/runs/{run.pk}/checkpoints/").content.decode()

@@ -20,6 +20,7 @@ window.FBEventText = (function () {
         `${number(p.previous_s) !== null ? `; the previous phase took ${seconds(number(p.previous_s))}` : ""})`),
     child_run_started: (p) => `started ${p.experiment} #${p.number} from step ${p.step}`,
     child_run_failed: (p) => `no run started from step ${p.step}: ${p.reason}`,
+    checkpoint_export: (p) => `export of step ${p.step}: ${String(p.summary || p.state).slice(0, 200)}`,
     job_submitted: (p) => `submitted as ${p.backend} job ${p.job_id}`,
     job_status: (p) => {
       const down = Object.entries(objectOf(p.nodes_down)).map(([node, why]) => `${node} (${why})`);

@@ -214,6 +214,19 @@
     applyChartFilter();
   }
 
+  // The checkpoints table reloads (htmx, on "checkpoints-changed") when a checkpoint is saved or an export moves on:
+  // at once, then at most every 2 s while more come, and once after the last (a fast run saves many a second).
+  let checkpointsReload = null;
+  let checkpointsChangedSince = false;
+  function checkpointsChanged() {
+    if (checkpointsReload !== null) { checkpointsChangedSince = true; return; }
+    document.body.dispatchEvent(new CustomEvent("checkpoints-changed"));
+    checkpointsReload = setTimeout(() => {
+      checkpointsReload = null;
+      if (checkpointsChangedSince) { checkpointsChangedSince = false; checkpointsChanged(); }
+    }, 2000);
+  }
+
   function addEvents(events) {
     const list = $("timeline");
     const showAll = $("timeline-all").checked;
@@ -228,7 +241,8 @@
       }
       const isStartup = event.kind === "message" && event.payload && event.payload.name === "startup_phase";
       if (isStartup) addStartupPhase(event);
-      if (event.kind === "checkpoint_saved") document.body.dispatchEvent(new CustomEvent("checkpoint-saved"));
+      const isExport = event.kind === "message" && event.payload && event.payload.name === "checkpoint_export";
+      if (event.kind === "checkpoint_saved" || isExport) checkpointsChanged();
       if (event.kind.startsWith("command_")) followCommand(event);
       const item = document.createElement("li");
       item.className = "ev-" + event.kind;

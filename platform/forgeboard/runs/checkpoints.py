@@ -7,9 +7,11 @@ The export runs the engine's exporter in a subprocess: the control plane never i
 Off the request: `checkpoint_export_request` queues the `checkpoints.export` Celery task and
 `checkpoint_export_status` tells how it goes. A `CheckpointExport` row holds the state (queued, running
 with the worker's name, or failed with the reason) and when it was written; a complete export folder
-means done. `run_launch_from_checkpoint_request` adds a `PendingChildRun` that the export's task starts
-when it is done: one export for every run asked for meanwhile. The run reconciler queues a lost export
-again, or fails it and the runs waiting for it (`checkpoint_exports_reconcile`).
+means done. Each change of that state is told on the run's timeline (a `checkpoint_export` message with the
+state in words), which the run page's checkpoints table follows. `run_launch_from_checkpoint_request` adds
+a `PendingChildRun` that the export's task starts when it is done: one export for every run asked for meanwhile.
+The run reconciler queues a lost export again, or fails it and the runs waiting for it
+(`checkpoint_exports_reconcile`).
 """
 
 from __future__ import annotations
@@ -405,9 +407,20 @@ def _record_queued(*, run: Run, step: int, requested_by: str) -> int:
     return export.attempt
 
 
+def _tell_export_state(*, run: Run, step: int) -> None:
+    """Under `_lock_exports`, once the export's state changed: a `checkpoint_export` message on the run's timeline says
+    how it stands now, in the words of the run page's checkpoints table (which reloads on it)."""
+    status = _read_status(run=run, step=step)
+    if status is not None:
+        event_append(run=run, kind=EventKind.MESSAGE,
+                     payload={"name": "checkpoint_export", "step": step, "state": status.state,
+                              "summary": status.summary})
+
+
 def _queue_export(*, run: Run, step: int, actor: Actor) -> None:
     """Under `_lock_exports`: record the export as queued and send its task once the transaction commits."""
     attempt = _record_queued(run=run, step=step, requested_by=actor_label(actor))
+    _tell_export_state(run=run, step=step)
     transaction.on_commit(partial(_enqueue_export, run_id=run.pk, step=step, attempt=attempt))
 
 
@@ -461,6 +474,7 @@ def checkpoint_export_queued(*, run_id: int, step: int, attempt: int) -> ExportS
             return _read_status(run=run, step=step)  # a copy of a message that another worker took, or a stale one
         export.state, export.worker, export.updated_at = ExportState.RUNNING, _this_worker(), timezone.now()
         export.save(update_fields=["state", "worker", "updated_at"])
+        _tell_export_state(run=run, step=step)
     error = ""
     try:
         _export(run=run, step=step, actor=None, requested_by=export.requested_by)
@@ -478,6 +492,7 @@ def checkpoint_export_queued(*, run_id: int, step: int, attempt: int) -> ExportS
         else:
             export.state, export.error, export.updated_at = ExportState.FAILED, error, timezone.now()
             export.save(update_fields=["state", "error", "updated_at"])
+        _tell_export_state(run=run, step=step)
         waiting = _take_waiting(run=run, step=step)
     return _start_waiting(run=run, step=step, waiting=waiting)
 
@@ -642,5 +657,6 @@ def checkpoint_exports_reconcile(*, now: datetime) -> ExportsReconcileReport:
                 report.requeued.append((run_id, step))
                 logger.warning("export of step %s of run %s queued again (%s of %s): it was %s", step, run_id,
                                export.requeues, settings.EXPORT_REQUEUES, how)
+            _tell_export_state(run=run, step=step)
         _start_waiting(run=run, step=step, waiting=waiting)
     return report
