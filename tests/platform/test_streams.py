@@ -225,20 +225,30 @@ def _losses(*seqs: int) -> dict[int, float]:
     return {seq: pytest.approx(1.0 / seq) for seq in seqs}
 
 
+async def _subscribed(run, team) -> tuple[WebsocketCommunicator, list[dict]]:
+    """A run stream and the backlog frame it opens with."""
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={await _token(team)}")
+    return stream, [json.loads(await stream.receive_from(timeout=10))]
+
+
+async def _ingest_lost(monkeypatch, run, *steps: int) -> None:
+    """These steps stored, their updates lost on the way to the channel layer."""
+    from forgeboard.telemetry import ingest
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ingest, "publish_run_update", lambda **kwargs: None)
+        await _ingest_steps(run, *steps)
+
+
 async def test_updates_the_channel_layer_lost_are_filled_in_once_from_the_database(running_run, team, monkeypatch):
     """A subscriber's full queue drops updates: the next one finds the batches missing before its own (this one has no
     event to tell of theirs) and is preceded by what they held, from the database, so the page has every point, log
     line, timeline and event, once."""
-    from forgeboard.telemetry import ingest
-
     run, _ = running_run
-    stream = await _connect(f"/ws/runs/{run.pk}/?token={await _token(team)}")
-    frames = [json.loads(await stream.receive_from(timeout=10))]
+    stream, frames = await _subscribed(run, team)
     await _ingest_steps(run, 1)
     frames += await _receive_until(stream, lambda m: m.get("batch") == 1)
-    with monkeypatch.context() as patched:
-        patched.setattr(ingest, "publish_run_update", lambda **kwargs: None)  # never reach the group
-        await _ingest_steps(run, 2, 3, 4)
+    await _ingest_lost(monkeypatch, run, 2, 3, 4)
     await _ingest_steps(run, 5, message=False)
     frames += await _receive_until(stream, lambda m: m.get("batch") == 5)
 
@@ -265,8 +275,7 @@ async def test_an_update_the_channel_layer_delivered_late_is_filled_in_once_and_
     from forgeboard.telemetry import ingest
 
     run, _ = running_run
-    stream = await _connect(f"/ws/runs/{run.pk}/?token={await _token(team)}")
-    frames = [json.loads(await stream.receive_from(timeout=10))]
+    stream, frames = await _subscribed(run, team)
     held = []
     with monkeypatch.context() as patched:
         patched.setattr(ingest, "publish_run_update", lambda **kwargs: held.append(kwargs))
@@ -304,8 +313,7 @@ async def test_updates_a_full_channel_drops_are_filled_in_once(running_run, team
         return paging(**kwargs)
 
     monkeypatch.setattr(consumers, "events_page", events_page_as_the_engine_reports)
-    stream = await _connect(f"/ws/runs/{run.pk}/?token={await _token(team)}")
-    frames = [json.loads(await stream.receive_from(timeout=10))]
+    stream, frames = await _subscribed(run, team)
     assert frames[0]["telemetry_seq"] == 0
     settings.CHANNEL_LAYERS = layers  # room again, whatever the stream has yet to take of what was kept
     await _ingest_steps(run, 9)
@@ -323,16 +331,11 @@ async def test_updates_a_full_channel_drops_are_filled_in_once(running_run, team
 async def test_a_lost_last_batch_comes_with_the_runs_next_event(running_run, team, monkeypatch):
     """An engine that goes quiet after a lost update (its run ends, or pauses): the platform's next event says how far
     the run's telemetry goes, and the stream fills in the rest before it."""
-    from forgeboard.telemetry import ingest
-
     run, _ = running_run
-    stream = await _connect(f"/ws/runs/{run.pk}/?token={await _token(team)}")
-    frames = [json.loads(await stream.receive_from(timeout=10))]
+    stream, frames = await _subscribed(run, team)
     await _ingest_steps(run, 1)
     frames += await _receive_until(stream, lambda m: m.get("batch") == 1)
-    with monkeypatch.context() as patched:
-        patched.setattr(ingest, "publish_run_update", lambda **kwargs: None)
-        await _ingest_steps(run, 2)
+    await _ingest_lost(monkeypatch, run, 2)
     await sync_to_async(run_transition)(run_id=run.pk, from_state=RunState.RUNNING, to_state=RunState.PAUSED)
     frames += await _receive_until(stream, lambda m: any(e["kind"] == "state_changed" for e in m["events"]))
     assert frames[-2]["telemetry_seq"] == 2 and frames[-2]["logs"] == _lines(2)
@@ -385,8 +388,7 @@ async def test_every_log_line_of_a_long_batch_reaches_the_page_once_and_in_order
     carries its last lines and the stream sends the ones before from the database, first, so the page gets every line
     it keeps (the last 500) once and in order, in frames of bounded size; the next batch's update comes as it is."""
     run, _ = running_run
-    stream = await _connect(f"/ws/runs/{run.pk}/?token={await _token(team)}")
-    frames = [json.loads(await stream.receive_from(timeout=10))]
+    stream, frames = await _subscribed(run, team)
     await sync_to_async(telemetry_ingest)(run=run, batches=[_log_batch(1, count, width)])
     frames += await _receive_until(stream, lambda m: m.get("batch") == 1)
     _, logs, _, _ = _as_the_page_holds(frames)

@@ -44,7 +44,9 @@ def require_project_role(*, actor: Actor, project: Project, minimum: Role, actio
 
 
 def require_operator(*, actor: Actor, action: str) -> None:
-    if isinstance(actor, ApiToken) or not (actor.is_active and (actor.is_operator or actor.is_superuser)):
+    if isinstance(actor, ApiToken):
+        raise PermissionDenied(f"{action} needs a platform operator's session: an API token acts only in its project")
+    if not (actor.is_active and (actor.is_operator or actor.is_superuser)):
         raise PermissionDenied(f"{action} needs the platform operator role")
 
 

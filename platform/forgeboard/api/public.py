@@ -40,7 +40,6 @@ from forgeboard.api.schemas import (
 )
 from forgeboard.cluster.selectors import host_get, hosts_with_devices
 from forgeboard.cluster.services import host_set_intent
-from forgeboard.errors import PermissionDenied
 from forgeboard.experiments.selectors import experiment_get, experiments_for_project
 from forgeboard.experiments.services import experiment_create
 from forgeboard.runs.checkpoints import (
@@ -264,10 +263,7 @@ def set_host_intent(request: HttpRequest, body: HostIntentIn,  # noqa: ANN201
     cluster (403). Asking for the intent a host already has changes nothing and gets the same answer (audited again
     with its reason), so a retry is safe as it is: no `Idempotency-Key` is needed. 404 when no host has that name."""
     actor = actor_of(request)
-    if isinstance(actor, ApiToken):
-        raise PermissionDenied("changing a host's state needs a platform operator's session: an API token acts only "
-                               "in its project")
-    require_operator(actor=actor, action="changing a host's state")
+    require_operator(actor=actor, action="changing a host's state")  # before the lookup: a 403 names no host
     host = host_set_intent(actor=actor, host=host_get(hostname=hostname), intent=body.intent, reason=body.reason)
     return hosts_with_devices().get(pk=host.pk)
 
