@@ -231,3 +231,49 @@ def test_the_controller_api_takes_a_late_report_and_the_public_api_shows_both_st
                         content_type="application/json", **auth)
     assert ended.status_code == 401
     assert Command.objects.get(pk=checkpoint.pk).state == CommandState.EXPIRED
+
+
+def test_the_acknowledgement_says_whether_the_controller_may_run_the_command(client, team, monarch_running_run,
+                                                                            running_run):
+    """200 `delivered` (empty reason): the command is this controller's to run. 200 with any other state and its
+    reason: it is not to be run (expired, or finished already), and it stays as it was. 404 naming command_id: the
+    run has no such command. The OpenAPI document says so."""
+    run, token = monarch_running_run
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {token}"}
+    base = f"/api/v1/controller/runs/{run.pk}/commands"
+    drill = command_create(actor=team.member, run=run, kind="fault_drill", payload=DRILL)
+    taken = client.post(f"{base}/{drill.pk}/ack", **auth)
+    assert taken.status_code == 200 and (taken.json()["state"], taken.json()["reason"]) == ("delivered", "")
+
+    checkpoint = command_create(actor=team.member, run=run, kind="checkpoint")
+    command_finish(run=run, command_id=checkpoint.pk, ok=True, result={"step": 4})
+    finished = client.post(f"{base}/{checkpoint.pk}/ack", **auth)
+    assert finished.status_code == 200 and finished.json()["state"] == "succeeded"
+    assert finished.json()["reason"] == "it has a result already (succeeded)"
+
+    pause = command_create(actor=team.member, run=run, kind="pause")
+    run_transition(run_id=run.pk, from_state=RunState.RUNNING, to_state=RunState.LOST, reason="no heartbeat")
+    expired = client.post(f"{base}/{pause.pk}/ack", **auth)
+    assert expired.status_code == 200 and expired.json()["state"] == "expired"
+    assert expired.json()["reason"] == ("the run was lost before its controller took this command; "
+                                        "a restarted run does not get it again")
+    pause.refresh_from_db()
+    assert pause.state == CommandState.EXPIRED and pause.acknowledged_at is None, "an expired command stays expired"
+
+    others = command_create(actor=team.member, run=running_run[0], kind="checkpoint")
+    for command_id in (others.pk, 999_999_999, 2**63):
+        missing = client.post(f"{base}/{command_id}/ack", **auth)
+        assert missing.status_code == 404 and missing.json()["code"] == "not_found"
+        assert [e["field"] for e in missing.json()["errors"]] == ["command_id"], missing.json()
+        gone = client.post(f"{base}/{command_id}/result", data=json.dumps({"ok": True, "result": {}}),
+                           content_type="application/json", **auth)
+        assert gone.status_code == 404 and [e["field"] for e in gone.json()["errors"]] == ["command_id"]
+    assert Command.objects.get(pk=others.pk).state == CommandState.PENDING
+
+    operation = client.get("/api/v1/openapi.json").json()["paths"][
+        "/api/v1/controller/runs/{run_id}/commands/{command_id}/ack"]["post"]
+    for words in ("`delivered`", "`expired`", "`command_id`", "reason"):
+        assert words in operation["description"], words
+    answer = operation["responses"]["200"]["content"]["application/json"]["schema"]
+    assert "reason" in json.dumps(client.get("/api/v1/openapi.json").json()["components"]["schemas"][
+        answer["$ref"].rsplit("/", 1)[1]]["properties"])

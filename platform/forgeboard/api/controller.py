@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from django.http import HttpRequest
-from ninja import Router, Schema
+from ninja import Field, Router, Schema
 from pydantic import ValidationError
 
 from forgeboard.errors import FieldProblem, PermissionDenied, ServiceError, ValidationFailed
-from forgeboard.runs.models import Run, RunToken
+from forgeboard.runs.models import Command, Run, RunToken
 from forgeboard.runs.selectors import commands_pending
-from forgeboard.runs.services import command_acknowledge, command_finish, run_reported_in
+from forgeboard.runs.services import command_ack_refusal, command_acknowledge, command_finish, run_reported_in
 from forgeboard.telemetry.ingest import telemetry_ingest
 from workers.engine.telemetry_wire import (
     MAX_BODY_DEPTH,
@@ -112,8 +112,26 @@ def get_commands(request: HttpRequest, run_id: int, after: int = 0):  # noqa: AN
     return list(commands_pending(run=run, after_id=after)[:100])
 
 
-@router.post("/controller/runs/{run_id}/commands/{command_id}/ack", response={200: CommandOut, **CONTROLLER_ERRORS}, summary="Acknowledge a command")
+class CommandAckOut(CommandOut):
+    reason: str = Field(description="why this controller must not run the command; empty when it is `delivered`")
+
+    @staticmethod
+    def resolve_reason(obj: Command) -> str:
+        return command_ack_refusal(command=obj)
+
+
+@router.post("/controller/runs/{run_id}/commands/{command_id}/ack",
+             response={200: CommandAckOut, **CONTROLLER_ERRORS}, summary="Acknowledge a command")
 def ack_command(request: HttpRequest, run_id: int, command_id: int):  # noqa: ANN201
+    """Take a command before running it; the answer says whether to run it.
+
+    200 with `state` `delivered` (and an empty `reason`): the command is this controller's to run (an acknowledgement
+    sent again, its first answer lost, gets the same). 200 with `state` `expired` (the run ended or was lost before
+    a result came: the operator sends it again if it is still wanted) or `succeeded` / `failed` (it has a result
+    already), with the `reason` in words: do not run it; it stays as it was. 404 naming the field `command_id`: the
+    run has no such command. 401 once the run has ended or its controller was replaced. A 429 or 5xx says nothing
+    of the command: acknowledge it again later, and do not run it meanwhile.
+    """
     return command_acknowledge(run=_run_of(request, run_id), command_id=command_id)
 
 
@@ -124,5 +142,9 @@ class CommandResultIn(Schema):
 
 @router.post("/controller/runs/{run_id}/commands/{command_id}/result", response={200: CommandOut, **CONTROLLER_ERRORS}, summary="Report a result")
 def finish_command(request: HttpRequest, run_id: int, command_id: int, body: CommandResultIn):  # noqa: ANN201
+    """Record what running a command did, once: a repeated report changes nothing, and a report of a command that
+    expired while it ran is recorded as a late one. 400 for a result that cannot be stored (a number that is not
+    finite or not within a float's range, over the size a command's payload may have): sending it again gets the same
+    answer. 404 naming the field `command_id`: the run has no such command."""
     run = _run_of(request, run_id)
     return command_finish(run=run, command_id=command_id, ok=body.ok, result=body.result)

@@ -296,18 +296,38 @@ def _check_sft_operation(*, run: Run, kind: str, payload: dict[str, Any]) -> Non
 
 def command_acknowledge(*, run: Run, command_id: int) -> Command:
     """Mark a command delivered to the controller. Repeating it is harmless (at-least-once delivery), and so is
-    acknowledging a finished or expired one: it stays as it is, and the answer says so."""
+    acknowledging a finished or expired one: it stays as it is, and the answer says so (`command_ack_refusal`).
+    NotFound, naming the field command_id, when the run has no such command."""
     now = timezone.now()
     with transaction.atomic():
         _lock_run(run)  # the run's row before the command's: the order run_transition takes them in
-        command = Command.objects.select_for_update().filter(pk=command_id, run=run).first() if is_db_id(command_id) else None
-        if command is None:
-            raise NotFound(f"run {run.pk} has no command {command_id}")
+        command = _command_locked(run=run, command_id=command_id)
         command.delivery_count += 1
         if command.state == CommandState.PENDING:
             command.state, command.delivered_at, command.acknowledged_at = CommandState.DELIVERED, now, now
             event_append(run=run, kind=EventKind.COMMAND_ACKNOWLEDGED, payload={"command": command.pk})
         command.save()
+    return command
+
+
+def command_ack_refusal(*, command: Command) -> str:
+    """Why the controller that acknowledged `command` must not run it; empty when it is delivered to that controller
+    (the only controller of its run: a restarted run's new controller never sees the lost one's commands)."""
+    if command.state == CommandState.EXPIRED:
+        return command.result.get("reason") or "it expired"
+    if command.state in (CommandState.SUCCEEDED, CommandState.FAILED):
+        return f"it has a result already ({command.state})"
+    return ""
+
+
+def _command_locked(*, run: Run, command_id: int) -> Command:
+    """The run's command, its row held to the end of the transaction; NotFound naming command_id if it has none."""
+    command = None
+    if is_db_id(command_id):
+        command = Command.objects.select_for_update().filter(pk=command_id, run=run).first()
+    if command is None:
+        raise NotFound(f"run {run.pk} has no command {command_id}",
+                       problems=[FieldProblem("command_id", "no command of this run has this id")])
     return command
 
 
@@ -326,9 +346,7 @@ def command_finish(*, run: Run, command_id: int, ok: bool, result: dict[str, Any
     now = timezone.now()
     with transaction.atomic():
         _lock_run(run)  # the run's row before the command's: the order run_transition takes them in
-        command = Command.objects.select_for_update().filter(pk=command_id, run=run).first() if is_db_id(command_id) else None
-        if command is None:
-            raise NotFound(f"run {run.pk} has no command {command_id}")
+        command = _command_locked(run=run, command_id=command_id)
         if command.state in (CommandState.SUCCEEDED, CommandState.FAILED):
             return command
         expired = command.result.get("reason", "") if command.state == CommandState.EXPIRED else None
