@@ -293,3 +293,30 @@ def test_what_the_engine_records_itself_never_breaks_the_sink():
     section, item = record_to_wire({"kind": "metric", "key": float("nan"), "step": None, "value": "x", "time": 1.0})
     assert section == "metrics" and item["key"] == "nan" and item["step"] == "None"
     json.dumps(item)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_answers_that_are_not_the_apis_do_not_stop_the_sender(live_server, running_run, tmp_path):
+    """A proxy answers 200 with a page, then with JSON of another shape: the background sender goes on (its heartbeats
+    are what keep the run from being taken for lost) and delivers what was recorded, before any close()."""
+    import httpx
+
+    run, token = running_run
+    server = httpx.HTTPTransport()
+    answers = [httpx.Response(200, text="<html>a portal</html>"), httpx.Response(200, json={"applied": "?"}),
+               httpx.Response(409, json={"code": "sequence_gap"})]
+
+    class Proxy(httpx.BaseTransport):
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            return answers.pop(0) if answers else server.handle_request(request)
+
+    target = ControlPlaneTarget(url=live_server.url, run_id=run.pk, token=token)
+    sink = ControlPlaneSink(target, spool_dir=tmp_path / "spool", flush_seconds=0.05, max_backoff_s=0.1,
+                            transport=Proxy())
+    Recorder([sink]).log("loss", 0.5, step=1)
+    deadline = time.monotonic() + 20
+    while MetricPoint.objects.filter(series__run=run).count() == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert answers == [] and sink._thread.is_alive()
+    assert MetricPoint.objects.filter(series__run=run).count() == 1
+    assert sink.close(timeout_s=10) is True

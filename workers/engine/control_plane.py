@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
 
 from workers.engine.env import CONTROL_PLANE_URL_ENV, RUN_ID_ENV, RUN_TOKEN_FILE_ENV, read_env, read_number
 from workers.engine.metrics import Record
@@ -276,8 +277,9 @@ class ControlPlaneSink:
             answer = {}
         answer = answer if isinstance(answer, dict) else {}
         status, code = response.status_code, answer.get("code")
-        if status == 409 and code == "sequence_gap":
-            self._realign(sent, expected=int(answer["expected_seq"]))
+        expected = answer.get("expected_seq")
+        if status == 409 and code == "sequence_gap" and isinstance(expected, int) and not isinstance(expected, bool):
+            self._realign(sent, expected=expected)
             return True
         if status == 422 and code == "items_refused":
             return self._drop_refused(sent, answer)
@@ -289,7 +291,11 @@ class ControlPlaneSink:
             if status >= 500 or status in RETRYABLE_STATUSES:
                 return False
             return self._refused_whole(sent, reason=f"HTTP {status}: {str(answer.get('message', ''))[:300]}")
-        result = TelemetryResponse.model_validate(answer)
+        try:
+            result = TelemetryResponse.model_validate(answer)
+        except ValidationError:
+            logger.error("control plane answered telemetry with what is not its answer: %s", response.text[:500])
+            return False
         self.pending_commands = result.pending_commands
         for path in sent:
             if _seq_of(path) <= result.applied_seq:
@@ -437,10 +443,13 @@ class ControlPlaneSink:
             response = self._client.post(f"/api/v1/controller/runs/{self.target.run_id}/telemetry", json={"batches": []})
         except httpx.HTTPError:
             return False
-        if response.status_code == 200:
+        if response.status_code != 200:
+            return False
+        try:
             self.pending_commands = TelemetryResponse.model_validate(response.json()).pending_commands
-            return True
-        return False
+        except ValueError:  # not JSON, or not the control plane's answer (a proxy's page)
+            return False
+        return True
 
     def _loop(self) -> None:
         backoff = self.flush_seconds
@@ -449,8 +458,13 @@ class ControlPlaneSink:
             self._wake.clear()
             if self._stop.is_set():
                 return
-            self._seal_batch()
-            if self._send_spooled():
+            try:
+                self._seal_batch()
+                sent = self._send_spooled()
+            except Exception:  # noqa: BLE001 - a dead sender stops the heartbeats, and the run is taken for lost
+                logger.exception("telemetry round failed; trying again")
+                sent = False
+            if sent:
                 backoff = self.flush_seconds
             else:
                 backoff = min(self.max_backoff_s, backoff * 2) * random.uniform(0.8, 1.2)
