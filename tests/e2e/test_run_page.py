@@ -31,7 +31,8 @@ from tests.e2e.conftest import login, outside_the_browser_loop, screenshot
 from tests.platform.conftest import TINY_MONARCH_GRPO_YAML
 from tests.support.configs import sft_yaml
 from tests.support.processes import wait_for
-from workers.engine.control_plane import CommandChannel, ControlPlaneTarget
+from workers.engine.command_channel import CommandChannel
+from workers.engine.control_plane import ControlPlaneTarget
 from workers.engine.telemetry_wire import TelemetryBatch
 
 POINTS = "Number(document.querySelector('figure.chart[data-key=\"loss\"]')?.dataset.points || 0)"

@@ -16,7 +16,8 @@ from forgeboard.runs.models import Command, CommandState
 from forgeboard.runs.services import command_acknowledge, command_create, run_transition
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import RunEvent
-from workers.engine.control_plane import CommandChannel, ControlPlaneTarget
+from workers.engine.command_channel import CommandChannel
+from workers.engine.control_plane import ControlPlaneTarget
 from workers.engine.run_control import RunControl
 
 DRILL = {"kind": "kill", "role": "generator"}

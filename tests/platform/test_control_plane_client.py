@@ -11,7 +11,8 @@ from forgeboard.runs.models import Command
 from forgeboard.runs.services import command_create
 from forgeboard.telemetry.models import LogLine, MetricPoint, RunEvent
 from tests.support.processes import free_port
-from workers.engine.control_plane import CommandChannel, ControlPlaneSink, ControlPlaneTarget, record_to_wire
+from workers.engine.command_channel import CommandChannel
+from workers.engine.control_plane import ControlPlaneSink, ControlPlaneTarget, record_to_wire
 from workers.engine.metrics import Recorder
 from workers.engine.telemetry_wire import MAX_REQUEST_BYTES, TelemetryRequest, WireEvent
 from workers.engine.wire_limits import json_depth

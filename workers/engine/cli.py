@@ -55,7 +55,7 @@ def _control_plane_sink(config: RunConfig):  # noqa: ANN202 - ControlPlaneSink |
 
 def _run_control(sink):  # noqa: ANN001, ANN202 - ControlPlaneSink -> RunControl
     """Operator commands for this run, pulled between steps; executed once (ledger beside the spool)."""
-    from workers.engine.control_plane import CommandChannel
+    from workers.engine.command_channel import CommandChannel
     from workers.engine.run_control import RunControl
 
     return RunControl(CommandChannel(sink.target, ledger=sink.spool / "commands.json"))

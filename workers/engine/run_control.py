@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from workers.engine.operations import OPERATIONS, Operation, parse_operation
 
 if TYPE_CHECKING:
-    from workers.engine.control_plane import CommandChannel
+    from workers.engine.command_channel import CommandChannel
 
 logger = logging.getLogger(__name__)
 
