@@ -344,6 +344,36 @@ async def test_a_lost_last_batch_comes_with_the_runs_next_event(running_run, tea
     await stream.disconnect()
 
 
+async def test_a_platform_events_push_reads_nothing_to_say_how_far_the_telemetry_goes(running_run, team, monkeypatch):
+    """event_append reads the run's last telemetry batch with the event's sequence (one query, under the row lock an
+    ingest takes too): pushing its update reads nothing more, and a stream that lost the last batch still fills it in."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from forgeboard.telemetry import services
+
+    run, _ = running_run
+    stream, frames = await _subscribed(run, team)
+    await _ingest_steps(run, 1)
+    frames += await _receive_until(stream, lambda m: m.get("batch") == 1)
+    await _ingest_lost(monkeypatch, run, 2)
+    pushing, queries = services.publish_run_update, []
+
+    def publish_counting_queries(**kwargs):
+        with CaptureQueriesContext(connection) as captured:
+            pushing(**kwargs)
+        queries.extend(query["sql"] for query in captured.captured_queries)
+
+    monkeypatch.setattr(services, "publish_run_update", publish_counting_queries)
+    await sync_to_async(services.event_append)(run=run, kind="message", payload={"text": "from the platform"})
+    frames += await _receive_until(stream, lambda m: any(e["payload"] == {"text": "from the platform"}
+                                                         for e in m["events"]))
+    assert queries == []
+    assert (frames[-2]["telemetry_seq"], frames[-2]["logs"]) == (2, _lines(2))
+    assert [line for frame in frames for line in frame["logs"]] == _lines(1, 2)
+    await stream.disconnect()
+
+
 async def test_a_reconnect_gets_the_log_lines_after_the_last_batch_it_saw_only(running_run, team):
     run, _ = running_run
     token = await _token(team)

@@ -136,7 +136,7 @@ def _apply_batch(*, run: Run, locked: Run, batch: TelemetryBatch, result: Ingest
     result.applied_seq = batch.seq
     result.events.extend(events)
     update = _wire_update(run=run, batch=batch, events=events, timelines=timelines)
-    transaction.on_commit(lambda: publish_run_update(run=run, update=update))
+    transaction.on_commit(lambda: publish_run_update(run=run, update=update, telemetry_seq=batch.seq))
 
 
 def _keys_over_the_limit(*, run_id: int, batches: Sequence[TelemetryBatch], applied: int) -> list[RefusedItem]:

@@ -39,13 +39,15 @@ def event_append(
     if kind not in EventKind.values:
         raise ValidationFailed.on("kind", f"unknown event kind {kind!r}")
     Run.objects.filter(pk=run.pk).update(last_event_seq=F("last_event_seq") + 1)
-    seq = Run.objects.filter(pk=run.pk).values_list("last_event_seq", flat=True).get()
+    # The run's last telemetry batch too, read under the UPDATE's row lock with its sequence (an ingest holds that lock
+    # while it stores a batch): the event's subscribers learn from it which batches it comes after.
+    seq, telemetry_seq = Run.objects.filter(pk=run.pk).values_list("last_event_seq", "telemetry_seq").get()
     run.last_event_seq = seq
     event = RunEvent.objects.create(
         run_id=run.pk, seq=seq, kind=kind, payload=storable(dict(payload or {})), occurred_at=occurred_at or timezone.now()
     )
     update = {"type": "run.update", "run": run.pk, "events": [event_to_wire(event)], "metrics": {}, "logs": []}
-    transaction.on_commit(lambda: publish_run_update(run=run, update=update))
+    transaction.on_commit(lambda: publish_run_update(run=run, update=update, telemetry_seq=telemetry_seq))
     return event
 
 

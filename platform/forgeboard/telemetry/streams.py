@@ -51,7 +51,10 @@ def publish_access_withdrawn(*, groups: Iterable[str]) -> None:
     transaction.on_commit(send)
 
 
-def publish_run_update(*, run: Run, update: dict) -> None:
+def publish_run_update(*, run: Run, update: dict, telemetry_seq: int) -> None:
+    """Push a run's update to its subscribers, with how far the run's telemetry goes as of it (`telemetry_seq`, from the
+    caller, which read it as it stored the update: a batch's own, or for the platform's events the run's last): a
+    stream that missed the run's last batches learns it here, however long the engine stays quiet."""
     layer = get_channel_layer()
     if layer is None:
         return
@@ -61,7 +64,7 @@ def publish_run_update(*, run: Run, update: dict) -> None:
         # Encoded once here rather than once per subscriber: fan-out to many clients stays cheap.
         message = {"type": "run.update", "update": update, "text": json.dumps(update),
                    "min_seq": min(seqs, default=None), "last_step": max(steps, default=None),
-                   "telemetry_seq": _telemetry_seq(run=run, update=update)}
+                   "telemetry_seq": telemetry_seq}
         async_to_sync(layer.group_send)(run_group(run.pk), message)
         state_changes = [e for e in update.get("events", []) if e["kind"] == "state_changed"]
         if state_changes:
@@ -73,11 +76,3 @@ def publish_run_update(*, run: Run, update: dict) -> None:
             )
     except Exception:  # noqa: BLE001 - the stored data is the source of truth; log and go on
         logger.exception("could not push an update for run %s", run.pk)
-
-
-def _telemetry_seq(*, run: Run, update: dict) -> int:
-    """The run's last telemetry batch as of this update: its own, or for the platform's events the last one stored
-    (a stream that missed the run's last batches learns it here, however long the engine stays quiet)."""
-    if update.get("batch") is not None:
-        return update["batch"]
-    return Run.objects.filter(pk=run.pk).values_list("telemetry_seq", flat=True).first() or 0
