@@ -4,7 +4,9 @@ ends while its page is open loses its live-only controls and shows how and why i
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from datetime import timedelta
 
 import httpx
@@ -469,7 +471,8 @@ def test_updates_lost_on_the_way_leave_no_hole_in_the_chart_or_the_log_tail(page
     expect(page.locator("#run-step")).to_have_text("4 of 5 · step 5 running")
     page.wait_for_function(f"({LOSS_POINTS})().length === 4", timeout=10_000)
     assert page.evaluate(LOSS_POINTS) == [1, 2, 3, 4]
-    assert page.evaluate("FBRunPage.cursors()") == {"lastSeq": 1, "lastStep": 4, "lastBatch": 4}  # 1: queued
+    assert page.evaluate("FBRunPage.cursors()") == {"lastSeq": 1, "lastStep": 4, "lastBatch": 4,  # 1: queued
+                                                    "lastLine": None}
     screenshot(page, "run_page_gap_filled")
 
     page.evaluate("FBRunPage.reconnect()")  # a reconnect from these cursors doubles nothing
@@ -477,6 +480,62 @@ def test_updates_lost_on_the_way_leave_no_hole_in_the_chart_or_the_log_tail(page
     expect(page.locator("#logs")).to_have_text("\n".join([*lines, "step 5: loss 0.200"]))
     page.wait_for_function(f"({LOSS_POINTS})().length === 5", timeout=10_000)
     expect(page.locator("#run-step")).to_have_text("5 of 5")
+
+
+def _long_batch_lines() -> list[str]:
+    """A run's output in one batch: training lines, a dump of long lines (a tensor printed whole), and more training
+    lines. Its update carries the last ones that fit (the dump's end and the lines after it) and leaves out the rest."""
+    dump = [f"grad dump rank {rank}: " + " ".join(f"{(rank * 31 + i) % 997 / 997:.4f}" for i in range(1_300))
+            for rank in range(35)]
+    return ([f"epoch 1 step {step:03d}: loss {2.5 - step / 100:.3f}" for step in range(200)]
+            + [line[:8_192] for line in dump]
+            + [f"epoch 1 step {step:03d}: loss {2.5 - step / 100:.3f} (after the dump)" for step in range(200, 212)])
+
+
+def test_a_reconnect_amid_a_long_batchs_lines_shows_each_line_once(page, server, team):
+    """The stream sends a long batch's left-out lines from the database, then its update: when the connection drops in
+    between (the update lost with it), the page reconnects from the last line it has and shows the rest once."""
+    from forgeboard.telemetry.ingest import WIRE_LOG_CHARS
+
+    lines = _long_batch_lines()
+    carried = sum(1 for size in itertools.accumulate(len(json.dumps(line)) + 2 for line in reversed(lines))
+                  if size <= WIRE_LOG_CHARS)
+    assert 0 < len(lines) - carried and carried < 200, "its update leaves some out, and carries less than a backlog"
+    connections: list[str] = []
+
+    def drop_the_long_batchs_update(ws) -> None:  # a real websocket to the server, through the browser's routing
+        connections.append(ws.url)
+        server_side = ws.connect_to_server()
+        ws.on_message(server_side.send)
+
+        def from_server(message) -> None:
+            if len(connections) == 1 and json.loads(message).get("logs_left_out"):
+                ws.close(code=1001, reason="dropped")  # lost on the way, with the update
+                server_side.close()
+                return
+            ws.send(message)
+        server_side.on_message(from_server)
+
+    page.route_web_socket(re.compile(r".*/ws/runs/.*"), drop_the_long_batchs_update)
+    run = _seeded_run(team)
+    _open(page, server, run, width=1280)
+    outside_the_browser_loop(telemetry_ingest, run=run, batches=[TelemetryBatch.model_validate(
+        {"seq": 1, "logs": [{"line": line, "time": 1.7e9} for line in lines]})])
+    page.wait_for_function("FBRunPage.cursors().lastBatch === 1 && document.getElementById('conn').textContent"
+                           " === 'live'", timeout=30_000)
+    expect(page.locator("#logs")).to_contain_text(lines[-1])
+    shown = page.evaluate("document.getElementById('logs').textContent.split('\\n')")
+    twice = [line[:40] for line in set(shown) if shown.count(line) > 1]
+    assert not twice, f"{len(shown) - len(set(shown))} lines twice, e.g. {twice[:3]}"
+    assert shown == lines
+    assert len(connections) == 2 and f"after_batch=1&after_line={len(lines) - carried - 1}" in connections[1]
+    assert page.evaluate("FBRunPage.cursors()") == {"lastSeq": 1, "lastStep": 0, "lastBatch": 1, "lastLine": None}
+
+    outside_the_browser_loop(telemetry_ingest, run=run, batches=[_step_batch(2)])  # and it goes on, live
+    expect(page.locator("#logs")).to_contain_text("step 2: loss 0.500")
+    assert page.evaluate("document.getElementById('logs').textContent.split('\\n')") == [*lines, "step 2: loss 0.500"]
+    page.locator("#logs").scroll_into_view_if_needed()
+    screenshot(page, "run_page_log_tail_after_reconnect")
 
 
 def test_a_restart_by_the_reconciler_counts_on_the_page_without_a_reload(page, server, team):

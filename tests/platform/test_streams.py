@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import pytest
 from channels.db import database_sync_to_async as sync_to_async
@@ -457,6 +458,178 @@ async def test_long_batches_missed_or_before_a_connect_come_whole_in_bounded_fra
     assert [f.get("telemetry_seq") for f in filled].count(3) == 1 and len(filled) > 3
     _frames_are_bounded(filled)
     await stream.disconnect()
+
+
+# --- a reconnect resumes after the last log line the page has --------------------------------------------------------
+
+def _reconnect_query(frames: list[dict]) -> str:
+    """The cursors run_page.js reconnects with after these frames: the last event and metric step it has, and where its
+    log tail ends: the whole of a batch (a backlog's or a filled-in gap's `telemetry_seq`, a live update's `batch`) or a
+    line of one (a frame of log lines alone says where its last one is: `logs_through`)."""
+    seq = max((e["seq"] for f in frames for e in f.get("events", [])), default=0)
+    step = max((points[-1][0] for f in frames for points in f.get("metrics", {}).values() if points), default=0)
+    end = (0, math.inf)
+    for frame in frames:
+        end = max(end, (max(frame.get("telemetry_seq") or 0, frame.get("batch") or 0), math.inf))
+        if through := frame.get("logs_through"):
+            end = max(end, (through["batch"], through["line"]))
+    query = f"after_seq={seq}&after_step={step}&after_batch={end[0]}"
+    return query if end[1] == math.inf else f"{query}&after_line={end[1]}"
+
+
+async def _dropped_and_resumed(run, token: str, frames: list[dict], *, kept: int) -> list[dict]:
+    """What a page has when its connection drops after the first `kept` of these frames (the others were on the way and
+    are lost with it) and it reconnects from there: those frames, then the new stream's backlog."""
+    page = frames[:kept]
+    again = await _connect(f"/ws/runs/{run.pk}/?token={token}&{_reconnect_query(page)}")
+    page += await _receive_until(again, lambda m: m["type"] == "run.backlog")
+    await again.disconnect()
+    return page
+
+
+def _once_each(logs: list[str]) -> list[str]:
+    twice = sorted({line[:20] for line in logs if logs.count(line) > 1})
+    assert not twice, f"{len(logs) - len(set(logs))} log lines twice, the first of them: {twice[:3]}"
+    return logs
+
+
+def _lines_alone(frames: list[dict]) -> list[int]:
+    """Where these frames have log lines in frames of their own (before a long batch's update, a backlog or a gap)."""
+    return [i for i, f in enumerate(frames) if f["logs"] and "batch" not in f and "telemetry_seq" not in f]
+
+
+@pytest.mark.parametrize(("count", "width"), [(300, 2_000), (1_200, 1_000)])
+@pytest.mark.parametrize("drop", ["after_its_first_lines", "before_its_update"])
+async def test_a_reconnect_amid_a_long_batchs_lines_resumes_after_the_last_line_the_page_has(
+        running_run, team, count, width, drop):
+    """A long batch's update leaves its first lines out, which the stream sends first, from the database: a page whose
+    connection drops after some of those (its update lost with it) reconnects from the last line it has and gets every
+    other line it keeps once, none twice (it reconnected from the batch before: those lines came again)."""
+    run, _ = running_run
+    token = await _token(team)
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={token}")
+    frames = [json.loads(await stream.receive_from(timeout=10))]
+    await sync_to_async(telemetry_ingest)(run=run, batches=[_log_batch(1, count, width)])
+    frames += await _receive_until(stream, lambda m: m.get("batch") == 1)
+    await stream.disconnect()
+    alone = _lines_alone(frames)
+    assert frames[-1]["logs_left_out"] > 0 and len(alone) > 1, "the batch's first lines came in frames of their own"
+    kept = alone[0] + 1 if drop == "after_its_first_lines" else len(frames) - 1
+
+    page = await _dropped_and_resumed(run, token, frames, kept=kept)
+    _, logs, _, _ = _as_the_page_holds(page)
+    assert _once_each(logs) == _long_lines(1, count, width)[-500:]
+    _frames_are_bounded(page)
+
+
+async def test_a_reconnect_amid_a_backlogs_lines_resumes_after_the_last_line_the_page_has(running_run, team):
+    """A backlog's log tail longer than a frame comes in frames of lines before it: a page that drops after the first
+    reconnects from its last line and gets the rest of the tail, once."""
+    from forgeboard.telemetry import consumers
+
+    run, _ = running_run
+    token = await _token(team)
+    await sync_to_async(telemetry_ingest)(run=run, batches=[_log_batch(1, 300, 2_000)])
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={token}")
+    frames = await _receive_until(stream, lambda m: m["type"] == "run.backlog")
+    await stream.disconnect()
+    assert len(_lines_alone(frames)) > 1
+
+    page = await _dropped_and_resumed(run, token, frames, kept=1)
+    _, logs, _, _ = _as_the_page_holds(page)
+    assert _once_each(logs) == _long_lines(1, 300, 2_000)[-consumers.BACKLOG_LOG_LINES:]
+    _frames_are_bounded(page)
+
+
+async def test_a_reconnect_amid_a_filled_in_gaps_lines_resumes_after_the_last_line_the_page_has(
+        running_run, team, monkeypatch):
+    """The batches an update found missing come from the database, their lines first in frames of their own: a page
+    that drops after the first of those reconnects from its last line and gets every line it keeps, once."""
+    run, _ = running_run
+    token = await _token(team)
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={token}")
+    frames = [json.loads(await stream.receive_from(timeout=10))]
+    from forgeboard.telemetry import ingest
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ingest, "publish_run_update", lambda **kwargs: None)  # lost on the way
+        await sync_to_async(telemetry_ingest)(run=run, batches=[_log_batch(1, 200, 2_000), _log_batch(2, 200, 3_000)])
+    await _ingest_steps(run, 3)
+    frames += await _receive_until(stream, lambda m: m.get("batch") == 3)
+    await stream.disconnect()
+    alone = _lines_alone(frames)
+    assert len(alone) > 1
+
+    page = await _dropped_and_resumed(run, token, frames, kept=alone[0] + 1)
+    _, logs, _, _ = _as_the_page_holds(page)
+    assert _once_each(logs) == [*_long_lines(1, 200, 2_000), *_long_lines(2, 200, 3_000), *_lines(3)]
+    _frames_are_bounded(page)
+
+
+async def test_a_page_that_has_every_line_resumes_with_none(running_run, team):
+    """A position at a batch's last line, or past the run's last batch (a page of another run's, say), brings no line;
+    the stream goes on with the next batch's."""
+    run, _ = running_run
+    token = await _token(team)
+    await _ingest_steps(run, 1, 2)
+    for query in ("after_batch=2&after_line=1", "after_batch=2", "after_batch=7&after_line=0",
+                  f"after_batch={2**63 - 1}&after_line={2**63 - 1}"):
+        stream = await _connect(f"/ws/runs/{run.pk}/?token={token}&{query}")
+        backlog = json.loads(await stream.receive_from(timeout=10))
+        assert (backlog["logs"], backlog["telemetry_seq"]) == ([], 2), query
+        await stream.disconnect()
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={token}&after_batch=1&after_line={2**63 - 1}")
+    assert json.loads(await stream.receive_from(timeout=10))["logs"] == _lines(2)  # past batch 1's last line
+    await stream.disconnect()
+    stream = await _connect(f"/ws/runs/{run.pk}/?token={token}&after_batch=1&after_line=0")
+    backlog = json.loads(await stream.receive_from(timeout=10))
+    assert backlog["logs"] == ["batch 1 line 1", *_lines(2)]
+    await _ingest_steps(run, 3)
+    live = await _receive_until(stream, lambda m: m.get("batch") == 3)
+    assert [line for m in live for line in m["logs"]] == _lines(3)
+    await stream.disconnect()
+
+
+HOSTILE_POSITIONS = [  # what a client can send as the position it resumes from
+    "after_line=-1", "after_batch=-1&after_line=0", f"after_line={2**63}", "after_line=" + "9" * 4_000,
+    "after_line=x", "after_line=1.5", "after_line=1e3", "after_line=%2B1", "after_line=%201", "after_line=1_0",
+    "after_line=%EF%BC%91", "after_line=%D9%A1", "after_line=%00", "after_line=1%00", "after_batch=%00&after_line=1",
+    "after_line=%7B%22batch%22%3A1%7D", "after_line=%5B1%2C2%5D", "after_line=null", "after_line=true",
+]
+IGNORED_POSITIONS = ["after_line%5Bbatch%5D=1", "after_line.batch=1", "after_line=", "after_lines=-1"]
+
+
+async def test_a_hostile_resume_position_is_refused_and_other_streams_go_on(running_run, team):
+    """A negative, huge, fractional, non-ASCII-digit, NUL or JSON position, or bytes that are not UTF-8: each refused
+    (4400) before the stream opens; a parameter the stream does not know is ignored. Neither touches a stream beside."""
+    run, _ = running_run
+    token = await _token(team)
+    await _ingest_steps(run, 1)
+    bystander = await _connect(f"/ws/runs/{run.pk}/?token={token}")
+    await bystander.receive_from(timeout=10)
+    for query in HOSTILE_POSITIONS:
+        refused = WebsocketCommunicator(application, f"/ws/runs/{run.pk}/?token={token}&{query}", headers=HEADERS)
+        connected, code = await refused.connect(timeout=10)  # an exception in the consumer would raise here
+        await refused.disconnect()
+        assert (connected, code) == (False, 4400), query
+    raw = WebsocketCommunicator(application, f"/ws/runs/{run.pk}/", headers=HEADERS)
+    raw.scope["query_string"] = f"token={token}&after_batch=1&after_line=".encode() + b"\xff\xfe"
+    connected, code = await raw.connect(timeout=10)
+    await raw.disconnect()
+    assert (connected, code) == (False, 4400)
+    for query in IGNORED_POSITIONS:
+        ignored = await _connect(f"/ws/runs/{run.pk}/?token={token}&{query}")
+        backlog = json.loads(await ignored.receive_from(timeout=10))
+        assert backlog["logs"] == _lines(1), query
+        await ignored.disconnect()
+    for frame in ({"type": "resume", "after_line": -1}, {"type": "resume", "after_line": {"$gt": 0}},
+                  {"type": "ping", "after_line": "\x00" * 100}):
+        await bystander.send_json_to(frame)  # a position in a frame is no message of the stream's: ignored
+    await _ingest_steps(run, 2)
+    live = await _receive_until(bystander, lambda m: m.get("batch") == 2)
+    assert [line for m in live for line in m.get("logs", [])] == _lines(2)
+    assert await _still_answers(bystander)
+    await bystander.disconnect()
 
 
 async def test_a_commands_life_reaches_the_run_stream(running_run, team):

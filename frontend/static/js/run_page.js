@@ -1,7 +1,6 @@
-// The run page, live: a websocket delivers the backlog (from the last event sequence, metric step and telemetry
-// batch this page saw, its events in pages) and then every update; the server fills in updates the channel layer
-// lost. On a drop it reconnects with those cursors, so nothing is missed or doubled, and the charts keep their zoom
-// and hidden series.
+// The run page, live: a websocket delivers the backlog (from the last event sequence, metric step and log line this
+// page saw, its events in pages) and then every update; the server fills in updates the channel layer lost. On a drop
+// it reconnects with those cursors, so nothing is missed or doubled, and the charts keep their zoom and hidden series.
 (function () {
   "use strict";
   const run = JSON.parse(document.getElementById("run-data").textContent);
@@ -26,7 +25,7 @@
   // "Where the time goes": the step timelines of the backlog and of each update; more steps from the API on demand.
   const stepTimeline = new FBTimeline.Timeline($("step-timeline"), {
     load: (last) => FB.api(`${run.apiPath}timeline?last=${last}`) });
-  window.FBRunPage = { grid, timeline: stepTimeline, cursors: () => ({ lastSeq, lastStep, lastBatch }),
+  window.FBRunPage = { grid, timeline: stepTimeline, cursors: () => ({ lastSeq, lastStep, lastBatch, lastLine }),
     reconnect: () => socket && socket.close() };
 
   function setConnection(text, open) {
@@ -343,9 +342,19 @@
 
   // The backlog's state goes with its last event: it is shown once its last page is in.
   let backlogRun = null;
-  // The last telemetry batch whose log lines this page has: a backlog's or a filled-in gap's `telemetry_seq`, a live
-  // update's `batch`.
-  let lastBatch = 0;
+  // Where the log tail ends, for a reconnect to resume after it: all of telemetry batch `lastBatch` (a backlog's or a
+  // filled-in gap's `telemetry_seq`, a live update's `batch`), or only its lines through `lastLine` (the lines of a
+  // long batch, a backlog or a gap that come before it, in frames of their own, each with its last line's place:
+  // `logs_through`).
+  let lastBatch = 0, lastLine = null;
+  const throughLine = (line) => (line === null ? Infinity : line);
+
+  function logsThrough(batch, line) {
+    if (batch > lastBatch || (batch === lastBatch && throughLine(line) > throughLine(lastLine))) {
+      lastBatch = batch;
+      lastLine = line;
+    }
+  }
 
   function onMessage(message) {
     const data = JSON.parse(message.data);
@@ -360,14 +369,15 @@
     }
     addMetrics(data.metrics || {});
     addLogs(data.logs);
-    lastBatch = Math.max(lastBatch, data.telemetry_seq || 0, data.batch || 0);
+    if (data.logs_through) logsThrough(data.logs_through.batch, data.logs_through.line);
+    logsThrough(Math.max(data.telemetry_seq || 0, data.batch || 0), null);
     stepTimeline.add(data.timelines);
   }
 
   function connect() {
     const scheme = location.protocol === "https:" ? "wss" : "ws";
     socket = new WebSocket(`${scheme}://${location.host}${run.wsPath}?after_seq=${lastSeq}&after_step=${lastStep}`
-      + `&after_batch=${lastBatch}`);
+      + `&after_batch=${lastBatch}${lastLine === null ? "" : `&after_line=${lastLine}`}`);
     socket.onopen = () => { attempts = 0; setConnection("live", true); };
     socket.onmessage = onMessage;
     socket.onclose = (e) => {

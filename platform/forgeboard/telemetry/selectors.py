@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from django.db.models import Avg, Count, ExpressionWrapper, F, IntegerField, Max, Min, QuerySet
+from django.db.models import Avg, Count, ExpressionWrapper, F, IntegerField, Max, Min, Q, QuerySet
 
 from forgeboard.runs.models import Run
 from forgeboard.telemetry.models import EventKind, LogLine, MetricPoint, MetricSeries, RunEvent, StepTimeline
@@ -72,14 +72,29 @@ def metrics_from_step(*, run: Run, step: int, buckets: int) -> dict[str, list[Bu
             for series in MetricSeries.objects.filter(run=run, last_step__gte=step)}
 
 
-def log_tail(*, run_id: int, after_batch: int, through_batch: int, last: int,
-             before_index: int | None = None) -> list[str]:
+@dataclass(frozen=True)
+class LoggedLine:
+    """A log line and where the run reported it: its telemetry batch and its index there."""
+
+    batch: int
+    index: int
+    text: str
+
+
+def log_tail(*, run_id: int, after_batch: int, through_batch: int, last: int, after_index: int | None = None,
+             before_index: int | None = None) -> list[LoggedLine]:
     """The last `last` log lines of the run's telemetry batches after `after_batch` through `through_batch`, in the
-    order they were reported; with `before_index`, of the batch `through_batch` only its lines before that index."""
-    lines = LogLine.objects.filter(run_id=run_id, batch_seq__gt=after_batch, batch_seq__lte=through_batch)
+    order they were reported; with `after_index`, the lines of the batch `after_batch` after that index too; with
+    `before_index`, of the batch `through_batch` only its lines before that index."""
+    lines = LogLine.objects.filter(run_id=run_id, batch_seq__lte=through_batch)
+    if after_index is None:
+        lines = lines.filter(batch_seq__gt=after_batch)
+    else:
+        lines = lines.filter(Q(batch_seq__gt=after_batch) | Q(batch_seq=after_batch, index__gt=after_index))
     if before_index is not None:
         lines = lines.exclude(batch_seq=through_batch, index__gte=before_index)
-    return list(lines.order_by("-batch_seq", "-index").values_list("line", flat=True)[:last])[::-1]
+    rows = lines.order_by("-batch_seq", "-index").values_list("batch_seq", "index", "line")[:last]
+    return [LoggedLine(batch=batch, index=index, text=text) for batch, index, text in rows][::-1]
 
 
 def events_after(*, run: Run, after_seq: int = 0, limit: int = 1000) -> QuerySet[RunEvent]:
