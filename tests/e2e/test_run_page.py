@@ -538,6 +538,29 @@ def test_a_reconnect_amid_a_long_batchs_lines_shows_each_line_once(page, server,
     screenshot(page, "run_page_log_tail_after_reconnect")
 
 
+def test_a_stream_refused_for_its_resume_point_is_not_retried(page, server, team):
+    """A stream the server refuses for where the page says it left off (4400: tests/platform/test_streams.py) would be
+    refused again: the page says to reload instead of reconnecting forever."""
+    connections: list[str] = []
+
+    def live_then_refused(ws) -> None:
+        connections.append(ws.url)
+        if len(connections) > 1:
+            ws.close(code=4400, reason="bad cursor")
+            return
+        server_side = ws.connect_to_server()
+        ws.on_message(server_side.send)
+        server_side.on_message(ws.send)
+
+    page.route_web_socket(re.compile(r".*/ws/runs/.*"), live_then_refused)
+    _open(page, server, _seeded_run(team), width=1280)
+    page.evaluate("FBRunPage.reconnect()")
+    expect(page.locator("#conn")).to_have_text("the stream refused where this page left off: reload the page",
+                                               timeout=15_000)
+    page.wait_for_timeout(2_500)  # a reconnect would come after 1 s
+    assert len(connections) == 2
+
+
 def test_a_restart_by_the_reconciler_counts_on_the_page_without_a_reload(page, server, team):
     from forgeboard.runs.reconcile import runs_reconcile
 

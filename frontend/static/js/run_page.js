@@ -384,6 +384,7 @@
       if (closedByPage) return;
       if (e.code === 4401 || e.code === 4404) { setConnection("not allowed to follow this run", false); return; }
       if (e.code === 4403) { setConnection("no longer allowed to follow this run", false); return; }
+      if (e.code === 4400) { setConnection("the stream refused where this page left off: reload the page", false); return; }
       attempts += 1;
       const delay = Math.min(10000, 500 * 2 ** Math.min(attempts, 5));
       setConnection(`reconnecting in ${Math.round(delay / 1000)} s…`, false);
