@@ -18,7 +18,8 @@ from django.utils import timezone
 
 from forgeboard.cluster.models import Host, HostLiveness
 from forgeboard.runs.models import Run
-from forgeboard.runs.reconcile import PREVIOUS_ATTEMPT_NOT_STOPPED, PREVIOUS_ATTEMPT_STOPPED, runs_reconcile
+from forgeboard.runs.reconcile import (PREVIOUS_ATTEMPT_NOT_CONFIRMED, PREVIOUS_ATTEMPT_NOT_STOPPED,
+                                       PREVIOUS_ATTEMPT_STOPPED, runs_reconcile)
 from forgeboard.runs.scheduling import runs_schedule
 from forgeboard.runs.services import run_launch, run_transition
 from forgeboard.runs.states import RunState
@@ -49,6 +50,12 @@ def _silent(run: Run) -> Run:
     """The run's controller last reported two minutes ago: the reconciler finds it lost."""
     Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING, max_restarts=2,
                                          last_heartbeat_at=timezone.now() - timedelta(seconds=120))
+    return Run.objects.get(pk=run.pk)
+
+
+def _out_of_restarts(run: Run) -> Run:
+    """... and has used every restart it had: the reconciler fails it."""
+    Run.objects.filter(pk=run.pk).update(restart_count=run.max_restarts)
     return Run.objects.get(pk=run.pk)
 
 
@@ -133,6 +140,79 @@ def test_a_scheduler_that_cannot_be_reached_is_retried_said_and_in_the_end_fails
     assert run.state == RunState.FAILED and run.restart_count == 0
     assert f"SLURM job {old_job} could not be confirmed stopped within 900 s" in run.exit_reason
     assert _stop_asked(asks, run)["kwargs"]["job_id"] == old_job, "still asked to go once the scheduler is back"
+
+
+def test_a_run_out_of_restarts_fails_and_its_job_is_asked_to_stop_at_every_pass_until_slurm_confirms_it(
+        team, slurm, asks):  # noqa: F811
+    """Failed at once, not reopened; its job, which may still hold the GPUs, is followed as a restart's would be."""
+    run, old_job = _launched(team, SLURM_YAML)
+    run = _out_of_restarts(_silent(run))
+    slurm.job("squeue", 18004, as_id=old_job)  # the job runs on
+    report = runs_reconcile(now=timezone.now())
+    assert report.failed == [run.pk] and report.leftover_stopping == []
+    run.refresh_from_db()
+    assert (run.state, run.restart_count) == (RunState.FAILED, 2) and "after 2 of 2 restarts" in run.exit_reason
+    ask = _stop_asked(asks, run)
+    assert ask["queue"] == "launch.slurm" and ask["kwargs"]["job_id"] == old_job
+    assert stop_attempt(**ask["kwargs"]) == "still stopping"  # scancel sent; SLURM still runs it
+    assert _messages(run, PREVIOUS_ATTEMPT_NOT_STOPPED)[-1]["problem"] == "asked to stop, still running"
+
+    for _ in range(2):  # every pass asks again; the run stays failed
+        report = runs_reconcile(now=timezone.now())
+        assert report.leftover_stopping == [run.pk] and report.failed == []
+        assert _stop_asked(asks, run)["kwargs"] == ask["kwargs"]
+    assert Run.objects.get(pk=run.pk).state == RunState.FAILED
+
+    slurm.answer("squeue", jobs=[])
+    slurm.job("sacct", 17104, as_id=old_job)  # CANCELLED
+    assert stop_attempt(**ask["kwargs"]) == f"SLURM job {old_job} had ended (the SLURM job was cancelled); not restarted"
+    assert [m["detail"] for m in _messages(run, PREVIOUS_ATTEMPT_STOPPED)] == [
+        f"SLURM job {old_job} had ended (the SLURM job was cancelled)"]
+    failed = Run.objects.get(pk=run.pk)
+    assert (failed.state, failed.restart_count, failed.exit_reason, failed.job_id) == (
+        RunState.FAILED, 2, run.exit_reason, old_job), "the failed run is left as it was, its job's id kept"
+
+    report = runs_reconcile(now=timezone.now() + timedelta(hours=1))
+    assert report.leftover_stopping == [] and not [a for a in asks if a["name"] == "runs.stop_attempt"]
+    assert stop_attempt(**ask["kwargs"]).startswith("skipped"), "a late ask touches nothing"
+    assert len(slurm.calls("scancel")) == 1 and len(_messages(run, PREVIOUS_ATTEMPT_STOPPED)) == 1
+
+
+@pytest.mark.parametrize(("backend", "left"), [
+    ("slurm", "SLURM job 18004"),
+    ("local", "its engine's process group 4242 on gpu-node-7"),
+])
+def test_a_failed_runs_attempt_not_confirmed_stopped_in_time_is_said_naming_what_may_be_left_running(
+        team, slurm, grpo_yaml, asks, backend, left):  # noqa: F811
+    if backend == "slurm":
+        run, _ = _launched(team, SLURM_YAML)
+        slurm.answer("squeue", exit=1, stderr="slurm_load_jobs error: Unable to contact slurm controller")
+    else:  # its host's worker never takes the ask
+        run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+        Run.objects.filter(pk=run.pk).update(pid=4242, host="gpu-node-7")
+    run = _out_of_restarts(_silent(Run.objects.get(pk=run.pk)))
+    failed_at = timezone.now()
+    assert runs_reconcile(now=failed_at).failed == [run.pk]
+    ask = _stop_asked(asks, run)
+    if backend == "slurm":
+        assert stop_attempt(**ask["kwargs"]).startswith("not stopped: squeue exited with 1")
+
+    report = runs_reconcile(now=failed_at + timedelta(seconds=899), stop_timeout_s=900)
+    assert report.leftover_stopping == [run.pk] and _stop_asked(asks, run)
+    report = runs_reconcile(now=failed_at + timedelta(seconds=900), stop_timeout_s=900)
+    assert report.leftover_unconfirmed == [run.pk] and report.leftover_stopping == []
+    assert not [a for a in asks if a["name"] == "runs.stop_attempt"]
+    [said] = _messages(run, PREVIOUS_ATTEMPT_NOT_CONFIRMED)
+    assert said["left"] == left
+    assert said["problem"] == (f"not confirmed stopped in the 15 minutes after the run failed: {left} may still be "
+                               "running; stopping it is left to an operator")
+    run.refresh_from_db()
+    assert run.state == RunState.FAILED
+
+    report = runs_reconcile(now=failed_at + timedelta(hours=1), stop_timeout_s=900)
+    assert (report.leftover_stopping, report.leftover_unconfirmed) == ([], [])
+    assert len(_messages(run, PREVIOUS_ATTEMPT_NOT_CONFIRMED)) == 1, "said once"
+    assert stop_attempt(**ask["kwargs"]).startswith("skipped")
 
 
 def test_a_lost_kubernetes_runs_job_is_deleted_with_its_pods_before_a_new_job_is_created(team, k8s, asks):  # noqa: F811

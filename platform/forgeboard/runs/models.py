@@ -57,6 +57,11 @@ class Run(models.Model):
     host = models.CharField(max_length=255, blank=True)
     pid = models.PositiveIntegerField(null=True, blank=True)
     job_id = models.CharField(max_length=255, blank=True)
+    leftover_stop_since = models.DateTimeField(
+        null=True, blank=True,
+        help_text="A failed run whose last attempt may still run (its job_id, or its engine's pid on host): since when "
+                  "the reconciler asks a worker to stop it, at every pass until one confirms it gone or the stop "
+                  "timeout passes (runs/reconcile.py); null when nothing is left to stop")
     log_path = models.CharField(max_length=1024, blank=True)
     last_event_seq = models.BigIntegerField(default=0)
     telemetry_seq = models.BigIntegerField(

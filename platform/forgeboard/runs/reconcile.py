@@ -15,6 +15,11 @@ engine's process group killed by a worker on the engine's host. The run restarts
 (`lost_attempt_not_stopped`). One still not confirmed after the stop timeout fails the run rather than run twice.
 A local engine on a host the inventory has down cannot be reached: the run restarts without stopping it (never on
 that host), and its timeline says what may be left there.
+
+A run that fails instead (out of restarts, or its stop not confirmed in time) is not reopened, but what its last
+attempt left is followed all the same: the run records since when (`Run.leftover_stop_since`), each pass asks again
+(`_follow_leftover`) until a worker confirms it gone, said on the timeline; one not confirmed within the stop timeout
+is given up on, and the timeline names what may be left running (`PREVIOUS_ATTEMPT_NOT_CONFIRMED`).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ STOP_ASK_EXPIRES_S = 60  # an ask to stop that no worker took by then is dropped
 WATCHED_STATES = (RunState.RUNNING, RunState.PAUSED)
 PREVIOUS_ATTEMPT_STOPPED = "previous_attempt_stopped"  # run events (messages) on the timeline
 PREVIOUS_ATTEMPT_NOT_STOPPED = "previous_attempt_not_stopped"
+PREVIOUS_ATTEMPT_NOT_CONFIRMED = "previous_attempt_not_confirmed"  # a failed run's, given up on
 
 
 @dataclass
@@ -54,6 +60,8 @@ class ReconcileReport:
     failed: list[int] = field(default_factory=list)
     cancelled: list[int] = field(default_factory=list)
     stopping: list[int] = field(default_factory=list)  # lost runs waiting for their previous attempt to be stopped
+    leftover_stopping: list[int] = field(default_factory=list)  # failed runs whose last attempt is asked to stop again
+    leftover_unconfirmed: list[int] = field(default_factory=list)  # ... and those given up on (said on the timeline)
 
 
 def runs_reconcile(
@@ -80,6 +88,12 @@ def runs_reconcile(
             continue  # it moved on by itself meanwhile
     report.cancelled = _cancels_end(now=now, silent=silent, heartbeat_timeout_s=heartbeat_timeout_s,
                                     launch_timeout_s=launch_timeout_s)
+    # Before the lost runs: one that fails below is asked to stop there, not a second time in this pass.
+    for run in Run.objects.filter(state=RunState.FAILED, leftover_stop_since__isnull=False):
+        if _follow_leftover(run=run, now=now, stop_timeout_s=stop_timeout_s):
+            report.leftover_stopping.append(run.pk)
+        else:
+            report.leftover_unconfirmed.append(run.pk)
     outcomes = {"restarted": report.restarted, "failed": report.failed, "stopping": report.stopping}
     for run in Run.objects.filter(state=RunState.LOST):
         outcome = _restart_or_fail(run=run, now=now, stop_timeout_s=stop_timeout_s)
@@ -128,6 +142,13 @@ def previous_attempt(run: Run) -> str:
     return f"its engine (pid {run.pid} on {run.host})" if run.pid is not None else ""
 
 
+def left_running(run: Run) -> str:
+    """What a previous attempt not confirmed stopped may have left running, as an operator would find it."""
+    if run.backend in EXTERNAL_BACKENDS:
+        return previous_attempt(run)
+    return f"its engine's process group {run.pid} on {run.host}"
+
+
 def _engine_host_down(run: Run) -> bool:
     """Whether the run's local engine is on a host the inventory has down: no worker there takes the ask to stop it,
     and the scheduler places nothing on that host, the restarted run included."""
@@ -147,15 +168,17 @@ def _restart_or_fail(*, run: Run, now: datetime, stop_timeout_s: int) -> str:
     """Requeue a lost run (it resumes from its newest checkpoint) while restarts remain, once its previous attempt is
     stopped; else fail it. "restarted", "stopping" (asked to stop its previous attempt), "failed" or "moved"."""
     left = previous_attempt(run)
+    # A run that fails with something left asks it to stop now, and every pass after (`_follow_leftover`).
+    leftover = {"leftover_stop_since": now} if left else {}
     try:
         if run.restart_count >= run.max_restarts:
             run_transition(
                 run_id=run.pk, from_state=RunState.LOST, to_state=RunState.FAILED,
                 reason=f"lost ({run.exit_reason or 'no reason given'}) after {run.restart_count} of "
-                       f"{run.max_restarts} restarts",
+                       f"{run.max_restarts} restarts", **leftover,
             )
             if left:
-                _ask_stop(run)  # followed by nobody once failed: removed all the same
+                _ask_stop(run)
             return "failed"
         run_tokens_revoke(run=run)  # the lost controller may still be alive: it must not report into the restart
         if left and _engine_host_down(run):
@@ -172,6 +195,7 @@ def _restart_or_fail(*, run: Run, now: datetime, stop_timeout_s: int) -> str:
                     run_id=run.pk, from_state=RunState.LOST, to_state=RunState.FAILED,
                     reason=f"lost ({run.exit_reason or 'no reason given'}); not restarted: {left} could not be "
                            f"confirmed stopped within {stop_timeout_s} s, and two attempts must not run at once",
+                    **leftover,
                 )
                 _ask_stop(run)
                 return "failed"
@@ -192,23 +216,50 @@ def _restart_or_fail(*, run: Run, now: datetime, stop_timeout_s: int) -> str:
         return "moved"
 
 
+def _follow_leftover(*, run: Run, now: datetime, stop_timeout_s: int) -> bool:
+    """Ask again to stop what a failed run's last attempt left, until the stop timeout; then give up on it, saying on
+    the run's timeline what may be left running. Whether it was asked."""
+    if (now - run.leftover_stop_since).total_seconds() < stop_timeout_s:
+        _ask_stop(run)
+        return True
+    # Unless a worker confirmed it meanwhile (lost_attempt_stopped clears it too): said once.
+    if Run.objects.filter(pk=run.pk, leftover_stop_since=run.leftover_stop_since).update(leftover_stop_since=None):
+        left = left_running(run)
+        problem = (f"not confirmed stopped in the {_duration(stop_timeout_s)} after the run failed: {left} may still "
+                   "be running; stopping it is left to an operator")
+        event_append(run=run, kind=EventKind.MESSAGE, payload={
+            "name": PREVIOUS_ATTEMPT_NOT_CONFIRMED, "attempt": previous_attempt(run), "left": left, "problem": problem})
+        logger.warning("run %s: %s", run.pk, problem, extra={"run_id": run.pk})
+    return False
+
+
+def _duration(seconds: int) -> str:
+    if seconds % 60:
+        return f"{seconds} s"
+    return "1 minute" if seconds == 60 else f"{seconds // 60} minutes"
+
+
 def _still_recorded(*, run_id: int, job_id: str, pid: int | None) -> Q:
     """The run, while it still records this attempt as its own (a restart clears it)."""
     return Q(pk=run_id, job_id=job_id) & (Q(pid=pid) if pid is not None else Q(pid__isnull=True))
 
 
 def lost_attempt_recorded(*, run_id: int, job_id: str, pid: int | None) -> bool:
-    """Whether the run still records this attempt (lost or failed with it): a late ask to stop one of an attempt
-    already stopped and restarted must touch nothing, least of all the new attempt."""
-    return Run.objects.filter(_still_recorded(run_id=run_id, job_id=job_id, pid=pid)).exists()
+    """Whether the run still records this attempt as one to stop (lost, or failed with it left): a late ask to stop
+    one already stopped and restarted, or confirmed gone or given up on, must touch nothing, least of all the new
+    attempt."""
+    to_stop = Q(state=RunState.LOST) | Q(state=RunState.FAILED, leftover_stop_since__isnull=False)
+    return Run.objects.filter(_still_recorded(run_id=run_id, job_id=job_id, pid=pid), to_stop).exists()
 
 
 def lost_attempt_stopped(*, run_id: int, job_id: str, pid: int | None, done: str) -> bool:
     """The lost run's previous attempt is confirmed gone (`done` says how): said on its timeline, and the run restarts
-    now if it waited for that. Whether it restarted."""
+    now if it waited for that; a failed run's is no longer followed (it keeps its job id and pid). Whether it
+    restarted."""
     with transaction.atomic():
-        cleared = Run.objects.filter(_still_recorded(run_id=run_id, job_id=job_id, pid=pid), state=RunState.LOST
-                                     ).update(job_id="", pid=None)
+        recorded = _still_recorded(run_id=run_id, job_id=job_id, pid=pid)
+        cleared = Run.objects.filter(recorded, state=RunState.LOST).update(job_id="", pid=None)
+        Run.objects.filter(recorded, state=RunState.FAILED).update(leftover_stop_since=None)
         run = Run.objects.get(pk=run_id)
         event_append(run=run, kind=EventKind.MESSAGE, payload={"name": PREVIOUS_ATTEMPT_STOPPED, "detail": done})
     logger.info("run %s: %s", run_id, done, extra={"run_id": run_id})
