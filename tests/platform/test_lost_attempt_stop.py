@@ -215,6 +215,38 @@ def test_a_failed_runs_attempt_not_confirmed_stopped_in_time_is_said_naming_what
     assert stop_attempt(**ask["kwargs"]).startswith("skipped")
 
 
+@pytest.mark.parametrize("shape", ["22.05", "23.11"])
+def test_a_lost_runs_job_slurm_is_still_completing_is_not_confirmed_stopped_until_it_has_left_completing(
+        team, slurm, asks, django_capture_on_commit_callbacks, shape):  # noqa: F811
+    """SLURM says the job ended (sacct: CANCELLED; 23.11's squeue: CANCELLED, COMPLETING) while it still stops its
+    processes, or runs its epilog, on its nodes: the restart's new job waits until that is done."""
+    run, old_job = _launched(team, SLURM_YAML)
+    run = _silent(run)
+    runs_reconcile(now=timezone.now())
+    ask = _stop_asked(asks, run)
+    slurm.completing(as_id=old_job, shape=shape)
+    slurm.job("sacct", 17104, as_id=old_job)  # CANCELLED already
+    nodes = "fbslurm1" if shape == "22.05" else "gpu-[001-002]"
+    problem = (f"SLURM job {old_job} has ended, but SLURM is still stopping its processes on {nodes} "
+               "(COMPLETING)")
+    assert stop_attempt(**ask["kwargs"]) == f"still stopping: {problem}"
+    assert slurm.calls("scancel") == [], "ending already: not cancelled again"
+    assert Run.objects.get(pk=run.pk).state == RunState.LOST
+    assert _messages(run, PREVIOUS_ATTEMPT_NOT_STOPPED)[-1] == {
+        "name": PREVIOUS_ATTEMPT_NOT_STOPPED, "attempt": f"SLURM job {old_job}", "problem": problem}
+
+    assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
+    assert stop_attempt(**_stop_asked(asks, run)["kwargs"]) == f"still stopping: {problem}"
+    assert len(_messages(run, PREVIOUS_ATTEMPT_NOT_STOPPED)) == 1, "said once while it lasts"
+
+    slurm.answer("squeue", jobs=[])  # done: it left the queue
+    assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
+    with django_capture_on_commit_callbacks(execute=True):
+        assert stop_attempt(**_stop_asked(asks, run)["kwargs"]).endswith("; restarted")
+    run.refresh_from_db()
+    assert (run.state, run.restart_count) == (RunState.QUEUED, 1)
+
+
 def test_a_lost_kubernetes_runs_job_is_deleted_with_its_pods_before_a_new_job_is_created(team, k8s, asks):  # noqa: F811
     run, old_job = _launched(team, K8S_YAML)
     old_token = k8s.created[0]["stringData"]["token"]

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -23,12 +25,13 @@ from django.utils import timezone
 
 from forgeboard.experiments.services import experiment_create
 from forgeboard.runs.models import Run
+from forgeboard.runs.reconcile import PREVIOUS_ATTEMPT_NOT_STOPPED, PREVIOUS_ATTEMPT_STOPPED, runs_reconcile
 from forgeboard.runs.scheduling import runs_schedule
 from forgeboard.runs.services import run_cancel, run_launch
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import MetricPoint, RunEvent
 from tests.support.processes import REPO_DIR, celery_worker, free_port, kill_processes_in, wait_for, web_server
-from workers.launch.backends import start_run
+from workers.launch.backends import start_run, stop_attempt
 from workers.tasks import poll_jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=list(settings.DATABASES))]
@@ -359,3 +362,54 @@ def test_the_node_agent_batch_script_registers_every_node(team, slurm_web, tmp_p
              what="the agents' job to be cancelled")
     wait_for(lambda: all(cluster.job_processes(node) == [] for node in cluster.node_list), timeout=30,
              what="no agent left on either node")
+
+
+def test_a_lost_runs_job_is_confirmed_stopped_only_once_slurm_has_stopped_its_processes(
+        team, tiny_model, slurm_cluster, settings, monkeypatch, tmp_path):
+    """A lost run's job whose processes outlive their SIGTERM (a hung engine, or one still saving a checkpoint): once
+    scancelled, sacct says CANCELLED at once, but squeue has the job COMPLETING while SLURM waits KillWait (5 s on
+    the test cluster) to SIGKILL them. They run on meanwhile, so the run restarts only once the job has left
+    COMPLETING. (The test cluster's slurm.conf has no epilog, the other thing a COMPLETING job waits for.)"""
+    from workers.celery import app
+
+    settings.SLURM_BIN_DIR = None
+    asks: list[dict] = []
+    monkeypatch.setattr(app, "send_task", lambda name, **kw: asks.append({"name": name, **kw}))
+    run = run_launch(actor=team.member, experiment=team.experiment,
+                     config_yaml=GRPO_YAML.format(model=tiny_model, steps=2))
+    alive, termed = tmp_path / "alive_at", tmp_path / "term_at"
+    job = slurm_cluster.command(
+        "sbatch", "--parsable", "-N1", "-o", "/dev/null", f"--comment=forgeboard-run-id={run.pk}", "--wrap",
+        f"trap 'date +%s.%N > {termed}' TERM; while true; do date +%s.%N > {alive}; sleep 0.2; done")
+    assert job.returncode == 0, job.stderr
+    job_id = job.stdout.strip()
+    try:
+        wait_for(alive.exists, timeout=60, what="the job to run")
+        Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING, job_id=job_id, max_restarts=1,
+                                             last_heartbeat_at=timezone.now() - timedelta(seconds=120))
+        assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
+        [ask] = [a for a in asks if a["name"] == "runs.stop_attempt"]
+        asks.clear()
+
+        answer = stop_attempt(**ask["kwargs"])  # squeue: RUNNING; scancel; squeue: COMPLETING
+        answered_at = time.time()
+        assert re.fullmatch(rf"still stopping: SLURM job {job_id} has ended, but SLURM is still stopping its "
+                            r"processes on fbslurm[12] \(COMPLETING\)", answer), answer
+        assert Run.objects.get(pk=run.pk).state == RunState.LOST
+        wait_for(lambda: _squeue(slurm_cluster, job_id)["job_state"] != "COMPLETING", timeout=60,
+                 what="SLURM to end the job's processes")
+        assert termed.exists() and float(termed.read_text()) < answered_at, "the scancel's SIGTERM came first"
+        assert float(alive.read_text()) > answered_at, "its processes ran on after the stop was not confirmed"
+        assert _sacct(slurm_cluster, job_id)["state"]["current"] == "CANCELLED"
+        assert all(slurm_cluster.job_processes(node) == [] for node in slurm_cluster.node_list)
+
+        assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
+        [ask] = [a for a in asks if a["name"] == "runs.stop_attempt"]
+        assert stop_attempt(**ask["kwargs"]) == f"SLURM job {job_id} had ended (the SLURM job was cancelled); restarted"
+        run.refresh_from_db()
+        assert (run.state, run.restart_count, run.job_id) == (RunState.QUEUED, 1, "")
+        [not_stopped] = RunEvent.objects.filter(run=run, kind="message", payload__name=PREVIOUS_ATTEMPT_NOT_STOPPED)
+        assert not_stopped.payload["problem"] == answer.removeprefix("still stopping: ")
+        assert RunEvent.objects.filter(run=run, kind="message", payload__name=PREVIOUS_ATTEMPT_STOPPED).exists()
+    finally:
+        slurm_cluster.command("scancel", job_id)

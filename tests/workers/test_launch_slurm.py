@@ -231,6 +231,29 @@ def test_older_slurm_json_is_read_too():
     assert statuses["9001"].state == "running" and statuses["9002"].reason == "waiting in the SLURM queue (Priority)"
 
 
+def test_a_job_slurm_is_still_completing_is_not_over():
+    """COMPLETING: SLURM has ended the job and is still stopping its processes on its nodes (or runs its epilog).
+    Slurm 22.05 says only that (captured from the suite's cluster after a scancel); 23.02+ gives how it ended
+    besides."""
+    captured = slurm.parse_squeue(_recorded("squeue_22.05_completing.json"))
+    newer = slurm.slurm_job_status({"job_id": 18004, "job_state": ["CANCELLED", "COMPLETING"], "nodes": "gpu-001"})
+    for status, nodes in ((captured["1"], "fbslurm1"), (newer, "gpu-001")):
+        assert status.completing and not status.terminal and status.state == "running"
+        assert status.reason == f"SLURM is ending the job: still stopping its processes on {nodes} (COMPLETING)"
+    assert not captured["2"].completing and captured["2"].reason == "running on fbslurm1"
+    assert not slurm.parse_sacct(_recorded("sacct_23.11.json"))["17104"].completing
+
+
+def test_one_jobs_record_is_read_without_the_others():
+    """Slurm 22.05's squeue --json lists every job whatever --jobs says: another job's record that cannot be read
+    does not make the asked job's unreadable."""
+    document = _recorded("squeue_22.05_completing.json")
+    document["jobs"][0]["job_state"] = "STAGE_OUT"
+    assert set(slurm.parse_squeue(document, job_id="2")) == {"2"}
+    with pytest.raises(LaunchSpecError, match="unknown SLURM job state"):
+        slurm.parse_squeue(document)
+
+
 def test_slurm_errors_are_raised_not_mapped():
     with pytest.raises(LaunchSpecError, match="Invalid job id specified"):
         slurm.parse_squeue(_recorded("squeue_unknown_job.json"))

@@ -62,13 +62,16 @@ def stop_attempt(*, run_id: int, job_id: str, pid: int | None, host: str) -> str
     from forgeboard.runs.reconcile import lost_attempt_not_stopped, lost_attempt_recorded, lost_attempt_stopped
     from workers.launch.kubernetes_backend import KubernetesApiFailed
     from workers.launch.slurm import LaunchSpecError
-    from workers.launch.slurm_backend import SlurmCommandFailed
+    from workers.launch.slurm_backend import JobStillCompleting, SlurmCommandFailed
 
     if not lost_attempt_recorded(run_id=run_id, job_id=job_id, pid=pid):
         return "skipped: the run no longer records that attempt"
     run = Run.objects.get(pk=run_id)
     try:
         done = _stop_previous(run=run, job_id=job_id, pid=pid, host=host)
+    except JobStillCompleting as exc:
+        lost_attempt_not_stopped(run_id=run_id, job_id=job_id, pid=pid, problem=str(exc))
+        return f"still stopping: {exc}"
     except (OSError, SlurmCommandFailed, LaunchSpecError, KubernetesApiFailed) as exc:
         lost_attempt_not_stopped(run_id=run_id, job_id=job_id, pid=pid, problem=str(exc))
         return f"not stopped: {exc}"

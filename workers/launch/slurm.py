@@ -54,6 +54,9 @@ class SchedulerStatus:
     reason: str
     job_id: str = ""
     nodes: str = ""  # the scheduler's node list for the job (SLURM's host list syntax), where it has one
+    # SLURM has ended the job but is still stopping its processes on its nodes, or runs its epilog (COMPLETING): its
+    # state is "running" until that is done, since they may still run (a lost run's restart must not join them).
+    completing: bool = False
 
     @property
     def terminal(self) -> bool:
@@ -287,6 +290,9 @@ def _slurm_job_status(record: Mapping[str, Any]) -> SchedulerStatus:
     code, signal = _exit(record)
     job_id = str(record.get("job_id", ""))
     nodes = record.get("nodes") or ""
+    if "COMPLETING" in flags:  # Slurm 22.05 says only COMPLETING; 23.02+ how the job ended besides
+        return SchedulerStatus("running", f"SLURM is ending the job: still stopping its processes on "
+                                          f"{nodes or 'its nodes'} (COMPLETING)", job_id, completing=True)
     if base == "PENDING" or (base is None and "REQUEUED" in flags):
         why = "requeued" if "REQUEUED" in flags else "waiting in the SLURM queue"
         return SchedulerStatus("queued", f"{why} ({reason})" if reason else why, job_id)
@@ -334,9 +340,12 @@ def _jobs(document: Mapping[str, Any], source: str) -> list[Mapping[str, Any]]:
     return jobs
 
 
-def parse_squeue(document: Mapping[str, Any]) -> dict[str, SchedulerStatus]:
-    """`squeue --json`: the status of each listed job, by job id. A job missing here has left the queue."""
-    return {str(job["job_id"]): slurm_job_status(job) for job in _jobs(document, "squeue")}
+def parse_squeue(document: Mapping[str, Any], *, job_id: str | None = None) -> dict[str, SchedulerStatus]:
+    """`squeue --json`: the status of each listed job, by job id; with `job_id`, of that job alone (Slurm 22.05 lists
+    every job whatever --jobs says, and another job's record must not make this one's unreadable). A job missing here
+    has left the queue."""
+    return {str(job["job_id"]): slurm_job_status(job) for job in _jobs(document, "squeue")
+            if job_id is None or str(job.get("job_id")) == job_id}
 
 
 def parse_sacct(document: Mapping[str, Any]) -> dict[str, SchedulerStatus]:

@@ -59,6 +59,10 @@ class SubmitTimedOut(SlurmCommandFailed):
     """sbatch did not answer in time: it may still have queued the job."""
 
 
+class JobStillCompleting(RuntimeError):
+    """SLURM has ended the job but is still stopping its processes on its nodes, or runs its epilog (COMPLETING)."""
+
+
 @dataclass(frozen=True)
 class SlurmCli:
     """Runs SLURM's commands (from `bin_dir`, else from PATH) and returns what they print."""
@@ -121,7 +125,7 @@ class SlurmCli:
         errors = " ".join(str(e.get("error") or e.get("description") or "") for e in document.get("errors") or [])
         if "invalid job id" in errors.lower():
             return {}
-        return parse_squeue(document)
+        return parse_squeue(document, job_id=job_id)
 
     def jobs_of_run(self, run_id: int) -> Sequence[str]:
         """The queued or running jobs whose comment names the run (every job submitted for it carries one)."""
@@ -223,16 +227,23 @@ def job_status(*, job_id: str, cli: SlurmCli) -> SchedulerStatus | None:
 def stop_slurm_job(*, job_id: str, cli: SlurmCli | None = None) -> str | None:
     """scancel a lost run's job unless SLURM has ended it; what was done, or None while SLURM still runs it.
 
-    Raises SlurmCommandFailed (SLURM cannot be asked) and LaunchSpecError (its answer is unreadable).
+    A job SLURM has ended is gone only once it has left COMPLETING: until then its processes may still run on its
+    nodes (SLURM gives them KillWait after the SIGTERM), or its epilog, and sacct already says how it ended.
+    Raises JobStillCompleting until then, SlurmCommandFailed (SLURM cannot be asked) and LaunchSpecError (its
+    answer is unreadable).
     """
     cli = cli or slurm_cli()
     status = job_status(job_id=job_id, cli=cli)
     if status is None or status.terminal:
         return f"SLURM job {job_id} had ended" + (f" ({status.reason})" if status else "")
-    cli.cancel(job_id)
-    status = job_status(job_id=job_id, cli=cli)
-    if status is None or status.terminal:
-        return f"SLURM job {job_id} cancelled"
+    if not status.completing:
+        cli.cancel(job_id)
+        status = job_status(job_id=job_id, cli=cli)
+        if status is None or status.terminal:
+            return f"SLURM job {job_id} cancelled"
+    if status.completing:
+        raise JobStillCompleting(f"SLURM job {job_id} has ended, but SLURM is still stopping its processes on "
+                                 f"{status.nodes or 'its nodes'} (COMPLETING)")
     return None
 
 
