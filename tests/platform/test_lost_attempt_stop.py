@@ -247,6 +247,40 @@ def test_a_lost_runs_job_slurm_is_still_completing_is_not_confirmed_stopped_unti
     assert (run.state, run.restart_count) == (RunState.QUEUED, 1)
 
 
+def test_an_unreadable_slurm_answer_is_said_on_the_timeline_and_the_stop_asked_again(
+        team, slurm, asks, django_capture_on_commit_callbacks):  # noqa: F811
+    """squeue answers, but with a state this code cannot read (Slurm 22.05's bare STAGE_OUT, a burst buffer's
+    stage-out): the stop is not confirmed, the timeline says why, and the next pass asks again."""
+    run, old_job = _launched(team, SLURM_YAML)
+    run = _silent(run)
+    runs_reconcile(now=timezone.now())
+    ask = _stop_asked(asks, run)
+    slurm.job("squeue", 18004, as_id=old_job)
+    [record] = slurm.answers["squeue"]["jobs"]
+    slurm.answer("squeue", jobs=[record | {"job_state": "STAGE_OUT"}])
+    assert stop_attempt(**ask["kwargs"]) == "not stopped: job_state: unknown SLURM job state ['STAGE_OUT']"
+    assert _messages(run, PREVIOUS_ATTEMPT_NOT_STOPPED) == [{
+        "name": PREVIOUS_ATTEMPT_NOT_STOPPED, "attempt": f"SLURM job {old_job}",
+        "problem": "job_state: unknown SLURM job state ['STAGE_OUT']"}]
+    assert slurm.calls("scancel") == [] and Run.objects.get(pk=run.pk).state == RunState.LOST
+
+    report = runs_reconcile(now=timezone.now())
+    assert report.stopping == [run.pk] and report.restarted == []
+    again = _stop_asked(asks, run)
+    assert again["kwargs"] == ask["kwargs"] and again["queue"] == "launch.slurm"
+    slurm.job("squeue", 18004, as_id=old_job)  # readable again: running, so it is scancelled
+    assert stop_attempt(**again["kwargs"]) == "still stopping"
+    assert [c["args"] for c in slurm.calls("scancel")] == [[old_job]]
+    assert [m["problem"] for m in _messages(run, PREVIOUS_ATTEMPT_NOT_STOPPED)] == [
+        "job_state: unknown SLURM job state ['STAGE_OUT']", "asked to stop, still running"]
+    slurm.answer("squeue", jobs=[])
+    slurm.job("sacct", 17104, as_id=old_job)
+    runs_reconcile(now=timezone.now())
+    with django_capture_on_commit_callbacks(execute=True):
+        assert stop_attempt(**_stop_asked(asks, run)["kwargs"]).endswith("; restarted")
+    assert Run.objects.get(pk=run.pk).state == RunState.QUEUED
+
+
 def test_a_lost_kubernetes_runs_job_is_deleted_with_its_pods_before_a_new_job_is_created(team, k8s, asks):  # noqa: F811
     run, old_job = _launched(team, K8S_YAML)
     old_token = k8s.created[0]["stringData"]["token"]
