@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -72,8 +73,36 @@ def test_export_is_an_hf_folder_that_starts_a_new_run(tiny_trainable_qwen3: Path
     assert again.losses[0] < result.losses[0]  # continues from the trained weights
 
 
+def _state_loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The checkpoint states (trainer.pt) torch.load reads from now on."""
+    loads: list[str] = []
+    real = torch.load
+
+    def load(path: object, *args: object, **kwargs: object) -> object:
+        if str(path).endswith("trainer.pt"):
+            loads.append(str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load)
+    return loads
+
+
+def _no_info(folder: Path, *, run: str, recipe: str, step: int) -> str:
+    """The refusal of a checkpoint without a checkpoint.json."""
+    return (f"{folder} has no checkpoint.json, which says which recipe wrote a checkpoint (it was written before "
+            f"checkpoints had one): {_remedy(folder, run=run, recipe=recipe, step=step)}")
+
+
+def _remedy(folder: Path, *, run: str, recipe: str, step: int) -> str:
+    return (f"if {run} wrote it, write {folder / 'checkpoint.json'} as {{\"recipe\": \"{recipe}\", \"step\": {step}}} "
+            f"and resume again; otherwise start from its weights: export them (python -m workers.engine export "
+            f"--checkpoint {folder} --out DIR) and set model.path to DIR (on the platform: "
+            "model.artifact=run:<id>@step:<step>)")
+
+
 def test_a_checkpoint_of_the_other_recipe_is_refused_naming_resume_from(tiny_trainable_qwen3: Path, make_config,
-                                                                        tmp_path: Path) -> None:
+                                                                        tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     # GRPO resuming an SFT checkpoint loaded it, then stopped on KeyError: 'generations' (a traceback); SFT resuming a
     # GRPO checkpoint trained on from the GRPO run's data position as if nothing were amiss
     model = tiny_trainable_qwen3
@@ -96,12 +125,114 @@ def test_a_checkpoint_of_the_other_recipe_is_refused_naming_resume_from(tiny_tra
         config = make_config(recipe, model, *short[recipe], f"checkpoint.folder={tmp_path / 'resumed'}",
                              f"checkpoint.resume_from={other.parent}")  # the folder of step folders: its newest
         assert {e.field: e.message for e in preflight_errors(config)} == {"checkpoint.resume_from": refusal}
-        (other / "checkpoint.json").unlink()  # as checkpoints were written before it: told by their progress on load
+        # as checkpoints were written before there was one: preflight passed it, and the run refused it only once its
+        # whole state had loaded (told by its progress)
+        (other / "checkpoint.json").unlink()
+        no_info = _no_info(other, run=run, recipe=recipe, step=1)
+        assert {e.field: e.message for e in preflight_errors(config)} == {"checkpoint.resume_from": no_info}
+        loads = _state_loads(monkeypatch)
+        with pytest.raises(ConfigError) as refused:
+            train(config, Recorder())
+        assert [(e.field, e.message) for e in refused.value.errors] == [("checkpoint.resume_from", no_info)]
+        assert loads == [], "refused before its state loads"
+
+        # one written by hand that names the wrong recipe: what it holds tells, once it loads
+        (other / "checkpoint.json").write_text(json.dumps({"recipe": recipe, "step": 1}))
         assert preflight_errors(config) == []
         with pytest.raises(ConfigError) as refused:
             train(config, Recorder())
-        assert [(e.field, e.message) for e in refused.value.errors] == [("checkpoint.resume_from", refusal)]
+        assert [(e.field, e.message) for e in refused.value.errors] == [("checkpoint.resume_from", (
+            f"{other / 'checkpoint.json'} says {run} wrote it, but it holds {holds}'s progress, and {run} resumes only "
+            f"its own recipe's; to start it from these weights, export them (python -m workers.engine export "
+            f"--checkpoint {other} --out DIR) and set model.path to DIR (on the platform: "
+            "model.artifact=run:<id>@step:<step>)"))]
+        assert loads == [str(other / "trainer.pt")]
+        monkeypatch.undo()
     assert not (tmp_path / "resumed").exists()
+
+
+def test_a_checkpoint_without_checkpoint_json_is_refused_before_it_loads_and_resumes_once_it_has_one(
+        tiny_trainable_qwen3: Path, make_config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a checkpoint written before checkpoint.json existed was refused (the other recipe's) or resumed only once its
+    # whole state had loaded; now preflight refuses it, saying what the folder lacks and what to write there
+    short = (*ARITHMETIC, "trainer.steps=1", "trainer.batch_size=2", "eval.every_steps=0")
+    written = train_sft(make_config("sft", tiny_trainable_qwen3, *short, f"checkpoint.folder={tmp_path / 'a'}"),
+                        Recorder()).checkpoint
+    assert written is not None
+    (written / "checkpoint.json").unlink()
+    config = make_config("sft", tiny_trainable_qwen3, *short, "trainer.steps=2", f"checkpoint.folder={tmp_path / 'b'}",
+                         f"checkpoint.resume_from={tmp_path / 'a'}")
+    refusal = _no_info(written, run="an SFT run", recipe="sft", step=1)
+    assert {e.field: e.message for e in preflight_errors(config)} == {"checkpoint.resume_from": refusal}
+    loads = _state_loads(monkeypatch)
+    with pytest.raises(ConfigError) as refused:
+        train_sft(config, Recorder())
+    assert [(e.field, e.message) for e in refused.value.errors] == [("checkpoint.resume_from", refusal)]
+    assert loads == []
+
+    (written / "checkpoint.json").write_text('{"recipe": "sft", "step": 1}')  # what the refusal says to write
+    assert preflight_errors(config) == []
+    sink = MemorySink()
+    assert train_sft(config, Recorder([sink])).step == 2
+    assert sink.events("resumed")[0]["step"] == 1 and loads == [str(written / "trainer.pt")]
+
+
+HUGE = 10 * 1024**3  # a sparse file: read whole, it would take minutes and 10 GiB
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b"step 3, sft", "is not JSON (Expecting value)"),
+    (HUGE, "is longer than 4096 bytes: not one this engine wrote"),
+    (b'{"recipe": "sft\x00", "step": 3}', "holds a NUL byte: not one this engine wrote"),
+    (b'{"recipe": "sft", "step": 3}\n\x00', "holds a NUL byte: not one this engine wrote"),
+    (b"\xff\xfe{\x00}\x00", "holds a NUL byte: not one this engine wrote"),
+    (b'{"recipe": "sft", "step": 3, "note": "\xe9t\xe9"}', "is not UTF-8 text"),
+    (b"[" * 3000, "is not JSON this engine can read"),
+    (b'["sft", 3]', "is not a JSON object"),
+    (b'{"step": 3}', "'recipe' is null, not one of 'grpo', 'sft'"),
+    (b'{"recipe": "dpo", "step": 3}', "'recipe' is \"dpo\", not one of 'grpo', 'sft'"),
+    (b'{"recipe": ["sft"], "step": 3}', "'recipe' is [\"sft\"], not one of 'grpo', 'sft'"),
+    (b'{"recipe": "sft"}', "'step' is null, not a whole number of steps (0 or more)"),
+    (b'{"recipe": "sft", "step": -3}', "'step' is -3, not a whole number of steps (0 or more)"),
+    (b'{"recipe": "sft", "step": "3"}', "'step' is \"3\", not a whole number of steps (0 or more)"),
+    (b'{"recipe": "sft", "step": 3.5}', "'step' is 3.5, not a whole number of steps (0 or more)"),
+    (b'{"recipe": "sft", "step": true}', "'step' is true, not a whole number of steps (0 or more)"),
+    (b'{"recipe": "sft", "step": "' + b"3" * 100 + b'"}',
+     "'step' is \"" + "3" * 36 + "..., not a whole number of steps (0 or more)"),  # cut short
+    ("folder", "is not a file"),
+    ("fifo", "is not a file"),
+])
+def test_a_checkpoint_json_it_cannot_use_is_refused_naming_resume_from_and_why(
+        tiny_qwen3: Path, make_config, tmp_path: Path, content: bytes | int | str, problem: str) -> None:
+    # each one the engine cannot have written: a clean refusal (what is wrong, what to write there), never a traceback,
+    # and never a read of more than the few bytes a checkpoint.json holds (nor a wait on a FIFO)
+    folder = tmp_path / "checkpoints" / "step_000003"
+    folder.mkdir(parents=True)
+    (folder / "trainer.pt").write_bytes(b"")
+    info = folder / "checkpoint.json"
+    if content == "folder":
+        info.mkdir()
+    elif content == "fifo":
+        os.mkfifo(info)
+    elif isinstance(content, int):
+        with open(info, "wb") as file:
+            file.truncate(content)
+    else:
+        info.write_bytes(content)
+    config = make_config("sft", tiny_qwen3, f"checkpoint.resume_from={folder.parent}")
+    assert {e.field: e.message for e in preflight_errors(config)} == {
+        "checkpoint.resume_from": f"{info}{'' if problem.startswith('is') or problem.startswith('holds') else ':'} "
+                                  f"{problem}: {_remedy(folder, run='an SFT run', recipe='sft', step=3)}"}
+
+
+def test_a_folder_named_with_other_digits_is_not_a_step(tmp_path: Path) -> None:
+    # 'step_²' passed str.isdigit, then int() raised ValueError: a traceback from preflight
+    folder = tmp_path / "checkpoints"
+    for name in ("step_000002", "step_²", "step_٣"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "trainer.pt").write_bytes(b"")
+    assert list_checkpoints(folder) == [folder / "step_000002"]
+    assert resolve_checkpoint(folder) == folder / "step_000002"
 
 
 def _save(folder: Path, step: int, keep_last: int) -> Path:

@@ -147,9 +147,12 @@ def test_resuming_the_other_recipes_checkpoint_exits_2_naming_resume_from(tiny_t
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.splitlines()[1:] == [f"  {refusal} (on the platform: model.artifact=run:<id>@step:<step>)"]
 
-    (sft / "checkpoint.json").unlink()  # written before there was one: told by its progress once it loads
+    (sft / "checkpoint.json").unlink()  # written before there was one: refused by preflight too, saying what it lacks
     assert main(["train", "--config", str(grpo), *resume]) == 2
-    assert refusal in capsys.readouterr().err
+    assert (f"checkpoint.resume_from: {sft} has no checkpoint.json, which says which recipe wrote a checkpoint (it was "
+            f"written before checkpoints had one): if a GRPO run wrote it, write {sft / 'checkpoint.json'} as "
+            '{"recipe": "grpo", "step": 1} and resume again; otherwise start from its weights: export them (python -m '
+            f"workers.engine export --checkpoint {sft} --out DIR) and set model.path to DIR") in capsys.readouterr().err
     assert not (tmp_path / "grpo").exists()
 
 

@@ -110,8 +110,10 @@ def test_what_the_run_writes_or_resumes_from_is_checked_before_it_starts(tiny_qw
     (empty / "step_000002").mkdir(parents=True)  # a folder name, not a complete checkpoint
     assert _preflight(tiny_qwen3, f"checkpoint.resume_from={empty}") == {
         "checkpoint.resume_from": f"{empty} holds no checkpoint (a step_N folder, or a folder of them)"}
-    assert "checkpoint.resume_from" in _preflight(tiny_qwen3, f"checkpoint.resume_from={a_file}")
+    assert _preflight(tiny_qwen3, f"checkpoint.resume_from={a_file}") == {
+        "checkpoint.resume_from": f"{a_file} is a file: name a checkpoint folder (a step_N folder, or a folder of them)"}
     (empty / "step_000002" / "trainer.pt").write_bytes(b"")
+    (empty / "step_000002" / "checkpoint.json").write_text('{"recipe": "grpo", "step": 2}')
     fine = (f"checkpoint.folder={tmp_path / 'new' / 'ckpt'}", f"telemetry.jsonl_path={tmp_path / 'new' / 'm.jsonl'}")
     assert _preflight(tiny_qwen3, *fine, f"checkpoint.resume_from={empty}") == {}
     assert _preflight(tiny_qwen3, *fine, f"checkpoint.resume_from={empty / 'step_000002'}") == {}

@@ -201,14 +201,23 @@ def test_monarch_runs_refuse_the_other_recipes_checkpoint(tiny_trainable_qwen3: 
         *grpo_run, "trainer.steps=1", f"checkpoint.folder={tmp_path / 'grpo'}"]), Recorder()).checkpoint
     assert sft is not None and grpo is not None
 
-    (sft / "checkpoint.json").unlink()  # written before there was one: told by its progress, once the ranks loaded it
+    resume_sft = load_config(f"recipe: grpo\nmodel: {{path: '{model}'}}\n", overrides=[
+        *grpo_run, *monarch, "generator.in_trainer=true", f"checkpoint.folder={tmp_path / 'grpo-resumed'}",
+        f"checkpoint.resume_from={sft}"])
+    (sft / "checkpoint.json").unlink()  # written before there was one: refused before the ranks load it
     with pytest.raises(ConfigError) as refused:
-        train_grpo_monarch(load_config(f"recipe: grpo\nmodel: {{path: '{model}'}}\n", overrides=[
-            *grpo_run, *monarch, "generator.in_trainer=true", f"checkpoint.folder={tmp_path / 'grpo-resumed'}",
-            f"checkpoint.resume_from={sft}"]), Recorder())
+        train_grpo_monarch(resume_sft, Recorder())
     [error] = refused.value.errors
     assert error.field == "checkpoint.resume_from"
-    assert error.message.startswith(f"{sft} holds an SFT run's checkpoint, and a GRPO run resumes only")
+    assert error.message.startswith(f"{sft} has no checkpoint.json, which says which recipe wrote a checkpoint")
+
+    (sft / "checkpoint.json").write_text('{"recipe": "grpo", "step": 1}')  # by hand, wrong: told by its progress
+    with pytest.raises(ConfigError) as refused:
+        train_grpo_monarch(resume_sft, Recorder())
+    [error] = refused.value.errors
+    assert error.field == "checkpoint.resume_from"
+    assert error.message.startswith(f"{sft / 'checkpoint.json'} says a GRPO run wrote it, but it holds an SFT run's "
+                                    "progress, and a GRPO run resumes only")
 
     with pytest.raises(ConfigError) as refused:  # told by its checkpoint.json, before the ranks load it
         train_sft_monarch(_config(model, tmp_path / "sft-resumed", *monarch, f"checkpoint.resume_from={grpo}"),

@@ -31,6 +31,7 @@ def layout(tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     run = tmp_path / "runs" / "7-abc"
     (run / "checkpoints" / "step_000001").mkdir(parents=True)
     (run / "checkpoints" / "step_000001" / "trainer.pt").write_bytes(b"")  # what resume_from must hold
+    (run / "checkpoints" / "step_000001" / "checkpoint.json").write_text('{"recipe": "sft", "step": 1}')
     root = tmp_path / "models"
     model = _copy_model(tiny_qwen3, root / "tiny")
     dataset = root / "train.jsonl"

@@ -4,7 +4,7 @@ A checkpoint is a folder `<checkpoint.folder>/step_NNNNNN/` holding
   trainer.pt       model (torchtitan names), optimizer, scheduler, RNG states, and the
                    recipe's own progress (step, data position, policy version, buffer, ...)
   checkpoint.json  which recipe wrote it, readable without torch: a run of the other recipe
-                   refuses to resume it (`checkpoint_folders.py`)
+                   refuses to resume it, and so does every run when it is missing (`checkpoint_folders.py`)
   config.json      + tokenizer files: the HF description of the model, so the folder can be
                    exported (or read by `hf_folder.export_hf`) without the original model folder.
 """
@@ -97,8 +97,11 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load states into the given objects, sharded (FSDP2) or not; return the recipe's progress dict.
 
-    `recipe`: the resuming run's; a checkpoint the other recipe wrote is a ConfigError, before a state is loaded."""
+    `recipe`: the resuming run's; a checkpoint its checkpoint.json does not say this recipe wrote is a ConfigError,
+    before anything is loaded (and one whose progress is the other recipe's, before a state is)."""
     folder = resolve_checkpoint(path)
+    if recipe is not None:
+        check_resume_recipe(folder, recipe=recipe)
     state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
     if recipe is not None:
         check_resume_recipe(folder, recipe=recipe, progress=state["progress"])

@@ -1,11 +1,13 @@
 """Checkpoint folders on disk, without torch: which step folders are complete, which is newest, and which recipe
-wrote one (its `checkpoint.json`), so preflight and the Monarch controller can refuse a resume of the other recipe's
-checkpoint before anything loads it. `checkpoint.py` writes and loads what is inside them.
+wrote one (its `checkpoint.json`), so preflight and the Monarch controller can refuse a resume before anything loads
+it: of the other recipe's checkpoint, or of one whose checkpoint.json is missing or cannot be read. `checkpoint.py`
+writes and loads what is inside them.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,9 +16,11 @@ from workers.engine.fields import ConfigError, FieldError
 
 STATE_FILE = "trainer.pt"
 INFO_FILE = "checkpoint.json"  # {"recipe": "grpo" | "sft", "step": N}
-# What only a GRPO run's progress holds: how a checkpoint written before INFO_FILE existed is told apart.
+INFO_MAX_BYTES = 4096  # what this engine writes there is a few dozen bytes
+# What only a GRPO run's progress holds: how the progress a checkpoint loads with tells which recipe wrote it.
 GRPO_PROGRESS_KEYS = ("generations", "buffer", "staleness")
 A_RUN = {"grpo": "a GRPO run", "sft": "an SFT run"}  # each recipe's run, in a sentence
+_STEP_FOLDER = re.compile(r"step_([0-9]+)")
 
 
 def checkpoint_step(path: Path) -> int:
@@ -28,7 +32,7 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    found = [p for p in folder.glob("step_*") if p.name.removeprefix("step_").isdigit() and (p / STATE_FILE).is_file()]
+    found = [p for p in folder.glob("step_*") if _STEP_FOLDER.fullmatch(p.name) and (p / STATE_FILE).is_file()]
     return sorted(found, key=checkpoint_step)
 
 
@@ -47,31 +51,90 @@ def write_checkpoint_info(folder: Path, *, recipe: str, step: int) -> None:
     (folder / INFO_FILE).write_text(json.dumps({"recipe": str(recipe), "step": step}))
 
 
-def checkpoint_recipe(folder: Path, *, progress: Mapping[str, Any] | None = None) -> str | None:
-    """Which recipe wrote the step folder: its INFO_FILE, else (a checkpoint written before there was one) what its
-    `progress` holds; None when neither tells."""
+class UnreadableInfo(ValueError):
+    """A step folder's INFO_FILE is missing or does not say which recipe wrote it; the message says why."""
+
+
+def checkpoint_recipe(folder: Path) -> str:
+    """Which recipe wrote the step folder, as its INFO_FILE says; UnreadableInfo when it is missing or unusable (read
+    no further than INFO_MAX_BYTES, and only when it is a regular file: a FIFO there would never end a read)."""
+    info = folder / INFO_FILE
     try:
-        recipe = json.loads((folder / INFO_FILE).read_text()).get("recipe")
-    except (OSError, ValueError, AttributeError):
-        recipe = None
-    if recipe in A_RUN:
-        return recipe
-    if progress is None:
-        return None
+        if not info.exists():
+            raise UnreadableInfo(f"{folder} has no {INFO_FILE}, which says which recipe wrote a checkpoint (it was "
+                                 "written before checkpoints had one)")
+        if not info.is_file():
+            raise UnreadableInfo(f"{info} is not a file")
+        with open(info, "rb") as file:
+            raw = file.read(INFO_MAX_BYTES + 1)
+    except OSError as exc:
+        raise UnreadableInfo(f"cannot read {exc.filename or info} ({exc.strerror or exc})") from None
+    if len(raw) > INFO_MAX_BYTES:
+        raise UnreadableInfo(f"{info} is longer than {INFO_MAX_BYTES} bytes: not one this engine wrote")
+    if b"\x00" in raw:
+        raise UnreadableInfo(f"{info} holds a NUL byte: not one this engine wrote")
+    try:
+        info_data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UnreadableInfo(f"{info} is not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise UnreadableInfo(f"{info} is not JSON ({exc.msg})") from None
+    except (ValueError, RecursionError):  # a number of over 4300 digits, arrays nested a thousand deep
+        raise UnreadableInfo(f"{info} is not JSON this engine can read") from None
+    if not isinstance(info_data, dict):
+        raise UnreadableInfo(f"{info} is not a JSON object")
+    recipe, step = info_data.get("recipe"), info_data.get("step")
+    if not isinstance(recipe, str) or recipe not in A_RUN:
+        raise UnreadableInfo(f"{info}: 'recipe' is {_shown(recipe)}, not one of {', '.join(map(repr, A_RUN))}")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise UnreadableInfo(f"{info}: 'step' is {_shown(step)}, not a whole number of steps (0 or more)")
+    return recipe
+
+
+def progress_recipe(progress: Mapping[str, Any]) -> str | None:
+    """Which recipe's progress a checkpoint loaded with: only a GRPO run's has its generations, buffer, staleness."""
     if any(key in progress for key in GRPO_PROGRESS_KEYS):
         return "grpo"
     return "sft" if "data" in progress else None
 
 
 def check_resume_recipe(path: str | Path, *, recipe: str, progress: Mapping[str, Any] | None = None) -> None:
-    """ConfigError on checkpoint.resume_from when the checkpoint at `path` was written by the other recipe: a resume
-    continues the run that wrote it (its optimizer, schedule, data position and, for GRPO, its generations and replay
-    buffer). Starting a run of one recipe from the other's weights is an export, then model.path."""
+    """ConfigError on checkpoint.resume_from unless the checkpoint at `path` says (its INFO_FILE) that this recipe
+    wrote it: a resume continues the run that wrote it (its optimizer, schedule, data position and, for GRPO, its
+    generations and replay buffer). Starting a run of one recipe from the other's weights is an export, then
+    model.path. `progress`: what the checkpoint loaded with, which must be that recipe's too (an INFO_FILE written by
+    hand can name the wrong one). FileNotFoundError when `path` holds no checkpoint."""
     folder = resolve_checkpoint(path)
-    wrote = checkpoint_recipe(folder, progress=progress)
-    if wrote is None or wrote == recipe:
+    try:
+        wrote = checkpoint_recipe(folder)
+    except UnreadableInfo as exc:
+        raise ConfigError([FieldError("checkpoint.resume_from", f"{exc}: {_remedy(folder, recipe=recipe)}")]) from None
+    holds = progress_recipe(progress) if progress is not None else None
+    if wrote != recipe:
+        problem = f"{folder} holds {A_RUN[wrote]}'s checkpoint"
+    elif holds not in (None, recipe):
+        problem = f"{folder / INFO_FILE} says {A_RUN[wrote]} wrote it, but it holds {A_RUN[holds]}'s progress"
+    else:
         return
     raise ConfigError([FieldError("checkpoint.resume_from", (
-        f"{folder} holds {A_RUN[wrote]}'s checkpoint, and {A_RUN[str(recipe)]} resumes only its own recipe's; to "
-        f"start it from these weights, export them (python -m workers.engine export --checkpoint {folder} --out DIR) "
-        "and set model.path to DIR (on the platform: model.artifact=run:<id>@step:<step>)"))])
+        f"{problem}, and {A_RUN[str(recipe)]} resumes only its own recipe's; to start it from these weights, "
+        f"{_export(folder)}"))])
+
+
+def _remedy(folder: Path, *, recipe: str) -> str:
+    """What to do with a step folder whose INFO_FILE does not say which recipe wrote it."""
+    match = _STEP_FOLDER.fullmatch(folder.name)
+    info = json.dumps({"recipe": recipe, "step": int(match.group(1)) if match else "<its step>"})
+    return (f"if {A_RUN[recipe]} wrote it, write {folder / INFO_FILE} as {info} and resume again; otherwise start "
+            f"from its weights: {_export(folder)}")
+
+
+def _export(folder: Path) -> str:
+    return (f"export them (python -m workers.engine export --checkpoint {folder} --out DIR) and set model.path to DIR "
+            "(on the platform: model.artifact=run:<id>@step:<step>)")
+
+
+def _shown(value: object) -> str:
+    """A value read from a file, as JSON, cut short: it may be anything up to INFO_MAX_BYTES."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."

@@ -169,14 +169,17 @@ def preflight_errors(config: RunConfig) -> list[FieldError]:
 
 
 def _resume_errors(config: RunConfig) -> list[FieldError]:
-    """A checkpoint.resume_from that does not exist, holds no checkpoint (what `resolve_checkpoint` finds: a step
-    folder itself, or a complete step_N folder inside), or holds the other recipe's (its checkpoint.json says so; one
-    written before there was one is told by its progress when it loads)."""
+    """A checkpoint.resume_from that does not exist, is a file, holds no checkpoint (what `resolve_checkpoint` finds: a
+    step folder itself, or a complete step_N folder inside), or one whose checkpoint.json does not say its own recipe
+    wrote it (the other recipe's, or one written before there was one: `check_resume_recipe`)."""
     path = config.checkpoint.resume_from
     if not path:
         return []
     if not Path(path).exists():
         return [FieldError("checkpoint.resume_from", f"{path} does not exist")]
+    if not Path(path).is_dir():
+        return [FieldError("checkpoint.resume_from", f"{path} is a file: name a checkpoint folder (a step_N folder, or "
+                                                     "a folder of them)")]
     try:
         check_resume_recipe(path, recipe=config.recipe)
     except FileNotFoundError:
