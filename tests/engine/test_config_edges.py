@@ -28,11 +28,17 @@ def _preflight(model: Path, *overrides: str, recipe: str = "grpo") -> dict[str, 
     return {e.field: e.message for e in preflight_errors(config)}
 
 
-def _warnings(model: Path, *overrides: str, recipe: str = "sft") -> dict[str, str]:
+def _report(model: Path, *overrides: str, recipe: str = "sft") -> tuple[list[str], list[str]]:
+    """(errors, warnings), each `field: message`: several can name one field."""
     config = load_config(f"recipe: {recipe}\nmodel: {{path: '{model}'}}\n", overrides=list(overrides))
     report = preflight_report(config)
-    assert report.errors == []
-    return {e.field: e.message for e in report.warnings}
+    return [str(e) for e in report.errors], [str(e) for e in report.warnings]
+
+
+def _warnings(model: Path, *overrides: str, recipe: str = "sft") -> list[str]:
+    errors, warnings = _report(model, *overrides, recipe=recipe)
+    assert errors == []
+    return warnings
 
 
 def test_threads_per_process_stops_at_more_cores_than_a_host_has() -> None:
@@ -82,8 +88,12 @@ def test_a_prompt_longer_than_max_prompt_tokens_is_refused_with_where_it_comes_f
     errors = _preflight(tiny_qwen3, "data.source=jsonl", f"data.path={rows}", "data.eval_size=1")
     assert errors == {"data.max_prompt_tokens": "64 is shorter than a prompt of 319 tokens (data.path line 3, in the "
                                                 "chat template)"}
-    # SFT truncates its sequences at data.seq_len instead
-    assert _preflight(tiny_qwen3, "data.source=jsonl", f"data.path={rows}", "data.eval_size=1", recipe="sft") == {}
+    # SFT truncates its sequences at data.seq_len instead; its one held-out example (line 3) then has nothing to score
+    assert _preflight(tiny_qwen3, "data.source=jsonl", f"data.path={rows}", "data.eval_size=1", "eval.every_steps=0",
+                      recipe="sft") == {}
+    assert _preflight(tiny_qwen3, "data.source=jsonl", f"data.path={rows}", "data.eval_size=1", recipe="sft") == {
+        "data.seq_len": "256 cuts off every held-out example's whole response: their prompts are 319 tokens (in the "
+                        "chat template), so eval/nll would score nothing (or set eval.every_steps: 0)"}
 
 
 def test_a_tokenizer_that_cannot_load_is_a_model_path_error(tiny_qwen3: Path, tmp_path: Path) -> None:
@@ -173,26 +183,54 @@ def test_an_sft_seq_len_that_cuts_off_every_response_is_refused_and_one_that_cut
         tiny_qwen3: Path, tmp_path: Path) -> None:
     # data.seq_len shorter than the prompts validated and trained on nothing, with loss 0: every example's response
     # lay past seq_len, so no target was a response token. The tiny model's chat template makes 'a+b=' 19 + 4..6 tokens.
-    assert _preflight(tiny_qwen3, "data.seq_len=20", recipe="sft") == {
-        "data.seq_len": "20 cuts off every training example's whole response: their prompts are 23 to 25 tokens (in "
-                        "the chat template), so the run would train on nothing, with loss 0"}
-    assert _warnings(tiny_qwen3, "data.seq_len=24") == {
-        "data.seq_len": "104 of 377 training examples have prompts longer than 24 tokens (the longest: 25 tokens, "
-                        "'12+12='): their responses are cut off whole and train nothing"}
-    assert _warnings(tiny_qwen3, "data.seq_len=25") == {}
+    assert _report(tiny_qwen3, "data.seq_len=20") == ([
+        "data.seq_len: 20 cuts off every training example's whole response: their prompts are 23 to 25 tokens (in "
+        "the chat template), so the run would train on nothing, with loss 0",
+        "data.seq_len: 20 cuts off every held-out example's whole response: their prompts are 23 to 25 tokens (in "
+        "the chat template), so eval/nll would score nothing (or set eval.every_steps: 0)"], [])
+    assert _warnings(tiny_qwen3, "data.seq_len=24") == [
+        "data.seq_len: 104 of 377 training examples have prompts longer than 24 tokens (the longest: 25 tokens, "
+        "'12+12='): their responses are cut off whole and train nothing",
+        "data.seq_len: 17 of 64 held-out examples have prompts longer than 24 tokens (the longest: 25 tokens, "
+        "'14+13='): eval/nll leaves them out, with none of their responses to score"]
+    assert _warnings(tiny_qwen3, "data.seq_len=25") == []
 
     rows = tmp_path / "rows.jsonl"
     examples = [{"prompt": f"{i}+1=", "response": str(i + 1)} for i in range(8)]
     examples[2], examples[5] = {"prompt": "x" * 100, "response": "x"}, {"prompt": "y" * 120, "response": "y"}
     rows.write_text("\n".join(json.dumps(example) for example in examples) + "\n")
     jsonl = ("data.source=jsonl", f"data.path={rows}", "data.eval_size=1")
-    assert _warnings(tiny_qwen3, *jsonl, "data.seq_len=64") == {
-        "data.seq_len": "2 of 7 training examples have prompts longer than 64 tokens (the longest: 139 tokens, "
-                        "data.path line 6): their responses are cut off whole and train nothing"}
-    assert _preflight(tiny_qwen3, *jsonl, "data.seq_len=16", recipe="sft") == {
-        "data.seq_len": "16 cuts off every training example's whole response: their prompts are 23 to 139 tokens (in "
-                        "the chat template), so the run would train on nothing, with loss 0"}
-    assert _warnings(tiny_qwen3, *jsonl, "data.seq_len=139") == {}
+    assert _warnings(tiny_qwen3, *jsonl, "data.seq_len=64") == [
+        "data.seq_len: 2 of 7 training examples have prompts longer than 64 tokens (the longest: 139 tokens, "
+        "data.path line 6): their responses are cut off whole and train nothing"]
+    assert _report(tiny_qwen3, *jsonl, "data.seq_len=16") == ([
+        "data.seq_len: 16 cuts off every training example's whole response: their prompts are 23 to 139 tokens (in "
+        "the chat template), so the run would train on nothing, with loss 0",
+        "data.seq_len: 16 cuts off every held-out example's whole response: their prompts are 23 tokens (in the chat "
+        "template), so eval/nll would score nothing (or set eval.every_steps: 0)"], [])
+    assert _warnings(tiny_qwen3, *jsonl, "data.seq_len=139") == []
+
+
+def test_an_sft_seq_len_that_cuts_off_held_out_examples_is_reported_and_one_that_cuts_them_all_refused(
+        tiny_qwen3: Path, tmp_path: Path) -> None:
+    # a held-out example whose prompt filled data.seq_len dropped out of eval/nll without a word; when every one did,
+    # eval/nll was 0 over no tokens at all, and read as a perfect score. Seed 0 holds out lines 8 and 9 of 10.
+    rows = tmp_path / "rows.jsonl"
+    examples = [{"prompt": f"{i}+1=", "response": str(i + 1)} for i in range(10)]
+    examples[7] = {"prompt": "x" * 100, "response": "x"}  # 119 tokens in the chat template
+    rows.write_text("\n".join(json.dumps(example) for example in examples) + "\n")
+    jsonl = ("data.source=jsonl", f"data.path={rows}", "data.eval_size=2", "data.seq_len=64")
+    assert _warnings(tiny_qwen3, *jsonl) == [
+        "data.seq_len: 1 of 2 held-out examples have prompts longer than 64 tokens (the longest: 119 tokens, "
+        "data.path line 8): eval/nll leaves them out, with none of their responses to score"]
+    assert _warnings(tiny_qwen3, *jsonl, "eval.every_steps=0") == [], "no eval: nothing is left out of it"
+
+    examples[8] = {"prompt": "y" * 120, "response": "y"}  # 139 tokens
+    rows.write_text("\n".join(json.dumps(example) for example in examples) + "\n")
+    assert _report(tiny_qwen3, *jsonl) == ([
+        "data.seq_len: 64 cuts off every held-out example's whole response: their prompts are 119 to 139 tokens (in "
+        "the chat template), so eval/nll would score nothing (or set eval.every_steps: 0)"], [])
+    assert _report(tiny_qwen3, *jsonl, "eval.every_steps=0") == ([], [])
 
 
 @pytest.mark.parametrize("recipe", ["grpo", "sft"])

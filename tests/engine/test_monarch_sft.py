@@ -119,6 +119,7 @@ def test_monarch_sft_equals_one_process_and_checkpoints_move_between_1_and_2_sha
     assert ready["trainer_ranks"] == 2 and len(set(ready["trainer_pids"])) == 2
     nll = sink.series("eval/nll")
     assert [step for step, _ in nll] == [0, 4] and nll[1][1] < nll[0][1]
+    assert sink.series("eval/nll_dropped") == [(0, 0.0), (4, 0.0)]  # data.seq_len 64 cuts off no held-out example
 
     one_from_two = train_sft(_config(model, tmp_path / "one-from-two", *every,
                                      f"checkpoint.resume_from={tmp_path / 'two' / 'step_000002'}"), Recorder())

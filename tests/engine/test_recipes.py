@@ -199,6 +199,37 @@ def test_sft_on_jsonl_chat_without_answers(tiny_trainable_qwen3: Path, make_conf
     assert sink.series("eval/accuracy") == [] and result.eval is None  # nothing to check answers against
 
 
+def test_held_out_examples_cut_off_whole_are_warned_of_once_and_counted_at_each_eval(
+        tiny_trainable_qwen3: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # a held-out example whose prompt filled data.seq_len dropped out of eval/nll without a word
+    import json
+
+    from workers.engine.cli import main
+
+    rows = tmp_path / "rows.jsonl"
+    examples = [{"prompt": f"{i}+1=", "response": str(i + 1)} for i in range(10)]
+    examples[7] = {"prompt": "x" * 100, "response": "x"}  # 119 tokens in the chat template; seed 0 holds out lines 8, 9
+    rows.write_text("\n".join(json.dumps(example) for example in examples) + "\n")
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"recipe: sft\nmodel: {{path: '{tiny_trainable_qwen3}'}}\n")
+    assert main(["train", "--config", str(config), "data.source=jsonl", f"data.path={rows}", "data.eval_size=2",
+                 "data.seq_len=64", "trainer.steps=2", "trainer.batch_size=4", "eval.every_steps=1",
+                 "trainer.threads_per_process=1", "telemetry.console=false", f"checkpoint.folder={tmp_path / 'ckpt'}",
+                 f"telemetry.jsonl_path={tmp_path / 'metrics.jsonl'}"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert warnings == ["warning: data.seq_len: 1 of 2 held-out examples have prompts longer than 64 tokens (the "
+                        "longest: 119 tokens, data.path line 8): eval/nll leaves them out, with none of their "
+                        "responses to score"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+    def series(key: str) -> list[tuple[int, float]]:
+        return [(r["step"], r["value"]) for r in records if r["kind"] == "metric" and r["key"] == key]
+
+    assert series("eval/nll_dropped") == [(0, 1.0), (1, 1.0), (2, 1.0)]
+    nll = series("eval/nll")
+    assert [step for step, _ in nll] == [0, 1, 2] and all(0.0 < value < math.inf for _, value in nll)
+
+
 def test_grpo_refuses_prompts_over_the_limit(tiny_qwen3: Path, make_config) -> None:
     config = make_config("grpo", tiny_qwen3, "data.max_prompt_tokens=8", "trainer.steps=1", "grpo.group_size=2",
                          "eval.every_steps=0")

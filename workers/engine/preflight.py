@@ -269,29 +269,41 @@ def prompt_length_checks(config: RunConfig, *, context: int | None,
 def _sft_length_checks(config: RunConfig, *, tokenizer: ChatTokenizer, context: int | None,
                        rows: list[tuple[int, Problem]] | None) -> PreflightReport:
     """An SFT example whose prompt is longer than data.seq_len is cut off before its response starts: it trains no
-    token (`batching.collate_sft`). When every training example is, the run would train on nothing with loss 0:
-    refused; when some are, a warning counts them (and each step reports `data/no_response_share`). The held-out eval
-    (when its problems carry answers) generates generator.max_new_tokens after each held-out prompt, past the model's
-    positions if the longest does not leave room."""
+    token and the held-out eval has none of it to score (`batching.collate_sft`). When every training example is, the
+    run would train on nothing with loss 0; when every held-out example is (and the run evaluates), eval/nll would be
+    0 over nothing: each refused. When some are, a warning counts them (and each step reports
+    `data/no_response_share`, each eval `eval/nll_dropped`). The held-out eval (when its problems carry answers)
+    generates generator.max_new_tokens after each held-out prompt, past the model's positions if the longest does not
+    leave room."""
     task = build_task(config, rows=rows)
     seq_len, errors, warnings = config.data.seq_len, [], []
+    lines = {id(problem): line for line, problem in rows or []}  # the split keeps the rows' objects
     lengths = [len(tokenizer.encode_prompt(problem.messages)) for problem in task.train]
     cut = [i for i, tokens in enumerate(lengths) if tokens > seq_len]
     if len(cut) == len(lengths):
         errors.append(FieldError("data.seq_len", f"{seq_len} cuts off every training example's whole response: their "
-                                                 f"prompts are {min(lengths)} to {max(lengths)} tokens (in the chat "
-                                                 "template), so the run would train on nothing, with loss 0"))
+                                                 f"prompts are {_span(lengths)} (in the chat template), so the run "
+                                                 "would train on nothing, with loss 0"))
     elif cut:
-        at = max(cut, key=lengths.__getitem__)
-        lines = {id(problem): line for line, problem in rows or []}  # the split keeps the rows' objects
-        longest = task.train[at]
-        where = (f"data.path line {lines[id(longest)]}" if id(longest) in lines
-                 else repr(longest.messages[-1]["content"]))
+        longest = _longest(cut, lengths=lengths, problems=task.train, lines=lines)
         warnings.append(FieldError("data.seq_len", f"{len(cut)} of {len(lengths)} training examples have prompts "
-                                                   f"longer than {seq_len} tokens (the longest: {lengths[at]} tokens, "
-                                                   f"{where}): their responses are cut off whole and train nothing"))
-    if config.eval.every_steps > 0 and context is not None and task.verifiable:
-        longest_held_out = max(len(tokenizer.encode_prompt(p.messages)) for p in task.held_out)
+                                                   f"longer than {seq_len} tokens ({longest}): their responses are cut "
+                                                   "off whole and train nothing"))
+    if config.eval.every_steps == 0:
+        return PreflightReport(errors, warnings)
+    held_out = [len(tokenizer.encode_prompt(problem.messages)) for problem in task.held_out]
+    dropped = [i for i, tokens in enumerate(held_out) if tokens > seq_len]
+    if len(dropped) == len(held_out):
+        errors.append(FieldError("data.seq_len", f"{seq_len} cuts off every held-out example's whole response: their "
+                                                 f"prompts are {_span(held_out)} (in the chat template), so eval/nll "
+                                                 "would score nothing (or set eval.every_steps: 0)"))
+    elif dropped:
+        longest = _longest(dropped, lengths=held_out, problems=task.held_out, lines=lines)
+        warnings.append(FieldError("data.seq_len", f"{len(dropped)} of {len(held_out)} held-out examples have prompts "
+                                                   f"longer than {seq_len} tokens ({longest}): eval/nll leaves them "
+                                                   "out, with none of their responses to score"))
+    if context is not None and task.verifiable:
+        longest_held_out = max(held_out)
         new = config.generator.max_new_tokens
         if longest_held_out + new > context:
             errors.append(FieldError("generator.max_new_tokens", f"the held-out eval generates {new} tokens after "
@@ -299,6 +311,19 @@ def _sft_length_checks(config: RunConfig, *, tokenizer: ChatTokenizer, context: 
                                                                  f"{longest_held_out + new} is longer than the model's "
                                                                  f"{context} positions"))
     return PreflightReport(errors, warnings)
+
+
+def _span(lengths: list[int]) -> str:
+    low, high = min(lengths), max(lengths)
+    return f"{low} tokens" if low == high else f"{low} to {high} tokens"
+
+
+def _longest(cut: list[int], *, lengths: list[int], problems: list[Problem], lines: dict[int, int]) -> str:
+    """The longest of the `cut` examples, in tokens, and where it comes from (its line of data.path, or its text)."""
+    at = max(cut, key=lengths.__getitem__)
+    longest = problems[at]
+    where = f"data.path line {lines[id(longest)]}" if id(longest) in lines else repr(longest.messages[-1]["content"])
+    return f"the longest: {lengths[at]} tokens, {where}"
 
 
 def _device_errors(config: RunConfig) -> list[FieldError]:

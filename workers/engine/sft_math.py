@@ -74,6 +74,12 @@ def sft_batch(problems: list[Problem], *, tokenizer: ChatTokenizer, data: DataCo
     return collate_sft(examples, seq_len=data.seq_len, pad_id=tokenizer.pad_id, packing=data.packing)
 
 
+def held_out_dropped(problems: list[Problem], *, tokenizer: ChatTokenizer, seq_len: int) -> int:
+    """How many held-out examples eval/nll leaves out: a prompt longer than seq_len cuts off the whole response (which
+    always holds at least the end of turn), so `collate_sft` leaves none of it to score. Preflight warns of them."""
+    return sum(len(tokenizer.encode_prompt(problem.messages)) > seq_len for problem in problems)
+
+
 def sft_step_metrics(*, update_loss: float, grad_norm: float, lr: float, batch: SftBatch, step_seconds: float,
                      timer: PhaseTimer, n_params: int, peak_flops_per_second: float, epoch: int) -> dict[str, float]:
     """What either SFT recipe logs for a step (`update_loss`: the step's loss, summed over the ranks)."""

@@ -20,7 +20,7 @@ from workers.engine.precision import apply_mixed_precision
 from workers.engine.recipes.results import SftResult
 from workers.engine.rewards import CombinedReward
 from workers.engine.sampler import TorchSampler
-from workers.engine.sft_math import sft_batch, sft_step_metrics, sft_update
+from workers.engine.sft_math import held_out_dropped, sft_batch, sft_step_metrics, sft_update
 from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
 from workers.engine.tasks import build_task
@@ -54,6 +54,7 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
     scheduler = build_scheduler(optimizer, trainer_cfg.optimizer, trainer_cfg.steps)
     reward = CombinedReward(cfg.reward.functions, cfg.reward.weights)
     eval_sampler = TorchSampler(model, eos_token_ids=tokenizer.eos_token_ids, pad_id=tokenizer.pad_id)
+    dropped = held_out_dropped(task.held_out, tokenizer=tokenizer, seq_len=cfg.data.seq_len)
 
     start_step = 0
     if cfg.checkpoint.resume_from:
@@ -64,9 +65,11 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
         recorder.event("resumed", step=start_step, path=cfg.checkpoint.resume_from)
 
     def run_eval(step: int) -> EvalResult | None:
-        """Held-out NLL of the reference replies; greedy accuracy and reward when problems carry answers."""
+        """Held-out NLL of the reference replies (and how many it leaves out, cut off whole by data.seq_len); greedy
+        accuracy and reward when problems carry answers."""
         model.eval()
-        recorder.log("eval/nll", held_out_nll(model, tokenizer, task.held_out, seq_len=cfg.data.seq_len), step)
+        nll = held_out_nll(model, tokenizer, task.held_out, seq_len=cfg.data.seq_len)
+        recorder.log_many({"eval/nll": nll, "eval/nll_dropped": dropped}, step)
         result = None
         if task.verifiable:
             result = evaluate(eval_sampler, tokenizer, task.held_out, reward, max_new_tokens=cfg.generator.max_new_tokens,

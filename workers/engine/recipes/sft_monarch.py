@@ -44,7 +44,7 @@ from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.operations import FaultDrillRequest
 from workers.engine.recipes.results import SftResult
 from workers.engine.run_control import RunControl
-from workers.engine.sft_math import sft_batch, sft_step_metrics
+from workers.engine.sft_math import held_out_dropped, sft_batch, sft_step_metrics
 from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
 from workers.engine.tasks import build_task
@@ -106,6 +106,7 @@ class MonarchSftRun:
         startup.enter("spawning_procs", f"spawning {cfg.trainer.ranks} trainer procs on {where}")
         trainer.launch()
         self.tokenizer = ChatTokenizer(cfg.model.path)
+        self.held_out_dropped = held_out_dropped(self.task.held_out, tokenizer=self.tokenizer, seq_len=cfg.data.seq_len)
         self.stream = ProblemStream(self.task.train, seed=cfg.trainer.seed)
         startup.enter("loading_model", "loading the model")
         trainer.await_started()
@@ -177,9 +178,11 @@ class MonarchSftRun:
         }
 
     def evaluate(self, step: int) -> EvalResult | None:
-        """Held-out NLL of the reference replies; greedy accuracy and reward when the problems carry answers."""
+        """Held-out NLL of the reference replies (and how many it leaves out, cut off whole by data.seq_len); greedy
+        accuracy and reward when the problems carry answers."""
         held_out = self.task.held_out
-        self.recorder.log("eval/nll", self.trainer.from_rank0("held_out_nll", held_out), step)
+        self.recorder.log_many({"eval/nll": self.trainer.from_rank0("held_out_nll", held_out),
+                                "eval/nll_dropped": self.held_out_dropped}, step)
         if not self.task.verifiable:
             return None
         result = self.trainer.from_rank0("evaluate", held_out, self.config.eval.rollout_samples)
