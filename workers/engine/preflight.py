@@ -4,10 +4,13 @@ Field-level, like schema errors: the model folder exists and holds the family th
 names, its sequences fit the model's positions, a CPU run's processes could fit in this host's
 memory, every row of the data file can be used (else its line and why not), its prompts counted
 in the model's tokens fit data.max_prompt_tokens (GRPO) or leave the held-out eval room and some
-example a response token within data.seq_len (SFT), the run can make and write in its checkpoint
-folder and write its telemetry file and resume from a checkpoint (one its own recipe wrote), a
-single-process run's GPU exists, and the config asks only for what this runner implements. Warnings
-(`PreflightReport.warnings`: some SFT examples cut off before their response) stop nothing.
+example a response token within data.seq_len (SFT, for training and for the held-out eval/nll), the
+run can make and write in its checkpoint folder and write its telemetry file and resume from a
+checkpoint (one whose checkpoint.json says its own recipe wrote it), a single-process run's GPU exists,
+and the config asks only for what this runner implements. A path the filesystem will not look at (a NUL
+byte, a folder this process may not enter, a name too long, a symlink loop) is an error of its field,
+never a traceback. Warnings (`PreflightReport.warnings`: some SFT examples cut off before their
+response) stop nothing.
 Importing this module does not import torch.
 """
 
@@ -32,6 +35,8 @@ if TYPE_CHECKING:
     from workers.engine.models.tokenizer import ChatTokenizer
 
 _MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama3"}
+NUL = "\x00"
+NUL_PROBLEM = "contains a NUL byte, which no file's name can hold"
 PATH_FIELDS = ("model.path", "data.path", "checkpoint.resume_from", "checkpoint.folder", "telemetry.jsonl_path")
 
 
@@ -44,7 +49,7 @@ def allowed_paths() -> list[Path] | None:
         entries = json.loads(raw)
     except ValueError:
         entries = None
-    if not isinstance(entries, list) or not all(isinstance(e, str) and e for e in entries):
+    if not isinstance(entries, list) or not all(isinstance(e, str) and e and NUL not in e for e in entries):
         raise ConfigError([FieldError("", f"{ALLOWED_PATHS_ENV} must be a JSON list of paths")])
     return [Path(os.path.realpath(entry)) for entry in entries]
 
@@ -59,6 +64,9 @@ def confinement_errors(config: RunConfig, allowed: list[Path]) -> list[FieldErro
         section, key = field.split(".")
         value = getattr(getattr(config, section), key)
         if value is None:
+            continue
+        if NUL in value:
+            errors.append(FieldError(field, NUL_PROBLEM))
             continue
         real = Path(os.path.realpath(value))
         if not any(real == root or root in real.parents for root in allowed):
@@ -116,6 +124,39 @@ class PreflightReport:
     warnings: list[FieldError]  # what the run would do that its config may not mean: printed, never a refusal
 
 
+def path_problem(path: str) -> str | None:
+    """Why no check can look at `path` at all: a NUL byte in it, or the filesystem refusing to say what is there (a
+    folder on the way this process may not look into, a name too long, a symlink loop). None when it exists or
+    simply does not (yet): the field's own check says what is missing."""
+    if NUL in path:
+        return NUL_PROBLEM
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        return _unreachable(exc, path=path)
+    return None
+
+
+def _unreachable(exc: OSError, *, path: str | Path) -> str:
+    shown = str(exc.filename or path)
+    if len(shown) > 200:  # a path too long for the system would fill the error: its start and end say which
+        shown = f"{shown[:120]}...{shown[-60:]} ({len(shown)} characters)"
+    return f"cannot reach {shown} ({exc.strerror or exc})"
+
+
+def path_errors(config: RunConfig) -> list[FieldError]:
+    """A FieldError for each path field that `path_problem` finds no check could look at."""
+    errors = []
+    for field in PATH_FIELDS:
+        section, key = field.split(".")
+        value = getattr(getattr(config, section), key)
+        if value is not None and (problem := path_problem(value)):
+            errors.append(FieldError(field, problem))
+    return errors
+
+
 def preflight_report(config: RunConfig) -> PreflightReport:
     try:
         allowed = allowed_paths()
@@ -125,6 +166,9 @@ def preflight_report(config: RunConfig) -> PreflightReport:
         confined = confinement_errors(config, allowed)
         if confined:
             return PreflightReport(confined, [])  # nothing outside is opened, not even to check it
+    unreachable = path_errors(config)
+    if unreachable:
+        return PreflightReport(unreachable, [])  # the checks below would stop on them with a traceback
     errors: list[FieldError] = []
     rows = None  # a JSONL file's rows, read once by the data check and handed on
     context = None  # the model's positions, when its config.json gives them
@@ -132,6 +176,8 @@ def preflight_report(config: RunConfig) -> PreflightReport:
         check_model_folder(config)
     except ConfigError as exc:
         errors.extend(exc.errors)
+    except OSError as exc:  # inside a folder that exists (one it may not read, say)
+        errors.append(FieldError("model.path", _unreachable(exc, path=config.model.path or "")))
     else:
         config_json = Path(config.model.path) / "config.json"
         try:
@@ -151,10 +197,13 @@ def preflight_report(config: RunConfig) -> PreflightReport:
     if config.data.source == "jsonl" and config.data.path and not Path(config.data.path).is_file():
         errors.append(FieldError("data.path", f"file {config.data.path} does not exist"))
     elif config.data.source == "arithmetic" or config.data.path:
-        checked = check_data(config)  # every row read and checked: cheap beside loading the model
+        checked = check_data(config)  # every row read and checked (a file it cannot read is a data.path error)
         errors.extend(checked.errors)
         rows = checked.rows
-    errors.extend(_resume_errors(config))
+    try:
+        errors.extend(_resume_errors(config))
+    except OSError as exc:  # inside a folder that exists (one it may not read, say)
+        errors.append(FieldError("checkpoint.resume_from", _unreachable(exc, path=config.checkpoint.resume_from or "")))
     errors.extend(_output_path_errors(config))
     errors.extend(_unsupported(config))
     errors.extend(_device_errors(config))
