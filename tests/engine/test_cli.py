@@ -46,6 +46,17 @@ def test_config_file_that_does_not_exist(tmp_path: Path) -> None:
     assert result.returncode == 2 and "does not exist" in result.stderr
 
 
+def test_config_file_that_cannot_be_read_is_a_clean_refusal(tmp_path: Path) -> None:
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("recipe: sft\n# caf\u00e9\n".encode("latin-1"))
+    result = _run_cli("train", "--config", str(latin1))
+    assert result.returncode == 2 and "is not UTF-8 text" in result.stderr and "Traceback" not in result.stderr
+    too_long = tmp_path / ("x" * 300) / "run.yaml"  # a name over the filesystem's 255 bytes
+    result = _run_cli("train", "--config", str(too_long))
+    assert result.returncode == 2 and "cannot be read (File name too long)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_preflight_refuses_what_it_cannot_run(tiny_llama3: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = _write(tmp_path / "run.yaml", f"recipe: grpo\nmodel: {{family: qwen3, path: '{tiny_llama3}'}}\n")
     code = main(["train", "--config", str(config), "generator.backend=vllm", "trainer.ranks=2",

@@ -261,3 +261,9 @@ def test_a_missing_variable_is_named_before_any_api_call(missing: str, says: str
     environ = {k: v for k, v in DISCOVERY_ENV.items() if k != missing}
     with pytest.raises(KubernetesWorkersError, match=says):
         kubernetes_hosts(environ=environ, timeout_s=1)
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "\u0663", "0", "-1", "2.0"])
+def test_a_node_count_that_is_not_a_positive_integer_is_named(value: str) -> None:
+    with pytest.raises(KubernetesWorkersError, match="FORGEBOARD_RUN_NODES must be a positive integer"):
+        kubernetes_hosts(environ={**DISCOVERY_ENV, "FORGEBOARD_RUN_NODES": value}, timeout_s=1)

@@ -97,7 +97,7 @@ def test_a_slurm_host_list_expands_in_slurms_order(hostlist, names):
     assert expand_hostlist(hostlist) == names
 
 
-@pytest.mark.parametrize("hostlist", ["x[1-", "x]", "x[a-b]", "x[[1]]", "x[3-1]", "x[1,]"])
+@pytest.mark.parametrize("hostlist", ["x[1-", "x]", "x[a-b]", "x[[1]]", "x[3-1]", "x[1,]", "x[\u00b2]", "x[1-\u0663]"])
 def test_a_host_list_that_is_not_one_is_refused(hostlist):
     with pytest.raises(MonarchJobError, match="is not a SLURM host list"):
         expand_hostlist(hostlist)

@@ -1072,3 +1072,10 @@ def test_a_run_asked_for_before_the_upgrade_waits_for_the_export_queued_since(te
     _work(export_worker.sent)
     [child] = Run.objects.filter(parent=parent)
     assert (child.config.parsed["trainer"]["steps"], child.priority) == (3, 1)
+
+
+@pytest.mark.parametrize("name", ["step_\u0663", "step_\u00b2", "step_", "step_1x"])
+def test_a_step_folder_is_named_with_ascii_digits(name: str) -> None:
+    from forgeboard.runs.checkpoints import STEP_FOLDER
+
+    assert STEP_FOLDER.match(name) is None and STEP_FOLDER.match("step_30").group(1) == "30"

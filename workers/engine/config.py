@@ -803,9 +803,15 @@ def load_config(text: str, *, overrides: Sequence[str] = ()) -> RunConfig:
 
 def load_config_file(path: str | Path, *, overrides: Sequence[str] = ()) -> RunConfig:
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError([FieldError("", f"config file {path} does not exist")])
-    return load_config(path.read_text(encoding="utf-8"), overrides=overrides)
+    try:
+        if not path.is_file():
+            raise ConfigError([FieldError("", f"config file {path} does not exist")])
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([FieldError("", f"config file {path} cannot be read ({exc.strerror or exc})")]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([FieldError("", f"config file {path} is not UTF-8 text (byte {exc.start})")]) from None
+    return load_config(text, overrides=overrides)
 
 
 def check_model_folder(config: RunConfig) -> None:

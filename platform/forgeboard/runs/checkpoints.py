@@ -52,7 +52,7 @@ from workers.launch.local import REPO_DIR
 
 logger = logging.getLogger(__name__)
 
-STEP_FOLDER = re.compile(r"^step_(\d+)$")
+STEP_FOLDER = re.compile(r"^step_([0-9]+)$")
 ENGINE_COMMAND = (sys.executable, "-m", "workers.engine")
 MAX_STEP = 2**63 - 1
 

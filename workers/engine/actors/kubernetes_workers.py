@@ -42,7 +42,7 @@ class KubernetesWorkersError(MonarchJobError):
 
 def _positive(environ: Mapping[str, str], name: str) -> int:
     raw = read_env(name, environ) or ""
-    if not raw.isdigit() or int(raw) < 1:
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
         raise KubernetesWorkersError(f"{name} must be a positive integer (set by the pod spec), got {raw!r}")
     return int(raw)
 
@@ -87,7 +87,7 @@ def _ranked_workers(pods: list[Any], *, nodes: int, where: str) -> list[Worker]:
     by_rank: dict[int, Any] = {}
     for pod in pods:
         rank = (pod.metadata.labels or {}).get(RANK_LABEL, "")
-        if rank.isdigit() and int(rank) < nodes and _ready(pod) and pod.status.pod_ip:
+        if rank.isascii() and rank.isdigit() and int(rank) < nodes and _ready(pod) and pod.status.pod_ip:
             by_rank[int(rank)] = pod
     missing = [rank for rank in range(nodes) if rank not in by_rank]
     if missing:
@@ -101,7 +101,7 @@ def _ready(pod: Any) -> bool:
 
 def _worker(pod: Any) -> Worker:
     port = next((int(e.value) for c in pod.spec.containers for e in c.env or []
-                 if e.name == PORT_ENV and (e.value or "").isdigit()), DEFAULT_PORT)
+                 if e.name == PORT_ENV and (e.value or "").isascii() and (e.value or "").isdigit()), DEFAULT_PORT)
     ip = pod.status.pod_ip
     # An Indexed Job's pod has the hostname <job name>-<index>
     return Worker(name=pod.spec.hostname or pod.metadata.name, address=f"tcp://{ip}:{port}", host=ip, port=port)

@@ -81,7 +81,7 @@ def _expand_name(item: str, hostlist: str) -> list[str]:
     expanded = []
     for part in match.group(1).split(","):
         low, _, high = part.partition("-")
-        if not low.isdigit() or not (high or low).isdigit() or int(high or low) < int(low):
+        if not (low + high).isascii() or not low.isdigit() or not (high or low).isdigit() or int(high or low) < int(low):
             raise MonarchJobError(f"{SLURM_NODELIST_ENV}: {hostlist!r} is not a SLURM host list")
         width = len(low)
         for number in range(int(low), int(high or low) + 1):
