@@ -39,8 +39,9 @@ class TrainerRecovery:
     def load(self, path: str) -> dict[str, Any]:
         """Every trainer rank back to a checkpoint; the progress saved with it. The run's own checkpoints are its
         recipe's (and may be on a disk only the trainer's hosts see); `checkpoint.resume_from` may be the other
-        recipe's, a ConfigError: told by its checkpoint.json before the ranks load it, or for one written before there
-        was one, by its progress before that is read."""
+        recipe's, a ConfigError: told by its checkpoint.json before the ranks load it (one without a usable
+        checkpoint.json is refused there too), and by its progress before that is read (a checkpoint.json written by
+        hand may name the wrong recipe)."""
         resuming = path == self.config.checkpoint.resume_from
         if resuming:
             check_resume_recipe(path, recipe=self.config.recipe)
