@@ -1,99 +1,147 @@
-// A run's events in words, for the run page's event list: one describer per event kind and, for the engine's
-// "message" events, one per message name. A payload of a shape no describer expects reads as its JSON.
+// A run's events in words, for the run page's event list: one describer per event kind and, for the "message" events
+// (the engine's, and the control plane's: a job's scheduler, the reconciler, checkpoint exports), one per message
+// name. A payload of a shape no describer expects reads as its JSON: a describer reads each fact it says through
+// `value` or `text`, which throw on a fact that is missing or not text, so no description says "undefined".
 window.FBEventText = (function () {
   "use strict";
+  const MAX_VALUE_CHARS = 240;  // one fact of a payload, in words
+  const MAX_DESCRIPTION_CHARS = 600;
   const number = (v) => (v === null || v === undefined || v === "" || !isFinite(Number(v)) ? null : Number(v));
   const seconds = (v) => `${Number(v).toFixed(v > 0 && v < 0.1 ? 2 : 1)} s`;  // 0.03 s, 0.1 s, 12.4 s
+  const clip = (s, max) => (s.length > max ? s.slice(0, max - 1) + "…" : s);
   const payloadText = (payload) => {  // an event's payload as its JSON, cut at 160 characters
-    const text = JSON.stringify(payload) || "";
-    return text.length > 160 ? text.slice(0, 157) + "…" : text;
+    const json = JSON.stringify(payload) || "";
+    return json.length > 160 ? json.slice(0, 157) + "…" : json;
   };
+  // A fact to say: text (cut short) or a finite number; anything else (missing, null, an object) throws.
+  const value = (v, max = MAX_VALUE_CHARS) => {
+    if (typeof v === "string") return clip(v, max);
+    if (typeof v === "number" && isFinite(v)) return String(v);
+    throw new TypeError(`not a fact to say: ${JSON.stringify(v)}`);
+  };
+  const text = (v, max = MAX_VALUE_CHARS) => {  // words only (a reason, a problem): a number there is no reason
+    if (typeof v !== "string") throw new TypeError(`not text: ${JSON.stringify(v)}`);
+    return clip(v, max);
+  };
+  const given = (v) => v !== null && v !== undefined && v !== "";
+  const optional = (v, say) => (given(v) ? say(value(v)) : "");  // "" when the fact is not there
   const listOf = (v) => (Array.isArray(v) ? v : v === null || v === undefined ? [] : [v]);
   const objectOf = (v) => (v && typeof v === "object" && !Array.isArray(v) ? v : {});
-  const plural = (n, one, many = one + "s") => `${n} ${Number(n) === 1 ? one : many}`;
-  const who = (p) => `${p.role || ""}${p.replica != null ? " " + p.replica : ""}`.trim() || "run";
-  const quoted = (text) => JSON.stringify(String(text ?? "").slice(0, 80));
+  const plural = (n, one, many = one + "s") => `${value(n)} ${Number(n) === 1 ? one : many}`;
+  const who = (p) => `${given(p.role) ? value(p.role) : ""}${given(p.replica) ? " " + value(p.replica) : ""}`.trim() || "run";
+  const quoted = (v) => JSON.stringify(value(v, 80));
+  const SECTIONS = { metrics: "metric point", events: "event", logs: "log line", batches: "empty batch" };
 
   const BY_MESSAGE_NAME = {
     startup_phase: (p) => (p.phase === "ready" ? `ready: started in ${seconds(number(p.elapsed_s) ?? 0)}`
-      : `${p.label || p.phase} (at ${seconds(number(p.elapsed_s) ?? 0)}` +
+      : `${value(p.label || p.phase)} (at ${seconds(number(p.elapsed_s) ?? 0)}` +
         `${number(p.previous_s) !== null ? `; the previous phase took ${seconds(number(p.previous_s))}` : ""})`),
-    child_run_started: (p) => `started ${p.experiment} #${p.number} from step ${p.step}`,
-    child_run_failed: (p) => `no run started from step ${p.step}: ${p.reason}`,
-    checkpoint_export: (p) => `export of step ${p.step}: ${String(p.summary || p.state).slice(0, 200)}`,
-    job_submitted: (p) => `submitted as ${p.backend} job ${p.job_id}`,
+    child_run_started: (p) => `started ${value(p.experiment)} #${value(p.number)} from step ${value(p.step)}`,
+    child_run_failed: (p) => `no run started from step ${value(p.step)}: ${text(p.reason)}`,
+    checkpoint_export: (p) => `export of step ${value(p.step)}: ${value(p.summary || p.state, 200)}`,
+    job_submitted: (p) => `submitted as ${value(p.backend)} job ${value(p.job_id)}${optional(p.found, (f) => ` (${f})`)}`,
     job_status: (p) => {
-      const down = Object.entries(objectOf(p.nodes_down)).map(([node, why]) => `${node} (${why})`);
-      return `${String(p.backend).toUpperCase()} job ${p.job_id}: ${p.reason}` +
+      const down = Object.entries(objectOf(p.nodes_down)).map(([node, why]) => `${clip(node, 80)} (${value(why)})`);
+      return `${value(p.backend).toUpperCase()} job ${value(p.job_id)}: ${value(p.reason)}` +
         (down.length ? `; node${down.length > 1 ? "s" : ""} down: ${down.join(", ")}` : "");
     },
     dataset: (p) => {
-      const from = p.source && p.source !== p.task ? ` (${p.source})` : "";
-      return `data ${p.task}${from}: ${plural(p.train, "training problem")}, ${p.held_out} held out` +
-        (p.unused ? `, ${p.unused} of ${p.rows} rows unused` : "");
+      const from = given(p.source) && p.source !== p.task ? ` (${value(p.source)})` : "";
+      return `data ${value(p.task)}${from}: ${plural(p.train, "training problem")}, ${value(p.held_out)} held out` +
+        (p.unused ? `, ${value(p.unused)} of ${value(p.rows)} rows unused` : "");
     },
     meshes_ready: (p) => {
-      const hosts = listOf(p.trainer_hosts ?? p.trainer_host).filter(Boolean).join(", ");
-      const generators = p.generator_replicas === undefined ? ""
-        : p.generator_replicas === 0 ? "; the trainer generates"
-        : `; ${plural(p.generator_replicas, "generator replica")}`;
+      const hosts = listOf(p.trainer_hosts ?? p.trainer_host).filter(given).map((host) => value(host)).join(", ");
+      const replicas = number(p.generator_replicas);
+      const generators = replicas === null ? "" : replicas === 0 ? "; the trainer generates"
+        : `; ${plural(replicas, "generator replica")}`;
       return `procs ready in ${seconds(number(p.seconds) ?? 0)}: ${plural(p.trainer_ranks, "trainer rank")}` +
-        `${hosts ? " on " + hosts : ""}${generators}${p.warm_spares ? `; ${plural(p.warm_spares, "warm spare")}` : ""}`;
+        `${hosts ? " on " + hosts : ""}${generators}${number(p.warm_spares) ? `; ${plural(p.warm_spares, "warm spare")}` : ""}`;
     },
     staleness_histogram: (p) => {
       const ages = Object.entries(objectOf(p.counts))
-        .map(([age, n]) => `${plural(n, "batch", "batches")} ${plural(age, "step")} behind`);
+        .map(([age, n]) => `${plural(n, "batch", "batches")} ${plural(clip(age, 20), "step")} behind`);
       return `policy age of the trained batches: ${ages.join(", ") || "none trained"}`;
     },
-    resumed: (p) => `resumed from ${p.path} at step ${p.step}` +
-      `${p.policy_version != null ? `, policy version ${p.policy_version}` : ""}`,
-    spares_started: (p) => `starting ${plural(p.count, "warm spare")} for ${p.role} on ${p.host}`,
-    spare_ready: (p) => `a warm spare for ${p.role} is ready on ${p.host}`,
+    resumed: (p) => `resumed from ${value(p.path)} at step ${value(p.step)}` +
+      optional(p.policy_version, (v) => `, policy version ${v}`),
+    spares_started: (p) => `starting ${plural(p.count, "warm spare")} for ${value(p.role)} on ${value(p.host)}`,
+    spare_ready: (p) => `a warm spare for ${value(p.role)} is ready on ${value(p.host)}`,
+    // The reconciler's, about what a lost (or failed) run's previous attempt left: its job, or its engine.
+    previous_attempt_stopped: (p) => `previous attempt confirmed stopped: ${text(p.detail)}`,
+    previous_attempt_not_stopped: (p) => `previous attempt not confirmed stopped — ${text(p.attempt)}: ${text(p.problem)}`,
+    previous_attempt_not_confirmed: (p) => `previous attempt given up on: ` +
+      (given(p.problem) ? text(p.problem) : `${text(p.left)} may still be running; stopping it is left to an operator`),
+    // The engine's telemetry client, for items the control plane refused (or a duplicate it dropped): lost for good.
+    telemetry_dropped: (p) => {
+      const sections = Object.entries(objectOf(p.by_section))
+        .map(([section, n]) => plural(n, Object.hasOwn(SECTIONS, section) ? SECTIONS[section] : clip(section, 40)));
+      const reasons = listOf(p.reasons).filter(given);
+      const why = reasons.length ? ` (${text(reasons[0])}${reasons.length > 1 ? `; ${reasons.length - 1} more` : ""})` : "";
+      return `telemetry dropped: ${sections.length ? sections.join(", ") : plural(p.items, "item")} of batch ` +
+        `${value(p.seq)}${why}; ${plural(p.total, "item")} dropped so far`;
+    },
   };
 
   const BY_KIND = {
-    state_changed: (p) => `${p.from || "—"} → ${p.to}${p.reason ? ": " + p.reason : ""}`,
-    fault_injected: (p) => `${p.fault_kind || p.kind || "fault"} on ${who(p)}${p.duration_s ? ` for ${p.duration_s} s` : ""}`,
+    state_changed: (p) => `${given(p.from) ? value(p.from) : "—"} → ${value(p.to)}${optional(p.reason, (r) => ": " + r)}`,
+    fault_injected: (p) => `${value(p.fault_kind || p.kind || "fault")} on ${who(p)}` +
+      `${number(p.duration_s) ? ` for ${number(p.duration_s)} s` : ""}`,
     failure_detected: (p) => `${who(p)}${p.hung ? " hung" : " failed"}` +
-      `${p.time_to_detect_s != null ? ` (detected in ${Number(p.time_to_detect_s).toFixed(2)} s)` : ""}` +
-      `${p.reason ? ": " + p.reason.slice(0, 120) : ""}`,
-    replica_replaced: (p) => `${who(p)} replaced${p.from_spare ? " by a warm spare" : ""}${p.host ? " on " + p.host : ""}` +
-      `${p.policy_version != null ? `, at policy version ${p.policy_version}` : ""}`,
-    recovered: (p) => `recovered ${who(p)}${p.time_to_recover_s != null ? ` in ${Number(p.time_to_recover_s).toFixed(2)} s` : ""}`,
-    placement_changed: (p) => `${p.action || "change"} ${who(p)}${p.host ? " → " + p.host : ""}`,
-    redirect_started: (p) => `${p.action || "redirect"} host ${p.host || ""}`,
-    redirect_finished: (p) => `${p.action || "redirect"} host ${p.host || ""}`,
-    restarted: (p) => `restart ${p.restart || p.count || ""}${p.from_checkpoint ? " from " + p.from_checkpoint : ""}`,
-    command_issued: (p) => `command ${p.command}: ${p.kind}`,
+      `${number(p.time_to_detect_s) !== null ? ` (detected in ${number(p.time_to_detect_s).toFixed(2)} s)` : ""}` +
+      `${p.reason ? ": " + text(p.reason, 120) : ""}`,
+    replica_replaced: (p) => `${who(p)} replaced${p.from_spare ? " by a warm spare" : ""}` +
+      `${optional(p.host, (h) => " on " + h)}${optional(p.policy_version, (v) => `, at policy version ${v}`)}`,
+    recovered: (p) => `recovered ${who(p)}` +
+      `${number(p.time_to_recover_s) !== null ? ` in ${number(p.time_to_recover_s).toFixed(2)} s` : ""}`,
+    placement_changed: (p) => `${given(p.action) ? value(p.action) : "change"} ${who(p)}${optional(p.host, (h) => " → " + h)}`,
+    redirect_started: (p) => `${given(p.action) ? value(p.action) : "redirect"} host ${value(p.host)}`,
+    redirect_finished: (p) => `${given(p.action) ? value(p.action) : "redirect"} host ${value(p.host)}`,
+    restarted: (p) => `restart ${value(p.restart ?? p.count)}${optional(p.of, (n) => ` of ${n}`)}` +
+      `${optional(p.from_checkpoint, (c) => " from " + c)}${optional(p.after, (why) => ` after it was lost: ${why}`)}`,
+    command_issued: (p) => `command ${value(p.command)}: ${value(p.kind)}${optional(p.by, (by) => ` from ${by}`)}`,
+    command_acknowledged: (p) => `command ${value(p.command)} taken by the run's controller`,
     command_finished: (p) => {
-      const why = p.result && (p.result.error || p.result.reason);
+      const result = objectOf(p.result);
+      const why = given(result.error) ? result.error : result.reason;
       const outcome = p.state === "expired" ? "expired" : p.ok === false ? "failed" : "done";
-      return `command ${p.command} (${p.kind}) ${outcome}${why ? ": " + why : ""}` +
-        `${p.late ? ` (reported after it had expired: ${p.late})` : ""}`;
+      return `command ${value(p.command)} (${value(p.kind)}) ${outcome}${given(why) ? ": " + text(why) : ""}` +
+        `${optional(p.late, (late) => ` (reported after it had expired: ${late})`)}`;
     },
-    checkpoint_saved: (p) => `checkpoint at step ${p.step}`,
+    checkpoint_saved: (p) => `checkpoint at step ${value(p.step)}`,
+    eval: (p) => {  // no shape of its own: its figures
+      const figures = Object.entries(p).filter(([key, v]) => key !== "step" && typeof v === "number" && isFinite(v))
+        .map(([key, v]) => `${clip(key, 40)} ${v}`);
+      if (!figures.length) throw new TypeError("no figures");
+      return `evaluation${optional(p.step, (s) => ` at step ${s}`)}: ${figures.join(", ")}`;
+    },
     message: (p) => {
       if (Object.hasOwn(BY_MESSAGE_NAME, p.name)) return BY_MESSAGE_NAME[p.name](p);
-      return p.text && !p.name ? p.text : payloadText(p);
+      return typeof p.text === "string" && p.text && !p.name ? clip(p.text, MAX_DESCRIPTION_CHARS) : payloadText(p);
     },
-    rollout: (p) => `step ${p.step}${p.split && p.split !== "train" ? ` (${p.split})` : ""}` +
-      `${p.policy_version != null ? `, policy version ${p.policy_version}` : ""}: ${quoted(p.prompt)} → ` +
-      `${quoted(p.completion)}, reward ${p.reward}`,
+    rollout: (p) => `step ${value(p.step)}${given(p.split) && p.split !== "train" ? ` (${value(p.split)})` : ""}` +
+      `${optional(p.policy_version, (v) => `, policy version ${v}`)}: ${quoted(p.prompt)} → ` +
+      `${quoted(p.completion)}, reward ${value(p.reward)}`,
     placement_applied: (p) => {
-      const plan = Object.entries(objectOf(p.plan)).map(([index, host]) => `${index} on ${host}`);
-      return `${p.role} placed: ${plan.join(", ") || listOf(p.hosts).join(", ")}`;
+      const plan = Object.entries(objectOf(p.plan)).map(([index, host]) => `${clip(index, 20)} on ${value(host)}`);
+      return `${value(p.role)} placed: ${plan.join(", ") || listOf(p.hosts).map((host) => value(host)).join(", ")}`;
     },
   };
 
   function describe(event) {  // never throws: a describer that fails on an odd payload gives way to its JSON
-    const payload = event.payload ?? null;
+    let payload = null;
     try {
+      payload = event.payload ?? null;
       const describer = Object.hasOwn(BY_KIND, event.kind) ? BY_KIND[event.kind] : payloadText;
-      return describer(payload || {});
+      const said = describer(payload || {});
+      return typeof said === "string" && said ? clip(said, MAX_DESCRIPTION_CHARS) : payloadText(payload);
     } catch (error) {
       return payloadText(payload);
     }
   }
 
-  return { describe, number, seconds };
+  // What has words: the event kinds and message names (the test suite checks that every one the code emits does).
+  const kinds = Object.freeze(Object.keys(BY_KIND));
+  const messageNames = Object.freeze(Object.keys(BY_MESSAGE_NAME));
+  return { describe, number, seconds, kinds, messageNames };
 })();
