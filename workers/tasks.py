@@ -107,7 +107,8 @@ def launch_run(run_id: int) -> str:
 
 @shared_task(name=RUNS_START, acks_late=False)
 def start_claimed_run(run_id: int) -> str:
-    """A scheduler claimed this run for a host of this worker's pool: start it here.
+    """A scheduler claimed this run for a host of this worker's pool: start it here (a run cancelled before it
+    was submitted ends cancelled, never submitted: workers/launch/backends.py `start_run`).
 
     Not acknowledged late: a redelivered message must not start a run twice; a start lost with a
     crashed worker leaves the run launching, and the reconciler restarts or fails it.
@@ -115,9 +116,10 @@ def start_claimed_run(run_id: int) -> str:
     from workers.launch.backends import start_run
 
     with run_log_context(run_id):
-        if Run.objects.filter(pk=run_id, state=RunState.LAUNCHING, pid__isnull=True).exists():
+        if Run.objects.filter(pk=run_id, state__in=(RunState.LAUNCHING, RunState.CANCELLING), pid__isnull=True,
+                              job_id="").exists():
             try:
-                start_run(run_id=run_id)
+                started = start_run(run_id=run_id)
             except Exception as exc:
                 logger.exception("launch failed")
                 try:
@@ -126,7 +128,8 @@ def start_claimed_run(run_id: int) -> str:
                 except IllegalTransition:
                     pass
                 return "failed"
-            return "started"
+            if started:
+                return "started"
         logger.info("start skipped: run is no longer waiting to be started")
         return "skipped"
 

@@ -90,7 +90,7 @@ def test_runs_start_starts_only_a_run_still_waiting_to_be_started(team, monkeypa
     from workers.tasks import start_claimed_run
 
     started = []
-    monkeypatch.setattr("workers.launch.backends.start_run", lambda *, run_id: started.append(run_id))
+    monkeypatch.setattr("workers.launch.backends.start_run", lambda *, run_id: started.append(run_id) or True)
     waiting = _claimed(team, allocation={})
     assert start_claimed_run(waiting.pk) == "started"
     Run.objects.filter(pk=waiting.pk).update(pid=4242)  # its supervisor already runs: a second start is refused

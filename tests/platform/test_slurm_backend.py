@@ -283,14 +283,13 @@ def test_a_cancelled_run_whose_engine_went_silent_has_its_job_removed_by_the_pol
 
 
 @pytest.mark.django_db
-def test_a_run_cancelled_while_sbatch_refused_it_ends_cancelled_after_the_launch_timeout(team, slurm):
-    """A refusal racing the cancel: the run has no job for the poller to follow, and its submission could still have
-    been under way until the launch timeout."""
-    slurm.answer("sbatch", exit=1, stderr="sbatch: error: Batch job submission failed: Invalid partition specified")
+def test_a_run_cancelled_before_its_worker_took_the_launch_ends_cancelled_after_the_launch_timeout(team, slurm):
+    """The launch.slurm worker died before it took the run's launch (a launch that takes it ends the cancelled run at
+    once, unsubmitted: tests/platform/test_cancel_before_submission.py): the run has no job for the poller to follow,
+    and its submission could still have been under way until the launch timeout."""
     run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=SLURM_YAML)
     assert runs_schedule(now=timezone.now()) == [run.pk]
     run_cancel(actor=team.member, run=Run.objects.get(pk=run.pk))
-    start_run(run_id=run.pk)
     run.refresh_from_db()
     assert run.state == RunState.CANCELLING and run.job_id == ""
 

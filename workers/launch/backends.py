@@ -1,18 +1,59 @@
-"""Launch backends: start a claimed run's engine controller somewhere and return at once."""
+"""Launch backends: start a claimed run's engine controller somewhere and return at once.
+
+A run is submitted (its job queued, its engine started) only while it is launching: `submission_wanted` reads that
+under the run's row lock, and a run cancelled before then ends cancelled there, never submitted. A slow submission (a
+cluster scheduler's) is made after that lock is let go, so a cancel may come while it is under way; the launch looks
+again once the job is recorded (`_removed_if_cancelled_meanwhile`), and from then on the job poller, which follows
+the job of a run being cancelled, sees it. Either the launch sees the cancel and submits nothing, or the cancel finds
+a job to remove. The local supervisor starts its engine while it holds the lock (a process starts at once), so a
+cancel finds a local run either not started or running.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+
+from django.db import transaction
 
 from forgeboard.runs.models import LaunchBackend, Run
-from forgeboard.runs.services import run_transition
+from forgeboard.runs.services import IllegalTransition, run_transition
 from forgeboard.runs.states import RunState
+from workers.launch.jobs import fail_launch
 
 logger = logging.getLogger(__name__)
 
+CANCELLED_BEFORE_SUBMISSION = "cancelled before it was submitted"
 
-def start_run(*, run_id: int) -> None:
-    """Hand a launching run to its backend; a backend that cannot start it fails the run with the reason."""
+
+def submission_wanted(*, run_id: int) -> bool:
+    """Whether the run is to be submitted now: it is launching and nothing was submitted for it yet (no job, no
+    engine), read under its row lock. A run being cancelled that was not submitted ends cancelled here; one that moved
+    on otherwise (failed, lost, restarted) or was submitted already (a start delivered twice) is left as it is. The
+    lock lasts as long as the caller's transaction, if it holds one open."""
+    with transaction.atomic():
+        found = Run.objects.select_for_update().filter(pk=run_id).values_list("state", "pid", "job_id").first()
+        if found is None:
+            return False
+        state, pid, job_id = found
+        if pid is not None or job_id:
+            return False
+        if state == RunState.CANCELLING:
+            run_transition(run_id=run_id, from_state=RunState.CANCELLING, to_state=RunState.CANCELLED,
+                           reason=CANCELLED_BEFORE_SUBMISSION)
+            logger.info("run %s %s", run_id, CANCELLED_BEFORE_SUBMISSION, extra={"run_id": run_id})
+            return False
+        if state != RunState.LAUNCHING:
+            logger.info("run %s is %s: not submitted", run_id, state, extra={"run_id": run_id})
+        return state == RunState.LAUNCHING
+
+
+def start_run(*, run_id: int) -> bool:
+    """Hand a launching run to its backend; a backend that cannot start it fails the run with the reason. False when
+    the run was no longer to be submitted (`submission_wanted`: cancelled, moved on, or submitted already), and nothing
+    was done."""
+    if not submission_wanted(run_id=run_id):
+        return False
     run = Run.objects.select_related("config").get(pk=run_id)
     if run.backend == LaunchBackend.LOCAL:
         from workers.launch.local import start_local
@@ -20,25 +61,47 @@ def start_run(*, run_id: int) -> None:
         try:
             start_local(run=run)
         except OSError as exc:
-            run_transition(run_id=run_id, from_state=RunState.LAUNCHING, to_state=RunState.FAILED,
-                           reason=f"local launch failed: {exc}")
-        return
+            fail_launch(run=run, reason=f"local launch failed: {exc}")
+        return True
     if run.backend == LaunchBackend.SLURM:
-        from workers.launch.slurm_backend import slurm_configured, submit_slurm
+        from workers.launch.slurm_backend import slurm_cli, slurm_configured, submit_slurm
 
         if slurm_configured():
-            submit_slurm(run=run)
-            return
+            if job_id := submit_slurm(run=run):
+                _removed_if_cancelled_meanwhile(run_id=run_id, job=f"SLURM job {job_id}",
+                                                remove=lambda: slurm_cli().cancel(job_id))
+            return True
     if run.backend == LaunchBackend.KUBERNETES:
-        from workers.launch.kubernetes_backend import kubernetes_configured, submit_kubernetes
+        from workers.launch.kubernetes_backend import kubernetes_api, kubernetes_configured, submit_kubernetes
 
         if kubernetes_configured():
-            submit_kubernetes(run=run)
+            if name := submit_kubernetes(run=run):
+                _removed_if_cancelled_meanwhile(run_id=run_id, job=f"Kubernetes Job {name}",
+                                                remove=lambda: kubernetes_api().delete("Job", name))
+            return True
+    fail_launch(run=run, reason=f"launch backend {run.backend!r} is not configured on this worker")
+    return True
+
+
+def _removed_if_cancelled_meanwhile(*, run_id: int, job: str, remove: Callable[[], None]) -> None:
+    """The run's job is recorded: a cancel from now on finds it (the job poller removes the job of a run being
+    cancelled). One that came while it was being submitted found none, so the job is removed now, as the poller
+    removes a queued one (`remove`), and the run ends cancelled. If it cannot be removed now, the poller does it."""
+    from workers.launch.kubernetes_backend import KubernetesApiFailed
+    from workers.launch.slurm_backend import SlurmCommandFailed
+
+    if Run.objects.filter(pk=run_id, state=RunState.CANCELLING).exists():
+        try:
+            remove()
+        except (SlurmCommandFailed, KubernetesApiFailed) as exc:
+            logger.warning("run %s was cancelled while it was being submitted; %s is left to the job poller to "
+                           "remove: %s", run_id, job, exc, extra={"run_id": run_id})
             return
-    run_transition(
-        run_id=run_id, from_state=RunState.LAUNCHING, to_state=RunState.FAILED,
-        reason=f"launch backend {run.backend!r} is not configured on this worker",
-    )
+        try:
+            run_transition(run_id=run_id, from_state=RunState.CANCELLING, to_state=RunState.CANCELLED,
+                           reason=f"cancelled while it was being submitted; {job} removed")
+        except IllegalTransition:
+            pass  # the job poller removed it first, and ended the run
 
 
 def _stop_previous(*, run: Run, job_id: str, pid: int | None, host: str) -> str | None:

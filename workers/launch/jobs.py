@@ -40,8 +40,16 @@ def named_hosts(*, run: Run) -> tuple[str, ...]:
 
 
 def fail_launch(*, run: Run, reason: str) -> None:
+    """The run's launch submitted nothing (`reason` says why): it fails, or, cancelled while it was being submitted,
+    ends cancelled now (no job is left for anyone to remove). A run that moved on otherwise is left as it is."""
     try:
         run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.FAILED, reason=reason)
+        return
+    except IllegalTransition:
+        pass
+    try:
+        run_transition(run_id=run.pk, from_state=RunState.CANCELLING, to_state=RunState.CANCELLED,
+                       reason=f"cancelled while it was being submitted, which failed: {reason}")
     except IllegalTransition:
         pass
 
