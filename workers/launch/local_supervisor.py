@@ -2,10 +2,19 @@
 
 `python -m workers.launch.local_supervisor RUN_ID`, started by the local backend. It polls the run's
 state so that a cancel from the dashboard stops the engine's whole process group.
+
+Others move the run too, and may move it first: its operator (a cancel; a pause or resume its engine reported), the
+reconciler (a silent run lost, a cancel it ended itself, a launch that took too long). The engine is started only
+while the run is launching, checked under the run's row lock, which is held until the run is marked running: a cancel
+finds the run either not started (it ends cancelled at once, and no engine starts) or running. Once the engine exits
+(or is stopped for a cancel) the supervisor moves the run by the state it reads; a move that loses its race is decided
+again from the state the other party left, and a run that others ended or lost is theirs: the supervisor says so in
+its log and exits cleanly.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -13,12 +22,15 @@ import subprocess
 import sys
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 POLL_SECONDS = 1.0
 STOP_GRACE_SECONDS = 10.0
 CANCEL_GRACE_SECONDS = 20.0
 LOG_TAIL_LINES = 20
+
+logger = logging.getLogger(__name__)
 
 
 def _log_tail(path: Path) -> str:
@@ -50,63 +62,133 @@ def engine_overrides(folder: Path) -> list[str]:
     return overrides
 
 
-def supervise(run_id: int) -> int:
-    from forgeboard.logs import run_log_context
-    from forgeboard.runs.models import Run
-    from forgeboard.runs.services import IllegalTransition, run_transition
-    from forgeboard.runs.states import RunState
-    from workers.launch.local import REPO_DIR, run_dir
+@dataclass(frozen=True)
+class Outcome:
+    """Where the supervisor moves a run whose engine has exited: its state, the reason, and fields to set with it."""
 
-    folder = run_dir(Run.objects.get(pk=run_id))
-    log_path = folder / "engine.log"
-    with run_log_context(run_id), open(log_path, "ab") as log:
-        engine = subprocess.Popen(
-            [sys.executable, "-m", "workers.engine", "train", "--config", str(folder / "config.yaml"),
-             *engine_overrides(folder)],
-            cwd=REPO_DIR, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )
+    state: str
+    reason: str
+    fields: dict[str, object] = field(default_factory=dict)
+
+
+def engine_outcome(*, state: str, returncode: int, log_path: Path) -> Outcome:
+    """Where a run in `state` (running, paused or cancelling) goes once its engine exited with `returncode`."""
+    from forgeboard.runs.states import RunState
+
+    if state == RunState.CANCELLING:
+        return Outcome(RunState.CANCELLED, "cancelled by operator")
+    if returncode < 0:
+        # Killed by a signal (SIGKILL, OOM killer): not the run's own fault, so the reconciler may restart it, at once:
+        # nothing of it is left to stop (pid None).
+        return Outcome(RunState.LOST, f"engine killed by signal {-returncode}", {"pid": None})
+    if returncode == 0 and state == RunState.RUNNING:
+        return Outcome(RunState.SUCCEEDED, "finished")
+    if returncode == 0:  # a paused run cannot have succeeded: its engine waits for a resume
+        return Outcome(RunState.FAILED, f"engine exited with code 0 while the run was {state}")
+    return Outcome(RunState.FAILED, f"engine exited with code {returncode}\n{_log_tail(log_path)}")
+
+
+def _start_engine(*, run_id: int, folder: Path, log_path: Path) -> subprocess.Popen | None:
+    """Start the run's engine and mark the run running, holding its row lock from the check that it is still to be
+    started until it is marked (a process starts at once); None when it is not to be started (see
+    workers/launch/backends.py `submission_wanted`: one cancelled meanwhile ends cancelled there)."""
+    from django.db import transaction
+
+    from forgeboard.runs.services import run_transition
+    from forgeboard.runs.states import RunState
+    from workers.launch.backends import submission_wanted
+    from workers.launch.local import REPO_DIR
+
+    with transaction.atomic():
+        if not submission_wanted(run_id=run_id):
+            return None
+        try:
+            with open(log_path, "ab") as log:
+                engine = subprocess.Popen(
+                    [sys.executable, "-m", "workers.engine", "train", "--config", str(folder / "config.yaml"),
+                     *engine_overrides(folder)],
+                    cwd=REPO_DIR, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+        except OSError as exc:
+            run_transition(run_id=run_id, from_state=RunState.LAUNCHING, to_state=RunState.FAILED,
+                           reason=f"the engine could not be started: {exc}")
+            return None
         try:
             run_transition(run_id=run_id, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING,
                            host=socket.gethostname(), pid=engine.pid, log_path=str(log_path))
-        except IllegalTransition:
-            _stop(engine)  # cancelled while launching
-            state = Run.objects.filter(pk=run_id).values_list("state", flat=True).get()
-            if state == RunState.CANCELLING:
-                run_transition(run_id=run_id, from_state=RunState.CANCELLING, to_state=RunState.CANCELLED,
-                               reason="cancelled by operator")
-            return 1
-        while engine.poll() is None:
-            time.sleep(POLL_SECONDS)
-            state = Run.objects.filter(pk=run_id).values_list("state", flat=True).first()
-            if state == RunState.CANCELLING:
-                # The controller gets the cancel command too: let it checkpoint and exit on its own first.
-                try:
-                    engine.wait(timeout=CANCEL_GRACE_SECONDS)
-                except subprocess.TimeoutExpired:
-                    _stop(engine)
-                run_transition(run_id=run_id, from_state=RunState.CANCELLING, to_state=RunState.CANCELLED,
-                               reason="cancelled by operator")
-                return 0
-        state, recorded_pid = Run.objects.filter(pk=run_id).values_list("state", "pid").get()
-        state = RunState(state)
-        if state not in (RunState.RUNNING, RunState.PAUSED, RunState.CANCELLING) or recorded_pid != engine.pid:
-            return 0  # lost (and its engine stopped by the reconciler's ask), maybe restarted: not this attempt's
+        except BaseException:
+            _stop(engine)  # the run does not record it: nobody else would ever stop it
+            raise
+    return engine
+
+
+def _watch(*, run_id: int, engine: subprocess.Popen) -> None:
+    """Until the engine exits, or the run is being cancelled and its engine stopped."""
+    from forgeboard.runs.models import Run
+    from forgeboard.runs.states import RunState
+
+    while engine.poll() is None:
+        time.sleep(POLL_SECONDS)
+        state = Run.objects.filter(pk=run_id).values_list("state", flat=True).first()
         if state == RunState.CANCELLING:
-            run_transition(run_id=run_id, from_state=state, to_state=RunState.CANCELLED, reason="cancelled by operator")
-        elif engine.returncode == 0:
-            run_transition(run_id=run_id, from_state=state, to_state=RunState.SUCCEEDED, reason="finished")
-        elif engine.returncode < 0:
-            # Killed by a signal (SIGKILL, OOM killer): not the run's own fault, so the reconciler may restart it.
-            reason = f"engine killed by signal {-engine.returncode}"
+            # The controller gets the cancel command too: let it checkpoint and exit on its own first.
+            try:
+                engine.wait(timeout=CANCEL_GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                _stop(engine)
+            return
+
+
+def _settle(*, run_id: int, engine: subprocess.Popen, log_path: Path) -> None:
+    """Move the run by how its engine exited (`engine_outcome`), from the state it is in now. Another party may move
+    it first (a cancel, a pause or resume reported, the reconciler): the move is then decided again from the state
+    that party left, until it is made or the run is no longer this supervisor's to move (ended, lost, or another
+    attempt's). Each lost race is a move by someone else, and an exited engine leaves few to make: this ends."""
+    from forgeboard.runs.models import Run
+    from forgeboard.runs.services import IllegalTransition, run_transition
+    from forgeboard.runs.states import RunState
+
+    while True:
+        found = Run.objects.filter(pk=run_id).values_list("state", "pid", "exit_reason").first()
+        if found is None:
+            logger.info("run %s no longer exists", run_id)
+            return
+        state, pid, exit_reason = found
+        if pid != engine.pid:
+            logger.info("run %s no longer records this engine (it is %s): left as it is", run_id, state)
+            return
+        if state not in (RunState.RUNNING, RunState.PAUSED, RunState.CANCELLING):
+            # Someone else moved it where it goes now (a cancel the reconciler ended, a silent run it lost and will
+            # restart once it finds this engine gone): theirs to say, and said on the run's timeline.
+            logger.info("run %s is already %s (%s): left as it is", run_id, state, exit_reason or "no reason given")
+            return
+        outcome = engine_outcome(state=state, returncode=engine.returncode, log_path=log_path)
+        if outcome.state == RunState.LOST:
             try:
                 os.killpg(engine.pid, signal.SIGKILL)  # what it started in its group may outlive it
             except ProcessLookupError:
                 pass
-            # Nothing of it is left to stop: the reconciler restarts the run at once.
-            run_transition(run_id=run_id, from_state=state, to_state=RunState.LOST, reason=reason, pid=None)
-        else:
-            reason = f"engine exited with code {engine.returncode}\n{_log_tail(log_path)}"
-            run_transition(run_id=run_id, from_state=state, to_state=RunState.FAILED, reason=reason)
+        try:
+            run_transition(run_id=run_id, from_state=state, to_state=outcome.state, reason=outcome.reason,
+                           **outcome.fields)
+            return
+        except IllegalTransition:
+            logger.info("run %s moved from %s before it could go to %s: deciding again", run_id, state, outcome.state)
+
+
+def supervise(run_id: int) -> int:
+    from forgeboard.logs import run_log_context
+    from forgeboard.runs.models import Run
+    from workers.launch.local import run_dir
+
+    folder = run_dir(Run.objects.get(pk=run_id))
+    log_path = folder / "engine.log"
+    with run_log_context(run_id):
+        engine = _start_engine(run_id=run_id, folder=folder, log_path=log_path)
+        if engine is not None:
+            _watch(run_id=run_id, engine=engine)
+            _settle(run_id=run_id, engine=engine, log_path=log_path)
     return 0
 
 

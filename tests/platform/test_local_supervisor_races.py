@@ -1,0 +1,332 @@
+"""A local run's supervisor that another party beats to the run's state: it leaves the run where that party put it,
+or moves it on from there, and exits cleanly: 0, nothing above INFO in its log, and only the moves that were made on
+the run's timeline.
+
+The supervisor runs here (`supervise`), with a real engine process: one whose model is missing exits with code 2 in a
+fraction of a second; the tiny model's trains for as long as asked. The other party (the operator's cancel, the
+reconciler, the engine's report of a pause) moves the run through its own service at the moment it would in the race:
+just before the supervisor's own move from one state to another (`other_party`), or just after one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+from django.db import connection
+from django.utils import timezone
+
+from forgeboard.experiments.services import experiment_create
+from forgeboard.runs import services
+from forgeboard.runs.folders import run_dir
+from forgeboard.runs.models import Run
+from forgeboard.runs.reconcile import runs_reconcile
+from forgeboard.runs.scheduling import runs_schedule
+from forgeboard.runs.services import command_acknowledge, command_create, command_finish, run_cancel, run_launch
+from forgeboard.runs.states import RunState
+from forgeboard.telemetry.models import RunEvent
+from tests.support.configs import sft_yaml
+from tests.support.processes import REPO_DIR, kill_processes_in, platform_env, wait_for
+from workers.launch import local_supervisor
+from workers.launch.local import start_local, write_run_files
+from workers.launch.local_supervisor import supervise
+
+pytestmark = pytest.mark.django_db
+
+MISSING_MODEL_YAML = """\
+recipe: grpo
+model:
+  family: qwen3
+  path: /nonexistent/forgeboard-test-model
+"""
+RECONCILER_LATER = timedelta(seconds=120)  # past the heartbeat timeout: a run that never reported is silent
+
+
+class OtherParty:
+    """Moves made through another party's service just before or just after the supervisor's own move from one
+    state to another (each once): the supervisor's `run_transition` is the one it imports from the services."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.before: dict[tuple[RunState, RunState], Callable[[], object]] = {}
+        self.after: dict[tuple[RunState, RunState], Callable[[], object]] = {}
+        real = services.run_transition
+
+        def run_transition(*, run_id: int, from_state, to_state, **kwargs):
+            key = (RunState(from_state), RunState(to_state))
+            if move := self.before.pop(key, None):
+                move()
+            run = real(run_id=run_id, from_state=from_state, to_state=to_state, **kwargs)
+            if move := self.after.pop(key, None):
+                move()
+            return run
+
+        monkeypatch.setattr(services, "run_transition", run_transition)
+
+    def all_made(self) -> bool:
+        return not self.before and not self.after
+
+
+@pytest.fixture
+def other_party(monkeypatch) -> OtherParty:
+    return OtherParty(monkeypatch)
+
+
+@pytest.fixture(autouse=True)
+def supervisor_here(monkeypatch, settings, tmp_path, caplog):
+    """Polls often (the tests wait less), run folders of the test's own, and the supervisor's INFO lines kept."""
+    monkeypatch.setattr(local_supervisor, "POLL_SECONDS", 0.05)
+    settings.DATA_DIR = tmp_path / "data"
+    caplog.set_level(logging.INFO, logger=local_supervisor.__name__)
+
+
+@pytest.fixture
+def sent(monkeypatch) -> list[str]:
+    """The tasks sent to the broker (the machine's edge): the reconciler's asks to stop a lost attempt."""
+    from workers.celery import app
+
+    names: list[str] = []
+    monkeypatch.setattr(app, "send_task", lambda name, **kw: names.append(name))
+    return names
+
+
+def _launching(team, yaml: str, *, experiment=None) -> Run:
+    """A local run the scheduler claimed, with the files the local backend writes before it starts the supervisor."""
+    run = run_launch(actor=team.member, experiment=experiment or team.experiment, config_yaml=yaml)
+    assert runs_schedule(now=timezone.now()) == [run.pk]
+    run = Run.objects.get(pk=run.pk)
+    write_run_files(run=run, folder=run_dir(run))
+    return run
+
+
+def _path(run: Run) -> list[str]:
+    return [e.payload["to"] for e in RunEvent.objects.filter(run=run, kind="state_changed").order_by("seq")]
+
+
+def _cancel(run: Run, team):
+    return lambda: run_cancel(actor=team.member, run=Run.objects.get(pk=run.pk))
+
+
+def _reconcile():
+    return lambda: runs_reconcile(now=timezone.now() + RECONCILER_LATER)
+
+
+def _engine_gone(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _no_error_logged(caplog) -> bool:
+    return not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+
+
+def test_a_run_cancelled_before_its_engine_starts_ends_cancelled_and_none_starts(team, caplog):
+    run = _launching(team, MISSING_MODEL_YAML)
+    run_cancel(actor=team.member, run=run)
+
+    assert supervise(run.pk) == 0
+
+    run.refresh_from_db()
+    assert (run.state, run.exit_reason) == (RunState.CANCELLED, "cancelled before it was submitted")
+    assert run.pid is None and not (run_dir(run) / "engine.log").exists(), "no engine was started"
+    assert _path(run) == ["queued", "launching", "cancelling", "cancelled"]
+    assert _no_error_logged(caplog)
+
+
+def test_a_launch_the_reconciler_gave_up_on_and_restarted_starts_no_engine(team, caplog):
+    """The supervisor came too late (a slow host, a worker busy for minutes): the reconciler lost the launch and
+    queued the run again. The restart gets a supervisor of its own; this one starts nothing."""
+    run = _launching(team, MISSING_MODEL_YAML)
+    Run.objects.filter(pk=run.pk).update(max_restarts=1)
+    report = runs_reconcile(now=timezone.now() + timedelta(seconds=400))
+    assert (report.lost, report.restarted) == ([run.pk], [run.pk])
+
+    assert supervise(run.pk) == 0
+
+    run.refresh_from_db()
+    assert run.state == RunState.QUEUED and run.pid is None
+    assert not (run_dir(run) / "engine.log").exists(), "no engine was started"
+    assert _path(run) == ["queued", "launching", "lost", "queued"]
+    assert _no_error_logged(caplog)
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True, databases=list(settings.DATABASES))
+def test_a_local_run_cancelled_after_its_launch_but_before_its_engine_starts_gets_no_engine(team, monkeypatch):
+    """The launch's check passed and it started the supervisor; the cancel is committed before the supervisor gets to
+    its own check (under the row lock, with the engine's start): it starts no engine, rather than start one and
+    stop it again, and exits cleanly."""
+    # What the worker's supervisors get from it: its database and data folder.
+    monkeypatch.setenv("DATABASE_URL", platform_env()["DATABASE_URL"])
+    monkeypatch.setenv("FORGEBOARD_DATA_DIR", str(settings.DATA_DIR))
+    run = _launching(team, MISSING_MODEL_YAML)
+    _cancel(run, team)()
+    folder = run_dir(run)
+    try:
+        start_local(run=Run.objects.select_related("config").get(pk=run.pk))
+        wait_for(lambda: Run.objects.get(pk=run.pk).state in (RunState.CANCELLED, RunState.FAILED), timeout=60,
+                 what="the supervisor to end the run")
+        run.refresh_from_db()
+        assert (run.state, run.exit_reason, run.pid) == (RunState.CANCELLED, "cancelled before it was submitted", None)
+        assert not (folder / "engine.log").exists(), "no engine was started"
+        assert _path(run) == ["queued", "launching", "cancelling", "cancelled"]
+        log = wait_for(lambda: "cancelled before it was submitted" in (text := (folder / "supervisor.log").read_text())
+                       and text, timeout=10, what="the supervisor's log")
+        assert "Traceback" not in log and "ERROR" not in log, log
+    finally:
+        kill_processes_in(folder)
+
+
+@pytest.mark.parametrize("party", ["operator cancels", "reconciler finds it silent", "engine reported a pause"])
+def test_a_failed_engines_run_moved_by_another_party_first_is_moved_on_from_there(
+        team, other_party, sent, caplog, party):
+    """The engine failed (exit 2); as the supervisor reads the run, another party moves it, so its running ->
+    failed loses. A cancel wins (the operator asked it to stop); a lost run is the reconciler's (it restarts it);
+    a pause reported just before the engine failed still leaves it failed."""
+    run = _launching(team, MISSING_MODEL_YAML)
+    Run.objects.filter(pk=run.pk).update(max_restarts=1)  # lost, it waits for its engine to be found stopped
+
+    def pause_reported() -> None:
+        pause = command_create(actor=team.member, run=Run.objects.get(pk=run.pk), kind="pause")
+        command_acknowledge(run=run, command_id=pause.pk)
+        command_finish(run=Run.objects.get(pk=run.pk), command_id=pause.pk, ok=True, result={"paused_at_step": 0})
+
+    moves = {"operator cancels": _cancel(run, team), "reconciler finds it silent": _reconcile(),
+             "engine reported a pause": pause_reported}
+    other_party.before[(RunState.RUNNING, RunState.FAILED)] = moves[party]
+
+    assert supervise(run.pk) == 0
+
+    assert other_party.all_made()
+    run.refresh_from_db()
+    if party == "operator cancels":
+        assert (run.state, run.exit_reason) == (RunState.CANCELLED, "cancelled by operator")
+        assert _path(run) == ["queued", "launching", "running", "cancelling", "cancelled"]
+    elif party == "reconciler finds it silent":
+        assert run.state == RunState.LOST and run.exit_reason.startswith("no heartbeat for")
+        assert _path(run) == ["queued", "launching", "running", "lost"]
+        assert sent == ["runs.stop_attempt"], "the reconciler stops what it left before the restart"
+        assert any("is already lost" in r.getMessage() for r in caplog.records)
+    else:
+        assert run.state == RunState.FAILED and run.exit_reason.startswith("engine exited with code 2\n")
+        assert "model.path" in run.exit_reason
+        assert _path(run) == ["queued", "launching", "running", "paused", "failed"]
+    assert _engine_gone(run.pid)
+    assert _no_error_logged(caplog)
+
+
+def test_an_engine_killed_by_a_signal_as_its_run_is_cancelled_ends_the_run_cancelled(team, other_party, caplog):
+    """Killed (the OOM killer, say) just as the operator cancels: the run is not lost and restarted, it ends as its
+    owner asked."""
+    run = _launching(team, MISSING_MODEL_YAML)
+    other_party.after[(RunState.LAUNCHING, RunState.RUNNING)] = \
+        lambda: os.kill(Run.objects.get(pk=run.pk).pid, signal.SIGKILL)
+    other_party.before[(RunState.RUNNING, RunState.LOST)] = _cancel(run, team)
+
+    assert supervise(run.pk) == 0
+
+    assert other_party.all_made()
+    run.refresh_from_db()
+    assert (run.state, run.exit_reason) == (RunState.CANCELLED, "cancelled by operator")
+    assert _path(run) == ["queued", "launching", "running", "cancelling", "cancelled"]
+    assert _no_error_logged(caplog)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("supervisor-races") / "tiny-qwen3"
+    subprocess.run([sys.executable, "-m", "workers.engine", "make-tiny-model", "--family", "qwen3", "--out", str(out)],
+                   cwd=REPO_DIR, check=True, capture_output=True, timeout=300)
+    return out
+
+
+@pytest.fixture
+def sft(team):
+    return experiment_create(actor=team.owner, project=team.project, name="warm-start", recipe="sft")
+
+
+@pytest.mark.slow
+def test_a_cancel_the_reconciler_ends_while_the_supervisor_stops_its_engine_leaves_the_reconcilers_word(
+        team, sft, tiny_model, other_party, monkeypatch, caplog):
+    """The engine does not take the cancel (it cannot reach the control plane) and is stopped past the grace; the
+    reconciler ended the cancel meanwhile. The run ends once, with the reconciler's reason, and the supervisor exits
+    cleanly instead of failing on its own cancelling -> cancelled."""
+    monkeypatch.setattr(local_supervisor, "CANCEL_GRACE_SECONDS", 0.5)
+    run = _launching(team, sft_yaml(tiny_model, steps=100_000), experiment=sft)
+    other_party.after[(RunState.LAUNCHING, RunState.RUNNING)] = _cancel(run, team)
+    other_party.before[(RunState.CANCELLING, RunState.CANCELLED)] = _reconcile()
+
+    assert supervise(run.pk) == 0
+
+    assert other_party.all_made()
+    run.refresh_from_db()
+    assert run.state == RunState.CANCELLED
+    assert run.exit_reason.startswith("cancelled; its controller never reported in"), run.exit_reason
+    assert _path(run) == ["queued", "launching", "running", "cancelling", "cancelled"]
+    assert _engine_gone(run.pid), "the supervisor stopped its engine"
+    assert any(f"run {run.pk} is already cancelled" in r.getMessage() for r in caplog.records)
+    assert _no_error_logged(caplog)
+
+
+@pytest.mark.slow
+def test_a_run_cancelled_as_its_engine_finishes_ends_cancelled(team, sft, tiny_model, other_party, caplog):
+    """The engine trained its steps and exited 0; the operator's cancel came as the supervisor read the run: its
+    running -> succeeded loses, and the run ends as its owner asked."""
+    run = _launching(team, sft_yaml(tiny_model, steps=2), experiment=sft)
+    other_party.before[(RunState.RUNNING, RunState.SUCCEEDED)] = _cancel(run, team)
+
+    assert supervise(run.pk) == 0
+
+    assert other_party.all_made(), (run_dir(run) / "engine.log").read_text()[-2000:]
+    run.refresh_from_db()
+    assert (run.state, run.exit_reason) == (RunState.CANCELLED, "cancelled by operator")
+    assert _path(run) == ["queued", "launching", "running", "cancelling", "cancelled"]
+    assert _no_error_logged(caplog)
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True, databases=list(settings.DATABASES))
+def test_a_cancel_while_the_supervisor_starts_the_engine_finds_it_running_and_the_engine_stopped(
+        team, sft, tiny_model, other_party, monkeypatch, caplog):
+    """The supervisor holds the run's row from its check that the run is launching until it is marked running with
+    its engine's pid: a cancel that comes meanwhile waits, then finds a running run whose engine the supervisor stops
+    (never a cancelled run with an engine that nobody stops)."""
+    monkeypatch.setattr(local_supervisor, "CANCEL_GRACE_SECONDS", 0.5)
+    run = _launching(team, sft_yaml(tiny_model, steps=100_000), experiment=sft)
+
+    def cancel() -> None:
+        try:
+            _cancel(run, team)()
+        finally:
+            connection.close()
+
+    operator = threading.Thread(target=cancel)
+    waited: list[bool] = []
+
+    def cancel_comes() -> None:  # the supervisor's transaction is still open
+        operator.start()
+        operator.join(timeout=1.0)
+        waited.append(operator.is_alive())
+
+    other_party.after[(RunState.LAUNCHING, RunState.RUNNING)] = cancel_comes
+
+    assert supervise(run.pk) == 0
+
+    operator.join(timeout=30)
+    assert waited == [True], "the cancel waited for the supervisor to mark the run running"
+    run.refresh_from_db()
+    assert (run.state, run.exit_reason) == (RunState.CANCELLED, "cancelled by operator")
+    assert _path(run) == ["queued", "launching", "running", "cancelling", "cancelled"]
+    assert _engine_gone(run.pid), "the supervisor stopped its engine"
+    assert _no_error_logged(caplog)
