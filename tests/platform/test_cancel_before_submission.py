@@ -59,13 +59,14 @@ def test_a_local_run_cancelled_before_its_launch_starts_no_supervisor(team, sett
     run = _claimed(team, MISSING_MODEL_YAML)
     assert _cancelled(team, run).state == RunState.CANCELLING
 
-    assert start_run(run_id=run.pk) is False
+    submitted = start_run(run_id=run.pk)
 
     run.refresh_from_db()
     assert (run.state, run.exit_reason) == (RunState.CANCELLED, CANCELLED_BEFORE)
     assert run.finished_at is not None and run.pid is None
     assert not run_dir(run).exists(), "no files written, no supervisor started"
     assert _path(run) == ["queued", "launching", "cancelling", "cancelled"]
+    assert submitted is False, "nothing was submitted"
 
 
 @pytest.mark.django_db
@@ -85,12 +86,13 @@ def test_a_slurm_run_cancelled_before_its_launch_is_never_sbatched(team, slurm):
     run = _claimed(team, SLURM_YAML)
     _cancelled(team, run)
 
-    assert start_run(run_id=run.pk) is False
+    submitted = start_run(run_id=run.pk)
 
     run.refresh_from_db()
     assert (run.state, run.exit_reason, run.job_id) == (RunState.CANCELLED, CANCELLED_BEFORE, "")
     assert slurm.calls("sbatch") == [] and slurm.calls("scancel") == []
     assert _submitted_events(run) == []
+    assert submitted is False, "nothing was submitted"
 
 
 @pytest.fixture
@@ -113,7 +115,7 @@ def test_a_slurm_job_queued_as_its_run_was_cancelled_is_scancelled_by_the_launch
         team, slurm, cancelled_during_sbatch):  # noqa: F811
     run = _claimed(team, SLURM_YAML)
 
-    assert start_run(run_id=run.pk) is True
+    submitted = start_run(run_id=run.pk)
 
     run.refresh_from_db()
     assert run.state == RunState.CANCELLED and run.job_id == "18004"
@@ -122,6 +124,7 @@ def test_a_slurm_job_queued_as_its_run_was_cancelled_is_scancelled_by_the_launch
     assert [e["job_id"] for e in _submitted_events(run)] == ["18004"], "what was submitted stays on the timeline"
     assert _path(run) == ["queued", "launching", "cancelling", "cancelled"]
     assert poll_slurm_runs() == {}, "an ended run's job is followed no more"
+    assert submitted is True, "it was submitted"
 
 
 @pytest.mark.django_db
@@ -161,11 +164,12 @@ def test_a_kubernetes_run_cancelled_before_its_launch_creates_nothing(team, k8s)
     run = _claimed(team, K8S_YAML)
     _cancelled(team, run)
 
-    assert start_run(run_id=run.pk) is False
+    submitted = start_run(run_id=run.pk)
 
     run.refresh_from_db()
     assert (run.state, run.exit_reason, run.job_id) == (RunState.CANCELLED, CANCELLED_BEFORE, "")
     assert k8s.requests == []
+    assert submitted is False, "nothing was submitted"
 
 
 @pytest.mark.django_db
@@ -180,7 +184,7 @@ def test_a_kubernetes_job_created_as_its_run_was_cancelled_is_deleted_by_the_lau
 
     monkeypatch.setattr(transport, "handler", cancel_as_the_job_is_created)
 
-    assert start_run(run_id=run.pk) is True
+    submitted = start_run(run_id=run.pk)
 
     run.refresh_from_db()
     name = f"forgeboard-run-{run.pk}"
@@ -189,3 +193,4 @@ def test_a_kubernetes_job_created_as_its_run_was_cancelled_is_deleted_by_the_lau
     assert [(r.method, r.url.path.rsplit("/", 1)[-1]) for r in k8s.requests] == [
         ("POST", "secrets"), ("POST", "configmaps"), ("POST", "jobs"), ("DELETE", name)]
     assert k8s.requests[-1].url.params["propagationPolicy"] == "Background", "its pods go with it"
+    assert submitted is True, "it was submitted"

@@ -71,22 +71,22 @@ def cluster(slurm_cluster, settings, tmp_path):
                  what="the test's jobs to leave the queue")
 
 
-def _jobs(cluster, program: str) -> list[dict]:
-    args = ("squeue", "--json") if program == "squeue" else ("sacct", "--json", "--allusers")
-    answer = cluster.command(*args)
+def _jobs(cluster, program: str, *args: str) -> list[dict]:
+    answer = cluster.command(program, "--json", *args)
     assert answer.returncode == 0, answer.stderr
     return json.loads(answer.stdout)["jobs"]
 
 
 def _job(cluster, program: str, job_id: str) -> dict:
-    return next(job for job in _jobs(cluster, program) if str(job["job_id"]) == job_id)
+    return next(job for job in _jobs(cluster, program, f"--jobs={job_id}") if str(job["job_id"]) == job_id)
 
 
 def _run_jobs(cluster, run: Run) -> list[str]:
     """Every job SLURM queued or accounted for the run (its comment names the run), whatever became of it."""
     found = set()
-    for program in ("squeue", "sacct"):
-        for job in _jobs(cluster, program):
+    # sacct lists a job cancelled before it started only when asked from before it was submitted
+    for program, args in (("squeue", ()), ("sacct", ("--allusers", "--starttime=now-1hours"))):
+        for job in _jobs(cluster, program, *args):
             comment = job.get("comment")
             text = comment.get("job", "") if isinstance(comment, dict) else (comment or "")
             if text == run_comment(run.pk):
@@ -104,11 +104,12 @@ def test_a_run_cancelled_before_its_launch_is_never_sbatched(team, cluster):
     run = _claimed(team)
     run_cancel(actor=team.member, run=run)
 
-    assert start_run(run_id=run.pk) is False
+    submitted = start_run(run_id=run.pk)
 
     run.refresh_from_db()
     assert (run.state, run.exit_reason, run.job_id) == (RunState.CANCELLED, "cancelled before it was submitted", "")
     assert _run_jobs(cluster, run) == [], "SLURM never saw a job for it"
+    assert submitted is False, "nothing was submitted"
 
 
 def test_a_job_queued_as_its_run_was_cancelled_is_scancelled_by_the_launch_at_once(team, cluster, monkeypatch):
@@ -123,16 +124,18 @@ def test_a_job_queued_as_its_run_was_cancelled_is_scancelled_by_the_launch_at_on
     monkeypatch.setattr(SlurmCli, "submit", submit_then_cancel)
     run = _claimed(team)
 
-    assert start_run(run_id=run.pk) is True
+    submitted = start_run(run_id=run.pk)
 
     run.refresh_from_db()
     job_id = run.job_id
     assert job_id and _run_jobs(cluster, run) == [job_id]
     assert run.state == RunState.CANCELLED
     assert run.exit_reason == f"cancelled while it was being submitted; SLURM job {job_id} removed"
-    submitted = RunEvent.objects.get(run=run, kind="message", payload__name="job_submitted")
-    assert submitted.payload["job_id"] == job_id
+    event = RunEvent.objects.get(run=run, kind="message", payload__name="job_submitted")
+    assert event.payload["job_id"] == job_id
     wait_for(lambda: _job(cluster, "sacct", job_id)["state"]["current"] == "CANCELLED", timeout=60,
              what="accounting to record the job cancelled")
     wait_for(lambda: job_id not in cluster.command("squeue", "-h", "-o", "%i").stdout.split(), timeout=30,
              what="the job to leave the queue")
+    assert _run_jobs(cluster, run) == [job_id], "accounting keeps it: what the test above finds none of"
+    assert submitted is True, "it was submitted"
