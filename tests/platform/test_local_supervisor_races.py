@@ -81,10 +81,9 @@ def other_party(monkeypatch) -> OtherParty:
 
 
 @pytest.fixture(autouse=True)
-def supervisor_here(monkeypatch, settings, tmp_path, caplog):
-    """Polls often (the tests wait less), run folders of the test's own, and the supervisor's INFO lines kept."""
+def supervisor_here(monkeypatch, caplog):
+    """Polls often (the tests wait less), and the supervisor's INFO lines kept."""
     monkeypatch.setattr(local_supervisor, "POLL_SECONDS", 0.05)
-    settings.DATA_DIR = tmp_path / "data"
     caplog.set_level(logging.INFO, logger=local_supervisor.__name__)
 
 
@@ -167,9 +166,7 @@ def test_a_local_run_cancelled_after_its_launch_but_before_its_engine_starts_get
     """The launch's check passed and it started the supervisor; the cancel is committed before the supervisor gets to
     its own check (under the row lock, with the engine's start): it starts no engine, rather than start one and
     stop it again, and exits cleanly."""
-    # What the worker's supervisors get from it: its database and data folder.
-    monkeypatch.setenv("DATABASE_URL", platform_env()["DATABASE_URL"])
-    monkeypatch.setenv("FORGEBOARD_DATA_DIR", str(settings.DATA_DIR))
+    monkeypatch.setenv("DATABASE_URL", platform_env()["DATABASE_URL"])  # the worker's, which its supervisors get
     run = _launching(team, MISSING_MODEL_YAML)
     _cancel(run, team)()
     folder = run_dir(run)
