@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -321,3 +323,172 @@ def test_answers_that_are_not_the_apis_do_not_stop_the_sender(live_server, runni
     assert answers == [] and sink._thread.is_alive()
     assert MetricPoint.objects.filter(series__run=run).count() == 1
     assert sink.close(timeout_s=10) is True
+
+
+# --- crash safety: a controller killed at any point of a spool change loses and doubles nothing ---------------------
+
+class Crash(BaseException):
+    """The controller dies here (a SIGKILL, an OOM kill, a power cut): nothing after this line runs."""
+
+
+class CrashAt:
+    """Counts the changes made to the spool folder (a rename, a removal, a write in place) and kills the controller
+    just before the one numbered `at`: every point between two steps of a spool change is tried by one test."""
+
+    def __init__(self, spool: Path, at: int, patch: pytest.MonkeyPatch) -> None:
+        self.spool, self.at, self.done, self.crashed = str(spool), at, 0, False
+        for owner, name in ((os, "replace"), (os, "rename"), (os, "unlink"), (os, "remove"), (Path, "write_text")):
+            patch.setattr(owner, name, self._before(getattr(owner, name)))
+
+    def _before(self, change):  # noqa: ANN001, ANN202
+        def changed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if str(args[0]).startswith(self.spool):
+                if self.done == self.at:
+                    self.crashed = True
+                    raise Crash
+                self.done += 1
+            return change(*args, **kwargs)
+        return changed
+
+
+def _lines(run) -> list[str]:
+    return list(LogLine.objects.filter(run=run).order_by("batch_seq", "index").values_list("line", flat=True))
+
+
+def _deliver(target: ControlPlaneTarget, spool: Path, lines: list[str]) -> None:
+    """A first controller delivers one batch per line, numbered from 1."""
+    for seq, line in enumerate(lines, start=1):
+        _spool_batch(spool, seq, logs=[{"line": line, "time": 1.0}])
+    (spool / "last_seq").write_text(str(len(lines)))
+    assert ControlPlaneSink(target, spool_dir=spool, flush_seconds=3600).close(timeout_s=30) is True
+
+
+def _while_sealing(target: ControlPlaneTarget, spool: Path) -> tuple[ControlPlaneSink, list[str]]:
+    """Records in the open journal are sealed into a batch, then sent."""
+    sink = ControlPlaneSink(target, spool_dir=spool, flush_seconds=3600)
+    for i in range(3):
+        sink.log_line(f"line {i}")
+    return sink, [f"line {i}" for i in range(3)]
+
+
+def _while_realigning(target: ControlPlaneTarget, spool: Path) -> tuple[ControlPlaneSink, list[str]]:
+    """The control plane has batches 1 and 2; the spool holds 2 again (its answer was lost) and then 5, 6 and 7:
+    the sequence_gap answer (3 expected) drops 2 and renumbers 5, 6, 7 as 3, 4, 5."""
+    _deliver(target, spool, ["one", "two"])
+    _spool_batch(spool, 2, logs=[{"line": "two", "time": 1.0}])
+    for seq, line in ((5, "three"), (6, "four"), (7, "five")):
+        _spool_batch(spool, seq, logs=[{"line": line, "time": 1.0}])
+    (spool / "last_seq").write_text("7")
+    return ControlPlaneSink(target, spool_dir=spool, flush_seconds=3600), ["one", "two", "three", "four", "five"]
+
+
+def _while_splitting(target: ControlPlaneTarget, spool: Path) -> tuple[ControlPlaneSink, list[str]]:
+    """Batch 1 is over the request-size limit: it is split in two, and batch 2 becomes 3."""
+    big = [f"{i:05d}" + "x" * 8000 for i in range(1100)]
+    _spool_batch(spool, 1, logs=[{"line": line, "time": 1.0} for line in big])
+    _spool_batch(spool, 2, logs=[{"line": "after the big one", "time": 1.0}])
+    (spool / "last_seq").write_text("2")
+    return ControlPlaneSink(target, spool_dir=spool, flush_seconds=3600), [*big, "after the big one"]
+
+
+CRASH_POINTS = 10
+
+
+@pytest.mark.parametrize("crash_at", range(CRASH_POINTS))
+@pytest.mark.parametrize("change", [_while_sealing, _while_realigning, _while_splitting],
+                         ids=["seal", "realign", "split"])
+@pytest.mark.django_db(transaction=True)
+def test_a_controller_killed_in_the_middle_of_a_spool_change_loses_and_doubles_nothing(
+        live_server, running_run, tmp_path, monkeypatch, change, crash_at):
+    """The controller is killed before its `crash_at`-th change to the spool folder (sealing records into a batch,
+    renumbering after a sequence_gap, splitting a batch over the size limit, sending); the next controller on the
+    same folder delivers every item exactly once, in order."""
+    run, token = running_run
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    target = ControlPlaneTarget(url=live_server.url, run_id=run.pk, token=token)
+    sink, expected = change(target, spool)
+    with monkeypatch.context() as patch:
+        crash = CrashAt(spool, crash_at, patch)
+        try:
+            sink.close(timeout_s=30)
+        except Crash:
+            pass
+    if crash_at == CRASH_POINTS - 1:
+        assert not crash.crashed, "the last point tried is past the end: every point of the change was tried"
+    assert ControlPlaneSink(target, spool_dir=spool, flush_seconds=3600).close(timeout_s=60) is True
+    assert _lines(run) == expected, "every item once, in order"
+    assert list(spool.glob("batch-*.json")) == []
+
+
+# --- a spool's number marker that cannot be read ------------------------------------------------------------------
+
+@pytest.mark.parametrize("marker", [b"", b"seven", b"\x00\x00\x00\x00", b"-3", b"9" * 40, b"12\n34", b"\xff\xfe"],
+                         ids=["empty", "text", "zeros", "negative", "huge", "two-lines", "not-utf8"])
+@pytest.mark.django_db(transaction=True)
+def test_a_garbled_last_seq_is_recovered_from_the_control_planes_answer(live_server, running_run, tmp_path, caplog,
+                                                                        marker):
+    """The marker of the last batch number is garbled (cut short by a crash, a bad disk) after its batches were all
+    delivered: the controller still starts, and what it records next is stored, not skipped as a batch the control
+    plane already has, nor refused for a number out of range."""
+    run, token = running_run
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    target = ControlPlaneTarget(url=live_server.url, run_id=run.pk, token=token)
+    _deliver(target, spool, ["one", "two", "three"])
+    (spool / "last_seq").write_bytes(marker)
+
+    sink = ControlPlaneSink(target, spool_dir=spool, flush_seconds=3600, max_backoff_s=0.1)
+    Recorder([sink]).log("loss", 0.5, step=4)
+    sink.log_line("after the restart")
+    assert sink.close(timeout_s=30) is True
+    assert _lines(run) == ["one", "two", "three", "after the restart"]
+    assert MetricPoint.objects.filter(series__run=run, series__key="loss").count() == 1
+    run.refresh_from_db()
+    assert run.telemetry_seq == 4 and (spool / "last_seq").read_text() == "4"
+    assert "last_seq" in caplog.text, "the recovery is logged"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_garbled_last_seq_beside_spooled_batches_numbers_on_from_them(live_server, running_run, tmp_path):
+    """Batches still in the spool say where numbering stands: the next batch follows them."""
+    run, token = running_run
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    _spool_batch(spool, 1, logs=[{"line": "one", "time": 1.0}])
+    _spool_batch(spool, 2, logs=[{"line": "two", "time": 1.0}])
+    (spool / "last_seq").write_text("two")
+    target = ControlPlaneTarget(url=live_server.url, run_id=run.pk, token=token)
+    sink = ControlPlaneSink(target, spool_dir=spool, flush_seconds=3600)
+    sink.log_line("three")
+    assert sink.close(timeout_s=30) is True
+    assert _lines(run) == ["one", "two", "three"]
+    run.refresh_from_db()
+    assert run.telemetry_seq == 3
+
+
+# --- the final flush --------------------------------------------------------------------------------------------------
+
+@pytest.mark.django_db(transaction=True)
+def test_a_final_flush_that_fails_ends_the_run_as_it_was_and_leaves_the_spool(live_server, running_run, tmp_path,
+                                                                              caplog):
+    """The disk is full as the run ends (the batch cannot be written): `recorder.close()` raises nothing (an
+    exception there turned a finished run into a failed one), the log says what is left where, and the next
+    controller on the same folder delivers it."""
+    run, token = running_run
+    spool = tmp_path / "spool"
+    target = ControlPlaneTarget(url=live_server.url, run_id=run.pk, token=token)
+    sink = ControlPlaneSink(target, spool_dir=spool, flush_seconds=3600)
+    recorder = Recorder([sink])
+    recorder.log("loss", 0.5, step=1)
+    sink.log_line("the last line")
+    (spool / "batch-000000000001.json").mkdir()  # os.replace onto a folder fails as a full disk would
+
+    recorder.close()
+
+    assert "left in the spool" in caplog.text and str(spool) in caplog.text
+    assert MetricPoint.objects.filter(series__run=run).count() == 0
+    (spool / "batch-000000000001.json").rmdir()
+    assert ControlPlaneSink(target, spool_dir=spool, flush_seconds=3600).close(timeout_s=30) is True
+    assert _lines(run) == ["the last line"]
+    assert MetricPoint.objects.filter(series__run=run, series__key="loss").count() == 1

@@ -12,6 +12,14 @@ again; a batch refused as a whole (another 4xx) is retried a few times, alone, t
 `spool/refused/` (an empty batch keeps its number). Every drop is recorded: a `message` event named
 `telemetry_dropped` and the `telemetry/dropped` metric (items dropped so far). A batch over the
 request-size limit is split. 5xx answers and network errors are retried with backoff, forever.
+
+A controller killed at any point loses and doubles nothing: a batch's number is its file's name (the seq inside is
+set from it when sent), so renumbering one is one rename, and every file is written beside its place, fsynced and
+renamed over it. The changes of several steps leave what the next controller on the folder finishes: records being
+sealed stay in `sealing-<seq>.jsonl` until all their batches are written; a split's halves go to `split-<seq>.json`
+first; a renumbering stopped midway leaves a gap that the next `sequence_gap` answer closes. `last_seq` holds the last
+number given, for a spool whose batches were all delivered; when it cannot be read, batches are numbered far ahead
+and renumbered from the control plane's `sequence_gap` answer.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from workers.engine.wire_limits import MAX_JSON_DEPTH, unstorable_reason
 logger = logging.getLogger(__name__)
 EVENT_KINDS = set(EventKindName.__args__)
 BATCH_FILE_DIGITS = 12
+FAR_AHEAD_SEQ = 10 ** (BATCH_FILE_DIGITS - 1)  # past any run's batches: the control plane answers sequence_gap
 SECTION_LIMITS = {"metrics": MAX_METRICS_PER_BATCH, "events": MAX_EVENTS_PER_BATCH, "logs": MAX_LOGS_PER_BATCH}
 REQUEST_BUDGET = MAX_REQUEST_BYTES - 64 * 1024  # room for the request's envelope
 MAX_BATCH_BYTES = MAX_REQUEST_BYTES // 2  # a sealed batch is split above this
@@ -156,15 +165,19 @@ class ControlPlaneSink:
         self._journal = open(self._journal_path, "a", encoding="utf-8")
         self._journal_metrics = 0
         self._lock = threading.Lock()
+        self._round = threading.Lock()  # one round of sealing and sending at a time: two could move one batch twice
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._next_seq = self._highest_spooled_seq() + 1
+        self._next_seq = self._first_free_seq()
         self._window = MAX_BATCHES_SENT
         self._narrow_until = 0
         self._refusals: dict[int, int] = {}
         self.dropped = self._dropped_so_far()
         self.dropped_by_section: dict[str, int] = {"metrics": 0, "events": 0, "logs": 0}
-        self._seal_batch()  # what a previous controller recorded but did not seal
+        try:
+            self._seal_batch()  # what a previous controller recorded but did not seal
+        except OSError:  # a full disk: the sender tries again, and the run starts meanwhile
+            logger.exception("telemetry spool %s could not be sealed; trying again", self.spool)
         self._client = httpx.Client(
             base_url=target.url, timeout=timeout_s, transport=transport,
             headers={"Authorization": f"Bearer {target.token}"},
@@ -189,60 +202,132 @@ class ControlPlaneSink:
             self._wake.set()
 
     def close(self, *, timeout_s: float = 30.0) -> bool:
-        """Flush and send what is left; True when nothing is left in the spool."""
+        """Flush and send what is left; True when nothing is left in the spool.
+
+        Raises nothing (the recorder closes its sinks as the run ends): what cannot be sent now (the control plane
+        down, a full disk) stays in the spool for the next controller on the same folder, and the log says so."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=timeout_s)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self._seal_batch()  # again each time: a drop is reported as records of its own
-            if not self._spooled():
-                break
-            if not self._send_spooled():
-                time.sleep(0.5)
-        self._seal_batch()
-        self._client.close()
-        self._journal.close()
-        return not self._spooled()
+        if not self._round.acquire(timeout=timeout_s):
+            logger.error("telemetry: the sender is still busy; what is not sent is left in the spool %s for the next "
+                         "controller on this folder", self.spool)
+            return False
+        try:
+            return self._flush(deadline)
+        finally:
+            self._client.close()
+            self._journal.close()
+            self._round.release()
+
+    def _flush(self, deadline: float) -> bool:
+        """Seal and send until nothing is left or the deadline passes; whether nothing is left."""
+        left = None
+        try:
+            while True:
+                self._seal_batch()  # again each time: a drop is reported as records of its own
+                left = len(self._spooled())
+                if not left or time.monotonic() >= deadline:
+                    break
+                if not self._send_spooled():
+                    time.sleep(0.5)
+        except Exception:  # noqa: BLE001 - a finished run stays finished: the spool keeps what was not sent
+            logger.exception("telemetry: the final flush failed")
+            left = None
+        if left == 0:
+            return True
+        logger.error("telemetry not all sent: %s left in the spool %s, for the next controller on this folder",
+                     f"{left} batches" if left else "what was not sent is", self.spool)
+        return False
 
     # --- spool ---------------------------------------------------------------------------------
     def _spooled(self) -> list[Path]:
-        return sorted(self.spool.glob("batch-*.json"))
+        """The spooled batches, in the order of their numbers."""
+        return _numbered(self.spool, "batch-*.json")
 
-    def _highest_spooled_seq(self) -> int:
+    def _first_free_seq(self) -> int:
+        """The next batch's number: after the spooled batches and after `last_seq`, the last number given.
+
+        A marker that cannot be read (empty, garbled, negative, more digits than a batch file's name has) with no
+        batch spooled gives FAR_AHEAD_SEQ: the control plane answers sequence_gap, and the batches are renumbered
+        from the number it expects (`_realign`); a lower guess would have them skipped as batches it already has."""
+        highest = max((_seq_of(path) for path in self._spooled()), default=0)
         marker = self.spool / "last_seq"
-        seqs = [int(p.stem.split("-")[1]) for p in self._spooled()]
-        if marker.exists():
-            seqs.append(int(marker.read_text().strip() or 0))
-        return max(seqs, default=0)
+        try:
+            text = marker.read_bytes().decode("ascii").strip()
+        except FileNotFoundError:
+            return highest + 1  # a new spool
+        except (OSError, UnicodeDecodeError) as exc:
+            text = f"<{type(exc).__name__}>"
+        if text.isdigit() and len(text) <= BATCH_FILE_DIGITS:
+            return max(highest, int(text)) + 1
+        first = highest + 1 if highest else FAR_AHEAD_SEQ
+        logger.error("telemetry spool %s: its last_seq marker cannot be read (%r); batches are numbered from %d, %s",
+                     self.spool, text[:40], first, "after the spooled ones" if highest else
+                     "until the control plane's sequence_gap answer says which number it expects")
+        return first
 
     def _batch_path(self, seq: int) -> Path:
         return self.spool / f"batch-{seq:0{BATCH_FILE_DIGITS}d}.json"
 
-    def _write_batch(self, batch: dict, path: Path | None = None) -> None:
-        path = path or self._batch_path(batch["seq"])
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(batch))
-        os.replace(tmp, path)
+    def _write_batch(self, seq: int, batch: dict) -> None:
+        """Write batch `seq` (its number first, as `_batch_text` expects), crash-safe."""
+        sections = {key: value for key, value in batch.items() if key != "seq"}
+        _write_atomically(self._batch_path(seq), json.dumps({"seq": seq} | sections))
+
+    def _write_last_seq(self) -> None:
+        _write_atomically(self.spool / "last_seq", str(self._next_seq - 1))
+
+    def _move(self, path: Path, seq: int) -> None:
+        """Renumber a spooled batch: one rename, done or not whenever the controller is killed."""
+        os.rename(path, self._batch_path(seq))
+        _sync_folder(self.spool)
 
     def _seal_batch(self) -> None:
-        """Turn the open journal into the next numbered batch files (written atomically), each within the limits."""
+        """Turn the open journal into the next numbered batches, each within the limits.
+
+        What a controller killed in the middle of a spool change left is finished first. The journal is renamed
+        `sealing-<its first seq>.jsonl` (a new one opened at once), packed into batch files, then removed: killed
+        before that, the next seal packs it again into the same numbers, so each record is in exactly one batch."""
+        self._finish_interrupted()
         with self._lock:
+            if os.fstat(self._journal.fileno()).st_size == 0:
+                return
+            sealing = self.spool / f"sealing-{self._next_seq:0{BATCH_FILE_DIGITS}d}.jsonl"
             self._journal.close()
-            items = []
-            for line in self._journal_path.read_text(encoding="utf-8").splitlines():
-                try:
-                    section, item = json.loads(line)
-                except ValueError:
-                    continue  # a line cut short by a kill
-                if section in SECTION_LIMITS:
-                    items.append((section, item, len(line)))
-            for batch in _pack(items, first_seq=self._next_seq):
-                self._write_batch(batch)
-                (self.spool / "last_seq").write_text(str(batch["seq"]))
-                self._next_seq += 1
-            self._journal = open(self._journal_path, "w", encoding="utf-8")
-            self._journal_metrics = 0
+            try:
+                os.replace(self._journal_path, sealing)
+                self._journal_metrics = 0
+            finally:
+                self._journal = open(self._journal_path, "a", encoding="utf-8")
+        self._pack_journal(sealing)
+
+    def _finish_interrupted(self) -> None:
+        """Finish the splits and seals a controller was killed in the middle of (in the order they were begun)."""
+        for intent in _numbered(self.spool, "split-*.json"):
+            self._finish_split(intent)
+        for sealing in _numbered(self.spool, "sealing-*.jsonl"):
+            self._pack_journal(sealing)
+
+    def _pack_journal(self, sealing: Path) -> None:
+        """Write a sealing journal's records as batches numbered from the one in its name, then remove it."""
+        items = []
+        for line in sealing.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                section, item = json.loads(line)
+            except (ValueError, TypeError):
+                continue  # a line cut short by a kill (or garbled on disk)
+            if isinstance(section, str) and section in SECTION_LIMITS:
+                items.append((section, item, len(line)))
+        batches = _pack(items, first_seq=_seq_of(sealing))
+        for batch in batches:
+            self._write_batch(batch["seq"], batch)
+        if batches:
+            self._next_seq = max(self._next_seq, batches[-1]["seq"] + 1)
+            self._write_last_seq()
+        sealing.unlink()
+        _sync_folder(self.spool)
 
     def _send_spooled(self) -> bool:
         """Send spooled batches in order (a few per request, within the size limit). False: retry later."""
@@ -253,7 +338,7 @@ class ControlPlaneSink:
         sent: list[Path] = []
         size = 0
         for path in files:
-            text = path.read_text(encoding="utf-8")
+            text = _batch_text(path)
             length = len(text.encode("utf-8")) + 2
             if length > REQUEST_BUDGET and not sent:
                 self._split(path)
@@ -327,16 +412,18 @@ class ControlPlaneSink:
             seq = _seq_of(path)
             if seq not in by_seq:
                 continue
-            batch = json.loads(path.read_text(encoding="utf-8"))
+            batch = _read_batch(path)
+            if batch is None:
+                continue
             counts = {}
             for section in SECTION_LIMITS:
-                items = batch.get(section) or []
+                items = _section(batch, section)
                 batch[section] = [item for i, item in enumerate(items) if (section, i) not in by_seq[seq]]
                 counts[section] = len(items) - len(batch[section])
             if not any(counts.values()):
                 continue
             removed_any = True
-            self._write_batch(batch, path)
+            self._write_batch(seq, batch)
             self._record_dropped(counts, seq=seq, reasons=reasons[seq][:5])
         if not removed_any:  # the answer names nothing we hold: count it as a refusal of the batch
             return self._refused_whole(sent, reason="items refused that this spool does not hold")
@@ -355,43 +442,65 @@ class ControlPlaneSink:
         return True
 
     def _quarantine(self, path: Path, *, reason: str) -> None:
-        """Move a batch to spool/refused/ and leave an empty batch of the same number, so the next ones follow."""
-        batch = json.loads(path.read_text(encoding="utf-8"))
+        """Copy a batch to spool/refused/, then leave an empty batch of the same number, so the next ones follow
+        (killed in between, the controller sends the batch again)."""
         seq = _seq_of(path)
+        batch = _read_batch(path)
         refused_dir = self.spool / "refused"
         refused_dir.mkdir(exist_ok=True)
-        empty = {"seq": seq, "metrics": [], "events": [], "logs": []}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(empty))
-        os.replace(path, refused_dir / path.name)
-        os.replace(tmp, path)
+        _write_atomically(refused_dir / path.name, path.read_bytes())
+        self._write_batch(seq, {"metrics": [], "events": [], "logs": []})
         self._refusals.pop(seq, None)
         logger.error("telemetry batch %d refused %d times (%s); moved to %s", seq, MAX_REFUSALS, reason, refused_dir)
-        counts = {s: len(batch[s]) if isinstance(batch.get(s), list) else 0 for s in SECTION_LIMITS}
+        counts = {section: len(_section(batch or {}, section)) for section in SECTION_LIMITS}
         self._record_dropped(counts if any(counts.values()) else {"batches": 1}, seq=seq, reasons=[reason])
 
     def _split(self, path: Path) -> None:
-        """Split a spooled batch over the size limit in two and renumber the batches after it."""
-        batch = json.loads(path.read_text(encoding="utf-8"))
-        items = [(section, item) for section in SECTION_LIMITS for item in batch.get(section) or []]
+        """Split a spooled batch over the size limit in two, the batches after it renumbered one up.
+
+        The later batches are moved one by one from the last (killed midway, the controller leaves a gap that the
+        next sequence_gap answer closes); then both halves are written to `split-<seq>.json`, and from there to
+        their places (`_finish_split`, which the next controller runs when this one was killed before the end)."""
+        batch = _read_batch(path)
+        items = [(section, item) for section in SECTION_LIMITS for item in _section(batch or {}, section)]
         if len(items) < 2:
-            self._quarantine(path, reason="a single item over the request-size limit")
+            self._quarantine(path, reason="a single item over the request-size limit" if batch is not None else
+                             "a batch over the request-size limit that is not a JSON object")
             return
         seq = _seq_of(path)
-        halves = items[: len(items) // 2], items[len(items) // 2:]
-        with self._lock:
-            for later in sorted((p for p in self._spooled() if _seq_of(p) > seq), key=_seq_of, reverse=True):
-                moved = json.loads(later.read_text(encoding="utf-8")) | {"seq": _seq_of(later) + 1}
-                self._write_batch(moved)
-                later.unlink()
-            for offset, half in reversed(list(enumerate(halves))):
-                part: dict = {"seq": seq + offset, "metrics": [], "events": [], "logs": []}
-                for section, item in half:
-                    part[section].append(item)
-                self._write_batch(part)
-            self._next_seq += 1
-            (self.spool / "last_seq").write_text(str(self._next_seq - 1))
+        halves = []
+        for half in items[: len(items) // 2], items[len(items) // 2:]:
+            part: dict = {"metrics": [], "events": [], "logs": []}
+            for section, item in half:
+                part[section].append(item)
+            halves.append(part)
+        for later in reversed([p for p in self._spooled() if _seq_of(p) > seq]):
+            self._move(later, _seq_of(later) + 1)
+        self._next_seq += 1
+        self._write_last_seq()
+        intent = self.spool / f"split-{seq:0{BATCH_FILE_DIGITS}d}.json"
+        _write_atomically(intent, json.dumps(halves))
+        self._finish_split(intent)
         logger.warning("telemetry batch %d was over the size limit: split in two", seq)
+
+    def _finish_split(self, intent: Path) -> None:
+        """Write a split's halves to their places, then remove its intent (a controller killed before that leaves it
+        to the next one, which writes the same halves to the same places)."""
+        seq = _seq_of(intent)
+        try:
+            halves = json.loads(intent.read_text(encoding="utf-8"))
+        except ValueError:
+            halves = None
+        if not (isinstance(halves, list) and len(halves) == 2 and all(isinstance(h, dict) for h in halves)):
+            logger.error("telemetry spool %s: %s is not a split's two halves; set aside in refused/", self.spool,
+                         intent.name)  # written whole or not at all, so only a damaged disk gets here
+            (self.spool / "refused").mkdir(exist_ok=True)
+            os.replace(intent, self.spool / "refused" / intent.name)
+            return
+        self._write_batch(seq + 1, halves[1])
+        self._write_batch(seq, halves[0])
+        intent.unlink()
+        _sync_folder(self.spool)
 
     def _dropped_so_far(self) -> int:
         try:
@@ -409,9 +518,7 @@ class ControlPlaneSink:
             for section, n in counts.items():
                 self.dropped_by_section[section] = self.dropped_by_section.get(section, 0) + n
             total = self.dropped
-            tmp = self.spool / "dropped.tmp"
-            tmp.write_text(str(total))
-            os.replace(tmp, self.spool / "dropped")
+            _write_atomically(self.spool / "dropped", str(total))
         logger.warning("telemetry dropped: %d items of batch %d (%s)", count, seq, "; ".join(reasons)[:500])
         now = time.time()
         self._append("events", {"kind": "message", "time": now, "payload": wire_value(
@@ -420,22 +527,21 @@ class ControlPlaneSink:
         self._append("metrics", {"key": DROPPED_KEY, "step": total, "value": float(total), "time": now})
 
     def _realign(self, files: list[Path], *, expected: int) -> None:
-        """Drop batches the control plane already has; renumber if it lacks batches we no longer hold."""
+        """Drop batches the control plane already has; renumber if it lacks batches we no longer hold.
+
+        The batches are renamed one by one from the first (no name is taken twice): killed midway, the controller
+        leaves a gap, and the next sequence_gap answer renumbers the rest."""
         for path in files:
             if _seq_of(path) < expected:
                 path.unlink(missing_ok=True)
         remaining = self._spooled()
         if remaining and _seq_of(remaining[0]) > expected:
-            logger.error("control plane expects batch %d but the spool starts later; renumbering", expected)
-            with self._lock:
-                for offset, path in enumerate(remaining):
-                    batch = json.loads(path.read_text())
-                    batch["seq"] = expected + offset
-                    path.unlink()
-                    target = self.spool / f"batch-{batch['seq']:0{BATCH_FILE_DIGITS}d}.json"
-                    target.write_text(json.dumps(batch))
-                self._next_seq = expected + len(remaining)
-                (self.spool / "last_seq").write_text(str(self._next_seq - 1))
+            logger.error("control plane expects batch %d but the spool starts at %d; renumbering", expected,
+                         _seq_of(remaining[0]))
+            for offset, path in enumerate(remaining):
+                self._move(path, expected + offset)
+            self._next_seq = expected + len(remaining)
+            self._write_last_seq()
 
     def _heartbeat(self) -> bool:
         try:
@@ -455,14 +561,15 @@ class ControlPlaneSink:
         while not self._stop.is_set():
             self._wake.wait(timeout=backoff)
             self._wake.clear()
-            if self._stop.is_set():
-                return
-            try:
-                self._seal_batch()
-                sent = self._send_spooled()
-            except Exception:  # noqa: BLE001 - a dead sender stops the heartbeats, and the run is taken for lost
-                logger.exception("telemetry round failed; trying again")
-                sent = False
+            with self._round:
+                if self._stop.is_set():
+                    return
+                try:
+                    self._seal_batch()
+                    sent = self._send_spooled()
+                except Exception:  # noqa: BLE001 - a dead sender stops the heartbeats, and the run is taken for lost
+                    logger.exception("telemetry round failed; trying again")
+                    sent = False
             if sent:
                 backoff = self.flush_seconds
             else:
@@ -470,7 +577,70 @@ class ControlPlaneSink:
 
 
 def _seq_of(path: Path) -> int:
-    return int(path.stem.split("-")[1])
+    return int(_number_text(path))
+
+
+def _number_text(path: Path) -> str:
+    return path.name.split("-")[1].split(".")[0]
+
+
+def _numbered(folder: Path, pattern: str) -> list[Path]:
+    """The files of `folder` matching `pattern` (`name-*.ext`) whose * is a number (ASCII digits: int() refuses
+    another script's), in the order of their numbers."""
+    paths = [path for path in folder.glob(pattern) if _number_text(path).isascii() and _number_text(path).isdigit()]
+    return sorted(paths, key=_seq_of)
+
+
+def _batch_text(path: Path) -> str:
+    """A spooled batch as it is sent: numbered by its file's name (renumbering renames the file)."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    seq = _seq_of(path)
+    if text.startswith(f'{{"seq": {seq}, '):
+        return text
+    try:
+        batch = json.loads(text)
+    except ValueError:
+        return text  # the control plane refuses it as a whole, and it is set aside (`_refused_whole`)
+    return json.dumps(batch | {"seq": seq}) if isinstance(batch, dict) else text
+
+
+def _read_batch(path: Path) -> dict | None:
+    """A spooled batch, or None when it is not a JSON object (the control plane refuses it as a whole)."""
+    try:
+        batch = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+    except (ValueError, RecursionError):
+        return None
+    return batch if isinstance(batch, dict) else None
+
+
+def _section(batch: dict, section: str) -> list:
+    items = batch.get(section)
+    return items if isinstance(items, list) else []
+
+
+def _write_atomically(path: Path, data: str | bytes) -> None:
+    """Replace `path` with `data` so that a crash leaves the old file or the new one whole: written beside it,
+    fsynced, renamed over it."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as file:
+            file.write(data.encode("utf-8") if isinstance(data, str) else data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    _sync_folder(path.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make the renames and removals in `folder` durable."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _pack(items: list[tuple[str, dict, int]], *, first_seq: int) -> list[dict]:
