@@ -16,6 +16,7 @@ from forgeboard.runs.models import Command, CommandState
 from forgeboard.runs.services import command_acknowledge, command_create, run_transition
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import RunEvent
+from workers.engine import command_channel
 from workers.engine.command_channel import CommandChannel
 from workers.engine.control_plane import ControlPlaneTarget
 from workers.engine.run_control import RunControl
@@ -344,3 +345,67 @@ def test_a_result_refused_for_a_passing_reason_is_reported_again(team, running_r
 
 def _finished_events(run) -> list[dict]:
     return [e.payload for e in RunEvent.objects.filter(run=run, kind="command_finished").order_by("seq")]
+
+
+# --- more open commands than one pull answers (100) -----------------------------------------------------------------
+
+def _proxy_refusal() -> httpx.Response:
+    return httpx.Response(413, text="<html>413 Request Entity Too Large</html>")
+
+
+def _given_up(team, run, channel: CommandChannel, network: Network, count: int) -> None:
+    """`count` commands run whose results a proxy refuses, the replacement too: the channel gives up reporting them
+    (`unreported` in its ledger), and they stay open (delivered) on the control plane."""
+    for _ in range(count):
+        command_create(actor=team.member, run=run, kind="checkpoint")
+    network.fail["/result"] = [_proxy_refusal() for _ in range(2 * count)]
+    assert channel.poll(Engine()) == count
+    assert all("unreported" in entry for entry in _ledger(channel.ledger).values())
+    assert Command.objects.filter(run=run, state=CommandState.DELIVERED).count() == count
+
+
+def test_commands_given_up_on_do_not_hide_a_newer_one(team, running_run, network, tmp_path):
+    """A pull answers at most 100 open commands: with 100 given up on, a newer pause is still pulled and run."""
+    run, token = running_run
+    channel = _channel(run, token, network, tmp_path / "c.json")
+    _given_up(team, run, channel, network, 100)
+    pause = command_create(actor=team.member, run=run, kind="pause")
+    engine = Engine()
+    assert channel.poll(engine) == 1 and engine.ran == [("pause", {})]
+    assert _state(pause) == CommandState.SUCCEEDED
+    assert channel.poll(engine) == 0 and len(engine.ran) == 1
+
+
+def test_a_poll_pulls_a_bounded_number_of_pages_and_the_next_goes_on(team, running_run, network, tmp_path,
+                                                                     monkeypatch):
+    run, token = running_run
+    channel = _channel(run, token, network, tmp_path / "c.json")
+    _given_up(team, run, channel, network, 100)
+    monkeypatch.setattr(command_channel, "MAX_PAGES_PER_POLL", 1)
+    pause = command_create(actor=team.member, run=run, kind="pause")
+    engine = Engine()
+    pulls = network.count("GET", "/commands")
+    assert channel.poll(engine) == 0, "the first page holds only commands given up on"
+    assert channel.poll(engine) == 1 and engine.ran == [("pause", {})] and _state(pause) == CommandState.SUCCEEDED
+    assert channel.poll(engine) == 0, "from the first page again"
+    assert network.count("GET", "/commands") == pulls + 3
+
+
+@pytest.mark.parametrize("pages_per_poll", [None, 1], ids=["default", "one-page-a-poll"])
+def test_an_unreadable_ledger_runs_no_taken_command_again_past_the_first_page(team, running_run, network, tmp_path,
+                                                                             monkeypatch, pages_per_poll):
+    """101 commands the killed controller took (delivered), its ledger lost: every one is failed, none run again
+    (the 101st, past the first page, was run once the first 100 had finished)."""
+    run, token = running_run
+    if pages_per_poll is not None:
+        monkeypatch.setattr(command_channel, "MAX_PAGES_PER_POLL", pages_per_poll)
+    taken = [command_create(actor=team.member, run=run, kind="checkpoint") for _ in range(101)]
+    for command in taken:
+        command_acknowledge(run=run, command_id=command.pk)
+    ledger = tmp_path / "commands.json"
+    ledger.write_text("{\"1")
+    engine = Engine()
+    channel = _channel(run, token, network, ledger)
+    assert [channel.poll(engine) for _ in range(3)] == [0, 0, 0]
+    assert engine.ran == []
+    assert Command.objects.filter(run=run, state=CommandState.FAILED).count() == 101

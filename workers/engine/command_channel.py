@@ -1,6 +1,8 @@
 """The operator command channel: a run's controller pulls commands, acknowledges each and runs it at most once.
 
 The control plane side is `forgeboard/api/controller.py` (pull, ack, result) over `forgeboard/runs/services.py`.
+A pull answers a page of the open commands; the channel pages through all of them (a command whose result it gave
+up reporting stays open, and a page of those must not hide a newer command), a bounded number of pages a poll.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ logger = logging.getLogger(__name__)
 # What the control plane's answer to an acknowledgement means (see the ack endpoint in forgeboard/api/controller.py).
 RUN, SKIP, LATER = "run", "skip", "later"
 FINISHED_COMMAND_STATES = ("expired", "succeeded", "failed")
+COMMANDS_PAGE_SIZE = 100  # the most open commands one pull answers (the control plane pages with `after`)
+MAX_PAGES_PER_POLL = 10  # a poll that stops here goes on from there at the next one
 RESULT_REFUSED_STATUSES = {400, 413, 422}  # the result itself is refused: the same report gets the same answer
 MAX_COMMAND_ERROR_CHARS = 4000
 KILLED_WHILE_RUNNING = ("the controller stopped while it was running this command (it may have run in part); "
@@ -73,14 +77,16 @@ class CommandChannel:
         self._client = httpx.Client(base_url=target.url, timeout=10.0, transport=transport,
                                     headers={"Authorization": f"Bearer {target.token}"})
         self._entries, self._unreadable = self._load()
+        self._after = 0  # the next pull starts after this command id: where a poll that stopped at its bound stopped
 
     def poll(self, handler) -> int:  # noqa: ANN001 - handler(kind, payload) -> dict, raises on failure
         """Run every open command through `handler`; returns how many were executed now."""
-        commands = self._pull()
-        if commands is None:
+        pulled = self._pull()
+        if pulled is None:
             return 0
+        commands, to_the_end = pulled
         if self._unreadable is not None:
-            self._recover(commands)
+            self._recover(commands, to_the_end=to_the_end)
         executed = 0
         for command in commands:
             entry = self._entries.get(command.id)
@@ -100,9 +106,27 @@ class CommandChannel:
         self._client.close()
 
     # --- the control plane -----------------------------------------------------------------------------------------
-    def _pull(self) -> list[PulledCommand] | None:
+    def _pull(self) -> tuple[list[PulledCommand], bool] | None:
+        """The open commands after `_after`, page by page, at most MAX_PAGES_PER_POLL pages, and whether they reach
+        the last one (the next pull starts from the first again); None when nothing could be pulled."""
+        commands: list[PulledCommand] = []
+        for _ in range(MAX_PAGES_PER_POLL):
+            page = self._pull_page()
+            if page is None:
+                return (commands, False) if commands else None
+            answered, pulled = page
+            commands += pulled
+            last = max((command.id for command in pulled), default=self._after)
+            if answered < COMMANDS_PAGE_SIZE or last <= self._after:
+                self._after = 0
+                return commands, True
+            self._after = last
+        return commands, False
+
+    def _pull_page(self) -> tuple[int, list[PulledCommand]] | None:
+        """How many items the control plane answered after `_after`, and those in the API's shape."""
         try:
-            response = self._client.get(self._base)
+            response = self._client.get(self._base, params={"after": self._after})
             response.raise_for_status()
             items = response.json()
         except (httpx.HTTPError, ValueError) as exc:
@@ -114,7 +138,7 @@ class CommandChannel:
         commands = [command for command in map(_pulled, items) if command is not None]
         if len(commands) < len(items):
             logger.warning("%d pulled commands not in the API's shape were left alone", len(items) - len(commands))
-        return commands
+        return len(items), commands
 
     def _take(self, command: PulledCommand, handler) -> dict | None:  # noqa: ANN001
         """Acknowledge the command and run it when the answer says so: its outcome, or None when it did not run."""
@@ -205,12 +229,13 @@ class CommandChannel:
                      "before are failed, not run again", self.ledger, why, aside)
         return {}, why
 
-    def _recover(self, commands: list[PulledCommand]) -> None:
-        """After an unreadable ledger: each command taken before (delivered) may have run; fail it, do not run it."""
+    def _recover(self, commands: list[PulledCommand], *, to_the_end: bool) -> None:
+        """After an unreadable ledger: each command taken before (delivered) may have run; fail it, do not run it.
+        Done once the pulls, from the first open command on (`_after` starts at 0), have reached the last one."""
         for command in commands:
             if command.state == "delivered" and command.id not in self._entries:
                 self._entries[command.id] = {"ok": False, "result": {"error": LEDGER_LOST.format(why=self._unreadable)}}
-        if self._save():
+        if self._save() and to_the_end:
             self._unreadable = None
 
     def _record(self, command_id: int, entry: dict) -> bool:

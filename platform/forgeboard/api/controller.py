@@ -11,6 +11,7 @@ from forgeboard.runs.models import Command, Run, RunToken
 from forgeboard.runs.selectors import commands_pending
 from forgeboard.runs.services import command_ack_refusal, command_acknowledge, command_finish, run_reported_in
 from forgeboard.telemetry.ingest import telemetry_ingest
+from workers.engine.command_channel import COMMANDS_PAGE_SIZE
 from workers.engine.telemetry_wire import (
     MAX_BODY_DEPTH,
     MAX_REQUEST_BYTES,
@@ -106,10 +107,14 @@ class CommandOut(Schema):
     state: str
 
 
-@router.get("/controller/runs/{run_id}/commands", response={200: list[CommandOut], **CONTROLLER_ERRORS}, summary="Commands not yet finished")
+@router.get("/controller/runs/{run_id}/commands", response={200: list[CommandOut], **CONTROLLER_ERRORS},
+            summary="Commands not yet finished", description=(
+                "The open commands (pending, or delivered without a result) after the command id `after`, in id "
+                f"order, at most {COMMANDS_PAGE_SIZE}: a shorter page is the last. The controller pages through them "
+                "all: a command whose result it gave up reporting stays open."))
 def get_commands(request: HttpRequest, run_id: int, after: int = 0):  # noqa: ANN201
     run = _run_of(request, run_id)
-    return list(commands_pending(run=run, after_id=after)[:100])
+    return list(commands_pending(run=run, after_id=after)[:COMMANDS_PAGE_SIZE])
 
 
 class CommandAckOut(CommandOut):
