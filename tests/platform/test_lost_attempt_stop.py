@@ -247,21 +247,86 @@ def test_a_lost_runs_job_slurm_is_still_completing_is_not_confirmed_stopped_unti
     assert (run.state, run.restart_count) == (RunState.QUEUED, 1)
 
 
+@pytest.mark.parametrize("job", [2, 4, 5, 6, 7], ids=["held", "special-exit", "configuring", "stopped", "signaling"])
+def test_a_lost_runs_job_in_any_state_slurm_22_05_prints_is_scancelled_and_then_confirmed_stopped(
+        team, slurm, asks, django_capture_on_commit_callbacks, job):  # noqa: F811
+    """Held, requeued and held, setting up its node, stopped by SIGSTOP, being signalled: as the suite's Slurm 22.05
+    cluster printed each (captured). Each was an unknown state: the job was never scancelled and the run failed after
+    the stop timeout. Now the job is scancelled, and the run restarts once SLURM has ended it."""
+    run, old_job = _launched(team, SLURM_YAML)
+    run = _silent(run)
+    runs_reconcile(now=timezone.now())
+    ask = _stop_asked(asks, run)
+    slurm.captured(job=job, as_id=old_job)
+    assert stop_attempt(**ask["kwargs"]) == "still stopping", "scancelled; SLURM has not ended it yet"
+    assert [c["args"] for c in slurm.calls("scancel")] == [[old_job]]
+    assert _messages(run, PREVIOUS_ATTEMPT_NOT_STOPPED)[-1]["problem"] == "asked to stop, still running"
+
+    slurm.answer("squeue", jobs=[])
+    slurm.job("sacct", 17104, as_id=old_job)  # CANCELLED
+    assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
+    with django_capture_on_commit_callbacks(execute=True):
+        assert stop_attempt(**_stop_asked(asks, run)["kwargs"]) == (
+            f"SLURM job {old_job} had ended (the SLURM job was cancelled); restarted")
+
+
+def test_a_lost_runs_job_slurm_says_is_stopped_but_has_cancelled_is_confirmed_stopped(
+        team, slurm, asks, django_capture_on_commit_callbacks):  # noqa: F811
+    """Slurm 22.05 says STOPPED in place of the base state of a job it has cancelled, until the job leaves the queue
+    (captured from the suite's cluster: scancelled while its SIGSTOP was on its way): sacct says it has ended, and
+    SLURM is done with it (one whose processes it still stops says COMPLETING first)."""
+    run, old_job = _launched(team, SLURM_YAML)
+    run = _silent(run)
+    runs_reconcile(now=timezone.now())
+    slurm.stopped_after_cancel(as_id=old_job)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert stop_attempt(**_stop_asked(asks, run)["kwargs"]) == (
+            f"SLURM job {old_job} had ended (the SLURM job was cancelled); restarted")
+    assert slurm.calls("scancel") == []
+
+
+@pytest.mark.parametrize("shape", ["22.05", "23.11"])
+def test_a_lost_runs_job_staging_out_its_data_is_not_confirmed_stopped_until_slurm_is_done(
+        team, slurm, asks, django_capture_on_commit_callbacks, shape):  # noqa: F811
+    """STAGE_OUT: the job's burst buffer's data (a checkpoint the restart would start from) is still being copied out;
+    22.05 prints only that, 23.11 how the job ended besides. It was unknown (22.05) or ended (23.11)."""
+    run, old_job = _launched(team, SLURM_YAML)
+    run = _silent(run)
+    runs_reconcile(now=timezone.now())
+    ask = _stop_asked(asks, run)
+    if shape == "22.05":
+        slurm.captured(job=7, as_id=old_job, state="STAGE_OUT")
+    else:
+        slurm.job("squeue", 18004, as_id=old_job)
+        [record] = slurm.answers["squeue"]["jobs"]
+        slurm.answer("squeue", jobs=[record | {"job_state": ["COMPLETED", "STAGE_OUT"]}])
+    problem = f"SLURM job {old_job} has ended, but SLURM is still staging out its burst buffer data (STAGE_OUT)"
+    assert stop_attempt(**ask["kwargs"]) == f"still stopping: {problem}"
+    assert slurm.calls("scancel") == [] and Run.objects.get(pk=run.pk).state == RunState.LOST
+    assert _messages(run, PREVIOUS_ATTEMPT_NOT_STOPPED)[-1]["problem"] == problem
+
+    slurm.answer("squeue", jobs=[])
+    slurm.job("sacct", 17101, as_id=old_job)  # COMPLETED
+    assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
+    with django_capture_on_commit_callbacks(execute=True):
+        assert stop_attempt(**_stop_asked(asks, run)["kwargs"]).endswith("; restarted")
+
+
 def test_an_unreadable_slurm_answer_is_said_on_the_timeline_and_the_stop_asked_again(
         team, slurm, asks, django_capture_on_commit_callbacks):  # noqa: F811
-    """squeue answers, but with a state this code cannot read (Slurm 22.05's bare STAGE_OUT, a burst buffer's
-    stage-out): the stop is not confirmed, the timeline says why, and the next pass asks again."""
+    """squeue answers, but with a state this code does not know (MIGRATING: no Slurm has it, but a later one may add
+    a state): the stop is not confirmed, the timeline says why, and the next pass asks again."""
     run, old_job = _launched(team, SLURM_YAML)
     run = _silent(run)
     runs_reconcile(now=timezone.now())
     ask = _stop_asked(asks, run)
     slurm.job("squeue", 18004, as_id=old_job)
     [record] = slurm.answers["squeue"]["jobs"]
-    slurm.answer("squeue", jobs=[record | {"job_state": "STAGE_OUT"}])
-    assert stop_attempt(**ask["kwargs"]) == "not stopped: job_state: unknown SLURM job state ['STAGE_OUT']"
+    slurm.answer("squeue", jobs=[record | {"job_state": "MIGRATING"}])
+    assert stop_attempt(**ask["kwargs"]) == "not stopped: job_state: unknown SLURM job state ['MIGRATING']"
     assert _messages(run, PREVIOUS_ATTEMPT_NOT_STOPPED) == [{
         "name": PREVIOUS_ATTEMPT_NOT_STOPPED, "attempt": f"SLURM job {old_job}",
-        "problem": "job_state: unknown SLURM job state ['STAGE_OUT']"}]
+        "problem": "job_state: unknown SLURM job state ['MIGRATING']"}]
     assert slurm.calls("scancel") == [] and Run.objects.get(pk=run.pk).state == RunState.LOST
 
     report = runs_reconcile(now=timezone.now())
@@ -272,7 +337,7 @@ def test_an_unreadable_slurm_answer_is_said_on_the_timeline_and_the_stop_asked_a
     assert stop_attempt(**again["kwargs"]) == "still stopping"
     assert [c["args"] for c in slurm.calls("scancel")] == [[old_job]]
     assert [m["problem"] for m in _messages(run, PREVIOUS_ATTEMPT_NOT_STOPPED)] == [
-        "job_state: unknown SLURM job state ['STAGE_OUT']", "asked to stop, still running"]
+        "job_state: unknown SLURM job state ['MIGRATING']", "asked to stop, still running"]
     slurm.answer("squeue", jobs=[])
     slurm.job("sacct", 17104, as_id=old_job)
     runs_reconcile(now=timezone.now())

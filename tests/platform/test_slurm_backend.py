@@ -30,6 +30,15 @@ RECORDED = Path(__file__).resolve().parents[2] / "workers" / "launch" / "recorde
 # squeue --json of the suite's real Slurm 22.05 cluster just after scancel of a job whose processes outlive their
 # SIGTERM: job 1 COMPLETING (SLURM is still stopping them), job 2 (another) RUNNING.
 SQUEUE_22_05_COMPLETING = RECORDED / "squeue_22.05_completing.json"
+# squeue --json of the suite's real Slurm 22.05 cluster with a job in each state it can be put in (recorded/README.md):
+# 2 held, 3 requeued, 4 SPECIAL_EXIT, 5 CONFIGURING, 6 STOPPED, 7 SIGNALING (and 1, cancelled).
+SQUEUE_22_05_STATES = RECORDED / "squeue_22.05_states.json"
+# ... and of job 2, scancelled while SLURM sent it a SIGSTOP through a node that did not answer: squeue says STOPPED
+# (the flag SLURM set once the node took the SIGSTOP) in place of its base state, sacct CANCELLED.
+SQUEUE_22_05_STOPPED_AFTER_CANCEL = RECORDED / "squeue_22.05_stopped_after_cancel.json"
+SACCT_22_05_STOPPED_AFTER_CANCEL = RECORDED / "sacct_22.05_stopped_after_cancel.json"
+# sacct --json of a job that has not started yet (CONFIGURING, or held): accounting has no record of it.
+SACCT_22_05_NOTHING_FOUND = RECORDED / "sacct_22.05_nothing_found.json"
 SLURM_YAML = """\
 recipe: grpo
 model:
@@ -62,8 +71,8 @@ if name in ("squeue", "sacct"):
     job = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--jobs=")), None)
     # Slurm 22.05's squeue --json lists every job whatever --jobs says
     jobs = [j for j in answer["jobs"] if job is None or answer.get("lists_every_job") or str(j["job_id"]) == job]
-    print(json.dumps({{"jobs": jobs, "errors": [] if jobs or name == "sacct" else
-                      [{{"error": "Invalid job id specified", "error_number": 2017}}]}}))
+    print(json.dumps({{"jobs": jobs, "errors": answer.get("errors", [] if jobs or name == "sacct" else
+                      [{{"error": "Invalid job id specified", "error_number": 2017}}])}}))
 else:
     print(answer.get("stdout", ""))
 """
@@ -103,6 +112,23 @@ class FakeSlurm:
             self.job("squeue", 18004, as_id=as_id)
             [record] = self.answers["squeue"]["jobs"]
             self.answer("squeue", jobs=[record | {"job_state": ["CANCELLED", "COMPLETING"]}])
+
+    def captured(self, *, job: int, as_id: str, state: str | None = None) -> None:
+        """squeue answers as the suite's cluster did with its jobs in several states (listing them all whatever --jobs
+        says), job `job` under the test's job id; `state`: as Slurm 22.05 prints that flag instead."""
+        jobs = json.loads(SQUEUE_22_05_STATES.read_text())["jobs"]
+        asked = [j | {"job_id": int(as_id)} | ({"job_state": state} if state else {})
+                 for j in jobs if j["job_id"] == job]
+        self.answer("squeue", jobs=asked + [j for j in jobs if j["job_id"] != job], lists_every_job=True)
+        self.answer("sacct", **json.loads(SACCT_22_05_NOTHING_FOUND.read_text()))  # as for a job not started yet
+
+    def stopped_after_cancel(self, *, as_id: str) -> None:
+        """squeue and sacct as the suite's cluster answered for a job SLURM had cancelled but squeue said STOPPED."""
+        squeue = json.loads(SQUEUE_22_05_STOPPED_AFTER_CANCEL.read_text())["jobs"]
+        self.answer("squeue", jobs=[j | {"job_id": int(as_id)} if j["job_id"] == 2 else j for j in squeue],
+                    lists_every_job=True)
+        [accounted] = json.loads(SACCT_22_05_STOPPED_AFTER_CANCEL.read_text())["jobs"]
+        self.answer("sacct", jobs=[accounted | {"job_id": int(as_id)}])
 
     def calls(self, program: str) -> list[dict]:
         path = self.folder / "calls.jsonl"
@@ -328,6 +354,80 @@ def test_another_job_completing_does_not_make_this_ones_answer_unreadable(team, 
     job's record is read, so another job in a state this code does not know leaves this run followed."""
     run = _submitted(team)
     completing, other = json.loads(SQUEUE_22_05_COMPLETING.read_text())["jobs"]
-    slurm.answer("squeue", jobs=[completing | {"job_state": "STAGE_OUT"}, other | {"job_id": 18004}],
+    slurm.answer("squeue", jobs=[completing | {"job_state": "MIGRATING"}, other | {"job_id": 18004}],
                  lists_every_job=True)
     assert poll_slurm_runs() == {run.pk: "running"}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("job", "state", "said"), [
+    (2, "queued", "held in the SLURM queue until released (JobHeldUser)"),
+    (4, "queued", "requeued and held after a special exit (SPECIAL_EXIT) until released (JobHeldUser)"),
+    (5, "launching", "SLURM is setting up the job's nodes fbslurm2: booting them or running its prolog (CONFIGURING)"),
+    (6, "running", "stopped by SIGSTOP on fbslurm2: its processes are frozen, its nodes held (STOPPED)"),
+    (7, "running", "running on fbslurm1; SLURM is sending it a signal (SIGNALING)"),
+])
+def test_a_job_in_any_state_slurm_22_05_prints_is_followed_not_unreadable(team, slurm, job, state, said):
+    """Slurm 22.05 prints a flag in place of the job's state (captured from the suite's cluster): each was "unknown",
+    the run's job unreadable to the poll. Now the run is followed, not moved (its engine reports for itself), and its
+    timeline says what SLURM does with its job."""
+    run = _submitted(team)
+    run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
+    slurm.captured(job=job, as_id="18004")
+    assert poll_slurm_runs() == {run.pk: state}
+    assert Run.objects.get(pk=run.pk).state == RunState.RUNNING
+    status = RunEvent.objects.filter(run=run, kind="message", payload__name="job_status").latest("seq").payload
+    assert (status["state"], status["reason"]) == (state, said)
+
+
+@pytest.mark.django_db
+def test_a_job_staging_out_its_data_keeps_its_run_as_it_is_until_slurm_is_done(team, slurm):
+    """STAGE_OUT (a burst buffer's data copied out after the job, a checkpoint perhaps), as Slurm 22.05 prints it: the
+    job has not ended for the run yet. A real one needs a burst buffer, which the suite's cluster has not."""
+    run = _submitted(team)
+    run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
+    slurm.captured(job=7, as_id="18004", state="STAGE_OUT")
+    assert poll_slurm_runs() == {run.pk: "running"}
+    status = RunEvent.objects.filter(run=run, kind="message", payload__name="job_status").latest("seq").payload
+    assert status["reason"] == "SLURM is ending the job: still staging out its burst buffer data (STAGE_OUT)"
+
+    slurm.answer("squeue", jobs=[])
+    slurm.job("sacct", 17101, as_id="18004")  # COMPLETED
+    assert poll_slurm_runs() == {run.pk: "succeeded"}
+
+
+@pytest.mark.django_db
+def test_a_cancelled_run_whose_job_is_held_is_scancelled_as_one_in_the_queue(team, slurm):
+    """A held job (sbatch --hold, captured) waits in the queue: no engine runs that could take the cancel."""
+    run = _submitted(team)
+    slurm.captured(job=2, as_id="18004")
+    run_cancel(actor=team.member, run=run)
+    assert poll_slurm_runs() == {run.pk: "cancelled in the queue"}
+    assert [c["args"] for c in slurm.calls("scancel")] == [["18004"]]
+    run.refresh_from_db()
+    assert run.state == RunState.CANCELLED and "held in the SLURM queue until released (JobHeldUser)" in run.exit_reason
+
+
+@pytest.mark.django_db
+def test_a_job_slurm_says_is_stopped_but_has_cancelled_ends_its_run(team, slurm):
+    """Slurm 22.05's squeue says STOPPED (a flag, in place of the base state) for a job it has cancelled, until the
+    job leaves the queue (captured: scancelled while its SIGSTOP was on its way); sacct says CANCELLED."""
+    run = _submitted(team)
+    run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
+    slurm.stopped_after_cancel(as_id="18004")
+    assert poll_slurm_runs() == {run.pk: "failed"}
+    run.refresh_from_db()
+    assert run.state == RunState.FAILED and run.exit_reason == "SLURM job 18004: the SLURM job was cancelled"
+
+    running = _submitted(team)  # while sacct says it runs, squeue's STOPPED stands
+    run_transition(run_id=running.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
+    slurm.captured(job=6, as_id="18004")
+    slurm.job("sacct", 17104, as_id="18004")
+    [record] = slurm.answers["sacct"]["jobs"]
+    slurm.answer("sacct", jobs=[record | {"state": {"current": ["RUNNING"], "reason": "None"}}])
+    assert poll_slurm_runs() == {running.pk: "running"}
+
+    slurm.answer("squeue", jobs=[])  # gone from the queue, and accounting has no record of it (yet): not "unknown"
+    slurm.answer("sacct", **json.loads(SACCT_22_05_NOTHING_FOUND.read_text()))
+    assert poll_slurm_runs() == {running.pk: "unreadable: sacct: SLURM reported errors: Nothing found"}
+    assert Run.objects.get(pk=running.pk).state == RunState.RUNNING

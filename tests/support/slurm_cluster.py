@@ -19,6 +19,8 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,6 +83,18 @@ class SlurmTestCluster:
         """What SLURM's commands need to find this cluster."""
         return {"SLURM_CONF": str(self.conf)}
 
+    @property
+    def prolog_slurmctld(self) -> Path:
+        return self.folder / "prolog_slurmctld.sh"
+
+    def hold_configuring(self, job_name: str) -> Path:
+        """The jobs named `job_name` that start from now on stay CONFIGURING (slurmctld's prolog for them waits, as
+        while SLURM boots a job's nodes) until the returned file is removed."""
+        hold = self.folder / "configuring" / job_name
+        hold.parent.mkdir(exist_ok=True)
+        hold.touch()
+        return hold
+
     def log(self, daemon: str) -> str:
         path = self.folder / "log" / f"{daemon}.log"
         return path.read_text(errors="replace")[-3000:] if path.exists() else f"(no {path})"
@@ -100,6 +114,9 @@ class SlurmTestCluster:
             raise SlurmClusterError(f"MariaDB does not answer at {MARIADB[0]}:{MARIADB[1]} (slurmdbd's database): "
                                     "run scripts/slurm.sh")
         self._write_conf(ctld_port=ctld_port, dbd_port=dbd_port)
+        self.prolog_slurmctld.write_text(
+            f'#!/bin/sh\nwhile [ -e "{self.folder}/configuring/$SLURM_JOB_NAME" ]; do sleep 0.2; done\n')
+        self.prolog_slurmctld.chmod(0o755)
         try:
             self._start_munge()
             if self.accounting:
@@ -161,6 +178,8 @@ class SlurmTestCluster:
             "KillWait=5",
             "MinJobAge=300",
             "MessageTimeout=10",
+            # Run before each job's processes start, the job CONFIGURING meanwhile: see hold_configuring.
+            f"PrologSlurmctld={self.prolog_slurmctld}",
         ]
         if self.accounting:
             lines += ["AccountingStorageType=accounting_storage/slurmdbd", "AccountingStorageHost=127.0.0.1",
@@ -252,6 +271,17 @@ class SlurmTestCluster:
     def job_processes(self, node: SlurmNode) -> list[int]:
         """The processes of jobs on `node`: those of its UTS namespace but its slurmd."""
         return [pid for pid in self.node_processes(node) if pid != self._pids.get(f"slurmd.{node.name}")]
+
+    @contextmanager
+    def node_frozen(self, name: str) -> Iterator[None]:
+        """The node's slurmd stopped (SIGSTOP) meanwhile: it takes no message from slurmctld, as a hung node's, while
+        its jobs' processes run on. Keep it short: past SlurmdTimeout (10 s) SLURM takes the node for down."""
+        pid = self._pids[f"slurmd.{name}"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
     def kill_node(self, name: str) -> list[int]:
         """The node goes away at once: its slurmd and every process on it SIGKILLed; the pids killed."""

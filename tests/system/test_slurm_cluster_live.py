@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 
@@ -130,9 +131,11 @@ def _job_log(run: Run) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in logs)
 
 
-def _sacct(cluster, job_id: str) -> dict:
-    jobs = json.loads(cluster.command("sacct", "--json", f"--jobs={job_id}").stdout)["jobs"]
-    return next(job for job in jobs if str(job["job_id"]) == job_id)
+def _sacct(cluster, job_id: str, *, latest: bool = False) -> dict:
+    """The job's (first) accounting record; `latest`: its last (a requeued job has one for each time it ran)."""
+    jobs = [job for job in json.loads(cluster.command("sacct", "--json", f"--jobs={job_id}").stdout)["jobs"]
+            if str(job["job_id"]) == job_id]
+    return jobs[-1] if latest else jobs[0]
 
 
 def _until_first_step(run: Run) -> None:
@@ -413,3 +416,89 @@ def test_a_lost_runs_job_is_confirmed_stopped_only_once_slurm_has_stopped_its_pr
         assert RunEvent.objects.filter(run=run, kind="message", payload__name=PREVIOUS_ATTEMPT_STOPPED).exists()
     finally:
         slurm_cluster.command("scancel", job_id)
+
+
+def _put_in(cluster, state: str, *, run_id: int, alive: Path, leave: ExitStack, frozen: ExitStack) -> str:
+    """A job of the run's (its comment) put in `state` for real, as tests/support/slurm_cluster.py's cluster can; its
+    id. What it leaves (a job held in its prolog, the job) goes when `leave` closes; a node frozen for it (SIGNALING)
+    when `frozen` does."""
+    name = f"state-{state}-{run_id}"
+    if state == "CONFIGURING":
+        leave.callback(cluster.hold_configuring(name).unlink)
+    options = {"PENDING": ["--hold"], "SPECIAL_EXIT": ["--requeue"]}.get(state, [])
+    job = cluster.command("sbatch", "--parsable", "-N1", "-w", "fbslurm1", "-J", name, "-o", "/dev/null",
+                          f"--comment=forgeboard-run-id={run_id}", *options, "--wrap",
+                          f"while true; do date +%s.%N > {alive}; sleep 0.2; done")
+    assert job.returncode == 0, job.stderr
+    job_id = job.stdout.strip()
+    leave.callback(cluster.command, "scancel", job_id)
+    if state in ("SPECIAL_EXIT", "STOPPED", "SIGNALING"):
+        wait_for(lambda: _squeue(cluster, job_id)["job_state"] == "RUNNING", timeout=60, what="the job to run")
+    if state == "SPECIAL_EXIT":
+        assert cluster.command("scontrol", "requeuehold", "State=SpecialExit", job_id).returncode == 0
+    if state == "SIGNALING":  # SLURM signals the job through its node's slurmd, which does not answer meanwhile
+        frozen.enter_context(cluster.node_frozen("fbslurm1"))
+    if state in ("STOPPED", "SIGNALING"):
+        assert cluster.command("scancel", "--signal=STOP", "--full", job_id).returncode == 0
+    wait_for(lambda: _squeue(cluster, job_id)["job_state"] == state, timeout=30, what=f"the job to be {state}")
+    return job_id
+
+
+@pytest.mark.parametrize(("state", "run_state", "reason"), [
+    ("PENDING", "queued", "held in the SLURM queue until released (JobHeldUser)"),
+    ("SPECIAL_EXIT", "queued", "requeued and held after a special exit (SPECIAL_EXIT) until released (JobHeldUser)"),
+    ("CONFIGURING", "launching",
+     "SLURM is setting up the job's nodes fbslurm1: booting them or running its prolog (CONFIGURING)"),
+    ("STOPPED", "running", "stopped by SIGSTOP on fbslurm1: its processes are frozen, its nodes held (STOPPED)"),
+    ("SIGNALING", "running", "running on fbslurm1; SLURM is sending it a signal (SIGNALING)"),
+])
+def test_a_lost_runs_job_in_any_state_the_cluster_puts_it_in_is_followed_and_stopped(
+        team, tiny_model, slurm_cluster, settings, monkeypatch, tmp_path, state, run_state, reason):
+    """Slurm 22.05 prints a flag in place of a job's state: held (sbatch --hold: PENDING, JobHeldUser), requeued and
+    held (scontrol requeuehold State=SpecialExit), its node set up by slurmctld's prolog (CONFIGURING), stopped by
+    `scancel --signal=STOP` (STOPPED), and being sent that signal through a node's slurmd that does not answer yet
+    (SIGNALING). The flags were unknown states: the poll called the run's job unreadable, and a lost run's stop was
+    never confirmed (the run failed 15 minutes on). Now the poll says what SLURM does with the job, and the stop
+    scancels it and is confirmed once SLURM has ended it and its processes. (workers/launch/recorded/
+    squeue_22.05_states.json has these states as captured from this cluster.)"""
+    from workers.celery import app
+
+    settings.SLURM_BIN_DIR = None
+    asks: list[dict] = []
+    monkeypatch.setattr(app, "send_task", lambda name, **kw: asks.append({"name": name, **kw}))
+
+    def stop_asked() -> str:
+        assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
+        [ask] = [a for a in asks if a["name"] == "runs.stop_attempt"]
+        asks.clear()
+        return stop_attempt(**ask["kwargs"])
+
+    run = run_launch(actor=team.member, experiment=team.experiment,
+                     config_yaml=GRPO_YAML.format(model=tiny_model, steps=2))
+    with ExitStack() as leave:
+        frozen = leave.enter_context(ExitStack())
+        job_id = _put_in(slurm_cluster, state, run_id=run.pk, alive=tmp_path / "alive_at", leave=leave, frozen=frozen)
+        Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING, job_id=job_id, max_restarts=1)
+        assert poll_jobs("slurm") == {run.pk: run_state}
+        status = RunEvent.objects.filter(run=run, kind="message", payload__name="job_status").latest("seq").payload
+        assert (status["state"], status["reason"]) == (run_state, reason)
+
+        Run.objects.filter(pk=run.pk).update(last_heartbeat_at=timezone.now() - timedelta(seconds=120))
+        answer = stop_asked()
+        if state == "SIGNALING":  # scancelled, but its node has not taken it yet: the job's processes run on
+            assert answer == (f"still stopping: SLURM job {job_id} has ended, but SLURM is still stopping its "
+                              "processes on fbslurm1 (COMPLETING)"), answer
+            assert Run.objects.get(pk=run.pk).state == RunState.LOST
+            frozen.close()
+        for _ in range(30):  # SLURM may take a moment more to end it
+            if not answer.startswith("still stopping"):
+                break
+            time.sleep(0.5)
+            answer = stop_asked()
+        assert re.fullmatch(rf"SLURM job {job_id} (cancelled|had ended \(the SLURM job was cancelled\)); restarted",
+                            answer), answer
+        run.refresh_from_db()
+        assert (run.state, run.restart_count, run.job_id) == (RunState.QUEUED, 1, "")
+        wait_for(lambda: _sacct(slurm_cluster, job_id, latest=True)["state"]["current"] == "CANCELLED", timeout=30,
+                 what="accounting to record the job cancelled")
+        assert all(slurm_cluster.job_processes(node) == [] for node in slurm_cluster.node_list)

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import os
+import re
 import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -244,11 +245,125 @@ def test_a_job_slurm_is_still_completing_is_not_over():
     assert not slurm.parse_sacct(_recorded("sacct_23.11.json"))["17104"].completing
 
 
+# Every job state and state flag Slurm has (slurm.h `job_states` and JOB_STATE_FLAGS, 22.05 to 25.11).
+SLURM_STATES = {"PENDING", "RUNNING", "SUSPENDED", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL",
+                "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"}
+SLURM_FLAGS = {"LAUNCH_FAILED", "UPDATE_DB", "REQUEUED", "REQUEUE_HOLD", "SPECIAL_EXIT", "RESIZING", "CONFIGURING",
+               "COMPLETING", "STOPPED", "RECONFIG_FAIL", "POWER_UP_NODE", "REVOKED", "REQUEUE_FED", "RESV_DEL_HOLD",
+               "SIGNALING", "STAGE_OUT", "EXPEDITING"}
+ENDING = "SLURM is ending the job: "
+# Slurm 23.02+'s shape (a list of the base state and its flags), on the recorded 23.11 record of a job on gpu-[001-002]:
+# what each means for a run, and what SLURM still does for a job it has ended (the job's processes may still run).
+LIST_SHAPES = [
+    (["PENDING"], "queued", "waiting in the SLURM queue", ""),
+    (["RUNNING"], "running", "running on gpu-[001-002]", ""),
+    (["SUSPENDED"], "running", "suspended by SLURM; it resumes where it stopped", ""),
+    (["COMPLETED"], "succeeded", "the job completed with exit code 0", ""),
+    (["CANCELLED"], "failed", "the SLURM job was cancelled", ""),
+    (["FAILED"], "failed", "the job failed", ""),
+    (["TIMEOUT"], "failed", "the job hit its time limit of 1440 minutes", ""),
+    (["NODE_FAIL"], "lost", "a node of the job failed (gpu-[001-002]); restart from the last checkpoint", ""),
+    (["PREEMPTED"], "lost", "preempted by a higher-priority job; restart from the last checkpoint", ""),
+    (["BOOT_FAIL"], "lost", "SLURM could not boot the job's nodes", ""),
+    (["DEADLINE"], "failed", "the job missed its deadline", ""),
+    (["OUT_OF_MEMORY"], "failed", "the job ran out of host memory (OUT_OF_MEMORY)", ""),
+    (["CANCELLED", "COMPLETING"], "running", None, "still stopping its processes on gpu-[001-002] (COMPLETING)"),
+    (["COMPLETED", "STAGE_OUT"], "running", None, "still staging out its burst buffer data (STAGE_OUT)"),
+    (["FAILED", "EXPEDITING"], "running", None, "still checking whether to requeue it (EXPEDITING)"),  # 25.11
+    (["PENDING", "REQUEUED"], "queued", "requeued", ""),
+    (["PENDING", "REQUEUE_HOLD"], "queued", "requeued and held until released (REQUEUE_HOLD)", ""),
+    (["PENDING", "SPECIAL_EXIT"], "queued", "requeued and held after a special exit (SPECIAL_EXIT) until released", ""),
+    (["PENDING", "REQUEUE_FED"], "queued", "requeued by its federation (REQUEUE_FED)", ""),
+    (["PENDING", "RESV_DEL_HOLD"], "queued", "held until released: its reservation was deleted (RESV_DEL_HOLD)", ""),
+    (["PENDING", "LAUNCH_FAILED"], "queued", "waiting in the SLURM queue", ""),
+    (["PENDING", "RECONFIG_FAIL"], "queued", "waiting in the SLURM queue", ""),
+    (["RUNNING", "CONFIGURING"], "launching",
+     "SLURM is setting up the job's nodes gpu-[001-002]: booting them or running its prolog (CONFIGURING)", ""),
+    (["RUNNING", "CONFIGURING", "POWER_UP_NODE"], "launching",
+     "SLURM is powering up the job's nodes gpu-[001-002] (POWER_UP_NODE)", ""),
+    (["PENDING", "REVOKED"], "running", "revoked on this cluster: another cluster of its federation runs it (REVOKED)",
+     ""),
+    (["RUNNING", "STOPPED"], "running",
+     "stopped by SIGSTOP on gpu-[001-002]: its processes are frozen, its nodes held (STOPPED)", ""),
+    (["RUNNING", "SIGNALING"], "running", "running on gpu-[001-002]; SLURM is sending it a signal (SIGNALING)", ""),
+    (["RUNNING", "RESIZING"], "running", "running on gpu-[001-002]; SLURM is changing its size (RESIZING)", ""),
+    (["RUNNING", "UPDATE_DB"], "running", "running on gpu-[001-002]", ""),
+    (["CANCELLED", "LAUNCH_FAILED"], "failed", "the SLURM job was cancelled", ""),
+]
+
+
+def test_every_slurm_state_and_flag_is_mapped():
+    assert {word for states, *_ in LIST_SHAPES for word in states} == SLURM_STATES | SLURM_FLAGS
+
+
+@pytest.mark.parametrize(("states", "state", "reason", "ending"), LIST_SHAPES,
+                         ids=["+".join(shape[0]) for shape in LIST_SHAPES])
+def test_each_state_in_slurm_23s_shape_is_what_it_means_for_a_run(states, state, reason, ending):
+    [record] = [job for job in _recorded("squeue_23.11.json")["jobs"] if job["job_id"] == 18004]
+    status = slurm.slurm_job_status(record | {"job_state": states})
+    assert (status.state, status.reason, status.ending, status.completing) == (
+        state, reason or ENDING + ending, ending, bool(ending))
+    assert not status.base_unknown
+    assert status.terminal == (state in ("succeeded", "failed", "lost"))
+
+
+@pytest.mark.parametrize(("job_id", "state", "reason"), [
+    ("2", "queued", "held in the SLURM queue until released (JobHeldUser)"),  # sbatch --hold
+    ("3", "queued", "waiting in the SLURM queue (BeginTime)"),  # scontrol requeue: a requeued job waits its BeginTime
+    ("4", "queued", "requeued and held after a special exit (SPECIAL_EXIT) until released (JobHeldUser)"),
+    ("5", "launching",
+     "SLURM is setting up the job's nodes fbslurm2: booting them or running its prolog (CONFIGURING)"),
+    ("6", "running", "stopped by SIGSTOP on fbslurm2: its processes are frozen, its nodes held (STOPPED)"),
+    ("7", "running", "running on fbslurm1; SLURM is sending it a signal (SIGNALING)"),
+])
+def test_each_state_slurm_22_05_printed_on_the_suites_cluster_is_read(job_id, state, reason):
+    """Captured from the suite's real cluster (Slurm 22.05 prints one word: a flag in place of the base state):
+    workers/launch/recorded/README.md says how each job was put in its state."""
+    status = slurm.parse_squeue(_recorded("squeue_22.05_states.json"), job_id=job_id)[job_id]
+    assert (status.state, status.reason, status.completing) == (state, reason, False)
+    assert status.base_unknown == (job_id not in ("2", "3")), "a flag in place of the base state: sacct may say more"
+
+
+@pytest.mark.parametrize(("word", "state", "reason"), [
+    ("STAGE_OUT", "running", ENDING + "still staging out its burst buffer data (STAGE_OUT)"),
+    ("COMPLETING", "running", ENDING + "still stopping its processes on fbslurm1 (COMPLETING)"),
+    ("RESIZING", "running", "running on fbslurm1; SLURM is changing its size (RESIZING)"),
+    ("REQUEUED", "queued", "requeued"),
+    ("REQUEUE_FED", "queued", "requeued by its federation (REQUEUE_FED)"),
+    ("REQUEUE_HOLD", "queued", "requeued and held until released (REQUEUE_HOLD)"),
+    ("RESV_DEL_HOLD", "queued", "held until released: its reservation was deleted (RESV_DEL_HOLD)"),
+    ("REVOKED", "running", "revoked on this cluster: another cluster of its federation runs it (REVOKED)"),
+])
+def test_each_flag_slurm_22_05_prints_in_place_of_the_state_is_read(word, state, reason):
+    """The words Slurm 22.05 prints for a job with a flag the suite's cluster cannot give (a burst buffer, a
+    federation, a resize, a deleted reservation), on a record it captured."""
+    [record] = [job for job in _recorded("squeue_22.05_states.json")["jobs"] if job["job_id"] == 7]
+    status = slurm.slurm_job_status(record | {"job_state": word})
+    assert (status.state, status.reason, status.completing) == (state, reason, reason.startswith(ENDING))
+
+
+def test_a_requeued_jobs_accounting_is_its_latest_record():
+    """sacct of the suite's cluster after `scontrol requeue`: the run before it (REQUEUED) and the waiting one, whose
+    nodes are "None assigned"."""
+    document = _recorded("sacct_22.05_requeued.json")
+    assert [job["state"]["current"] for job in document["jobs"]] == ["REQUEUED", "PENDING"]
+    assert slurm.slurm_job_status(document["jobs"][0]).state == "queued"
+    assert slurm.parse_sacct(document) == {"3": slurm.SchedulerStatus("queued", "waiting in the SLURM queue", "3")}
+
+
+@pytest.mark.parametrize("states", [["MIGRATING"], ["RUNNING", "MIGRATING"], ["UPDATE_DB"], ["RUNNING", "PENDING"], []])
+def test_a_state_slurm_does_not_have_is_unreadable_and_named(states):
+    """A word no Slurm has (yet), a flag alone that 22.05 never prints alone, two base states, none: what it means
+    for the run, and so whether the job has ended, is not known."""
+    with pytest.raises(LaunchSpecError, match=re.escape(f"job_state: unknown SLURM job state {states!r}")):
+        slurm.slurm_job_status({"job_id": 1, "job_state": states})
+
+
 def test_one_jobs_record_is_read_without_the_others():
     """Slurm 22.05's squeue --json lists every job whatever --jobs says: another job's record that cannot be read
     does not make the asked job's unreadable."""
     document = _recorded("squeue_22.05_completing.json")
-    document["jobs"][0]["job_state"] = "STAGE_OUT"
+    document["jobs"][0]["job_state"] = "MIGRATING"  # no Slurm has it (yet)
     assert set(slurm.parse_squeue(document, job_id="2")) == {"2"}
     with pytest.raises(LaunchSpecError, match="unknown SLURM job state"):
         slurm.parse_squeue(document)

@@ -25,8 +25,8 @@ from workers.engine.actors.monarch_job import HOST_MESH
 from workers.engine.env import (ALLOWED_PATHS_ENV, CONTROL_PLANE_URL_ENV, GPUS_PER_HOST_ENV, JOB_ENV, RUN_ID_ENV,
                                 RUN_TOKEN_FILE_ENV, WORKERS_ENV)
 
-__all__ = ["LaunchSpecError", "SchedulerStatus", "SlurmLaunchRequest", "slurm_job", "client_script", "parse_squeue", "parse_sacct",
-           "slurm_job_status", "job_ids_for_run", "parse_sinfo"]
+__all__ = ["JobStillCompleting", "LaunchSpecError", "SchedulerStatus", "SlurmLaunchRequest", "slurm_job",
+           "client_script", "parse_squeue", "parse_sacct", "slurm_job_status", "job_ids_for_run", "parse_sinfo"]
 
 # --- shared with workers/launch/kubernetes.py ------------------------------------------------------
 
@@ -54,13 +54,27 @@ class SchedulerStatus:
     reason: str
     job_id: str = ""
     nodes: str = ""  # the scheduler's node list for the job (SLURM's host list syntax), where it has one
-    # SLURM has ended the job but is still stopping its processes on its nodes, or runs its epilog (COMPLETING): its
-    # state is "running" until that is done, since they may still run (a lost run's restart must not join them).
-    completing: bool = False
+    # What SLURM still does for a job it has ended ("still stopping its processes on gpu-001 (COMPLETING)"): until it
+    # is done the job's state is "running", since its processes may still run or its data (a checkpoint) still be
+    # copied out, and a lost run's restart must not start beside them.
+    ending: str = ""
+    # Slurm 22.05 printed a flag in place of the job's base state, which may be one it has ended the job in (a job
+    # scancelled while SLURM sent it a SIGSTOP says STOPPED until it leaves the queue): only sacct says which.
+    base_unknown: bool = False
 
     @property
     def terminal(self) -> bool:
         return self.state in ("succeeded", "failed", "lost")
+
+    @property
+    def completing(self) -> bool:
+        """SLURM has ended the job but is not done with it yet (`ending` says what it still does)."""
+        return bool(self.ending)
+
+
+class JobStillCompleting(RuntimeError):
+    """A job asked to stop has ended, but the scheduler is not done stopping it: SLURM still stops its processes, runs
+    its epilog or stages its data out, or a Kubernetes Job's pods are still terminating. The stop is not confirmed."""
 
 
 def check_positive(name: str, value: int) -> None:
@@ -241,8 +255,43 @@ def slurm_job(request: SlurmLaunchRequest) -> Any:
 
 # --- run states from SLURM's JSON ----------------------------------------------------------------
 
+# A SLURM job has one base state and any of a set of flags (slurm.h: `job_states`, JOB_STATE_FLAGS). Slurm 23.02+ lists
+# both ("state": ["CANCELLED", "COMPLETING"]); 22.05 and older give one word: the first flag set, in job_state_string's
+# order, else the base state (a job SLURM is ending says COMPLETING, not how it ended). What each means for a run:
 _BASE_STATES = ("PENDING", "RUNNING", "SUSPENDED", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL",
                 "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY")
+# SLURM has ended the job but is not done with it: its processes may still run (COMPLETING: it stops them, then runs
+# the epilog), its burst buffer's data (a checkpoint, say) is still being copied out (STAGE_OUT), or it checks whether
+# to requeue it (EXPEDITING, 25.11). Whatever the base state says, the job has not ended for a restart yet.
+_ENDING = {"COMPLETING": "still stopping its processes on {nodes} (COMPLETING)",
+           "STAGE_OUT": "still staging out its burst buffer data (STAGE_OUT)",
+           "EXPEDITING": "still checking whether to requeue it (EXPEDITING)"}
+# The job waits in the queue to run (again), whatever the base state says: requeued, or held until someone releases it
+# (`scontrol release`).
+_WAITING = {"SPECIAL_EXIT": "requeued and held after a special exit (SPECIAL_EXIT) until released",
+            "REQUEUE_HOLD": "requeued and held until released (REQUEUE_HOLD)",
+            "RESV_DEL_HOLD": "held until released: its reservation was deleted (RESV_DEL_HOLD)",
+            "REQUEUE_FED": "requeued by its federation (REQUEUE_FED)",
+            "REQUEUED": "requeued"}
+# SLURM has given the job its nodes and is still setting them up: powering them up, booting them, or running
+# slurmctld's prolog. Nothing of the run runs yet.
+_STARTING = {"POWER_UP_NODE": "SLURM is powering up the job's nodes {nodes} (POWER_UP_NODE)",
+             "CONFIGURING": "SLURM is setting up the job's nodes {nodes}: booting them or running its prolog "
+                            "(CONFIGURING)"}
+# Another cluster of the job's federation runs it, or may: it has not ended.
+_REVOKED = "revoked on this cluster: another cluster of its federation runs it (REVOKED)"
+# The job runs (its processes hold their nodes), with something to say about it.
+_RUNNING = {"STOPPED": "stopped by SIGSTOP on {nodes}: its processes are frozen, its nodes held (STOPPED)",
+            "SIGNALING": "running on {nodes}; SLURM is sending it a signal (SIGNALING)",
+            "RESIZING": "running on {nodes}; SLURM is changing its size (RESIZING)"}
+# Flags that change nothing for a run: its accounting record is being sent, or an earlier launch or node set-up failed
+# (the base state says what became of the job).
+_NOTES = ("UPDATE_DB", "LAUNCH_FAILED", "RECONFIG_FAIL")
+_FLAGS = frozenset((*_ENDING, *_WAITING, *_STARTING, "REVOKED", *_RUNNING, *_NOTES))
+# The flags Slurm 22.05 and older print in place of the base state (the others they never print).
+_BARE_FLAGS = frozenset(("COMPLETING", "STAGE_OUT", "CONFIGURING", "RESIZING", "REQUEUED", "REQUEUE_FED",
+                         "REQUEUE_HOLD", "SPECIAL_EXIT", "STOPPED", "REVOKED", "RESV_DEL_HOLD", "SIGNALING"))
+_HELD_REASONS = ("JobHeldUser", "JobHeldAdmin")
 
 
 def _states(value: Any) -> list[str]:
@@ -277,31 +326,57 @@ def _exit(record: Mapping[str, Any]) -> tuple[int | None, str | None]:
 def slurm_job_status(record: Mapping[str, Any]) -> SchedulerStatus:
     """One job record of `squeue --json` or `sacct --json` as a run state with a reason a person can read."""
     nodes = record.get("nodes")
-    return replace(_slurm_job_status(record), nodes=nodes if isinstance(nodes, str) else "")
-
-
-def _slurm_job_status(record: Mapping[str, Any]) -> SchedulerStatus:
+    nodes = nodes if isinstance(nodes, str) and nodes != "None assigned" else ""  # sacct's words for none
     state = record.get("state")
-    states = _states(state.get("current") if isinstance(state, dict) else record.get("job_state"))
-    base = next((s for s in states if s in _BASE_STATES), None)
-    flags = set(states) - {base}
+    base, flags = _base_and_flags(_states(state.get("current") if isinstance(state, dict) else record.get("job_state")))
+    status = _slurm_job_status(record, base=base, flags=flags, nodes=nodes)
+    return replace(status, nodes=nodes, base_unknown=base is None and not status.completing)
+
+
+def _slurm_job_status(record: Mapping[str, Any], *, base: str | None, flags: list[str], nodes: str) -> SchedulerStatus:
+    state = record.get("state")
     reason = state.get("reason", "") if isinstance(state, dict) else record.get("state_reason", "")
     reason = "" if reason in (None, "None") else str(reason)
-    code, signal = _exit(record)
     job_id = str(record.get("job_id", ""))
-    nodes = record.get("nodes") or ""
-    if "COMPLETING" in flags:  # Slurm 22.05 says only COMPLETING; 23.02+ how the job ended besides
-        return SchedulerStatus("running", f"SLURM is ending the job: still stopping its processes on "
-                                          f"{nodes or 'its nodes'} (COMPLETING)", job_id, completing=True)
-    if base == "PENDING" or (base is None and "REQUEUED" in flags):
-        why = "requeued" if "REQUEUED" in flags else "waiting in the SLURM queue"
+    where = nodes or "its nodes"
+    ending = next((text.format(nodes=where) for flag, text in _ENDING.items() if flag in flags), None)
+    if ending is not None:
+        return SchedulerStatus("running", f"SLURM is ending the job: {ending}", job_id, ending=ending)
+    waiting = next((text for flag, text in _WAITING.items() if flag in flags), None)
+    if waiting is not None:
+        return SchedulerStatus("queued", f"{waiting} ({reason})" if reason else waiting, job_id)
+    if base not in (None, "PENDING", "RUNNING", "SUSPENDED"):
+        return _ended(record, base=base, reason=reason, nodes=nodes, job_id=job_id)
+    starting = next((text for flag, text in _STARTING.items() if flag in flags), None)
+    if starting is not None:
+        return SchedulerStatus("launching", starting.format(nodes=where), job_id)
+    if "REVOKED" in flags:
+        return SchedulerStatus("running", _REVOKED, job_id)
+    if base == "PENDING":
+        why = "held in the SLURM queue until released" if reason in _HELD_REASONS else "waiting in the SLURM queue"
         return SchedulerStatus("queued", f"{why} ({reason})" if reason else why, job_id)
-    if base == "RUNNING":
-        if "CONFIGURING" in flags:
-            return SchedulerStatus("launching", f"SLURM is booting nodes {nodes}".strip(), job_id)
-        return SchedulerStatus("running", f"running on {nodes}" if nodes else "running", job_id)
     if base == "SUSPENDED":
         return SchedulerStatus("running", "suspended by SLURM; it resumes where it stopped", job_id)
+    running = next((text for flag, text in _RUNNING.items() if flag in flags), None)
+    if running is not None:
+        return SchedulerStatus("running", running.format(nodes=where), job_id)
+    return SchedulerStatus("running", f"running on {nodes}" if nodes else "running", job_id)
+
+
+def _base_and_flags(states: list[str]) -> tuple[str | None, list[str]]:
+    """The job's base state (None where Slurm 22.05 printed a flag in its place) and its flags. A word this code does
+    not know (a state a later Slurm adds) makes the whole state unreadable, named: what it means for the run is not
+    known, so neither is whether the job has ended."""
+    bases = [s for s in states if s in _BASE_STATES]
+    flags = [s for s in states if s in _FLAGS]
+    if not states or len(bases) + len(flags) < len(states) or len(bases) > 1 or not (bases or _BARE_FLAGS & set(flags)):
+        raise LaunchSpecError("job_state", f"unknown SLURM job state {states!r}")
+    return (bases[0] if bases else None), flags
+
+
+def _ended(record: Mapping[str, Any], *, base: str, reason: str, nodes: str, job_id: str) -> SchedulerStatus:
+    """A job SLURM has ended and is done with, by its base state."""
+    code, signal = _exit(record)
     if base == "COMPLETED":
         return SchedulerStatus("succeeded", "the job completed with exit code 0", job_id)
     if base == "FAILED":
@@ -324,9 +399,7 @@ def _slurm_job_status(record: Mapping[str, Any]) -> SchedulerStatus:
                                if nodes else "a node of the job failed; restart from the last checkpoint", job_id)
     if base == "PREEMPTED":
         return SchedulerStatus("lost", "preempted by a higher-priority job; restart from the last checkpoint", job_id)
-    if base == "BOOT_FAIL":
-        return SchedulerStatus("lost", "SLURM could not boot the job's nodes", job_id)
-    raise LaunchSpecError("job_state", f"unknown SLURM job state {states!r}")
+    return SchedulerStatus("lost", "SLURM could not boot the job's nodes", job_id)  # BOOT_FAIL
 
 
 def _jobs(document: Mapping[str, Any], source: str) -> list[Mapping[str, Any]]:

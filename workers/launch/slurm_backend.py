@@ -39,8 +39,8 @@ from workers.engine.actors.monarch_job import MonarchJobError, expand_hostlist
 from workers.launch.jobs import (FOLLOWED_STATES, fail_launch, follow_job, last_job_status, named_hosts, node_shape,
                                  record_job_status)
 from workers.launch.local import engine_allowed_paths, run_dir, write_run_files
-from workers.launch.slurm import (LaunchSpecError, SchedulerStatus, SlurmLaunchRequest, job_environment, job_ids_for_run,
-                                  parse_sacct, parse_sinfo, parse_squeue)
+from workers.launch.slurm import (JobStillCompleting, LaunchSpecError, SchedulerStatus, SlurmLaunchRequest,
+                                  job_environment, job_ids_for_run, parse_sacct, parse_sinfo, parse_squeue)
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +57,6 @@ class SlurmCommandFailed(RuntimeError):
 
 class SubmitTimedOut(SlurmCommandFailed):
     """sbatch did not answer in time: it may still have queued the job."""
-
-
-class JobStillCompleting(RuntimeError):
-    """SLURM has ended the job but is still stopping its processes on its nodes, or runs its epilog (COMPLETING)."""
 
 
 @dataclass(frozen=True)
@@ -131,8 +127,15 @@ class SlurmCli:
         """The queued or running jobs whose comment names the run (every job submitted for it carries one)."""
         return job_ids_for_run(self._json("squeue", "--json"), run_id)
 
-    def accounting(self, job_id: str) -> dict[str, SchedulerStatus]:
-        return parse_sacct(self._json("sacct", "--json", f"--jobs={job_id}"))
+    def accounting(self, job_id: str, *, in_queue: bool = False) -> dict[str, SchedulerStatus]:
+        """The job's status in accounting, by job id. A job still in the queue may have no record there yet (sacct says
+        "Nothing found" until SLURM starts it): `in_queue` takes that for {}. For a job gone from the queue it stays an
+        error: accounting that lags must not make the job one SLURM does not know."""
+        document = self._json("sacct", "--json", f"--jobs={job_id}")
+        errors = [str(e.get("description") or e.get("error") or "") for e in document.get("errors") or []]
+        if in_queue and errors and all(error == "Nothing found" for error in errors):
+            return {}
+        return parse_sacct(document)
 
     def nodes(self) -> dict[str, tuple[str, str]]:
         """Every node's state and SLURM's reason for it, by node name (sinfo)."""
@@ -217,20 +220,28 @@ def _queued_anyway(*, run: Run, cli: SlurmCli) -> str:
 
 
 def job_status(*, job_id: str, cli: SlurmCli) -> SchedulerStatus | None:
-    """The job's status: from the queue while it is there, then from accounting (None: SLURM knows no such job)."""
-    queued = cli.queue(job_id)
-    if job_id in queued:
-        return queued[job_id]
-    return cli.accounting(job_id).get(job_id)
+    """The job's status: from the queue while it is there, then from accounting (None: SLURM knows no such job).
+
+    Where Slurm 22.05's squeue gives a flag in place of the job's base state (`base_unknown`) accounting says whether
+    SLURM has ended the job: a job scancelled while SLURM sent it a SIGSTOP says STOPPED until it leaves the queue.
+    SLURM is done with it then (a job it still stops the processes of says COMPLETING, which squeue gives first)."""
+    queued = cli.queue(job_id).get(job_id)
+    if queued is not None and not queued.base_unknown:
+        return queued
+    if queued is None:
+        return cli.accounting(job_id).get(job_id)
+    accounted = cli.accounting(job_id, in_queue=True).get(job_id)
+    return accounted if accounted is not None and accounted.terminal else queued
 
 
 def stop_slurm_job(*, job_id: str, cli: SlurmCli | None = None) -> str | None:
     """scancel a lost run's job unless SLURM has ended it; what was done, or None while SLURM still runs it.
 
-    A job SLURM has ended is gone only once it has left COMPLETING: until then its processes may still run on its
-    nodes (SLURM gives them KillWait after the SIGTERM), or its epilog, and sacct already says how it ended.
+    A job SLURM has ended is gone only once SLURM is done with it (`SchedulerStatus.ending`): while it is COMPLETING
+    its processes may still run on its nodes (SLURM gives them KillWait after the SIGTERM), or its epilog, and sacct
+    already says how it ended; while it is in STAGE_OUT its burst buffer's data is still being copied out.
     Raises JobStillCompleting until then, SlurmCommandFailed (SLURM cannot be asked) and LaunchSpecError (its
-    answer is unreadable).
+    answer is unreadable: a state this code does not know).
     """
     cli = cli or slurm_cli()
     status = job_status(job_id=job_id, cli=cli)
@@ -242,8 +253,7 @@ def stop_slurm_job(*, job_id: str, cli: SlurmCli | None = None) -> str | None:
         if status is None or status.terminal:
             return f"SLURM job {job_id} cancelled"
     if status.completing:
-        raise JobStillCompleting(f"SLURM job {job_id} has ended, but SLURM is still stopping its processes on "
-                                 f"{status.nodes or 'its nodes'} (COMPLETING)")
+        raise JobStillCompleting(f"SLURM job {job_id} has ended, but SLURM is {status.ending}")
     return None
 
 
