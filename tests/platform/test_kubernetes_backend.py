@@ -6,6 +6,7 @@ serves them for the test's run, which is what the poller reads.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -21,7 +22,8 @@ from forgeboard.runs.tokens import run_token_authenticate
 from forgeboard.telemetry.models import RunEvent
 from workers.launch import kubernetes_backend
 from workers.launch.backends import start_run
-from workers.launch.kubernetes_backend import KubernetesApi, poll_kubernetes_runs
+from workers.launch.kubernetes_backend import KubernetesApi, poll_kubernetes_runs, stop_kubernetes_job
+from workers.launch.slurm import JobStillCompleting
 
 RECORDED = Path(__file__).resolve().parents[2] / "workers" / "launch" / "recorded"
 K8S_YAML = """\
@@ -39,7 +41,10 @@ trainer:
 
 
 class FakeApiServer:
-    """Keeps what was created; serves the recorded Job and pods set by `show`."""
+    """Keeps what was created; serves the recorded Job and pods set by `show`, and deletes them as the API server and
+    its garbage collector do: a Job deleted in the foreground stays, being deleted, until its pods are removed; in the
+    background it is gone at once; either way its pods are then being deleted (Terminating), as is a pod deleted by
+    name. Pods are removed only when their kubelet says they have stopped: `pods_removed`."""
 
     def __init__(self) -> None:
         self.requests: list[httpx.Request] = []
@@ -47,6 +52,7 @@ class FakeApiServer:
         self.job: dict | None = None
         self.pods: list[dict] = []
         self.refuse: tuple[int, str] | None = None
+        self.refuse_deleting: dict[str, tuple[int, str]] = {}  # by kind as in the path ("pods"): status, message
 
     def show(self, recorded: str) -> None:
         document = json.loads((RECORDED / f"{recorded}.json").read_text())
@@ -63,12 +69,43 @@ class FakeApiServer:
             self.created.append(json.loads(request.content))
             return httpx.Response(201, json=self.created[-1])
         if request.method == "DELETE":
+            refused = self.refuse_deleting.get(request.url.path.rsplit("/", 2)[-2])
+            if refused is not None:
+                return httpx.Response(refused[0], json={"kind": "Status", "status": "Failure", "message": refused[1]})
+            self._delete(request)
             return httpx.Response(200, json={"kind": "Status", "status": "Success"})
         if request.url.path.endswith("/pods"):
             return httpx.Response(200, json={"kind": "PodList", "items": self.pods})
         if self.job is None:
             return httpx.Response(404, json={"kind": "Status", "message": "jobs.batch not found", "code": 404})
         return httpx.Response(200, json=self.job)
+
+    def _delete(self, request: httpx.Request) -> None:
+        kind, name = request.url.path.rsplit("/", 2)[-2:]
+        if kind == "jobs" and self.job is not None:
+            policy = request.url.params.get("propagationPolicy")
+            if policy == "Foreground":
+                self.job = _being_deleted(self.job, finalizers=["foregroundDeletion"])
+            else:
+                self.job = None
+            if policy != "Orphan":
+                self.pods = [_being_deleted(pod) for pod in self.pods]
+        elif kind == "pods":
+            self.pods = [_being_deleted(pod) if pod["metadata"]["name"] == name else pod for pod in self.pods]
+
+    def pods_removed(self) -> None:
+        """The pods' kubelets say they have stopped: they are removed, and a Job deleted in the foreground with them."""
+        self.pods = []
+        if self.job is not None and "foregroundDeletion" in self.job["metadata"].get("finalizers", []):
+            self.job = None
+
+
+def _being_deleted(obj: dict, *, finalizers: list[str] | None = None) -> dict:
+    obj = copy.deepcopy(obj)
+    obj["metadata"].setdefault("deletionTimestamp", "2026-11-30T05:02:41Z")
+    if finalizers:
+        obj["metadata"]["finalizers"] = finalizers
+    return obj
 
 
 @pytest.fixture
@@ -182,6 +219,25 @@ def test_an_unreachable_api_server_leaves_the_run_alone(team, k8s):
     assert poll_kubernetes_runs() == {run.pk: f"unreadable: reading Job forgeboard-run-{run.pk}: HTTP 500: "
                                               "etcdserver: request timed out"}
     assert Run.objects.get(pk=run.pk).state == RunState.LAUNCHING
+
+
+def test_a_job_being_deleted_in_the_foreground_is_stopped_once_its_pods_are_gone(k8s):
+    """The Job stays, being deleted, while its pods terminate (pod 0's engine still runs through its grace period):
+    it is not deleted again, and the stop is confirmed only once the pods, and with them the Job, are gone."""
+    k8s.show("k8s_stopping_foreground")
+    with pytest.raises(JobStillCompleting) as still:
+        stop_kubernetes_job(name="forgeboard-run-42")
+    assert str(still.value) == (
+        "Kubernetes Job forgeboard-run-42 is being deleted: its pods are still stopping (forgeboard-run-42-0-x7k2p on "
+        "gpu-node-07 terminating, forgeboard-run-42-1-q9m4d on gpu-node-08 terminating)")
+    assert [r.method for r in k8s.requests] == ["GET", "GET"], "the Job and its pods read; nothing deleted"
+
+    k8s.pods = []  # the pods are gone; the garbage collector has not removed the Job yet
+    with pytest.raises(JobStillCompleting, match="is being deleted: none of its pods is left, the Job goes next"):
+        stop_kubernetes_job(name="forgeboard-run-42")
+
+    k8s.pods_removed()
+    assert stop_kubernetes_job(name="forgeboard-run-42") == "Kubernetes Job forgeboard-run-42 and its pods are gone"
 
 
 def test_the_default_engine_service_account_is_the_one_infra_creates_and_may_watch_pods():

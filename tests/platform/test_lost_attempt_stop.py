@@ -363,13 +363,22 @@ def test_a_lost_kubernetes_runs_job_is_deleted_with_its_pods_before_a_new_job_is
 
     k8s.refuse = None
     k8s.requests.clear()
-    assert stop_attempt(**ask["kwargs"]) == "still stopping", "deleted in the foreground: its pods are stopping"
+    assert stop_attempt(**ask["kwargs"]) == (
+        f"still stopping: Kubernetes Job {old_job} is being deleted: its pods are still stopping "
+        "(forgeboard-run-42-0-x7k2p on gpu-node-07 terminating, forgeboard-run-42-1-q9m4d on gpu-node-08 terminating)"
+    ), "deleted in the foreground: its pods are stopping"
     [delete] = [r for r in k8s.requests if r.method == "DELETE"]
     assert delete.url.path.endswith(f"/jobs/{old_job}") and delete.url.params["propagationPolicy"] == "Foreground"
+    [pods] = [r for r in k8s.requests if r.url.path.endswith("/pods")]
+    assert pods.url.params["labelSelector"] == f"batch.kubernetes.io/job-name={old_job}", "the attempt's pods"
 
-    k8s.job = None  # its pods are gone, and with them the Job
     k8s.requests.clear()
-    assert stop_attempt(**ask["kwargs"]).endswith("restarted")
+    assert stop_attempt(**ask["kwargs"]).startswith("still stopping: "), "asked again while they stop"
+    assert [r for r in k8s.requests if r.method == "DELETE"] == [], "being deleted already: not deleted again"
+
+    k8s.pods_removed()  # its pods are gone, and with them the Job
+    k8s.requests.clear()
+    assert stop_attempt(**ask["kwargs"]) == f"Kubernetes Job {old_job} and its pods are gone; restarted"
     deleted = [r.url.path.rsplit("/", 2)[-2:] for r in k8s.requests if r.method == "DELETE"]
     assert deleted == [["configmaps", old_job], ["secrets", f"{old_job}-token"]]
     run.refresh_from_db()
@@ -383,6 +392,90 @@ def test_a_lost_kubernetes_runs_job_is_deleted_with_its_pods_before_a_new_job_is
     assert run.job_id == job["metadata"]["name"] == config_map["metadata"]["name"] == f"forgeboard-run-{run.pk}-1"
     assert secret["metadata"]["name"] == f"forgeboard-run-{run.pk}-1-token", "not the old Secret, which would 409"
     assert run_token_authenticate(raw=secret["stringData"]["token"]).run_id == run.pk
+
+
+def test_a_lost_runs_job_deleted_without_its_pods_is_not_stopped_while_they_terminate(
+        team, k8s, asks, django_capture_on_commit_callbacks):  # noqa: F811
+    """`kubectl delete job` (the background cascade) removes the Job at once and leaves its pods Terminating: pod 0's
+    engine may run on through its grace period (saving a checkpoint), or for as long as its node does not answer. The
+    Job being gone does not stop the run's engine: the restart waits until its pods are gone too."""
+    run, old_job = _launched(team, K8S_YAML)
+    run = _silent(run)
+    runs_reconcile(now=timezone.now())
+    ask = _stop_asked(asks, run)
+    k8s.show("k8s_stopping_job_gone")
+    problem = (f"Kubernetes Job {old_job} is gone, but its pods are still stopping: forgeboard-run-42-0-x7k2p on "
+               "gpu-node-07 terminating, forgeboard-run-42-1-q9m4d on gpu-node-08 terminating")
+    k8s.requests.clear()
+    assert stop_attempt(**ask["kwargs"]) == f"still stopping: {problem}"
+    assert [r for r in k8s.requests if r.method == "DELETE"] == [], "its pods are being deleted already"
+    [pods] = [r for r in k8s.requests if r.url.path.endswith("/pods")]
+    assert pods.url.params["labelSelector"] == f"batch.kubernetes.io/job-name={old_job}"
+    assert Run.objects.get(pk=run.pk).state == RunState.LOST
+    assert _messages(run, PREVIOUS_ATTEMPT_NOT_STOPPED) == [{
+        "name": PREVIOUS_ATTEMPT_NOT_STOPPED, "attempt": f"Kubernetes Job {old_job}", "problem": problem}]
+
+    assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
+    k8s.pods = k8s.pods[:1]  # pod 1 is gone; pod 0 still terminates
+    assert stop_attempt(**_stop_asked(asks, run)["kwargs"]) == (
+        f"still stopping: Kubernetes Job {old_job} is gone, but its pods are still stopping: "
+        "forgeboard-run-42-0-x7k2p on gpu-node-07 terminating")
+    assert Run.objects.get(pk=run.pk).state == RunState.LOST
+
+    k8s.pods_removed()
+    assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
+    with django_capture_on_commit_callbacks(execute=True):
+        assert stop_attempt(**_stop_asked(asks, run)["kwargs"]) == (
+            f"Kubernetes Job {old_job} and its pods are gone; restarted")
+    run.refresh_from_db()
+    assert (run.state, run.restart_count) == (RunState.QUEUED, 1)
+
+
+def test_a_lost_runs_pods_left_without_their_job_are_deleted_before_it_restarts(team, k8s, asks):  # noqa: F811
+    """`kubectl delete job --cascade=orphan` leaves the Job's pods running without an owner: nothing else will delete
+    them, so the stop does, pod by pod, and confirms once they are gone."""
+    run, old_job = _launched(team, K8S_YAML)
+    run = _silent(run)
+    runs_reconcile(now=timezone.now())
+    ask = _stop_asked(asks, run)
+    k8s.show("k8s_orphaned_pods")
+    k8s.requests.clear()
+    assert stop_attempt(**ask["kwargs"]) == (
+        f"still stopping: Kubernetes Job {old_job} is gone, but its pods are still stopping: forgeboard-run-42-0-x7k2p "
+        "on gpu-node-07 left without its Job, deleted now, forgeboard-run-42-1-q9m4d on gpu-node-08 left without its "
+        "Job, deleted now")
+    deleted = [r.url.path for r in k8s.requests if r.method == "DELETE"]
+    assert deleted == ["/api/v1/namespaces/research/pods/forgeboard-run-42-0-x7k2p",
+                       "/api/v1/namespaces/research/pods/forgeboard-run-42-1-q9m4d"]
+
+    k8s.requests.clear()
+    assert stop_attempt(**ask["kwargs"]).endswith("forgeboard-run-42-1-q9m4d on gpu-node-08 terminating")
+    assert [r for r in k8s.requests if r.method == "DELETE"] == [], "being deleted now: not deleted again"
+    assert Run.objects.get(pk=run.pk).state == RunState.LOST
+
+    k8s.pods_removed()
+    assert stop_attempt(**ask["kwargs"]).endswith("and its pods are gone; restarted")
+
+
+def test_a_pod_deletion_the_api_server_refuses_is_said_and_asked_again(team, k8s, asks):  # noqa: F811
+    """The worker's role may not delete pods: the stop is not confirmed, the timeline says why, the next pass asks
+    again."""
+    run, old_job = _launched(team, K8S_YAML)
+    run = _silent(run)
+    runs_reconcile(now=timezone.now())
+    ask = _stop_asked(asks, run)
+    k8s.show("k8s_orphaned_pods")
+    refusal = 'pods "forgeboard-run-42-0-x7k2p" is forbidden: User "system:serviceaccount:forgeboard:worker"'
+    k8s.refuse_deleting["pods"] = (403, f'{refusal} cannot delete resource "pods"')
+    assert stop_attempt(**ask["kwargs"]) == (
+        f'not stopped: deleting Pod forgeboard-run-42-0-x7k2p: HTTP 403: {refusal} cannot delete resource "pods"')
+    assert Run.objects.get(pk=run.pk).state == RunState.LOST
+    assert "cannot delete resource" in _messages(run, PREVIOUS_ATTEMPT_NOT_STOPPED)[-1]["problem"]
+
+    del k8s.refuse_deleting["pods"]  # the worker's role may delete pods now
+    assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
+    assert stop_attempt(**_stop_asked(asks, run)["kwargs"]).startswith(
+        f"still stopping: Kubernetes Job {old_job} is gone, but its pods are still stopping")
 
 
 def _engine(run_id: int | None, *, ignore_term: bool = False) -> subprocess.Popen:

@@ -42,6 +42,7 @@ from workers.launch.slurm import (
 __all__ = ["KubernetesLaunchRequest", "kubernetes_objects", "kubernetes_job_status", "LaunchSpecError",
            "SchedulerStatus"]
 
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"  # the Job controller's label on each pod of a Job (1.27+)
 DEFAULT_MONARCH_PORT = 26600
 DEFAULT_SERVICE_ACCOUNT = "forgeboard-engine"  # infra/k8s/engine-rbac.yaml
 # Set by the pod spec for the engine's discovery; not for a run's `environment` to override.

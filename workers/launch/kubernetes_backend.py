@@ -8,9 +8,10 @@ token, then the ConfigMap and Indexed Job built by `workers/launch/kubernetes.py
 engine controller finds its workers through the API: infra/k8s/engine-rbac.yaml).
 `runs.poll_jobs` reads the Job and its pods and moves the run as `workers/launch/jobs.py` says; a run
 cancelled while its pods wait to be scheduled has its Job deleted. A lost run's Job is deleted with its pods
-(`stop_kubernetes_job`, asked by the reconciler) before the run restarts, as a Job of its own named for the attempt.
+(`stop_kubernetes_job`, asked by the reconciler) and the run restarts, as a Job of its own named for the attempt,
+only once none of those pods is left.
 
-Plain HTTP through httpx (no `kubernetes` client package): three object kinds, create / get / delete.
+Plain HTTP through httpx (no `kubernetes` client package): a few object kinds, create / get / list / delete.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from forgeboard.runs.tokens import run_token_issue
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append
 from workers.launch.jobs import FOLLOWED_STATES, fail_launch, follow_job, node_shape
-from workers.launch.kubernetes import (RUN_DIR, RUN_LABEL, KubernetesLaunchRequest, kubernetes_job_name,
+from workers.launch.kubernetes import (JOB_NAME_LABEL, RUN_DIR, RUN_LABEL, KubernetesLaunchRequest, kubernetes_job_name,
                                       kubernetes_job_status, kubernetes_objects)
 from workers.launch.local import engine_allowed_paths, engine_config_yaml
-from workers.launch.slurm import LaunchSpecError
+from workers.launch.slurm import JobStillCompleting, LaunchSpecError
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ _PATHS = {  # kind -> collection path under a namespace
     "Secret": "/api/v1/namespaces/{ns}/secrets",
     "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
     "Job": "/apis/batch/v1/namespaces/{ns}/jobs",
+    "Pod": "/api/v1/namespaces/{ns}/pods",
 }
 
 
@@ -97,10 +99,17 @@ class KubernetesApi:
         return response.json()
 
     def run_pods(self, run_id: int) -> list[dict[str, Any]]:
-        response = self._call("GET", f"/api/v1/namespaces/{quote(self.namespace, safe='')}/pods",
-                              params={"labelSelector": f"{RUN_LABEL}={run_id}"})
+        return self._pods(f"{RUN_LABEL}={run_id}", what=f"the pods of run {run_id}")
+
+    def job_pods(self, name: str) -> list[dict[str, Any]]:
+        """The pods of one Job (one attempt of a run), by the label the Job controller gives them: also those left
+        after the Job is gone (still terminating, or orphaned)."""
+        return self._pods(f"{JOB_NAME_LABEL}={name}", what=f"the pods of Job {name}")
+
+    def _pods(self, selector: str, *, what: str) -> list[dict[str, Any]]:
+        response = self._call("GET", self._collection("Pod"), params={"labelSelector": selector})
         if response.status_code >= 300:
-            raise self._refused(response, f"listing the pods of run {run_id}")
+            raise self._refused(response, f"listing {what}")
         return list(response.json().get("items") or [])
 
     def delete(self, kind: str, name: str, *, propagation: str = "Background") -> None:
@@ -165,24 +174,61 @@ def submit_kubernetes(*, run: Run, api: KubernetesApi | None = None) -> str:
     return request.name
 
 
-def stop_kubernetes_job(*, name: str, api: KubernetesApi | None = None) -> str | None:
-    """Delete a lost run's Job with its pods, then its ConfigMap and token Secret; what was done, or None while the
-    Job is still there (its pods still stopping: it is deleted in the foreground). Raises KubernetesApiFailed when the
-    Job cannot be read or deleted."""
+def stop_kubernetes_job(*, name: str, api: KubernetesApi | None = None) -> str:
+    """Delete a lost run's Job with its pods, then its ConfigMap and token Secret; what was done once none of its pods
+    is left.
+
+    A pod being deleted (Terminating: its deletionTimestamp set) may still run the engine through its grace period, or
+    for as long as its node does not answer, and a Job deleted without waiting for its pods (`kubectl delete job`) is
+    gone while they still run; so the Job's pods are listed by its label, whatever became of the Job. The Job is
+    deleted in the foreground: it stays, being deleted, until the garbage collector has removed its pods. Pods left
+    without their Job and not being deleted (orphaned: `kubectl delete job --cascade=orphan`) are deleted one by one.
+    Raises JobStillCompleting while the Job or any of its pods is left, KubernetesApiFailed when the API server cannot
+    be read or refuses a deletion."""
     api = api or kubernetes_api()
-    if api.get_job(name) is not None:
+    job = api.get_job(name)
+    if job is not None and not _being_deleted(job):
         api.delete("Job", name, propagation="Foreground")
-        if api.get_job(name) is not None:
-            return None
-        done = f"Kubernetes Job {name} deleted"
-    else:
-        done = f"Kubernetes Job {name} was gone"
+        job = api.get_job(name)
+    pods = api.job_pods(name)
+    if job is None:
+        for pod in pods:
+            if not _being_deleted(pod):
+                api.delete("Pod", _pod_name(pod))
+    if job is not None or pods:
+        raise JobStillCompleting(_still_stopping(name, job_left=job is not None, pods=pods))
     try:  # tidying up: what the restart waits for is the Job's pods gone
         api.delete("ConfigMap", name)
         api.delete("Secret", f"{name}-token")  # its token is revoked already
     except KubernetesApiFailed as exc:
         logger.warning("the objects of Kubernetes Job %s are left: %s", name, exc)
-    return done
+    return f"Kubernetes Job {name} and its pods are gone"
+
+
+def _being_deleted(obj: dict[str, Any]) -> bool:
+    return bool((obj.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def _pod_name(pod: dict[str, Any]) -> str:
+    return str((pod.get("metadata") or {}).get("name", "?"))
+
+
+def _still_stopping(name: str, *, job_left: bool, pods: list[dict[str, Any]]) -> str:
+    left = ", ".join(_pod_left(pod, orphaned=not job_left) for pod in pods)
+    if not job_left:
+        return f"Kubernetes Job {name} is gone, but its pods are still stopping: {left}"
+    if pods:
+        return f"Kubernetes Job {name} is being deleted: its pods are still stopping ({left})"
+    return f"Kubernetes Job {name} is being deleted: none of its pods is left, the Job goes next"
+
+
+def _pod_left(pod: dict[str, Any], *, orphaned: bool) -> str:
+    """A pod still there, as a person looks for it: its name, its node, and why it is there."""
+    node = (pod.get("spec") or {}).get("nodeName")
+    on = f" on {node}" if node else ""
+    if _being_deleted(pod):
+        return f"{_pod_name(pod)}{on} terminating"
+    return f"{_pod_name(pod)}{on} " + ("left without its Job, deleted now" if orphaned else "not deleted yet")
 
 
 def poll_kubernetes_runs(*, api: KubernetesApi | None = None) -> dict[int, str]:
