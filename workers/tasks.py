@@ -32,7 +32,7 @@ from forgeboard.dispatch import (
 )
 from forgeboard.logs import run_log_context
 from forgeboard.runs.models import Run
-from forgeboard.runs.services import IllegalTransition, run_enqueue_start, run_launch_queue, run_transition
+from forgeboard.runs.services import run_enqueue_start, run_launch_queue
 from forgeboard.runs.states import RunState
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ def _start_scheduled() -> list[int]:
 
     from forgeboard.runs.scheduling import runs_schedule
     from workers.launch.backends import start_run
+    from workers.launch.jobs import launch_failed
 
     started = runs_schedule(now=timezone.now())
     own_queue = pool_launch_queue(settings.WORKER_POOL)
@@ -82,11 +83,7 @@ def _start_scheduled() -> list[int]:
                 start_run(run_id=run_id)
             except Exception as exc:  # one broken launch must not strand the others in launching
                 logger.exception("launch failed")
-                try:
-                    run_transition(run_id=run_id, from_state=RunState.LAUNCHING, to_state=RunState.FAILED,
-                                   reason=f"launch failed: {exc}")
-                except IllegalTransition:
-                    pass
+                launch_failed(run_id=run_id, reason=f"launch failed: {exc}")  # or cancelled, if it was meanwhile
     return started
 
 
@@ -114,6 +111,7 @@ def start_claimed_run(run_id: int) -> str:
     crashed worker leaves the run launching, and the reconciler restarts or fails it.
     """
     from workers.launch.backends import start_run
+    from workers.launch.jobs import launch_failed
 
     with run_log_context(run_id):
         if Run.objects.filter(pk=run_id, state__in=(RunState.LAUNCHING, RunState.CANCELLING), pid__isnull=True,
@@ -122,11 +120,7 @@ def start_claimed_run(run_id: int) -> str:
                 started = start_run(run_id=run_id)
             except Exception as exc:
                 logger.exception("launch failed")
-                try:
-                    run_transition(run_id=run_id, from_state=RunState.LAUNCHING, to_state=RunState.FAILED,
-                                   reason=f"launch failed: {exc}")
-                except IllegalTransition:
-                    pass
+                launch_failed(run_id=run_id, reason=f"launch failed: {exc}")  # or cancelled, if it was meanwhile
                 return "failed"
             if started:
                 return "started"

@@ -21,10 +21,11 @@ from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import RunEvent
 from tests.platform.test_kubernetes_backend import K8S_YAML, k8s  # noqa: F401 (a fixture)
 from tests.platform.test_slurm_backend import SLURM_YAML, slurm  # noqa: F401 (a fixture)
-from workers.launch import kubernetes_backend
+from workers.launch import kubernetes_backend, slurm_backend
 from workers.launch.backends import start_run
+from workers.launch.jobs import launch_failed
 from workers.launch.slurm_backend import SlurmCli, poll_slurm_runs
-from workers.tasks import start_claimed_run
+from workers.tasks import launch_run, start_claimed_run
 
 MISSING_MODEL_YAML = """\
 recipe: grpo
@@ -194,3 +195,64 @@ def test_a_kubernetes_job_created_as_its_run_was_cancelled_is_deleted_by_the_lau
         ("POST", "secrets"), ("POST", "configmaps"), ("POST", "jobs"), ("DELETE", name)]
     assert k8s.requests[-1].url.params["propagationPolicy"] == "Background", "its pods go with it"
     assert submitted is True, "it was submitted"
+
+
+@pytest.fixture
+def cancelled_as_the_launch_raises(team, slurm, settings, tmp_path, monkeypatch):  # noqa: F811
+    """The operator cancels while the launch prepares the run's SLURM job (after the launch's check), and the launch
+    then raises: the run's folder cannot be made (the data folder is not a folder)."""
+    settings.DATA_DIR = tmp_path / "data-is-a-file"
+    settings.DATA_DIR.write_text("")
+    request = slurm_backend.slurm_request
+
+    def request_as_the_run_is_cancelled(*, run, folder):
+        try:
+            return request(run=run, folder=folder)
+        finally:
+            _cancelled(team, Run.objects.get(pk=run.pk))
+
+    monkeypatch.setattr(slurm_backend, "slurm_request", request_as_the_run_is_cancelled)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("task", ["runs.launch", "runs.start"])
+def test_a_launch_that_raises_as_its_run_is_cancelled_ends_the_run_cancelled_at_once(
+        team, slurm, cancelled_as_the_launch_raises, settings, task):  # noqa: F811
+    """Nothing was submitted and nothing follows the run: it ends cancelled with the launch's error, rather than stay
+    cancelling until the reconciler ends it minutes later. Through either task that launches: the scheduler's
+    (runs.launch, on a worker of the run's pool) or a start routed to this worker (runs.start)."""
+    if task == "runs.launch":
+        settings.WORKER_POOL = "slurm"  # this worker submits SLURM jobs: it starts the run it schedules
+        run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=SLURM_YAML)
+        assert launch_run(run.pk) == "launched"
+    else:
+        run = _claimed(team, SLURM_YAML)
+        assert start_claimed_run(run.pk) == "failed"
+
+    run.refresh_from_db()
+    assert (run.state, run.job_id, run.pid) == (RunState.CANCELLED, "", None)
+    assert run.exit_reason.startswith("cancelled while it was being submitted, which failed: launch failed: "
+                                      "[Errno 20] Not a directory: "), run.exit_reason
+    assert run.finished_at is not None
+    assert _path(run) == ["queued", "launching", "cancelling", "cancelled"]
+    assert slurm.calls("sbatch") == [] and _submitted_events(run) == []
+
+
+@pytest.mark.django_db
+def test_a_launch_that_failed_after_its_job_was_recorded_leaves_the_cancel_to_the_poller(
+        team, slurm, cancelled_during_sbatch):  # noqa: F811
+    """The job was queued and recorded, the cancel came meanwhile, and the launch failed after that (it could not
+    remove the job, or raised): ended cancelled now, the run's job would run on with nobody following it. The poller
+    removes it and ends the cancel."""
+    slurm.answer("scancel", exit=1, stderr="scancel: error: Unable to contact slurm controller")
+    run = _claimed(team, SLURM_YAML)
+    start_run(run_id=run.pk)
+
+    launch_failed(run_id=run.pk, reason="launch failed: the worker's connection dropped")
+
+    run.refresh_from_db()
+    assert (run.state, run.job_id) == (RunState.CANCELLING, "18004")
+    slurm.answer("scancel", stdout="")
+    slurm.job("squeue", 18001, as_id="18004")  # pending
+    assert poll_slurm_runs() == {run.pk: "cancelled in the queue"}
+    assert Run.objects.get(pk=run.pk).state == RunState.CANCELLED

@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from django.conf import settings
+from django.db import transaction
 from django.utils import timezone
 
 from forgeboard.runs.models import Run
@@ -42,16 +43,24 @@ def named_hosts(*, run: Run) -> tuple[str, ...]:
 def fail_launch(*, run: Run, reason: str) -> None:
     """The run's launch submitted nothing (`reason` says why): it fails, or, cancelled while it was being submitted,
     ends cancelled now (no job is left for anyone to remove). A run that moved on otherwise is left as it is."""
+    launch_failed(run_id=run.pk, reason=reason)
+
+
+def launch_failed(*, run_id: int, reason: str) -> None:
+    """The run's launch failed (`reason` says why; it may have raised anywhere): a launching run fails; one cancelled
+    meanwhile ends cancelled now, with the reason, unless it records a job or an engine, which the job poller or its
+    supervisor stops before it confirms the cancel. A run that moved on otherwise is left as it is."""
     try:
-        run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.FAILED, reason=reason)
+        run_transition(run_id=run_id, from_state=RunState.LAUNCHING, to_state=RunState.FAILED, reason=reason)
         return
     except IllegalTransition:
         pass
-    try:
-        run_transition(run_id=run.pk, from_state=RunState.CANCELLING, to_state=RunState.CANCELLED,
+    with transaction.atomic():
+        if not Run.objects.select_for_update().filter(pk=run_id, state=RunState.CANCELLING, job_id="",
+                                                      pid__isnull=True).exists():
+            return
+        run_transition(run_id=run_id, from_state=RunState.CANCELLING, to_state=RunState.CANCELLED,
                        reason=f"cancelled while it was being submitted, which failed: {reason}")
-    except IllegalTransition:
-        pass
 
 
 JOB_STATUS = "job_status"  # the run event (a message) that shows the scheduler's view of the run's job
