@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -36,9 +38,11 @@ from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import RunEvent
 from tests.support.configs import sft_yaml
 from tests.support.processes import REPO_DIR, kill_processes_in, platform_env, wait_for
+from workers.engine.env import RUN_ID_ENV
 from workers.launch import local_supervisor
 from workers.launch.local import start_local, write_run_files
 from workers.launch.local_supervisor import supervise
+from workers.tasks import stop_lost_attempt
 
 pytestmark = pytest.mark.django_db
 
@@ -49,6 +53,7 @@ model:
   path: /nonexistent/forgeboard-test-model
 """
 RECONCILER_LATER = timedelta(seconds=120)  # past the heartbeat timeout: a run that never reported is silent
+SETTLING = "it has exited, but its supervisor has not yet recorded how it ended"  # a stop's answer meanwhile
 
 
 class OtherParty:
@@ -95,6 +100,23 @@ def sent(monkeypatch) -> list[str]:
     names: list[str] = []
     monkeypatch.setattr(app, "send_task", lambda name, **kw: names.append(name))
     return names
+
+
+@pytest.fixture
+def asks(monkeypatch) -> list[dict]:
+    """The tasks sent to the broker, with their arguments: the reconciler's asks to stop a lost attempt, which a
+    worker on the engine's host runs (`stop_lost_attempt`)."""
+    from workers.celery import app
+
+    sent: list[dict] = []
+    monkeypatch.setattr(app, "send_task", lambda name, **kw: sent.append({"name": name, **kw}))
+    return sent
+
+
+def _stop_ask(asks: list[dict]) -> dict:
+    [ask] = [a["kwargs"] for a in asks if a["name"] == "runs.stop_attempt"]
+    asks.clear()
+    return ask
 
 
 def _launching(team, yaml: str, *, experiment=None) -> Run:
@@ -189,8 +211,9 @@ def test_a_local_run_cancelled_after_its_launch_but_before_its_engine_starts_get
 def test_a_failed_engines_run_moved_by_another_party_first_is_moved_on_from_there(
         team, other_party, sent, caplog, party):
     """The engine failed (exit 2); as the supervisor reads the run, another party moves it, so its running ->
-    failed loses. A cancel wins (the operator asked it to stop); a lost run is the reconciler's (it restarts it);
-    a pause reported just before the engine failed still leaves it failed."""
+    failed loses. A cancel wins (the operator asked it to stop); a run the reconciler took for lost still records
+    this engine, so it fails with the engine's reason rather than restart to fail again (the reconciler's ask to stop
+    it then touches nothing); a pause reported just before the engine failed still leaves it failed."""
     run = _launching(team, MISSING_MODEL_YAML)
     Run.objects.filter(pk=run.pk).update(max_restarts=1)  # lost, it waits for its engine to be found stopped
 
@@ -211,10 +234,11 @@ def test_a_failed_engines_run_moved_by_another_party_first_is_moved_on_from_ther
         assert (run.state, run.exit_reason) == (RunState.CANCELLED, "cancelled by operator")
         assert _path(run) == ["queued", "launching", "running", "cancelling", "cancelled"]
     elif party == "reconciler finds it silent":
-        assert run.state == RunState.LOST and run.exit_reason.startswith("no heartbeat for")
-        assert _path(run) == ["queued", "launching", "running", "lost"]
-        assert sent == ["runs.stop_attempt"], "the reconciler stops what it left before the restart"
-        assert any("is already lost" in r.getMessage() for r in caplog.records)
+        assert run.state == RunState.FAILED
+        assert run.exit_reason.startswith("failed after it was taken for lost (no heartbeat for "), run.exit_reason
+        assert "): its engine exited with code 2 at " in run.exit_reason and "model.path" in run.exit_reason
+        assert _path(run) == ["queued", "launching", "running", "lost", "failed"]
+        assert sent == ["runs.stop_attempt"], "the reconciler asked to stop what it left before a restart"
     else:
         assert run.state == RunState.FAILED and run.exit_reason.startswith("engine exited with code 2\n")
         assert "model.path" in run.exit_reason
@@ -327,3 +351,89 @@ def test_a_cancel_while_the_supervisor_starts_the_engine_finds_it_running_and_th
     assert _path(run) == ["queued", "launching", "running", "cancelling", "cancelled"]
     assert _engine_gone(run.pid), "the supervisor stopped its engine"
     assert _no_error_logged(caplog)
+
+
+def _supervisor_said_nothing_wrong(caplog) -> bool:
+    """Nothing above INFO from the supervisor itself (the reconciler's worker warns of a stop not yet confirmed)."""
+    return not [r for r in caplog.records if r.name == local_supervisor.__name__
+                and (r.levelno >= logging.WARNING or r.exc_info)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["not yet asked", "asked before the supervisor settles"])
+def test_a_run_taken_for_lost_as_its_engine_finishes_succeeds_and_is_not_restarted(
+        team, sft, tiny_model, other_party, asks, monkeypatch, caplog, stop):
+    """The engine trained its steps and exited 0, but had been silent past the heartbeat timeout (a long final
+    checkpoint save): the reconciler takes the run for lost as the supervisor reads it, and asks a worker on this host
+    to stop the engine before a restart. The supervisor, whose run still records its engine, ends the run succeeded,
+    saying so; the worker's stop, which finds the engine gone, is not confirmed while the supervisor may still do
+    that, so the run is not restarted to train again from its last checkpoint."""
+    monkeypatch.setattr(local_supervisor, "SETTLE_GRACE_SECONDS", 0.5)
+    run = _launching(team, sft_yaml(tiny_model, steps=2, max_restarts=1), experiment=sft)
+    monkeypatch.setenv(RUN_ID_ENV, str(run.pk))  # as the local backend starts the supervisor: its engine's is checked
+    answers: list[str] = []
+
+    def taken_for_lost() -> None:
+        runs_reconcile(now=timezone.now() + RECONCILER_LATER)
+        if stop == "asked before the supervisor settles":
+            answers.append(stop_lost_attempt(**_stop_ask(asks)))
+
+    other_party.before[(RunState.RUNNING, RunState.SUCCEEDED)] = taken_for_lost
+
+    assert supervise(run.pk) == 0
+
+    assert other_party.all_made(), (run_dir(run) / "engine.log").read_text()[-2000:]
+    run.refresh_from_db()
+    assert run.state == RunState.SUCCEEDED, run.exit_reason
+    assert re.fullmatch(r"finished after it was taken for lost \(no heartbeat for \d+ s \(timeout 60 s\)\): "
+                        r"its engine exited 0 at \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", run.exit_reason), run.exit_reason
+    assert (run.restart_count, run.pid) == (0, run.pid) and run.pid is not None
+    assert _path(run) == ["queued", "launching", "running", "lost", "succeeded"]
+    if stop == "asked before the supervisor settles":
+        assert answers == [f"still stopping: {SETTLING}"]
+        said = RunEvent.objects.filter(run=run, kind="message", payload__name="previous_attempt_not_stopped")
+        assert [(e.payload["attempt"], e.payload["problem"]) for e in said] == [
+            (f"its engine (pid {run.pid} on {socket.gethostname()})", SETTLING)]
+    else:
+        assert stop_lost_attempt(**_stop_ask(asks)) == "skipped: the run no longer records that attempt"
+    report = runs_reconcile(now=timezone.now() + RECONCILER_LATER)
+    assert (report.lost, report.restarted, report.stopping) == ([], [], [])
+    assert Run.objects.get(pk=run.pk).state == RunState.SUCCEEDED
+    assert not RunEvent.objects.filter(run=run, kind="message", payload__name="previous_attempt_stopped").exists()
+    assert _supervisor_said_nothing_wrong(caplog)
+
+
+@pytest.mark.slow
+def test_a_lost_runs_engine_stopped_for_its_restart_is_confirmed_stopped_once_its_supervisor_has_exited(
+        team, sft, tiny_model, other_party, asks, monkeypatch, caplog):
+    """The reconciler takes a run for lost while its engine trains on, and a worker on this host stops the engine
+    (SIGTERM): an engine stopped by a signal did not finish, so its supervisor leaves the run lost, and the stop is
+    confirmed, and the run restarted, only once the supervisor has exited (before, it answers that it waits)."""
+    monkeypatch.setattr(local_supervisor, "SETTLE_GRACE_SECONDS", 0.5)
+    run = _launching(team, sft_yaml(tiny_model, steps=100_000, max_restarts=1), experiment=sft)
+    monkeypatch.setenv(RUN_ID_ENV, str(run.pk))  # as the local backend starts the supervisor: its engine's is checked
+    answers: list[str] = []
+
+    def lost_and_stopped() -> None:
+        runs_reconcile(now=timezone.now() + RECONCILER_LATER)
+        answers.append(stop_lost_attempt(**_stop_ask(asks)))
+
+    other_party.after[(RunState.LAUNCHING, RunState.RUNNING)] = lost_and_stopped
+
+    assert supervise(run.pk) == 0
+
+    assert other_party.all_made()
+    pid, host = Run.objects.get(pk=run.pk).pid, socket.gethostname()
+    assert answers == [f"still stopping: {SETTLING}"]
+    assert _engine_gone(pid)
+    lost = Run.objects.get(pk=run.pk)
+    assert (lost.state, lost.pid) == (RunState.LOST, pid), "left to the reconciler"
+    assert any(f"run {run.pk} is already lost" in r.getMessage() and "engine killed by signal 15" in r.getMessage()
+               for r in caplog.records)
+
+    runs_reconcile(now=timezone.now() + RECONCILER_LATER)  # the next pass asks again
+    assert stop_lost_attempt(**_stop_ask(asks)) == f"its engine (pid {pid} on {host}) had exited; restarted"
+    run.refresh_from_db()
+    assert (run.state, run.restart_count, run.pid) == (RunState.QUEUED, 1, None)
+    assert _path(run) == ["queued", "launching", "running", "lost", "queued"]
+    assert _supervisor_said_nothing_wrong(caplog)

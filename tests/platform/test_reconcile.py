@@ -9,12 +9,14 @@ import pytest
 from django.utils import timezone
 
 from forgeboard.runs.models import Command, CommandState, Run
-from forgeboard.runs.reconcile import HEARTBEAT_TIMEOUT_S, ReconcileReport, runs_reconcile
+from forgeboard.runs.reconcile import (HEARTBEAT_TIMEOUT_S, PREVIOUS_ATTEMPT_STOPPED, ReconcileReport,
+                                       lost_attempt_finished, lost_attempt_stopped, runs_reconcile)
 from forgeboard.runs.scheduling import runs_schedule
 from forgeboard.runs.selectors import commands_pending
 from forgeboard.runs.services import command_acknowledge, command_create, run_cancel, run_launch, run_transition
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import RunEvent
+from tests.support.races import racing_an_open_transaction
 
 
 @pytest.fixture
@@ -180,3 +182,51 @@ def test_a_run_cancelled_while_launching_whose_engine_never_started_ends_cancell
     assert first.state == RunState.CANCELLED and first.restart_count == 0
     assert first.exit_reason == "cancelled; its controller never reported in (90 s after the cancel)"
     assert runs_schedule(now=timezone.now()) == [second.pk], "the cancelled run's slot is free"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("first", ["its stop confirmed", "its attempt found finished"])
+def test_a_lost_runs_finished_attempt_and_its_confirmed_stop_have_exactly_one_winner(
+        team, grpo_yaml, monkeypatch, first):
+    """The supervisor (or job poller) that finds the lost run's attempt finished, and the worker that confirms that
+    attempt stopped (and restarts the run), each claim the run under its row lock: the second, waiting for the first,
+    finds the run moved on. A restarted run is not ended by its previous attempt; a finished run is not restarted."""
+    from workers.celery import app
+
+    monkeypatch.setattr(app, "send_task", lambda name, **kw: None)  # the restart's relaunch, at the broker (the edge)
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    Run.objects.filter(pk=run.pk).update(state=RunState.LOST, max_restarts=2, pid=4242, host="gpu-node-7",
+                                         exit_reason="no heartbeat for 75 s (timeout 60 s)")
+
+    def stopped() -> bool:
+        return lost_attempt_stopped(run_id=run.pk, job_id="", pid=4242,
+                                    done="its engine (pid 4242 on gpu-node-7) had exited")
+
+    def finished() -> bool:
+        return lost_attempt_finished(run_id=run.pk, job_id="", pid=4242, to_state=RunState.SUCCEEDED,
+                                     how="its engine exited 0 at 2026-12-06 17:33:26 UTC")
+
+    if first == "its stop confirmed":
+        assert racing_an_open_transaction(stopped, finished) is False
+        run.refresh_from_db()
+        assert (run.state, run.restart_count, run.pid) == (RunState.QUEUED, 1, None)
+    else:
+        assert racing_an_open_transaction(finished, stopped) is False
+        run.refresh_from_db()
+        assert (run.state, run.restart_count, run.pid) == (RunState.SUCCEEDED, 0, 4242)
+        assert run.exit_reason == ("finished after it was taken for lost (no heartbeat for 75 s (timeout 60 s)): its "
+                                   "engine exited 0 at 2026-12-06 17:33:26 UTC")
+        assert not RunEvent.objects.filter(run=run, kind="message", payload__name=PREVIOUS_ATTEMPT_STOPPED).exists()
+    moves = [e.payload["to"] for e in RunEvent.objects.filter(run=run, kind="state_changed").order_by("seq")]
+    assert moves == ["queued", "queued" if first == "its stop confirmed" else "succeeded"]
+
+
+def test_a_lost_runs_finished_attempt_ends_it_succeeded_or_failed_and_only_while_it_records_that_attempt(
+        team, grpo_yaml):
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    Run.objects.filter(pk=run.pk).update(state=RunState.LOST, pid=4242)
+    with pytest.raises(ValueError, match="succeeded or failed, not queued"):
+        lost_attempt_finished(run_id=run.pk, job_id="", pid=4242, to_state=RunState.QUEUED, how="")
+    assert not lost_attempt_finished(run_id=run.pk, job_id="", pid=4243, to_state=RunState.FAILED,
+                                     how="another attempt's engine exited with code 1")
+    assert Run.objects.get(pk=run.pk).state == RunState.LOST

@@ -19,7 +19,7 @@ from django.db import transaction
 from forgeboard.runs.models import LaunchBackend, Run
 from forgeboard.runs.services import IllegalTransition, run_transition
 from forgeboard.runs.states import RunState
-from workers.launch.jobs import fail_launch
+from workers.launch.jobs import fail_launch, lost_job_finished
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,30 @@ def _removed_if_cancelled_meanwhile(*, run_id: int, job: str, remove: Callable[[
             pass  # the job poller removed it first, and ended the run
 
 
+class SupervisorStillSettling(RuntimeError):
+    """A lost run's local engine has exited, but its supervisor, which may still end the run as the engine did, has
+    not yet exited."""
+
+
+def _job_finished(*, run: Run, job_id: str) -> bool:
+    """Whether the lost run's job completed, as the job poller would find it (its engine finished the run after it was
+    taken for lost), and the run ended succeeded for it: read before the job is stopped, since a deleted Kubernetes
+    Job's end can no longer be read (workers/launch/jobs.py `lost_job_finished`)."""
+    if run.backend == LaunchBackend.SLURM:
+        from workers.launch.slurm_backend import job_status, slurm_cli
+
+        return lost_job_finished(run=run, status=job_status(job_id=job_id, cli=slurm_cli()), job=f"SLURM job {job_id}")
+    if run.backend == LaunchBackend.KUBERNETES:
+        from workers.launch.kubernetes import kubernetes_job_status
+        from workers.launch.kubernetes_backend import kubernetes_api
+
+        api = kubernetes_api()
+        job = api.get_job(job_id)
+        status = None if job is None else kubernetes_job_status(job, api.run_pods(run.pk))
+        return lost_job_finished(run=run, status=status, job=f"Kubernetes Job {job_id}")
+    return False  # a local engine's supervisor says so itself
+
+
 def _stop_previous(*, run: Run, job_id: str, pid: int | None, host: str) -> str | None:
     if run.backend == LaunchBackend.SLURM:
         from workers.launch.slurm_backend import stop_slurm_job
@@ -113,15 +137,24 @@ def _stop_previous(*, run: Run, job_id: str, pid: int | None, host: str) -> str 
         from workers.launch.kubernetes_backend import stop_kubernetes_job
 
         return stop_kubernetes_job(name=job_id)
-    from workers.launch.local import stop_local_engine
+    from workers.launch import local_supervisor
+    from workers.launch.local import run_dir, stop_local_engine
 
-    return stop_local_engine(run_id=run.pk, pid=pid, host=host) if pid is not None else "no engine was started"
+    if pid is None:
+        return "no engine was started"
+    done = stop_local_engine(run_id=run.pk, pid=pid, host=host)
+    if done is not None and not local_supervisor.supervisor_gone_within(
+            folder=run_dir(run), seconds=local_supervisor.SETTLE_GRACE_SECONDS):
+        raise SupervisorStillSettling("it has exited, but its supervisor has not yet recorded how it ended")
+    return done
 
 
 def stop_attempt(*, run_id: int, job_id: str, pid: int | None, host: str) -> str:
     """Stop what a lost run's previous attempt left (its SLURM job or Kubernetes Job, or its local engine on this
-    host), then restart the run (runs/reconcile.py). A stop that fails or is not yet confirmed is said on the run's
-    timeline, and the reconciler asks again."""
+    host), then restart the run (runs/reconcile.py). A lost run whose job had completed is not restarted: it
+    succeeded. A local engine that has exited is confirmed stopped once its supervisor has exited too, having ended
+    the run if the engine finished it. A stop that fails or is not yet confirmed is said on the run's timeline, and
+    the reconciler asks again."""
     from forgeboard.runs.reconcile import lost_attempt_not_stopped, lost_attempt_recorded, lost_attempt_stopped
     from workers.launch.kubernetes_backend import KubernetesApiFailed
     from workers.launch.slurm import LaunchSpecError
@@ -131,8 +164,10 @@ def stop_attempt(*, run_id: int, job_id: str, pid: int | None, host: str) -> str
         return "skipped: the run no longer records that attempt"
     run = Run.objects.get(pk=run_id)
     try:
+        if run.state == RunState.LOST and _job_finished(run=run, job_id=job_id):
+            return "its job had completed: the run succeeded, not restarted"
         done = _stop_previous(run=run, job_id=job_id, pid=pid, host=host)
-    except JobStillCompleting as exc:
+    except (JobStillCompleting, SupervisorStillSettling) as exc:
         lost_attempt_not_stopped(run_id=run_id, job_id=job_id, pid=pid, problem=str(exc))
         return f"still stopping: {exc}"
     except (OSError, SlurmCommandFailed, LaunchSpecError, KubernetesApiFailed) as exc:

@@ -3,6 +3,12 @@
 The engine reports its own progress and end through the API; the scheduler's view matters where
 the engine cannot speak: a job still waiting in the queue, or one that ended without the engine
 reporting (a failed node, a time limit, preemption, an image that does not pull).
+
+A lost run is the reconciler's, which stops its job before it restarts it. A job found completed as the reconciler
+takes its run for lost (silent: a long final checkpoint save), by a poll that then loses its move to it or by the stop
+that looks at the job first, finished the run all the same: the run ends succeeded rather than restart and train again
+(`lost_job_finished`). Any other end of a lost run's job is the reconciler's to act on: a job its stop cancels or
+deletes reads as failed, as one that failed by itself does.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from forgeboard.runs.models import Run
 from forgeboard.telemetry.models import EventKind, RunEvent
 from forgeboard.telemetry.services import event_append
 from forgeboard.runs.demand import run_demand
+from forgeboard.runs.reconcile import lost_attempt_finished
 from forgeboard.runs.services import IllegalTransition, run_transition
 from forgeboard.runs.states import RunState
 from workers.launch.slurm import SchedulerStatus
@@ -124,4 +131,16 @@ def follow_job(*, run: Run, status: SchedulerStatus | None, job: str, cancel: Ca
         run_transition(run_id=run.pk, from_state=state, to_state=to_state, reason=reason)
         return str(to_state)
     except IllegalTransition:
+        # Taken for lost meanwhile, its job completed all the same: it succeeded, unless its restart came first.
+        if lost_job_finished(run=run, status=status, job=job):
+            return "succeeded after it was taken for lost"
         return "moved meanwhile"
+
+
+def lost_job_finished(*, run: Run, status: SchedulerStatus | None, job: str) -> bool:
+    """Whether the lost run's job completed (its engine finished the run after it was taken for lost), and the run,
+    still recording that job, ended succeeded for it; any other status leaves it as it is."""
+    if status is None or status.state != "succeeded":
+        return False
+    return lost_attempt_finished(run_id=run.pk, job_id=run.job_id, pid=run.pid, to_state=RunState.SUCCEEDED,
+                                 how=f"{job}: {status.reason}")

@@ -8,12 +8,20 @@ reconciler (a silent run lost, a cancel it ended itself, a launch that took too 
 while the run is launching, checked under the run's row lock, which is held until the run is marked running: a cancel
 finds the run either not started (it ends cancelled at once, and no engine starts) or running. Once the engine exits
 (or is stopped for a cancel) the supervisor moves the run by the state it reads; a move that loses its race is decided
-again from the state the other party left, and a run that others ended or lost is theirs: the supervisor says so in
-its log and exits cleanly.
+again from the state the other party left, and a run that others ended is theirs: the supervisor says so in its log
+and exits cleanly.
+
+A run the reconciler took for lost (silent: a long final checkpoint save, say) while its engine ran on is the
+supervisor's to end as long as it still records this engine: an engine that then exits 0 finished the run, and one
+that exits with an error failed it (`lost_attempt_finished`), rather than have the reconciler restart a finished run
+from its last checkpoint; one stopped by a signal (the reconciler's stop, the OOM killer) is left to the reconciler to
+restart. The reconciler restarts a lost run once its engine is confirmed stopped, which for an engine that has exited
+waits for its supervisor to exit (`supervisor_gone_within`): until then the supervisor may still end the run.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import signal
@@ -22,13 +30,19 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 POLL_SECONDS = 1.0
 STOP_GRACE_SECONDS = 10.0
 CANCEL_GRACE_SECONDS = 20.0
 LOG_TAIL_LINES = 20
+SUPERVISOR_LOCK = "supervisor.lock"  # in the run's folder: held (shared) by each live supervisor of the run on its host
+SETTLE_GRACE_SECONDS = 10.0  # how long a stop waits for the supervisor of an engine that has exited to exit too
+SETTLE_POLL_SECONDS = 0.1
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +85,20 @@ class Outcome:
     fields: dict[str, object] = field(default_factory=dict)
 
 
-def engine_outcome(*, state: str, returncode: int, log_path: Path) -> Outcome:
-    """Where a run in `state` (running, paused or cancelling) goes once its engine exited with `returncode`."""
+def engine_outcome(*, state: str, returncode: int, log_path: Path, exited_at: datetime) -> Outcome:
+    """Where a run in `state` (running, paused, cancelling, or lost meanwhile) goes once its engine exited with
+    `returncode` at `exited_at`."""
     from forgeboard.runs.states import RunState
 
     if state == RunState.CANCELLING:
         return Outcome(RunState.CANCELLED, "cancelled by operator")
+    if state == RunState.LOST:
+        at = exited_at.strftime("%Y-%m-%d %H:%M:%S UTC")
+        if returncode < 0:  # stopped: by the reconciler's stop before its restart, or killed as below
+            return Outcome(RunState.LOST, f"engine killed by signal {-returncode} at {at}")
+        if returncode == 0:
+            return Outcome(RunState.SUCCEEDED, f"its engine exited 0 at {at}")
+        return Outcome(RunState.FAILED, f"its engine exited with code {returncode} at {at}\n{_log_tail(log_path)}")
     if returncode < 0:
         # Killed by a signal (SIGKILL, OOM killer): not the run's own fault, so the reconciler may restart it, at once:
         # nothing of it is left to stop (pid None).
@@ -140,12 +162,14 @@ def _watch(*, run_id: int, engine: subprocess.Popen) -> None:
             return
 
 
-def _settle(*, run_id: int, engine: subprocess.Popen, log_path: Path) -> None:
+def _settle(*, run_id: int, engine: subprocess.Popen, log_path: Path, exited_at: datetime) -> None:
     """Move the run by how its engine exited (`engine_outcome`), from the state it is in now. Another party may move
     it first (a cancel, a pause or resume reported, the reconciler): the move is then decided again from the state
-    that party left, until it is made or the run is no longer this supervisor's to move (ended, lost, or another
-    attempt's). Each lost race is a move by someone else, and an exited engine leaves few to make: this ends."""
+    that party left, until it is made or the run is no longer this supervisor's to move (ended, restarted, or lost
+    with its engine stopped by a signal). Each lost race is a move by someone else, and an exited engine leaves few
+    to make: this ends."""
     from forgeboard.runs.models import Run
+    from forgeboard.runs.reconcile import lost_attempt_finished
     from forgeboard.runs.services import IllegalTransition, run_transition
     from forgeboard.runs.states import RunState
 
@@ -158,12 +182,25 @@ def _settle(*, run_id: int, engine: subprocess.Popen, log_path: Path) -> None:
         if pid != engine.pid:
             logger.info("run %s no longer records this engine (it is %s): left as it is", run_id, state)
             return
-        if state not in (RunState.RUNNING, RunState.PAUSED, RunState.CANCELLING):
-            # Someone else moved it where it goes now (a cancel the reconciler ended, a silent run it lost and will
-            # restart once it finds this engine gone): theirs to say, and said on the run's timeline.
+        if state not in (RunState.RUNNING, RunState.PAUSED, RunState.CANCELLING, RunState.LOST):
+            # Someone else ended it (a cancel the reconciler ended, a lost run it gave up on): theirs to say, and said
+            # on the run's timeline.
             logger.info("run %s is already %s (%s): left as it is", run_id, state, exit_reason or "no reason given")
             return
-        outcome = engine_outcome(state=state, returncode=engine.returncode, log_path=log_path)
+        outcome = engine_outcome(state=state, returncode=engine.returncode, log_path=log_path, exited_at=exited_at)
+        if state == RunState.LOST:
+            if outcome.state == RunState.LOST:
+                # Stopped by a signal: the reconciler restarts it once it finds this engine (and this supervisor) gone.
+                logger.info("run %s is already lost (%s), and its %s: left as it is", run_id,
+                            exit_reason or "no reason given", outcome.reason)
+                return
+            # The reconciler took it for lost, but its engine ended by itself: the run ends as its engine did, unless
+            # its stop was confirmed first and it is being restarted.
+            if lost_attempt_finished(run_id=run_id, job_id="", pid=engine.pid, to_state=outcome.state,
+                                     how=outcome.reason):
+                return
+            logger.info("run %s moved from lost before it could go to %s: deciding again", run_id, outcome.state)
+            continue
         if outcome.state == RunState.LOST:
             try:
                 os.killpg(engine.pid, signal.SIGKILL)  # what it started in its group may outlive it
@@ -177,18 +214,53 @@ def _settle(*, run_id: int, engine: subprocess.Popen, log_path: Path) -> None:
             logger.info("run %s moved from %s before it could go to %s: deciding again", run_id, state, outcome.state)
 
 
+@contextmanager
+def _supervising(folder: Path) -> Iterator[None]:
+    """Held while this supervisor may still move its run: a shared lock on the run folder's `SUPERVISOR_LOCK`, which
+    the kernel lets go of when the process ends, however it ends (the engine does not inherit it)."""
+    with open(folder / SUPERVISOR_LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_SH)
+        yield
+
+
+def supervisor_gone_within(*, folder: Path, seconds: float) -> bool:
+    """Whether no supervisor of the run in `folder` is left on this host, waiting up to `seconds` for one to exit.
+
+    A lost run's engine that has exited is confirmed stopped only then: until its supervisor exits, it may still end
+    the run as the engine did (an engine that exited 0 finished the run), which a restart must not undo. A supervisor
+    settles its run within a poll of its engine's exit, then exits."""
+    try:
+        lock = os.open(folder / SUPERVISOR_LOCK, os.O_RDONLY)
+    except FileNotFoundError:
+        return True  # no supervisor ever ran there
+    deadline = time.monotonic() + seconds
+    try:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(SETTLE_POLL_SECONDS)
+    finally:
+        os.close(lock)  # and the lock with it
+
+
 def supervise(run_id: int) -> int:
+    from django.utils import timezone
+
     from forgeboard.logs import run_log_context
     from forgeboard.runs.models import Run
     from workers.launch.local import run_dir
 
     folder = run_dir(Run.objects.get(pk=run_id))
     log_path = folder / "engine.log"
-    with run_log_context(run_id):
+    with run_log_context(run_id), _supervising(folder):
         engine = _start_engine(run_id=run_id, folder=folder, log_path=log_path)
         if engine is not None:
             _watch(run_id=run_id, engine=engine)
-            _settle(run_id=run_id, engine=engine, log_path=log_path)
+            _settle(run_id=run_id, engine=engine, log_path=log_path, exited_at=timezone.now())
     return 0
 
 

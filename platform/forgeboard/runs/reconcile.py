@@ -16,6 +16,13 @@ engine's process group killed by a worker on the engine's host. The run restarts
 A local engine on a host the inventory has down cannot be reached: the run restarts without stopping it (never on
 that host), and its timeline says what may be left there.
 
+Silent is not unfinished either: a run taken for lost (a long final checkpoint save) may finish all the same. The
+party that watches its attempt (the local engine's supervisor, the job poller, the stop that finds the job completed)
+then ends it as the attempt ended (`lost_attempt_finished`) instead of it restarting and training again, as long as
+it still records that attempt; that and the stop's confirmation each claim the run under its row lock, so exactly one
+wins: a run that finished is not restarted, and a restarted run is not ended by its previous attempt. A local
+engine's stop is confirmed only once its supervisor has exited too (workers/launch/local_supervisor.py).
+
 A run that fails instead (out of restarts, or its stop not confirmed in time) is not reopened, but what its last
 attempt left is followed all the same: the run records since when (`Run.leftover_stop_since`), each pass asks again
 (`_follow_leftover`) until a worker confirms it gone, said on the timeline; one not confirmed within the stop timeout
@@ -254,18 +261,44 @@ def lost_attempt_recorded(*, run_id: int, job_id: str, pid: int | None) -> bool:
 
 def lost_attempt_stopped(*, run_id: int, job_id: str, pid: int | None, done: str) -> bool:
     """The lost run's previous attempt is confirmed gone (`done` says how): said on its timeline, and the run restarts
-    now if it waited for that; a failed run's is no longer followed (it keeps its job id and pid). Whether it
-    restarted."""
+    now if it waited for that; a failed run's is no longer followed (it keeps its job id and pid). A run that no
+    longer records the attempt (ended meanwhile as its attempt did: `lost_attempt_finished`) is left as it is.
+    Whether it restarted."""
     with transaction.atomic():
         recorded = _still_recorded(run_id=run_id, job_id=job_id, pid=pid)
         cleared = Run.objects.filter(recorded, state=RunState.LOST).update(job_id="", pid=None)
-        Run.objects.filter(recorded, state=RunState.FAILED).update(leftover_stop_since=None)
+        followed = Run.objects.filter(recorded, state=RunState.FAILED, leftover_stop_since__isnull=False).update(
+            leftover_stop_since=None)
+        if not cleared and not followed:
+            logger.info("run %s: %s; the run no longer records that attempt", run_id, done, extra={"run_id": run_id})
+            return False
         run = Run.objects.get(pk=run_id)
         event_append(run=run, kind=EventKind.MESSAGE, payload={"name": PREVIOUS_ATTEMPT_STOPPED, "detail": done})
     logger.info("run %s: %s", run_id, done, extra={"run_id": run_id})
     if not cleared:
         return False
     return _restart_or_fail(run=run, now=timezone.now(), stop_timeout_s=STOP_TIMEOUT_S) == "restarted"
+
+
+def lost_attempt_finished(*, run_id: int, job_id: str, pid: int | None, to_state: RunState, how: str) -> bool:
+    """The lost run's attempt ended by itself after all (`how`: its engine exited 0 at ..., its job completed): the
+    run ends as it did, succeeded or failed, instead of restarting, while it is still lost and records that attempt.
+    Said by whoever watches the attempt; claimed under the run's row lock, as the attempt's confirmed stop is
+    (`lost_attempt_stopped`, which clears the attempt and restarts the run), so exactly one of them wins. The reason
+    says both: why the run was taken for lost, and how its attempt ended. Whether it ended the run."""
+    if to_state not in (RunState.SUCCEEDED, RunState.FAILED):
+        raise ValueError(f"a lost run's finished attempt ends it succeeded or failed, not {to_state}")
+    with transaction.atomic():
+        lost_because = (Run.objects.select_for_update()
+                        .filter(_still_recorded(run_id=run_id, job_id=job_id, pid=pid), state=RunState.LOST)
+                        .values_list("exit_reason", flat=True).first())
+        if lost_because is None:
+            return False
+        ended = "finished" if to_state == RunState.SUCCEEDED else "failed"
+        reason = f"{ended} after it was taken for lost ({lost_because or 'no reason given'}): {how}"
+        run_transition(run_id=run_id, from_state=RunState.LOST, to_state=to_state, reason=reason)
+    logger.info("run %s %s", run_id, reason, extra={"run_id": run_id})
+    return True
 
 
 def lost_attempt_not_stopped(*, run_id: int, job_id: str, pid: int | None, problem: str) -> None:

@@ -25,8 +25,10 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     S.PAUSED: frozenset({S.RUNNING, S.CANCELLING, S.FAILED, S.LOST}),
     # Never lost: a run its owner asked to stop is not restarted; one whose controller went silent ends cancelled.
     S.CANCELLING: frozenset({S.CANCELLED, S.FAILED}),
-    # A lost run is restarted from its last checkpoint (back to queued) or given up on.
-    S.LOST: frozenset({S.QUEUED, S.FAILED}),
+    # A lost run is restarted from its last checkpoint (back to queued) or given up on; or it ends as its attempt did
+    # when the party that watches that attempt finds it finished after all, before the attempt is confirmed stopped
+    # (its local engine exited, its job completed: runs/reconcile.py `lost_attempt_finished`).
+    S.LOST: frozenset({S.QUEUED, S.FAILED, S.SUCCEEDED}),
     S.SUCCEEDED: frozenset(),
     S.FAILED: frozenset(),
     S.CANCELLED: frozenset(),
