@@ -289,7 +289,9 @@ def test_a_lost_runs_job_slurm_says_is_stopped_but_has_cancelled_is_confirmed_st
 def test_a_lost_runs_job_staging_out_its_data_is_not_confirmed_stopped_until_slurm_is_done(
         team, slurm, asks, django_capture_on_commit_callbacks, shape):  # noqa: F811
     """STAGE_OUT: the job's burst buffer's data (a checkpoint the restart would start from) is still being copied out;
-    22.05 prints only that, 23.11 how the job ended besides. It was unknown (22.05) or ended (23.11)."""
+    22.05 prints only that, 23.11 how the job ended besides. It was unknown (22.05) or ended (23.11). Once SLURM is
+    done, the job had completed: the run finished after it was taken for lost, and is not restarted
+    (tests/platform/test_lost_attempt_finished.py)."""
     run, old_job = _launched(team, SLURM_YAML)
     run = _silent(run)
     runs_reconcile(now=timezone.now())
@@ -309,7 +311,11 @@ def test_a_lost_runs_job_staging_out_its_data_is_not_confirmed_stopped_until_slu
     slurm.job("sacct", 17101, as_id=old_job)  # COMPLETED
     assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
     with django_capture_on_commit_callbacks(execute=True):
-        assert stop_attempt(**_stop_asked(asks, run)["kwargs"]).endswith("; restarted")
+        assert stop_attempt(**_stop_asked(asks, run)["kwargs"]) == (
+            "its job had completed: the run succeeded, not restarted")
+    run.refresh_from_db()
+    assert (run.state, run.restart_count) == (RunState.SUCCEEDED, 0)
+    assert run.exit_reason.endswith(f"): SLURM job {old_job}: the job completed with exit code 0")
 
 
 def test_an_unreadable_slurm_answer_is_said_on_the_timeline_and_the_stop_asked_again(
@@ -369,8 +375,9 @@ def test_a_lost_kubernetes_runs_job_is_deleted_with_its_pods_before_a_new_job_is
     ), "deleted in the foreground: its pods are stopping"
     [delete] = [r for r in k8s.requests if r.method == "DELETE"]
     assert delete.url.path.endswith(f"/jobs/{old_job}") and delete.url.params["propagationPolicy"] == "Foreground"
-    [pods] = [r for r in k8s.requests if r.url.path.endswith("/pods")]
-    assert pods.url.params["labelSelector"] == f"batch.kubernetes.io/job-name={old_job}", "the attempt's pods"
+    pods = [r.url.params["labelSelector"] for r in k8s.requests if r.url.path.endswith("/pods")]
+    assert pods == [f"forgeboard.run-id={run.pk}", f"batch.kubernetes.io/job-name={old_job}"], (
+        "the run's pods read with its Job, as the poller reads them (had it completed?), then the attempt's pods")
 
     k8s.requests.clear()
     assert stop_attempt(**ask["kwargs"]).startswith("still stopping: "), "asked again while they stop"
