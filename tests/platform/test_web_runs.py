@@ -276,3 +276,14 @@ def test_a_placement_event_of_any_size_leaves_the_run_page_small(client, team, m
     assert len(html) < 200_000, len(html)
     assert "<td>0</td><td>host-0</td>" in html and "host-59999" not in html
     assert "and 59744 more" in html and "r" * 100 not in html
+
+
+def test_a_lost_runs_page_says_what_comes_next(client, team, runs):
+    """A lost run restarts once its previous attempt is confirmed stopped, fails without restarts left, or ends
+    succeeded when that attempt turns out to have finished (runs/reconcile.py): its page says all three."""
+    run = runs[0]
+    Run.objects.filter(pk=run.pk).update(state="lost", exit_reason="no heartbeat for 120 s")
+    client.force_login(team.member)
+    page = client.get(f"/runs/{run.pk}/").content.decode()
+    assert "once its previous attempt is confirmed stopped" in page and "else it fails" in page
+    assert "it ends succeeded if that attempt turns out to have finished" in page

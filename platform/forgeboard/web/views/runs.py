@@ -47,8 +47,10 @@ DRILL_KIND_LABELS = {"kill": "kill a process (SIGKILL)", "hang": "hang (SIGSTOP,
 CONTROLS_NOTES = {
     RunState.QUEUED: "Queued: the controls work once the run is launching.",
     RunState.CANCELLING: "Cancelling: the run takes no more commands.",
-    RunState.LOST: "Lost: the run stopped without an end of its own. It restarts from its last checkpoint if it has "
-                   "restarts left, else it fails; the controls work again once it is launching.",
+    RunState.LOST: "Lost: the run stopped reporting without an end of its own. It restarts from its last checkpoint "
+                   "once its previous attempt is confirmed stopped, if it has restarts left, else it fails (or it "
+                   "ends succeeded if that attempt turns out to have finished); the controls work again once it is "
+                   "launching.",
 }
 # What a run's stored reason is in each state: why it ended, why it was lost, or, while it goes on after a restart,
 # why it was restarted ("restart 1 of 2: …").
