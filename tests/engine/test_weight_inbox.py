@@ -153,3 +153,52 @@ def test_new_weights_reach_a_busy_generator_without_waiting_behind_its_queued_re
     assert {c.policy_version for c in first} == {0} and {c.policy_version for c in second} == {7}
     assert [phase for phase, _, _ in spans_first] == ["weight_load", "generate"]
     assert all(end > start for _, start, end in spans_first)
+
+
+def test_a_publication_whose_ranks_die_mid_read_is_abandoned_and_the_next_one_is_read_at_once(tiny_qwen3: Path) -> None:
+    """The trainer's ranks die while a generator's inbox reads their publication: the read waits for its timeout
+    (60 s), and so would a request naming it. The controller abandons the publication: the request fails at once, and
+    the respawned ranks' next publication is read at once, not after the dead read."""
+    import os
+    import signal
+
+    from workers.engine.actors.generator import GeneratorActor
+    from workers.engine.actors.procs import spawn_procs
+    from workers.engine.actors.weight_inbox import WeightInboxActor
+    from workers.engine.actors.weight_outbox import WeightPublication
+    from workers.engine.controller.attach import collect_fault_reports
+    from workers.engine.sampler import SamplingParams
+
+    reports = collect_fault_reports()  # the dead ranks' proc must not end this process
+    lost_procs, ranks_procs, procs = (spawn_procs(1, threads=1) for _ in range(3))
+    try:
+        lost, ranks = lost_procs.spawn("staging", StagingRank), ranks_procs.spawn("staging", StagingRank)
+        generator = procs.spawn("generator", GeneratorActor, str(tiny_qwen3), "float32", "cpu")
+        inbox = procs.spawn("inbox", WeightInboxActor)
+        one_token = SamplingParams(max_new_tokens=1)
+        generator.generate.call_one([[1, 2]], one_token, 0).get(timeout=120)  # loaded
+        first = WeightPublication(number=1, version=3, parts=(lost.stage.call_one(3).get(timeout=60),))
+        assert inbox.fetch.call_one(first).get(timeout=60).publication == 1  # the inbox has read from these ranks
+        part = lost.stage.call_one(4).get(timeout=60)
+        os.kill(lost.pid.call_one().get(timeout=60), signal.SIGKILL)
+        inbox.fetch.call_one(WeightPublication(number=2, version=4, parts=(part,)))  # waits for its read timeout
+        waiting = generator.generate.call_one([[1, 2]], one_token, 0, 2)
+        started = time.perf_counter()
+        next_part = ranks.stage.call_one(5).get(timeout=60)
+        fetched = inbox.fetch.call_one(WeightPublication(number=3, version=5, parts=(next_part,))).get(timeout=30)
+        read_next = time.perf_counter() - started
+        inbox.abandon.call_one(2).get(timeout=30)
+        with pytest.raises(Exception, match="weight publication 2 will not reach this generator"):
+            waiting.get(timeout=30)
+        failed_waiting = time.perf_counter() - started
+        with pytest.raises(Exception, match="weight publication 2 will not reach this generator"):
+            generator.generate.call_one([[1, 2]], one_token, 0, 2).get(timeout=30)
+        held = inbox.held.call_one().get(timeout=30)
+    finally:
+        for mesh in (procs, ranks_procs):
+            mesh.stop().get()
+    assert fetched.publication == 3 and read_next < 10, f"the next publication was read {read_next:.1f} s in"
+    assert failed_waiting < 10, f"the request naming the lost publication failed {failed_waiting:.1f} s in"
+    assert held == [1, 3]
+    assert not any("inbox" in str(report) for report in reports), "the inbox survived the dead ranks"
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -21,6 +22,10 @@ class StagingRank(Actor):
         from workers.engine.actors.weight_outbox import WeightOutbox
 
         self.outbox = WeightOutbox()
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
 
     @endpoint
     def stage(self, seed: int) -> Any:

@@ -5,7 +5,10 @@ A Monarch actor takes one message at a time, so weights sent to the generator ac
 `WeightInboxActor`: for every new policy version the controller tells the inboxes where the trainer ranks staged
 their parts (`weight_outbox.py`, a few hundred bytes of RDMA handles; the weights never pass through the controller),
 the inbox reads every part straight from the ranks' memory and keeps the result in its proc's `PolicySlot`, and the
-generator swaps it in between requests (`PublishedWeights.use_publication`).
+generator swaps it in between requests (`PublishedWeights.use_publication`). The inbox reads beside its earlier
+reads: ranks that die while they are read leave their read waiting for its timeout, and the controller then tells the
+inbox that the publication will not arrive (`abandon`), so the requests naming it fail at once instead of waiting, and
+the next publication, from the respawned ranks, is read at once.
 
 Every publication is numbered (one policy version can be published twice: after a restore from a checkpoint the
 generators go back to an older version). Each request names the publication it was launched after, so a batch is
@@ -20,11 +23,15 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, concurrent_endpoint, endpoint
 
-from workers.engine.actors.weight_outbox import WeightPublication, read_publication
+from workers.engine.actors.weight_outbox import WeightPublication, read_publication_async
 
 ARRIVAL_WAIT_S = 300.0  # a publication sent before its request arrives in well under this
+
+
+class PublicationLost(RuntimeError):
+    """The publication a request names will not arrive: the trainer ranks it was being read from were lost."""
 
 
 class PolicySlot:
@@ -33,12 +40,21 @@ class PolicySlot:
     def __init__(self) -> None:
         self._changed = threading.Condition()
         self._held: dict[int, tuple[int, dict[str, Any]]] = {}
+        self._abandoned: set[int] = set()  # will not arrive (the controller said so)
         self.taken = 0  # the newest publication the generator has loaded (0: the weights it started with)
 
     def put(self, publication: int, version: int, weights: dict[str, Any]) -> None:
         with self._changed:
-            if publication > self.taken:
+            if publication > self.taken and publication not in self._abandoned:
                 self._held[publication] = (version, weights)
+                self._changed.notify_all()
+
+    def abandon(self, publication: int) -> None:
+        """`publication` will not arrive: a request waiting for it, or naming it later, fails (PublicationLost). One
+        that has arrived already is kept."""
+        with self._changed:
+            if publication > self.taken and publication not in self._held:
+                self._abandoned.add(publication)
                 self._changed.notify_all()
 
     def held(self) -> list[int]:
@@ -46,13 +62,19 @@ class PolicySlot:
             return sorted(self._held)
 
     def take(self, publication: int, *, timeout_s: float = ARRIVAL_WAIT_S) -> tuple[int, dict[str, Any]]:
-        """(policy version, weights) of `publication` once it arrives; every publication up to it leaves the slot."""
+        """(policy version, weights) of `publication` once it arrives; every publication up to it leaves the slot.
+        PublicationLost when it was abandoned."""
         with self._changed:
-            if not self._changed.wait_for(lambda: publication in self._held, timeout=timeout_s):
+            if not self._changed.wait_for(lambda: publication in self._held or publication in self._abandoned,
+                                          timeout=timeout_s):
                 raise TimeoutError(f"weight publication {publication} did not reach this generator in {timeout_s:.0f} s "
                                    f"(held here: {sorted(self._held)})")
+            if publication in self._abandoned:
+                raise PublicationLost(f"weight publication {publication} will not reach this generator: the trainer "
+                                      f"ranks it was read from were lost")
             taken = self._held[publication]
             self._held = {p: held for p, held in self._held.items() if p > publication}
+            self._abandoned = {p for p in self._abandoned if p > publication}
             self.taken = publication
             return taken
 
@@ -72,14 +94,25 @@ class Fetched:
 class WeightInboxActor(Actor):
     """Reads the trainer ranks' publications for the generator replica on its proc."""
 
-    @endpoint
-    def fetch(self, publication: WeightPublication) -> Fetched:
-        weights, seconds = read_publication(publication)
+    @concurrent_endpoint
+    async def fetch(self, publication: WeightPublication) -> Fetched:
+        """Runs beside the fetches before it: one whose ranks died mid-read does not hold up the next."""
+        weights, seconds = await read_publication_async(publication)
         SLOT.put(publication.number, publication.version, weights)
         return Fetched(publication=publication.number, nbytes=publication.nbytes, seconds=seconds)
 
+    def _handle_undeliverable_message(self, message: Any) -> bool:
+        """A read's message to ranks stopped or dead: that read fails or times out, and the inbox goes on (Monarch's
+        default fails the actor, and with it the replica)."""
+        return True
+
     @endpoint
-    def held(self) -> list[int]:
+    async def abandon(self, publication: int) -> None:
+        """The ranks `publication` was staged on were lost while this inbox may still be reading it."""
+        SLOT.abandon(publication)
+
+    @endpoint
+    async def held(self) -> list[int]:
         return SLOT.held()
 
 

@@ -103,10 +103,8 @@ class WeightOutbox:
             pass
 
 
-def read_publication(publication: WeightPublication) -> tuple[dict[str, torch.Tensor], float]:
-    """Read every chunk of every part of `publication` (all reads in flight at once) and assemble its state dict;
-    the seconds the reads took."""
-    start = time.perf_counter()
+def start_reads(publication: WeightPublication) -> tuple[list[tuple[torch.Tensor, PartLayout]], list[Any]]:
+    """Every chunk of every part of `publication` read at once: (each part's memory and layout, the reads' futures)."""
     received, reads = [], []
     for part in publication.parts:
         flat = torch.empty(part.layout.nbytes, dtype=torch.uint8)
@@ -114,7 +112,22 @@ def read_publication(publication: WeightPublication) -> tuple[dict[str, torch.Te
         timeout = read_timeout_s(part.layout.nbytes)
         for (first, end), buffer in zip(chunk_bounds(part.layout.nbytes), part.buffers, strict=True):
             reads.append(buffer.read_into(flat[first:end], timeout=timeout))
+    return received, reads
+
+
+def read_publication(publication: WeightPublication) -> tuple[dict[str, torch.Tensor], float]:
+    """Read `publication` and assemble its state dict; the seconds the reads took."""
+    start = time.perf_counter()
+    received, reads = start_reads(publication)
     for read in reads:
         read.get()
-    seconds = time.perf_counter() - start
-    return assemble(received), seconds
+    return assemble(received), time.perf_counter() - start
+
+
+async def read_publication_async(publication: WeightPublication) -> tuple[dict[str, torch.Tensor], float]:
+    """`read_publication` on an actor's event loop, which serves other messages while the reads run."""
+    start = time.perf_counter()
+    received, reads = start_reads(publication)
+    for read in reads:
+        await read
+    return assemble(received), time.perf_counter() - start
