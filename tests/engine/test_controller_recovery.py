@@ -3,6 +3,7 @@ run's counters and what a checkpoint saves; the end of a step every recipe share
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -12,22 +13,26 @@ from workers.engine.actors.fleet import CallFailed, ProcFailure
 from workers.engine.controller.control_procs import ControlLost
 from workers.engine.controller.drill_targets import DrillTargets
 from workers.engine.controller.generation import GenerationPipeline
-from workers.engine.controller.generators import ReplicaGenerators
+from workers.engine.controller.generators import ReplicaGenerators, ReplicaRequest
 from workers.engine.controller.recovery import Recovery
 from workers.engine.controller.requests import Router
 from workers.engine.controller.state import PendingGeneration, RunState
+from workers.engine.controller.trainer import TrainerLost
 from workers.engine.drills import DrillPlan
 from workers.engine.metrics import MemorySink, Recorder
 from workers.engine.step_end import StepEnd
+from workers.engine.training import PhaseTimer
 
 SAVED = {"step": 4, "policy_version": 4, "generations": 5, "staleness": {"0": 3, "1": 1},
          "data": {"position": 40}, "buffer": {"records": []}}
 
 
-def _recovery(placement: str = "replay_buffer: {hosts: [c, b]}", **sections: str) -> tuple[Fleet, Recovery]:
+def _recovery(placement: str = "replay_buffer: {hosts: [c, b]}", replicas_host: str = "a",
+              **sections: str) -> tuple[Fleet, Recovery]:
     config = grpo_config(placement, **sections)
     hosts = FakeHosts(["a", "b", "c"])
-    groups = {"generator": fake_group("generator", hosts, ["a"], generate=([], 0.1)), "reward": fake_group("reward", hosts, ["a"])}
+    groups = {"generator": fake_group("generator", hosts, [replicas_host], generate=([], 0.1)),
+              "reward": fake_group("reward", hosts, [replicas_host])}
     fleet = controller_parts(config, hosts, groups, trainer_hosts=["a"], control_host="c")
     fleet.trainer.actors.load = type(fleet.trainer.actors.pid)(lambda path: {0: dict(SAVED)})
     fleet.router = Router(failover=fleet.failover, waits=fleet.waits, supervisor=fleet.supervisor)
@@ -44,7 +49,7 @@ def _recovery(placement: str = "replay_buffer: {hosts: [c, b]}", **sections: str
 
 
 def _in_flight(fleet: Fleet, prompts: int) -> None:
-    request = fleet.router.send(fleet.groups["generator"], lambda actor: actor.generate.call_one())
+    request = ReplicaRequest(fleet.router.send(fleet.groups["generator"], lambda actor: actor.generate.call_one()), 0)
     fleet.state.pending.append(PendingGeneration([], [[1]] * prompts, [request], {"position": 48}, 5, [(0, 1)]))
 
 
@@ -99,6 +104,55 @@ def test_the_trainer_is_restored_at_most_recover_failures_times():
                                           r"trainer process 7 exited"):
         recovery.recover_trainer(CallFailed("trainer process 7 exited", hung=False))
     assert fleet.events("failure_detected")[0]["role"] == "trainer"
+
+
+class _WaitsForWeights:
+    """A generate call (or the inbox's read) on a replica whose inbox still reads the weights it names from dead ranks:
+    no answer until the inbox is told they will not arrive, then the generator's PublicationLost; or, untold, the
+    read's timeout (shortened here to 4 s)."""
+
+    def __init__(self, inbox_told: list) -> None:
+        self.inbox_told, self.read_timeout_at = inbox_told, time.monotonic() + 4
+
+    def get(self, timeout: float | None = None) -> None:
+        if self.inbox_told:
+            raise RuntimeError("weight publication 1 will not reach this generator: the trainer ranks it was read "
+                               "from were lost")
+        if time.monotonic() < self.read_timeout_at:
+            raise TimeoutError
+        raise RuntimeError("RDMA submit failed: tcp read chunk timed out")
+
+
+def test_a_trainer_that_dies_while_a_generator_reads_its_weights_fails_the_step_and_not_the_generator():
+    """The ranks die while the generator's inbox reads their publication (that read would wait for its timeout, and
+    the requests naming it with it): the trainer's failure is noticed while waiting for the generation, not the
+    generator's after failover.call_timeout_s; the trainer's relaunch tells the inbox the publication will not arrive,
+    and its restore drops the generation, whose requests then fail for want of weights without blaming the replica."""
+    fleet, recovery = _recovery(replicas_host="b", failover="{call_timeout_s: 5, poll_seconds: 0.05}")
+    fleet.waits.ticks = [fleet.supervisor.tick]
+    replica = fleet.groups["generator"].replicas[0]
+    told: list[tuple[int, ...]] = []
+    replica.inbox.fetch.call_one = lambda publication: _WaitsForWeights(told)  # the read never ends
+    replica.inbox.abandon = type(replica.inbox.pid)(lambda publication: told.append(publication))
+    replica.actor.generate.call_one = lambda *args: _WaitsForWeights(told)
+    generators = recovery.pipeline.generators
+    fleet.state.policy_version = 1
+    generators.before_launch(PhaseTimer())  # publication 1
+    calls = [generators.send([[1]] * 4, None, seed=s, number=s, key=f"k{s}") for s in range(2)]
+    generation = PendingGeneration([], [[1]] * 8, calls, {"position": 8}, 0, [(0, 1), (1, 2)])
+    fleet.hosts.fail("a")  # the trainer's host: its ranks are gone
+    started = time.monotonic()
+    with pytest.raises(TrainerLost, match="host a of the trainer was lost"):
+        recovery.pipeline.finish(generation, PhaseTimer())
+    assert time.monotonic() - started < 2, "noticed at the next poll, not at the call timeout (5 s)"
+    assert list(fleet.state.pending) == [generation] and generation.calls == calls, "back in flight, for the restore"
+    fleet.trainer.fetches.abandon(waits=fleet.waits)  # what the trainer's relaunch does first
+    assert told == [1]
+    recovery.restore(None)
+    assert not fleet.state.pending and fleet.state.totals.samples_dropped == 8
+    assert [e["role"] for e in fleet.events("failure_detected")] == ["trainer"], "the generator is not blamed"
+    assert not replica.failed and replica.outstanding == 0 and fleet.groups["generator"].service.in_flight == [0]
+    assert fleet.groups["generator"].service.served == [2], "dropped, not retried"
 
 
 def test_a_checkpoint_saves_the_position_before_the_generations_in_flight():

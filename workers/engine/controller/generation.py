@@ -24,7 +24,7 @@ from workers.engine.actors.fleet import ReplicaGroup
 from workers.engine.config import RunConfig
 from workers.engine.controller.control_procs import ControlProcs
 from workers.engine.controller.drill_targets import DrillTargets
-from workers.engine.controller.generators import ReplicaGenerators, TrainerGenerators
+from workers.engine.controller.generators import Generated, ReplicaGenerators, TrainerGenerators
 from workers.engine.controller.requests import Router
 from workers.engine.controller.state import PendingGeneration, RunState
 from workers.engine.controller.trainer import TrainerHandle, TrainerLost
@@ -73,6 +73,16 @@ class GenerationPipeline:
         state.generations += 1
         return PendingGeneration(problems, prompts, calls, data_state, state.generations - 1, spans)
 
+    def receive(self, generation: PendingGeneration, number: int, timer: PhaseTimer) -> Generated:
+        """The answer to the generation's request `number`. TrainerLost: the generation, with the requests not answered
+        yet, goes back among those in flight, which the trainer's restore drops (`drain`)."""
+        try:
+            return self.generators.receive(generation.calls[number], timer)
+        except TrainerLost:
+            generation.calls = generation.calls[number:]
+            self.state.pending.appendleft(generation)
+            raise
+
     def score(self, problems: list[Any], prompts: list[list[int]], completions: list[Any], timer: PhaseTimer) -> Any:
         group_size = self.config.grpo.group_size
         with timer.span_on("reward", "reward"):
@@ -94,8 +104,8 @@ class GenerationPipeline:
         """Await a launched generation, score and buffer it; (tokens, slowest replica's seconds)."""
         with timer.phase("generate_wait"):
             completions, busiest = [], 0.0
-            for request in pending.calls:
-                generated = self.generators.receive(request, timer)
+            for number, request in enumerate(pending.calls):
+                generated = self.receive(pending, number, timer)
                 completions.extend(generated.completions)
                 busiest = max(busiest, generated.generate_seconds)
         with timer.phase("reward"):
@@ -126,9 +136,9 @@ class GenerationPipeline:
         chunks: list[Any] = []
         sent: list[tuple[Any, Any, Any]] = []  # (chunk, reference log-probs, the trainer's pending accumulate)
         tokens, seconds_per_replica = 0, Counter[int]()  # a replica works through its chunks one after another
-        for request, (first, last) in zip(generation.calls, generation.spans):
+        for number, (request, (first, last)) in enumerate(zip(generation.calls, generation.spans)):
             with timer.phase("generate_wait"):
-                generated = self.generators.receive(request, timer)
+                generated = self.receive(generation, number, timer)
             completions = generated.completions
             tokens += sum(len(c.token_ids) for c in completions)
             seconds_per_replica[request.index] += generated.generate_seconds
@@ -147,7 +157,8 @@ class GenerationPipeline:
                                        what="a pipelined chunk", sent=pending_call)
                 results = trainer.every_rank(lambda: trainer.actors.finish_step.call(), what="a pipelined step")
         except TrainerLost:
-            self.state.totals.samples_dropped += len(generation.prompts)
+            generation.calls = []  # every request was answered
+            self.state.pending.appendleft(generation)  # dropped by the trainer's restore
             raise
         return Batch(concat_records(chunks), tokens, max(seconds_per_replica.values())), results
 

@@ -39,6 +39,19 @@ def answered(lane: str, answer: tuple[list[Any], list[Any]], *, sent_at: float, 
     return Generated(completions, phase_seconds(spans, "generate"))
 
 
+@dataclass(frozen=True)
+class ReplicaRequest:
+    """A generation request routed to a generator replica, and the weight publication it names."""
+
+    routed: Request
+    publication: int
+
+    @property
+    def index(self) -> int:
+        """The replica it was routed to."""
+        return self.routed.index
+
+
 class ReplicaGenerators:
     def __init__(self, *, group: ReplicaGroup, router: Router, trainer: TrainerHandle, supervisor: Supervisor,
                  state: RunState):
@@ -70,18 +83,26 @@ class ReplicaGenerators:
                 replica.version = state.policy_version
             self.supervisor.repair()
 
-    def send(self, prompts: list[list[int]], params: SamplingParams, *, seed: int, number: int, key: str) -> Request:
+    def send(self, prompts: list[list[int]], params: SamplingParams, *, seed: int, number: int,
+             key: str) -> ReplicaRequest:
         """`number`: the request's place in its batch (replicas are picked by the group's routing instead)."""
         publication = self.state.publications
-        return self.router.send(self.group, lambda actor: actor.generate.call_one(prompts, params, seed, publication),
-                                key=key)
+        routed = self.router.send(self.group, lambda actor: actor.generate.call_one(prompts, params, seed, publication),
+                                  key=key)
+        return ReplicaRequest(routed, publication)
 
-    def receive(self, request: Request, timer: PhaseTimer) -> Generated:
-        """The request's answer; the replica's spans go on the step's timeline (lane `generator <index>`)."""
-        return answered(f"generator {request.index}", self.router.receive(request), sent_at=request.sent_at, timer=timer)
+    def receive(self, request: ReplicaRequest, timer: PhaseTimer) -> Generated:
+        """The request's answer; the replica's spans go on the step's timeline (lane `generator <index>`). TrainerLost
+        when the trainer failed while the replica read the weights the request names."""
+        routed = request.routed
+        self.trainer.await_read(routed.replica, request.publication)
+        return answered(f"generator {routed.index}", self.router.receive(routed), sent_at=routed.sent_at, timer=timer)
 
-    def discard(self, request: Request) -> None:
-        self.router.receive(request)
+    def discard(self, request: ReplicaRequest) -> None:
+        if self.trainer.fetches.was_abandoned(request.routed.replica, request.publication):
+            self.router.drop(request.routed)  # it fails for want of its weights: not the replica's failure
+        else:
+            self.router.receive(request.routed)
 
     def served(self) -> list[int]:
         """Requests served per replica."""

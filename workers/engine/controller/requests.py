@@ -72,6 +72,17 @@ class Router:
             self.failover.served(request.incident)
             return result
 
+    def drop(self, request: Request) -> None:
+        """Wait for an answer nothing needs, whatever it is, while its replica is not known to have failed: a failure
+        is neither retried nor reported."""
+        replica = request.replica
+        try:
+            self.waits.wait(request.future, gone=lambda: replica.lost_with_host or (
+                f"{replica.role} replica {replica.index} failed" if replica.failed else None))
+        except CallFailed:
+            pass
+        self._finish(request, None)
+
     def call(self, group: ReplicaGroup, call: Callable[[Any], Any], *, key: str | None = None) -> Any:
         """Send and receive."""
         return self.receive(self.send(group, call, key=key))

@@ -35,17 +35,38 @@ class PendingFetches:
     controller waits for these; in the steady state they ended while the step trained."""
 
     def __init__(self) -> None:
-        self.pending: list[tuple[Replica, Any]] = []  # (generator replica, its inbox's fetch call)
+        self.pending: list[tuple[Replica, int, Any]] = []  # (generator replica, publication, its inbox's fetch call)
+        self.abandoned: list[tuple[Replica, int]] = []  # reads of a stopped mesh's memory: they never arrive
 
-    def add(self, replica: Replica, fetch: Any) -> None:
-        self.pending.append((replica, fetch))
+    def add(self, replica: Replica, publication: int, fetch: Any) -> None:
+        self.pending.append((replica, publication, fetch))
+
+    def reading(self, replica: Replica, publication: int) -> Any | None:
+        """`replica`'s inbox's fetch call of `publication`, when it was not settled yet."""
+        return next((fetch for r, p, fetch in self.pending if r is replica and p == publication), None)
+
+    def was_abandoned(self, replica: Replica, publication: int) -> bool:
+        return any(r is replica and p == publication for r, p in self.abandoned)
+
+    def abandon(self, *, waits: Waits) -> None:
+        """The ranks these reads read from are stopped or dead: a read that did not end waits for its timeout, and a
+        request naming its publication with it. Each inbox is told that the publication will not arrive (one it holds
+        already is kept), so such requests fail at once."""
+        for replica, publication, _ in self.pending:
+            try:
+                waits.wait(replica.inbox.abandon.call_one(publication), gone=lambda replica=replica: (
+                    f"generator replica {replica.index} failed" if replica.failed else None))
+            except CallFailed:
+                pass  # its proc is gone: the supervisor replaces it
+            self.abandoned.append((replica, publication))
+        self.pending.clear()
 
     def settle(self, *, waits: Waits, recorder: Recorder, step: int) -> bool:
         """Wait for every pending read, or until the supervisor has marked its replica failed (replacing it is the
         supervisor's), and record `weights/read_s` (the slowest read) and `weights/read_bytes` (one replica's);
         whether every read ended (a hung one may still be reading: the ranks must not write over what it reads)."""
         reads = []
-        for replica, fetch in self.pending:
+        for replica, _, fetch in self.pending:
             try:
                 reads.append(waits.wait(fetch, gone=lambda replica=replica: (
                     f"generator replica {replica.index} failed" if replica.failed else None)))
@@ -76,8 +97,9 @@ class TrainerHandle:
     # --- start ------------------------------------------------------------------------
     def launch(self) -> None:
         """Spawn the procs on the first of the trainer's hosts still there; the model loads while the caller goes on.
-        HostsUnreachable when a host died meanwhile."""
+        HostsUnreachable when a host died meanwhile. Reads of an earlier mesh's publication are abandoned."""
         placer, cfg = self.placer, self.config
+        self.fetches.abandon(waits=self.waits)
         placer.trainer_hosts = placer.place_trainer()
         self.hosts.release("trainer")
         procs = self.hosts.spawn_across(hosts=placer.trainer_hosts, per_host=placer.ranks_per_host,
@@ -163,6 +185,26 @@ class TrainerHandle:
             else:
                 stops.add(self.procs, pids=self.pids if self.hosts.procs_are_children else [])
 
+    def await_read(self, replica: Replica, publication: int) -> None:
+        """Wait for `replica`'s inbox to read `publication` from the ranks, when it still does: a request naming it
+        waits for that read anyway, and a rank that dies meanwhile leaves it waiting for weights that never come.
+        TrainerLost then, noticed at once, not a generator hung at `failover.call_timeout_s`. A read that fails or hangs
+        otherwise is the request's to report."""
+        fetch = self.fetches.reading(replica, publication)
+        if fetch is None:
+            return
+        try:
+            self.waits.wait(fetch, gone=lambda: self._read_lost(replica))
+        except CallFailed:
+            if (failure := self.failure()) is not None:
+                raise TrainerLost(failure) from None
+
+    def _read_lost(self, replica: Replica) -> str | None:
+        """Why `replica`'s read of the ranks' weights will not end, or None."""
+        if (failure := self.failure()) is not None:
+            return failure.reason
+        return f"generator replica {replica.index} failed" if replica.failed else None
+
     # --- calls ------------------------------------------------------------------------
     def result(self, future: Any) -> Any:
         try:
@@ -214,7 +256,7 @@ class TrainerHandle:
         sent = WeightPublication(number=publication, version=self.state.policy_version,
                                  parts=tuple(part for part in staged if part is not None))
         for replica in replicas:
-            self.fetches.add(replica, replica.inbox.fetch.call_one(sent))
+            self.fetches.add(replica, publication, replica.inbox.fetch.call_one(sent))
 
     def save(self, step: int, progress: dict[str, Any]) -> Path:
         return Path(self.from_rank0("save", step, progress))
