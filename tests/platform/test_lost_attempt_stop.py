@@ -613,3 +613,30 @@ def test_a_worker_on_the_engines_host_takes_the_ask_and_kills_the_engine_of_a_ru
     finally:
         if not _gone(engine.pid):
             os.killpg(engine.pid, signal.SIGKILL)
+
+
+def test_a_launch_that_fails_after_its_job_was_queued_has_the_job_stopped(team, slurm, asks):  # noqa: F811
+    """The job was queued and recorded, then the launch failed (the worker raised after sbatch): the run fails, and its
+    job, which nothing follows once the run has failed, is asked to stop at every pass until SLURM confirms it."""
+    from forgeboard.runs.reconcile import runs_reconcile
+    from workers.launch.jobs import launch_failed
+
+    run, job = _launched(team, SLURM_YAML)
+    assert run.state == RunState.LAUNCHING and job
+    launch_failed(run_id=run.pk, reason="launch failed: the worker's connection dropped")
+    run.refresh_from_db()
+    assert run.state == RunState.FAILED and run.leftover_stop_since is not None
+    slurm.job("squeue", 18004, as_id=job)  # the job runs on
+    report = runs_reconcile(now=timezone.now())
+    assert report.leftover_stopping == [run.pk]
+    assert _stop_asked(asks, run)["kwargs"]["job_id"] == job
+
+
+def test_a_launch_that_fails_before_anything_was_queued_leaves_nothing_to_stop(team, slurm):  # noqa: F811
+    from workers.launch.jobs import launch_failed
+
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=SLURM_YAML)
+    assert run.pk in runs_schedule(now=timezone.now())
+    launch_failed(run_id=run.pk, reason="sbatch: error: invalid partition")
+    run.refresh_from_db()
+    assert run.state == RunState.FAILED and run.leftover_stop_since is None

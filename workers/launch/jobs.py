@@ -56,9 +56,13 @@ def fail_launch(*, run: Run, reason: str) -> None:
 def launch_failed(*, run_id: int, reason: str) -> None:
     """The run's launch failed (`reason` says why; it may have raised anywhere): a launching run fails; one cancelled
     meanwhile ends cancelled now, with the reason, unless it records a job or an engine, which the job poller or its
-    supervisor stops before it confirms the cancel. A run that moved on otherwise is left as it is."""
+    supervisor stops before it confirms the cancel. A run that moved on otherwise is left as it is. A launching run
+    that fails with a job or an engine recorded has it stopped by the reconciler's passes (`leftover_stop_since`):
+    nothing else follows a failed run's job."""
+    recorded = Run.objects.filter(pk=run_id).exclude(job_id="", pid__isnull=True).exists()
     try:
-        run_transition(run_id=run_id, from_state=RunState.LAUNCHING, to_state=RunState.FAILED, reason=reason)
+        run_transition(run_id=run_id, from_state=RunState.LAUNCHING, to_state=RunState.FAILED, reason=reason,
+                       **({"leftover_stop_since": timezone.now()} if recorded else {}))
         return
     except IllegalTransition:
         pass
