@@ -386,3 +386,24 @@ def test_hostile_payloads_read_as_words_or_as_their_json_never_as_an_exception_o
     nested = {"name": "previous_attempt_not_stopped", "attempt": {"job": 12}, "problem": "scancel failed"}
     assert page.evaluate(describe, ["message", nested]).startswith('{"name":"previous_attempt_not_stopped"')
     assert page.evaluate("FBEventText.describe(null)") == "null"
+
+
+def test_a_redirect_and_a_failure_say_what_moved_and_where(page):
+    """The operator's drain (controller/operator.py) says which replicas or ranks move and where they went; a
+    failure says the host its payload names."""
+    _described(page)  # the page with event_text.js
+    describe = "([kind, payload]) => FBEventText.describe({kind, payload})"
+    started = {"action": "drain", "host": "gpu-b", "replicas": [0, 2]}
+    assert page.evaluate(describe, ["redirect_started", started]) == \
+        "drain host gpu-b: moving generator replica 0, generator replica 2"
+    trainer = {"action": "drain", "host": "gpu-a", "replicas": [], "trainer_ranks": [1], "moves_at": "the next checkpoint"}
+    assert page.evaluate(describe, ["redirect_started", trainer]) == \
+        "drain host gpu-a: moving trainer rank 1 at the next checkpoint"
+    finished = {"action": "drain", "host": "gpu-b", "moved": {"0": "gpu-c", "2": "gpu-d"}, "plan": {}, "seconds": 3.21}
+    assert page.evaluate(describe, ["redirect_finished", finished]) == \
+        "drain host gpu-b done in 3.2 s: generator replica 0 → gpu-c, generator replica 2 → gpu-d"
+    assert page.evaluate(describe, ["redirect_finished", {"action": "undrain", "host": "gpu-b", "moved": {}}]) == \
+        "undrain host gpu-b done"
+    failed = {"role": "generator", "replica": 1, "host": "gpu-b", "reason": "killed", "time_to_detect_s": 0.25}
+    assert page.evaluate(describe, ["failure_detected", failed]) == \
+        "generator 1 failed on gpu-b (detected in 0.25 s): killed"

@@ -87,7 +87,7 @@ window.FBEventText = (function () {
     state_changed: (p) => `${given(p.from) ? value(p.from) : "—"} → ${value(p.to)}${optional(p.reason, (r) => ": " + r)}`,
     fault_injected: (p) => `${value(p.fault_kind || p.kind || "fault")} on ${who(p)}` +
       `${number(p.duration_s) ? ` for ${number(p.duration_s)} s` : ""}`,
-    failure_detected: (p) => `${who(p)}${p.hung ? " hung" : " failed"}` +
+    failure_detected: (p) => `${who(p)}${p.hung ? " hung" : " failed"}${optional(p.host, (h) => " on " + h)}` +
       `${number(p.time_to_detect_s) !== null ? ` (detected in ${number(p.time_to_detect_s).toFixed(2)} s)` : ""}` +
       `${p.reason ? ": " + text(p.reason, 120) : ""}`,
     replica_replaced: (p) => `${who(p)} replaced${p.from_spare ? " by a warm spare" : ""}` +
@@ -95,8 +95,18 @@ window.FBEventText = (function () {
     recovered: (p) => `recovered ${who(p)}` +
       `${number(p.time_to_recover_s) !== null ? ` in ${number(p.time_to_recover_s).toFixed(2)} s` : ""}`,
     placement_changed: (p) => `${given(p.action) ? value(p.action) : "change"} ${who(p)}${optional(p.host, (h) => " → " + h)}`,
-    redirect_started: (p) => `${given(p.action) ? value(p.action) : "redirect"} host ${value(p.host)}`,
-    redirect_finished: (p) => `${given(p.action) ? value(p.action) : "redirect"} host ${value(p.host)}`,
+    redirect_started: (p) => {
+      const moving = [...listOf(p.replicas).map((r) => `generator replica ${value(r)}`),
+        ...listOf(p.trainer_ranks).map((r) => `trainer rank ${value(r)}`)];
+      return `${given(p.action) ? value(p.action) : "redirect"} host ${value(p.host)}` +
+        (moving.length ? `: moving ${moving.join(", ")}${optional(p.moves_at, (at) => " at " + at)}` : "");
+    },
+    redirect_finished: (p) => {
+      const moved = Object.entries(objectOf(p.moved)).map(([r, host]) => `generator replica ${clip(r, 20)} → ${value(host)}`);
+      return `${given(p.action) ? value(p.action) : "redirect"} host ${value(p.host)} done` +
+        `${number(p.seconds) !== null ? ` in ${seconds(number(p.seconds))}` : ""}` +
+        (moved.length ? `: ${moved.join(", ")}` : "");
+    },
     restarted: (p) => `restart ${value(p.restart ?? p.count)}${optional(p.of, (n) => ` of ${n}`)}` +
       `${optional(p.from_checkpoint, (c) => " from " + c)}${optional(p.after, (why) => ` after it was lost: ${why}`)}`,
     command_issued: (p) => `command ${value(p.command)}: ${value(p.kind)}${optional(p.by, (by) => ` from ${by}`)}`,
