@@ -39,7 +39,7 @@ from forgeboard.telemetry.models import RunEvent
 from tests.support.configs import sft_yaml
 from tests.support.processes import REPO_DIR, kill_processes_in, platform_env, wait_for
 from workers.engine.env import RUN_ID_ENV
-from workers.launch import local_supervisor
+from workers.launch import local_supervisor, supervisor_lock
 from workers.launch.local import start_local, write_run_files
 from workers.launch.local_supervisor import supervise
 from workers.tasks import stop_lost_attempt
@@ -368,7 +368,7 @@ def test_a_run_taken_for_lost_as_its_engine_finishes_succeeds_and_is_not_restart
     to stop the engine before a restart. The supervisor, whose run still records its engine, ends the run succeeded,
     saying so; the worker's stop, which finds the engine gone, is not confirmed while the supervisor may still do
     that, so the run is not restarted to train again from its last checkpoint."""
-    monkeypatch.setattr(local_supervisor, "SETTLE_GRACE_SECONDS", 0.5)
+    monkeypatch.setattr(supervisor_lock, "SETTLE_GRACE_SECONDS", 0.5)
     run = _launching(team, sft_yaml(tiny_model, steps=2, max_restarts=1), experiment=sft)
     monkeypatch.setenv(RUN_ID_ENV, str(run.pk))  # as the local backend starts the supervisor: its engine's is checked
     answers: list[str] = []
@@ -409,7 +409,7 @@ def test_a_lost_runs_engine_stopped_for_its_restart_is_confirmed_stopped_once_it
     """The reconciler takes a run for lost while its engine trains on, and a worker on this host stops the engine
     (SIGTERM): an engine stopped by a signal did not finish, so its supervisor leaves the run lost, and the stop is
     confirmed, and the run restarted, only once the supervisor has exited (before, it answers that it waits)."""
-    monkeypatch.setattr(local_supervisor, "SETTLE_GRACE_SECONDS", 0.5)
+    monkeypatch.setattr(supervisor_lock, "SETTLE_GRACE_SECONDS", 0.5)
     run = _launching(team, sft_yaml(tiny_model, steps=100_000, max_restarts=1), experiment=sft)
     monkeypatch.setenv(RUN_ID_ENV, str(run.pk))  # as the local backend starts the supervisor: its engine's is checked
     answers: list[str] = []

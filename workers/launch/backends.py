@@ -137,14 +137,14 @@ def _stop_previous(*, run: Run, job_id: str, pid: int | None, host: str) -> str 
         from workers.launch.kubernetes_backend import stop_kubernetes_job
 
         return stop_kubernetes_job(name=job_id)
-    from workers.launch import local_supervisor
+    from workers.launch import supervisor_lock
     from workers.launch.local import run_dir, stop_local_engine
 
     if pid is None:
         return "no engine was started"
     done = stop_local_engine(run_id=run.pk, pid=pid, host=host)
-    if done is not None and not local_supervisor.supervisor_gone_within(
-            folder=run_dir(run), seconds=local_supervisor.SETTLE_GRACE_SECONDS):
+    if done is not None and not supervisor_lock.supervisor_gone_within(
+            folder=run_dir(run), seconds=supervisor_lock.SETTLE_GRACE_SECONDS):
         raise SupervisorStillSettling("it has exited, but its supervisor has not yet recorded how it ended")
     return done
 

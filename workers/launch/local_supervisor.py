@@ -16,12 +16,11 @@ supervisor's to end as long as it still records this engine: an engine that then
 that exits with an error failed it (`lost_attempt_finished`), rather than have the reconciler restart a finished run
 from its last checkpoint; one stopped by a signal (the reconciler's stop, the OOM killer) is left to the reconciler to
 restart. The reconciler restarts a lost run once its engine is confirmed stopped, which for an engine that has exited
-waits for its supervisor to exit (`supervisor_gone_within`): until then the supervisor may still end the run.
+waits for its supervisor to exit (`supervisor_lock.supervisor_gone_within`): until then the supervisor may still end the run.
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import signal
@@ -30,19 +29,16 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+
+from workers.launch.supervisor_lock import supervising
 
 POLL_SECONDS = 1.0
 STOP_GRACE_SECONDS = 10.0
 CANCEL_GRACE_SECONDS = 20.0
 LOG_TAIL_LINES = 20
-SUPERVISOR_LOCK = "supervisor.lock"  # in the run's folder: held (shared) by each live supervisor of the run on its host
-SETTLE_GRACE_SECONDS = 10.0  # how long a stop waits for the supervisor of an engine that has exited to exit too
-SETTLE_POLL_SECONDS = 0.1
 
 logger = logging.getLogger(__name__)
 
@@ -214,39 +210,6 @@ def _settle(*, run_id: int, engine: subprocess.Popen, log_path: Path, exited_at:
             logger.info("run %s moved from %s before it could go to %s: deciding again", run_id, state, outcome.state)
 
 
-@contextmanager
-def _supervising(folder: Path) -> Iterator[None]:
-    """Held while this supervisor may still move its run: a shared lock on the run folder's `SUPERVISOR_LOCK`, which
-    the kernel lets go of when the process ends, however it ends (the engine does not inherit it)."""
-    with open(folder / SUPERVISOR_LOCK, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_SH)
-        yield
-
-
-def supervisor_gone_within(*, folder: Path, seconds: float) -> bool:
-    """Whether no supervisor of the run in `folder` is left on this host, waiting up to `seconds` for one to exit.
-
-    A lost run's engine that has exited is confirmed stopped only then: until its supervisor exits, it may still end
-    the run as the engine did (an engine that exited 0 finished the run), which a restart must not undo. A supervisor
-    settles its run within a poll of its engine's exit, then exits."""
-    try:
-        lock = os.open(folder / SUPERVISOR_LOCK, os.O_RDONLY)
-    except FileNotFoundError:
-        return True  # no supervisor ever ran there
-    deadline = time.monotonic() + seconds
-    try:
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(SETTLE_POLL_SECONDS)
-    finally:
-        os.close(lock)  # and the lock with it
-
-
 def supervise(run_id: int) -> int:
     from django.utils import timezone
 
@@ -256,7 +219,7 @@ def supervise(run_id: int) -> int:
 
     folder = run_dir(Run.objects.get(pk=run_id))
     log_path = folder / "engine.log"
-    with run_log_context(run_id), _supervising(folder):
+    with run_log_context(run_id), supervising(folder):
         engine = _start_engine(run_id=run_id, folder=folder, log_path=log_path)
         if engine is not None:
             _watch(run_id=run_id, engine=engine)
