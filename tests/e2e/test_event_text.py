@@ -22,7 +22,6 @@ import typing
 from datetime import timedelta
 from pathlib import Path
 
-import pytest
 from django.db import transaction
 from django.utils import timezone
 
@@ -52,16 +51,6 @@ SOURCE_ROOTS = {"forgeboard": REPO_DIR / "platform" / "forgeboard", "workers": R
 NOT_ON_THE_TIMELINE = {STEP_TIMELINE}  # stored as the step's timeline (telemetry/ingest.py), not as a run event
 NOT_WORDS = re.compile(r"\b(undefined|null|NaN|Infinity)\b|\[object |function ")
 HOSTILE_VALUES = [None, "", "12", "x" * 10_000, {"a": {"b": [1, {"c": None}]}}, [1, "two", None], True, 0, -1, 1e308]
-
-
-@pytest.fixture
-def asks(monkeypatch) -> list[dict]:
-    """The tasks sent to the broker (the machine's edge): the reconciler's asks to stop, a restart's relaunch."""
-    from workers.celery import app
-
-    sent: list[dict] = []
-    monkeypatch.setattr(app, "send_task", lambda name, **kw: sent.append({"name": name, **kw}))
-    return sent
 
 
 def _stop_asked(asks: list[dict], run: Run) -> dict:

@@ -102,17 +102,6 @@ def sent(monkeypatch) -> list[str]:
     return names
 
 
-@pytest.fixture
-def asks(monkeypatch) -> list[dict]:
-    """The tasks sent to the broker, with their arguments: the reconciler's asks to stop a lost attempt, which a
-    worker on the engine's host runs (`stop_lost_attempt`)."""
-    from workers.celery import app
-
-    sent: list[dict] = []
-    monkeypatch.setattr(app, "send_task", lambda name, **kw: sent.append({"name": name, **kw}))
-    return sent
-
-
 def _stop_ask(asks: list[dict]) -> dict:
     [ask] = [a["kwargs"] for a in asks if a["name"] == "runs.stop_attempt"]
     asks.clear()

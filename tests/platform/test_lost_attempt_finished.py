@@ -36,16 +36,6 @@ pytestmark = pytest.mark.django_db
 LOST_FOR = r"no heartbeat for \d+ s \(timeout 60 s\)"
 
 
-@pytest.fixture
-def asks(monkeypatch) -> list[dict]:
-    """The tasks sent to the broker (the machine's edge): name, kwargs and queue."""
-    from workers.celery import app
-
-    sent: list[dict] = []
-    monkeypatch.setattr(app, "send_task", lambda name, **kw: sent.append({"name": name, **kw}))
-    return sent
-
-
 def _stop_ask(asks: list[dict]) -> dict:
     [ask] = [a["kwargs"] for a in asks if a["name"] == "runs.stop_attempt"]
     asks.clear()

@@ -36,16 +36,6 @@ from workers.tasks import stop_lost_attempt
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def asks(monkeypatch) -> list[dict]:
-    """The tasks sent to the broker (the machine's edge): name, kwargs and queue."""
-    from workers.celery import app
-
-    sent: list[dict] = []
-    monkeypatch.setattr(app, "send_task", lambda name, **kw: sent.append({"name": name, **kw}))
-    return sent
-
-
 def _silent(run: Run) -> Run:
     """The run's controller last reported two minutes ago: the reconciler finds it lost."""
     Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING, max_restarts=2,
