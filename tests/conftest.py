@@ -1,8 +1,13 @@
 """What every test directory shares."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from tests.support.flush import retry_flush_on_deadlock
+from tests.support.processes import REPO_DIR
 
 
 def pytest_configure(config) -> None:
@@ -18,4 +23,13 @@ def asks(monkeypatch) -> list[dict]:
     sent: list[dict] = []
     monkeypatch.setattr(app, "send_task", lambda name, **kw: sent.append({"name": name, **kw}))
     return sent
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 folder that runs train on in seconds (read only: tests share it)."""
+    out = tmp_path_factory.mktemp("tiny-model") / "tiny-qwen3"
+    subprocess.run([sys.executable, "-m", "workers.engine", "make-tiny-model", "--family", "qwen3", "--out", str(out)],
+                   cwd=REPO_DIR, check=True, capture_output=True, timeout=300)
+    return out
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,7 +26,6 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-sync", "--no-first-run", "--disable-quic"]
 PASSWORDS = {"olivia": "pw-olivia-1", "mateo": "pw-mateo-1", "vera": "pw-vera-1", "oscar": "pw-oscar-1",
              "opal": "pw-opal-1"}
-
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -60,15 +57,6 @@ def server(django_db_setup, django_db_blocker, tmp_path_factory):
                 yield {"url": url, "web": web, "tmp": tmp}
         finally:
             kill_processes_in(Path(settings.DATA_DIR) / "runs")
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
-    """A tiny random Qwen3 folder that runs train on in seconds."""
-    out = tmp_path_factory.mktemp("e2e-model") / "tiny-qwen3"
-    subprocess.run([sys.executable, "-m", "workers.engine", "make-tiny-model", "--family", "qwen3", "--out", str(out)],
-                   cwd=REPO_DIR, check=True, capture_output=True, timeout=300)
-    return out
 
 
 @pytest.fixture

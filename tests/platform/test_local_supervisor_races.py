@@ -15,12 +15,9 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 from django.conf import settings
@@ -37,7 +34,7 @@ from forgeboard.runs.services import command_acknowledge, command_create, comman
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import RunEvent
 from tests.support.configs import sft_yaml
-from tests.support.processes import REPO_DIR, kill_processes_in, platform_env, wait_for
+from tests.support.processes import kill_processes_in, platform_env, wait_for
 from workers.engine.env import RUN_ID_ENV
 from workers.launch import local_supervisor, supervisor_lock
 from workers.launch.local import start_local, write_run_files
@@ -251,14 +248,6 @@ def test_an_engine_killed_by_a_signal_as_its_run_is_cancelled_ends_the_run_cance
     assert (run.state, run.exit_reason) == (RunState.CANCELLED, "cancelled by operator")
     assert _path(run) == ["queued", "launching", "running", "cancelling", "cancelled"]
     assert _no_error_logged(caplog)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("supervisor-races") / "tiny-qwen3"
-    subprocess.run([sys.executable, "-m", "workers.engine", "make-tiny-model", "--family", "qwen3", "--out", str(out)],
-                   cwd=REPO_DIR, check=True, capture_output=True, timeout=300)
-    return out
 
 
 @pytest.fixture

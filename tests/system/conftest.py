@@ -3,24 +3,14 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from django.conf import settings
 
 from tests.platform.conftest import grpo_yaml, running_run, team  # noqa: F401 - shared fixtures
-from tests.support.processes import REPO_DIR, celery_worker, free_port, kill_processes_in, web_server
+from tests.support.processes import celery_worker, free_port, kill_processes_in, web_server
 from tests.support.slurm_cluster import SlurmTestCluster
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("lifecycle") / "tiny-qwen3"
-    subprocess.run([sys.executable, "-m", "workers.engine", "make-tiny-model", "--family", "qwen3", "--out", str(out)],
-                   cwd=REPO_DIR, check=True, capture_output=True, timeout=300)
-    return out
 
 
 @pytest.fixture
@@ -35,8 +25,6 @@ def platform(tmp_path, team):  # noqa: F811 - the team fixture
     finally:
         # Engines run detached from the worker (they outlive it by design); a test leaves none behind.
         kill_processes_in(Path(settings.DATA_DIR) / "runs")
-
-
 
 
 @pytest.fixture(scope="session")
