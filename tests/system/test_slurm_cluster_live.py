@@ -383,7 +383,8 @@ def test_a_lost_runs_job_is_confirmed_stopped_only_once_slurm_has_stopped_its_pr
     alive, termed = tmp_path / "alive_at", tmp_path / "term_at"
     job = slurm_cluster.command(
         "sbatch", "--parsable", "-N1", "-o", "/dev/null", f"--comment=forgeboard-run-id={run.pk}", "--wrap",
-        f"trap 'date +%s.%N > {termed}' TERM; while true; do date +%s.%N > {alive}; sleep 0.2; done")
+        f"trap 'date +%s.%N > {termed}.new && mv {termed}.new {termed}' TERM; "
+            f"while true; do date +%s.%N > {alive}.new && mv {alive}.new {alive}; sleep 0.2; done")
     assert job.returncode == 0, job.stderr
     job_id = job.stdout.strip()
     try:
@@ -428,7 +429,7 @@ def _put_in(cluster, state: str, *, run_id: int, alive: Path, leave: ExitStack, 
     options = {"PENDING": ["--hold"], "SPECIAL_EXIT": ["--requeue"]}.get(state, [])
     job = cluster.command("sbatch", "--parsable", "-N1", "-w", "fbslurm1", "-J", name, "-o", "/dev/null",
                           f"--comment=forgeboard-run-id={run_id}", *options, "--wrap",
-                          f"while true; do date +%s.%N > {alive}; sleep 0.2; done")
+                          f"while true; do date +%s.%N > {alive}.new && mv {alive}.new {alive}; sleep 0.2; done")
     assert job.returncode == 0, job.stderr
     job_id = job.stdout.strip()
     leave.callback(cluster.command, "scancel", job_id)
