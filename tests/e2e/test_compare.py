@@ -117,6 +117,8 @@ def test_compare_two_runs(page, server, team):
 
     same, changed = page.locator('tr[data-key="model.family"]'), page.locator('tr[data-key="trainer.optimizer.lr"]')
     assert same.is_visible() and changed.is_visible()
+    assert not page.locator("#diff-form").get_by_role("button", name="Apply").is_visible(), \
+        "with JavaScript the checkbox applies itself: the form's button is put away"
     page.get_by_label("Show only differences").check()
     assert not same.is_visible() and changed.is_visible()
     assert "only=diff" in page.url
