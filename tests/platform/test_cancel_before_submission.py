@@ -192,8 +192,10 @@ def test_a_kubernetes_job_created_as_its_run_was_cancelled_is_deleted_by_the_lau
     assert (run.state, run.job_id) == (RunState.CANCELLED, name)
     assert run.exit_reason == f"cancelled while it was being submitted; Kubernetes Job {name} removed"
     assert [(r.method, r.url.path.rsplit("/", 1)[-1]) for r in k8s.requests] == [
-        ("POST", "secrets"), ("POST", "configmaps"), ("POST", "jobs"), ("DELETE", name)]
+        ("POST", "secrets"), ("POST", "configmaps"), ("POST", "jobs"), ("PATCH", f"{name}-token"), ("PATCH", name),
+        ("DELETE", name)]
     assert k8s.requests[-1].url.params["propagationPolicy"] == "Background", "its pods go with it"
+    assert k8s.left(name) == [], "its Secret (the run's token) and ConfigMap go with the Job that owns them"
     assert submitted is True, "it was submitted"
 
 

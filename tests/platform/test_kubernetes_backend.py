@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import uuid
 from pathlib import Path
 
 import httpx
@@ -41,63 +42,166 @@ trainer:
 
 
 class FakeApiServer:
-    """Keeps what was created; serves the recorded Job and pods set by `show`, and deletes them as the API server and
-    its garbage collector do: a Job deleted in the foreground stays, being deleted, until its pods are removed; in the
-    background it is gone at once; either way its pods are then being deleted (Terminating), as is a pod deleted by
-    name. Pods are removed only when their kubelet says they have stopped: `pods_removed`."""
+    """One namespace of an API server and its garbage collector, as far as the backend uses them.
+
+    Keeps what was created (Secrets, ConfigMaps, Jobs, by name: a second create of a name is 409, a read or delete of
+    one not there 404) and the namespace's pods, listed by label selector (`k=v,k2=v2`). `show` sets the test's Job
+    and pods from a recording (those of run 42), renamed to the Job the test's run created, if any, and labelled as
+    its pods (`job` and `pods` are then that Job and every pod). Deletes as the API server and its garbage collector
+    do: a Job deleted in the foreground stays, being deleted (`foregroundDeletion`), until its pods are removed; in
+    the background it is gone at once; either way its pods are then being deleted (Terminating), as is a pod deleted
+    by name, and what it owns (ownerReferences: the Secret and ConfigMap) is deleted, as is an object made a
+    dependent of a Job that is gone. Pods are removed only when their kubelet says they have stopped: `pods_removed`.
+    """
 
     def __init__(self) -> None:
         self.requests: list[httpx.Request] = []
         self.created: list[dict] = []
-        self.job: dict | None = None
+        self.objects: dict[tuple[str, str], dict] = {}  # by (collection, name): "secrets", "configmaps", "jobs"
+        self.job_name = "forgeboard-run-42"  # the test's Job: the one its run created last, else the recording's
+        self.run_id: str | None = None  # the run of the Job created last
         self.pods: list[dict] = []
         self.refuse: tuple[int, str] | None = None
         self.refuse_deleting: dict[str, tuple[int, str]] = {}  # by kind as in the path ("pods"): status, message
+        self.refuse_creating: dict[str, tuple[int, str]] = {}  # likewise ("configmaps")
+        self.refuse_patching: dict[str, tuple[int, str]] = {}  # likewise ("secrets")
+
+    @property
+    def job(self) -> dict | None:
+        return self.objects.get(("jobs", self.job_name))
+
+    @job.setter
+    def job(self, job: dict | None) -> None:
+        """None: the test's Job was removed (deleted by hand, or garbage-collected), and what it owned with it."""
+        if job is None:
+            self._remove("jobs", self.job_name)
+        else:
+            self.objects["jobs", self.job_name] = job
 
     def show(self, recorded: str) -> None:
         document = json.loads((RECORDED / f"{recorded}.json").read_text())
-        self.job = document["job"]
         pods = document["pods"]
-        self.pods = pods["items"] if isinstance(pods, dict) else pods
+        pods = pods["items"] if isinstance(pods, dict) else pods
+        created, job = self.job, document["job"]
+        if job is not None:  # the recording as the test's Job: its name, and the uid and labels it was created with
+            job["metadata"]["name"] = self.job_name
+            if created is not None:
+                job["metadata"] |= {key: created["metadata"][key] for key in ("uid", "labels")}
+        self.job = job
+        if self.run_id is not None:
+            for pod in pods:
+                pod["metadata"]["labels"] |= {"forgeboard.run-id": self.run_id, "job-name": self.job_name,
+                                              "batch.kubernetes.io/job-name": self.job_name}
+        self.pods = pods
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
         if self.refuse is not None:
-            status, message = self.refuse
-            return httpx.Response(status, json={"kind": "Status", "status": "Failure", "message": message})
+            return _status(*self.refuse)
+        parts = request.url.path.rstrip("/").split("/")
+        named = parts[-2] in ("secrets", "configmaps", "jobs", "pods")
+        kind, name = (parts[-2], parts[-1]) if named else (parts[-1], None)
+        refused = {"POST": self.refuse_creating, "DELETE": self.refuse_deleting,
+                   "PATCH": self.refuse_patching}.get(request.method, {}).get(kind)
+        if refused is not None:
+            return _status(*refused)
         if request.method == "POST":
-            self.created.append(json.loads(request.content))
-            return httpx.Response(201, json=self.created[-1])
+            return self._create(kind, json.loads(request.content))
         if request.method == "DELETE":
-            refused = self.refuse_deleting.get(request.url.path.rsplit("/", 2)[-2])
-            if refused is not None:
-                return httpx.Response(refused[0], json={"kind": "Status", "status": "Failure", "message": refused[1]})
-            self._delete(request)
-            return httpx.Response(200, json={"kind": "Status", "status": "Success"})
-        if request.url.path.endswith("/pods"):
-            return httpx.Response(200, json={"kind": "PodList", "items": self.pods})
-        if self.job is None:
-            return httpx.Response(404, json={"kind": "Status", "message": "jobs.batch not found", "code": 404})
-        return httpx.Response(200, json=self.job)
+            return self._delete(kind, name, policy=request.url.params.get("propagationPolicy", "Background"))
+        if request.method == "PATCH":
+            return self._patch(kind, name, json.loads(request.content))
+        if kind == "pods" and name is None:
+            selector = request.url.params.get("labelSelector", "")
+            return httpx.Response(200, json={"kind": "PodList", "items": [p for p in self.pods if _selected(p, selector)]})
+        found = self.objects.get((kind, name))
+        if found is None:
+            return _status(404, f'{kind} "{name}" not found')
+        return httpx.Response(200, json=found)
 
-    def _delete(self, request: httpx.Request) -> None:
-        kind, name = request.url.path.rsplit("/", 2)[-2:]
-        if kind == "jobs" and self.job is not None:
-            policy = request.url.params.get("propagationPolicy")
-            if policy == "Foreground":
-                self.job = _being_deleted(self.job, finalizers=["foregroundDeletion"])
-            else:
-                self.job = None
-            if policy != "Orphan":
-                self.pods = [_being_deleted(pod) for pod in self.pods]
-        elif kind == "pods":
-            self.pods = [_being_deleted(pod) if pod["metadata"]["name"] == name else pod for pod in self.pods]
+    def _create(self, kind: str, obj: dict) -> httpx.Response:
+        name = obj["metadata"]["name"]
+        if (kind, name) in self.objects:
+            return _status(409, f'{kind} "{name}" already exists')
+        self.created.append(obj)
+        kept = copy.deepcopy(obj)
+        kept["metadata"] |= {"uid": str(uuid.uuid4()), "creationTimestamp": "2026-11-30T04:10:00Z"}
+        self.objects[kind, name] = kept
+        if kind == "jobs":
+            self.job_name, self.run_id = name, obj["metadata"]["labels"]["forgeboard.run-id"]
+        return httpx.Response(201, json=kept)
+
+    def _patch(self, kind: str, name: str, patch: dict) -> httpx.Response:
+        found = self.objects.get((kind, name))
+        if found is None:
+            return _status(404, f'{kind} "{name}" not found')
+        found["metadata"] |= patch.get("metadata", {})  # a merge patch of metadata's fields, as the backend sends
+        owners = found["metadata"].get("ownerReferences") or []
+        if owners and not any(self._exists(owner) for owner in owners):  # its owner is gone: collected
+            self._remove(kind, name)
+        return httpx.Response(200, json=found)
+
+    def _exists(self, owner: dict) -> bool:
+        job = self.objects.get(("jobs", owner["name"]))
+        return owner["kind"] == "Job" and job is not None and job["metadata"].get("uid") == owner["uid"]
+
+    def _delete(self, kind: str, name: str, *, policy: str) -> httpx.Response:
+        if kind == "pods":
+            pods = [pod for pod in self.pods if pod["metadata"]["name"] == name]
+            if not pods:
+                return _status(404, f'pods "{name}" not found')
+            self.pods = [_being_deleted(pod) if pod in pods else pod for pod in self.pods]
+            return httpx.Response(200, json=_being_deleted(pods[0]))
+        found = self.objects.get((kind, name))
+        if found is None:
+            return _status(404, f'{kind} "{name}" not found')
+        if kind != "jobs":
+            self._remove(kind, name)
+            return httpx.Response(200, json={"kind": "Status", "status": "Success"})
+        if policy != "Orphan":
+            self.pods = [_being_deleted(pod) if _selected(pod, f"batch.kubernetes.io/job-name={name}") else pod
+                         for pod in self.pods]
+        if policy == "Foreground":  # removed by the garbage collector once its pods are: pods_removed
+            self.objects[kind, name] = _being_deleted(found, finalizers=["foregroundDeletion"])
+            self._collect_dependents(found)
+            return httpx.Response(200, json=self.objects[kind, name])
+        self._remove(kind, name)
+        return httpx.Response(200, json={"kind": "Status", "status": "Success"})
+
+    def _remove(self, kind: str, name: str) -> None:
+        found = self.objects.pop((kind, name), None)
+        if found is not None and kind == "jobs":
+            self._collect_dependents(found)
+
+    def _collect_dependents(self, job: dict) -> None:
+        uid = job["metadata"].get("uid")
+        for key, obj in list(self.objects.items()):
+            if any(owner.get("uid") == uid for owner in obj["metadata"].get("ownerReferences") or []):
+                del self.objects[key]
 
     def pods_removed(self) -> None:
         """The pods' kubelets say they have stopped: they are removed, and a Job deleted in the foreground with them."""
         self.pods = []
-        if self.job is not None and "foregroundDeletion" in self.job["metadata"].get("finalizers", []):
-            self.job = None
+        for (kind, name), obj in list(self.objects.items()):
+            if kind == "jobs" and "foregroundDeletion" in obj["metadata"].get("finalizers", []):
+                self._remove(kind, name)
+
+    def left(self, name: str) -> list[tuple[str, str]]:
+        """What is left of the attempt `name`: its Job, ConfigMap, Secret and pods."""
+        return sorted([key for key in self.objects if key[1] in (name, f"{name}-token")] +
+                      [("pods", p["metadata"]["name"]) for p in self.pods
+                       if _selected(p, f"batch.kubernetes.io/job-name={name}")])
+
+
+def _status(code: int, message: str) -> httpx.Response:
+    reason = {404: "NotFound", 409: "AlreadyExists", 403: "Forbidden"}.get(code, "InternalError")
+    return httpx.Response(code, json={"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
+                                      "reason": reason, "code": code})
+
+
+def _selected(obj: dict, selector: str) -> bool:
+    labels = obj["metadata"].get("labels") or {}
+    return all(labels.get(key) == value for key, _, value in (term.partition("=") for term in selector.split(",") if term))
 
 
 def _being_deleted(obj: dict, *, finalizers: list[str] | None = None) -> dict:
@@ -138,7 +242,12 @@ def test_a_kubernetes_run_is_created_through_the_api_and_failed_with_the_pods_re
     assert run.state == RunState.LAUNCHING and run.job_id == name
     posts = [(r.method, r.url.path) for r in k8s.requests]
     assert posts == [("POST", "/api/v1/namespaces/research/secrets"), ("POST", "/api/v1/namespaces/research/configmaps"),
-                     ("POST", "/apis/batch/v1/namespaces/research/jobs")]
+                     ("POST", "/apis/batch/v1/namespaces/research/jobs"),
+                     ("PATCH", f"/api/v1/namespaces/research/secrets/{name}-token"),
+                     ("PATCH", f"/api/v1/namespaces/research/configmaps/{name}")]
+    owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": k8s.job["metadata"]["uid"]}
+    assert k8s.objects["secrets", f"{name}-token"]["metadata"]["ownerReferences"] == [owner], "deleted with its Job"
+    assert k8s.objects["configmaps", name]["metadata"]["ownerReferences"] == [owner]
     assert all(r.headers["authorization"] == "Bearer sa-token" for r in k8s.requests)
     secret, config_map, job = k8s.created
     assert secret["metadata"]["name"] == f"{name}-token"
@@ -163,7 +272,7 @@ def test_a_kubernetes_run_is_created_through_the_api_and_failed_with_the_pods_re
     assert Run.objects.get(pk=run.pk).state == RunState.LAUNCHING, "the engine reports running itself"
     pods = k8s.requests[-1]
     assert pods.url.path == "/api/v1/namespaces/research/pods"
-    assert pods.url.params["labelSelector"] == f"forgeboard.run-id={run.pk}"
+    assert pods.url.params["labelSelector"] == f"batch.kubernetes.io/job-name={name}", "this attempt's pods only"
 
     run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
     k8s.show("k8s_failed_oomkilled")
@@ -179,10 +288,14 @@ def test_cancelling_a_run_whose_pods_wait_for_nodes_deletes_its_job(team, k8s):
     k8s.show("k8s_pending_unschedulable")
     assert poll_kubernetes_runs() == {run.pk: "queued"}
     run_cancel(actor=team.member, run=run)
+    k8s.requests.clear()
     assert poll_kubernetes_runs() == {run.pk: "cancelled in the queue"}
-    delete = k8s.requests[-1]
+    delete, *_ = [r for r in k8s.requests if r.method == "DELETE"]
     assert (delete.method, delete.url.path) == ("DELETE", f"/apis/batch/v1/namespaces/research/jobs/forgeboard-run-{run.pk}")
     assert delete.url.params["propagationPolicy"] == "Background", "its pods go with it"
+    name = f"forgeboard-run-{run.pk}"
+    assert k8s.left(name) == [("pods", "forgeboard-run-42-0-x7k2p"), ("pods", "forgeboard-run-42-1-q9m4d")]
+    assert all(p["metadata"].get("deletionTimestamp") for p in k8s.pods), "its pods terminating; its Secret gone"
     run.refresh_from_db()
     assert run.state == RunState.CANCELLED and "Insufficient nvidia.com/gpu" in run.exit_reason
 
@@ -230,7 +343,7 @@ def test_a_job_being_deleted_in_the_foreground_is_stopped_once_its_pods_are_gone
     assert str(still.value) == (
         "Kubernetes Job forgeboard-run-42 is being deleted: its pods are still stopping (forgeboard-run-42-0-x7k2p on "
         "gpu-node-07 terminating, forgeboard-run-42-1-q9m4d on gpu-node-08 terminating)")
-    assert [r.method for r in k8s.requests] == ["GET", "GET"], "the Job and its pods read; nothing deleted"
+    assert [r.method for r in k8s.requests] == ["GET", "GET", "GET"], "the Job, its pods, the Job; nothing deleted"
 
     k8s.pods = []  # the pods are gone; the garbage collector has not removed the Job yet
     with pytest.raises(JobStillCompleting, match="is being deleted: none of its pods is left, the Job goes next"):

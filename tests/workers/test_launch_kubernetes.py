@@ -64,6 +64,7 @@ def test_pod_gets_the_run_environment_and_what_the_engine_discovers_its_workers_
         "FORGEBOARD_RUN_ID": "42", "FORGEBOARD_URL": "https://forgeboard.example",
         "FORGEBOARD_RUN_TOKEN_FILE": "/var/run/secrets/forgeboard/token", "NCCL_DEBUG": "WARN",
         "FORGEBOARD_MONARCH_JOB": "kubernetes", "FORGEBOARD_RUN_NODES": "2",
+        "FORGEBOARD_K8S_JOB": "forgeboard-run-42",  # the controller attaches this Job's pods, not an earlier attempt's
         "MONARCH_PORT": "26600",  # KubernetesJob dials each pod at the port its MONARCH_PORT says
         "FORGEBOARD_GPUS_PER_HOST": "8",  # the engine hands each node's GPUs to procs (placement gpus_per_proc)
     }

@@ -25,6 +25,7 @@ PROC_GPUS_ENV = "FORGEBOARD_PROC_GPUS"
 NODES_ENV = "FORGEBOARD_RUN_NODES"
 NAMESPACE_ENV = "FORGEBOARD_POD_NAMESPACE"
 POD_IP_ENV = "FORGEBOARD_POD_IP"
+K8S_JOB_ENV = "FORGEBOARD_K8S_JOB"
 TORCH_THREADS_ENV = "ENGINE_TORCH_THREADS"
 BATCH_ENV = "MONARCH_BATCH_JOB"
 SLURM_JOB_ID_ENV = "SLURM_JOB_ID"
@@ -72,6 +73,9 @@ VARIABLES: dict[str, EnvVar] = {var.name: var for var in (
                                                "`metadata.namespace`"),
     EnvVar(POD_IP_ENV, "an IP address", None, "the pod's IP, which its worker advertises and the controller "
                                               "listens on; the pod spec sets it from `status.podIP`"),
+    EnvVar(K8S_JOB_ENV, "a Job name", None, "the Kubernetes Job of the run's attempt: the controller attaches "
+                                          "the pods of that Job only (`batch.kubernetes.io/job-name`), never an "
+                                          "earlier attempt's; set by its pod spec"),
     EnvVar(TORCH_THREADS_ENV, "a number of threads", "1",
            "torch threads of each proc; set by the controller for its procs (`trainer.threads_per_process`)"),
     EnvVar(BATCH_ENV, "1 or unset", None, "1 in the client of a `monarch.job.SlurmJob` in batch mode; set by "

@@ -112,18 +112,18 @@ class SupervisorStillSettling(RuntimeError):
 def _job_finished(*, run: Run, job_id: str) -> bool:
     """Whether the lost run's job completed, as the job poller would find it (its engine finished the run after it was
     taken for lost), and the run ended succeeded for it: read before the job is stopped, since a deleted Kubernetes
-    Job's end can no longer be read (workers/launch/jobs.py `lost_job_finished`)."""
+    Job's end can no longer be read (workers/launch/jobs.py `lost_job_finished`). A Kubernetes Job that completes
+    after this read and before its deletion is found by the stop, which reads it again after deleting it."""
     if run.backend == LaunchBackend.SLURM:
         from workers.launch.slurm_backend import job_status, slurm_cli
 
         return lost_job_finished(run=run, status=job_status(job_id=job_id, cli=slurm_cli()), job=f"SLURM job {job_id}")
     if run.backend == LaunchBackend.KUBERNETES:
-        from workers.launch.kubernetes import kubernetes_job_status
-        from workers.launch.kubernetes_backend import kubernetes_api
+        from workers.launch.kubernetes_backend import kubernetes_api, kubernetes_attempt_status
 
         api = kubernetes_api()
-        job = api.get_job(job_id)
-        status = None if job is None else kubernetes_job_status(job, api.run_pods(run.pk))
+        job = api.get_job(job_id)  # its pods are this attempt's (by the Job's label), never an earlier one's
+        status = None if job is None else kubernetes_attempt_status(name=job_id, job=job, pods=api.job_pods(job_id))
         return lost_job_finished(run=run, status=status, job=f"Kubernetes Job {job_id}")
     return False  # a local engine's supervisor says so itself
 
@@ -136,7 +136,8 @@ def _stop_previous(*, run: Run, job_id: str, pid: int | None, host: str) -> str 
     if run.backend == LaunchBackend.KUBERNETES:
         from workers.launch.kubernetes_backend import stop_kubernetes_job
 
-        return stop_kubernetes_job(name=job_id)
+        return stop_kubernetes_job(name=job_id, finished=lambda status: lost_job_finished(
+            run=run, status=status, job=f"Kubernetes Job {job_id}"))
     from workers.launch import supervisor_lock
     from workers.launch.local import run_dir, stop_local_engine
 

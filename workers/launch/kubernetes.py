@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.engine.actors.kubernetes_workers import PORT_ENV, RANK_LABEL, RUN_LABEL
-from workers.engine.env import GPUS_PER_HOST_ENV, JOB_ENV, NAMESPACE_ENV, NODES_ENV, POD_IP_ENV
+from workers.engine.env import GPUS_PER_HOST_ENV, JOB_ENV, K8S_JOB_ENV, NAMESPACE_ENV, NODES_ENV, POD_IP_ENV
 from workers.launch.slurm import (
     RESERVED_ENVIRONMENT,
     LaunchSpecError,
@@ -42,11 +42,10 @@ from workers.launch.slurm import (
 __all__ = ["KubernetesLaunchRequest", "kubernetes_objects", "kubernetes_job_status", "LaunchSpecError",
            "SchedulerStatus"]
 
-JOB_NAME_LABEL = "batch.kubernetes.io/job-name"  # the Job controller's label on each pod of a Job (1.27+)
 DEFAULT_MONARCH_PORT = 26600
 DEFAULT_SERVICE_ACCOUNT = "forgeboard-engine"  # infra/k8s/engine-rbac.yaml
 # Set by the pod spec for the engine's discovery; not for a run's `environment` to override.
-_DISCOVERY_ENVIRONMENT = frozenset({JOB_ENV, NODES_ENV, NAMESPACE_ENV, POD_IP_ENV, PORT_ENV})
+_DISCOVERY_ENVIRONMENT = frozenset({JOB_ENV, K8S_JOB_ENV, NODES_ENV, NAMESPACE_ENV, POD_IP_ENV, PORT_ENV})
 TOKEN_DIR = "/var/run/secrets/forgeboard"
 CONFIG_DIR = "/etc/forgeboard/run"
 RUN_DIR = "/var/lib/forgeboard/run"  # the engine's working directory: its checkpoints and files (an emptyDir)
@@ -153,7 +152,8 @@ def kubernetes_objects(request: KubernetesLaunchRequest) -> list[dict[str, Any]]
                                   token_file=request.token_file, extra=request.environment,
                                   allowed_paths=list(dict.fromkeys((RUN_DIR, *request.allowed_paths)))
                                   if request.allowed_paths else ())
-    environment |= {JOB_ENV: "kubernetes", NODES_ENV: str(request.nodes), PORT_ENV: str(request.monarch_port)}
+    environment |= {JOB_ENV: "kubernetes", K8S_JOB_ENV: request.name, NODES_ENV: str(request.nodes),
+                    PORT_ENV: str(request.monarch_port)}
     if request.gpus_per_node:  # the engine hands them to procs (placement gpus_per_proc)
         environment[GPUS_PER_HOST_ENV] = str(request.gpus_per_node)
     from_pod = {NAMESPACE_ENV: "metadata.namespace", POD_IP_ENV: "status.podIP"}  # the downward API
@@ -273,6 +273,12 @@ def _index(pod: Mapping[str, Any]) -> str | None:
     return (metadata.get("labels") or {}).get(RANK_LABEL) or (metadata.get("annotations") or {}).get(RANK_LABEL)
 
 
+def _controller_index_completed(job: Mapping[str, Any]) -> bool:
+    """Whether the Job's status counts index 0 (pod 0, the controller's) among its completed indexes: "0", "0-3,5"."""
+    completed = str((job.get("status") or {}).get("completedIndexes") or "")
+    return completed.split(",")[0].split("-")[0] == "0"
+
+
 def _unschedulable(pod: Mapping[str, Any]) -> str | None:
     for condition in (pod.get("status") or {}).get("conditions") or []:
         if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
@@ -289,6 +295,8 @@ def kubernetes_job_status(job: Mapping[str, Any], pods: Sequence[Mapping[str, An
     if _condition(job, "Complete") or _condition(job, "SuccessCriteriaMet"):
         return SchedulerStatus("succeeded", "the controller pod succeeded", job_id)
     if any(_index(p) == "0" and (p.get("status") or {}).get("phase") == "Succeeded" for p in ordered):
+        return SchedulerStatus("succeeded", "the controller pod succeeded", job_id)
+    if _controller_index_completed(job):  # counted by the Job controller, the pod itself perhaps removed since
         return SchedulerStatus("succeeded", "the controller pod succeeded", job_id)
     failed = _condition(job, "Failed") or _condition(job, "FailureTarget")
     # A pod's own failure says more than the Job's summary (BackoffLimitExceeded); once one pod fails the

@@ -16,7 +16,9 @@ Plain HTTP through httpx (no `kubernetes` client package): a few object kinds, c
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,11 +31,12 @@ from forgeboard.runs.models import LaunchBackend, Run
 from forgeboard.runs.tokens import run_token_issue
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append
+from workers.engine.actors.kubernetes_workers import JOB_NAME_LABEL
 from workers.launch.jobs import FOLLOWED_STATES, fail_launch, follow_job, node_shape
-from workers.launch.kubernetes import (JOB_NAME_LABEL, RUN_DIR, RUN_LABEL, KubernetesLaunchRequest, kubernetes_job_name,
+from workers.launch.kubernetes import (RUN_DIR, RUN_LABEL, KubernetesLaunchRequest, kubernetes_job_name,
                                       kubernetes_job_status, kubernetes_objects)
 from workers.launch.local import engine_allowed_paths, engine_config_yaml
-from workers.launch.slurm import JobStillCompleting, LaunchSpecError
+from workers.launch.slurm import JobStillCompleting, LaunchSpecError, SchedulerStatus
 
 logger = logging.getLogger(__name__)
 
@@ -81,25 +84,39 @@ class KubernetesApi:
     def _collection(self, kind: str) -> str:
         return _PATHS[kind].format(ns=quote(self.namespace, safe=""))
 
-    def create(self, obj: dict[str, Any]) -> None:
-        """Create an object; one that already exists (a redelivered launch) is left as it is."""
+    def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Create an object; the object as the API server keeps it. One that already exists (a redelivered launch) is
+        left as it is, and read."""
         kind, name = obj["kind"], obj["metadata"]["name"]
         response = self._call("POST", self._collection(kind), json=obj)
         if response.status_code == 409:
-            return
+            existing = self._get(kind, name)
+            if existing is None:
+                raise KubernetesApiFailed(f"creating {kind} {name}: it exists, then it does not (being deleted?)")
+            return existing
         if response.status_code >= 300:
             raise self._refused(response, f"creating {kind} {name}")
+        return response.json()
+
+    def owned_by(self, kind: str, name: str, *, owner: dict[str, Any]) -> None:
+        """Make the object a dependent of `owner` (an ownerReference: apiVersion, kind, name, uid): the garbage
+        collector deletes it once its owner is deleted, however that is, or is found gone already."""
+        response = self._call("PATCH", f"{self._collection(kind)}/{quote(name, safe='')}",
+                              content=json.dumps({"metadata": {"ownerReferences": [owner]}}),
+                              headers={"Content-Type": "application/merge-patch+json"})
+        if response.status_code >= 300:
+            raise self._refused(response, f"making {kind} {name} a dependent of {owner['kind']} {owner['name']}")
 
     def get_job(self, name: str) -> dict[str, Any] | None:
-        response = self._call("GET", f"{self._collection('Job')}/{quote(name, safe='')}")
+        return self._get("Job", name)
+
+    def _get(self, kind: str, name: str) -> dict[str, Any] | None:
+        response = self._call("GET", f"{self._collection(kind)}/{quote(name, safe='')}")
         if response.status_code == 404:
             return None
         if response.status_code >= 300:
-            raise self._refused(response, f"reading Job {name}")
+            raise self._refused(response, f"reading {kind} {name}")
         return response.json()
-
-    def run_pods(self, run_id: int) -> list[dict[str, Any]]:
-        return self._pods(f"{RUN_LABEL}={run_id}", what=f"the pods of run {run_id}")
 
     def job_pods(self, name: str) -> list[dict[str, Any]]:
         """The pods of one Job (one attempt of a run), by the label the Job controller gives them: also those left
@@ -160,11 +177,21 @@ def submit_kubernetes(*, run: Run, api: KubernetesApi | None = None) -> str:
               "metadata": {"name": request.token_secret, "namespace": request.namespace,
                            "labels": {RUN_LABEL: str(run.pk)}},
               "stringData": {"token": run_token_issue(run=run)}}
+    created: list[tuple[str, str]] = []
     try:
         for obj in [secret, *objects]:
-            api.create(obj)
+            kept = api.create(obj)
+            created.append((obj["kind"], obj["metadata"]["name"]))
+        # The Job owns the Secret and ConfigMap: whoever deletes the Job (a cancel, a stop, `kubectl delete job`)
+        # deletes them with it, at whatever step of this submission that comes.
+        owner = {"apiVersion": "batch/v1", "kind": "Job", "name": request.name, "uid": kept["metadata"]["uid"]}
+        for kind, name in created[:-1]:
+            api.owned_by(kind, name, owner=owner)
     except KubernetesApiFailed as exc:
-        fail_launch(run=run, reason=f"Kubernetes refused the run: {exc}")
+        left = _delete_created(api, created)
+        if left:  # recorded, so that the launch's failure has the reconciler remove them (leftover_stop_since)
+            Run.objects.filter(pk=run.pk).update(job_id=request.name)
+        fail_launch(run=run, reason=f"Kubernetes refused the run: {exc}" + (f"; {left}" if left else ""))
         return ""
     Run.objects.filter(pk=run.pk).update(job_id=request.name)
     event_append(run=run, kind=EventKind.MESSAGE,
@@ -174,7 +201,40 @@ def submit_kubernetes(*, run: Run, api: KubernetesApi | None = None) -> str:
     return request.name
 
 
-def stop_kubernetes_job(*, name: str, api: KubernetesApi | None = None) -> str:
+def _delete_created(api: KubernetesApi, created: list[tuple[str, str]]) -> str:
+    """Delete what a submission that failed half-way created, the Job (with its pods) first; what is left, said."""
+    left = []
+    for kind, name in reversed(created):
+        try:
+            api.delete(kind, name)
+        except KubernetesApiFailed as exc:
+            left.append(str(exc))
+    return f"left to remove: {'; '.join(left)}" if left else ""
+
+
+def delete_kubernetes_objects(*, name: str, api: KubernetesApi) -> None:
+    """Delete an attempt's Job (its pods with it, in the background), ConfigMap and token Secret: a run cancelled
+    while its pods wait. The Job owns the other two; they are deleted by name as well, whatever the garbage collector
+    has done yet."""
+    api.delete("Job", name)
+    api.delete("ConfigMap", name)
+    api.delete("Secret", f"{name}-token")
+
+
+def kubernetes_attempt_status(*, name: str, job: dict[str, Any] | None,
+                              pods: list[dict[str, Any]]) -> SchedulerStatus | None:
+    """An attempt's Job and its pods (by the Job's label) as a run state; its Job gone, only what its pods left say:
+    its controller pod succeeded. None when nothing says."""
+    if job is not None:
+        return kubernetes_job_status(job, pods)
+    if not pods:
+        return None
+    status = kubernetes_job_status({"kind": "Job", "metadata": {"name": name}}, pods)
+    return status if status.state == "succeeded" else None
+
+
+def stop_kubernetes_job(*, name: str, api: KubernetesApi | None = None,
+                        finished: Callable[[SchedulerStatus], bool] | None = None) -> str:
     """Delete a lost run's Job with its pods, then its ConfigMap and token Secret; what was done once none of its pods
     is left.
 
@@ -183,25 +243,33 @@ def stop_kubernetes_job(*, name: str, api: KubernetesApi | None = None) -> str:
     gone while they still run; so the Job's pods are listed by its label, whatever became of the Job. The Job is
     deleted in the foreground: it stays, being deleted, until the garbage collector has removed its pods. Pods left
     without their Job and not being deleted (orphaned: `kubectl delete job --cascade=orphan`) are deleted one by one.
+
+    The attempt may have completed just before its Job was deleted: while the Job (being deleted, its status kept)
+    or its pods are left, every stop reads them, the pods first, then the Job, which counts a succeeded pod before
+    that pod can be removed. Once they say the controller pod succeeded, `finished` is told (it ends a lost run
+    succeeded and says whether it did so); if it did, that is what is returned, and the deletion goes on by itself.
     Raises JobStillCompleting while the Job or any of its pods is left, KubernetesApiFailed when the API server cannot
     be read or refuses a deletion."""
     api = api or kubernetes_api()
     job = api.get_job(name)
     if job is not None and not _being_deleted(job):
         api.delete("Job", name, propagation="Foreground")
-        job = api.get_job(name)
     pods = api.job_pods(name)
+    if job is not None:
+        job = api.get_job(name)  # read after its pods: a pod counted and removed meanwhile is in its status
+    status = kubernetes_attempt_status(name=name, job=job, pods=pods)
+    if finished is not None and status is not None and status.state == "succeeded" and finished(status):
+        return f"Kubernetes Job {name} had completed as it was stopped ({status.reason})"
     if job is None:
         for pod in pods:
             if not _being_deleted(pod):
                 api.delete("Pod", _pod_name(pod))
     if job is not None or pods:
         raise JobStillCompleting(_still_stopping(name, job_left=job is not None, pods=pods))
-    try:  # tidying up: what the restart waits for is the Job's pods gone
-        api.delete("ConfigMap", name)
-        api.delete("Secret", f"{name}-token")  # its token is revoked already
-    except KubernetesApiFailed as exc:
-        logger.warning("the objects of Kubernetes Job %s are left: %s", name, exc)
+    # Owned by the Job, so gone with it by now, or soon; deleted by name all the same (a 404 is fine): a stop is
+    # confirmed only once nothing the submission created is left. The token in the Secret is revoked already.
+    api.delete("ConfigMap", name)
+    api.delete("Secret", f"{name}-token")
     return f"Kubernetes Job {name} and its pods are gone"
 
 
@@ -238,9 +306,10 @@ def poll_kubernetes_runs(*, api: KubernetesApi | None = None) -> dict[int, str]:
     for run in Run.objects.filter(backend=LaunchBackend.KUBERNETES, state__in=FOLLOWED_STATES).exclude(job_id=""):
         try:
             job = api.get_job(run.job_id)
-            status = None if job is None else kubernetes_job_status(job, api.run_pods(run.pk))
+            # The pods of this attempt's Job only: an earlier attempt's may still be terminating.
+            status = None if job is None else kubernetes_job_status(job, api.job_pods(run.job_id))
             done[run.pk] = follow_job(run=run, status=status, job=f"Kubernetes Job {run.job_id}",
-                                      cancel=lambda run=run: api.delete("Job", run.job_id))
+                                      cancel=lambda run=run: delete_kubernetes_objects(name=run.job_id, api=api))
         except (KubernetesApiFailed, LaunchSpecError) as exc:
             logger.warning("Kubernetes Job %s of run %s: %s", run.job_id, run.pk, exc, extra={"run_id": run.pk})
             done[run.pk] = f"unreadable: {exc}"

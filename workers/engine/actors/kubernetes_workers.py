@@ -3,14 +3,16 @@
 A run's Indexed Job (workers/launch/kubernetes.py) has one pod per node; each pod serves a Monarch
 worker at `tcp://<pod IP>:<MONARCH_PORT>`, and pod 0 also runs this controller. With
 FORGEBOARD_MONARCH_JOB=kubernetes the controller does not read FORGEBOARD_MONARCH_WORKERS: it asks
-the Kubernetes API for the run's pods. KubernetesJob in attach-only mode (no MonarchMesh operator)
-watches the pods labelled `forgeboard.run-id=<run id>` until ranks 0..N-1 (the Indexed Job's label
-`batch.kubernetes.io/job-completion-index`) are Ready, then attaches one host mesh to their workers, in
+the Kubernetes API for the pods of its attempt's Job. KubernetesJob in attach-only mode (no MonarchMesh
+operator) watches the pods labelled `forgeboard.run-id=<run id>` and `batch.kubernetes.io/job-name=<the
+attempt's Job>` (never an earlier attempt's, whose pods may still be terminating) until ranks 0..N-1 (the
+Indexed Job's label `batch.kubernetes.io/job-completion-index`) are Ready, then attaches one host mesh to their workers, in
 rank order. It dials each pod's IP at the port its container's MONARCH_PORT says (26600 without one).
 
 Variables, set by the pod spec:
 - FORGEBOARD_MONARCH_JOB: `kubernetes` selects this discovery;
 - FORGEBOARD_RUN_ID: the run; its pods carry the label forgeboard.run-id=<id>;
+- FORGEBOARD_K8S_JOB: the Job of the run's attempt; its pods carry the label batch.kubernetes.io/job-name=<it>;
 - FORGEBOARD_RUN_NODES: how many pods (hosts) the run has;
 - FORGEBOARD_POD_NAMESPACE: the pods' namespace (downward API `metadata.namespace`);
 - FORGEBOARD_POD_IP: the pod's IP (downward API `status.podIP`): its worker advertises it, and this
@@ -28,12 +30,13 @@ from typing import Any
 
 from workers.engine.actors.monarch_job import MonarchJobError
 from workers.engine.actors.worker import Worker, choose_transport
-from workers.engine.env import NAMESPACE_ENV, NODES_ENV, POD_IP_ENV, RUN_ID_ENV, read_env
+from workers.engine.env import K8S_JOB_ENV, NAMESPACE_ENV, NODES_ENV, POD_IP_ENV, RUN_ID_ENV, read_env
 
 PORT_ENV = "MONARCH_PORT"  # on each pod's container; KubernetesJob reads it from the pod spec
 DEFAULT_PORT = 26600  # KubernetesJob's port for a pod without MONARCH_PORT
 RUN_LABEL = "forgeboard.run-id"
 RANK_LABEL = "batch.kubernetes.io/job-completion-index"
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"  # the Job controller's label on each pod of a Job (1.27+)
 
 
 class KubernetesWorkersError(MonarchJobError):
@@ -53,10 +56,13 @@ def kubernetes_hosts(*, environ: Mapping[str, str], timeout_s: float) -> tuple[l
     Waits up to `timeout_s` for every pod to be Ready; KubernetesWorkersError naming the cause when not."""
     run_id, nodes = _positive(environ, RUN_ID_ENV), _positive(environ, NODES_ENV)
     namespace, pod_ip = read_env(NAMESPACE_ENV, environ) or "", read_env(POD_IP_ENV, environ) or ""
-    for name, value, source in ((NAMESPACE_ENV, namespace, "metadata.namespace"), (POD_IP_ENV, pod_ip, "status.podIP")):
+    job_name = read_env(K8S_JOB_ENV, environ) or ""
+    for name, value, source in ((NAMESPACE_ENV, namespace, "metadata.namespace"), (POD_IP_ENV, pod_ip, "status.podIP"),
+                                (K8S_JOB_ENV, job_name, "the Job's name")):
         if not value:
             raise KubernetesWorkersError(f"{name} is not set (the pod spec sets it from {source})")
-    selector = f"{RUN_LABEL}={run_id}"
+    # The pods of this attempt's Job only: an earlier attempt's may still be terminating, with the same run label.
+    selector = f"{RUN_LABEL}={run_id},{JOB_NAME_LABEL}={job_name}"
     where = f"pods {selector} in namespace {namespace}"
     try:
         from monarch.job.kubernetes import KubernetesJob
