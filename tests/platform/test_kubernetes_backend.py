@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
@@ -16,13 +17,14 @@ import pytest
 from django.utils import timezone
 
 from forgeboard.runs.models import Run
+from forgeboard.runs.reconcile import runs_reconcile
 from forgeboard.runs.scheduling import runs_schedule
 from forgeboard.runs.services import run_cancel, run_launch, run_launch_queue, run_transition
 from forgeboard.runs.states import RunState
 from forgeboard.runs.tokens import run_token_authenticate
 from forgeboard.telemetry.models import RunEvent
 from workers.launch import kubernetes_backend
-from workers.launch.backends import start_run
+from workers.launch.backends import start_run, stop_attempt
 from workers.launch.kubernetes_backend import KubernetesApi, poll_kubernetes_runs, stop_kubernetes_job
 from workers.launch.slurm import JobStillCompleting
 
@@ -366,3 +368,157 @@ def test_the_default_engine_service_account_is_the_one_infra_creates_and_may_wat
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "forgeboard-engine", "namespace": "forgeboard"}]
     kustomization = yaml.safe_load((Path(__file__).resolve().parents[2] / "infra/k8s/kustomization.yaml").read_text())
     assert "engine-rbac.yaml" in kustomization["resources"]
+
+
+# --- a lost run's stop, a cancel during the submission, a submission failing half-way, an earlier attempt's pods ----
+
+def _lost(team, asks) -> tuple[Run, dict]:
+    """Submitted, running, then silent for two minutes: the reconciler takes it for lost and asks for its stop."""
+    run = _submitted(team)
+    run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
+    Run.objects.filter(pk=run.pk).update(max_restarts=2, last_heartbeat_at=timezone.now() - timedelta(seconds=120))
+    report = runs_reconcile(now=timezone.now())
+    assert (report.lost, report.stopping) == ([run.pk], [run.pk])
+    [ask] = [a["kwargs"] for a in asks if a["name"] == "runs.stop_attempt"]
+    asks.clear()
+    return Run.objects.get(pk=run.pk), ask
+
+
+def _pod_zero_counted_and_removed(k8s: FakeApiServer) -> None:
+    """The Job controller counted pod 0's success in the Job's status (completedIndexes), removed its tracking
+    finalizer, and the garbage collector removed it: only the Job, being deleted, says so now."""
+    k8s.show("k8s_running")
+    k8s.job["status"] |= {"succeeded": 1, "completedIndexes": "0", "active": 1, "ready": 1}
+    k8s.pods = k8s.pods[1:]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("completed", ["pod 0 succeeded, the Job says so", "pod 0 counted and removed"])
+def test_a_lost_runs_job_that_completes_just_before_the_stop_deletes_it_ends_the_run_succeeded(
+        team, k8s, asks, monkeypatch, completed):
+    """The stop read the Job running (not finished: stop it), then pod 0's engine finished the run and the Job
+    completed, then the stop deleted it. Deleted in the foreground, the Job stays, being deleted, with its status: the
+    stop reads it again (its pods first) and the run ends succeeded, not restarted to train again from its checkpoint.
+    On the old code the stop waited for the pods to go and restarted the run."""
+    run, ask = _lost(team, asks)
+    k8s.show("k8s_running")
+    transport = kubernetes_backend.kubernetes_api().transport
+
+    def completes_as_it_is_deleted(request):
+        if request.method == "DELETE" and request.url.path.endswith(f"/jobs/{run.job_id}"):
+            if completed == "pod 0 counted and removed":
+                _pod_zero_counted_and_removed(k8s)
+            else:
+                k8s.show("k8s_succeeded")
+        return k8s.handle(request)
+
+    monkeypatch.setattr(transport, "handler", completes_as_it_is_deleted)
+
+    assert stop_attempt(**ask) == (f"Kubernetes Job {run.job_id} had completed as it was stopped (the controller pod "
+                                   "succeeded); not restarted")
+
+    run.refresh_from_db()
+    assert (run.state, run.restart_count) == (RunState.SUCCEEDED, 0), run.exit_reason
+    assert run.exit_reason.startswith("finished after it was taken for lost (no heartbeat for ")
+    assert run.exit_reason.endswith(f"): Kubernetes Job {run.job_id}: the controller pod succeeded")
+    assert k8s.job["metadata"]["deletionTimestamp"], "being deleted: it goes with its pods, by itself"
+    k8s.pods_removed()
+    assert k8s.left(run.job_id) == [], "its Secret and ConfigMap went with it"
+    report = runs_reconcile(now=timezone.now() + timedelta(hours=1))
+    assert (report.restarted, report.stopping) == ([], [])
+    assert Run.objects.get(pk=run.pk).state == RunState.SUCCEEDED
+
+
+@pytest.mark.django_db
+def test_a_lost_runs_job_that_did_not_complete_is_still_stopped_and_restarted(team, k8s, asks):
+    """Read again after its delete, a Job whose pod 0 was still running is stopped as before: the run restarts once
+    its pods are gone, and nothing of the attempt is left."""
+    run, ask = _lost(team, asks)
+    k8s.show("k8s_running")
+    assert stop_attempt(**ask).startswith(f"still stopping: Kubernetes Job {run.job_id} is being deleted")
+    k8s.pods_removed()
+    assert stop_attempt(**ask) == f"Kubernetes Job {run.job_id} and its pods are gone; restarted"
+    assert k8s.left(run.job_id) == []
+    assert Run.objects.get(pk=run.pk).state == RunState.QUEUED
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("lands_on", [("POST", "secrets"), ("POST", "configmaps"), ("POST", "jobs"),
+                                      ("PATCH", "secrets"), ("PATCH", "configmaps")])
+def test_a_cancel_during_the_submission_leaves_nothing_of_it_whichever_step_it_lands_on(team, k8s, monkeypatch,
+                                                                                         lands_on):
+    """The Secret holds the run's controller token: on the old code a cancel during the submission deleted only the
+    Job, and the Secret and ConfigMap stayed. They are the Job's dependents now, and go with it."""
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=K8S_YAML)
+    assert run.pk in runs_schedule(now=timezone.now())
+    transport = kubernetes_backend.kubernetes_api().transport
+
+    def cancel_on_that_step(request):
+        if (request.method, request.url.path.split("/")[-1 if request.method == "POST" else -2]) == lands_on:
+            run_cancel(actor=team.member, run=Run.objects.get(pk=run.pk))
+        return k8s.handle(request)
+
+    monkeypatch.setattr(transport, "handler", cancel_on_that_step)
+
+    assert start_run(run_id=run.pk) is True
+    run.refresh_from_db()
+    name = f"forgeboard-run-{run.pk}"
+    assert run.state == RunState.CANCELLED, run.exit_reason
+    assert run.exit_reason == f"cancelled while it was being submitted; Kubernetes Job {name} removed"
+    assert k8s.left(name) == []
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("refused", "step"), [
+    ("refuse_creating", "jobs"), ("refuse_creating", "configmaps"), ("refuse_patching", "configmaps")])
+def test_a_submission_refused_half_way_removes_what_it_created(team, k8s, refused, step):
+    getattr(k8s, refused)[step] = (403, f'{step} is forbidden: User "system:serviceaccount:forgeboard:worker"')
+    run = _submitted(team)
+    name = f"forgeboard-run-{run.pk}"
+    assert (run.state, run.job_id) == (RunState.FAILED, "")
+    assert run.exit_reason.startswith("Kubernetes refused the run: ") and "is forbidden" in run.exit_reason
+    assert k8s.created, "something was created before the refusal"
+    assert k8s.left(name) == []
+    assert run_token_authenticate(raw=k8s.created[0]["stringData"]["token"]) is None, "its token is revoked"
+
+
+@pytest.mark.django_db
+def test_a_submission_whose_leftovers_cannot_be_removed_has_the_reconciler_remove_them(team, k8s, asks):
+    k8s.refuse_creating["jobs"] = (403, 'jobs.batch is forbidden: User "system:serviceaccount:forgeboard:worker"')
+    k8s.refuse_deleting["configmaps"] = (503, "etcdserver: request timed out")
+    run = _submitted(team)
+    name = f"forgeboard-run-{run.pk}"
+    assert (run.state, run.job_id) == (RunState.FAILED, name), "recorded: the reconciler stops what is left"
+    assert run.exit_reason.endswith(f"left to remove: deleting ConfigMap {name}: HTTP 503: etcdserver: request timed out")
+    assert run.leftover_stop_since is not None
+    assert k8s.left(name) == [("configmaps", name)]
+
+    del k8s.refuse_deleting["configmaps"]
+    assert runs_reconcile(now=timezone.now()).leftover_stopping == [run.pk]
+    [ask] = [a["kwargs"] for a in asks if a["name"] == "runs.stop_attempt"]
+    assert stop_attempt(**ask) == f"Kubernetes Job {name} and its pods are gone; not restarted"
+    assert k8s.left(name) == []
+    assert Run.objects.get(pk=run.pk).state == RunState.FAILED
+
+
+@pytest.mark.django_db
+def test_a_new_attempt_is_judged_by_its_own_pods_not_the_earlier_attempts_still_terminating(team, k8s):
+    """The run restarted (attempt 1, Job forgeboard-run-N-1) while its attempt 0's pods, evicted, still terminate
+    with the same run label: the poller reads attempt 1's pods only. On the old code (pods by run label) the evicted
+    pods of attempt 0 lost the new attempt."""
+    run = _submitted(team)
+    k8s.show("k8s_lost_evicted")
+    earlier = [_being_deleted(pod) | {"metadata": pod["metadata"] | {"name": f"{pod['metadata']['name']}-old"}}
+               for pod in k8s.pods]
+    Run.objects.filter(pk=run.pk).update(restart_count=1, job_id="")
+    start_run(run_id=run.pk)
+    run.refresh_from_db()
+    assert run.job_id == f"forgeboard-run-{run.pk}-1"
+    k8s.show("k8s_running")
+    k8s.pods = [*k8s.pods, *earlier]
+    run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
+
+    assert poll_kubernetes_runs() == {run.pk: "running"}
+    assert Run.objects.get(pk=run.pk).state == RunState.RUNNING
+    pods = [r for r in k8s.requests if r.url.path.endswith("/pods")][-1]
+    assert pods.url.params["labelSelector"] == f"batch.kubernetes.io/job-name={run.job_id}"
