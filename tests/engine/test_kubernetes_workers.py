@@ -40,7 +40,9 @@ RECORDED_POD = REPO_DIR / "workers" / "launch" / "recorded" / "k8s_engine_pod_re
 NAMESPACE = "research"
 PODS_PATH = f"/api/v1/namespaces/{NAMESPACE}/pods"
 DISCOVERY_ENV = {"FORGEBOARD_MONARCH_JOB": "kubernetes", "FORGEBOARD_RUN_ID": "42", "FORGEBOARD_RUN_NODES": "2",
-                 "FORGEBOARD_POD_NAMESPACE": NAMESPACE, "FORGEBOARD_POD_IP": "127.0.0.1"}
+                 "FORGEBOARD_POD_NAMESPACE": NAMESPACE, "FORGEBOARD_POD_IP": "127.0.0.1",
+                 "FORGEBOARD_K8S_JOB": "forgeboard-run-42-1"}  # attempt 1 of run 42
+SELECTOR = "forgeboard.run-id=42,batch.kubernetes.io/job-name=forgeboard-run-42-1"
 
 # The controller: the in-cluster config becomes the fake API server over plain HTTP (the real one needs the
 # service-account files and https); then the engine's own discovery (Hosts.from_job), and one proc per host.
@@ -73,15 +75,16 @@ print(json.dumps({"workers": [[w.name, w.address, w.host, w.port] for w in worke
 """
 
 
-def recorded_pod(*, rank: int, port: int, ready: bool = True) -> dict[str, Any]:
-    """The recorded pod of rank 0, as the pod of `rank` whose worker listens on 127.0.0.1:`port`."""
+def recorded_pod(*, rank: int, port: int, ready: bool = True, job: str = "forgeboard-run-42-1") -> dict[str, Any]:
+    """The recorded pod of rank 0, as the pod of `rank` of Job `job` whose worker listens on 127.0.0.1:`port`."""
     pod = copy.deepcopy(json.loads(RECORDED_POD.read_text()))
     metadata, spec, status = pod["metadata"], pod["spec"], pod["status"]
-    metadata["name"] = f"forgeboard-run-42-{rank}-{'x7k2p' if rank == 0 else 'm3q8z'}"
+    metadata["name"] = f"{job}-{rank}-{'x7k2p' if rank == 0 else 'm3q8z'}"
     metadata["namespace"] = NAMESPACE
+    metadata["labels"]["batch.kubernetes.io/job-name"] = metadata["labels"]["job-name"] = job
     metadata["labels"]["batch.kubernetes.io/job-completion-index"] = str(rank)
     metadata["annotations"]["batch.kubernetes.io/job-completion-index"] = str(rank)
-    spec["hostname"] = f"forgeboard-run-42-{rank}"
+    spec["hostname"] = f"{job}-{rank}"
     (monarch_port,) = [e for e in spec["containers"][0]["env"] if e["name"] == "MONARCH_PORT"]
     monarch_port["value"] = str(port)
     status["podIP"], status["podIPs"] = "127.0.0.1", [{"ip": "127.0.0.1"}]
@@ -92,8 +95,9 @@ def recorded_pod(*, rank: int, port: int, ready: bool = True) -> dict[str, Any]:
 
 
 class FakeApiServer:
-    """Pods of one namespace: the watch streams them as ADDED events and stays open for its timeoutSeconds,
-    as the API server does; the plain list returns them. Keeps every request's path and query."""
+    """Pods of one namespace: the watch streams those its label selector (`k=v,k2=v2`) selects as ADDED events and
+    stays open for its timeoutSeconds, as the API server does; the plain list returns them. Keeps every request's path
+    and query."""
 
     def __init__(self) -> None:
         self.pods: list[dict[str, Any]] = []
@@ -101,6 +105,10 @@ class FakeApiServer:
         self.requests: list[tuple[str, dict[str, list[str]]]] = []
         self.closing = threading.Event()
         fake = self
+
+        def selected(query: dict[str, list[str]]) -> list[dict[str, Any]]:
+            terms = [term.partition("=") for term in query.get("labelSelector", [""])[0].split(",") if term]
+            return [pod for pod in fake.pods if all(pod["metadata"]["labels"].get(k) == v for k, _, v in terms)]
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -119,10 +127,10 @@ class FakeApiServer:
                                         "message": f'pods is forbidden: User "system:serviceaccount:{NAMESPACE}:'
                                                    f'default" cannot watch resource "pods"'})
                 elif query.get("watch", ["false"])[0].lower() == "true":
-                    self._watch(float(query.get("timeoutSeconds", ["60"])[0]))
+                    self._watch(float(query.get("timeoutSeconds", ["60"])[0]), selected(query))
                 else:
                     self._json(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "918300"},
-                                     "items": fake.pods})
+                                     "items": selected(query)})
 
             def _json(self, status: int, body: dict[str, Any]) -> None:
                 data = json.dumps(body).encode()
@@ -136,14 +144,14 @@ class FakeApiServer:
                 self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
                 self.wfile.flush()
 
-            def _watch(self, timeout_s: float) -> None:
+            def _watch(self, timeout_s: float, pods: list[dict[str, Any]]) -> None:
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.send_header("Connection", "close")
                 self.end_headers()
                 try:
-                    for pod in fake.pods:
+                    for pod in pods:
                         self._chunk(json.dumps({"type": "ADDED", "object": pod}).encode() + b"\n")
                     fake.closing.wait(timeout_s)
                     self._chunk(b"")
@@ -218,22 +226,36 @@ def test_the_run_pods_become_a_host_mesh_in_rank_order(api: FakeApiServer, pod_w
     ports = [int(w.address.rsplit(":", 1)[1]) for w in pod_workers]
     api.pods = [recorded_pod(rank=1, port=ports[1]), recorded_pod(rank=0, port=ports[0])]  # rank 1 is seen first
     found, _ = discover(api.url, timeout_s=60)
-    assert found["workers"] == [["forgeboard-run-42-0", f"tcp://127.0.0.1:{ports[0]}", "127.0.0.1", ports[0]],
-                                ["forgeboard-run-42-1", f"tcp://127.0.0.1:{ports[1]}", "127.0.0.1", ports[1]]]
+    assert found["workers"] == [["forgeboard-run-42-1-0", f"tcp://127.0.0.1:{ports[0]}", "127.0.0.1", ports[0]],
+                                ["forgeboard-run-42-1-1", f"tcp://127.0.0.1:{ports[1]}", "127.0.0.1", ports[1]]]
     (watch,) = api.watches()
-    assert watch["labelSelector"] == ["forgeboard.run-id=42"] and watch["watch"] == ["true"]
+    assert watch["labelSelector"] == [SELECTOR] and watch["watch"] == ["true"]
     lists = [query for _, query in api.requests if not query.get("watch")]  # the names and IPs, after the attach
-    assert [query["labelSelector"] for query in lists] == [["forgeboard.run-id=42"]]
+    assert [query["labelSelector"] for query in lists] == [[SELECTOR]]
     assert all(path == PODS_PATH for path, _ in api.requests)
     # each host of the mesh is the pod of its rank: the proc spawned there is that worker's descendant
-    for worker, name in zip(pod_workers, ["forgeboard-run-42-0", "forgeboard-run-42-1"]):
+    for worker, name in zip(pod_workers, ["forgeboard-run-42-1-0", "forgeboard-run-42-1-1"]):
         assert worker.pid in ancestors(found["pids"][name]), (name, found["pids"])
+
+
+def test_an_earlier_attempts_pods_still_terminating_are_never_attached(
+        api: FakeApiServer, pod_workers: list[LocalWorker]) -> None:
+    """Attempt 0's pods (Job forgeboard-run-42), still Ready through their grace period, carry the same run label and
+    ranks, and their workers no longer answer: the controller of attempt 1 attaches its own Job's pods only. By the run
+    label alone (the old selector) both attempts' pods were listed, and the workers it named for ranks 0 and 1 were
+    attempt 0's pods, at ports where nothing answers."""
+    ports = [int(w.address.rsplit(":", 1)[1]) for w in pod_workers]
+    earlier = [recorded_pod(rank=rank, port=free_port(), job="forgeboard-run-42") for rank in (0, 1)]
+    api.pods = [recorded_pod(rank=0, port=ports[0]), recorded_pod(rank=1, port=ports[1]), *earlier]
+    found, _ = discover(api.url, timeout_s=60)
+    assert [w[0] for w in found["workers"]] == ["forgeboard-run-42-1-0", "forgeboard-run-42-1-1"], found
+    assert [w[3] for w in found["workers"]] == ports
 
 
 def test_a_pod_that_never_becomes_ready_is_named_within_the_timeout(api: FakeApiServer) -> None:
     api.pods = [recorded_pod(rank=0, port=free_port()), recorded_pod(rank=1, port=free_port(), ready=False)]
     found, elapsed = discover(api.url, timeout_s=3)
-    assert "pods forgeboard.run-id=42 in namespace research not attached within 3 s" in found["error"]
+    assert f"pods {SELECTOR} in namespace research not attached within 3 s" in found["error"]
     assert "Missing ranks: [1]" in found["error"]
     assert 3 <= elapsed < 15, "the watch ends at its timeout (the rest is Monarch's import)"
 
@@ -241,13 +263,13 @@ def test_a_pod_that_never_becomes_ready_is_named_within_the_timeout(api: FakeApi
 def test_a_refused_watch_says_the_api_refused(api: FakeApiServer) -> None:
     api.refuse = 403
     found, _ = discover(api.url, timeout_s=5)
-    assert "pods forgeboard.run-id=42 in namespace research" in found["error"]
+    assert f"pods {SELECTOR} in namespace research" in found["error"]
     assert "403" in found["error"] and "cannot watch resource" in found["error"]
 
 
 def test_an_api_server_that_cannot_be_reached_is_named() -> None:
     found, _ = discover(f"http://127.0.0.1:{free_port()}", timeout_s=5)  # nothing listens there
-    assert "pods forgeboard.run-id=42 in namespace research not attached within 5 s" in found["error"]
+    assert f"pods {SELECTOR} in namespace research not attached within 5 s" in found["error"]
     assert "Connection refused" in found["error"]
 
 
@@ -256,6 +278,7 @@ def test_an_api_server_that_cannot_be_reached_is_named() -> None:
     ("FORGEBOARD_RUN_ID", "FORGEBOARD_RUN_ID must be a positive integer"),
     ("FORGEBOARD_POD_NAMESPACE", "FORGEBOARD_POD_NAMESPACE is not set"),
     ("FORGEBOARD_POD_IP", r"FORGEBOARD_POD_IP is not set \(the pod spec sets it from status.podIP\)"),
+    ("FORGEBOARD_K8S_JOB", r"FORGEBOARD_K8S_JOB is not set \(the pod spec sets it from the Job's name\)"),
 ])
 def test_a_missing_variable_is_named_before_any_api_call(missing: str, says: str) -> None:
     environ = {k: v for k, v in DISCOVERY_ENV.items() if k != missing}

@@ -151,6 +151,7 @@ def test_cpu_only_runs_request_no_gpus():
         ({"environment": {"FORGEBOARD_RUN_TOKEN_FILE": "/tmp/x"}}, "environment.FORGEBOARD_RUN_TOKEN_FILE"),
         ({"environment": {"MONARCH_PORT": "1"}}, "environment.MONARCH_PORT"),
         ({"environment": {"FORGEBOARD_POD_IP": "10.0.0.1"}}, "environment.FORGEBOARD_POD_IP"),
+        ({"environment": {"FORGEBOARD_K8S_JOB": "forgeboard-run-41"}}, "environment.FORGEBOARD_K8S_JOB"),
         ({"service_account": "Engine SA"}, "service_account"),
         ({"control_plane_url": "forgeboard.example"}, "control_plane_url"),
     ],
@@ -207,3 +208,17 @@ def test_a_job_with_no_pods_yet_is_launching():
 def test_not_a_job_is_refused():
     with pytest.raises(LaunchSpecError, match="Job"):
         kubernetes_job_status({"kind": "Pod"}, [])
+
+
+@pytest.mark.parametrize(("completed", "state"), [("0", "succeeded"), ("0-1", "succeeded"), ("0,2-3", "succeeded"),
+                                                  ("1", "running"), ("10-11", "running"), ("", "running")])
+def test_the_controller_index_counted_completed_is_a_success_once_its_pod_is_gone(completed, state):
+    """The Job controller counts pod 0's success in the Job's status (completedIndexes) before the pod can be removed
+    (deleted with its Job): a stop that reads the Job after that finds the success there."""
+    recorded = json.loads((RECORDED / "k8s_running.json").read_text())
+    recorded["job"]["status"]["completedIndexes"] = completed
+    recorded["job"]["metadata"]["deletionTimestamp"] = "2026-11-30T05:02:41Z"
+    pods = [p for p in recorded["pods"]["items"] if p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"] != "0"]
+    if state == "running":
+        pods = recorded["pods"]["items"]
+    assert kubernetes_job_status(recorded["job"], pods).state == state
