@@ -287,7 +287,7 @@ def _unschedulable(pod: Mapping[str, Any]) -> str | None:
 
 
 def kubernetes_job_status(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> SchedulerStatus:
-    """A run's Job and its pods (`kubectl get job,pods -l forgeboard.run-id=N -o json`) as a run state."""
+    """A run's Job and its pods (`kubectl get pods -l batch.kubernetes.io/job-name=<Job> -o json`) as a run state."""
     if not isinstance(job, Mapping) or job.get("kind", "Job") != "Job":
         raise LaunchSpecError("job", "expected a batch/v1 Job object")
     job_id = (job.get("metadata") or {}).get("name", "")

@@ -3,15 +3,19 @@
 A run whose config says `placement.backend: kubernetes` is placed by Kubernetes, not on the
 inventory. A worker configured for it (`FORGEBOARD_K8S_API_URL`, `FORGEBOARD_K8S_NAMESPACE`,
 `FORGEBOARD_K8S_IMAGE`; in a pod, the service account's token and CA) creates a Secret with the run
-token, then the ConfigMap and Indexed Job built by `workers/launch/kubernetes.py`. The Job's pods run as
+token, then the ConfigMap and Indexed Job built by `workers/launch/kubernetes.py`, and makes the Secret and ConfigMap
+dependents of the Job (ownerReferences): whoever deletes the Job deletes them too. A submission that fails half-way
+deletes what it created. The Job's pods run as
 `FORGEBOARD_K8S_ENGINE_SERVICE_ACCOUNT`, which must exist in the namespace and may read its pods (the
 engine controller finds its workers through the API: infra/k8s/engine-rbac.yaml).
-`runs.poll_jobs` reads the Job and its pods and moves the run as `workers/launch/jobs.py` says; a run
-cancelled while its pods wait to be scheduled has its Job deleted. A lost run's Job is deleted with its pods
+`runs.poll_jobs` reads the Job and its pods (by the Job's label: never an earlier attempt's) and moves the run as
+`workers/launch/jobs.py` says; a run cancelled while its pods wait to be scheduled has its Job, ConfigMap and Secret
+deleted. A lost run's Job is deleted with its pods
 (`stop_kubernetes_job`, asked by the reconciler) and the run restarts, as a Job of its own named for the attempt,
-only once none of those pods is left.
+only once none of those pods is left; if the Job turns out to have completed as it was deleted, the run ends
+succeeded instead.
 
-Plain HTTP through httpx (no `kubernetes` client package): a few object kinds, create / get / list / delete.
+Plain HTTP through httpx (no `kubernetes` client package): a few object kinds, create / get / list / patch / delete.
 """
 
 from __future__ import annotations
