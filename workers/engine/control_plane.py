@@ -18,6 +18,11 @@ What it guarantees:
   `telemetry_dropped` and the `telemetry/dropped` metric (items dropped so far).
 - A spool numbered other than the control plane expects (a garbled `last_seq`, a renumbering stopped midway) is
   renumbered from its `sequence_gap` answer.
+- Recording never ends the run: `write` raises nothing a full disk (or another OSError) causes. What the spool's
+  journal cannot take is dropped, and reported like a refused item once it takes records again (`telemetry_dropped`,
+  its reason saying so); a round whose seal fails (no space for the batches) only tells the control plane the run
+  is alive (a heartbeat, so that it is not taken for lost), and sealing resumes by itself once there is space.
+  Each outage is logged once (`line_file.Outages`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import httpx
 from pydantic import ValidationError
 
 from workers.engine.env import CONTROL_PLANE_URL_ENV, RUN_ID_ENV, RUN_TOKEN_FILE_ENV, read_env, read_number
+from workers.engine.line_file import Outages
 from workers.engine.metrics import Record
 from workers.engine.telemetry_spool import SpooledBatch, TelemetrySpool
 from workers.engine.telemetry_wire import MAX_LOG_LINE_CHARS, MAX_REQUEST_BYTES, EventKindName, TelemetryResponse
@@ -165,10 +171,16 @@ class ControlPlaneSink:
         self._window = SendWindow()
         self._refusals: dict[int, int] = {}  # batch seq -> answers that refused it as a whole
         self.dropped_by_section: dict[str, int] = {"metrics": 0, "events": 0, "logs": 0}
+        self._sealing = Outages(f"the telemetry batches of the spool {self.spool}",
+                                meanwhile="records wait in its journal (the control plane hears the run is alive)")
+        if self._spool.dropped_unreadable is not None:
+            self._append("events", {"kind": "message", "time": time.time(), "payload": wire_value(
+                {"name": "telemetry_dropped_count_lost", "reason": "the count of items dropped by earlier controllers "
+                 f"cannot be read ({self._spool.dropped_unreadable}): counted again from 0"})})
         try:
             self._spool.seal()  # what a previous controller recorded but did not seal
-        except OSError:  # a full disk: the sender tries again, and the run starts meanwhile
-            logger.exception("telemetry spool %s could not be sealed; trying again", self.spool)
+        except OSError as error:  # a full disk: the sender tries again, and the run starts meanwhile
+            self._sealing.failed(error, dropped=0)
         self._url = f"/api/v1/controller/runs/{target.run_id}/telemetry"
         self._client = httpx.Client(
             base_url=target.url, timeout=timeout_s, transport=transport,
@@ -197,6 +209,10 @@ class ControlPlaneSink:
     def _append(self, section: str, item: dict) -> None:
         if self._spool.append(section, item):
             self._wake.set()
+        unwritten = self._spool.take_unwritten()
+        if unwritten:
+            self._record_dropped(unwritten, seq=self._spool.next_seq, reasons=[
+                f"not written: the spool's journal could not take them ({self._spool.journal_error})"])
 
     def close(self, *, timeout_s: float = 30.0) -> bool:
         """Flush and send what is left; True when nothing is left in the spool.
@@ -249,7 +265,11 @@ class ControlPlaneSink:
                     return
                 try:
                     self._spool.seal()
+                    self._sealing.succeeded()
                     sent = self._send_spooled()
+                except OSError as error:  # a full disk: nothing is sent until the seal is done (it numbers batches)
+                    self._sealing.failed(error, dropped=0)
+                    sent = self._heartbeat()
                 except Exception:  # noqa: BLE001 - a dead sender stops the heartbeats, and the run is taken for lost
                     logger.exception("telemetry round failed; trying again")
                     sent = False
@@ -394,11 +414,12 @@ class ControlPlaneSink:
             self.dropped_by_section[section] = self.dropped_by_section.get(section, 0) + n
         total = self._spool.count_dropped(count)
         logger.warning("telemetry dropped: %d items of batch %d (%s)", count, seq, "; ".join(reasons)[:500])
-        now = time.time()
-        self._append("events", {"kind": "message", "time": now, "payload": wire_value(
+        now = time.time()  # appended to the spool directly: one it cannot take is counted, reported with the next
+        self._spool.append("events", {"kind": "message", "time": now, "payload": wire_value(
             {"name": "telemetry_dropped", "seq": seq, "items": count, "total": total,
              "by_section": {k: v for k, v in counts.items() if v}, "reasons": reasons[:5]})})
-        self._append("metrics", {"key": DROPPED_KEY, "step": total, "value": float(total), "time": now})
+        if self._spool.append("metrics", {"key": DROPPED_KEY, "step": total, "value": float(total), "time": now}):
+            self._wake.set()
 
 
 def _refused_items(answer: dict) -> tuple[dict[int, set[tuple[str, int]]], dict[int, list[str]]]:

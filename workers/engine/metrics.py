@@ -8,17 +8,27 @@
 Every record is a plain JSON-able dict with a `kind` ("metric", "event", "rollout"), a
 monotonically increasing `seq` (the control-plane client uses it to send idempotently),
 and a wall-clock `time`. A sink is anything with `write(record)` and `close()`.
+
+Recording never ends the run: an OSError from a sink (a full disk, a console whose pipe closed) drops that record
+for that sink alone, counted in `Recorder.dropped` by sink and logged once an outage; the sinks that write files
+(`JsonlSink`, the control plane's spool) also handle it themselves, so that they resume whole once the disk takes
+lines again.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from workers.engine.line_file import LineFile, Outages
+
+logger = logging.getLogger(__name__)
 Record = dict[str, Any]
+JSONL_BUFFER_CHARS = 64 * 1024  # a JSONL sink writes once it holds this much, whatever its flush_seconds
 
 
 class Sink(Protocol):
@@ -31,12 +41,29 @@ class Recorder:
     def __init__(self, sinks: list[Sink] | None = None, *, start_seq: int = 0):
         self.sinks: list[Sink] = list(sinks or [])
         self.seq = start_seq
+        self._outages: dict[int, tuple[str, Outages]] = {}  # by id(sink): a sink that raised an OSError
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Records a sink raised an OSError on, by the sink's class name (those it dropped itself are its own)."""
+        counts: dict[str, int] = {}
+        for name, outages in self._outages.values():
+            counts[name] = counts.get(name, 0) + outages.dropped
+        return counts
 
     def _emit(self, record: Record) -> None:
         self.seq += 1
         record = {"seq": self.seq, "time": time.time(), **record}
         for sink in self.sinks:
-            sink.write(record)
+            try:
+                sink.write(record)
+            except OSError as error:
+                name = type(sink).__name__
+                _, outages = self._outages.setdefault(id(sink), (name, Outages(f"the recorder's sink {name}")))
+                outages.failed(error, dropped=1)
+            else:
+                if self._outages and id(sink) in self._outages:
+                    self._outages[id(sink)][1].succeeded()
 
     def log(self, key: str, value: float, step: int) -> None:
         self._emit({"kind": "metric", "key": key, "value": float(value), "step": step})
@@ -53,7 +80,10 @@ class Recorder:
 
     def close(self) -> None:
         for sink in self.sinks:
-            sink.close()
+            try:
+                sink.close()
+            except OSError as error:
+                logger.warning("closing the recorder's sink %s failed: %s", type(sink).__name__, error)
 
 
 class MemorySink:
@@ -82,22 +112,40 @@ class MemorySink:
 
 
 class JsonlSink:
-    """One JSON object per line, flushed at most every flush_seconds (and on close)."""
+    """One JSON object per line, written at most every flush_seconds (or once JSONL_BUFFER_CHARS are held; and on
+    close). Lines the disk does not take are dropped and counted (`dropped`), the file never left with part of one
+    (`line_file.py`)."""
 
     def __init__(self, path: str | Path, *, flush_seconds: float = 1.0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO = open(self.path, "a", encoding="utf-8")
+        self._file = LineFile(self.path, what="the metrics JSONL")
+        self._file.open()
+        self._held: list[str] = []
+        self._held_chars = 0
         self.flush_seconds = flush_seconds
         self._last_flush = time.monotonic()
 
+    @property
+    def dropped(self) -> int:
+        """Records not written, so far."""
+        return self._file.dropped
+
     def write(self, record: Record) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        if time.monotonic() - self._last_flush >= self.flush_seconds:
-            self._file.flush()
-            self._last_flush = time.monotonic()
+        line = json.dumps(record) + "\n"
+        self._held.append(line)
+        self._held_chars += len(line)
+        if self._held_chars >= JSONL_BUFFER_CHARS or time.monotonic() - self._last_flush >= self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._held:
+            self._file.append("".join(self._held), lines=len(self._held))
+            self._held, self._held_chars = [], 0
+        self._last_flush = time.monotonic()
 
     def close(self) -> None:
+        self.flush()
         self._file.close()
 
 

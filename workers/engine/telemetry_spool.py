@@ -18,6 +18,20 @@ What it guarantees, whenever the controller is killed (a SIGKILL, an OOM kill, a
 
 `last_seq` holds the last number given, for a spool whose batches were all delivered; when it cannot be read,
 batches are numbered far ahead (`FAR_AHEAD_SEQ`) and renumbered from the control plane's `sequence_gap` answer.
+`dropped` holds the count of items dropped so far; one that cannot be read is copied aside and said so
+(`dropped_unreadable`), the count going on from 0: never reset silently.
+
+A full disk never ends the run (the training loop appends): a record the journal cannot take is dropped and counted
+by section (`take_unwritten`, for the sender to report once the journal takes records again), logged once an
+outage (`line_file.py`), and the journal is never left with part of a line before the next record. The spool's other
+writes (sealing, splitting, the markers) run in the sender's thread; one that fails leaves the files as a kill there
+would, finished by a later seal once there is space.
+
+Durability: journal lines are written (one write(2) each), not fsynced: a controller killed loses none, and the
+sender seals the journal every `flush_seconds`, off the training loop, into batch files that are fsynced. So a power
+cut loses at most the records of the last seconds, never a batch, and the training loop pays no fsync per record or
+step. A `.tmp` file left by a kill between a write and its rename is removed when the next spool opens the folder
+(it is never read: its write is done again from what it was made of).
 Django-free: this runs on GPU nodes.
 """
 
@@ -26,10 +40,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers.engine.line_file import LineFile
 from workers.engine.telemetry_wire import (
     MAX_EVENTS_PER_BATCH,
     MAX_LOGS_PER_BATCH,
@@ -42,6 +59,7 @@ BATCH_FILE_DIGITS = 12
 FAR_AHEAD_SEQ = 10 ** (BATCH_FILE_DIGITS - 1)  # past any run's batches: the control plane answers sequence_gap
 SECTION_LIMITS = {"metrics": MAX_METRICS_PER_BATCH, "events": MAX_EVENTS_PER_BATCH, "logs": MAX_LOGS_PER_BATCH}
 MAX_BATCH_BYTES = MAX_REQUEST_BYTES // 2  # a sealed batch is split above this
+TEMPORARY_SUFFIX = ".tmp"  # a file written beside its place, then renamed over it
 
 
 @dataclass(frozen=True)
@@ -63,29 +81,56 @@ class TelemetrySpool:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.refused_folder = self.folder / "refused"
+        _remove_stale_temporaries(self.folder, self.refused_folder)
         # Every record is appended to an open journal as it is written, so a controller killed mid-batch
         # loses nothing: the journal is in the OS's hands, and the next controller seals it first.
         self._journal_path = self.folder / "open.jsonl"
-        self._journal = open(self._journal_path, "a", encoding="utf-8")
+        self._journal = LineFile(self._journal_path, what="the telemetry journal")
+        self._journal.open()
         self._journal_metrics = 0
+        self._unwritten = {section: 0 for section in SECTION_LIMITS}  # dropped by the journal, not yet reported
         self._lock = threading.Lock()
         self.next_seq = self._first_free_seq()
+        self.dropped_unreadable: str | None = None  # why the `dropped` count could not be read
         self.dropped = self._dropped_so_far()
 
     # --- records in -------------------------------------------------------------------------------
     def append(self, section: str, item: dict) -> bool:
-        """Journal one wire item; True when the journal holds a batch's worth of metrics (time to seal)."""
+        """Journal one wire item; True when the journal holds a batch's worth of metrics (time to seal). Raises no
+        OSError: an item the journal cannot take (a full disk) is dropped and counted (`take_unwritten`)."""
+        line = json.dumps([section, item]) + "\n"
         with self._lock:
-            self._journal.write(json.dumps([section, item]) + "\n")
-            self._journal.flush()
+            if not self._journal.append(line):
+                self._unwritten[section] += 1
+                return False
             self._journal_metrics += section == "metrics"
             return self._journal_metrics >= MAX_METRICS_PER_BATCH
 
+    @property
+    def journal_error(self) -> str:
+        """The first error of the journal's latest outage ("" when it had none)."""
+        return self._journal.outages.error
+
+    def take_unwritten(self) -> dict[str, int]:
+        """The items dropped because the journal could not take them, by section, once it takes items again (then
+        they are reported once: the counts start again from 0); nothing while it cannot."""
+        with self._lock:
+            if self._journal.outages.going_on or not any(self._unwritten.values()):
+                return {}
+            unwritten = {section: n for section, n in self._unwritten.items() if n}
+            self._unwritten = dict.fromkeys(SECTION_LIMITS, 0)
+            return unwritten
+
     def count_dropped(self, count: int) -> int:
-        """Add `count` to the items dropped so far (kept in `dropped` for the next controller); the new total."""
+        """Add `count` to the items dropped so far (kept in `dropped` for the next controller); the new total.
+        Raises no OSError: a count that cannot be written now is written with the next one."""
         with self._lock:
             self.dropped += count
-            _write_atomically(self.folder / "dropped", str(self.dropped))
+            try:
+                _write_atomically(self.folder / "dropped", str(self.dropped))
+            except OSError as error:
+                logger.warning("telemetry spool %s: the count of dropped items (%d) cannot be written (%s); it is "
+                               "written with the next drop", self.folder, self.dropped, error)
             return self.dropped
 
     def close(self) -> None:
@@ -100,7 +145,7 @@ class TelemetrySpool:
         before that, the next seal packs it again into the same numbers, so each record is in exactly one batch."""
         self.finish_interrupted()
         with self._lock:
-            if os.fstat(self._journal.fileno()).st_size == 0:
+            if self._journal.empty:
                 return
             sealing = self.folder / f"sealing-{self.next_seq:0{BATCH_FILE_DIGITS}d}.jsonl"
             self._journal.close()
@@ -108,7 +153,7 @@ class TelemetrySpool:
                 os.replace(self._journal_path, sealing)
                 self._journal_metrics = 0
             finally:
-                self._journal = open(self._journal_path, "a", encoding="utf-8")
+                self._journal.open()
         self._pack_journal(sealing)
 
     def finish_interrupted(self) -> None:
@@ -271,10 +316,26 @@ class TelemetrySpool:
         return first
 
     def _dropped_so_far(self) -> int:
+        """The count kept in `dropped` (0 for a new spool). One that cannot be read is copied aside
+        (`dropped.unreadable-<ns>`) and said so (`dropped_unreadable`, an error logged): the count goes on from 0."""
+        marker = self.folder / "dropped"
         try:
-            return int((self.folder / "dropped").read_text().strip() or 0)
-        except (OSError, ValueError):
+            text = marker.read_bytes().decode("ascii").strip()
+        except FileNotFoundError:
             return 0
+        except (OSError, UnicodeDecodeError) as exc:
+            text = f"<{type(exc).__name__}>"
+        if text.isdigit():
+            return int(text)
+        aside = marker.with_name(f"dropped.unreadable-{time.time_ns()}")
+        try:
+            shutil.copyfile(marker, aside)
+        except OSError as exc:
+            aside = Path(f"not kept: {exc}")
+        self.dropped_unreadable = f"{text[:40]!r}, kept at {aside}"
+        logger.error("telemetry spool %s: the count of items dropped by earlier controllers cannot be read (%s); "
+                     "counted again from 0", self.folder, self.dropped_unreadable)
+        return 0
 
     def _batch_path(self, seq: int) -> Path:
         return self.folder / f"batch-{seq:0{BATCH_FILE_DIGITS}d}.json"
@@ -325,17 +386,31 @@ def _section(batch: dict, section: str) -> list:
 def _write_atomically(path: Path, data: str | bytes) -> None:
     """Replace `path` with `data` so that a crash leaves the old file or the new one whole: written beside it,
     fsynced, renamed over it."""
-    tmp = path.with_name(f"{path.name}.tmp")
+    tmp = path.with_name(f"{path.name}{TEMPORARY_SUFFIX}")
+    view = memoryview(data.encode("utf-8") if isinstance(data, str) else data)
     try:
-        with open(tmp, "wb") as file:
-            file.write(data.encode("utf-8") if isinstance(data, str) else data)
-            file.flush()
-            os.fsync(file.fileno())
+        descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            while view:
+                view = view[os.write(descriptor, view):]
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
     _sync_folder(path.parent)
+
+
+def _remove_stale_temporaries(*folders: Path) -> None:
+    """Remove the `.tmp` files a controller killed between a write and its rename left (space, on a full disk)."""
+    for folder in folders:
+        for stale in folder.glob(f"*{TEMPORARY_SUFFIX}"):
+            try:
+                stale.unlink()
+            except OSError as exc:
+                logger.warning("telemetry spool: %s could not be removed: %s", stale, exc)
 
 
 def _sync_folder(folder: Path) -> None:
