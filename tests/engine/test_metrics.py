@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from pathlib import Path
 
+from tests.support.small_disk import small_disk
 from workers.engine.metrics import ConsoleSink, JsonlSink, MemorySink, Record, Recorder
 
 
@@ -58,3 +60,37 @@ def test_console_sink_shows_progress_and_events() -> None:
     text = stream.getvalue()
     assert "4/4" in text and "loss=0.25" in text
     assert "[resumed]" in text and "ckpt" in text
+
+
+def test_a_full_disk_drops_and_counts_jsonl_lines_and_the_file_reads_whole_after_it(tmp_path, monkeypatch):
+    with small_disk(tmp_path / "disk", size=64 * 1024, monkeypatch=monkeypatch) as disk:
+        sink = JsonlSink(disk.folder / "metrics.jsonl", flush_seconds=0)
+        recorder = Recorder([sink])
+        recorder.log("loss", 1.0, step=1)
+        disk.fill()
+        for step in range(2, 12):
+            recorder.event("note", step=step, text="y" * 6000)  # no exception into the training loop
+        assert sink.dropped == 10
+        disk.free()
+        recorder.log("loss", 0.5, step=12)
+        recorder.close()
+        lines = [json.loads(line) for line in (disk.folder / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["seq"], line.get("value")) for line in lines] == [(1, 1.0), (12, 0.5)]
+
+
+class BrokenPipeSink(ListSink):
+    """A console whose reader went away: every write raises."""
+
+    def write(self, record: Record) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_sink_raising_an_os_error_drops_its_records_alone_and_is_logged_once(caplog):
+    memory = MemorySink()
+    recorder = Recorder([BrokenPipeSink(), memory])
+    with caplog.at_level(logging.WARNING, logger="workers.engine.line_file"):
+        for step in range(5):
+            recorder.log("loss", 1.0, step=step)
+    recorder.close()
+    assert len(memory.records) == 5 and recorder.dropped == {"BrokenPipeSink": 5}
+    assert len(caplog.records) == 1 and "BrokenPipeSink cannot be written" in caplog.records[0].getMessage()

@@ -4,12 +4,14 @@ aside, and a controller killed at any point of those losing and doubling nothing
 from __future__ import annotations
 
 import json
+import logging
 import os
 from functools import partial
 from pathlib import Path
 
 import pytest
 
+from tests.support.small_disk import small_disk
 from workers.engine.telemetry_spool import FAR_AHEAD_SEQ, MAX_BATCH_BYTES, TelemetrySpool
 from workers.engine.telemetry_wire import MAX_LOGS_PER_BATCH, MAX_METRICS_PER_BATCH, TelemetryRequest
 
@@ -51,7 +53,7 @@ def _lines(folder: Path) -> list[str]:
 
 
 def _in_progress(folder: Path) -> list[str]:
-    """The files of a spool change left to finish (a `.tmp` file left by a kill is not one: it is written over)."""
+    """The files of a spool change left to finish (a `.tmp` file left by a kill is not one: the next spool removes it)."""
     return sorted(path.name for pattern in ("sealing-*.jsonl", "split-*.json") for path in folder.glob(pattern))
 
 
@@ -181,6 +183,7 @@ def test_a_controller_killed_at_any_point_of_a_spool_change_loses_and_doubles_no
             except Kill:
                 finished = False
         reopened = TelemetrySpool(folder)
+        assert list(folder.glob("*.tmp")) == [], "what a kill between a write and its rename left is removed"
         reopened.seal()
         assert _lines(folder) == written and _in_progress(folder) == [], f"killed before change {points}"
         if finished:
@@ -243,3 +246,59 @@ def test_the_count_of_dropped_items_is_kept_for_the_next_controller(tmp_path):
     assert reopened.dropped == 3 and (reopened.folder / "dropped").read_text() == "3"
     assert reopened.count_dropped(1) == 4
     reopened.close()
+
+
+def test_a_garbled_count_of_dropped_items_is_kept_aside_and_said_not_reset_silently(tmp_path, caplog):
+    folder = tmp_path / "spool"
+    folder.mkdir()
+    (folder / "dropped").write_text("12\x0034")
+    with caplog.at_level(logging.ERROR, logger="workers.engine.telemetry_spool"):
+        spool = TelemetrySpool(folder)
+    [aside] = folder.glob("dropped.unreadable-*")
+    assert aside.read_text() == "12\x0034"
+    assert spool.dropped == 0 and str(aside) in spool.dropped_unreadable
+    assert "cannot be read" in caplog.text
+    assert spool.count_dropped(2) == 2 and aside.read_text() == "12\x0034", "the garbled count stays where it was kept"
+    spool.close()
+    reopened = TelemetrySpool(folder)
+    assert reopened.dropped == 2 and reopened.dropped_unreadable is None
+    reopened.close()
+
+
+def test_a_stale_temporary_file_is_removed_when_a_spool_opens_its_folder(tmp_path):
+    folder = tmp_path / "spool"
+    (folder / "refused").mkdir(parents=True)
+    for name in ("batch-000000000001.json.tmp", "last_seq.tmp", "refused/batch-000000000003.json.tmp"):
+        (folder / name).write_text("x" * 1000)  # a kill between the write and the rename
+    spool = TelemetrySpool(folder)
+    assert sorted(p.name for p in folder.rglob("*.tmp")) == []
+    _log(spool, ["next"])
+    spool.seal()
+    assert _lines(folder) == ["next"] and spool.batches()[0].seq == 1
+    spool.close()
+
+
+def test_a_full_disk_drops_and_counts_records_and_what_was_written_is_sealed_once(tmp_path, monkeypatch, caplog):
+    """The journal refuses records on a full disk (one written in part is cut off); a seal that finds no space leaves
+    its records to the next; once space is back every record written is in exactly one batch, in order, and the ones
+    dropped are counted by section, reported once."""
+    with small_disk(tmp_path / "disk", size=64 * 1024, monkeypatch=monkeypatch) as disk:
+        spool = TelemetrySpool(disk.folder / "spool")
+        _log(spool, ["before-0", "before-1"])
+        disk.fill()
+        with caplog.at_level(logging.WARNING):
+            for i in range(30):  # longer than what is left of the journal's last page: written in part, refused
+                assert spool.append("logs", {"line": f"lost-{i} " + "y" * 6000, "time": 1.0}) is False
+            assert spool.append("metrics", {"key": "m" * 6000, "step": 1, "value": 0.5, "time": 1.0}) is False
+            assert spool.take_unwritten() == {}, "reported only once the journal takes records again"
+            with pytest.raises(OSError):
+                spool.seal()  # the sender's thread: it logs once and tries again
+            assert _lines(spool.folder) == []
+        assert len([r for r in caplog.records if "cannot be written" in r.getMessage()]) == 1
+        disk.free()
+        _log(spool, ["after-0", "after-1"])
+        assert spool.take_unwritten() == {"logs": 30, "metrics": 1} and spool.take_unwritten() == {}
+        spool.seal()
+        assert _lines(spool.folder) == ["before-0", "before-1", "after-0", "after-1"]
+        assert _in_progress(spool.folder) == []
+        spool.close()
