@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from forgeboard.runs.models import Command
+from forgeboard.runs.models import Command, Run
 from forgeboard.runs.services import command_create
 from forgeboard.telemetry.models import LogLine, MetricPoint, RunEvent
 from tests.support.processes import free_port
+from tests.support.small_disk import small_disk
 from workers.engine.command_channel import CommandChannel
 from workers.engine.control_plane import ControlPlaneSink, ControlPlaneTarget, record_to_wire
 from workers.engine.metrics import Recorder
@@ -492,3 +493,70 @@ def test_a_final_flush_that_fails_ends_the_run_as_it_was_and_leaves_the_spool(li
     assert ControlPlaneSink(target, spool_dir=spool, flush_seconds=3600).close(timeout_s=30) is True
     assert _lines(run) == ["the last line"]
     assert MetricPoint.objects.filter(series__run=run, series__key="loss").count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_full_disk_drops_and_reports_what_the_spool_cannot_take_and_sends_the_rest_once(
+        live_server, running_run, tmp_path, monkeypatch):
+    """Recording on a disk that fills up mid-run: the training loop never sees an error, what the journal could not
+    take is counted and reported once the disk takes records again, and every record written arrives exactly once."""
+    run, token = running_run
+    target = ControlPlaneTarget(url=live_server.url, run_id=run.pk, token=token)
+    with small_disk(tmp_path / "disk", size=64 * 1024, monkeypatch=monkeypatch) as disk:
+        sink = ControlPlaneSink(target, spool_dir=disk.folder / "spool", flush_seconds=3600)
+        recorder = Recorder([sink])
+        for step in range(5):
+            recorder.log("loss", 1.0 / (step + 1), step=step)
+        disk.fill()
+        for step in range(5, 15):
+            recorder.event("note", step=step, text="y" * 6000)  # longer than the journal's last page has room for
+        disk.free()
+        for step in range(15, 20):
+            recorder.log("loss", 1.0 / (step + 1), step=step)
+        assert sink.close(timeout_s=30) is True
+        assert (disk.folder / "spool" / "dropped").read_text() == "10"
+    assert sorted(MetricPoint.objects.filter(series__run=run, series__key="loss").values_list("step", flat=True)) == \
+        [*range(5), *range(15, 20)]
+    assert not [e for e in RunEvent.objects.filter(run=run, kind="message") if e.payload.get("name") == "note"]
+    [event] = _dropped_events(run)
+    assert event["items"] == 10 and event["total"] == 10 and event["by_section"] == {"events": 10}
+    assert "not written" in event["reasons"][0] and "No space left on device" in event["reasons"][0]
+    assert _dropped_metric(run) == {10: 10.0} and sink.dropped == 10 and recorder.dropped == {}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_seal_that_finds_no_space_still_tells_the_control_plane_the_run_is_alive(
+        live_server, running_run, tmp_path, monkeypatch):
+    run, token = running_run
+    target = ControlPlaneTarget(url=live_server.url, run_id=run.pk, token=token)
+    with small_disk(tmp_path / "disk", size=64 * 1024, monkeypatch=monkeypatch) as disk:
+        sink = ControlPlaneSink(target, spool_dir=disk.folder / "spool", flush_seconds=3600, max_backoff_s=0.05)
+        recorder = Recorder([sink])
+        for step in range(5):
+            recorder.log("loss", 1.0 / (step + 1), step=step)
+        disk.fill()
+        Run.objects.filter(pk=run.pk).update(last_heartbeat_at=None)
+        sink._wake.set()  # the sender's round: its seal finds no space for the batch
+        deadline = time.monotonic() + 30
+        while Run.objects.get(pk=run.pk).last_heartbeat_at is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert Run.objects.get(pk=run.pk).last_heartbeat_at is not None, "the sender heartbeats while it cannot seal"
+        assert MetricPoint.objects.filter(series__run=run).count() == 0
+        assert list((disk.folder / "spool").glob("sealing-*.jsonl")), "the records wait in the journal being sealed"
+        disk.free()
+        assert sink.close(timeout_s=30) is True
+    assert sorted(MetricPoint.objects.filter(series__run=run, series__key="loss").values_list("step", flat=True)) == \
+        list(range(5))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_garbled_count_of_dropped_items_is_reported_not_reset_silently(live_server, running_run, tmp_path):
+    run, token = running_run
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    (spool / "dropped").write_text("garbled")
+    target = ControlPlaneTarget(url=live_server.url, run_id=run.pk, token=token)
+    assert ControlPlaneSink(target, spool_dir=spool, flush_seconds=3600).close(timeout_s=30) is True
+    [lost] = [e.payload for e in RunEvent.objects.filter(run=run, kind="message")
+              if e.payload.get("name") == "telemetry_dropped_count_lost"]
+    assert "'garbled'" in lost["reason"] and "counted again from 0" in lost["reason"]
