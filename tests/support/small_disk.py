@@ -45,11 +45,11 @@ def _used(folder: Path) -> int:
 def small_disk(folder: Path, *, size: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[SmallDisk]:
     folder.mkdir(parents=True, exist_ok=True)
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
-                             capture_output=True).returncode == 0
+                             capture_output=True, check=False).returncode == 0
     if not mounted:
         real_write = os.write
 
-        def write(descriptor: int, data) -> int:  # noqa: ANN001
+        def write(descriptor: int, data: bytes | memoryview) -> int:
             try:
                 path = Path(os.readlink(f"/proc/self/fd/{descriptor}"))
             except OSError:
