@@ -81,6 +81,8 @@ window.FBEventText = (function () {
       return `telemetry dropped: ${sections.length ? sections.join(", ") : plural(p.items, "item")} of batch ` +
         `${value(p.seq)}${why}; ${plural(p.total, "item")} dropped so far`;
     },
+    // The same client, for a spool whose count of dropped items could not be read: it counts again from 0.
+    telemetry_dropped_count_lost: (p) => `telemetry dropped count lost: ${text(p.reason)}`,
   };
 
   const BY_KIND = {
