@@ -560,3 +560,21 @@ def test_a_garbled_count_of_dropped_items_is_reported_not_reset_silently(live_se
     [lost] = [e.payload for e in RunEvent.objects.filter(run=run, kind="message")
               if e.payload.get("name") == "telemetry_dropped_count_lost"]
     assert "'garbled'" in lost["reason"] and "counted again from 0" in lost["reason"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_records_the_journal_could_not_take_as_the_run_ended_are_reported_at_close(
+        live_server, running_run, tmp_path, monkeypatch):
+    run, token = running_run
+    target = ControlPlaneTarget(url=live_server.url, run_id=run.pk, token=token)
+    with small_disk(tmp_path / "disk", size=64 * 1024, monkeypatch=monkeypatch) as disk:
+        sink = ControlPlaneSink(target, spool_dir=disk.folder / "spool", flush_seconds=3600)
+        recorder = Recorder([sink])
+        recorder.log("loss", 0.5, step=1)
+        disk.fill()
+        for step in range(2, 5):
+            recorder.event("note", step=step, text="y" * 6000)
+        disk.free()  # and nothing recorded after: the close reports them
+        assert sink.close(timeout_s=30) is True
+    [event] = _dropped_events(run)
+    assert event["items"] == 3 and event["by_section"] == {"events": 3} and _dropped_metric(run) == {3: 3.0}

@@ -220,7 +220,11 @@ class ControlPlaneSink:
     def _append(self, section: str, item: dict) -> None:
         if self._spool.append(section, item):
             self._wake.set()
-        unwritten = self._spool.take_unwritten()
+        self._report_unwritten()
+
+    def _report_unwritten(self, *, even_now: bool = False) -> None:
+        """Report what the journal could not take, once it takes records again (or at close: `even_now`)."""
+        unwritten = self._spool.take_unwritten(even_now=even_now)
         if unwritten:
             self._record_dropped(unwritten, seq=self._spool.next_seq, reasons=[
                 f"not written: the spool's journal could not take them ({self._spool.journal_error})"])
@@ -249,6 +253,7 @@ class ControlPlaneSink:
         """Seal and send until nothing is left or the deadline passes; whether nothing is left."""
         left = None
         try:
+            self._report_unwritten(even_now=True)  # the run's last records may be what ended an outage, or not
             while True:
                 self._spool.seal()  # again each time: a drop is reported as records of its own
                 left = len(self._spool.batches())

@@ -28,7 +28,7 @@ from workers.engine.line_file import LineFile, Outages
 
 logger = logging.getLogger(__name__)
 Record = dict[str, Any]
-JSONL_BUFFER_CHARS = 64 * 1024  # a JSONL sink writes once it holds this much, whatever its flush_seconds
+JSONL_BUFFER_CHARS = 8192  # a JSONL sink writes once it holds this much, whatever its flush_seconds
 
 
 class Sink(Protocol):

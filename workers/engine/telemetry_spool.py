@@ -111,11 +111,12 @@ class TelemetrySpool:
         """The first error of the journal's latest outage ("" when it had none)."""
         return self._journal.outages.error
 
-    def take_unwritten(self) -> dict[str, int]:
+    def take_unwritten(self, *, even_now: bool = False) -> dict[str, int]:
         """The items dropped because the journal could not take them, by section, once it takes items again (then
-        they are reported once: the counts start again from 0); nothing while it cannot."""
+        they are reported once: the counts start again from 0); nothing while it cannot, unless `even_now` (the
+        last chance, at close)."""
         with self._lock:
-            if self._journal.outages.going_on or not any(self._unwritten.values()):
+            if (self._journal.outages.going_on and not even_now) or not any(self._unwritten.values()):
                 return {}
             unwritten = {section: n for section, n in self._unwritten.items() if n}
             self._unwritten = dict.fromkeys(SECTION_LIMITS, 0)
@@ -134,6 +135,9 @@ class TelemetrySpool:
             return self.dropped
 
     def close(self) -> None:
+        if any(self._unwritten.values()):
+            logger.error("telemetry spool %s closed with items its journal could not take, not reported: %s",
+                         self.folder, {section: n for section, n in self._unwritten.items() if n})
         self._journal.close()
 
     # --- sealing ----------------------------------------------------------------------------------
