@@ -39,22 +39,11 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from workers.engine.env import (
-    CONTROL_PLANE_URL_ENV,
-    RUN_ID_ENV,
-    RUN_TOKEN_FILE_ENV,
-    read_env,
-    read_number,
-)
+from workers.engine.env import CONTROL_PLANE_URL_ENV, RUN_ID_ENV, RUN_TOKEN_FILE_ENV, read_env, read_number
 from workers.engine.line_file import Outages
 from workers.engine.metrics import Record
 from workers.engine.telemetry_spool import SpooledBatch, TelemetrySpool
-from workers.engine.telemetry_wire import (
-    MAX_LOG_LINE_CHARS,
-    MAX_REQUEST_BYTES,
-    EventKindName,
-    TelemetryResponse,
-)
+from workers.engine.telemetry_wire import MAX_LOG_LINE_CHARS, MAX_REQUEST_BYTES, EventKindName, TelemetryResponse
 from workers.engine.wire_limits import MAX_JSON_DEPTH, unstorable_reason
 
 logger = logging.getLogger(__name__)
