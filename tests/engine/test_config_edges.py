@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.unprivileged import call_as, copy_readable, folder_for, suite_is_root, unprivileged_uid
 from workers.engine.config import MAX_REWARD_WEIGHT, MAX_THREADS_PER_PROCESS, ConfigError, load_config
 from workers.engine.preflight import preflight_errors, preflight_report
 from workers.engine.tasks import jsonl_chat
@@ -145,17 +146,26 @@ def test_an_output_path_that_cannot_be_made_or_written_is_refused(tiny_qwen3: Pa
     assert list(errors) == [field] and errors[field].startswith(message)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in a 0o500 folder: the /proc and /sys cases cover it")
-def test_a_read_only_folder_is_refused_for_a_user(tiny_qwen3: Path, tmp_path: Path) -> None:
-    locked = tmp_path / "locked"
-    locked.mkdir(mode=0o500)
-    try:
-        assert _preflight(tiny_qwen3, f"checkpoint.folder={locked}")["checkpoint.folder"].startswith(
-            f"cannot write in {locked} (")
-        assert _preflight(tiny_qwen3, f"checkpoint.folder={locked / 'a' / 'b'}")["checkpoint.folder"].startswith(
-            f"{locked / 'a' / 'b'} cannot be made: nothing can be created in {locked} (")
-    finally:
-        locked.chmod(0o700)
+def test_a_read_only_folder_is_refused_for_a_user(tiny_qwen3: Path) -> None:
+    """A folder of the user's own that they may not write in (0o500): preflight says so, naming it. Root writes there,
+    so under root (CI) the check runs in a child process that has dropped to `nobody`, who owns the folder and the
+    model's copy, as a user running the engine would."""
+    uid = unprivileged_uid()
+    with folder_for(uid) as home:
+        model = copy_readable(tiny_qwen3, home, uid=uid)
+        locked = home / "locked"
+        locked.mkdir(mode=0o500)
+        if suite_is_root():
+            os.chown(locked, uid, uid)
+        inside = locked / "a" / "b"
+        errors = {value: call_as(uid, _preflight, model, f"checkpoint.folder={value}") for value in (locked, inside)}
+        assert list(errors[locked]) == ["checkpoint.folder"]
+        assert errors[locked]["checkpoint.folder"].startswith(f"cannot write in {locked} (Permission denied")
+        assert list(errors[inside]) == ["checkpoint.folder"]
+        assert errors[inside]["checkpoint.folder"].startswith(
+            f"{inside} cannot be made: nothing can be created in {locked} (Permission denied")
+        assert list(locked.iterdir()) == []
+        assert call_as(uid, _preflight, model, f"checkpoint.folder={home / 'ckpt'}") == {}, "its own folder is fine"
 
 
 def test_a_writable_output_folder_is_left_as_it_was(tiny_qwen3: Path, tmp_path: Path) -> None:
