@@ -55,11 +55,11 @@ def call_as(uid: int, fn: Callable[..., T], /, *args: object, **kwargs: object) 
                 os.setgid(uid)
                 os.setuid(uid)
                 outcome: tuple[bool, object] = (True, fn(*args, **kwargs))
-            except BaseException as exc:  # noqa: BLE001 - all of it goes back to the parent
+            except BaseException as exc:  # all of it goes back to the parent
                 outcome = (False, exc)
             try:
                 data = pickle.dumps(outcome)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 data = pickle.dumps((False, ChildFailed("".join(traceback.format_exception(outcome[1])))))
             with os.fdopen(write, "wb") as pipe:
                 pipe.write(data)
@@ -71,7 +71,7 @@ def call_as(uid: int, fn: Callable[..., T], /, *args: object, **kwargs: object) 
     _, status = os.waitpid(pid, 0)
     if not data:
         raise ChildFailed(f"the child running as uid {uid} sent nothing back (wait status {status})")
-    ok, value = pickle.loads(data)  # noqa: S301 - our own child's
+    ok, value = pickle.loads(data)
     if not ok:
         raise value
     return value
