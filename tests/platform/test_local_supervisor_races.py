@@ -415,3 +415,36 @@ def test_a_lost_runs_engine_stopped_for_its_restart_is_confirmed_stopped_once_it
     assert (run.state, run.restart_count, run.pid) == (RunState.QUEUED, 1, None)
     assert _path(run) == ["queued", "launching", "running", "lost", "queued"]
     assert _supervisor_said_nothing_wrong(caplog)
+
+
+@pytest.mark.slow
+def test_a_run_failed_as_lost_with_no_restart_left_as_its_engine_finishes_succeeds(
+        team, sft, tiny_model, other_party, asks, monkeypatch, caplog):
+    """The engine trained its steps and exited 0 after a silence past the heartbeat timeout; the run had no restart
+    left, so the reconciler took it for lost and failed it as the supervisor read it. Its engine finished: the run
+    ends succeeded, saying it had failed first and why (on the old code it stayed failed, the supervisor saying
+    'already failed: left as it is'), and its engine is no longer followed."""
+    monkeypatch.setattr(supervisor_lock, "SETTLE_GRACE_SECONDS", 0.5)
+    run = _launching(team, sft_yaml(tiny_model, steps=2, max_restarts=0), experiment=sft)
+    monkeypatch.setenv(RUN_ID_ENV, str(run.pk))
+
+    def failed_as_lost() -> None:
+        report = runs_reconcile(now=timezone.now() + RECONCILER_LATER)
+        assert (report.lost, report.failed) == ([run.pk], [run.pk])
+
+    other_party.before[(RunState.RUNNING, RunState.SUCCEEDED)] = failed_as_lost
+
+    assert supervise(run.pk) == 0
+
+    assert other_party.all_made(), (run_dir(run) / "engine.log").read_text()[-2000:]
+    run.refresh_from_db()
+    assert run.state == RunState.SUCCEEDED, run.exit_reason
+    assert re.fullmatch(r"finished after all: it had failed \(lost \(no heartbeat for \d+ s \(timeout 60 s\)\) after 0 "
+                        r"of 0 restarts\), then its engine exited 0 at \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC",
+                        run.exit_reason), run.exit_reason
+    assert run.leftover_stop_since is None
+    assert _path(run) == ["queued", "launching", "running", "lost", "failed", "succeeded"]
+    assert stop_lost_attempt(**_stop_ask(asks)) == "skipped: the run no longer records that attempt"
+    report = runs_reconcile(now=timezone.now() + RECONCILER_LATER)
+    assert (report.leftover_stopping, report.leftover_unconfirmed) == ([], [])
+    assert _supervisor_said_nothing_wrong(caplog)

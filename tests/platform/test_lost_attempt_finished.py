@@ -159,3 +159,75 @@ def test_a_kubernetes_job_the_poller_finds_completed_as_its_run_is_taken_for_los
     _finished(run, how=f"Kubernetes Job {run.job_id}: the controller pod succeeded")
     assert stop_lost_attempt(**_stop_ask(asks)) == "skipped: the run no longer records that attempt"
     assert not [r for r in k8s.requests if r.method == "DELETE"]
+
+
+def _failed_as_lost(run: Run) -> None:
+    """Out of restarts: the reconciler takes the silent run for lost and fails it in the same pass, its job asked to
+    stop (and followed, pass after pass, until that is confirmed)."""
+    Run.objects.filter(pk=run.pk).update(max_restarts=0)
+    report = runs_reconcile(now=timezone.now())
+    assert (report.lost, report.failed) == ([run.pk], [run.pk])
+    run.refresh_from_db()
+    assert run.state == RunState.FAILED and run.leftover_stop_since is not None, run.exit_reason
+
+
+def test_a_run_failed_as_lost_without_restarts_whose_job_then_completed_succeeded_after_all(team, slurm, asks):  # noqa: F811
+    """Silent through a long final checkpoint, the run is lost with no restart left and fails; its job then completes
+    with exit 0 before the stop that follows it comes. The run finished: it ends succeeded, the failure and the
+    finish both on its timeline, and its job is not followed any more (on the old code it stayed failed)."""
+    run = _running(team, SLURM_YAML)
+    slurm.job("squeue", 18004, as_id=run.job_id)  # still running as the run fails
+    _failed_as_lost(run)
+    slurm.answer("squeue", jobs=[])
+    slurm.job("sacct", 17101, as_id=run.job_id)  # COMPLETED, exit 0
+
+    assert stop_lost_attempt(**_stop_ask(asks)) == "its job had completed: the run succeeded, not restarted"
+
+    run.refresh_from_db()
+    assert run.state == RunState.SUCCEEDED, run.exit_reason
+    assert re.fullmatch(rf"finished after all: it had failed \(lost \({LOST_FOR}\) after 0 of 0 restarts\), then "
+                        rf"SLURM job {run.job_id}: the job completed with exit code 0", run.exit_reason), run.exit_reason
+    assert run.leftover_stop_since is None and run.restart_count == 0
+    assert _path(run) == ["queued", "launching", "running", "lost", "failed", "succeeded"]
+    assert slurm.calls("scancel") == []
+    report = runs_reconcile(now=timezone.now() + timedelta(hours=1))
+    assert (report.leftover_stopping, report.leftover_unconfirmed, report.restarted) == ([], [], [])
+    assert asks == [] and Run.objects.get(pk=run.pk).state == RunState.SUCCEEDED
+
+
+def test_a_run_failed_as_lost_whose_job_was_cancelled_stays_failed(team, slurm, asks):  # noqa: F811
+    run = _running(team, SLURM_YAML)
+    slurm.job("squeue", 18004, as_id=run.job_id)
+    _failed_as_lost(run)
+    failed_because = Run.objects.get(pk=run.pk).exit_reason
+    slurm.answer("squeue", jobs=[])
+    slurm.job("sacct", 17104, as_id=run.job_id)  # CANCELLED
+
+    assert stop_lost_attempt(**_stop_ask(asks)) == (f"SLURM job {run.job_id} had ended (the SLURM job was cancelled); "
+                                                    "not restarted")
+
+    run.refresh_from_db()
+    assert (run.state, run.exit_reason, run.leftover_stop_since) == (RunState.FAILED, failed_because, None)
+    assert _path(run) == ["queued", "launching", "running", "lost", "failed"]
+
+
+def test_a_run_that_failed_for_itself_is_not_made_succeeded_by_its_leftover_job_completing(team, slurm, asks):  # noqa: F811
+    """Only a failure for being lost is undone by a finished attempt: a launch that failed after its job was queued
+    (the run never ran, as far as the platform knows) stays failed whatever that job does."""
+    from workers.launch.jobs import launch_failed
+
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=SLURM_YAML)
+    assert runs_schedule(now=timezone.now()) == [run.pk]
+    start_run(run_id=run.pk)
+    launch_failed(run_id=run.pk, reason="launch failed: the worker died")
+    run.refresh_from_db()
+    assert run.state == RunState.FAILED and run.leftover_stop_since is not None
+    slurm.answer("squeue", jobs=[])
+    slurm.job("sacct", 17101, as_id=run.job_id)  # COMPLETED, exit 0
+    assert runs_reconcile(now=timezone.now()).leftover_stopping == [run.pk]
+
+    assert stop_lost_attempt(**_stop_ask(asks)) == f"SLURM job {run.job_id} had ended (the job completed with exit " \
+                                                   "code 0); not restarted"
+
+    run.refresh_from_db()
+    assert (run.state, run.exit_reason) == (RunState.FAILED, "launch failed: the worker died")

@@ -10,7 +10,7 @@ from django.db import connection
 from forgeboard.errors import Conflict
 from forgeboard.runs.models import Command, CommandKind, Run
 from forgeboard.runs.services import IllegalTransition, command_create, run_cancel, run_launch, run_transition
-from forgeboard.runs.states import TERMINAL_STATES, TRANSITIONS, RunState
+from forgeboard.runs.states import LATE_OUTCOMES, TERMINAL_STATES, TRANSITIONS, RunState
 from forgeboard.telemetry.models import RunEvent
 from tests.support.races import racing_an_open_transaction
 
@@ -37,6 +37,22 @@ def test_transition_table_is_enforced(team, grpo_yaml, source, target):
         with pytest.raises(IllegalTransition, match=f"from {source} to {target}"):
             run_transition(run_id=run.pk, from_state=source, to_state=target)
         assert Run.objects.get(pk=run.pk).state == source
+
+
+@pytest.mark.parametrize(("source", "target"), ALL_PAIRS, ids=[f"{a}->{b}" for a, b in ALL_PAIRS])
+def test_a_late_outcome_is_the_one_move_out_of_an_end_state_and_nothing_else(team, grpo_yaml, source, target):
+    """failed -> succeeded (a run failed for being lost whose attempt then finished) only with late_outcome; that
+    flag allows no other move, not even one of the table's."""
+    run = _run_in_state(team, grpo_yaml, source)
+    if (source, target) == (RunState.FAILED, RunState.SUCCEEDED):
+        with pytest.raises(IllegalTransition):
+            run_transition(run_id=run.pk, from_state=source, to_state=target)
+        assert run_transition(run_id=run.pk, from_state=source, to_state=target, late_outcome=True).state == target
+        return
+    assert target not in LATE_OUTCOMES.get(source, ())
+    with pytest.raises(IllegalTransition, match=f"from {source} to {target}"):
+        run_transition(run_id=run.pk, from_state=source, to_state=target, late_outcome=True)
+    assert Run.objects.get(pk=run.pk).state == source
 
 
 def test_claim_from_a_stale_state_is_refused(team, grpo_yaml):

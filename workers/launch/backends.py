@@ -165,7 +165,8 @@ def stop_attempt(*, run_id: int, job_id: str, pid: int | None, host: str) -> str
         return "skipped: the run no longer records that attempt"
     run = Run.objects.get(pk=run_id)
     try:
-        if run.state == RunState.LOST and _job_finished(run=run, job_id=job_id):
+        # Lost, or failed with the attempt left (out of restarts): a job that completed finished the run all the same.
+        if _job_finished(run=run, job_id=job_id):
             return "its job had completed: the run succeeded, not restarted"
         done = _stop_previous(run=run, job_id=job_id, pid=pid, host=host)
     except (JobStillCompleting, SupervisorStillSettling) as exc:

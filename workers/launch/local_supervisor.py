@@ -178,6 +178,12 @@ def _settle(*, run_id: int, engine: subprocess.Popen, log_path: Path, exited_at:
         if pid != engine.pid:
             logger.info("run %s no longer records this engine (it is %s): left as it is", run_id, state)
             return
+        if state == RunState.FAILED and engine.returncode == 0:
+            # Failed by the reconciler as lost with no restart left while its engine was only silent: it finished.
+            at = exited_at.strftime("%Y-%m-%d %H:%M:%S UTC")
+            if lost_attempt_finished(run_id=run_id, job_id="", pid=engine.pid, to_state=RunState.SUCCEEDED,
+                                     how=f"its engine exited 0 at {at}"):
+                return
         if state not in (RunState.RUNNING, RunState.PAUSED, RunState.CANCELLING, RunState.LOST):
             # Someone else ended it (a cancel the reconciler ended, a lost run it gave up on): theirs to say, and said
             # on the run's timeline.

@@ -26,7 +26,9 @@ engine's stop is confirmed only once its supervisor has exited too (workers/laun
 A run that fails instead (out of restarts, or its stop not confirmed in time) is not reopened, but what its last
 attempt left is followed all the same: the run records since when (`Run.leftover_stop_since`), each pass asks again
 (`_follow_leftover`) until a worker confirms it gone, said on the timeline; one not confirmed within the stop timeout
-is given up on, and the timeline names what may be left running (`PREVIOUS_ATTEMPT_NOT_CONFIRMED`).
+is given up on, and the timeline names what may be left running (`PREVIOUS_ATTEMPT_NOT_CONFIRMED`). A run failed only
+for being lost whose attempt is then found to have finished (its engine exited 0, its job completed) succeeded after
+all (`lost_attempt_finished`: failed -> succeeded, the one move out of an end state).
 """
 
 from __future__ import annotations
@@ -285,20 +287,41 @@ def lost_attempt_finished(*, run_id: int, job_id: str, pid: int | None, to_state
     run ends as it did, succeeded or failed, instead of restarting, while it is still lost and records that attempt.
     Said by whoever watches the attempt; claimed under the run's row lock, as the attempt's confirmed stop is
     (`lost_attempt_stopped`, which clears the attempt and restarts the run), so exactly one of them wins. The reason
-    says both: why the run was taken for lost, and how its attempt ended. Whether it ended the run."""
+    says both: why the run was taken for lost, and how its attempt ended.
+
+    A run the reconciler failed only because it was lost (out of restarts, or its attempt not confirmed stopped in
+    time) whose attempt, still followed (`leftover_stop_since`), turns out to have finished, succeeded after all: it
+    moves failed -> succeeded (states.py `LATE_OUTCOMES`), with both on its timeline. Silence is not failure: a long
+    final checkpoint save, or a partition while it was written, must not cost a finished run its result. An attempt
+    that failed leaves a failed run as it is. Whether it ended the run."""
     if to_state not in (RunState.SUCCEEDED, RunState.FAILED):
         raise ValueError(f"a lost run's finished attempt ends it succeeded or failed, not {to_state}")
+    followed = Q(state=RunState.LOST) | Q(state=RunState.FAILED, leftover_stop_since__isnull=False)
     with transaction.atomic():
-        lost_because = (Run.objects.select_for_update()
-                        .filter(_still_recorded(run_id=run_id, job_id=job_id, pid=pid), state=RunState.LOST)
-                        .values_list("exit_reason", flat=True).first())
-        if lost_because is None:
+        found = (Run.objects.select_for_update()
+                 .filter(_still_recorded(run_id=run_id, job_id=job_id, pid=pid), followed)
+                 .values_list("state", "exit_reason").first())
+        if found is None:
             return False
-        ended = "finished" if to_state == RunState.SUCCEEDED else "failed"
-        reason = f"{ended} after it was taken for lost ({lost_because or 'no reason given'}): {how}"
-        run_transition(run_id=run_id, from_state=RunState.LOST, to_state=to_state, reason=reason)
+        state, because = found
+        if state == RunState.LOST:
+            ended = "finished" if to_state == RunState.SUCCEEDED else "failed"
+            reason = f"{ended} after it was taken for lost ({because or 'no reason given'}): {how}"
+            run_transition(run_id=run_id, from_state=RunState.LOST, to_state=to_state, reason=reason)
+        elif to_state == RunState.SUCCEEDED and failed_for_lost(run_id=run_id):
+            reason = f"finished after all: it had failed ({because or 'no reason given'}), then {how}"
+            run_transition(run_id=run_id, from_state=RunState.FAILED, to_state=RunState.SUCCEEDED, reason=reason,
+                           late_outcome=True, leftover_stop_since=None)
+        else:
+            return False
     logger.info("run %s %s", run_id, reason, extra={"run_id": run_id})
     return True
+
+
+def failed_for_lost(*, run_id: int) -> bool:
+    """Whether the run failed because the reconciler gave up on it lost, not for a failure of its own."""
+    return RunEvent.objects.filter(run_id=run_id, kind=EventKind.STATE_CHANGED, payload__from=RunState.LOST,
+                                   payload__to=RunState.FAILED).exists()
 
 
 def lost_attempt_not_stopped(*, run_id: int, job_id: str, pid: int | None, problem: str) -> None:

@@ -28,7 +28,7 @@ from forgeboard.runs.models import (
     LaunchBackend,
     Run,
 )
-from forgeboard.runs.states import COMMAND_STATES, TERMINAL_STATES, TRANSITIONS, RunState
+from forgeboard.runs.states import COMMAND_STATES, LATE_OUTCOMES, TERMINAL_STATES, TRANSITIONS, RunState
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append, storable
 from workers.engine.config import IN_TRAINER, RunConfig
@@ -145,10 +145,13 @@ def run_reported_in(*, run: Run) -> None:
 
 
 def run_transition(
-    *, run_id: int, from_state: RunState, to_state: RunState, reason: str = "", **fields: Any
+    *, run_id: int, from_state: RunState, to_state: RunState, reason: str = "", late_outcome: bool = False,
+    **fields: Any,
 ) -> Run:
-    """Move a run from one state to another, claimed atomically: exactly one caller wins a race."""
-    if to_state not in TRANSITIONS[RunState(from_state)]:
+    """Move a run from one state to another, claimed atomically: exactly one caller wins a race. `late_outcome`
+    allows the one move out of an end state (states.py `LATE_OUTCOMES`), and only that."""
+    allowed = LATE_OUTCOMES.get(RunState(from_state), frozenset()) if late_outcome else TRANSITIONS[RunState(from_state)]
+    if to_state not in allowed:
         raise IllegalTransition(f"a run cannot go from {from_state} to {to_state}")
     now = timezone.now()
     values: dict[str, Any] = {"state": to_state, "state_changed_at": now, **fields}

@@ -33,6 +33,12 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     S.FAILED: frozenset(),
     S.CANCELLED: frozenset(),
 }
+# The one move out of an end state, made only by `run_transition(..., late_outcome=True)`: a run that failed only
+# because it was lost (out of restarts, or its attempt not confirmed stopped in time) is still followed until its
+# attempt is confirmed gone (`Run.leftover_stop_since`); if that attempt is then found to have finished by itself (its
+# local engine exited 0, its job completed), the run succeeded after all (runs/reconcile.py `lost_attempt_finished`).
+# Kept out of TRANSITIONS: a failed run is ended for everything else (commands, alerts, the scheduler's capacity).
+LATE_OUTCOMES: dict[RunState, frozenset[RunState]] = {S.FAILED: frozenset({S.SUCCEEDED})}
 TERMINAL_STATES = frozenset(state for state, targets in TRANSITIONS.items() if not targets)
 ACTIVE_STATES = frozenset({S.LAUNCHING, S.RUNNING, S.PAUSED, S.CANCELLING})
 # The states in which the cancel action moves a run on, and those in which it takes operator commands (the services
