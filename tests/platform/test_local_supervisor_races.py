@@ -444,6 +444,7 @@ def test_a_run_failed_as_lost_with_no_restart_left_as_its_engine_finishes_succee
                         run.exit_reason), run.exit_reason
     assert run.leftover_stop_since is None
     assert _path(run) == ["queued", "launching", "running", "lost", "failed", "succeeded"]
+    assert not list(run_dir(run).glob("supervisor-*.progress")), "its progress mark goes with it"
     assert stop_lost_attempt(**_stop_ask(asks)) == "skipped: the run no longer records that attempt"
     report = runs_reconcile(now=timezone.now() + RECONCILER_LATER)
     assert (report.leftover_stopping, report.leftover_unconfirmed) == ([], [])

@@ -5,12 +5,14 @@ its old controller's token no longer works; a stop that fails is retried and sai
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from datetime import timedelta
 
 import pytest
@@ -631,3 +633,62 @@ def test_a_launch_that_fails_before_anything_was_queued_leaves_nothing_to_stop(t
     launch_failed(run_id=run.pk, reason="sbatch: error: invalid partition")
     run.refresh_from_db()
     assert run.state == RunState.FAILED and run.leftover_stop_since is None
+
+
+def _stuck_supervisor(folder, *, engine_pid: int) -> subprocess.Popen:
+    """A supervisor of the run's engine, stuck once it has marked its progress (a database call that never returns),
+    holding the supervisor lock through the real `supervising`, as a live supervisor does."""
+    code = ("import time\nfrom pathlib import Path\nfrom workers.launch.supervisor_lock import supervising\n"
+            f"with supervising(Path({str(folder)!r})) as marks:\n"
+            f"    marks.progressed(engine_pid={engine_pid})\n"
+            "    print('ready', flush=True)\n    time.sleep(600)\n")
+    supervisor = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                                  start_new_session=True, stdout=subprocess.PIPE)
+    assert supervisor.stdout.readline() == b"ready\n"
+    return supervisor
+
+
+def test_a_lost_runs_supervisor_stuck_after_its_engine_exited_is_killed_and_the_run_restarts(team, grpo_yaml, asks,
+                                                                                              monkeypatch):
+    """Its engine has exited, but its supervisor holds its lock and makes no progress: while it may still be settling
+    the run the stop waits (it is asked again), but one with no progress for STALL_SECONDS is our own process stuck,
+    killed, and the run restarts. On the old code the stop waited for it at every pass and the run failed at the stop
+    timeout, 15 minutes on."""
+    from forgeboard.runs.folders import run_dir
+    from workers.launch import supervisor_lock
+
+    monkeypatch.setattr(supervisor_lock, "SETTLE_GRACE_SECONDS", 0.5)
+    run = run_launch(actor=team.member, experiment=team.experiment, config_yaml=grpo_yaml)
+    engine = _engine(run.pk)
+    os.killpg(engine.pid, signal.SIGKILL)
+    wait_for(lambda: _gone(engine.pid), timeout=10, what="the engine to exit")
+    folder = run_dir(run)
+    folder.mkdir(parents=True, exist_ok=True)
+    supervisor = _stuck_supervisor(folder, engine_pid=engine.pid)
+    try:
+        Run.objects.filter(pk=run.pk).update(pid=engine.pid, host=socket.gethostname())
+        run = _silent(Run.objects.get(pk=run.pk))
+        assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
+        settling = "still stopping: it has exited, but its supervisor has not yet recorded how it ended"
+        assert stop_lost_attempt(**_stop_asked(asks, run)["kwargs"]) == settling
+        assert supervisor.poll() is None, "a supervisor that made progress just now is left to settle"
+
+        [mark] = folder.glob("supervisor-*.progress")
+        long_ago = mark.stat().st_mtime - 120  # its last progress, two minutes ago
+        os.utime(mark, (long_ago, long_ago))
+        assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
+        answer = stop_lost_attempt(**_stop_asked(asks, run)["kwargs"])
+
+        killed = (re.escape(f"its supervisor (pid {supervisor.pid}) had made no progress for ") + r"12\d"
+                  + re.escape(" s after its engine exited: killed"))
+        assert re.fullmatch(rf"its engine \(pid {engine.pid} on {socket.gethostname()}\) had exited; {killed}; "
+                            "restarted", answer), answer
+        assert supervisor.wait(timeout=10) == -signal.SIGKILL
+        run.refresh_from_db()
+        assert (run.state, run.restart_count, run.pid) == (RunState.QUEUED, 1, None)
+        [stopped] = _messages(run, PREVIOUS_ATTEMPT_STOPPED)
+        assert re.fullmatch(rf"its engine .* had exited; {killed}", stopped["detail"]), stopped["detail"]
+        assert not list(folder.glob("supervisor-*.progress"))
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()

@@ -144,10 +144,15 @@ def _stop_previous(*, run: Run, job_id: str, pid: int | None, host: str) -> str 
     if pid is None:
         return "no engine was started"
     done = stop_local_engine(run_id=run.pk, pid=pid, host=host)
-    if done is not None and not supervisor_lock.supervisor_gone_within(
-            folder=run_dir(run), seconds=supervisor_lock.SETTLE_GRACE_SECONDS):
-        raise SupervisorStillSettling("it has exited, but its supervisor has not yet recorded how it ended")
-    return done
+    folder = run_dir(run)
+    if done is None or supervisor_lock.supervisor_gone_within(folder=folder,
+                                                              seconds=supervisor_lock.SETTLE_GRACE_SECONDS):
+        return done
+    # Our own process, stuck past any settling (a database call that never returns): it must not hold the run.
+    if (killed := supervisor_lock.stalled_supervisors_killed(folder=folder, engine_pid=pid)) and \
+            supervisor_lock.supervisor_gone_within(folder=folder, seconds=supervisor_lock.SETTLE_GRACE_SECONDS):
+        return "; ".join([done, *killed])
+    raise SupervisorStillSettling("it has exited, but its supervisor has not yet recorded how it ended")
 
 
 def stop_attempt(*, run_id: int, job_id: str, pid: int | None, host: str) -> str:

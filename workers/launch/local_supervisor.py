@@ -17,6 +17,8 @@ that exits with an error failed it (`lost_attempt_finished`), rather than have t
 from its last checkpoint; one stopped by a signal (the reconciler's stop, the OOM killer) is left to the reconciler to
 restart. The reconciler restarts a lost run once its engine is confirmed stopped, which for an engine that has exited
 waits for its supervisor to exit (`supervisor_lock.supervisor_gone_within`): until then the supervisor may still end the run.
+One stuck past `supervisor_lock.STALL_SECONDS` without progress (marked at each poll and each move it tries) is killed
+by that stop, so a hung supervisor does not keep a lost run from restarting.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from workers.launch.supervisor_lock import supervising
+from workers.launch.supervisor_lock import Supervising, supervising
 
 POLL_SECONDS = 1.0
 STOP_GRACE_SECONDS = 10.0
@@ -141,12 +143,13 @@ def _start_engine(*, run_id: int, folder: Path, log_path: Path) -> subprocess.Po
     return engine
 
 
-def _watch(*, run_id: int, engine: subprocess.Popen) -> None:
+def _watch(*, run_id: int, engine: subprocess.Popen, marks: Supervising) -> None:
     """Until the engine exits, or the run is being cancelled and its engine stopped."""
     from forgeboard.runs.models import Run
     from forgeboard.runs.states import RunState
 
     while engine.poll() is None:
+        marks.progressed(engine_pid=engine.pid)
         time.sleep(POLL_SECONDS)
         state = Run.objects.filter(pk=run_id).values_list("state", flat=True).first()
         if state == RunState.CANCELLING:
@@ -158,7 +161,7 @@ def _watch(*, run_id: int, engine: subprocess.Popen) -> None:
             return
 
 
-def _settle(*, run_id: int, engine: subprocess.Popen, log_path: Path, exited_at: datetime) -> None:
+def _settle(*, run_id: int, engine: subprocess.Popen, log_path: Path, exited_at: datetime, marks: Supervising) -> None:
     """Move the run by how its engine exited (`engine_outcome`), from the state it is in now. Another party may move
     it first (a cancel, a pause or resume reported, the reconciler): the move is then decided again from the state
     that party left, until it is made or the run is no longer this supervisor's to move (ended, restarted, or lost
@@ -170,6 +173,7 @@ def _settle(*, run_id: int, engine: subprocess.Popen, log_path: Path, exited_at:
     from forgeboard.runs.states import RunState
 
     while True:
+        marks.progressed(engine_pid=engine.pid)
         found = Run.objects.filter(pk=run_id).values_list("state", "pid", "exit_reason").first()
         if found is None:
             logger.info("run %s no longer exists", run_id)
@@ -225,11 +229,11 @@ def supervise(run_id: int) -> int:
 
     folder = run_dir(Run.objects.get(pk=run_id))
     log_path = folder / "engine.log"
-    with run_log_context(run_id), supervising(folder):
+    with run_log_context(run_id), supervising(folder) as marks:
         engine = _start_engine(run_id=run_id, folder=folder, log_path=log_path)
         if engine is not None:
-            _watch(run_id=run_id, engine=engine)
-            _settle(run_id=run_id, engine=engine, log_path=log_path, exited_at=timezone.now())
+            _watch(run_id=run_id, engine=engine, marks=marks)
+            _settle(run_id=run_id, engine=engine, log_path=log_path, exited_at=timezone.now(), marks=marks)
     return 0
 
 
