@@ -369,13 +369,14 @@ def test_another_job_completing_does_not_make_this_ones_answer_unreadable(team, 
 ])
 def test_a_job_in_any_state_slurm_22_05_prints_is_followed_not_unreadable(team, slurm, job, state, said):
     """Slurm 22.05 prints a flag in place of the job's state (captured from the suite's cluster): each was "unknown",
-    the run's job unreadable to the poll. Now the run is followed, not moved (its engine reports for itself), and its
-    timeline says what SLURM does with its job."""
+    the run's job unreadable to the poll. Now the run is followed, and its timeline says what SLURM does with its job:
+    a running job is left to its engine, which reports for itself; one back in the queue or being set up again was
+    requeued, and its run goes back to launching until its engine reports in again."""
     run = _submitted(team)
     run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
     slurm.captured(job=job, as_id="18004")
-    assert poll_slurm_runs() == {run.pk: state}
-    assert Run.objects.get(pk=run.pk).state == RunState.RUNNING
+    assert poll_slurm_runs() == {run.pk: "running" if state == "running" else "requeued"}
+    assert Run.objects.get(pk=run.pk).state == (RunState.RUNNING if state == "running" else RunState.LAUNCHING)
     status = RunEvent.objects.filter(run=run, kind="message", payload__name="job_status").latest("seq").payload
     assert (status["state"], status["reason"]) == (state, said)
 
@@ -431,3 +432,40 @@ def test_a_job_slurm_says_is_stopped_but_has_cancelled_ends_its_run(team, slurm)
     slurm.answer("sacct", **json.loads(SACCT_22_05_NOTHING_FOUND.read_text()))
     assert poll_slurm_runs() == {running.pk: "unreadable: sacct: SLURM reported errors: Nothing found"}
     assert Run.objects.get(pk=running.pk).state == RunState.RUNNING
+
+
+@pytest.mark.django_db
+def test_a_job_slurm_requeues_takes_its_run_back_to_launching_not_lost_nor_restarted_beside_it(team, slurm, asks):
+    """`scontrol requeue` (or a node failure with --requeue): SLURM kills the job's processes and queues it again
+    (captured: PENDING, BeginTime, restart_cnt 1), to start the engine again itself. The run goes back to launching,
+    said once with SLURM's restart count; its silence meanwhile does not make it lost, so the reconciler neither
+    scancels SLURM's requeue nor restarts the run beside it, and its own restarts are not spent; its engine's report
+    makes it running again, its start time kept. On the old code the run stayed running, the poll said "queued", and
+    the reconciler took it for lost and asked for the job to be stopped."""
+    from forgeboard.runs.services import run_reported_in
+
+    run = _submitted(team)
+    run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
+    started_at = Run.objects.get(pk=run.pk).started_at
+    Run.objects.filter(pk=run.pk).update(max_restarts=2, last_heartbeat_at=timezone.now() - timedelta(seconds=30))
+    slurm.captured(job=3, as_id="18004")
+
+    assert poll_slurm_runs() == {run.pk: "requeued"}
+    assert poll_slurm_runs() == {run.pk: "queued"}, "followed as a queued job, and said once"
+
+    run.refresh_from_db()
+    assert (run.state, run.job_id, run.restart_count) == (RunState.LAUNCHING, "18004", 0)
+    assert run.exit_reason == ("SLURM job 18004 is back in the scheduler's queue: requeued by SLURM (restart 1): "
+                               "waiting in the SLURM queue (BeginTime)")
+    moves = RunEvent.objects.filter(run=run, kind="state_changed").order_by("seq")
+    assert [m.payload["to"] for m in moves] == ["queued", "launching", "running", "launching"]
+    report = runs_reconcile(now=timezone.now() + timedelta(hours=1))
+    assert (report.lost, report.stopping, report.restarted) == ([], [], [])
+    assert not [a for a in asks if a["name"] == "runs.stop_attempt"] and slurm.calls("scancel") == []
+
+    slurm.job("squeue", 18004, as_id="18004")  # SLURM runs it again, and its engine reports in
+    assert poll_slurm_runs() == {run.pk: "running"}
+    assert Run.objects.get(pk=run.pk).state == RunState.LAUNCHING, "until its engine reports in"
+    run_reported_in(run=Run.objects.get(pk=run.pk))
+    run.refresh_from_db()
+    assert (run.state, run.started_at, run.restart_count) == (RunState.RUNNING, started_at, 0)

@@ -480,11 +480,15 @@ def test_a_lost_runs_job_in_any_state_the_cluster_puts_it_in_is_followed_and_sto
         frozen = leave.enter_context(ExitStack())
         job_id = _put_in(slurm_cluster, state, run_id=run.pk, alive=tmp_path / "alive_at", leave=leave, frozen=frozen)
         Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING, job_id=job_id, max_restarts=1)
-        assert poll_jobs("slurm") == {run.pk: run_state}
+        requeued = run_state in ("queued", "launching")  # a running run's job back in the queue: SLURM requeued it
+        assert poll_jobs("slurm") == {run.pk: "requeued" if requeued else run_state}
         status = RunEvent.objects.filter(run=run, kind="message", payload__name="job_status").latest("seq").payload
         assert (status["state"], status["reason"]) == (run_state, reason)
+        assert Run.objects.get(pk=run.pk).state == (RunState.LAUNCHING if requeued else RunState.RUNNING)
 
-        Run.objects.filter(pk=run.pk).update(last_heartbeat_at=timezone.now() - timedelta(seconds=120))
+        # Taken for lost as a running run all the same (its job's state is what this test is about).
+        Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING,
+                                             last_heartbeat_at=timezone.now() - timedelta(seconds=120))
         answer = stop_asked()
         if state == "SIGNALING":  # scancelled, but its node has not taken it yet: the job's processes run on
             assert answer == (f"still stopping: SLURM job {job_id} has ended, but SLURM is still stopping its "
@@ -503,3 +507,54 @@ def test_a_lost_runs_job_in_any_state_the_cluster_puts_it_in_is_followed_and_sto
         wait_for(lambda: _sacct(slurm_cluster, job_id, latest=True)["state"]["current"] == "CANCELLED", timeout=30,
                  what="accounting to record the job cancelled")
         assert all(slurm_cluster.job_processes(node) == [] for node in slurm_cluster.node_list)
+
+
+def test_a_job_slurm_requeues_takes_its_run_back_to_launching_and_is_not_taken_for_lost(
+        team, tiny_model, slurm_cluster, settings, monkeypatch, tmp_path):
+    """`scontrol requeue` of a running run's job (as SLURM does after a node failure with --requeue): SLURM kills its
+    processes and queues it again, then runs it again. The poll notices (squeue: PENDING, its restart_cnt 1) and takes
+    the run back to launching, saying so once; the reconciler, an hour on, neither takes it for lost nor asks for its
+    job to be stopped, so SLURM's requeue is not scancelled nor the run restarted beside it; the job runs again, and
+    the run waits for its engine to report in. On the old code the run stayed running and was taken for lost."""
+    from workers.celery import app
+
+    settings.SLURM_BIN_DIR = None
+    asks: list[dict] = []
+    monkeypatch.setattr(app, "send_task", lambda name, **kw: asks.append({"name": name, **kw}))
+    run = run_launch(actor=team.member, experiment=team.experiment,
+                     config_yaml=GRPO_YAML.format(model=tiny_model, steps=2))
+    alive = tmp_path / "alive_at"
+    job = slurm_cluster.command(
+        "sbatch", "--parsable", "-N1", "--requeue", "-o", "/dev/null", f"--comment=forgeboard-run-id={run.pk}",
+        "--wrap", f"while true; do date +%s.%N > {alive}; sleep 0.2; done")
+    assert job.returncode == 0, job.stderr
+    job_id = job.stdout.strip()
+    try:
+        wait_for(lambda: _squeue(slurm_cluster, job_id)["job_state"] == "RUNNING", timeout=60, what="the job to run")
+        Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING, job_id=job_id, max_restarts=1,
+                                             last_heartbeat_at=timezone.now())
+        assert poll_jobs("slurm") == {run.pk: "running"}
+
+        assert slurm_cluster.command("scontrol", "requeue", job_id).returncode == 0
+        queued = wait_for(lambda: (j := _squeue(slurm_cluster, job_id))["job_state"] == "PENDING" and j, timeout=60,
+                          what="SLURM to queue the job again")
+        assert queued["restart_cnt"] == 1
+        assert poll_jobs("slurm") == {run.pk: "requeued"}
+        run.refresh_from_db()
+        assert (run.state, run.job_id, run.restart_count) == (RunState.LAUNCHING, job_id, 0)
+        assert run.exit_reason.startswith(f"SLURM job {job_id} is back in the scheduler's queue: requeued by SLURM "
+                                          "(restart 1): waiting in the SLURM queue"), run.exit_reason
+
+        report = runs_reconcile(now=timezone.now() + timedelta(hours=1))
+        assert (report.lost, report.stopping, report.restarted) == ([], [], [])
+        assert not [a for a in asks if a["name"] == "runs.stop_attempt"]
+        # SLURM holds a requeued job back for a while (BeginTime): sooner here.
+        assert slurm_cluster.command("scontrol", "update", f"JobId={job_id}", "StartTime=now").returncode == 0
+        wait_for(lambda: _squeue(slurm_cluster, job_id)["job_state"] == "RUNNING", timeout=60,
+                 what="SLURM to run the job again")
+        assert poll_jobs("slurm") == {run.pk: "running"}
+        assert Run.objects.get(pk=run.pk).state == RunState.LAUNCHING, "until its engine reports in again"
+        moves = RunEvent.objects.filter(run=run, kind="state_changed", payload__to="launching")
+        assert moves.count() == 1, "the requeue said once"
+    finally:
+        slurm_cluster.command("scancel", job_id)

@@ -309,7 +309,8 @@ def test_each_state_in_slurm_23s_shape_is_what_it_means_for_a_run(states, state,
 
 @pytest.mark.parametrize(("job_id", "state", "reason"), [
     ("2", "queued", "held in the SLURM queue until released (JobHeldUser)"),  # sbatch --hold
-    ("3", "queued", "waiting in the SLURM queue (BeginTime)"),  # scontrol requeue: a requeued job waits its BeginTime
+    # scontrol requeue: a requeued job waits its BeginTime; its record's restart_cnt says SLURM requeued it
+    ("3", "queued", "requeued by SLURM (restart 1): waiting in the SLURM queue (BeginTime)"),
     ("4", "queued", "requeued and held after a special exit (SPECIAL_EXIT) until released (JobHeldUser)"),
     ("5", "launching",
      "SLURM is setting up the job's nodes fbslurm2: booting them or running its prolog (CONFIGURING)"),

@@ -9,6 +9,9 @@ takes its run for lost (silent: a long final checkpoint save), by a poll that th
 that looks at the job first, finished the run all the same: the run ends succeeded rather than restart and train again
 (`lost_job_finished`). Any other end of a lost run's job is the reconciler's to act on: a job its stop cancels or
 deletes reads as failed, as one that failed by itself does.
+
+A running run whose job is back in the queue (SLURM requeued it) goes back to launching until its engine reports in
+again (`_requeued`): SLURM restarts it, not the reconciler.
 """
 
 from __future__ import annotations
@@ -122,6 +125,8 @@ def follow_job(*, run: Run, status: SchedulerStatus | None, job: str, cancel: Ca
                            reason=f"{job} removed by the scheduler: the engine had not stopped {round(waited)} s "
                                   "after the cancel")
             return "cancelled by the scheduler"
+        if state in (RunState.RUNNING, RunState.PAUSED) and status.state in ("queued", "launching"):
+            return _requeued(run=run, state=state, status=status, job=job)
         if not status.terminal:
             return status.state
         if state == RunState.CANCELLING:
@@ -139,6 +144,17 @@ def follow_job(*, run: Run, status: SchedulerStatus | None, job: str, cancel: Ca
         if lost_job_finished(run=run, status=status, job=job):
             return "succeeded after it was taken for lost"
         return "moved meanwhile"
+
+
+def _requeued(*, run: Run, state: RunState, status: SchedulerStatus, job: str) -> str:
+    """The running run's job is back in the scheduler's queue: SLURM requeued it (a node failure with --requeue,
+    `scontrol requeue`), and starts its engine again when it runs it. The run goes back to launching, said once on its
+    timeline with the scheduler's reason and restart count, and is followed there as a queued job is: not lost for
+    its silence meanwhile, nor restarted beside it (its engine's next report makes it running again). Its own restarts
+    (`max_restarts`) are not spent: the scheduler restarts it, under its own limits."""
+    run_transition(run_id=run.pk, from_state=state, to_state=RunState.LAUNCHING, last_heartbeat_at=None,
+                   reason=f"{job} is back in the scheduler's queue: {status.reason}")
+    return "requeued"
 
 
 def lost_job_finished(*, run: Run, status: SchedulerStatus | None, job: str) -> bool:

@@ -61,6 +61,8 @@ class SchedulerStatus:
     # Slurm 22.05 printed a flag in place of the job's base state, which may be one it has ended the job in (a job
     # scancelled while SLURM sent it a SIGSTOP says STOPPED until it leaves the queue): only sacct says which.
     base_unknown: bool = False
+    # How many times SLURM has started the job again (requeued it: a node failure with --requeue, `scontrol requeue`).
+    restarts: int = 0
 
     @property
     def terminal(self) -> bool:
@@ -330,7 +332,10 @@ def slurm_job_status(record: Mapping[str, Any]) -> SchedulerStatus:
     state = record.get("state")
     base, flags = _base_and_flags(_states(state.get("current") if isinstance(state, dict) else record.get("job_state")))
     status = _slurm_job_status(record, base=base, flags=flags, nodes=nodes)
-    return replace(status, nodes=nodes, base_unknown=base is None and not status.completing)
+    restarts = _number(record.get("restart_cnt")) or 0
+    if restarts and status.state in ("queued", "launching") and "requeued" not in status.reason:
+        status = replace(status, reason=f"requeued by SLURM (restart {restarts}): {status.reason}")
+    return replace(status, nodes=nodes, base_unknown=base is None and not status.completing, restarts=restarts)
 
 
 def _slurm_job_status(record: Mapping[str, Any], *, base: str | None, flags: list[str], nodes: str) -> SchedulerStatus:

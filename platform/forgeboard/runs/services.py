@@ -8,7 +8,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Max
+from django.db.models import F, Max, Value
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from forgeboard.accounts.models import Role
@@ -156,7 +157,7 @@ def run_transition(
     now = timezone.now()
     values: dict[str, Any] = {"state": to_state, "state_changed_at": now, **fields}
     if to_state == RunState.RUNNING and from_state == RunState.LAUNCHING:
-        values.setdefault("started_at", now)
+        values.setdefault("started_at", Coalesce(F("started_at"), Value(now)))  # a requeued job's run started before
     if to_state in TERMINAL_STATES:
         values.setdefault("finished_at", now)
     if reason:

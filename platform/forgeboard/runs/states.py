@@ -21,8 +21,10 @@ S = RunState
 TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     S.QUEUED: frozenset({S.LAUNCHING, S.CANCELLED}),
     S.LAUNCHING: frozenset({S.RUNNING, S.FAILED, S.CANCELLING, S.LOST}),
-    S.RUNNING: frozenset({S.PAUSED, S.CANCELLING, S.SUCCEEDED, S.FAILED, S.LOST}),
-    S.PAUSED: frozenset({S.RUNNING, S.CANCELLING, S.FAILED, S.LOST}),
+    # Back to launching: its cluster scheduler requeued its job (SLURM after a node failure, `scontrol requeue`), which
+    # starts its engine again when it runs it (workers/launch/jobs.py `follow_job`).
+    S.RUNNING: frozenset({S.PAUSED, S.CANCELLING, S.SUCCEEDED, S.FAILED, S.LOST, S.LAUNCHING}),
+    S.PAUSED: frozenset({S.RUNNING, S.CANCELLING, S.FAILED, S.LOST, S.LAUNCHING}),
     # Never lost: a run its owner asked to stop is not restarted; one whose controller went silent ends cancelled.
     S.CANCELLING: frozenset({S.CANCELLED, S.FAILED}),
     # A lost run is restarted from its last checkpoint (back to queued) or given up on; or it ends as its attempt did
