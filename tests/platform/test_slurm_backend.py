@@ -10,6 +10,7 @@ refused partition and a time limit run on the real cluster.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -306,6 +307,28 @@ def test_a_cancelled_run_whose_engine_went_silent_has_its_job_removed_by_the_pol
     run.refresh_from_db()
     assert run.state == RunState.CANCELLED and run.restart_count == 0
     assert run.exit_reason == "SLURM job 18004 removed by the scheduler: the engine had not stopped 300 s after the cancel"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("shape", ["22.05", "23.11"])
+def test_a_cancelled_runs_job_still_completing_past_the_grace_is_not_scancelled_again_and_ends_cancelled(
+        team, slurm, shape):
+    """The engine took the cancel and its job has ended, but SLURM is still stopping its processes (COMPLETING) when
+    the cancel grace is over: a second scancel changes nothing, and the run was cancelled, not removed by the
+    scheduler. On the old code it was scancelled again and its reason said 'removed by the scheduler'."""
+    run = _submitted(team)
+    run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
+    run_cancel(actor=team.member, run=Run.objects.get(pk=run.pk))
+    Run.objects.filter(pk=run.pk).update(state_changed_at=timezone.now() - timedelta(seconds=300))
+    slurm.completing(as_id="18004", shape=shape)
+
+    assert poll_slurm_runs() == {run.pk: "cancelled, its job still stopping"}
+
+    assert slurm.calls("scancel") == []
+    run.refresh_from_db()
+    assert run.state == RunState.CANCELLED
+    assert re.fullmatch(r"cancelled; SLURM job 18004 has ended, but SLURM is still stopping its processes on "
+                        r"\S+ \(COMPLETING\)", run.exit_reason), run.exit_reason
 
 
 @pytest.mark.django_db

@@ -120,6 +120,10 @@ def follow_job(*, run: Run, status: SchedulerStatus | None, job: str, cancel: Ca
             waited = (timezone.now() - run.state_changed_at).total_seconds()
             if waited < settings.JOB_CANCEL_GRACE_S:
                 return "waiting for the engine to stop"
+            if status.completing:  # ended already (the engine's exit, an scancel): a second one would change nothing
+                run_transition(run_id=run.pk, from_state=state, to_state=RunState.CANCELLED,
+                               reason=f"cancelled; {job} has ended, but SLURM is {status.ending}")
+                return "cancelled, its job still stopping"
             cancel()  # the engine has not stopped its job: the scheduler ends it
             run_transition(run_id=run.pk, from_state=state, to_state=RunState.CANCELLED,
                            reason=f"{job} removed by the scheduler: the engine had not stopped {round(waited)} s "
