@@ -449,3 +449,39 @@ def test_a_run_failed_as_lost_with_no_restart_left_as_its_engine_finishes_succee
     report = runs_reconcile(now=timezone.now() + RECONCILER_LATER)
     assert (report.leftover_stopping, report.leftover_unconfirmed) == ([], [])
     assert _supervisor_said_nothing_wrong(caplog)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("then", ["read paused", "taken for lost while paused"])
+def test_a_paused_runs_engine_that_exits_0_finished_the_run_whether_or_not_it_was_taken_for_lost(
+        team, sft, tiny_model, other_party, asks, monkeypatch, caplog, then):
+    """An engine leaves its pause only for a resume or a cancel (workers/engine/run_control.py), and a cancel moves
+    the run to cancelling first: one that exits 0 while its run reads paused was resumed and trained to its end before
+    its resume was reported. The run succeeded either way: read paused by its supervisor (on the old code it failed,
+    'engine exited with code 0 while the run was paused') or taken for lost meanwhile (it succeeded already)."""
+    monkeypatch.setattr(supervisor_lock, "SETTLE_GRACE_SECONDS", 0.5)
+    run = _launching(team, sft_yaml(tiny_model, steps=2, max_restarts=1), experiment=sft)
+    monkeypatch.setenv(RUN_ID_ENV, str(run.pk))
+
+    def paused() -> None:
+        pause = command_create(actor=team.member, run=Run.objects.get(pk=run.pk), kind="pause")
+        command_acknowledge(run=run, command_id=pause.pk)
+        command_finish(run=Run.objects.get(pk=run.pk), command_id=pause.pk, ok=True, result={"paused_at_step": 1})
+        if then == "taken for lost while paused":
+            assert runs_reconcile(now=timezone.now() + RECONCILER_LATER).lost == [run.pk]
+
+    other_party.before[(RunState.RUNNING, RunState.SUCCEEDED)] = paused
+
+    assert supervise(run.pk) == 0
+
+    assert other_party.all_made(), (run_dir(run) / "engine.log").read_text()[-2000:]
+    run.refresh_from_db()
+    assert run.state == RunState.SUCCEEDED, run.exit_reason
+    if then == "read paused":
+        assert run.exit_reason == ("finished; its engine exited 0 while the run was paused (resumed, before it "
+                                   "reported the resume)")
+        assert _path(run) == ["queued", "launching", "running", "paused", "succeeded"]
+    else:
+        assert run.exit_reason.startswith("finished after it was taken for lost"), run.exit_reason
+        assert _path(run) == ["queued", "launching", "running", "paused", "lost", "succeeded"]
+    assert _supervisor_said_nothing_wrong(caplog)

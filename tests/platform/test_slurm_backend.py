@@ -492,3 +492,20 @@ def test_a_job_slurm_requeues_takes_its_run_back_to_launching_not_lost_nor_resta
     run_reported_in(run=Run.objects.get(pk=run.pk))
     run.refresh_from_db()
     assert (run.state, run.started_at, run.restart_count) == (RunState.RUNNING, started_at, 0)
+
+
+@pytest.mark.django_db
+def test_a_paused_runs_job_that_completes_ends_the_run_succeeded(team, slurm):
+    """An engine leaves its pause only for a resume or a cancel: a job that completes while its run reads paused was
+    resumed and finished. On the old code paused -> succeeded was refused, the poll said 'moved meanwhile', and the run
+    stayed paused until the reconciler took it for lost."""
+    run = _submitted(team)
+    run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
+    run_transition(run_id=run.pk, from_state=RunState.RUNNING, to_state=RunState.PAUSED)
+    slurm.answer("squeue", jobs=[])
+    slurm.job("sacct", 17101, as_id="18004")  # COMPLETED, exit 0
+
+    assert poll_slurm_runs() == {run.pk: "succeeded"}
+
+    run.refresh_from_db()
+    assert (run.state, run.exit_reason) == (RunState.SUCCEEDED, "SLURM job 18004: the job completed with exit code 0")

@@ -101,10 +101,13 @@ def engine_outcome(*, state: str, returncode: int, log_path: Path, exited_at: da
         # Killed by a signal (SIGKILL, OOM killer): not the run's own fault, so the reconciler may restart it, at once:
         # nothing of it is left to stop (pid None).
         return Outcome(RunState.LOST, f"engine killed by signal {-returncode}", {"pid": None})
-    if returncode == 0 and state == RunState.RUNNING:
+    if returncode == 0 and state == RunState.PAUSED:
+        # A paused engine waits for a resume or a cancel (workers/engine/run_control.py), and a cancel moves the run to
+        # cancelling first: one that exited 0 was resumed and trained to its end before its resume was reported.
+        return Outcome(RunState.SUCCEEDED, "finished; its engine exited 0 while the run was paused (resumed, "
+                                           "before it reported the resume)")
+    if returncode == 0:
         return Outcome(RunState.SUCCEEDED, "finished")
-    if returncode == 0:  # a paused run cannot have succeeded: its engine waits for a resume
-        return Outcome(RunState.FAILED, f"engine exited with code 0 while the run was {state}")
     return Outcome(RunState.FAILED, f"engine exited with code {returncode}\n{_log_tail(log_path)}")
 
 

@@ -24,7 +24,9 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     # Back to launching: its cluster scheduler requeued its job (SLURM after a node failure, `scontrol requeue`), which
     # starts its engine again when it runs it (workers/launch/jobs.py `follow_job`).
     S.RUNNING: frozenset({S.PAUSED, S.CANCELLING, S.SUCCEEDED, S.FAILED, S.LOST, S.LAUNCHING}),
-    S.PAUSED: frozenset({S.RUNNING, S.CANCELLING, S.FAILED, S.LOST, S.LAUNCHING}),
+    # Paused -> succeeded: an engine leaves its pause only for a resume or a cancel (workers/engine/run_control.py), so
+    # one that finished while its run reads paused was resumed, and had not yet reported it.
+    S.PAUSED: frozenset({S.RUNNING, S.CANCELLING, S.SUCCEEDED, S.FAILED, S.LOST, S.LAUNCHING}),
     # Never lost: a run its owner asked to stop is not restarted; one whose controller went silent ends cancelled.
     S.CANCELLING: frozenset({S.CANCELLED, S.FAILED}),
     # A lost run is restarted from its last checkpoint (back to queued) or given up on; or it ends as its attempt did
