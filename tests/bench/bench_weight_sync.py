@@ -84,7 +84,8 @@ def rdma_sync(trainer: Any, ranks: int, inboxes: list[Any], publication: int) ->
     parts = [trainer.slice(procs=r).stage.call_one(r, ranks) for r in range(ranks)]
     parts = [p.get() for p in parts]
     path = time.perf_counter() - start
-    sent = WeightPublication(number=publication, version=publication, parts=tuple(p for p in parts if p is not None))
+    sent = WeightPublication(number=publication, version=publication, parts=tuple(p for p in parts if p is not None),
+                             read_timeout_s=600)
     for fetched in [inbox.fetch.call_one(sent) for inbox in inboxes]:
         fetched.get()
     return path, time.perf_counter() - start

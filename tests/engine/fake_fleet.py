@@ -205,8 +205,9 @@ def controller_parts(config: RunConfig, hosts: FakeHosts, groups: dict[str, Repl
                                             waits=fleet.waits, recorder=fleet.recorder, log=fleet.log,
                                             state=fleet.state)
     trainer.pids = list(trainer_pids)
-    trainer.actors = FakeActor(0, state_dict={"w": 1}, pids=dict(enumerate(trainer.pids)),
+    trainer.actors = FakeActor(0, name="trainer", state_dict={"w": 1}, pids=dict(enumerate(trainer.pids)),
                                stage_weights=staged_part)
+    trainer.running = True  # as launched: Monarch named its spawn `trainer-0`
     control = fleet.control = ControlProcs(config=config, hosts=hosts, waits=fleet.waits, recorder=fleet.recorder,
                                            state=fleet.state)
     control.host = control_host

@@ -4,7 +4,10 @@ run's counters and what a checkpoint saves; the end of a step every recipe share
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -153,6 +156,89 @@ def test_a_trainer_that_dies_while_a_generator_reads_its_weights_fails_the_step_
     assert [e["role"] for e in fleet.events("failure_detected")] == ["trainer"], "the generator is not blamed"
     assert not replica.failed and replica.outstanding == 0 and fleet.groups["generator"].service.in_flight == [0]
     assert fleet.groups["generator"].service.served == [2], "dropped, not retried"
+
+
+def _waiting_for_weights(fleet: Fleet, recovery: Recovery, read: Callable[[list], Any]
+                         ) -> tuple[PendingGeneration, list, list]:
+    """Publication 1 sent to the one generator replica (on host b), whose inbox reads it with `read(told)` (a future;
+    `told`: the publications the inbox was told were abandoned), and a generation of two requests naming it: (the
+    generation, its requests, told)."""
+    fleet.waits.ticks = [fleet.supervisor.tick]
+    replica = fleet.groups["generator"].replicas[0]
+    told: list[tuple[int, ...]] = []
+    sent: list = []
+    replica.inbox.fetch.call_one = lambda publication: sent.append(publication) or read(told)
+    replica.inbox.abandon = type(replica.inbox.pid)(lambda publication: told.append(publication))
+    replica.actor.generate.call_one = lambda *args: _WaitsForWeights(told)
+    generators = recovery.pipeline.generators
+    fleet.state.policy_version = 1
+    generators.before_launch(PhaseTimer())  # publication 1
+    calls = [generators.send([[1]] * 4, None, seed=s, number=s, key=f"k{s}") for s in range(2)]
+    assert [p.read_timeout_s for p in sent] == [fleet.config.failover.weight_read_s]
+    return PendingGeneration([], [[1]] * 8, calls, {"position": 8}, 0, [(0, 1), (1, 2)]), calls, told
+
+
+def _dropped_without_blaming_the_generator(fleet: Fleet, recovery: Recovery, generation: PendingGeneration,
+                                           told: list) -> None:
+    assert list(fleet.state.pending) == [generation], "back in flight, for the restore"
+    fleet.trainer.fetches.abandon(waits=fleet.waits)  # what the trainer's relaunch does first
+    assert told == [1]
+    recovery.restore(None)
+    replica, generators = fleet.groups["generator"].replicas[0], fleet.groups["generator"]
+    assert not fleet.state.pending and fleet.state.totals.samples_dropped == 8
+    assert not replica.failed and replica.outstanding == 0 and generators.service.in_flight == [0]
+    assert generators.service.served == [2], "dropped, not retried"
+    assert fleet.failover.replacements.get("generator", 0) == 0
+
+
+def test_a_trainer_rank_reported_dead_on_a_host_still_up_fails_the_step_while_a_generator_waits_for_its_weights():
+    """Remote workers (pids not visible here): a rank dies while the generator's inbox reads its publication, and its
+    host still answers. Monarch's failure report of the trainer's mesh is the trainer's failure at once; before, it was
+    ignored, and the request naming the publication ran until the read's timeout and was blamed on the generator."""
+    fleet, recovery = _recovery(replicas_host="b", failover="{call_timeout_s: 5, poll_seconds: 0.05}")
+    generation, calls, told = _waiting_for_weights(fleet, recovery, _WaitsForWeights)
+    fleet.supervisor.reports.append(SimpleNamespace(mesh_name="trainer-0", detail="rank 1: Killed(sig=9)"))
+    started = time.monotonic()
+    with pytest.raises(TrainerLost, match="a trainer process failed") as lost:
+        recovery.pipeline.finish(generation, PhaseTimer())
+    assert time.monotonic() - started < 2, "noticed at the next poll, not at the read's timeout (4 s)"
+    assert not lost.value.failure.hung and generation.calls == calls
+    assert [(e["role"], e["host"]) for e in fleet.events("failure_detected")] == [("trainer", "a")]
+    _dropped_without_blaming_the_generator(fleet, recovery, generation, told)
+    assert [e["role"] for e in fleet.events("failure_detected")] == ["trainer"], "the generator is not blamed"
+
+
+class _ReadGivesUp:
+    """An inbox's read of ranks that are stopped (SIGSTOP): it gives up after failover.weight_read_s (shortened)."""
+
+    def __init__(self) -> None:
+        self.gives_up_at = time.monotonic() + 0.3
+
+    def get(self, timeout: float | None = None) -> None:
+        if time.monotonic() < self.gives_up_at:
+            raise TimeoutError
+        raise RuntimeError("actor inbox failed: PublicationUnread: weight publication 1 could not be read from the "
+                           "trainer ranks within 2.5 s (MonarchError: RDMA submit failed: tcp read chunk timed out)")
+
+
+def test_a_trainer_that_hangs_while_a_generator_reads_its_weights_is_blamed_when_the_read_gives_up():
+    """The ranks stop (not die) mid-read: no report, no lost host. The inbox's read gives up within the call timeout
+    and the step fails as the trainer's (hung: its procs are killed before the relaunch); before, the request naming
+    the weights failed and the healthy generator was blamed for it."""
+    fleet, recovery = _recovery(replicas_host="b", failover="{call_timeout_s: 5, poll_seconds: 0.05}")
+    generation, calls, told = _waiting_for_weights(fleet, recovery, lambda told: _ReadGivesUp())
+    with pytest.raises(TrainerLost, match="the trainer ranks did not serve generator replica 0's read of weight "
+                                          "publication 1") as lost:
+        recovery.pipeline.finish(generation, PhaseTimer())
+    assert lost.value.failure.hung, "stopped ranks: killed before the relaunch"
+    assert generation.calls == calls and fleet.events("failure_detected") == []
+    _dropped_without_blaming_the_generator(fleet, recovery, generation, told)
+    assert fleet.events("failure_detected") == [], "the generator is not blamed"
+
+
+def test_the_inner_waits_for_weights_end_before_the_call_timeout_that_blames():
+    failover = grpo_config(failover="{call_timeout_s: 40}").failover
+    assert failover.weight_read_s < failover.weight_wait_s < failover.call_timeout_s == 40
 
 
 def test_a_checkpoint_saves_the_position_before_the_generations_in_flight():

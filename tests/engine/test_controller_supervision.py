@@ -12,6 +12,7 @@ import pytest
 from tests.engine.fake_fleet import Done, FakeHosts, Fleet, controller_parts, fake_group, fetched, grpo_config
 from workers.engine.controller.control_procs import ControlLost
 from workers.engine.controller.supervision import Supervisor
+from workers.engine.controller.trainer import TrainerLost
 
 GENERATOR = {"take_weights": 3}
 
@@ -72,13 +73,14 @@ def test_failure_reports_name_the_replica_or_spare_they_are_about():
     assert len(fleet.events("spare_ready")) == 2
     supervisor.reports.extend([SimpleNamespace(mesh_name=f"{spare.name}-0"),
                                SimpleNamespace(mesh_name=f"{rewards.replicas[0].name}-0"),
-                               SimpleNamespace(mesh_name="trainer-0"),
+                               SimpleNamespace(mesh_name="trainer-Zq81xw"),  # a trainer mesh stopped earlier
                                SimpleNamespace(mesh_name="logger-3")])
     supervisor.scan()
     assert generators.ready_spares == [], "a failed spare is dropped"
     assert any("a generator spare failed" in e["text"] for e in fleet.events("message"))
     assert [(e["role"], e["replica"]) for e in fleet.events("failure_detected")] == [("reward", 0)]
-    assert supervisor.unexplained == [], "trainer and logger reports surface elsewhere"
+    assert supervisor.unexplained == [], "an earlier trainer mesh's and the loggers' reports are no failure of the run's"
+    assert fleet.trainer.noticed is None
 
     supervisor.repair()
     assert fleet.events("replica_replaced")[0]["from_spare"], "the reward's ready spare took the failed one's place"
@@ -151,3 +153,29 @@ def test_a_read_that_hangs_is_waited_for_only_until_its_replica_is_marked_failed
     trainer.publish_weights(replicas, 2)
     assert time.monotonic() - start < 5, "not the call timeout (300 s)"
     assert trainer.actors.stage_weights.calls == [(True,), (False,)], "it may still be reading: new memory"
+
+
+def test_a_report_of_the_current_trainer_mesh_fails_its_calls_at_once_where_pids_are_not_visible():
+    """Remote workers (the fake hosts' pids are not this machine's): a trainer rank that dies on a host still up shows
+    only in Monarch's report. It is the trainer's failure now, once; the next trainer call or check fails at once."""
+    fleet, supervisor = _supervised()
+    trainer = fleet.trainer
+    fleet.state.step = 3
+    trainer.check()  # nothing failed yet
+    supervisor.reports.append(SimpleNamespace(mesh_name="trainer-0", text="rank 1: the process was killed"))
+    supervisor.scan()
+    detected = fleet.events("failure_detected")
+    assert [(e["role"], e["step"], e["hung"]) for e in detected] == [("trainer", 4, False)]
+    assert "a trainer process failed" in detected[0]["reason"] and supervisor.unexplained == []
+    with pytest.raises(TrainerLost, match="a trainer process failed"):
+        trainer.check()
+    with pytest.raises(TrainerLost, match="a trainer process failed"):
+        trainer.result(Done(error=TimeoutError()))  # a call that never answers
+    supervisor.reports.append(SimpleNamespace(mesh_name="trainer-0", text="rank 0: the process was killed"))
+    supervisor.scan()
+    assert len(fleet.events("failure_detected")) == 1, "one failure, noticed once"
+    trainer.stop()
+    trainer.noticed = None  # recovered
+    supervisor.reports.append(SimpleNamespace(mesh_name="trainer-0", text="rank 0: stopped"))
+    supervisor.scan()
+    assert len(fleet.events("failure_detected")) == 1, "a stopped mesh's late report is not a new failure"

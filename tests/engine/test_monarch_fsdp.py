@@ -82,7 +82,7 @@ def test_fsdp_step_equals_single_process_step_when_a_rank_is_short_of_rows(sft_w
         results = list(trainer.train_step.call(record, None, 0).get().values())
         states = list(trainer.state_dict.call().get().values())
         staged = list(trainer.stage_weights.call(True).get().values())
-        published = WeightPublication(number=1, version=1, parts=tuple(staged))
+        published = WeightPublication(number=1, version=1, parts=tuple(staged), read_timeout_s=60)
         read, _ = read_publication(published)  # as a generator's inbox reads it: every rank's shards, over RDMA
         trainer.shutdown.call().get()
     finally:
@@ -120,7 +120,7 @@ def test_a_tied_models_shards_travel_once_and_the_generator_gets_both_names(tmp_
     try:
         full = list(trainer.state_dict.call().get().values())[0]
         staged = list(trainer.stage_weights.call(True).get().values())
-        read, _ = read_publication(WeightPublication(number=1, version=1, parts=tuple(staged)))
+        read, _ = read_publication(WeightPublication(number=1, version=1, parts=tuple(staged), read_timeout_s=60))
         trainer.shutdown.call().get()
     finally:
         procs.stop().get()

@@ -433,7 +433,9 @@ class PlacementConfig(_Section):
 
 class FailoverConfig(_Section):
     call_timeout_s: Annotated[float, Field(gt=0.0, le=86_400.0)] = Field(
-        default=300.0, description="a generator, reference or reward call, or a train step, not answered in this long counts as hung")
+        default=300.0, description="a generator, reference or reward call, or a train step, not answered in this long counts as "
+                                   "hung; a generator's read of the trainer's weights gets half of it (then the trainer counts "
+                                   "as hung or lost), so a large model over a slow network needs a longer one")
     poll_seconds: Annotated[float, Field(gt=0.0, le=60.0)] = Field(default=1.0, description="how often waits check for failures and drills")
     max_retries: NonNegativeInt = Field(default=3, description="retries of one request on a healthy replica before the run fails")
     retry_backoff_s: Annotated[float, Field(ge=0.0, le=600.0)] = Field(default=0.2, description="wait before a retry; doubles each time")
@@ -448,6 +450,19 @@ class FailoverConfig(_Section):
     warm_spares: Annotated[int, Field(ge=0, le=8)] = Field(
         default=0, description="started replicas per role (generator, reference, reward) kept out of routing, so a failed "
                                "one is replaced without waiting for a process to start; a used spare is started again in the background")
+
+    @property
+    def weight_read_s(self) -> float:
+        """How long a generator's inbox reads one weight publication from the trainer ranks before it gives up (the
+        trainer then counts as stopped or dead): within call_timeout_s, so the read ends before the request waiting for
+        its weights counts as hung."""
+        return self.call_timeout_s / 2
+
+    @property
+    def weight_wait_s(self) -> float:
+        """How long a generate request waits on its replica for the publication it names: longer than the read, within
+        call_timeout_s (only an inbox that never got the publication is waited for this long)."""
+        return self.call_timeout_s * 3 / 4
 
 
 class CheckpointConfig(_Section):

@@ -8,7 +8,9 @@ the inbox reads every part straight from the ranks' memory and keeps the result 
 generator swaps it in between requests (`PublishedWeights.use_publication`). The inbox reads beside its earlier
 reads: ranks that die while they are read leave their read waiting for its timeout, and the controller then tells the
 inbox that the publication will not arrive (`abandon`), so the requests naming it fail at once instead of waiting, and
-the next publication, from the respawned ranks, is read at once.
+the next publication, from the respawned ranks, is read at once. A read that gives up (ranks stopped, or dead on a host
+the controller cannot look into) fails its publication the same way, and the controller blames the trainer for it.
+Both waits here come from the run's `failover` section (`weight_read_s`, `weight_wait_s`), within its call timeout.
 
 Every publication is numbered (one policy version can be published twice: after a restore from a checkpoint the
 generators go back to an older version). Each request names the publication it was launched after, so a batch is
@@ -27,11 +29,17 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from workers.engine.actors.weight_outbox import WeightPublication, read_publication_async
 
-ARRIVAL_WAIT_S = 300.0  # a publication sent before its request arrives in well under this
+UNREAD = "could not be read from the trainer ranks"  # what a failed fetch says, for the controller to blame the trainer
+RANKS_LOST = "the trainer ranks it was read from were lost"
 
 
 class PublicationLost(RuntimeError):
-    """The publication a request names will not arrive: the trainer ranks it was being read from were lost."""
+    """The publication a request names will not arrive: the trainer ranks it was being read from were lost, or did not
+    serve the read."""
+
+
+class PublicationUnread(RuntimeError):
+    """An inbox's read of a publication failed or gave up: the trainer ranks did not serve it."""
 
 
 class PolicySlot:
@@ -40,8 +48,9 @@ class PolicySlot:
     def __init__(self) -> None:
         self._changed = threading.Condition()
         self._held: dict[int, tuple[int, dict[str, Any]]] = {}
-        self._abandoned: set[int] = set()  # will not arrive (the controller said so)
+        self._abandoned: dict[int, str] = {}  # will not arrive: why
         self.taken = 0  # the newest publication the generator has loaded (0: the weights it started with)
+        self.wait_s: float | None = None  # how long `take` waits (the run's failover.weight_wait_s, set by the inbox)
 
     def put(self, publication: int, version: int, weights: dict[str, Any]) -> None:
         with self._changed:
@@ -49,32 +58,35 @@ class PolicySlot:
                 self._held[publication] = (version, weights)
                 self._changed.notify_all()
 
-    def abandon(self, publication: int) -> None:
+    def abandon(self, publication: int, *, why: str = RANKS_LOST) -> None:
         """`publication` will not arrive: a request waiting for it, or naming it later, fails (PublicationLost). One
         that has arrived already is kept."""
         with self._changed:
             if publication > self.taken and publication not in self._held:
-                self._abandoned.add(publication)
+                self._abandoned.setdefault(publication, why)
                 self._changed.notify_all()
 
     def held(self) -> list[int]:
         with self._changed:
             return sorted(self._held)
 
-    def take(self, publication: int, *, timeout_s: float = ARRIVAL_WAIT_S) -> tuple[int, dict[str, Any]]:
-        """(policy version, weights) of `publication` once it arrives; every publication up to it leaves the slot.
-        PublicationLost when it was abandoned."""
+    def take(self, publication: int, *, timeout_s: float | None = None) -> tuple[int, dict[str, Any]]:
+        """(policy version, weights) of `publication` once it arrives, waiting up to `timeout_s` (None: `wait_s`);
+        every publication up to it leaves the slot. PublicationLost when it was abandoned."""
+        timeout_s = self.wait_s if timeout_s is None else timeout_s
+        if timeout_s is None:
+            raise RuntimeError(f"weight publication {publication} is named, but no weight inbox runs on this proc")
         with self._changed:
             if not self._changed.wait_for(lambda: publication in self._held or publication in self._abandoned,
                                           timeout=timeout_s):
                 raise TimeoutError(f"weight publication {publication} did not reach this generator in {timeout_s:.0f} s "
                                    f"(held here: {sorted(self._held)})")
             if publication in self._abandoned:
-                raise PublicationLost(f"weight publication {publication} will not reach this generator: the trainer "
-                                      f"ranks it was read from were lost")
+                raise PublicationLost(f"weight publication {publication} will not reach this generator: "
+                                      f"{self._abandoned[publication]}")
             taken = self._held[publication]
             self._held = {p: held for p, held in self._held.items() if p > publication}
-            self._abandoned = {p for p in self._abandoned if p > publication}
+            self._abandoned = {p: why for p, why in self._abandoned.items() if p > publication}
             self.taken = publication
             return taken
 
@@ -92,12 +104,23 @@ class Fetched:
 
 
 class WeightInboxActor(Actor):
-    """Reads the trainer ranks' publications for the generator replica on its proc."""
+    """Reads the trainer ranks' publications for the generator replica on its proc; `wait_s`: how long a request waits
+    for the publication it names (the run's failover.weight_wait_s)."""
+
+    def __init__(self, wait_s: float) -> None:
+        SLOT.wait_s = wait_s
 
     @concurrent_endpoint
     async def fetch(self, publication: WeightPublication) -> Fetched:
-        """Runs beside the fetches before it: one whose ranks died mid-read does not hold up the next."""
-        weights, seconds = await read_publication_async(publication)
+        """Runs beside the fetches before it: one whose ranks died mid-read does not hold up the next. A read that
+        fails or gives up fails the publication here (the requests naming it fail at once) and answers
+        PublicationUnread."""
+        try:
+            weights, seconds = await read_publication_async(publication)
+        except Exception as error:  # noqa: BLE001 - a timeout, a dead peer: the ranks did not serve the read
+            why = f"{UNREAD} within {publication.read_timeout_s:g} s ({type(error).__name__}: {str(error)[:300]})"
+            SLOT.abandon(publication.number, why=why)
+            raise PublicationUnread(f"weight publication {publication.number} {why}") from None
         SLOT.put(publication.number, publication.version, weights)
         return Fetched(publication=publication.number, nbytes=publication.nbytes, seconds=seconds)
 

@@ -23,8 +23,6 @@ import torch
 
 from workers.engine.weight_parts import PartLayout, assemble, copy_into, part_layout, staging_memory
 
-MIN_READ_BYTES_PER_S = 20e6  # a read slower than this gives up (Monarch's TCP transport moved 0.2-0.9 GB/s here)
-MIN_READ_TIMEOUT_S = 60
 CHUNK_BYTES = 4 << 20  # a part is registered as chunks of at least this, read side by side: over Monarch's TCP
 MAX_CHUNKS = 32        # transport 16 reads of 4 MiB took half as long as one of 60 MiB
 
@@ -45,19 +43,17 @@ class WeightPart:
 
 @dataclass(frozen=True)
 class WeightPublication:
-    """A policy version as numbered publication: one part per rank that serves some of it."""
+    """A policy version as numbered publication: one part per rank that serves some of it, and how long a reader waits
+    for the parts (the run's `failover.weight_read_s`: ranks stopped or dead never answer)."""
 
     number: int
     version: int
     parts: tuple[WeightPart, ...]
+    read_timeout_s: float
 
     @property
     def nbytes(self) -> int:
         return sum(part.layout.nbytes for part in self.parts)
-
-
-def read_timeout_s(nbytes: int) -> int:
-    return max(MIN_READ_TIMEOUT_S, int(nbytes / MIN_READ_BYTES_PER_S))
 
 
 def rdma_buffers(flat: torch.Tensor) -> tuple[Any, ...]:
@@ -106,10 +102,10 @@ class WeightOutbox:
 def start_reads(publication: WeightPublication) -> tuple[list[tuple[torch.Tensor, PartLayout]], list[Any]]:
     """Every chunk of every part of `publication` read at once: (each part's memory and layout, the reads' futures)."""
     received, reads = [], []
+    timeout = max(1, int(publication.read_timeout_s))  # whole seconds, Monarch's unit
     for part in publication.parts:
         flat = torch.empty(part.layout.nbytes, dtype=torch.uint8)
         received.append((flat, part.layout))
-        timeout = read_timeout_s(part.layout.nbytes)
         for (first, end), buffer in zip(chunk_bounds(part.layout.nbytes), part.buffers, strict=True):
             reads.append(buffer.read_into(flat[first:end], timeout=timeout))
     return received, reads

@@ -58,7 +58,9 @@ class Supervisor:
                                              request_failed=replica.outstanding > 0)
                     break
             else:
-                if not name.startswith(("logger", "trainer")):  # trainer failures surface in its train step
+                if self.trainer.owns(name):  # noticed now; restored once the controller next needs the trainer
+                    self.trainer.report_failed(str(report))
+                elif not name.startswith(("logger", "trainer")):  # a stopped trainer mesh's late reports: its own
                     self.unexplained.append(str(report)[:500])
         for group in self.groups.values():  # local procs: a killed one shows in /proc before Monarch reports it
             for spare in group.ready_spares:

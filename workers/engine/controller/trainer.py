@@ -10,9 +10,10 @@ from typing import Any
 
 from monarch.spmd import setup_torch_elastic_env
 
-from workers.engine.actors.fleet import CallFailed, MeshStops, Replica, answered, exited, stop_quietly
+from workers.engine.actors.fleet import CallFailed, MeshStops, Replica, answered, exited, spawned_name, stop_quietly
 from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.trainer_rank import TrainerRankActor
+from workers.engine.actors.weight_inbox import UNREAD
 from workers.engine.actors.weight_outbox import WeightPublication
 from workers.engine.config import RunConfig
 from workers.engine.controller.incidents import Noticed, RecoveryLog
@@ -61,14 +62,15 @@ class PendingFetches:
             self.abandoned.append((replica, publication))
         self.pending.clear()
 
-    def settle(self, *, waits: Waits, recorder: Recorder, step: int) -> bool:
+    def settle(self, *, waits: Waits, recorder: Recorder, step: int, ranks_gone: Callable[[], str | None]) -> bool:
         """Wait for every pending read, or until the supervisor has marked its replica failed (replacing it is the
-        supervisor's), and record `weights/read_s` (the slowest read) and `weights/read_bytes` (one replica's);
-        whether every read ended (a hung one may still be reading: the ranks must not write over what it reads)."""
+        supervisor's) or `ranks_gone` says why the ranks read from are lost, and record `weights/read_s` (the slowest
+        read) and `weights/read_bytes` (one replica's); whether every read ended (a hung one may still be reading: the
+        ranks must not write over what it reads)."""
         reads = []
         for replica, _, fetch in self.pending:
             try:
-                reads.append(waits.wait(fetch, gone=lambda replica=replica: (
+                reads.append(waits.wait(fetch, gone=lambda replica=replica: ranks_gone() or (
                     f"generator replica {replica.index} failed" if replica.failed else None)))
             except CallFailed:
                 continue
@@ -91,6 +93,9 @@ class TrainerHandle:
         self.n_params = 0
         self.master_addr: str | None = None
         self.noticed: Noticed | None = None  # a failure seen, not yet recovered from
+        self.reported: str | None = None  # Monarch reported a rank of this mesh failed: why
+        self.running = False  # spawned and not stopped: a failure report can be this mesh's
+        self._spawned_name: str | None = None  # Monarch's name of this mesh's spawn (read at the first report)
         self._setup: Any = None  # every rank's pending setup
         self.fetches = PendingFetches()
 
@@ -108,6 +113,7 @@ class TrainerHandle:
         self.procs = procs
         setup_torch_elastic_env(procs)
         self.actors = procs.spawn("trainer", self.actor, cfg)
+        self.reported, self._spawned_name, self.running = None, None, True
         # Over several hosts, rank 0's host by the address its worker has (a pod IP, a node name).
         master = self.hosts.workers[placer.trainer_hosts[0]].host if len(placer.trainer_hosts) > 1 else None
         self._setup = self.actors.setup.call(master)
@@ -133,8 +139,28 @@ class TrainerHandle:
         return next((h for h in self.placer.trainer_hosts if h in self.hosts.lost), None)
 
     def gone(self) -> str | None:
+        """Why the ranks are known lost (a lost host, a failure report), or None."""
         lost = self.lost_host()
-        return f"host {self.hosts.describe(lost)} of the trainer was lost" if lost else None
+        return f"host {self.hosts.describe(lost)} of the trainer was lost" if lost else self.reported
+
+    def owns(self, mesh_name: str) -> bool:
+        """Whether a failure report's mesh is this spawn of the trainer (a late report from a mesh stopped before the
+        last relaunch is not)."""
+        if not self.running:
+            return False
+        if self._spawned_name is None:
+            self._spawned_name = spawned_name(self.actors) or ""
+        if self._spawned_name:
+            return mesh_name == self._spawned_name
+        return mesh_name.rsplit("-", 1)[0] == "trainer"  # a name Monarch did not give
+
+    def report_failed(self, report: str) -> None:
+        """Monarch reported that a rank of this mesh failed. On workers whose pids the controller cannot see, nothing
+        else shows a dead rank on a host still up: the trainer's calls, and the generators' reads of its weights, fail
+        now as the trainer's (not a generator's after failover.call_timeout_s)."""
+        if self.reported is None:
+            self.reported = CallFailed(f"a trainer process failed: {report}", hung=False).reason
+            self.detect(CallFailed(self.reported, hung=False))
 
     def exited_pid(self) -> int | None:
         """A rank that exited, when the trainer's pids are this machine's (so /proc shows it)."""
@@ -178,7 +204,9 @@ class TrainerHandle:
             self.hosts.kill(host, [pid for rank, pid in enumerate(self.pids) if self.placer.rank_host(rank) == host])
 
     def stop(self, *, stops: MeshStops | None = None) -> None:
-        """Stop the ranks' procs (with `stops`: start stopping them, `stops.wait()` waits)."""
+        """Stop the ranks' procs (with `stops`: start stopping them, `stops.wait()` waits). Their failure reports are
+        not the next mesh's failures."""
+        self.running = False
         if self.procs is not None and not self.lost_host():  # stopping a mesh on a lost host would wait for it
             if stops is None:
                 stop_quietly(self.procs)
@@ -188,16 +216,22 @@ class TrainerHandle:
     def await_read(self, replica: Replica, publication: int) -> None:
         """Wait for `replica`'s inbox to read `publication` from the ranks, when it still does: a request naming it
         waits for that read anyway, and a rank that dies meanwhile leaves it waiting for weights that never come.
-        TrainerLost then, noticed at once, not a generator hung at `failover.call_timeout_s`. A read that fails or hangs
-        otherwise is the request's to report."""
+        TrainerLost then, noticed at once, not a generator hung at `failover.call_timeout_s`; and TrainerLost (hung)
+        when the read gave up (`failover.weight_read_s`, within the call timeout): ranks that are stopped, or dead on
+        a host still up, do not serve it. A read that fails or hangs otherwise (its replica's proc) is the request's to
+        report."""
         fetch = self.fetches.reading(replica, publication)
         if fetch is None:
             return
         try:
             self.waits.wait(fetch, gone=lambda: self._read_lost(replica))
-        except CallFailed:
+        except CallFailed as failed:
             if (failure := self.failure()) is not None:
                 raise TrainerLost(failure) from None
+            if UNREAD in str(failed) and not replica.failed:
+                raise TrainerLost(CallFailed(f"the trainer ranks did not serve generator replica {replica.index}'s "
+                                             f"read of weight publication {publication}: {failed.reason}",
+                                             hung=True)) from None
 
     def _read_lost(self, replica: Replica) -> str | None:
         """Why `replica`'s read of the ranks' weights will not end, or None."""
@@ -251,10 +285,12 @@ class TrainerHandle:
     def publish_weights(self, replicas: list[Replica], publication: int) -> None:
         """Every rank stages its part of the current weights as `publication`, then each generator replica's inbox
         reads the parts straight from the ranks (`actors/weight_outbox.py`); only the staging is waited for."""
-        every_read_ended = self.fetches.settle(waits=self.waits, recorder=self.recorder, step=self.state.step)
+        every_read_ended = self.fetches.settle(waits=self.waits, recorder=self.recorder, step=self.state.step,
+                                               ranks_gone=self.gone)
         staged = self.every_rank(lambda: self.actors.stage_weights.call(every_read_ended), what="a weight staging")
         sent = WeightPublication(number=publication, version=self.state.policy_version,
-                                 parts=tuple(part for part in staged if part is not None))
+                                 parts=tuple(part for part in staged if part is not None),
+                                 read_timeout_s=self.config.failover.weight_read_s)
         for replica in replicas:
             self.fetches.add(replica, publication, replica.inbox.fetch.call_one(sent))
 

@@ -209,7 +209,8 @@ class MonarchGrpoRun:
             role, spawn_actor=self._actor_spawner(role), hosts=self.hosts, threads=cfg.trainer.threads_per_process,
             routing=cfg.generator.routing if role == "generator" else "round_robin", spares=cfg.failover.warm_spares,
             gpus_per_proc=rule.gpus_per_proc, per_host=rule.procs_per_host,
-            spawn_inbox=(lambda procs, name: procs.spawn(name, WeightInboxActor)) if role == "generator" else None)
+            spawn_inbox=(lambda procs, name: procs.spawn(name, WeightInboxActor, cfg.failover.weight_wait_s))
+            if role == "generator" else None)
         group.launch(hosts)
 
     def _actor_spawner(self, role: str) -> Any:
