@@ -13,7 +13,7 @@ import torch
 from tests.engine.fake_fleet import Done, FakeActor
 from tests.support.staging_rank import StagingRank, seeded_state
 from workers.engine.actors.fleet import Replica
-from workers.engine.actors.weight_inbox import PolicySlot
+from workers.engine.actors.weight_inbox import PolicySlot, PublicationLost
 
 
 def test_the_slot_gives_the_named_publication_and_drops_the_older_ones() -> None:
@@ -27,6 +27,21 @@ def test_the_slot_gives_the_named_publication_and_drops_the_older_ones() -> None
     slot.put(1, 1, {"w": 1})
     assert slot.held() == [3], "a publication older than the one taken is never kept"
     assert slot.take(3) == (1, {"w": "restored"})
+
+
+def test_a_publication_that_will_not_arrive_fails_its_requests_with_the_reason_and_only_an_inbox_is_waited_for() -> None:
+    slot = PolicySlot()
+    slot.put(2, 2, {"w": 2})
+    slot.abandon(2, why="not this one: it arrived")
+    slot.abandon(1, why="could not be read from the trainer ranks within 5 s")
+    with pytest.raises(PublicationLost, match="publication 1 will not reach this generator: could not be read from"):
+        slot.take(1)
+    assert slot.take(2) == (2, {"w": 2}), "one that arrived is kept"
+    with pytest.raises(RuntimeError, match="publication 3 is named, but no weight inbox runs on this proc"):
+        slot.take(3)  # no inbox set the slot's wait: nothing would ever arrive
+    slot.wait_s = 0.05
+    with pytest.raises(TimeoutError, match="publication 3 did not reach this generator in 0 s"):
+        slot.take(3)
 
 
 def test_a_failure_report_of_a_generators_inbox_is_the_generators() -> None:
@@ -96,7 +111,7 @@ def test_an_inbox_reads_a_part_of_several_chunks_from_another_proc_exactly() -> 
         for publication, seed in ((1, 3), (2, 4)):
             part = rank.stage.call_one(seed).get(timeout=60)  # the second into the first one's memory
             reads.append((seed, len(part.buffers), read_publication(
-                WeightPublication(number=publication, version=seed, parts=(part,)))[0]))
+                WeightPublication(number=publication, version=seed, parts=(part,), read_timeout_s=60))[0]))
     finally:
         procs.stop().get()
     for seed, chunks, read in reads:
@@ -125,14 +140,15 @@ def test_new_weights_reach_a_busy_generator_without_waiting_behind_its_queued_re
     procs = spawn_procs(1, threads=1)
     try:
         generator = procs.spawn("generator", GeneratorActor, str(tiny_qwen3), "float32", "cpu")
-        inbox = procs.spawn("inbox", WeightInboxActor)
+        inbox = procs.spawn("inbox", WeightInboxActor, 60.0)
         generator.generate.call_one(prompts[:1], SamplingParams(max_new_tokens=1), 0).get(timeout=120)  # warm
         assert inbox.held.call_one().get(timeout=60) == []
         started = time.perf_counter()
         first_call = generator.generate.call_one(prompts, params, 0, 0)
         second_call = generator.generate.call_one(prompts, params, 1, 1)
         part = outbox.stage(weights, rank=0, world=1, sharded=False, reuse=True)
-        fetched = inbox.fetch.call_one(WeightPublication(number=1, version=7, parts=(part,))).get(timeout=60)
+        fetched = inbox.fetch.call_one(WeightPublication(number=1, version=7, parts=(part,), read_timeout_s=60)
+                                       ).get(timeout=60)
         landed = time.perf_counter() - started
         first, spans_first = first_call.get(timeout=120)
         first_done = time.perf_counter() - started
@@ -158,7 +174,8 @@ def test_new_weights_reach_a_busy_generator_without_waiting_behind_its_queued_re
 def test_a_publication_whose_ranks_die_mid_read_is_abandoned_and_the_next_one_is_read_at_once(tiny_qwen3: Path) -> None:
     """The trainer's ranks die while a generator's inbox reads their publication: the read waits for its timeout
     (60 s), and so would a request naming it. The controller abandons the publication: the request fails at once, and
-    the respawned ranks' next publication is read at once, not after the dead read."""
+    the respawned ranks' next publication is read at once, not after the dead read (whose timeout, the run's
+    failover.weight_read_s, is 60 s here)."""
     import os
     import signal
 
@@ -174,18 +191,19 @@ def test_a_publication_whose_ranks_die_mid_read_is_abandoned_and_the_next_one_is
     try:
         lost, ranks = lost_procs.spawn("staging", StagingRank), ranks_procs.spawn("staging", StagingRank)
         generator = procs.spawn("generator", GeneratorActor, str(tiny_qwen3), "float32", "cpu")
-        inbox = procs.spawn("inbox", WeightInboxActor)
+        inbox = procs.spawn("inbox", WeightInboxActor, 60.0)
         one_token = SamplingParams(max_new_tokens=1)
         generator.generate.call_one([[1, 2]], one_token, 0).get(timeout=120)  # loaded
-        first = WeightPublication(number=1, version=3, parts=(lost.stage.call_one(3).get(timeout=60),))
+        first = WeightPublication(number=1, version=3, parts=(lost.stage.call_one(3).get(timeout=60),), read_timeout_s=60)
         assert inbox.fetch.call_one(first).get(timeout=60).publication == 1  # the inbox has read from these ranks
         part = lost.stage.call_one(4).get(timeout=60)
         os.kill(lost.pid.call_one().get(timeout=60), signal.SIGKILL)
-        inbox.fetch.call_one(WeightPublication(number=2, version=4, parts=(part,)))  # waits for its read timeout
+        inbox.fetch.call_one(WeightPublication(number=2, version=4, parts=(part,), read_timeout_s=60))  # waits for it
         waiting = generator.generate.call_one([[1, 2]], one_token, 0, 2)
         started = time.perf_counter()
         next_part = ranks.stage.call_one(5).get(timeout=60)
-        fetched = inbox.fetch.call_one(WeightPublication(number=3, version=5, parts=(next_part,))).get(timeout=30)
+        fetched = inbox.fetch.call_one(WeightPublication(number=3, version=5, parts=(next_part,), read_timeout_s=60)
+                                       ).get(timeout=30)
         read_next = time.perf_counter() - started
         inbox.abandon.call_one(2).get(timeout=30)
         with pytest.raises(Exception, match="weight publication 2 will not reach this generator"):
@@ -202,3 +220,51 @@ def test_a_publication_whose_ranks_die_mid_read_is_abandoned_and_the_next_one_is
     assert held == [1, 3]
     assert not any("inbox" in str(report) for report in reports), "the inbox survived the dead ranks"
 
+
+
+def test_a_read_of_stopped_ranks_gives_up_at_its_timeout_and_fails_the_requests_naming_it_at_once(tiny_qwen3: Path) -> None:
+    """The trainer's ranks are stopped (SIGSTOP, not killed: no report, nothing exits) while a generator's inbox reads
+    their publication. The read gives up at the publication's read_timeout_s (the run's failover.weight_read_s, within
+    its call timeout) and the inbox answers PublicationUnread, which the controller blames on the trainer; a request
+    naming the publication fails at once with that reason instead of waiting out the replica's wait (the generator's
+    failure then). The inbox and the generator go on: the next publication, from other ranks, is read."""
+    import os
+    import signal
+
+    from workers.engine.actors.generator import GeneratorActor
+    from workers.engine.actors.procs import spawn_procs
+    from workers.engine.actors.weight_inbox import UNREAD, WeightInboxActor
+    from workers.engine.actors.weight_outbox import WeightPublication
+    from workers.engine.controller.attach import collect_fault_reports
+    from workers.engine.sampler import SamplingParams
+
+    reports = collect_fault_reports()  # the stopped ranks' proc, killed at the end, must not end this process
+    stopped_procs, ranks_procs, procs = (spawn_procs(1, threads=1) for _ in range(3))
+    stopped_pid = None
+    try:
+        stopped, ranks = stopped_procs.spawn("staging", StagingRank), ranks_procs.spawn("staging", StagingRank)
+        generator = procs.spawn("generator", GeneratorActor, str(tiny_qwen3), "float32", "cpu")
+        inbox = procs.spawn("inbox", WeightInboxActor, 600.0)  # a request's wait, far past the read's timeout
+        one_token = SamplingParams(max_new_tokens=1)
+        generator.generate.call_one([[1, 2]], one_token, 0).get(timeout=120)  # loaded
+        part = stopped.stage.call_one(3).get(timeout=60)
+        stopped_pid = stopped.pid.call_one().get(timeout=60)
+        os.kill(stopped_pid, signal.SIGSTOP)
+        reading = inbox.fetch.call_one(WeightPublication(number=1, version=3, parts=(part,), read_timeout_s=2))
+        waiting = generator.generate.call_one([[1, 2]], one_token, 0, 1)
+        with pytest.raises(Exception, match=f"PublicationUnread: weight publication 1 {UNREAD} within 2 s"):
+            reading.get(timeout=60)
+        with pytest.raises(Exception, match=f"weight publication 1 will not reach this generator: {UNREAD}"):
+            waiting.get(timeout=60)
+        next_part = ranks.stage.call_one(5).get(timeout=60)
+        fetched = inbox.fetch.call_one(WeightPublication(number=2, version=5, parts=(next_part,), read_timeout_s=30)
+                                       ).get(timeout=60)
+        completions, _ = generator.generate.call_one([[1, 2]], one_token, 0).get(timeout=60)
+        held = inbox.held.call_one().get(timeout=30)
+    finally:
+        if stopped_pid is not None:
+            os.kill(stopped_pid, signal.SIGKILL)
+        for mesh in (procs, ranks_procs):
+            mesh.stop().get()
+    assert fetched.publication == 2 and held == [2] and len(completions) == 1
+    assert not any("inbox" in str(report) or "generator" in str(report) for report in reports)
