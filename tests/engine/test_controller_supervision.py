@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.engine.fake_fleet import Done, FakeHosts, Fleet, controller_parts, fake_group, fetched, grpo_config
+from tests.engine.fake_fleet import PIDS, Done, FakeActor, FakeHosts, Fleet, controller_parts, fake_group, fetched, grpo_config
 from workers.engine.controller.control_procs import ControlLost
 from workers.engine.controller.supervision import Supervisor
 from workers.engine.controller.trainer import TrainerLost
@@ -179,3 +179,31 @@ def test_a_report_of_the_current_trainer_mesh_fails_its_calls_at_once_where_pids
     supervisor.reports.append(SimpleNamespace(mesh_name="trainer-0", text="rank 0: stopped"))
     supervisor.scan()
     assert len(fleet.events("failure_detected")) == 1, "a stopped mesh's late report is not a new failure"
+
+
+def test_a_replacement_reading_the_weights_of_stopped_trainer_ranks_fails_as_the_trainers_and_is_tried_again():
+    """A generator replica is replaced while the trainer's ranks are stopped: its inbox's read gives up
+    (failover.weight_read_s). Before, the replacement's take_weights was awaited regardless (on real procs: failing at
+    its own wait, blamed on the replacement); now it is the trainer's failure and the replacement waits for the
+    trainer's restore."""
+    fleet, supervisor = _supervised()
+    fleet.state.step, fleet.state.policy_version = 4, 3
+    generators = fleet.groups["generator"]
+    unread = Done(error=RuntimeError("PublicationUnread: weight publication 1 could not be read from the trainer ranks "
+                                     "within 150 s (TimeoutError)"))
+
+    def inbox_of_stopped_ranks(procs: object, name: str) -> FakeActor:
+        inbox = FakeActor(next(PIDS), name=name)
+        inbox.fetch = type(inbox.pid)(None)
+        inbox.fetch.call_one = lambda publication: unread
+        return inbox
+
+    generators.spawn_inbox = inbox_of_stopped_ranks
+    supervisor.reports.append(SimpleNamespace(mesh_name=f"{generators.replicas[0].name}-0"))
+    supervisor.scan()
+    with pytest.raises(TrainerLost, match="the trainer ranks did not serve generator replica 0's read of weight "
+                                          "publication 1") as lost:
+        supervisor.repair()
+    assert lost.value.failure.hung
+    assert fleet.failover.pending_repairs() and fleet.events("replica_replaced") == []
+    assert generators.replicas[0].failed, "still the failed one, replaced once the trainer is back"

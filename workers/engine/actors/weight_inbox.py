@@ -70,15 +70,18 @@ class PolicySlot:
         with self._changed:
             return sorted(self._held)
 
+    def _settled(self, publication: int) -> bool:
+        """Arrived, or will not (under the lock)."""
+        return publication in self._held or publication in self._abandoned
+
     def take(self, publication: int, *, timeout_s: float | None = None) -> tuple[int, dict[str, Any]]:
         """(policy version, weights) of `publication` once it arrives, waiting up to `timeout_s` (None: `wait_s`);
         every publication up to it leaves the slot. PublicationLost when it was abandoned."""
         timeout_s = self.wait_s if timeout_s is None else timeout_s
         with self._changed:
-            settled = lambda: publication in self._held or publication in self._abandoned  # noqa: E731
-            if not settled() and timeout_s is None:
+            if not self._settled(publication) and timeout_s is None:
                 raise RuntimeError(f"weight publication {publication} is named, but no weight inbox runs on this proc")
-            if not self._changed.wait_for(settled, timeout=timeout_s):
+            if not self._changed.wait_for(lambda: self._settled(publication), timeout=timeout_s):
                 raise TimeoutError(f"weight publication {publication} did not reach this generator in {timeout_s:.0f} s "
                                    f"(held here: {sorted(self._held)})")
             if publication in self._abandoned:

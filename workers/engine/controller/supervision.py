@@ -124,12 +124,14 @@ class Supervisor:
     def prepare_generator(self, replica: Replica) -> int:
         """Give a new generator replica the trainer's current weights, read by its inbox from the ranks; the policy
         version it then holds. Unless the trainer moved since the generators' last publication, the replica gets
-        that publication (the same weights); else a new one, for this replica only until the next sync."""
+        that publication (the same weights); else a new one, for this replica only until the next sync. TrainerLost
+        when the ranks fail or stop while it reads them (the replacement is tried again after the trainer's restore)."""
         state = self.state
         if state.generator_version != state.policy_version:
             state.publications += 1
         if state.publications:  # publication 0: the model folder's weights, which the replica loaded
             self.trainer.publish_weights([replica], state.publications)
+            self.trainer.await_read(replica, state.publications)
         return int(self.waits.wait(replica.actor.take_weights.call_one(state.publications)))
 
     def prepare(self, replica: Replica) -> int:
