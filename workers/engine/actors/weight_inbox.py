@@ -128,8 +128,9 @@ class WeightInboxActor(Actor):
         return Fetched(publication=publication.number, nbytes=publication.nbytes, seconds=seconds)
 
     def _handle_undeliverable_message(self, message: Any) -> bool:
-        """A read's message to ranks stopped or dead: that read fails or times out, and the inbox goes on (Monarch's
-        default fails the actor, and with it the replica)."""
+        """A message of this actor's that Monarch returns undelivered: the inbox goes on (Monarch's default fails the
+        actor, and with it the replica). A guard only: reads of killed, stopped (SIGSTOP) or stopped-mesh ranks on
+        local procs return nothing here (they give up at their timeout, and the inbox survived them without this)."""
         return True
 
     @endpoint
