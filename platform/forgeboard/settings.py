@@ -264,6 +264,9 @@ K8S_CPUS_PER_NODE = env.int("FORGEBOARD_K8S_CPUS_PER_NODE", 16, minimum=1)
 K8S_MEMORY = env.str("FORGEBOARD_K8S_MEMORY", "64Gi")
 # The run pods' service account: the engine controller lists and watches its run's pods with it (infra/k8s/engine-rbac.yaml).
 K8S_ENGINE_SERVICE_ACCOUNT = env.str("FORGEBOARD_K8S_ENGINE_SERVICE_ACCOUNT", "forgeboard-engine")
+# A run's Job is deleted by the job poller once the run's end is recorded; the API server deletes one this many seconds
+# after it finished all the same (ttlSecondsAfterFinished), a backstop for what the poller missed. 0: never.
+K8S_JOB_TTL_S = env.int("FORGEBOARD_K8S_JOB_TTL_S", 7 * 24 * 3600, minimum=0)
 # Where a run config's raw paths (model.path, data.path, checkpoint.resume_from) and registered artifacts may
 # point: folders on the workers' hosts (artifacts/resolver.py). A run's own files are reached by `run:` references.
 # In tests "/" is a root too: every path is inside except DATA_DIR's (only roots inside DATA_DIR reach into it).

@@ -47,7 +47,7 @@ class FakeApiServer:
     """One namespace of an API server and its garbage collector, as far as the backend uses them.
 
     Keeps what was created (Secrets, ConfigMaps, Jobs, by name: a second create of a name is 409, a read or delete of
-    one not there 404) and the namespace's pods, listed by label selector (`k=v,k2=v2`). `show` sets the test's Job
+    one not there 404) and the namespace's pods and Jobs, listed by label selector (`k=v,k2`). `show` sets the test's Job
     and pods from a recording (those of run 42), renamed to the Job the test's run created, if any, and labelled as
     its pods (`job` and `pods` are then that Job and every pod). Deletes as the API server and its garbage collector
     do: a Job deleted in the foreground stays, being deleted (`foregroundDeletion`), until its pods are removed; in
@@ -116,6 +116,10 @@ class FakeApiServer:
         if kind == "pods" and name is None:
             selector = request.url.params.get("labelSelector", "")
             return httpx.Response(200, json={"kind": "PodList", "items": [p for p in self.pods if _selected(p, selector)]})
+        if kind == "jobs" and name is None:
+            selector = request.url.params.get("labelSelector", "")
+            return httpx.Response(200, json={"kind": "JobList", "items": [
+                job for (collection, _), job in self.objects.items() if collection == "jobs" and _selected(job, selector)]})
         found = self.objects.get((kind, name))
         if found is None:
             return _status(404, f'{kind} "{name}" not found')
@@ -202,8 +206,10 @@ def _status(code: int, message: str) -> httpx.Response:
 
 
 def _selected(obj: dict, selector: str) -> bool:
+    """Whether a label selector (`k=v,k2`: k is v, k2 is set) selects the object."""
     labels = obj["metadata"].get("labels") or {}
-    return all(labels.get(key) == value for key, _, value in (term.partition("=") for term in selector.split(",") if term))
+    return all(labels.get(key) == value if equals else key in labels
+               for key, equals, value in (term.partition("=") for term in selector.split(",") if term))
 
 
 def _being_deleted(obj: dict, *, finalizers: list[str] | None = None) -> dict:
@@ -272,13 +278,13 @@ def test_a_kubernetes_run_is_created_through_the_api_and_failed_with_the_pods_re
     k8s.show("k8s_running")
     assert poll_kubernetes_runs() == {run.pk: "running"}
     assert Run.objects.get(pk=run.pk).state == RunState.LAUNCHING, "the engine reports running itself"
-    pods = k8s.requests[-1]
+    pods = [r for r in k8s.requests if r.url.path.endswith("/pods")][-1]
     assert pods.url.path == "/api/v1/namespaces/research/pods"
     assert pods.url.params["labelSelector"] == f"batch.kubernetes.io/job-name={name}", "this attempt's pods only"
 
     run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
     k8s.show("k8s_failed_oomkilled")
-    assert poll_kubernetes_runs() == {run.pk: "failed"}
+    assert poll_kubernetes_runs() == {run.pk: f"failed; its Job {name} deleted"}
     run.refresh_from_db()
     assert run.state == RunState.FAILED and "ran out of memory (OOMKilled)" in run.exit_reason
     assert run.exit_reason.startswith(f"Kubernetes Job {name}: container engine in pod")

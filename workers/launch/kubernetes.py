@@ -14,6 +14,9 @@ dicts for `kubectl apply` or the API's create calls:
   success policy ends the run when pod 0 succeeds;
 - a ConfigMap holding the run's config file.
 
+The job poller deletes a Job once its run's end is recorded; `ttlSecondsAfterFinished`, long, is a backstop for what
+it missed.
+
 The pods run as a service account that may get, list and watch pods in the namespace (the
 controller's discovery; infra/k8s/engine-rbac.yaml). The run token comes from an existing Secret
 (key `token`), mounted read-only.
@@ -81,6 +84,9 @@ class KubernetesLaunchRequest:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     service_account: str = DEFAULT_SERVICE_ACCOUNT  # may get, list and watch pods (the controller's discovery)
     active_deadline_s: int | None = None
+    # The API server deletes the Job (its pods, ConfigMap and Secret with it) this long after it finished: a backstop
+    # for what the job poller, which deletes it once the run's end is recorded, missed. None: never.
+    ttl_after_finished_s: int | None = None
     monarch_port: int = DEFAULT_MONARCH_PORT
     attempt: int = 0  # the run's restart count: each attempt has a Job of its own
 
@@ -118,6 +124,8 @@ class KubernetesLaunchRequest:
             raise LaunchSpecError("config_yaml", "must not be empty")
         if self.active_deadline_s is not None:
             check_positive("active_deadline_s", self.active_deadline_s)
+        if self.ttl_after_finished_s is not None:
+            check_positive("ttl_after_finished_s", self.ttl_after_finished_s)
         if not 1024 <= self.monarch_port <= 65535:
             raise LaunchSpecError("monarch_port", "must be from 1024 to 65535")
         check_environment(self.environment, reserved=RESERVED_ENVIRONMENT | _DISCOVERY_ENVIRONMENT)
@@ -211,6 +219,8 @@ def kubernetes_objects(request: KubernetesLaunchRequest) -> list[dict[str, Any]]
     }
     if request.active_deadline_s:
         job_spec["activeDeadlineSeconds"] = request.active_deadline_s
+    if request.ttl_after_finished_s:
+        job_spec["ttlSecondsAfterFinished"] = request.ttl_after_finished_s
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata,
                   "data": {"config.yaml": request.config_yaml}}
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": job_spec}

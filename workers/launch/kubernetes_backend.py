@@ -10,7 +10,10 @@ deletes what it created. The Job's pods run as
 engine controller finds its workers through the API: infra/k8s/engine-rbac.yaml).
 `runs.poll_jobs` reads the Job and its pods (by the Job's label: never an earlier attempt's) and moves the run as
 `workers/launch/jobs.py` says; a run cancelled while its pods wait to be scheduled has its Job, ConfigMap and Secret
-deleted. A lost run's Job is deleted with its pods
+deleted. Once a run's end is recorded and its Job has ended, the next poll deletes the Job, its pods, ConfigMap and
+Secret (`remove_ended_attempts`): a Job is never deleted before, so a poller that stops in between finds it readable;
+one whose deletion is refused is deleted by a later poll. The Job's `ttlSecondsAfterFinished`
+(`FORGEBOARD_K8S_JOB_TTL_S`, a week) is a backstop for what no poll deleted. A lost run's Job is deleted with its pods
 (`stop_kubernetes_job`, asked by the reconciler) and the run restarts, as a Job of its own named for the attempt,
 only once none of those pods is left; if the Job turns out to have completed as it was deleted, the run ends
 succeeded instead.
@@ -32,6 +35,7 @@ import httpx
 from django.conf import settings
 
 from forgeboard.runs.models import LaunchBackend, Run
+from forgeboard.runs.states import TERMINAL_STATES
 from forgeboard.runs.tokens import run_token_issue
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append
@@ -122,6 +126,13 @@ class KubernetesApi:
             raise self._refused(response, f"reading {kind} {name}")
         return response.json()
 
+    def jobs(self, selector: str) -> list[dict[str, Any]]:
+        """The namespace's Jobs that a label selector selects."""
+        response = self._call("GET", self._collection("Job"), params={"labelSelector": selector})
+        if response.status_code >= 300:
+            raise self._refused(response, f"listing the Jobs labelled {selector}")
+        return list(response.json().get("items") or [])
+
     def job_pods(self, name: str) -> list[dict[str, Any]]:
         """The pods of one Job (one attempt of a run), by the label the Job controller gives them: also those left
         after the Job is gone (still terminating, or orphaned)."""
@@ -163,7 +174,7 @@ def kubernetes_request(*, run: Run) -> KubernetesLaunchRequest:
         nodes=nodes, gpus_per_node=gpus_per_node,
         cpus_per_node=settings.K8S_CPUS_PER_NODE, memory=settings.K8S_MEMORY, namespace=settings.K8S_NAMESPACE,
         control_plane_url=settings.PUBLIC_URL, token_secret=f"{name}-token", python=settings.K8S_PYTHON,
-        service_account=settings.K8S_ENGINE_SERVICE_ACCOUNT,
+        service_account=settings.K8S_ENGINE_SERVICE_ACCOUNT, ttl_after_finished_s=settings.K8S_JOB_TTL_S or None,
         allowed_paths=tuple(engine_allowed_paths(run=run, run_folder=RUN_DIR)),
     )
 
@@ -218,11 +229,45 @@ def _delete_created(api: KubernetesApi, created: list[tuple[str, str]]) -> str:
 
 def delete_kubernetes_objects(*, name: str, api: KubernetesApi) -> None:
     """Delete an attempt's Job (its pods with it, in the background), ConfigMap and token Secret: a run cancelled
-    while its pods wait. The Job owns the other two; they are deleted by name as well, whatever the garbage collector
-    has done yet."""
+    while its pods wait, or one whose end is recorded. The Job owns the other two; they are deleted by name as well,
+    whatever the garbage collector has done yet."""
     api.delete("Job", name)
     api.delete("ConfigMap", name)
     api.delete("Secret", f"{name}-token")
+
+
+def remove_ended_attempts(*, api: KubernetesApi) -> dict[int, str]:
+    """Delete the Job, pods, ConfigMap and token Secret of each attempt whose run has ended and whose Job has ended
+    too; what was done, by run id.
+
+    The namespace's Jobs are what is left to delete: those of runs whose end is recorded in the database (a terminal
+    state) are deleted once they say they have ended themselves (an engine reports its run's end before its pod
+    exits). A Job is left as it is while it still runs, while it is being deleted already, when it is not its run's
+    current attempt, when its run's leftover attempt is the reconciler's to stop (`leftover_stop_since`), and when
+    its run is not this control plane's. A deletion that fails is logged; the Job stays, and the next poll tries again.
+    """
+    jobs = {_name(job): job for job in api.jobs(RUN_LABEL)}
+    run_ids = {int(run_id) for job in jobs.values() if str(run_id := _labels(job).get(RUN_LABEL, "")).isdigit()}
+    ended = Run.objects.filter(pk__in=run_ids, backend=LaunchBackend.KUBERNETES, state__in=TERMINAL_STATES,
+                               leftover_stop_since__isnull=True).exclude(job_id="")
+    done: dict[int, str] = {}
+    for run in ended:
+        job = jobs.get(run.job_id)
+        if job is None or _labels(job).get(RUN_LABEL) != str(run.pk) or _being_deleted(job):
+            continue
+        try:
+            status = kubernetes_job_status(job, api.job_pods(run.job_id))
+            if not status.terminal:
+                done[run.pk] = f"its Job {run.job_id} is still {status.state}, though its run has ended: left to end"
+                continue
+            delete_kubernetes_objects(name=run.job_id, api=api)
+        except (KubernetesApiFailed, LaunchSpecError) as exc:
+            logger.warning("run %s ended, its Kubernetes Job %s is left: %s", run.pk, run.job_id, exc,
+                           extra={"run_id": run.pk})
+            done[run.pk] = f"its Job {run.job_id} is left: {exc}"
+            continue
+        done[run.pk] = f"its Job {run.job_id} deleted"
+    return done
 
 
 def kubernetes_attempt_status(*, name: str, job: dict[str, Any] | None,
@@ -281,6 +326,14 @@ def _being_deleted(obj: dict[str, Any]) -> bool:
     return bool((obj.get("metadata") or {}).get("deletionTimestamp"))
 
 
+def _name(obj: dict[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("name", ""))
+
+
+def _labels(obj: dict[str, Any]) -> dict[str, Any]:
+    return (obj.get("metadata") or {}).get("labels") or {}
+
+
 def _pod_name(pod: dict[str, Any]) -> str:
     return str((pod.get("metadata") or {}).get("name", "?"))
 
@@ -304,7 +357,8 @@ def _pod_left(pod: dict[str, Any], *, orphaned: bool) -> str:
 
 
 def poll_kubernetes_runs(*, api: KubernetesApi | None = None) -> dict[int, str]:
-    """Move each followed Kubernetes run by what its Job and pods say; what was done, by run id."""
+    """Move each followed Kubernetes run by what its Job and pods say, then delete what the runs that have ended left
+    (`remove_ended_attempts`: those whose end this poll recorded too); what was done, by run id."""
     api = api or kubernetes_api()
     done: dict[int, str] = {}
     for run in Run.objects.filter(backend=LaunchBackend.KUBERNETES, state__in=FOLLOWED_STATES).exclude(job_id=""):
@@ -317,4 +371,11 @@ def poll_kubernetes_runs(*, api: KubernetesApi | None = None) -> dict[int, str]:
         except (KubernetesApiFailed, LaunchSpecError) as exc:
             logger.warning("Kubernetes Job %s of run %s: %s", run.job_id, run.pk, exc, extra={"run_id": run.pk})
             done[run.pk] = f"unreadable: {exc}"
+    try:
+        removed = remove_ended_attempts(api=api)
+    except KubernetesApiFailed as exc:  # the Jobs could not be listed: the next poll lists them again
+        logger.warning("the Jobs of ended Kubernetes runs are left: %s", exc)
+        return done
+    for run_id, what in removed.items():
+        done[run_id] = f"{done[run_id]}; {what}" if run_id in done else what
     return done
