@@ -342,6 +342,7 @@ def test_an_unreachable_api_server_leaves_the_run_alone(team, k8s):
     assert Run.objects.get(pk=run.pk).state == RunState.LAUNCHING
 
 
+@pytest.mark.django_db  # once nothing is left, the stop reads whether a lost run's end may be unknown
 def test_a_job_being_deleted_in_the_foreground_is_stopped_once_its_pods_are_gone(k8s):
     """The Job stays, being deleted, while its pods terminate (pod 0's engine still runs through its grace period):
     it is not deleted again, and the stop is confirmed only once the pods, and with them the Job, are gone."""
@@ -528,3 +529,220 @@ def test_a_new_attempt_is_judged_by_its_own_pods_not_the_earlier_attempts_still_
     assert Run.objects.get(pk=run.pk).state == RunState.RUNNING
     pods = [r for r in k8s.requests if r.url.path.endswith("/pods")][-1]
     assert pods.url.params["labelSelector"] == f"batch.kubernetes.io/job-name={run.job_id}"
+
+
+# --- a run that has ended leaves nothing behind ----------------------------------------------------------------------
+
+def _running(team) -> Run:
+    run = _submitted(team)
+    run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
+    return Run.objects.get(pk=run.pk)
+
+
+def _states_at_deletes(k8s: FakeApiServer, run: Run, monkeypatch) -> list[tuple[str, str]]:
+    """Each deletion the fake is asked for, as the kind deleted and the run's state in the database at that moment."""
+    seen: list[tuple[str, str]] = []
+    transport = kubernetes_backend.kubernetes_api().transport
+
+    def noting_the_runs_state(request):
+        if request.method == "DELETE":
+            seen.append((request.url.path.split("/")[-2], Run.objects.get(pk=run.pk).state))
+        return k8s.handle(request)
+
+    monkeypatch.setattr(transport, "handler", noting_the_runs_state)
+    return seen
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("recorded", "ends"), [("k8s_succeeded", RunState.SUCCEEDED),
+                                                ("k8s_failed_exit_code", RunState.FAILED),
+                                                ("k8s_failed_oomkilled", RunState.FAILED)])
+def test_a_run_whose_job_ended_has_its_objects_deleted_once_its_end_is_recorded(team, k8s, monkeypatch, recorded,
+                                                                                 ends):
+    """On the old code the Job, its Completed or Error pods, its ConfigMap and its token Secret stayed in the namespace
+    for good."""
+    run = _running(team)
+    name = run.job_id
+    k8s.show(recorded)
+    deletes = _states_at_deletes(k8s, run, monkeypatch)
+
+    assert poll_kubernetes_runs() == {run.pk: f"{ends}; its Job {name} deleted"}
+
+    assert deletes == [("jobs", ends), ("configmaps", ends), ("secrets", ends)], "only once the run's end is recorded"
+    job_delete = [r for r in k8s.requests if r.method == "DELETE"][0]
+    assert job_delete.url.params["propagationPolicy"] == "Background"
+    assert {kind for kind, _ in k8s.left(name)} == {"pods"}, "the Job, ConfigMap and Secret are gone"
+    assert all(pod["metadata"].get("deletionTimestamp") for pod in k8s.pods), "its pods are being deleted"
+    k8s.pods_removed()
+    assert k8s.left(name) == []
+    assert poll_kubernetes_runs() == {}, "nothing is left to follow or to delete"
+    assert Run.objects.get(pk=run.pk).state == ends
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("refusal", [
+    (403, f'jobs.batch "forgeboard-run-N" is forbidden: User "system:serviceaccount:forgeboard:worker" cannot delete '
+          'resource "jobs" in API group "batch" in the namespace "research"'),
+    (500, "etcdserver: request timed out")])
+def test_a_refused_deletion_keeps_the_runs_end_and_is_tried_again_by_the_next_poll(team, k8s, refusal):
+    run = _running(team)
+    name = run.job_id
+    k8s.show("k8s_succeeded")
+    k8s.refuse_deleting["jobs"] = refusal
+    code, message = refusal
+
+    assert poll_kubernetes_runs() == {
+        run.pk: f"succeeded; its Job {name} is left: deleting Job {name}: HTTP {code}: {message}"}
+    ended = Run.objects.get(pk=run.pk)
+    assert (ended.state, ended.exit_reason) == (RunState.SUCCEEDED, f"Kubernetes Job {name}: the controller pod succeeded")
+    assert {kind for kind, _ in k8s.left(name)} == {"jobs", "configmaps", "secrets", "pods"}, "all left, readable"
+    assert poll_kubernetes_runs() == {run.pk: f"its Job {name} is left: deleting Job {name}: HTTP {code}: {message}"}
+
+    del k8s.refuse_deleting["jobs"]
+    assert poll_kubernetes_runs() == {run.pk: f"its Job {name} deleted"}
+    k8s.pods_removed()
+    assert k8s.left(name) == []
+    run = Run.objects.get(pk=run.pk)
+    assert (run.state, run.exit_reason, run.finished_at) == (ended.state, ended.exit_reason, ended.finished_at)
+
+
+@pytest.mark.django_db
+def test_jobs_that_cannot_be_listed_leave_the_runs_followed_as_before(team, k8s, monkeypatch):
+    """A worker account not allowed to list Jobs (an upgrade that did not grant it) still follows and ends runs."""
+    run = _running(team)
+    k8s.show("k8s_succeeded")
+    transport = kubernetes_backend.kubernetes_api().transport
+
+    def listing_refused(request):
+        if request.method == "GET" and request.url.path.endswith("/jobs"):
+            return httpx.Response(403, json={"kind": "Status", "message": "jobs.batch is forbidden", "code": 403})
+        return k8s.handle(request)
+
+    monkeypatch.setattr(transport, "handler", listing_refused)
+    assert poll_kubernetes_runs() == {run.pk: "succeeded"}
+    assert Run.objects.get(pk=run.pk).state == RunState.SUCCEEDED
+    assert ("jobs", run.job_id) in k8s.left(run.job_id)
+
+
+class WorkerKilled(BaseException):
+    """The worker died (its pod evicted, OOM-killed) in the middle of a poll."""
+
+
+@pytest.mark.django_db
+def test_a_poller_that_dies_between_recording_the_end_and_deleting_deletes_on_the_next_poll(team, k8s, monkeypatch):
+    run = _running(team)
+    name = run.job_id
+    k8s.show("k8s_succeeded")
+    remove = kubernetes_backend.remove_ended_attempts
+
+    def dies(**_kwargs):
+        raise WorkerKilled
+
+    monkeypatch.setattr(kubernetes_backend, "remove_ended_attempts", dies)
+    with pytest.raises(WorkerKilled):
+        poll_kubernetes_runs()
+    assert Run.objects.get(pk=run.pk).state == RunState.SUCCEEDED, "recorded before anything is deleted"
+    assert {kind for kind, _ in k8s.left(name)} == {"jobs", "configmaps", "secrets", "pods"}
+
+    monkeypatch.setattr(kubernetes_backend, "remove_ended_attempts", remove)
+    assert poll_kubernetes_runs() == {run.pk: f"its Job {name} deleted"}, "the ended run is found by its Job"
+    k8s.pods_removed()
+    assert k8s.left(name) == []
+
+
+@pytest.mark.django_db
+def test_a_run_whose_engine_reported_its_end_has_its_job_deleted_once_the_job_has_ended_too(team, k8s):
+    """The engine reports its run's end before its pod exits: the Job, still running, is left to end (pod 0 may still
+    be uploading), and deleted by the poll that finds it ended."""
+    run = _running(team)
+    name = run.job_id
+    k8s.show("k8s_running")
+    run_transition(run_id=run.pk, from_state=RunState.RUNNING, to_state=RunState.SUCCEEDED, reason="the engine says so")
+
+    assert poll_kubernetes_runs() == {run.pk: f"its Job {name} is still running, though its run has ended: left to end"}
+    assert not [r for r in k8s.requests if r.method == "DELETE"]
+    k8s.show("k8s_succeeded")
+    assert poll_kubernetes_runs() == {run.pk: f"its Job {name} deleted"}
+    assert {kind for kind, _ in k8s.left(name)} == {"pods"}
+
+
+@pytest.mark.django_db
+def test_the_objects_of_runs_not_ended_or_not_this_control_planes_to_delete_are_never_touched(team, k8s):
+    launching = _submitted(team)  # its Job as created: no pods yet
+    running = _running(team)
+    k8s.show("k8s_running")
+    pods = k8s.pods
+    leftover = _submitted(team)  # failed with its Job left: the reconciler's to stop, in the foreground
+    k8s.show("k8s_failed_exit_code")
+    pods += k8s.pods
+    run_transition(run_id=leftover.pk, from_state=RunState.LAUNCHING, to_state=RunState.FAILED,
+                   reason="its launch failed", leftover_stop_since=timezone.now())
+    earlier = _submitted(team)  # ended as its attempt 1; its attempt 0's Job is the reconciler's
+    k8s.show("k8s_failed_exit_code")
+    pods += k8s.pods
+    lost = _running(team)  # lost, its pod evicted: the reconciler's to stop, in the foreground, before it restarts
+    k8s.show("k8s_lost_evicted")
+    k8s.pods += pods
+    Run.objects.filter(pk=earlier.pk).update(state=RunState.FAILED, job_id=f"{earlier.job_id}-1")
+    foreign = copy.deepcopy(k8s.job)  # a Job of another control plane's run 999999, ended
+    foreign["metadata"] |= {"name": "forgeboard-run-999999", "labels": {"forgeboard.run-id": "999999"}}
+    k8s.objects["jobs", "forgeboard-run-999999"] = foreign
+    pods_before, objects_before = copy.deepcopy(k8s.pods), copy.deepcopy(k8s.objects)
+    k8s.requests.clear()
+
+    assert poll_kubernetes_runs() == {launching.pk: "launching", running.pk: "running", lost.pk: "lost"}
+    assert [r for r in k8s.requests if r.method != "GET"] == []
+    assert (k8s.pods, k8s.objects) == (pods_before, objects_before)
+    assert Run.objects.get(pk=running.pk).state == RunState.RUNNING
+    assert poll_kubernetes_runs() == {launching.pk: "launching", running.pk: "running"}, "a lost run is not followed"
+    assert (k8s.pods, k8s.objects) == (pods_before, objects_before)
+
+
+# --- ttlSecondsAfterFinished: a backstop --------------------------------------------------------------------------
+
+@pytest.mark.django_db
+def test_jobs_are_created_with_a_long_ttl_after_finished_unless_it_is_turned_off(team, k8s, settings):
+    assert settings.K8S_JOB_TTL_S == 7 * 24 * 3600
+    _submitted(team)
+    assert k8s.created[-1]["spec"]["ttlSecondsAfterFinished"] == 604800
+    settings.K8S_JOB_TTL_S = 0
+    _submitted(team)
+    assert "ttlSecondsAfterFinished" not in k8s.created[-1]["spec"]
+
+
+@pytest.mark.django_db
+def test_a_job_its_ttl_deleted_after_its_run_ended_changes_nothing(team, k8s):
+    run = _running(team)
+    run_transition(run_id=run.pk, from_state=RunState.RUNNING, to_state=RunState.SUCCEEDED, reason="the engine says so")
+    k8s.job, k8s.pods = None, []  # ended, then deleted by the API server (its TTL) before any poll read it
+    assert poll_kubernetes_runs() == {}
+    assert Run.objects.get(pk=run.pk).state == RunState.SUCCEEDED
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("silent", [timedelta(days=8), timedelta(minutes=3)])
+def test_a_lost_run_whose_job_its_ttl_may_have_deleted_fails_rather_than_train_again(team, k8s, asks, silent):
+    """The control plane was down: nobody read the Job's end, nor heard the engine's. Its Job and pods gone, a run
+    silent for longer than the TTL may have finished: on the old code (without the check) it was restarted, to train
+    again. Silent for less, the TTL cannot have deleted it (its engine heartbeats until its pod ends): it restarts."""
+    run = _running(team)
+    Run.objects.filter(pk=run.pk).update(max_restarts=2, last_heartbeat_at=timezone.now() - silent)
+    k8s.job, k8s.pods = None, []
+    assert poll_kubernetes_runs() == {run.pk: "lost"}
+    assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
+    [ask] = [a["kwargs"] for a in asks if a["name"] == "runs.stop_attempt"]
+
+    done = stop_attempt(**ask)
+
+    run.refresh_from_db()
+    if silent < timedelta(seconds=604800):
+        assert done == f"Kubernetes Job {ask['job_id']} and its pods are gone; restarted"
+        assert (run.state, run.restart_count) == (RunState.QUEUED, 1)
+        return
+    assert done.startswith(f"Kubernetes Job {ask['job_id']} and its pods are gone, the run silent for 691")
+    assert done.endswith("longer than the Job's ttlSecondsAfterFinished (604800 s): the API server may have deleted "
+                         "it once it had ended, how is not known; not restarted")
+    assert (run.state, run.restart_count) == (RunState.FAILED, 0)
+    assert run.exit_reason.startswith(f"failed after it was taken for lost (the scheduler no longer knows Kubernetes "
+                                      f"Job {ask['job_id']}): Kubernetes Job {ask['job_id']} and its pods are gone")
+    assert runs_reconcile(now=timezone.now()).restarted == []

@@ -139,6 +139,12 @@ def test_cpu_only_runs_request_no_gpus():
     assert job["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "cpu"}
 
 
+def test_a_finished_job_is_deleted_by_the_api_server_only_after_its_ttl_a_backstop_for_the_poller():
+    assert "ttlSecondsAfterFinished" not in _job()["spec"], "none unless asked: the poller deletes it"
+    job = kubernetes_objects(replace(REQUEST, ttl_after_finished_s=7 * 24 * 3600))[1]
+    assert job["spec"]["ttlSecondsAfterFinished"] == 604800
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [
@@ -154,6 +160,7 @@ def test_cpu_only_runs_request_no_gpus():
         ({"environment": {"FORGEBOARD_K8S_JOB": "forgeboard-run-41"}}, "environment.FORGEBOARD_K8S_JOB"),
         ({"service_account": "Engine SA"}, "service_account"),
         ({"control_plane_url": "forgeboard.example"}, "control_plane_url"),
+        ({"ttl_after_finished_s": 0}, "ttl_after_finished_s"),  # 0 would delete a Job as soon as it finished
     ],
 )
 def test_bad_requests_name_the_field(change, field):

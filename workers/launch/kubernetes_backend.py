@@ -33,9 +33,11 @@ from urllib.parse import quote
 
 import httpx
 from django.conf import settings
+from django.utils import timezone
 
 from forgeboard.runs.models import LaunchBackend, Run
-from forgeboard.runs.states import TERMINAL_STATES
+from forgeboard.runs.reconcile import lost_attempt_finished
+from forgeboard.runs.states import TERMINAL_STATES, RunState
 from forgeboard.runs.tokens import run_token_issue
 from forgeboard.telemetry.models import EventKind
 from forgeboard.telemetry.services import event_append
@@ -297,6 +299,9 @@ def stop_kubernetes_job(*, name: str, api: KubernetesApi | None = None,
     or its pods are left, every stop reads them, the pods first, then the Job, which counts a succeeded pod before
     that pod can be removed. Once they say the controller pod succeeded, `finished` is told (it ends a lost run
     succeeded and says whether it did so); if it did, that is what is returned, and the deletion goes on by itself.
+    Once nothing is left, a lost run silent for longer than the Jobs' ttlSecondsAfterFinished fails instead of
+    restarting (`_end_unknown`): its Job may have ended, finished even, and been deleted by that TTL before any poll
+    read it.
     Raises JobStillCompleting while the Job or any of its pods is left, KubernetesApiFailed when the API server cannot
     be read or refuses a deletion."""
     api = api or kubernetes_api()
@@ -315,11 +320,33 @@ def stop_kubernetes_job(*, name: str, api: KubernetesApi | None = None,
                 api.delete("Pod", _pod_name(pod))
     if job is not None or pods:
         raise JobStillCompleting(_still_stopping(name, job_left=job is not None, pods=pods))
+    unknown = _end_unknown(name=name)
+    if unknown:
+        return unknown
     # Owned by the Job, so gone with it by now, or soon; deleted by name all the same (a 404 is fine): a stop is
     # confirmed only once nothing the submission created is left. The token in the Secret is revoked already.
     api.delete("ConfigMap", name)
     api.delete("Secret", f"{name}-token")
     return f"Kubernetes Job {name} and its pods are gone"
+
+
+def _end_unknown(*, name: str) -> str:
+    """Whether the lost run whose Job `name` is gone, its pods too, may have had it deleted by its
+    ttlSecondsAfterFinished once it had ended, nobody having read its end: then the run fails (said; the run is no
+    longer lost, so not restarted) rather than train again after it perhaps finished. It may only if the run has been
+    silent at least that long: its engine heartbeats until its pod ends. What was done; "" when nothing was."""
+    ttl = settings.K8S_JOB_TTL_S
+    run = Run.objects.filter(backend=LaunchBackend.KUBERNETES, job_id=name, state=RunState.LOST).first()
+    if not ttl or run is None or run.last_heartbeat_at is None:
+        return ""
+    silent = int((timezone.now() - run.last_heartbeat_at).total_seconds())
+    if silent < ttl:
+        return ""
+    how = (f"Kubernetes Job {name} and its pods are gone, the run silent for {silent} s, longer than the Job's "
+           f"ttlSecondsAfterFinished ({ttl} s): the API server may have deleted it once it had ended, how is not known")
+    if not lost_attempt_finished(run_id=run.pk, job_id=name, pid=None, to_state=RunState.FAILED, how=how):
+        return ""
+    return how
 
 
 def _being_deleted(obj: dict[str, Any]) -> bool:
