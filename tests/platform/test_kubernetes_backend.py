@@ -684,9 +684,10 @@ def test_the_objects_of_runs_not_ended_or_not_this_control_planes_to_delete_are_
     k8s.show("k8s_lost_evicted")
     k8s.pods += pods
     Run.objects.filter(pk=earlier.pk).update(state=RunState.FAILED, job_id=f"{earlier.job_id}-1")
-    foreign = copy.deepcopy(k8s.job)  # a Job of another control plane's run 999999, ended
-    foreign["metadata"] |= {"name": "forgeboard-run-999999", "labels": {"forgeboard.run-id": "999999"}}
-    k8s.objects["jobs", "forgeboard-run-999999"] = foreign
+    for run_id in ("999999", "99999999999999999999999", "x"):  # Jobs of another control plane's runs, ended
+        foreign = copy.deepcopy(k8s.job)
+        foreign["metadata"] |= {"name": f"forgeboard-run-{run_id}", "labels": {"forgeboard.run-id": run_id}}
+        k8s.objects["jobs", f"forgeboard-run-{run_id}"] = foreign
     pods_before, objects_before = copy.deepcopy(k8s.pods), copy.deepcopy(k8s.objects)
     k8s.requests.clear()
 

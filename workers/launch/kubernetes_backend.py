@@ -249,7 +249,8 @@ def remove_ended_attempts(*, api: KubernetesApi) -> dict[int, str]:
     its run is not this control plane's. A deletion that fails is logged; the Job stays, and the next poll tries again.
     """
     jobs = {_name(job): job for job in api.jobs(RUN_LABEL)}
-    run_ids = {int(run_id) for job in jobs.values() if str(run_id := _labels(job).get(RUN_LABEL, "")).isdigit()}
+    run_ids = {int(run_id) for job in jobs.values()
+               if (run_id := str(_labels(job).get(RUN_LABEL, ""))).isdigit()}
     ended = Run.objects.filter(pk__in=run_ids, backend=LaunchBackend.KUBERNETES, state__in=TERMINAL_STATES,
                                leftover_stop_since__isnull=True).exclude(job_id="")
     done: dict[int, str] = {}
@@ -331,10 +332,10 @@ def stop_kubernetes_job(*, name: str, api: KubernetesApi | None = None,
 
 
 def _end_unknown(*, name: str) -> str:
-    """Whether the lost run whose Job `name` is gone, its pods too, may have had it deleted by its
-    ttlSecondsAfterFinished once it had ended, nobody having read its end: then the run fails (said; the run is no
-    longer lost, so not restarted) rather than train again after it perhaps finished. It may only if the run has been
-    silent at least that long: its engine heartbeats until its pod ends. What was done; "" when nothing was."""
+    """The lost run whose Job `name` is gone, its pods too, may have had it deleted by its ttlSecondsAfterFinished
+    once it had ended, nobody having read its end, if it has been silent at least that long (its engine heartbeats
+    until its pod ends): it fails, said why, rather than restart to train again after it perhaps finished. What was
+    done; "" when nothing was (the TTL cannot have deleted it, or the run no longer records it)."""
     ttl = settings.K8S_JOB_TTL_S
     run = Run.objects.filter(backend=LaunchBackend.KUBERNETES, job_id=name, state=RunState.LOST).first()
     if not ttl or run is None or run.last_heartbeat_at is None:
