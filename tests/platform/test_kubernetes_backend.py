@@ -284,7 +284,7 @@ def test_a_kubernetes_run_is_created_through_the_api_and_failed_with_the_pods_re
 
     run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.RUNNING)
     k8s.show("k8s_failed_oomkilled")
-    assert poll_kubernetes_runs() == {run.pk: f"failed; its Job {name} deleted"}
+    assert poll_kubernetes_runs() == {run.pk: "failed"}
     run.refresh_from_db()
     assert run.state == RunState.FAILED and "ran out of memory (OOMKilled)" in run.exit_reason
     assert run.exit_reason.startswith(f"Kubernetes Job {name}: container engine in pod")
@@ -566,7 +566,11 @@ def test_a_run_whose_job_ended_has_its_objects_deleted_once_its_end_is_recorded(
     k8s.show(recorded)
     deletes = _states_at_deletes(k8s, run, monkeypatch)
 
-    assert poll_kubernetes_runs() == {run.pk: f"{ends}; its Job {name} deleted"}
+    assert poll_kubernetes_runs() == {run.pk: ends}
+    assert deletes == [], "the poll that records the run's end leaves its Job to the next"
+    assert {kind for kind, _ in k8s.left(name)} == {"jobs", "configmaps", "secrets", "pods"}
+
+    assert poll_kubernetes_runs() == {run.pk: f"its Job {name} deleted"}
 
     assert deletes == [("jobs", ends), ("configmaps", ends), ("secrets", ends)], "only once the run's end is recorded"
     job_delete = [r for r in k8s.requests if r.method == "DELETE"][0]
@@ -591,8 +595,8 @@ def test_a_refused_deletion_keeps_the_runs_end_and_is_tried_again_by_the_next_po
     k8s.refuse_deleting["jobs"] = refusal
     code, message = refusal
 
-    assert poll_kubernetes_runs() == {
-        run.pk: f"succeeded; its Job {name} is left: deleting Job {name}: HTTP {code}: {message}"}
+    assert poll_kubernetes_runs() == {run.pk: "succeeded"}
+    assert poll_kubernetes_runs() == {run.pk: f"its Job {name} is left: deleting Job {name}: HTTP {code}: {message}"}
     ended = Run.objects.get(pk=run.pk)
     assert (ended.state, ended.exit_reason) == (RunState.SUCCEEDED, f"Kubernetes Job {name}: the controller pod succeeded")
     assert {kind for kind, _ in k8s.left(name)} == {"jobs", "configmaps", "secrets", "pods"}, "all left, readable"

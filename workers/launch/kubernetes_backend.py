@@ -11,8 +11,8 @@ engine controller finds its workers through the API: infra/k8s/engine-rbac.yaml)
 `runs.poll_jobs` reads the Job and its pods (by the Job's label: never an earlier attempt's) and moves the run as
 `workers/launch/jobs.py` says; a run cancelled while its pods wait to be scheduled has its Job, ConfigMap and Secret
 deleted. Once a run's end is recorded and its Job has ended, the next poll deletes the Job, its pods, ConfigMap and
-Secret (`remove_ended_attempts`): a Job is never deleted before, so a poller that stops in between finds it readable;
-one whose deletion is refused is deleted by a later poll. The Job's `ttlSecondsAfterFinished`
+Secret (`remove_ended_attempts`): never before, so a poller that stops in between leaves it readable; one whose
+deletion is refused is deleted by a later poll. The Job's `ttlSecondsAfterFinished`
 (`FORGEBOARD_K8S_JOB_TTL_S`, a week) is a backstop for what no poll deleted. A lost run's Job is deleted with its pods
 (`stop_kubernetes_job`, asked by the reconciler) and the run restarts, as a Job of its own named for the attempt,
 only once none of those pods is left; if the Job turns out to have completed as it was deleted, the run ends
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -238,7 +238,7 @@ def delete_kubernetes_objects(*, name: str, api: KubernetesApi) -> None:
     api.delete("Secret", f"{name}-token")
 
 
-def remove_ended_attempts(*, api: KubernetesApi) -> dict[int, str]:
+def remove_ended_attempts(*, api: KubernetesApi, followed: Collection[int] = ()) -> dict[int, str]:
     """Delete the Job, pods, ConfigMap and token Secret of each attempt whose run has ended and whose Job has ended
     too; what was done, by run id.
 
@@ -246,13 +246,15 @@ def remove_ended_attempts(*, api: KubernetesApi) -> dict[int, str]:
     state) are deleted once they say they have ended themselves (an engine reports its run's end before its pod
     exits). A Job is left as it is while it still runs, while it is being deleted already, when it is not its run's
     current attempt, when its run's leftover attempt is the reconciler's to stop (`leftover_stop_since`), and when
-    its run is not this control plane's. A deletion that fails is logged; the Job stays, and the next poll tries again.
+    its run is not this control plane's; so are those of the runs `followed` by this poll, whose end it may have
+    just recorded, or lost to a stop that ended the run meanwhile: the next poll deletes them, the run's end read
+    back from the database. A deletion that fails is logged; the Job stays, and the next poll tries again.
     """
     jobs = {_name(job): job for job in api.jobs(RUN_LABEL)}
     run_ids = {int(run_id) for job in jobs.values()
                if (run_id := str(_labels(job).get(RUN_LABEL, ""))).isdigit()}
     ended = Run.objects.filter(pk__in=run_ids, backend=LaunchBackend.KUBERNETES, state__in=TERMINAL_STATES,
-                               leftover_stop_since__isnull=True).exclude(job_id="")
+                               leftover_stop_since__isnull=True).exclude(job_id="").exclude(pk__in=followed)
     done: dict[int, str] = {}
     for run in ended:
         job = jobs.get(run.job_id)
@@ -385,8 +387,8 @@ def _pod_left(pod: dict[str, Any], *, orphaned: bool) -> str:
 
 
 def poll_kubernetes_runs(*, api: KubernetesApi | None = None) -> dict[int, str]:
-    """Move each followed Kubernetes run by what its Job and pods say, then delete what the runs that have ended left
-    (`remove_ended_attempts`: those whose end this poll recorded too); what was done, by run id."""
+    """Move each followed Kubernetes run by what its Job and pods say, then delete what the runs that ended before
+    this poll left (`remove_ended_attempts`); what was done, by run id."""
     api = api or kubernetes_api()
     done: dict[int, str] = {}
     for run in Run.objects.filter(backend=LaunchBackend.KUBERNETES, state__in=FOLLOWED_STATES).exclude(job_id=""):
@@ -400,10 +402,8 @@ def poll_kubernetes_runs(*, api: KubernetesApi | None = None) -> dict[int, str]:
             logger.warning("Kubernetes Job %s of run %s: %s", run.job_id, run.pk, exc, extra={"run_id": run.pk})
             done[run.pk] = f"unreadable: {exc}"
     try:
-        removed = remove_ended_attempts(api=api)
+        removed = remove_ended_attempts(api=api, followed=done)
     except KubernetesApiFailed as exc:  # the Jobs could not be listed: the next poll lists them again
         logger.warning("the Jobs of ended Kubernetes runs are left: %s", exc)
         return done
-    for run_id, what in removed.items():
-        done[run_id] = f"{done[run_id]}; {what}" if run_id in done else what
-    return done
+    return done | removed
