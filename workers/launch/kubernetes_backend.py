@@ -251,8 +251,8 @@ def remove_ended_attempts(*, api: KubernetesApi, followed: Collection[int] = ())
     back from the database. A deletion that fails is logged; the Job stays, and the next poll tries again.
     """
     jobs = {_name(job): job for job in api.jobs(RUN_LABEL)}
-    run_ids = {int(run_id) for job in jobs.values()
-               if (run_id := str(_labels(job).get(RUN_LABEL, ""))).isdigit()}
+    run_ids = {int(run_id) for job in jobs.values()  # not a run id of ours: another's, or out of any id's range
+               if (run_id := str(_labels(job).get(RUN_LABEL, ""))).isdigit() and len(run_id) <= 18}
     ended = Run.objects.filter(pk__in=run_ids, backend=LaunchBackend.KUBERNETES, state__in=TERMINAL_STATES,
                                leftover_stop_since__isnull=True).exclude(job_id="").exclude(pk__in=followed)
     done: dict[int, str] = {}
