@@ -573,7 +573,7 @@ def test_a_run_whose_job_ended_has_its_objects_deleted_once_its_end_is_recorded(
     assert poll_kubernetes_runs() == {run.pk: f"its Job {name} deleted"}
 
     assert deletes == [("jobs", ends), ("configmaps", ends), ("secrets", ends)], "only once the run's end is recorded"
-    job_delete = [r for r in k8s.requests if r.method == "DELETE"][0]
+    job_delete = next(r for r in k8s.requests if r.method == "DELETE")
     assert job_delete.url.params["propagationPolicy"] == "Background"
     assert {kind for kind, _ in k8s.left(name)} == {"pods"}, "the Job, ConfigMap and Secret are gone"
     assert all(pod["metadata"].get("deletionTimestamp") for pod in k8s.pods), "its pods are being deleted"
@@ -585,8 +585,8 @@ def test_a_run_whose_job_ended_has_its_objects_deleted_once_its_end_is_recorded(
 
 @pytest.mark.django_db
 @pytest.mark.parametrize("refusal", [
-    (403, f'jobs.batch "forgeboard-run-N" is forbidden: User "system:serviceaccount:forgeboard:worker" cannot delete '
-          'resource "jobs" in API group "batch" in the namespace "research"'),
+    (403, ('jobs.batch "forgeboard-run-N" is forbidden: User "system:serviceaccount:forgeboard:worker" cannot delete '
+           'resource "jobs" in API group "batch" in the namespace "research"')),
     (500, "etcdserver: request timed out")])
 def test_a_refused_deletion_keeps_the_runs_end_and_is_tried_again_by_the_next_poll(team, k8s, refusal):
     run = _running(team)
