@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -668,6 +669,23 @@ def test_a_run_whose_engine_reported_its_end_has_its_job_deleted_once_the_job_ha
     k8s.show("k8s_succeeded")
     assert poll_kubernetes_runs() == {run.pk: f"its Job {name} deleted"}
     assert {kind for kind, _ in k8s.left(name)} == {"pods"}
+
+
+@pytest.mark.django_db
+def test_a_job_still_running_long_after_its_run_ended_is_deleted(team, k8s, settings):
+    """An engine that reported its run's end but whose pod does not exit (hung at shutdown) holds its GPUs for nothing:
+    past the cancel grace after the run's end its Job is deleted all the same."""
+    run = _running(team)
+    name = run.job_id
+    k8s.show("k8s_running")
+    run_transition(run_id=run.pk, from_state=RunState.RUNNING, to_state=RunState.SUCCEEDED, reason="the engine says so")
+    assert poll_kubernetes_runs() == {run.pk: f"its Job {name} is still running, though its run has ended: left to end"}
+    Run.objects.filter(pk=run.pk).update(finished_at=timezone.now() - timedelta(seconds=settings.JOB_CANCEL_GRACE_S + 5))
+    [answer] = poll_kubernetes_runs().values()
+    assert re.fullmatch(rf"its Job {name} deleted: still running \d+ s after its run had ended", answer), answer
+    assert "jobs" not in {kind for kind, _ in k8s.left(name)}
+    run.refresh_from_db()
+    assert (run.state, run.exit_reason) == (RunState.SUCCEEDED, "the engine says so"), "its outcome is kept"
 
 
 @pytest.mark.django_db

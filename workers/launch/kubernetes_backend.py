@@ -244,7 +244,8 @@ def remove_ended_attempts(*, api: KubernetesApi, followed: Collection[int] = ())
 
     The namespace's Jobs are what is left to delete: those of runs whose end is recorded in the database (a terminal
     state) are deleted once they say they have ended themselves (an engine reports its run's end before its pod
-    exits). A Job is left as it is while it still runs, while it is being deleted already, when it is not its run's
+    exits). A Job is left as it is while it still runs (for FORGEBOARD_JOB_CANCEL_GRACE_S after its run's end: then
+    its pods hold their GPUs for nothing, and it is deleted all the same), while it is being deleted already, when it is not its run's
     current attempt, when its run's leftover attempt is the reconciler's to stop (`leftover_stop_since`), and when
     its run is not this control plane's; so are those of the runs `followed` by this poll, whose end it may have
     just recorded, or lost to a stop that ended the run meanwhile: the next poll deletes them, the run's end read
@@ -262,10 +263,15 @@ def remove_ended_attempts(*, api: KubernetesApi, followed: Collection[int] = ())
             continue
         try:
             status = kubernetes_job_status(job, api.job_pods(run.job_id))
-            if not status.terminal:
+            ended_s = (timezone.now() - (run.finished_at or timezone.now())).total_seconds()
+            if not status.terminal and ended_s < settings.JOB_CANCEL_GRACE_S:
                 done[run.pk] = f"its Job {run.job_id} is still {status.state}, though its run has ended: left to end"
                 continue
             delete_kubernetes_objects(name=run.job_id, api=api)
+            if not status.terminal:  # its pods hold their GPUs for nothing: the run's token no longer works
+                done[run.pk] = (f"its Job {run.job_id} deleted: still {status.state} {round(ended_s)} s after its run "
+                                "had ended")
+                continue
         except (KubernetesApiFailed, LaunchSpecError) as exc:
             logger.warning("run %s ended, its Kubernetes Job %s is left: %s", run.pk, run.job_id, exc,
                            extra={"run_id": run.pk})
