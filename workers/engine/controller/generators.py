@@ -1,7 +1,8 @@
 """Where a Monarch GRPO run's generation requests go (`generation.py` sends them, chunk by chunk):
 
   ReplicaGenerators  generator replicas in procs of their own, routed by their group's Service and retried elsewhere
-                     when one fails (`requests.py`); the trainer publishes each new policy to their inboxes first
+                     when one fails (`requests.py`); the trainer publishes each new policy to their inboxes first,
+                     and a request's deadline (failover.straggler_factor) counts from its replica's read's end
   TrainerGenerators  generator.in_trainer: the trainer's ranks, each generating from a copy of its own weights that
                      it refreshes in memory before the first request of a new publication; a failure is the trainer's
 """
@@ -9,10 +10,11 @@
 from __future__ import annotations
 
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
-from workers.engine.actors.fleet import ReplicaGroup
+from workers.engine.actors.fleet import Replica, ReplicaGroup
 from workers.engine.controller.requests import Request, Router
 from workers.engine.controller.state import RunState
 from workers.engine.controller.supervision import Supervisor
@@ -45,6 +47,7 @@ class ReplicaRequest:
 
     routed: Request
     publication: int
+    reads: tuple[tuple[Replica, Any], ...] = ()  # (replica, its inbox's read of `publication`) not settled when sent
 
     @property
     def index(self) -> int:
@@ -87,22 +90,40 @@ class ReplicaGenerators:
              key: str) -> ReplicaRequest:
         """`number`: the request's place in its batch (replicas are picked by the group's routing instead)."""
         publication = self.state.publications
+        reads = tuple((replica, fetch) for replica, p, fetch in self.trainer.fetches.pending if p == publication)
         routed = self.router.send(self.group, lambda actor: actor.generate.call_one(prompts, params, seed, publication),
                                   key=key)
-        return ReplicaRequest(routed, publication)
+        return ReplicaRequest(routed, publication, reads)
 
     def receive(self, request: ReplicaRequest, timer: PhaseTimer) -> Generated:
-        """The request's answer; the replica's spans go on the step's timeline (lane `generator <index>`). TrainerLost
-        when the trainer failed while the replica read the weights the request names."""
+        """The request's answer; the replica's spans go on the step's timeline (lane `generator <index>`, from when
+        it was sent). TrainerLost when the trainer failed while the replica read the weights the request names."""
         routed = request.routed
         self.trainer.await_read(routed.replica, request.publication)
-        return answered(f"generator {routed.index}", self.router.receive(routed), sent_at=routed.sent_at, timer=timer)
+        answer = self.router.receive(routed, started=lambda attempt: self.started(attempt, request))
+        return answered(f"generator {routed.index}", answer, sent_at=routed.sent_at, timer=timer)
 
     def discard(self, request: ReplicaRequest) -> None:
         if self.trainer.fetches.was_abandoned(request.routed.replica, request.publication):
             self.router.drop(request.routed)  # it fails for want of its weights: not the replica's failure
         else:
-            self.router.receive(request.routed)
+            self.router.receive(request.routed, started=lambda attempt: self.started(attempt, request))
+
+    def started(self, attempt: Request, request: ReplicaRequest) -> float:
+        """When `attempt` (the request, or a retry of it) could start on its replica: once the replica's inbox had
+        read the publication it names. A read still running as the request was sent holds the replica's generation
+        up; its time is the weight sync's, not the generator's, so it is not counted towards the deadline that
+        declares the replica hung (a read that never ends is the trainer's: `TrainerHandle.await_read`)."""
+        read = next((fetch for replica, fetch in request.reads if replica is attempt.replica), None)
+        if read is None:
+            return attempt.sent_at  # read before the request was sent
+        with suppress(TrainerLost):  # raised for the request itself before it was received; a retry goes on
+            self.trainer.await_read(attempt.replica, request.publication)
+        ended_by = time.monotonic()
+        with suppress(Exception):  # a read that failed, or still runs (its replica failed): over, as seen now
+            # it was sent before the request: it ended by the request's sending plus its own seconds at the latest
+            ended_by = min(ended_by, attempt.sent_at + read.get(timeout=0.01).seconds)
+        return max(attempt.sent_at, ended_by)
 
     def served(self) -> list[int]:
         """Requests served per replica."""

@@ -48,14 +48,18 @@ class Router:
         replica.outstanding += 1
         return Request(group, call, key, replica, index, future, time.monotonic(), attempts, incident)
 
-    def receive(self, request: Request) -> Any:
-        """The request's result; a failed or hung replica is reported and the request retried elsewhere."""
+    def receive(self, request: Request, *, started: Callable[[Request], float] | None = None) -> Any:
+        """The request's result; a failed or hung replica is reported and the request retried elsewhere.
+        `started(attempt)`: when (time.monotonic()) the replica of the request, or of a retry of it, could start on it,
+        waiting for it if need be (a generator's read of the weights it names); by default when it was sent. Its
+        deadline, and the seconds it took (the role's typical time, that sets the next deadlines), count from then."""
         config = self.failover.config
         while True:
+            begun = request.sent_at if started is None else started(request)
             deadline = request_deadline(typical_s=request.group.service.typical_seconds(), config=config)
             try:
                 result = self.waits.wait(request.future, gone=lambda replica=request.replica: replica.lost_with_host,
-                                         timeout_s=max(0.01, deadline - (time.monotonic() - request.sent_at)))
+                                         timeout_s=max(0.01, deadline - (time.monotonic() - begun)))
             except CallFailed as failure:
                 self._finish(request, None)
                 self.supervisor.check_hosts(now=True)  # asking a replica on a lost host whether it answers would wait
@@ -68,7 +72,7 @@ class Router:
                 if self.failover.pending_repairs():
                     self.supervisor.repair()  # while the retry runs on a healthy replica
                 continue
-            self._finish(request, time.monotonic() - request.sent_at)
+            self._finish(request, time.monotonic() - begun)
             self.failover.served(request.incident)
             return result
 
