@@ -132,17 +132,8 @@ def test_a_trainer_that_dies_while_a_generator_reads_its_weights_fails_the_step_
     generator's after failover.call_timeout_s; the trainer's relaunch tells the inbox the publication will not arrive,
     and its restore drops the generation, whose requests then fail for want of weights without blaming the replica."""
     fleet, recovery = _recovery(replicas_host="b", failover="{call_timeout_s: 5, poll_seconds: 0.05}")
-    fleet.waits.ticks = [fleet.supervisor.tick]
     replica = fleet.groups["generator"].replicas[0]
-    told: list[tuple[int, ...]] = []
-    replica.inbox.fetch.call_one = lambda publication: _WaitsForWeights(told)  # the read never ends
-    replica.inbox.abandon = type(replica.inbox.pid)(lambda publication: told.append(publication))
-    replica.actor.generate.call_one = lambda *args: _WaitsForWeights(told)
-    generators = recovery.pipeline.generators
-    fleet.state.policy_version = 1
-    generators.before_launch(PhaseTimer())  # publication 1
-    calls = [generators.send([[1]] * 4, None, seed=s, number=s, key=f"k{s}") for s in range(2)]
-    generation = PendingGeneration([], [[1]] * 8, calls, {"position": 8}, 0, [(0, 1), (1, 2)])
+    generation, calls, told = _waiting_for_weights(fleet, recovery, _WaitsForWeights)  # the read never ends
     fleet.hosts.fail("a")  # the trainer's host: its ranks are gone
     started = time.monotonic()
     with pytest.raises(TrainerLost, match="host a of the trainer was lost"):
