@@ -258,3 +258,65 @@ def test_checkpoints_are_ordered_by_step_not_by_name(tmp_path: Path) -> None:
     newest = _save(folder, 1_000_000, keep_last=1)
     assert list_checkpoints(folder) == [newest]
     assert resolve_checkpoint(folder) == newest
+
+
+def test_resume_latest_goes_on_from_the_newest_checkpoint_of_its_own_folder(tiny_trainable_qwen3: Path, make_config,
+                                                                            tmp_path: Path) -> None:
+    """checkpoint.resume_latest: a run started again with the same config (a restart, a requeued job) goes on from the
+    newest complete checkpoint in checkpoint.folder; with none there (empty, or not made yet) it starts at step 0, or
+    from checkpoint.resume_from, which is only that warm start."""
+    short = (*ARITHMETIC, "trainer.batch_size=2", "eval.every_steps=0", "checkpoint.every_steps=2",
+             f"checkpoint.folder={tmp_path / 'own'}", "checkpoint.resume_latest=true")
+    missing = make_config("sft", tiny_trainable_qwen3, *short, "trainer.steps=2")
+    assert preflight_errors(missing) == []
+    sink = MemorySink()
+    assert train_sft(missing, Recorder([sink])).losses and sink.events("resumed") == [], "nothing to resume: step 0"
+    assert [p.name for p in list_checkpoints(tmp_path / "own")] == ["step_000002"]
+    (tmp_path / "own" / ".tmp_step_000003").mkdir()  # a save that a kill cut short: not complete, never resumed
+    (tmp_path / "own" / ".tmp_step_000003" / "trainer.pt").write_bytes(b"half")
+
+    again = make_config("sft", tiny_trainable_qwen3, *short, "trainer.steps=4")
+    assert preflight_errors(again) == []
+    sink = MemorySink()
+    resumed = train_sft(again, Recorder([sink]))
+    assert len(resumed.losses) == 2 and resumed.step == 4
+    assert _resumed(sink) == [(2, str(tmp_path / "own" / "step_000002"))]
+
+    # its own checkpoints win over a warm start; with none in its folder the warm start is where it starts
+    warm = make_config("sft", tiny_trainable_qwen3, *short, "trainer.steps=5",
+                       f"checkpoint.resume_from={tmp_path / 'own' / 'step_000002'}")
+    sink = MemorySink()
+    assert len(train_sft(warm, Recorder([sink])).losses) == 1
+    assert _resumed(sink) == [(4, str(tmp_path / "own" / "step_000004"))]
+    fresh = warm.model_copy(update={"checkpoint": warm.checkpoint.model_copy(update={"folder": str(tmp_path / "new")})})
+    sink = MemorySink()
+    assert len(train_sft(fresh, Recorder([sink])).losses) == 3
+    assert _resumed(sink) == [(2, str(tmp_path / "own" / "step_000002"))]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    without = make_config("sft", tiny_trainable_qwen3, *short, "trainer.steps=1", f"checkpoint.folder={empty}")
+    assert preflight_errors(without) == []
+    sink = MemorySink()
+    assert len(train_sft(without, Recorder([sink])).losses) == 1 and sink.events("resumed") == []
+
+
+def _resumed(sink: MemorySink) -> list[tuple[int, str]]:
+    return [(event["step"], event["path"]) for event in sink.events("resumed")]
+
+
+def test_resume_latest_refuses_the_other_recipes_checkpoint_in_its_folder(tiny_trainable_qwen3: Path, make_config,
+                                                                          tmp_path: Path) -> None:
+    sft = train_sft(make_config("sft", tiny_trainable_qwen3, *ARITHMETIC, "trainer.steps=1", "trainer.batch_size=2",
+                                "eval.every_steps=0", f"checkpoint.folder={tmp_path / 'own'}"), Recorder()).checkpoint
+    assert sft is not None
+    config = make_config("grpo", tiny_trainable_qwen3, *ARITHMETIC, "trainer.steps=1", "trainer.batch_size=2",
+                         "grpo.group_size=2", f"checkpoint.folder={tmp_path / 'own'}", "checkpoint.resume_latest=true")
+    assert {e.field: e.message for e in preflight_errors(config)} == {"checkpoint.folder": (
+        f"{sft} holds an SFT run's checkpoint, and a GRPO run resumes only its own recipe's; to start it from these "
+        f"weights, export them (python -m workers.engine export --checkpoint {sft} --out DIR) and set model.path to DIR "
+        "(on the platform: model.artifact=run:<id>@step:<step>)")}
+    with pytest.raises(ConfigError):
+        train_grpo(config, Recorder())
+    assert preflight_errors(config.model_copy(update={"checkpoint": config.checkpoint.model_copy(
+        update={"resume_latest": False})})) == [], "without the switch the folder is only written to"

@@ -10,9 +10,12 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workers.engine.fields import ConfigError, FieldError
+
+if TYPE_CHECKING:
+    from workers.engine.config import RunConfig
 
 STATE_FILE = "trainer.pt"
 INFO_FILE = "checkpoint.json"  # {"recipe": "grpo" | "sft", "step": N}
@@ -45,6 +48,26 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not found:
         raise FileNotFoundError(f"no checkpoint in {path}")
     return found[-1]
+
+
+def latest_checkpoint(config: RunConfig) -> Path | None:
+    """With checkpoint.resume_latest, the newest complete checkpoint in checkpoint.folder (None: it holds none, or the
+    switch is off). As torchtitan's checkpoint.folder over its initial_load_path: a run's own checkpoints win over
+    checkpoint.resume_from, which only starts a folder that holds none (a warm start), so a restarted or requeued run
+    goes on from where it stopped whatever its first attempt started from."""
+    if not config.checkpoint.resume_latest:
+        return None
+    found = list_checkpoints(config.checkpoint.folder)
+    return found[-1] if found else None
+
+
+def with_resume_point(config: RunConfig) -> RunConfig:
+    """The config a recipe runs: checkpoint.resume_from the checkpoint it starts from (`latest_checkpoint` when there
+    is one; else as given: a warm start, or None for step 0)."""
+    latest = latest_checkpoint(config)
+    if latest is None:
+        return config
+    return config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"resume_from": str(latest)})})
 
 
 def write_checkpoint_info(folder: Path, *, recipe: str, step: int) -> None:

@@ -471,6 +471,9 @@ class CheckpointConfig(_Section):
     keep_last: PositiveInt = 3
     resume_from: str | None = Field(default=None, description="a checkpoint folder (or a folder of step_N ones), or "
                                                               "a run's checkpoint: 'run:<run id>@step:<step>'")
+    resume_latest: bool = Field(default=False, description=(
+        "at start, resume from the newest complete checkpoint in checkpoint.folder when it holds one (a restarted or "
+        "requeued run goes on where it stopped); resume_from is then the warm start of a folder that holds none"))
 
 
 class EvalConfig(_Section):

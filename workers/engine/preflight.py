@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from workers.engine.checkpoint_folders import check_resume_recipe
+from workers.engine.checkpoint_folders import check_resume_recipe, latest_checkpoint
 from workers.engine.config import ConfigError, FieldError, RunConfig, check_model_folder
 from workers.engine.env import ALLOWED_PATHS_ENV, WORKERS_ENV, read_env
 from workers.engine.planning.shapes import BYTES_PER_VALUE, ModelShape
@@ -220,7 +220,16 @@ def preflight_errors(config: RunConfig) -> list[FieldError]:
 def _resume_errors(config: RunConfig) -> list[FieldError]:
     """A checkpoint.resume_from that does not exist, is a file, holds no checkpoint (what `resolve_checkpoint` finds: a
     step folder itself, or a complete step_N folder inside), or one whose checkpoint.json does not say its own recipe
-    wrote it (the other recipe's, or one written before there was one: `check_resume_recipe`)."""
+    wrote it (the other recipe's, or one written before there was one: `check_resume_recipe`). With
+    checkpoint.resume_latest, the newest checkpoint in checkpoint.folder when it holds one (the same checks, as that
+    field's errors), else resume_from as given; a folder that holds none, or does not exist yet, starts the run."""
+    latest = latest_checkpoint(config)
+    if latest is not None:
+        try:
+            check_resume_recipe(latest, recipe=config.recipe)
+        except ConfigError as exc:
+            return [FieldError("checkpoint.folder", error.message) for error in exc.errors]
+        return []
     path = config.checkpoint.resume_from
     if not path:
         return []

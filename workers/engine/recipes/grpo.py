@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 from workers.engine.batching import collate_record
 from workers.engine.behaviour_weights import BehaviourWeights
 from workers.engine.checkpoint import load_checkpoint, save_checkpoint
+from workers.engine.checkpoint_folders import with_resume_point
 from workers.engine.config import RunConfig
 from workers.engine.grpo_math import (group_prompts, kl_reward_advantages, policy_update, prepare_old_logprobs,
                                       sequence_logprobs)
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
 
 
 def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | None = None) -> GrpoResult:
-    cfg, trainer_cfg, grpo = config, config.trainer, config.grpo
+    cfg, trainer_cfg, grpo = with_resume_point(config), config.trainer, config.grpo
     startup = StartupPhases(recorder)
     startup.enter("loading_model", "loading the model and data")
     setup_process(threads=trainer_cfg.threads_per_process, seed=trainer_cfg.seed)

@@ -49,6 +49,7 @@ from workers.engine.actors.reference import ReferenceActor
 from workers.engine.actors.reward import RewardActor
 from workers.engine.actors.trainer import TrainerActor
 from workers.engine.actors.worker import Worker
+from workers.engine.checkpoint_folders import with_resume_point
 from workers.engine.config import RunConfig
 from workers.engine.controller.attach import host_source, train_on_hosts
 from workers.engine.controller.control_procs import ControlLost, ControlProcs
@@ -94,6 +95,7 @@ def train_grpo_monarch(config: RunConfig, recorder: Recorder, *, control: RunCon
                        workers: Sequence[Worker] | None = None) -> GrpoResult:
     """`workers`: the Monarch workers to place procs on; None: those of the run's monarch.job (FORGEBOARD_MONARCH_JOB),
     else those in FORGEBOARD_MONARCH_WORKERS."""
+    config = with_resume_point(config)
     startup = StartupPhases(recorder)
     startup.enter("placing", "placing roles on hosts")
     source = host_source(config, workers)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from workers.engine.checkpoint import load_checkpoint, save_checkpoint
+from workers.engine.checkpoint_folders import with_resume_point
 from workers.engine.config import RunConfig
 from workers.engine.metrics import Recorder
 from workers.engine.models.hf_folder import load_pretrained
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 
 def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | None = None) -> SftResult:
-    cfg, trainer_cfg = config, config.trainer
+    cfg, trainer_cfg = with_resume_point(config), config.trainer
     startup = StartupPhases(recorder)
     startup.enter("loading_model", "loading the model and data")
     setup_process(threads=trainer_cfg.threads_per_process, seed=trainer_cfg.seed)

@@ -27,6 +27,7 @@ from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.sft_trainer import SftTrainerActor
 from workers.engine.actors.worker import Worker
 from workers.engine.batching import SftBatch
+from workers.engine.checkpoint_folders import with_resume_point
 from workers.engine.config import RunConfig
 from workers.engine.controller.attach import host_source, train_on_hosts
 from workers.engine.controller.drill_targets import DrillTargets, measure_replica
@@ -55,6 +56,7 @@ from workers.engine.training import EvalResult, PhaseTimer, record_eval
 def train_sft_monarch(config: RunConfig, recorder: Recorder, *, control: RunControl | None = None,
                       drills: Sequence[FaultDrillRequest] = (), workers: Sequence[Worker] | None = None) -> SftResult:
     """`workers`: the Monarch workers to place the trainer on (`controller/attach.py`: host_source)."""
+    config = with_resume_point(config)
     startup = StartupPhases(recorder)
     startup.enter("placing", "placing the trainer on hosts")
     source = host_source(config, workers)
