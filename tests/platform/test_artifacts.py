@@ -147,7 +147,11 @@ def test_own_artifact_and_own_run_resolve_and_the_engine_config_carries_the_path
     assert engine["checkpoint"]["resume_from"] == str(checkpoint)
     folder = run_dir(run)
     write_run_files(run=run, folder=folder)
-    assert yaml.safe_load((folder / "config.yaml").read_text())["model"]["path"] == str(world["model"])
+    written = yaml.safe_load((folder / "config.yaml").read_text())
+    assert written["model"]["path"] == str(world["model"])
+    # its own checkpoints win once it has some (a restarted attempt); the user's resume_from starts an attempt with none
+    assert written["checkpoint"] == {"resume_from": str(checkpoint), "folder": str(folder / "checkpoints"),
+                                     "resume_latest": True}
     allowed = engine_allowed_paths(run=run, run_folder=str(folder))
     assert allowed[:4] == [str(folder), str(world["model"]), str(world["dataset"]), str(checkpoint)]
     assert str(world["root"]) in allowed and str(run_dir(world["beta_run"])) not in allowed

@@ -16,6 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import yaml
 from django.utils import timezone
 
 from forgeboard.runs.models import Run
@@ -24,6 +25,7 @@ from forgeboard.runs.scheduling import runs_schedule
 from forgeboard.runs.services import run_cancel, run_launch, run_launch_queue, run_transition
 from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import RunEvent
+from workers.engine.config import load_config_file
 from workers.launch.backends import start_run
 from workers.launch.slurm_backend import poll_slurm_runs
 
@@ -157,6 +159,25 @@ def _submitted(team) -> Run:
     start_run(run_id=run.pk)
     run.refresh_from_db()
     return run
+
+
+@pytest.mark.django_db
+def test_a_slurm_runs_config_resumes_from_the_checkpoints_in_its_own_folder(team, slurm):
+    """The config.yaml its job reads (again, as it is, when SLURM requeues the job; written anew when the reconciler
+    restarts the run as a new job) sends its checkpoints to <run folder>/checkpoints, a folder every node sees, and
+    resumes from the newest there at start. A user's checkpoint.folder is replaced, as the local backend always did (the
+    platform lists a run's checkpoints there), their other checkpoint settings kept. On the old code it said neither:
+    a requeued or restarted job trained again from step 0, writing into its working directory's `checkpoints`."""
+    run = run_launch(actor=team.member, experiment=team.experiment,
+                     config_yaml=SLURM_YAML + "checkpoint:\n  folder: mine\n  every_steps: 5\n")
+    assert run.pk in runs_schedule(now=timezone.now())
+    start_run(run_id=run.pk)
+    run.refresh_from_db()
+    folder = Path(run.log_path).parent
+    written = yaml.safe_load((folder / "config.yaml").read_text())
+    assert written["checkpoint"] == {"folder": str(folder / "checkpoints"), "every_steps": 5, "resume_latest": True}
+    assert load_config_file(str(folder / "config.yaml")).checkpoint.resume_latest, "the engine's schema takes it"
+    assert str(folder) in json.loads(slurm.calls("sbatch")[0]["env"]["FORGEBOARD_ALLOWED_PATHS"])
 
 
 @pytest.mark.django_db

@@ -33,6 +33,7 @@ from forgeboard.runs.states import RunState
 from forgeboard.telemetry.models import MetricPoint, RunEvent
 from tests.support.processes import REPO_DIR, celery_worker, free_port, kill_processes_in, wait_for, web_server
 from workers.launch.backends import start_run, stop_attempt
+from workers.launch.local import run_dir
 from workers.tasks import poll_jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=list(settings.DATABASES))]
@@ -83,12 +84,23 @@ SFT_YAML = GRPO_YAML.replace("recipe: grpo", "recipe: sft").replace("grpo:\n  gr
 ENDED = (RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED, RunState.LOST)
 
 
+def _checkout_venv(folder: Path) -> str:
+    """SLURM_VENV for the jobs: the suite's venv, its python running this checkout's code (the venv's own install may
+    be another checkout's, a worktree's main: its jobs would run that engine)."""
+    python = folder / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={REPO_DIR}:{REPO_DIR / "platform"} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    return str(folder)
+
+
 @pytest.fixture
 def slurm_web(slurm_cluster, settings, tmp_path):
     """A web server for the runs' engines, and this process's settings for SLURM (the worker's, where a test takes
     the worker's steps itself); the env a Celery worker would be given for the same."""
     port = free_port()
-    worker_settings = {"SLURM_PARTITION": "debug", "SLURM_VENV": sys.prefix, "SLURM_CPUS_PER_NODE": "1",
+    worker_settings = {"SLURM_PARTITION": "debug", "SLURM_VENV": _checkout_venv(tmp_path / "venv"),
+                       "SLURM_CPUS_PER_NODE": "1",
                        "SLURM_MEMORY": "1000M", "SLURM_MONARCH_PORT": str(free_port()),
                        "PUBLIC_URL": f"http://127.0.0.1:{port}"}
     for name, value in worker_settings.items():
@@ -558,3 +570,32 @@ def test_a_job_slurm_requeues_takes_its_run_back_to_launching_and_is_not_taken_f
         assert moves.count() == 1, "the requeue said once"
     finally:
         slurm_cluster.command("scancel", job_id)
+
+
+def test_a_job_slurm_requeues_resumes_from_its_runs_last_checkpoint(team, tiny_model, slurm_web):
+    """`scontrol requeue` after the run's first checkpoint (as SLURM does after a node failure with --requeue): SLURM
+    runs the same batch script and config.yaml again, and the engine resumes from the newest checkpoint in the run's
+    own folder (<run folder>/checkpoints), not from step 0. On the old code the config.yaml said nothing of the run's
+    folder or of resuming: the requeued engine started again at step 0, writing into the job's relative
+    `checkpoints`."""
+    cluster = slurm_web["cluster"]
+    run = _claimed_and_started(run_launch(
+        actor=team.member, experiment=team.experiment,
+        config_yaml=GRPO_YAML.format(model=tiny_model, steps=5000) + "checkpoint:\n  every_steps: 2\n"))
+    job_id = run.job_id
+    assert job_id, run.exit_reason
+    checkpoints = run_dir(run).resolve() / "checkpoints"
+    saved = wait_for(lambda: RunEvent.objects.filter(run=run, kind="checkpoint_saved").order_by("seq").first(),
+                     timeout=240, interval=0.5, what="the first checkpoint")
+
+    assert cluster.command("scontrol", "requeue", job_id).returncode == 0
+    wait_for(lambda: _squeue(cluster, job_id)["job_state"] == "PENDING", timeout=60, what="SLURM to queue it again")
+    assert cluster.command("scontrol", "update", f"JobId={job_id}", "StartTime=now").returncode == 0
+    ready = RunEvent.objects.filter(run=run, kind="message", payload__name="startup_phase", payload__phase="ready")
+    wait_for(lambda: ready.count() == 2 or _polled(run).state in ENDED, timeout=240, interval=0.5,
+             what="the requeued job's engine to be ready")
+    [resumed] = RunEvent.objects.filter(run=run, kind="message", payload__name="resumed")
+    reported = RunEvent.objects.filter(run=run, kind="checkpoint_saved", seq__lt=resumed.seq)
+    step = resumed.payload["step"]  # its newest on disk: the killed engine may not have reported the last one
+    assert step >= max(e.payload["step"] for e in reported) >= saved.payload["step"] > 0
+    assert resumed.payload["path"] == str(checkpoints / f"step_{step:06d}"), "the newest checkpoint in its own folder"

@@ -23,10 +23,16 @@ from workers.engine.env import ALLOWED_PATHS_ENV, CONTROL_PLANE_URL_ENV, RUN_ID_
 REPO_DIR = Path(__file__).resolve().parents[2]
 
 
-def engine_config_yaml(run: Run) -> str:
+def engine_config_yaml(run: Run, *, run_folder: Path | None = None) -> str:
     """The run's config as its user wrote it, overrides applied, for its engine: the paths resolved in its project at
     launch (Run.artifact_paths) in place of its paths and artifact references, and no restarts (the control plane's
-    job, the reconciler's: the engine runs once). Defaults are the engine's schema's, never restated here."""
+    job, the reconciler's: the engine runs once). Defaults are the engine's schema's, never restated here.
+
+    `run_folder`: where the engine sees the run's folder, on a filesystem that outlives an attempt. Its checkpoints go
+    to `<run_folder>/checkpoints` (where the platform lists them; a checkpoint.folder of the user's is replaced) and
+    the engine resumes from the newest there at start (checkpoint.resume_latest): every attempt after the first (a
+    restart by the reconciler, a job SLURM requeues with this same file) goes on from the run's last checkpoint. A
+    checkpoint.resume_from of the user's is kept: the warm start of an attempt that finds none there."""
     config = config_mapping(run.config.yaml_text, overrides=run.config.overrides)
     for section in ("model", "data"):
         if isinstance(config.get(section), dict):
@@ -34,6 +40,9 @@ def engine_config_yaml(run: Run) -> str:
     for field, path in (run.artifact_paths or {}).items():
         section, key = field.split(".")
         config.setdefault(section, {})[key] = path
+    if run_folder is not None:
+        checkpoint = config.setdefault("checkpoint", {})
+        checkpoint |= {"folder": str(run_folder / "checkpoints"), "resume_latest": True}
     return yaml.safe_dump(config | {"max_restarts": 0}, sort_keys=False)
 
 
@@ -45,9 +54,10 @@ def engine_allowed_paths(*, run: Run, run_folder: str) -> list[str]:
 
 
 def write_run_files(*, run: Run, folder: Path) -> Path:
-    """The engine's config.yaml and a fresh run token (readable by its owner only) in `folder`; the token's path."""
+    """The engine's config.yaml (resuming from the run's checkpoints in `folder`) and a fresh run token (readable by its
+    owner only) in `folder`; the token's path."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.yaml").write_text(engine_config_yaml(run), encoding="utf-8")
+    (folder / "config.yaml").write_text(engine_config_yaml(run, run_folder=folder), encoding="utf-8")
     token_file = folder / "run_token"
     token_file.touch(mode=0o600)
     token_file.write_text(run_token_issue(run=run))

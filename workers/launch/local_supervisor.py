@@ -65,13 +65,9 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def engine_overrides(folder: Path) -> list[str]:
-    """Per-run paths; a restarted run resumes from its newest checkpoint."""
-    checkpoints = folder / "checkpoints"
-    overrides = [f"checkpoint.folder={checkpoints}", f"telemetry.jsonl_path={folder / 'metrics.jsonl'}",
-                 "telemetry.console=false"]
-    if any(checkpoints.glob("step_*/trainer.pt")):
-        overrides.append(f"checkpoint.resume_from={checkpoints}")
-    return overrides
+    """Its telemetry file in the run's folder. (Its checkpoints are there too, and a restarted run resumes from its
+    newest: the config.yaml says so, as for every backend: workers/launch/local.py `engine_config_yaml`.)"""
+    return [f"telemetry.jsonl_path={folder / 'metrics.jsonl'}", "telemetry.console=false"]
 
 
 @dataclass(frozen=True)
