@@ -251,6 +251,9 @@ SLURM_BIN_DIR = env.str("FORGEBOARD_SLURM_BIN_DIR")  # where sbatch, squeue, sac
 # A cluster run being cancelled whose engine has not stopped its job within this many seconds has the job
 # removed by the scheduler (scancel, or the Kubernetes Job deleted).
 JOB_CANCEL_GRACE_S = env.int("FORGEBOARD_JOB_CANCEL_GRACE_S", 120, minimum=0)
+# A cluster run whose job the scheduler has running (time queued does not count) and whose engine has not reported
+# in within this many seconds is taken for lost (workers/launch/jobs.py): its job is stopped, the run restarted or failed.
+ENGINE_START_TIMEOUT_S = env.int("FORGEBOARD_ENGINE_START_TIMEOUT_S", 900, minimum=60)
 # The Kubernetes launch backend (workers/launch/kubernetes_backend.py): a worker with an API URL and an
 # image creates the objects of runs whose config says placement.backend: kubernetes.
 K8S_API_URL = env.url("FORGEBOARD_K8S_API_URL", ("https", "http"))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from django.db.models import F
 from django.utils import timezone
 
 from forgeboard.runs.models import Run
@@ -530,3 +531,57 @@ def test_a_paused_runs_job_that_completes_ends_the_run_succeeded(team, slurm):
 
     run.refresh_from_db()
     assert (run.state, run.exit_reason) == (RunState.SUCCEEDED, "SLURM job 18004: the job completed with exit code 0")
+
+
+@pytest.mark.django_db
+def test_a_requeued_job_whose_engine_never_reports_in_again_loses_its_run_which_restarts_once_the_job_is_gone(
+        team, slurm, asks, settings):
+    """SLURM runs the requeued job again, but its engine never reports in (it hangs importing on a broken node, it
+    cannot reach the control plane): the run, back in launching, is followed as a job SLURM restarts, never lost for
+    its silence, so on the old code it stayed launching for ever, holding its nodes (the poll said "running"). Its
+    engine has ENGINE_START_TIMEOUT_S from the poll that first saw its job running again: neither the job's first run
+    (hours) nor its time back in the queue (hours) counts. Past it the run is lost, saying so, and restarts only once its
+    job is confirmed gone: scancelled, not beside it."""
+    from forgeboard.runs.services import run_reported_in
+    from workers.launch.backends import stop_attempt
+
+    def later(**elapsed) -> None:  # time passes: what the polls recorded is that much older
+        RunEvent.objects.filter(run=run).update(created_at=F("created_at") - timedelta(**elapsed))
+
+    settings.ENGINE_START_TIMEOUT_S = 900
+    run = _submitted(team)
+    Run.objects.filter(pk=run.pk).update(max_restarts=2)
+    slurm.job("squeue", 18004, as_id="18004")  # RUNNING on gpu-[001-002]
+    assert poll_slurm_runs() == {run.pk: "running"}
+    run_reported_in(run=Run.objects.get(pk=run.pk))
+    later(hours=5)
+    slurm.captured(job=3, as_id="18004")  # requeued: PENDING (BeginTime)
+    assert poll_slurm_runs() == {run.pk: "requeued"}
+    later(hours=2)
+    assert poll_slurm_runs() == {run.pk: "queued"}
+    slurm.job("squeue", 18004, as_id="18004")  # SLURM runs it again
+    assert poll_slurm_runs() == {run.pk: "running"}, "neither its first run nor its time queued counts"
+    later(seconds=899)
+    assert poll_slurm_runs() == {run.pk: "running"}
+    assert Run.objects.get(pk=run.pk).state == RunState.LAUNCHING
+    later(seconds=13)
+
+    assert poll_slurm_runs() == {run.pk: "lost"}
+
+    run.refresh_from_db()
+    assert (run.state, run.job_id) == (RunState.LOST, "18004")
+    assert run.exit_reason == ("SLURM job 18004 ran for 912 s on gpu-[001-002] and its engine never reported in "
+                               "(start-up timeout 900 s)")
+    assert poll_slurm_runs() == {}, "the reconciler's now"
+    report = runs_reconcile(now=timezone.now())
+    assert (report.stopping, report.restarted) == ([run.pk], [])
+    [ask] = [a["kwargs"] for a in asks if a["name"] == "runs.stop_attempt"]
+    assert ask["job_id"] == "18004"
+    assert stop_attempt(**ask) == "still stopping", "scancelled, SLURM still runs it"
+    assert [c["args"] for c in slurm.calls("scancel")] == [["18004"]]
+    assert Run.objects.get(pk=run.pk).state == RunState.LOST, "not restarted beside its job"
+    slurm.answer("squeue", jobs=[])
+    slurm.job("sacct", 17104, as_id="18004")  # CANCELLED
+    assert stop_attempt(**ask).endswith("; restarted")
+    run.refresh_from_db()
+    assert (run.state, run.restart_count, run.job_id) == (RunState.QUEUED, 1, "")

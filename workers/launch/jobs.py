@@ -12,12 +12,20 @@ deletes reads as failed, as one that failed by itself does.
 
 A running run whose job is back in the queue (SLURM requeued it) goes back to launching until its engine reports in
 again (`_requeued`): SLURM restarts it, not the reconciler.
+
+A launching run whose job the scheduler has running has `ENGINE_START_TIMEOUT_S` for its engine to report anything
+(`_awaiting_engine`): one that never does (it hangs importing on a broken node, cannot reach the control plane, its
+batch script waits on something) would hold its GPUs for ever. Its time in the queue does not count: the clock starts
+at the poll that first saw its job running since the run last went launching (its job_status events). Past it the run
+is taken for lost, so the reconciler stops its job before it restarts or fails it. Any report makes the run running
+(runs/services.py `run_reported_in`), so a run still launching has had none.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from datetime import datetime
 
 from django.conf import settings
 from django.db import transaction
@@ -92,12 +100,16 @@ def record_job_status(*, run: Run, status: SchedulerStatus | None, backend: str,
     `last_job_status`): its state, its reason, the job's nodes that the scheduler has down; whether one was added."""
     if status is None:
         return False
-    payload = {"name": JOB_STATUS, "backend": backend, "job_id": status.job_id, "state": status.state,
-               "reason": status.reason, "nodes": status.nodes, "nodes_down": dict(nodes_down)}
+    payload = _job_status_payload(status=status, backend=backend, nodes_down=nodes_down)
     if last == payload:
         return False
     event_append(run=run, kind=EventKind.MESSAGE, payload=payload)
     return True
+
+
+def _job_status_payload(*, status: SchedulerStatus, backend: str, nodes_down: Mapping[str, str]) -> dict:
+    return {"name": JOB_STATUS, "backend": backend, "job_id": status.job_id, "state": status.state,
+            "reason": status.reason, "nodes": status.nodes, "nodes_down": dict(nodes_down)}
 
 
 def follow_job(*, run: Run, status: SchedulerStatus | None, job: str, cancel: Callable[[], None]) -> str:
@@ -131,6 +143,8 @@ def follow_job(*, run: Run, status: SchedulerStatus | None, job: str, cancel: Ca
             return "cancelled by the scheduler"
         if state in (RunState.RUNNING, RunState.PAUSED) and status.state in ("queued", "launching"):
             return _requeued(run=run, state=state, status=status, job=job)
+        if state == RunState.LAUNCHING and status.state == "running":
+            return _awaiting_engine(run=run, status=status, job=job)
         if not status.terminal:
             return status.state
         if state == RunState.CANCELLING:
@@ -159,6 +173,38 @@ def _requeued(*, run: Run, state: RunState, status: SchedulerStatus, job: str) -
     run_transition(run_id=run.pk, from_state=state, to_state=RunState.LAUNCHING, last_heartbeat_at=None,
                    reason=f"{job} is back in the scheduler's queue: {status.reason}")
     return "requeued"
+
+
+def _awaiting_engine(*, run: Run, status: SchedulerStatus, job: str) -> str:
+    """The launching run's job is running and its engine has not reported in: the run is lost once its job has run for
+    `ENGINE_START_TIMEOUT_S` (since the poll that first saw it running), said with how long and on which nodes. A
+    backend that records no job_status of its own (Kubernetes) has the first one that says so recorded here."""
+    since = job_running_since(run=run, job_id=status.job_id or run.job_id)
+    if since is None:
+        since = event_append(run=run, kind=EventKind.MESSAGE, payload=_job_status_payload(
+            status=status, backend=run.backend, nodes_down={})).created_at
+    ran = (timezone.now() - since).total_seconds()
+    if ran < settings.ENGINE_START_TIMEOUT_S:
+        return status.state
+    on = f" on {status.nodes}" if status.nodes else ""
+    run_transition(run_id=run.pk, from_state=RunState.LAUNCHING, to_state=RunState.LOST,
+                   reason=f"{job} ran for {round(ran)} s{on} and its engine never reported in "
+                          f"(start-up timeout {settings.ENGINE_START_TIMEOUT_S} s)")
+    return str(RunState.LOST)
+
+
+def job_running_since(*, run: Run, job_id: str) -> datetime | None:
+    """Since when the run's job `job_id` has been running as its polls saw it, since the run last went launching: when
+    the first job_status event after that said it was running, with none saying otherwise since (None: none says so)."""
+    entered = (RunEvent.objects.filter(run=run, kind=EventKind.STATE_CHANGED, payload__to=RunState.LAUNCHING)
+               .order_by("-seq").values_list("seq", flat=True).first())
+    statuses = (RunEvent.objects.filter(run=run, kind=EventKind.MESSAGE, payload__name=JOB_STATUS, seq__gt=entered or 0)
+                .order_by("seq").values_list("payload", "created_at"))
+    since = None
+    for payload, at in statuses:
+        running = payload.get("state") == "running" and payload.get("job_id") == job_id
+        since = (since or at) if running else None
+    return since
 
 
 def lost_job_finished(*, run: Run, status: SchedulerStatus | None, job: str) -> bool:
