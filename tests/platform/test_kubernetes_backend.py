@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from django.db.models import F
 from django.utils import timezone
 
 from forgeboard.runs.models import Run
@@ -769,3 +770,63 @@ def test_a_lost_run_whose_job_its_ttl_may_have_deleted_fails_rather_than_train_a
     assert run.exit_reason.startswith(f"failed after it was taken for lost (the scheduler no longer knows Kubernetes "
                                       f"Job {ask['job_id']}): Kubernetes Job {ask['job_id']} and its pods are gone")
     assert runs_reconcile(now=timezone.now()).restarted == []
+
+
+@pytest.mark.django_db
+def test_a_job_whose_engine_never_reports_in_loses_its_run_and_one_whose_engine_reported_a_start_up_phase_does_not(
+        team, k8s, asks, client, settings):
+    """Pods running, an engine that never reports in (a broken node, no route to the control plane) kept its run
+    launching for ever on the old code, its GPUs held (the poll said "running"). Its engine has ENGINE_START_TIMEOUT_S
+    from the poll that first saw its Job running (recorded on its timeline: Kubernetes records no job_status of its
+    own); hours waiting for nodes do not count. Past it the run is lost, its Job deleted, and it restarts once the
+    pods are gone; the new attempt's clock starts afresh, and its engine's first report, a start-up phase, makes the run
+    running: never lost for its start-up after that, however long it takes."""
+    def later(**elapsed) -> None:  # time passes: what the polls recorded is that much older
+        RunEvent.objects.filter(run=run).update(created_at=F("created_at") - timedelta(**elapsed))
+
+    settings.ENGINE_START_TIMEOUT_S = 600
+    run = _submitted(team)
+    Run.objects.filter(pk=run.pk).update(max_restarts=1)
+    k8s.show("k8s_pending_unschedulable")
+    assert poll_kubernetes_runs() == {run.pk: "queued"}
+    later(hours=3)
+    k8s.show("k8s_running")
+    assert poll_kubernetes_runs() == {run.pk: "running"}, "its time waiting for nodes does not count"
+    later(seconds=599)
+    assert poll_kubernetes_runs() == {run.pk: "running"}
+    [seen] = RunEvent.objects.filter(run=run, kind="message", payload__name="job_status")
+    assert seen.payload | {} == {"name": "job_status", "backend": "kubernetes", "job_id": run.job_id, "state": "running",
+                                 "reason": "2 of 2 pods running", "nodes": "", "nodes_down": {}}
+    later(seconds=13)
+
+    assert poll_kubernetes_runs() == {run.pk: "lost"}
+
+    run.refresh_from_db()
+    assert run.state == RunState.LOST
+    assert run.exit_reason == (f"Kubernetes Job {run.job_id} ran for 612 s and its engine never reported in "
+                               "(start-up timeout 600 s)")
+    assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
+    [ask] = [a["kwargs"] for a in asks if a["name"] == "runs.stop_attempt"]
+    assert stop_attempt(**ask).startswith(f"still stopping: Kubernetes Job {run.job_id} is being deleted")
+    assert Run.objects.get(pk=run.pk).state == RunState.LOST, "not restarted beside its pods"
+    k8s.pods_removed()
+    assert stop_attempt(**ask) == f"Kubernetes Job {run.job_id} and its pods are gone; restarted"
+
+    assert run.pk in runs_schedule(now=timezone.now())
+    start_run(run_id=run.pk)
+    run.refresh_from_db()
+    assert (run.state, run.job_id) == (RunState.LAUNCHING, f"forgeboard-run-{run.pk}-1")
+    k8s.show("k8s_running")
+    assert poll_kubernetes_runs() == {run.pk: "running"}, "the new attempt's clock starts afresh"
+    later(seconds=599)
+    [secret] = [obj for obj in k8s.created if obj["metadata"]["name"] == f"{run.job_id}-token"]
+    phase = {"name": "startup_phase", "phase": "imports", "label": "importing torch", "elapsed_s": 3.2}
+    response = client.post(f"/api/v1/controller/runs/{run.pk}/telemetry", content_type="application/json",
+                           data={"batches": [{"seq": 1, "metrics": [], "logs": [],
+                                              "events": [{"kind": "message", "payload": phase, "time": 1.7e9}]}]},
+                           HTTP_AUTHORIZATION=f"Bearer {secret['stringData']['token']}")
+    assert response.status_code == 200, response.content
+    later(hours=2)
+
+    assert poll_kubernetes_runs() == {run.pk: "running"}
+    assert Run.objects.get(pk=run.pk).state == RunState.RUNNING
