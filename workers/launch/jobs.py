@@ -100,16 +100,12 @@ def record_job_status(*, run: Run, status: SchedulerStatus | None, backend: str,
     `last_job_status`): its state, its reason, the job's nodes that the scheduler has down; whether one was added."""
     if status is None:
         return False
-    payload = _job_status_payload(status=status, backend=backend, nodes_down=nodes_down)
+    payload = {"name": JOB_STATUS, "backend": backend, "job_id": status.job_id, "state": status.state,
+               "reason": status.reason, "nodes": status.nodes, "nodes_down": dict(nodes_down)}
     if last == payload:
         return False
     event_append(run=run, kind=EventKind.MESSAGE, payload=payload)
     return True
-
-
-def _job_status_payload(*, status: SchedulerStatus, backend: str, nodes_down: Mapping[str, str]) -> dict:
-    return {"name": JOB_STATUS, "backend": backend, "job_id": status.job_id, "state": status.state,
-            "reason": status.reason, "nodes": status.nodes, "nodes_down": dict(nodes_down)}
 
 
 def follow_job(*, run: Run, status: SchedulerStatus | None, job: str, cancel: Callable[[], None]) -> str:
@@ -177,12 +173,13 @@ def _requeued(*, run: Run, state: RunState, status: SchedulerStatus, job: str) -
 
 def _awaiting_engine(*, run: Run, status: SchedulerStatus, job: str) -> str:
     """The launching run's job is running and its engine has not reported in: the run is lost once its job has run for
-    `ENGINE_START_TIMEOUT_S` (since the poll that first saw it running), said with how long and on which nodes. A
-    backend that records no job_status of its own (Kubernetes) has the first one that says so recorded here."""
-    since = job_running_since(run=run, job_id=status.job_id or run.job_id)
-    if since is None:
-        since = event_append(run=run, kind=EventKind.MESSAGE, payload=_job_status_payload(
-            status=status, backend=run.backend, nodes_down={})).created_at
+    `ENGINE_START_TIMEOUT_S` (since the poll that first saw it running), said with how long and on which nodes. Where
+    no job_status since the run went launching says its job runs (Kubernetes records none of its own), the poll records
+    one: the clock starts now."""
+    since = job_running_since(run=run, job_id=status.job_id)
+    if since is None:  # the clock starts now
+        record_job_status(run=run, status=status, backend=run.backend, nodes_down={}, last=None)
+        return status.state
     ran = (timezone.now() - since).total_seconds()
     if ran < settings.ENGINE_START_TIMEOUT_S:
         return status.state
