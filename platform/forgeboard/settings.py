@@ -270,6 +270,14 @@ K8S_ENGINE_SERVICE_ACCOUNT = env.str("FORGEBOARD_K8S_ENGINE_SERVICE_ACCOUNT", "f
 # A run's Job is deleted by the job poller once the run's end is recorded; the API server deletes one this many seconds
 # after it finished all the same (ttlSecondsAfterFinished), a backstop for what the poller missed. 0: never.
 K8S_JOB_TTL_S = env.int("FORGEBOARD_K8S_JOB_TTL_S", 7 * 24 * 3600, minimum=0)
+# A PersistentVolumeClaim in the namespace (ReadWriteMany for runs of several pods) holding each run's folder
+# (`run-<run id>`: its checkpoints), so that a restarted run resumes from its last checkpoint. Unset: an emptyDir.
+K8S_RUN_VOLUME_CLAIM = env.str("FORGEBOARD_K8S_RUN_VOLUME_CLAIM") or None
+if K8S_RUN_VOLUME_CLAIM and not (len(K8S_RUN_VOLUME_CLAIM) <= 253 and re.fullmatch(
+        r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*", K8S_RUN_VOLUME_CLAIM)):
+    raise ImproperlyConfigured(
+        "FORGEBOARD_K8S_RUN_VOLUME_CLAIM: expected a PersistentVolumeClaim name (a DNS subdomain: at most 253 "
+        f"lowercase letters, digits, '-' and '.'), got {K8S_RUN_VOLUME_CLAIM!r}")
 # Where a run config's raw paths (model.path, data.path, checkpoint.resume_from) and registered artifacts may
 # point: folders on the workers' hosts (artifacts/resolver.py). A run's own files are reached by `run:` references.
 # In tests "/" is a root too: every path is inside except DATA_DIR's (only roots inside DATA_DIR reach into it).

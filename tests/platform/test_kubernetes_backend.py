@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from django.db.models import F
 from django.utils import timezone
 
@@ -531,6 +532,47 @@ def test_a_new_attempt_is_judged_by_its_own_pods_not_the_earlier_attempts_still_
     assert Run.objects.get(pk=run.pk).state == RunState.RUNNING
     pods = [r for r in k8s.requests if r.url.path.endswith("/pods")][-1]
     assert pods.url.params["labelSelector"] == f"batch.kubernetes.io/job-name={run.job_id}"
+
+
+def _run_volume(job: dict) -> tuple[dict, dict]:
+    pod = job["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "run"]
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "run"]
+    return volume, mount
+
+
+@pytest.mark.django_db
+def test_with_a_run_volume_claim_every_attempt_resumes_from_the_runs_checkpoints_on_it(team, k8s, settings):
+    """On the old code the run folder was always an emptyDir and the config said nothing of checkpoints: a restarted
+    run's new Job trained from step 0."""
+    settings.K8S_RUN_VOLUME_CLAIM = "forgeboard-runs"
+    run = _submitted(team)
+    Run.objects.filter(pk=run.pk).update(restart_count=1, job_id="")
+    start_run(run_id=run.pk)
+    assert Run.objects.get(pk=run.pk).job_id == f"forgeboard-run-{run.pk}-1"
+    config_maps = [obj for obj in k8s.created if obj["kind"] == "ConfigMap"]
+    jobs = [obj for obj in k8s.created if obj["kind"] == "Job"]
+    assert [job["metadata"]["name"] for job in jobs] == [f"forgeboard-run-{run.pk}", f"forgeboard-run-{run.pk}-1"]
+    for config_map, job in zip(config_maps, jobs, strict=True):
+        config = yaml.safe_load(config_map["data"]["config.yaml"])
+        assert config["checkpoint"] == {"folder": "/var/lib/forgeboard/run/checkpoints", "resume_latest": True}
+        assert _run_volume(job) == ({"name": "run", "persistentVolumeClaim": {"claimName": "forgeboard-runs"}},
+                                    {"name": "run", "mountPath": "/var/lib/forgeboard/run", "subPath": f"run-{run.pk}"})
+    submitted = RunEvent.objects.filter(run=run, kind="message", payload__name="job_submitted").first()
+    assert submitted.payload["checkpoints"] == (f"its checkpoints are in PersistentVolumeClaim forgeboard-runs, folder "
+                                                f"run-{run.pk}: a restart resumes from the last")
+
+
+@pytest.mark.django_db
+def test_without_a_run_volume_claim_the_timeline_says_a_restart_starts_from_step_0(team, k8s, settings):
+    assert settings.K8S_RUN_VOLUME_CLAIM is None
+    run = _submitted(team)
+    config_map, job = [obj for obj in k8s.created if obj["kind"] in ("ConfigMap", "Job")]
+    assert "checkpoint" not in yaml.safe_load(config_map["data"]["config.yaml"])
+    assert _run_volume(job) == ({"name": "run", "emptyDir": {}}, {"name": "run", "mountPath": "/var/lib/forgeboard/run"})
+    (submitted,) = RunEvent.objects.filter(run=run, kind="message", payload__name="job_submitted")
+    assert submitted.payload["checkpoints"] == ("its checkpoints are in the pod's emptyDir: a restart starts from "
+                                                "step 0 (set FORGEBOARD_K8S_RUN_VOLUME_CLAIM)")
 
 
 # --- a run that has ended leaves nothing behind ----------------------------------------------------------------------

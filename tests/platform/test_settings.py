@@ -118,6 +118,8 @@ def test_every_deployment_runs_the_web_server_as_forgeboard_serve_does(deploymen
         ({"FORGEBOARD_LOGIN_FAILURE_WINDOW_S": "5"}, "FORGEBOARD_LOGIN_FAILURE_WINDOW_S: must be at least 10"),
         ({"FORGEBOARD_EXPORT_TIMEOUT_S": "3600", "FORGEBOARD_EXPORT_LOST_AFTER_S": "3000"},
          "FORGEBOARD_EXPORT_LOST_AFTER_S: must be at least FORGEBOARD_EXPORT_TIMEOUT_S + 60 (3660), got 3000"),
+        ({"FORGEBOARD_K8S_RUN_VOLUME_CLAIM": "Runs_Volume"},
+         "FORGEBOARD_K8S_RUN_VOLUME_CLAIM: expected a PersistentVolumeClaim name (a DNS subdomain"),
     ],
 )
 def test_bad_production_environment_stops_startup_naming_the_variable(env, message):

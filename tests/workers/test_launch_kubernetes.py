@@ -101,6 +101,28 @@ def test_token_comes_from_a_secret_volume_and_config_from_a_config_map():
     assert "forgeboard-run-42-token" not in json.dumps(config_map)
 
 
+def test_without_a_run_volume_claim_the_run_folder_is_an_emptydir_lost_with_the_pod():
+    job = _job()
+    volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["run"] == {"name": "run", "emptyDir": {}}
+    mounts = {m["name"]: m for m in _container(job)["volumeMounts"]}
+    assert mounts["run"] == {"name": "run", "mountPath": "/var/lib/forgeboard/run"}
+    assert _container(job)["workingDir"] == "/var/lib/forgeboard/run"
+
+
+def test_a_run_volume_claim_holds_the_run_folder_one_folder_per_run_shared_by_its_attempts():
+    config_yaml = "recipe: grpo\ncheckpoint: {folder: /var/lib/forgeboard/run/checkpoints, resume_latest: true}\n"
+    request = replace(REQUEST, run_volume_claim="forgeboard-runs", config_yaml=config_yaml)
+    objects = {attempt: kubernetes_objects(replace(request, attempt=attempt)) for attempt in (0, 3)}
+    for config_map, job in objects.values():
+        volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["run"] == {"name": "run", "persistentVolumeClaim": {"claimName": "forgeboard-runs"}}
+        mounts = {m["name"]: m for m in _container(job)["volumeMounts"]}
+        assert mounts["run"] == {"name": "run", "mountPath": "/var/lib/forgeboard/run", "subPath": "run-42"}
+        assert config_map["data"] == {"config.yaml": config_yaml}
+    assert objects[0][1]["metadata"]["name"] != objects[3][1]["metadata"]["name"], "a Job per attempt, one folder"
+
+
 def test_pod_zero_runs_the_controller_and_every_pod_a_worker_on_its_pod_ip():
     command = _container(_job())["command"]
     assert command[:2] == ["/bin/sh", "-c"]
@@ -161,6 +183,8 @@ def test_a_finished_job_is_deleted_by_the_api_server_only_after_its_ttl_a_backst
         ({"service_account": "Engine SA"}, "service_account"),
         ({"control_plane_url": "forgeboard.example"}, "control_plane_url"),
         ({"ttl_after_finished_s": 0}, "ttl_after_finished_s"),  # 0 would delete a Job as soon as it finished
+        ({"run_volume_claim": "Runs_Volume"}, "run_volume_claim"),
+        ({"run_volume_claim": "runs/../other"}, "run_volume_claim"),
     ],
 )
 def test_bad_requests_name_the_field(change, field):

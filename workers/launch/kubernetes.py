@@ -14,6 +14,10 @@ dicts for `kubectl apply` or the API's create calls:
   success policy ends the run when pod 0 succeeds;
 - a ConfigMap holding the run's config file.
 
+The engine's working directory RUN_DIR (its checkpoints) is an emptyDir, gone with the pod, unless the request names
+a PersistentVolumeClaim (`run_volume_claim`): then it is that claim's folder `run-<run id>`, shared by the run's
+attempts, so that a restarted run resumes from its own last checkpoint (the config's checkpoint.resume_latest).
+
 The job poller deletes a Job once its run's end is recorded; `ttlSecondsAfterFinished`, long, is a backstop for what
 it missed.
 
@@ -51,8 +55,9 @@ DEFAULT_SERVICE_ACCOUNT = "forgeboard-engine"  # infra/k8s/engine-rbac.yaml
 _DISCOVERY_ENVIRONMENT = frozenset({JOB_ENV, K8S_JOB_ENV, NODES_ENV, NAMESPACE_ENV, POD_IP_ENV, PORT_ENV})
 TOKEN_DIR = "/var/run/secrets/forgeboard"
 CONFIG_DIR = "/etc/forgeboard/run"
-RUN_DIR = "/var/lib/forgeboard/run"  # the engine's working directory: its checkpoints and files (an emptyDir)
+RUN_DIR = "/var/lib/forgeboard/run"  # the engine's working directory: its checkpoints and files
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _QUANTITY = re.compile(r"^[1-9][0-9]*(Ki|Mi|Gi|Ti)?$")
 # Waiting reasons after which a pod will not start without someone fixing the spec or the image.
 _FATAL_WAITING = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
@@ -89,10 +94,18 @@ class KubernetesLaunchRequest:
     ttl_after_finished_s: int | None = None
     monarch_port: int = DEFAULT_MONARCH_PORT
     attempt: int = 0  # the run's restart count: each attempt has a Job of its own
+    # A PersistentVolumeClaim in the namespace holding RUN_DIR (ReadWriteMany for a run of several pods), in the folder
+    # `run_subpath`: the run's checkpoints outlive its pods. None: an emptyDir, lost with the pod.
+    run_volume_claim: str | None = None
 
     @property
     def name(self) -> str:
         return kubernetes_job_name(run_id=self.run_id, attempt=self.attempt)
+
+    @property
+    def run_subpath(self) -> str:
+        """The run's folder in the run volume claim: the same for every attempt of the run."""
+        return f"run-{self.run_id}"
 
     @property
     def token_file(self) -> str:
@@ -117,6 +130,10 @@ class KubernetesLaunchRequest:
             value = getattr(self, name)
             if not isinstance(value, str) or not _DNS_LABEL.match(value):
                 raise LaunchSpecError(name, f"{value!r} is not a DNS label (lowercase letters, digits, dashes)")
+        if self.run_volume_claim is not None and not (isinstance(self.run_volume_claim, str)
+                                                      and _DNS_SUBDOMAIN.match(self.run_volume_claim)):
+            raise LaunchSpecError("run_volume_claim", f"{self.run_volume_claim!r} is not a DNS subdomain "
+                                                      "(lowercase letters, digits, dashes and dots)")
         for name in ("memory", "shared_memory"):
             if not _QUANTITY.match(getattr(self, name)):
                 raise LaunchSpecError(name, f"{getattr(self, name)!r} is not a quantity such as 512Gi")
@@ -192,7 +209,8 @@ def kubernetes_objects(request: KubernetesLaunchRequest) -> list[dict[str, Any]]
                 {"name": "run-token", "mountPath": TOKEN_DIR, "readOnly": True},
                 {"name": "run-config", "mountPath": CONFIG_DIR, "readOnly": True},
                 {"name": "dshm", "mountPath": "/dev/shm"},
-                {"name": "run", "mountPath": RUN_DIR},
+                {"name": "run", "mountPath": RUN_DIR} | ({"subPath": request.run_subpath}
+                                                        if request.run_volume_claim else {}),
             ],
         }],
         "volumes": [
@@ -201,7 +219,8 @@ def kubernetes_objects(request: KubernetesLaunchRequest) -> list[dict[str, Any]]
                                              "items": [{"key": "token", "path": "token"}]}},
             {"name": "run-config", "configMap": {"name": request.name}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": request.shared_memory}},
-            {"name": "run", "emptyDir": {}},
+            {"name": "run"} | ({"persistentVolumeClaim": {"claimName": request.run_volume_claim}}
+                               if request.run_volume_claim else {"emptyDir": {}}),
         ],
     }
     if request.gpus_per_node:

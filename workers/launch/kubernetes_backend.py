@@ -8,6 +8,10 @@ dependents of the Job (ownerReferences): whoever deletes the Job deletes them to
 deletes what it created. The Job's pods run as
 `FORGEBOARD_K8S_ENGINE_SERVICE_ACCOUNT`, which must exist in the namespace and may read its pods (the
 engine controller finds its workers through the API: infra/k8s/engine-rbac.yaml).
+With `FORGEBOARD_K8S_RUN_VOLUME_CLAIM` the pods' run folder is that PersistentVolumeClaim's `run-<run id>`, shared by
+the run's attempts, and the engine's config resumes from the newest checkpoint there (checkpoint.resume_latest): a
+restarted run goes on from its last checkpoint. Without it the run folder is an emptyDir, and the submission's
+timeline message says that a restart starts from step 0.
 `runs.poll_jobs` reads the Job and its pods (by the Job's label: never an earlier attempt's) and moves the run as
 `workers/launch/jobs.py` says; a run cancelled while its pods wait to be scheduled has its Job, ConfigMap and Secret
 deleted. Once a run's end is recorded and its Job has ended, the next poll deletes the Job, its pods, ConfigMap and
@@ -168,11 +172,15 @@ def kubernetes_api() -> KubernetesApi:
 
 
 def kubernetes_request(*, run: Run) -> KubernetesLaunchRequest:
-    """The Job request for a run: pods (one per node) enough for its GPUs, the worker's Kubernetes settings."""
+    """The Job request for a run: pods (one per node) enough for its GPUs, the worker's Kubernetes settings. With a run
+    volume claim the engine keeps its checkpoints there and resumes from the newest at start."""
     nodes, gpus_per_node = node_shape(run=run, gpus_per_node=settings.K8S_GPUS_PER_NODE)
     name = kubernetes_job_name(run_id=run.pk, attempt=run.restart_count)
+    claim = settings.K8S_RUN_VOLUME_CLAIM
+    config_yaml = engine_config_yaml(run, run_folder=Path(RUN_DIR) if claim else None)
     return KubernetesLaunchRequest(
-        run_id=run.pk, attempt=run.restart_count, image=settings.K8S_IMAGE, config_yaml=engine_config_yaml(run),
+        run_id=run.pk, attempt=run.restart_count, image=settings.K8S_IMAGE, config_yaml=config_yaml,
+        run_volume_claim=claim,
         nodes=nodes, gpus_per_node=gpus_per_node,
         cpus_per_node=settings.K8S_CPUS_PER_NODE, memory=settings.K8S_MEMORY, namespace=settings.K8S_NAMESPACE,
         control_plane_url=settings.PUBLIC_URL, token_secret=f"{name}-token", python=settings.K8S_PYTHON,
@@ -213,9 +221,18 @@ def submit_kubernetes(*, run: Run, api: KubernetesApi | None = None) -> str:
     Run.objects.filter(pk=run.pk).update(job_id=request.name)
     event_append(run=run, kind=EventKind.MESSAGE,
                  payload={"name": "job_submitted", "backend": "kubernetes", "job_id": request.name,
-                          "namespace": request.namespace, "nodes": request.nodes, "gpus_per_node": request.gpus_per_node})
+                          "namespace": request.namespace, "nodes": request.nodes, "gpus_per_node": request.gpus_per_node,
+                          "checkpoints": _where_checkpoints_are(request)})
     logger.info("run %s created as Kubernetes Job %s", run.pk, request.name, extra={"run_id": run.pk})
     return request.name
+
+
+def _where_checkpoints_are(request: KubernetesLaunchRequest) -> str:
+    if request.run_volume_claim:
+        return (f"its checkpoints are in PersistentVolumeClaim {request.run_volume_claim}, folder "
+                f"{request.run_subpath}: a restart resumes from the last")
+    return ("its checkpoints are in the pod's emptyDir: a restart starts from step 0 "
+            "(set FORGEBOARD_K8S_RUN_VOLUME_CLAIM)")
 
 
 def _delete_created(api: KubernetesApi, created: list[tuple[str, str]]) -> str:

@@ -39,7 +39,8 @@ window.FBEventText = (function () {
     child_run_started: (p) => `started ${value(p.experiment)} #${value(p.number)} from step ${value(p.step)}`,
     child_run_failed: (p) => `no run started from step ${value(p.step)}: ${text(p.reason)}`,
     checkpoint_export: (p) => `export of step ${value(p.step)}: ${value(p.summary || p.state, 200)}`,
-    job_submitted: (p) => `submitted as ${value(p.backend)} job ${value(p.job_id)}${optional(p.found, (f) => ` (${f})`)}`,
+    job_submitted: (p) => `submitted as ${value(p.backend)} job ${value(p.job_id)}${optional(p.found, (f) => ` (${f})`)}` +
+      optional(p.checkpoints, (c) => `; ${c}`),
     job_status: (p) => {
       const down = Object.entries(objectOf(p.nodes_down)).map(([node, why]) => `${clip(node, 80)} (${value(why)})`);
       return `${value(p.backend).toUpperCase()} job ${value(p.job_id)}: ${value(p.reason)}` +
