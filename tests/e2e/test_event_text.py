@@ -396,3 +396,17 @@ def test_a_redirect_and_a_failure_say_what_moved_and_where(page):
     failed = {"role": "generator", "replica": 1, "host": "gpu-b", "reason": "killed", "time_to_detect_s": 0.25}
     assert page.evaluate(describe, ["failure_detected", failed]) == \
         "generator 1 failed on gpu-b (detected in 0.25 s): killed"
+
+
+def test_a_kubernetes_submission_says_where_the_runs_checkpoints_are(page):
+    """workers/launch/kubernetes_backend.py: without a run volume claim a restart starts from step 0, and says so."""
+    _described(page)
+    describe = "([kind, payload]) => FBEventText.describe({kind, payload})"
+    submitted = {"name": "job_submitted", "backend": "kubernetes", "job_id": "forgeboard-run-7", "namespace": "research",
+                 "checkpoints": "its checkpoints are in the pod's emptyDir: a restart starts from step 0 "
+                                "(set FORGEBOARD_K8S_RUN_VOLUME_CLAIM)"}
+    assert page.evaluate(describe, ["message", submitted]) == (
+        "submitted as kubernetes job forgeboard-run-7; its checkpoints are in the pod's emptyDir: a restart starts "
+        "from step 0 (set FORGEBOARD_K8S_RUN_VOLUME_CLAIM)")
+    assert page.evaluate(describe, ["message", {"name": "job_submitted", "backend": "slurm", "job_id": "18004"}]) == \
+        "submitted as slurm job 18004"
