@@ -166,8 +166,9 @@ def resolve_run_paths(*, config: RunConfig, project: Project | None) -> dict[str
     for field in RUN_FOLDER_FIELDS:
         value = _get(config, field)
         if value is not None and (PurePosixPath(value).is_absolute() or ".." in PurePosixPath(value).parts):
-            problems.append(FieldProblem(f"config.{field}", "is written inside the run's own folder: give a relative "
-                                                            "path without '..'"))
+            problems.append(FieldProblem(f"config.{field}", (
+                "is kept inside the run's own folder on the platform (its checkpoints and metrics go there, whatever "
+                "this says, so that a restart resumes from them): give a relative path without '..', or leave it out")))
     if problems:
         raise ValidationFailed("invalid config: " + "; ".join(f"{p.field}: {p.message}" for p in problems),
                                problems=problems)
