@@ -155,13 +155,16 @@ def test_a_generator_slow_after_its_weight_read_ended_is_still_a_straggler():
     replicas.generate_s[0] = None
     fleet.state.policy_version = 1
     generation = _generation(fleet, pipeline)
-    started = time.monotonic()
-    pipeline.finish(generation, PhaseTimer())
+    started, timer = time.monotonic(), PhaseTimer()
+    pipeline.finish(generation, timer)
     assert time.monotonic() - started < fleet.failover.config.call_timeout_s / 2, "the straggler deadline, not the call's"
     [failure] = fleet.events("failure_detected")
     assert (failure["role"], failure["replica"], failure["hung"]) == ("generator", 0, True)
     assert fleet.failover.replacements.get("generator") == 1 and fleet.state.totals.samples_dropped == 0
     assert replicas.generated == [0, 1, 0, 1, 1], "replica 0's request retried on replica 1"
+    assert [call.index for call in generation.calls] == [1, 1], "each answered by replica 1"
+    generated = [lane for lane, phase, _, _ in timer.spans if phase == "generate"]
+    assert generated == ["generator 1", "generator 1"], "the retry's spans drawn on the lane of the replica that answered"
 
 
 def test_a_request_received_after_the_next_publication_settled_its_read_still_does_not_count_the_read():

@@ -51,8 +51,9 @@ class ReplicaRequest:
 
     @property
     def index(self) -> int:
-        """The replica it was routed to."""
-        return self.routed.index
+        """The replica that answered it (a retry's, when its first replica failed); before an answer, the one it was
+        routed to."""
+        return (self.routed.answered_by or self.routed).index
 
 
 class ReplicaGenerators:
@@ -101,7 +102,8 @@ class ReplicaGenerators:
         routed = request.routed
         self.trainer.await_read(routed.replica, request.publication)
         answer = self.router.receive(routed, started=lambda attempt: self.started(attempt, request))
-        return answered(f"generator {routed.index}", answer, sent_at=routed.sent_at, timer=timer)
+        by = routed.answered_by or routed  # a retry's spans are its replica's, from when the retry was sent
+        return answered(f"generator {by.index}", answer, sent_at=by.sent_at, timer=timer)
 
     def discard(self, request: ReplicaRequest) -> None:
         if self.trainer.fetches.was_abandoned(request.routed.replica, request.publication):

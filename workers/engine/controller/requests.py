@@ -33,6 +33,7 @@ class Request:
     sent_at: float
     attempts: int = 0
     incident: Incident | None = None
+    answered_by: Request | None = None  # the attempt that answered it: itself, or a retry of it on another replica
 
 
 class Router:
@@ -54,6 +55,7 @@ class Router:
         waiting for it if need be (a generator's read of the weights it names); by default when it was sent. Its
         deadline, and the seconds it took (the role's typical time, that sets the next deadlines), count from then."""
         config = self.failover.config
+        first = request
         while True:
             begun = request.sent_at if started is None else started(request)
             deadline = request_deadline(typical_s=request.group.service.typical_seconds(), config=config)
@@ -74,6 +76,7 @@ class Router:
                 continue
             self._finish(request, time.monotonic() - begun)
             self.failover.served(request.incident)
+            first.answered_by = request
             return result
 
     def drop(self, request: Request) -> None:
