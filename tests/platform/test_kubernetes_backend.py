@@ -838,14 +838,15 @@ def test_a_job_whose_engine_never_reports_in_loses_its_run_and_one_whose_engine_
     assert poll_kubernetes_runs() == {run.pk: "running"}
     [seen] = RunEvent.objects.filter(run=run, kind="message", payload__name="job_status")
     assert seen.payload | {} == {"name": "job_status", "backend": "kubernetes", "job_id": run.job_id, "state": "running",
-                                 "reason": "2 of 2 pods running", "nodes": "", "nodes_down": {}}
+                                 "reason": "2 of 2 pods running", "nodes": "gpu-node-07,gpu-node-08",
+                                 "nodes_down": {}}
     later(seconds=13)
 
     assert poll_kubernetes_runs() == {run.pk: "lost"}
 
     run.refresh_from_db()
     assert run.state == RunState.LOST
-    assert run.exit_reason == (f"Kubernetes Job {run.job_id} ran for 612 s and its engine never reported in "
+    assert run.exit_reason == (f"Kubernetes Job {run.job_id} ran for 612 s on gpu-node-07,gpu-node-08 and its engine never reported in "
                                "(start-up timeout 600 s)")
     assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
     [ask] = [a["kwargs"] for a in asks if a["name"] == "runs.stop_attempt"]

@@ -225,6 +225,11 @@ def test_job_and_pod_status_map_to_run_states(fixture, state, reason_has):
     assert status.terminal == (state in ("succeeded", "failed", "lost"))
 
 
+def test_a_running_jobs_status_names_the_nodes_its_pods_run_on():
+    assert _status("k8s_running.json").nodes == "gpu-node-07,gpu-node-08"
+    assert _status("k8s_launching_container_creating.json").nodes == ""  # said once every pod runs
+
+
 def test_controller_pod_success_counts_before_the_job_says_so():
     recorded = json.loads((RECORDED / "k8s_succeeded.json").read_text())
     recorded["job"]["status"].pop("conditions")

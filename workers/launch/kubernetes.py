@@ -348,5 +348,6 @@ def kubernetes_job_status(job: Mapping[str, Any], pods: Sequence[Mapping[str, An
     expected = (job.get("spec") or {}).get("parallelism") or len(ordered) or 1
     running = [p for p in ordered if (p.get("status") or {}).get("phase") == "Running"]
     if ordered and len(running) >= expected:
-        return SchedulerStatus("running", f"{len(running)} of {expected} pods running", job_id)
+        nodes = ",".join(dict.fromkeys(str(node) for p in running if (node := (p.get("spec") or {}).get("nodeName"))))
+        return SchedulerStatus("running", f"{len(running)} of {expected} pods running", job_id, nodes=nodes)
     return SchedulerStatus("launching", f"{len(running)} of {expected} pods running; the rest are starting", job_id)
