@@ -370,6 +370,8 @@ def test_hostile_payloads_read_as_words_or_as_their_json_never_as_an_exception_o
     assert page.evaluate(describe, ["message", numbers_as_text]) == \
         "telemetry dropped: 3 items of batch 7 (refused); 12 items dropped so far"
     assert page.evaluate(describe, ["eval", {"accuracy": 0.5}]) == "evaluation: accuracy 0.5"
+    assert page.evaluate(describe, ["eval", {"step": 40, "accuracy": 0.40625, "reward_mean": 0.6566666666666666}]) == \
+        "evaluation at step 40: accuracy 0.4063, reward_mean 0.6567"
     long = page.evaluate(describe, ["message", {"name": "previous_attempt_stopped", "detail": "x" * 10_000}])
     assert long.startswith("previous attempt confirmed stopped: xxx") and long.endswith("…") and len(long) < 300
     nested = {"name": "previous_attempt_not_stopped", "attempt": {"job": 12}, "problem": "scancel failed"}

@@ -31,6 +31,10 @@ def test_sft_learns_and_records(tiny_trainable_qwen3: Path, make_config, tmp_pat
     for key in ("grad_norm", "lr", "time/step_s", "time/train_s", "throughput/train_tokens_per_s", "mfu"):
         assert len(sink.series(key)) == 12, key
     assert [step for step, _ in sink.series("eval/accuracy")] == [0, 6, 12]
+    evals = sink.events("eval")  # each evaluation is a line on the run's timeline too, with the same figures
+    assert [(e["step"], e["accuracy"], e["reward_mean"]) for e in evals] == [
+        (step, accuracy, reward) for (step, accuracy), (_, reward) in zip(
+            sink.series("eval/accuracy"), sink.series("eval/reward_mean"), strict=True)]
     assert sum(r["kind"] == "rollout" for r in sink.records) == 3 * 2
     assert 0.0 < sink.last("mfu") < 1.0
 

@@ -177,8 +177,10 @@ class EvalResult:
 
 
 def record_eval(recorder: Recorder, result: EvalResult, step: int) -> None:
-    """A held-out evaluation's accuracy and mean reward as metrics, its kept samples as held-out rollouts."""
+    """A held-out evaluation's accuracy and mean reward as metrics and as an `eval` event (a line on the run's
+    timeline), its kept samples as held-out rollouts."""
     recorder.log_many({"eval/accuracy": result.accuracy, "eval/reward_mean": result.reward_mean}, step)
+    recorder.event("eval", step=step, accuracy=result.accuracy, reward_mean=result.reward_mean)
     for prompt, completion, score in result.samples:
         recorder.rollout(step=step, prompt=prompt, completion=completion, reward=score, split="held_out")
 

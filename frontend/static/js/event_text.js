@@ -124,7 +124,7 @@ window.FBEventText = (function () {
     checkpoint_saved: (p) => `checkpoint at step ${value(p.step)}`,
     eval: (p) => {  // no shape of its own: its figures
       const figures = Object.entries(p).filter(([key, v]) => key !== "step" && typeof v === "number" && isFinite(v))
-        .map(([key, v]) => `${clip(key, 40)} ${v}`);
+        .map(([key, v]) => `${clip(key, 40)} ${Number(v.toPrecision(4))}`);
       if (!figures.length) throw new TypeError("no figures");
       return `evaluation${optional(p.step, (s) => ` at step ${s}`)}: ${figures.join(", ")}`;
     },
