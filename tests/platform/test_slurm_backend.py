@@ -99,10 +99,17 @@ class FakeSlurm:
         self.answers[program] = answer
         self._save()
 
-    def job(self, program: str, recorded_id: int, *, as_id: str) -> None:
-        """Answer `program` with the recorded record of job `recorded_id`, under the test's job id."""
+    def job(self, program: str, recorded_id: int, *, as_id: str, started_ago: timedelta | None = None,
+            no_start_time: bool = False) -> None:
+        """Answer `program` with the recorded record of job `recorded_id`, under the test's job id; `started_ago`: SLURM
+        started it that long ago (its start_time, in whole seconds); `no_start_time`: the record gives none."""
         document = json.loads((RECORDED / f"{program}_23.11.json").read_text())
         record = [j for j in document["jobs"] if j["job_id"] == recorded_id][-1] | {"job_id": int(as_id)}
+        if no_start_time:
+            record["start_time"] = {"set": False, "infinite": False, "number": 0}
+        elif started_ago is not None:
+            record["start_time"] = {"set": True, "infinite": False,
+                                    "number": int((timezone.now() - started_ago).timestamp())}
         self.answer(program, jobs=[record])
 
     def completing(self, *, as_id: str, shape: str) -> None:
@@ -559,7 +566,9 @@ def test_a_requeued_job_whose_engine_never_reports_in_again_loses_its_run_which_
     assert poll_slurm_runs() == {run.pk: "requeued"}
     later(hours=2)
     assert poll_slurm_runs() == {run.pk: "queued"}
-    slurm.job("squeue", 18004, as_id="18004")  # SLURM runs it again
+    # SLURM runs it again; this squeue gives no start time (test_the_engine_start_up_clock_starts_when_slurm_... for
+    # one that does): the clock starts at the poll that first sees it running
+    slurm.job("squeue", 18004, as_id="18004", no_start_time=True)
     assert poll_slurm_runs() == {run.pk: "running"}, "neither its first run nor its time queued counts"
     later(seconds=899)
     assert poll_slurm_runs() == {run.pk: "running"}
@@ -585,3 +594,31 @@ def test_a_requeued_job_whose_engine_never_reports_in_again_loses_its_run_which_
     assert stop_attempt(**ask).endswith("; restarted")
     run.refresh_from_db()
     assert (run.state, run.restart_count, run.job_id) == (RunState.QUEUED, 1, "")
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("launching_ago", "started_ago", "said", "reason"), [
+    # SLURM gives whole seconds: 1200 s, and the time this test has taken since
+    (30, 20, "lost", r"SLURM job 18004 ran for 12[0-5]\d s on gpu-\[001-002\] and its engine never reported in "
+                     r"\(start-up timeout 900 s\)"),
+    (30, 1, "running", None),
+    (5, 20, "running", None),  # a start SLURM gives from before the run last went launching does not count
+])
+def test_the_engine_start_up_clock_starts_when_slurm_started_the_job_not_when_a_poll_first_saw_it(
+        team, slurm, settings, launching_ago, started_ago, said, reason):
+    """The worker was down (or its poll late): the poll sees a launching run's job running for the first time now,
+    but SLURM says it started that job `started_ago` minutes ago (squeue's start_time). Its engine's start-up time
+    counts from then, or from when the run went launching if that is later: a job started 20 minutes ago is lost at
+    once past a 15-minute timeout. On the old code the clock started at this poll, and the run stayed launching for
+    another 15 minutes."""
+    settings.ENGINE_START_TIMEOUT_S = 900
+    run = _submitted(team)
+    RunEvent.objects.filter(run=run).update(created_at=F("created_at") - timedelta(minutes=launching_ago))
+    slurm.job("squeue", 18004, as_id="18004", started_ago=timedelta(minutes=started_ago))  # RUNNING on gpu-[001-002]
+
+    assert poll_slurm_runs() == {run.pk: said}
+
+    run.refresh_from_db()
+    assert run.state == (RunState.LOST if said == "lost" else RunState.LAUNCHING)
+    if reason is not None:
+        assert re.fullmatch(reason, run.exit_reason), run.exit_reason

@@ -343,6 +343,23 @@ def test_each_flag_slurm_22_05_prints_in_place_of_the_state_is_read(word, state,
     assert (status.state, status.reason, status.completing) == (state, reason, reason.startswith(ENDING))
 
 
+def test_a_running_jobs_start_time_is_read_in_both_shapes():
+    """squeue's start_time of a running job: a plain number in Slurm 22.05 (captured), {"set", "number"} in 23.11. A
+    pending job's is SLURM's estimate of its start (job 3, requeued, waits its BeginTime), and 0 or unset says none."""
+    captured = slurm.parse_squeue(_recorded("squeue_22.05_states.json"))
+    assert {job_id: s.started_at for job_id, s in captured.items()} == {
+        "1": None, "2": None, "3": None, "4": None, "5": None, "6": 1796578034, "7": 1796578037}
+    assert slurm.parse_squeue(_recorded("squeue_22.05_completing.json"))["2"].started_at == 1796576260
+    newer = slurm.parse_squeue(_recorded("squeue_23.11.json"))
+    assert {job_id: s.started_at for job_id, s in newer.items()} == {
+        "18001": None, "18002": None, "18003": None, "18004": 1764498604, "18005": 1764498605}
+    [record] = [job for job in _recorded("squeue_23.11.json")["jobs"] if job["job_id"] == 18004]
+    for unset in ({"set": False, "infinite": False, "number": 1764498604}, {"set": True, "infinite": False, "number": 0},
+                  0, None):
+        assert slurm.slurm_job_status(record | {"start_time": unset}).started_at is None, unset
+    assert slurm.parse_squeue(_recorded("squeue_21.08.json"))["9001"].started_at is None, "no start_time given"
+
+
 def test_a_requeued_jobs_accounting_is_its_latest_record():
     """sacct of the suite's cluster after `scontrol requeue`: the run before it (REQUEUED) and the waiting one, whose
     nodes are "None assigned"."""

@@ -16,7 +16,8 @@ again (`_requeued`): SLURM restarts it, not the reconciler.
 A launching run whose job the scheduler has running has `ENGINE_START_TIMEOUT_S` for its engine to report anything
 (`_awaiting_engine`): one that never does (it hangs importing on a broken node, cannot reach the control plane, its
 batch script waits on something) would hold its GPUs for ever. Its time in the queue does not count: the clock starts
-at the poll that first saw its job running since the run last went launching (its job_status events). Past it the run
+when the scheduler started the job (squeue's start_time), or when the run last went launching if later; where the
+scheduler does not say, at the poll that first saw its job running since then (its job_status events). Past it the run
 is taken for lost, so the reconciler stops its job before it restarts or fails it. Any report makes the run running
 (runs/services.py `run_reported_in`), so a run still launching has had none.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from datetime import datetime
+from datetime import datetime, timezone as dt_timezone
 
 from django.conf import settings
 from django.db import transaction
@@ -173,10 +174,12 @@ def _requeued(*, run: Run, state: RunState, status: SchedulerStatus, job: str) -
 
 def _awaiting_engine(*, run: Run, status: SchedulerStatus, job: str) -> str:
     """The launching run's job is running and its engine has not reported in: the run is lost once its job has run for
-    `ENGINE_START_TIMEOUT_S` (since the poll that first saw it running), said with how long and on which nodes. Where
-    no job_status since the run went launching says its job runs (Kubernetes records none of its own), the poll records
-    one: the clock starts now."""
-    since = job_running_since(run=run, job_id=status.job_id)
+    `ENGINE_START_TIMEOUT_S`, said with how long and on which nodes. The clock starts when the scheduler started the
+    job (`status.started_at`), or when the run last went launching if that is later (an earlier run of the job, a job
+    id used again); where the scheduler does not say, at the poll that first saw the job running since the run went
+    launching. Where no job_status since then says its job runs (Kubernetes records none of its own), the poll records
+    one: that clock starts now."""
+    since = job_running_since(run=run, job_id=status.job_id, started_at=status.started_at)
     if since is None:  # the clock starts now
         record_job_status(run=run, status=status, backend=run.backend, nodes_down={}, last=None)
         return status.state
@@ -190,12 +193,18 @@ def _awaiting_engine(*, run: Run, status: SchedulerStatus, job: str) -> str:
     return str(RunState.LOST)
 
 
-def job_running_since(*, run: Run, job_id: str) -> datetime | None:
-    """Since when the run's job `job_id` has been running as its polls saw it, since the run last went launching: when
-    the first job_status event after that said it was running, with none saying otherwise since (None: none says so)."""
+def job_running_since(*, run: Run, job_id: str, started_at: float | None = None) -> datetime | None:
+    """Since when the run's job `job_id` has been running, since the run last went launching. With `started_at` (when
+    the scheduler says it started the job, epoch seconds), the later of that and the run's move to launching. Without,
+    as its polls saw it: when the first job_status event after that move said it was running, with none saying
+    otherwise since (None: none says so)."""
     entered = (RunEvent.objects.filter(run=run, kind=EventKind.STATE_CHANGED, payload__to=RunState.LAUNCHING)
-               .order_by("-seq").values_list("seq", flat=True).first())
-    statuses = (RunEvent.objects.filter(run=run, kind=EventKind.MESSAGE, payload__name=JOB_STATUS, seq__gt=entered or 0)
+               .order_by("-seq").values_list("seq", "created_at").first())
+    if started_at is not None:
+        started = datetime.fromtimestamp(started_at, tz=dt_timezone.utc)
+        return max(started, entered[1]) if entered else started
+    statuses = (RunEvent.objects.filter(run=run, kind=EventKind.MESSAGE, payload__name=JOB_STATUS,
+                                        seq__gt=entered[0] if entered else 0)
                 .order_by("seq").values_list("payload", "created_at"))
     since = None
     for payload, at in statuses:

@@ -63,6 +63,9 @@ class SchedulerStatus:
     base_unknown: bool = False
     # How many times SLURM has started the job again (requeued it: a node failure with --requeue, `scontrol requeue`).
     restarts: int = 0
+    # When the scheduler started the job running (epoch seconds; None where it does not say): SLURM's start time of a
+    # running job (its latest start, for a requeued one).
+    started_at: float | None = None
 
     @property
     def terminal(self) -> bool:
@@ -335,7 +338,10 @@ def slurm_job_status(record: Mapping[str, Any]) -> SchedulerStatus:
     restarts = _number(record.get("restart_cnt")) or 0
     if restarts and status.state in ("queued", "launching") and "requeued" not in status.reason:
         status = replace(status, reason=f"requeued by SLURM (restart {restarts}): {status.reason}")
-    return replace(status, nodes=nodes, base_unknown=base is None and not status.completing, restarts=restarts)
+    # A pending job's start_time is SLURM's estimate of when it will start: read only for a running one. 0 is unset.
+    started_at = (_number(record.get("start_time")) or None) if status.state == "running" else None
+    return replace(status, nodes=nodes, base_unknown=base is None and not status.completing, restarts=restarts,
+                   started_at=started_at)
 
 
 def _slurm_job_status(record: Mapping[str, Any], *, base: str | None, flags: list[str], nodes: str) -> SchedulerStatus:
