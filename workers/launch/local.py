@@ -106,24 +106,70 @@ def _group_members(pgid: int) -> set[int]:
     return members
 
 
-def _engine_group_alive(*, run_id: int, pid: int) -> bool:
+class EngineNotIdentified(PermissionError):
+    """Whether the process at a lost run's engine pid is its engine cannot be told from here: stopping it might kill
+    what is not the run's, taking it as exited might restart the run beside a live engine holding its GPUs."""
+
+
+def _run_users(folder: Path) -> set[int]:
+    """The uids the run's engines may run as: the owners of what its attempts wrote in its folder (the config and token
+    the worker that started one wrote, its supervisor's lock and marks, its engine's checkpoints), and this worker's.
+    A worker restarted under another account still knows its predecessor's engines by them."""
+    users = {os.geteuid()}
+    try:
+        entries = list(folder.iterdir())
+    except FileNotFoundError:
+        return users
+    except PermissionError as exc:
+        raise EngineNotIdentified(f"whose engine it is cannot be told: this worker (uid {os.geteuid()}) may not read "
+                                  f"the run's folder {folder}") from exc
+    for entry in entries:
+        try:
+            users.add(entry.lstat().st_uid)
+        except FileNotFoundError:
+            continue
+    return users
+
+
+def _engine_group_alive(*, run_id: int, pid: int, users: set[int]) -> bool:
     """Whether the process group the run's engine leads (its pid: the supervisor starts it in a session of its own)
-    still has live processes, and is the engine's: a pid reused by another process is not."""
+    still has live processes, and is the engine's: a pid reused by another process is not. A process owned by none of
+    the run's `users` (the owner of /proc/<pid>, which anyone may read, is the process's) is another's: the pid was
+    reused. One of theirs that this worker may not read (it made itself non-dumpable, or it is a former account's)
+    cannot be told apart from the engine: EngineNotIdentified."""
     members = _group_members(pid)
     if pid not in members:
         return bool(members)  # the engine exited, its children run on: a group id is not reused while it has members
     try:
+        owner = os.stat(f"/proc/{pid}").st_uid
+    except FileNotFoundError:
+        return bool(_group_members(pid) - {pid})  # the engine exited just now
+    if owner not in users:
+        return False  # another user's process: the pid was reused
+    try:
         environ = Path(f"/proc/{pid}/environ").read_bytes()
     except (ProcessLookupError, FileNotFoundError):
         return bool(_group_members(pid) - {pid})  # the engine exited just now
-    except PermissionError:
-        return False  # another user's process: the pid was reused
+    except PermissionError as exc:
+        raise EngineNotIdentified(
+            f"the process at its engine's pid {pid} is of uid {owner}, a user of the run's, and this worker (uid "
+            f"{os.geteuid()}) may not read it: whether it is the run's engine cannot be told") from exc
     return f"{RUN_ID_ENV}={run_id}".encode() in environ.split(b"\0")
 
 
-def _group_gone_within(*, run_id: int, pid: int, seconds: float) -> bool:
+def _group_owners(pgid: int) -> str:
+    owners = []
+    for member in sorted(_group_members(pgid)):
+        try:
+            owners.append(f"pid {member} (uid {os.stat(f'/proc/{member}').st_uid})")
+        except FileNotFoundError:
+            continue
+    return ", ".join(owners) or "none left"
+
+
+def _group_gone_within(*, run_id: int, pid: int, users: set[int], seconds: float) -> bool:
     deadline = time.monotonic() + seconds
-    while _engine_group_alive(run_id=run_id, pid=pid):
+    while _engine_group_alive(run_id=run_id, pid=pid, users=users):
         if time.monotonic() >= deadline:
             return False
         time.sleep(STOP_POLL_SECONDS)
@@ -133,16 +179,27 @@ def _group_gone_within(*, run_id: int, pid: int, seconds: float) -> bool:
 def stop_local_engine(*, run_id: int, pid: int, host: str) -> str | None:
     """Stop a lost run's engine (its whole process group) on this host, SIGTERM then SIGKILL as its supervisor would;
     what was done, or None if it outlived both. Run on `host` (the worker consuming its probe queue): a process on
-    another host cannot be reached from here, so that raises OSError."""
+    another host cannot be reached from here, so that raises OSError, as does one that cannot be told to be the
+    engine or not, or that this worker may not signal."""
     if host != socket.gethostname():
         raise OSError(f"the engine runs on {host}, not on {socket.gethostname()}")
-    if not _engine_group_alive(run_id=run_id, pid=pid):
+    return stop_engine_group(run_id=run_id, pid=pid, host=host, folder=run_dir(Run.objects.get(pk=run_id)))
+
+
+def stop_engine_group(*, run_id: int, pid: int, host: str, folder: Path) -> str | None:
+    """stop_local_engine's process checks and signals, the run's `folder` telling who its engines run as."""
+    users = _run_users(folder)
+    if not _engine_group_alive(run_id=run_id, pid=pid, users=users):
         return f"its engine (pid {pid} on {host}) had exited"
     for sent, grace in ((signal.SIGTERM, STOP_GRACE_SECONDS), (signal.SIGKILL, STOP_GRACE_SECONDS)):
         try:
             os.killpg(pid, sent)
         except ProcessLookupError:
             pass
-        if _group_gone_within(run_id=run_id, pid=pid, seconds=grace):
+        except PermissionError as exc:  # none of the group's processes may be signalled by this worker
+            raise PermissionError(
+                f"its engine's process group {pid} has processes this worker (uid {os.geteuid()}) may not signal: "
+                f"{_group_owners(pid)}") from exc
+        if _group_gone_within(run_id=run_id, pid=pid, users=users, seconds=grace):
             return f"its engine (pid {pid} on {host}) stopped with {sent.name}"
     return None
