@@ -65,6 +65,16 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _taken_for_lost(run, *, pid: int, host: str, asks: list[dict]) -> dict:
+    """The run, running with its engine at `pid` on `host` and silent for two minutes, taken for lost by the
+    reconciler: the kwargs of the stop of its attempt it asks for."""
+    Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING, max_restarts=2, pid=pid, host=host,
+                                         last_heartbeat_at=timezone.now() - timedelta(seconds=120))
+    assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
+    [ask] = [a for a in asks if a["name"] == "runs.stop_attempt"]
+    return ask["kwargs"]
+
+
 def test_a_pid_reused_by_another_users_process_is_left_alone_and_the_run_restarts(team, grpo_yaml, asks, monkeypatch):
     stopper = OTHER_USER if suite_is_root() else os.geteuid()
     host = socket.gethostname()
@@ -73,14 +83,11 @@ def test_a_pid_reused_by_another_users_process_is_left_alone_and_the_run_restart
         with pytest.raises(PermissionError):
             call_as(stopper, _environ, pid)  # the stop really cannot tell whose engine it is
         # the stop's process checks and signals (workers/launch/local.py) run as `stopper`; the rest as the suite
-        monkeypatch.setattr(local, "stop_engine_group", functools.partial(call_as, stopper, local.stop_engine_group))
-        Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING, max_restarts=2, pid=pid, host=host,
-                                             last_heartbeat_at=timezone.now() - timedelta(seconds=120))
-        assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
-        [ask] = [a for a in asks if a["name"] == "runs.stop_attempt"]
-        assert ask["kwargs"]["pid"] == pid
+        monkeypatch.setattr(local, "stop_local_engine", functools.partial(call_as, stopper, local.stop_local_engine))
+        ask = _taken_for_lost(run, pid=pid, host=host, asks=asks)
+        assert ask["pid"] == pid
 
-        assert stop_attempt(**ask["kwargs"]) == f"its engine (pid {pid} on {host}) had exited; restarted"
+        assert stop_attempt(**ask) == f"its engine (pid {pid} on {host}) had exited; restarted"
         assert _alive(pid), "another user's process is left alone"
         run.refresh_from_db()
         assert (run.state, run.restart_count, run.pid) == (RunState.QUEUED, 1, None)
@@ -143,15 +150,12 @@ def test_an_unreadable_process_of_the_runs_user_is_not_taken_as_exited_and_the_r
         assert os.stat(f"/proc/{pid}").st_uid == owner
         with pytest.raises(PermissionError):
             call_as(stopper, _environ, pid)  # the stop really cannot tell whether it is the run's engine
-        monkeypatch.setattr(local, "stop_engine_group", functools.partial(call_as, stopper, local.stop_engine_group))
-        Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING, max_restarts=2, pid=pid, host=host,
-                                             last_heartbeat_at=timezone.now() - timedelta(seconds=120))
-        assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
-        [ask] = [a for a in asks if a["name"] == "runs.stop_attempt"]
+        monkeypatch.setattr(local, "stop_local_engine", functools.partial(call_as, stopper, local.stop_local_engine))
+        ask = _taken_for_lost(run, pid=pid, host=host, asks=asks)
 
         problem = (f"the process at its engine's pid {pid} is of uid {owner}, a user of the run's, and this worker "
                    f"(uid {stopper}) may not read it: whether it is the run's engine cannot be told")
-        assert stop_attempt(**ask["kwargs"]) == f"not stopped: {problem}"
+        assert stop_attempt(**ask) == f"not stopped: {problem}"
         assert _alive(pid), "left alone"
         run.refresh_from_db()
         assert (run.state, run.restart_count, run.pid) == (RunState.LOST, 0, pid), "not restarted beside it"
@@ -173,15 +177,12 @@ def test_an_engine_group_left_with_only_processes_the_worker_may_not_signal_is_s
         left = int(leader.stdout.readline())
         leader.wait()  # exited and reaped: its group lives on in `left`
         assert not _alive(leader.pid) and _alive(left) and os.getpgid(left) == leader.pid
-        monkeypatch.setattr(local, "stop_engine_group", functools.partial(call_as, OTHER_USER, local.stop_engine_group))
-        Run.objects.filter(pk=run.pk).update(state=RunState.RUNNING, max_restarts=2, pid=leader.pid, host=host,
-                                             last_heartbeat_at=timezone.now() - timedelta(seconds=120))
-        assert runs_reconcile(now=timezone.now()).stopping == [run.pk]
-        [ask] = [a for a in asks if a["name"] == "runs.stop_attempt"]
+        monkeypatch.setattr(local, "stop_local_engine", functools.partial(call_as, OTHER_USER, local.stop_local_engine))
+        ask = _taken_for_lost(run, pid=leader.pid, host=host, asks=asks)
 
         problem = (f"its engine's process group {leader.pid} has processes this worker (uid {OTHER_USER}) may not "
                    f"signal: pid {left} (uid {NOBODY})")
-        assert stop_attempt(**ask["kwargs"]) == f"not stopped: {problem}"
+        assert stop_attempt(**ask) == f"not stopped: {problem}"
         assert _alive(left)
         assert Run.objects.get(pk=run.pk).state == RunState.LOST
         [said] = [e.payload for e in RunEvent.objects.filter(run=run, kind="message",

@@ -143,8 +143,8 @@ def _stop_previous(*, run: Run, job_id: str, pid: int | None, host: str) -> str 
 
     if pid is None:
         return "no engine was started"
-    done = stop_local_engine(run_id=run.pk, pid=pid, host=host)
     folder = run_dir(run)
+    done = stop_local_engine(run_id=run.pk, pid=pid, host=host, folder=folder)
     if done is None or supervisor_lock.supervisor_gone_within(folder=folder,
                                                               seconds=supervisor_lock.SETTLE_GRACE_SECONDS):
         return done

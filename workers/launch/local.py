@@ -176,18 +176,13 @@ def _group_gone_within(*, run_id: int, pid: int, users: set[int], seconds: float
     return True
 
 
-def stop_local_engine(*, run_id: int, pid: int, host: str) -> str | None:
+def stop_local_engine(*, run_id: int, pid: int, host: str, folder: Path) -> str | None:
     """Stop a lost run's engine (its whole process group) on this host, SIGTERM then SIGKILL as its supervisor would;
-    what was done, or None if it outlived both. Run on `host` (the worker consuming its probe queue): a process on
-    another host cannot be reached from here, so that raises OSError, as does one that cannot be told to be the
-    engine or not, or that this worker may not signal."""
+    what was done, or None if it outlived both. The run's `folder` tells who its engines run as. Run on `host` (the
+    worker consuming its probe queue): a process on another host cannot be reached from here, so that raises OSError,
+    as does one that cannot be told to be the engine or not, or that this worker may not signal."""
     if host != socket.gethostname():
         raise OSError(f"the engine runs on {host}, not on {socket.gethostname()}")
-    return stop_engine_group(run_id=run_id, pid=pid, host=host, folder=run_dir(Run.objects.get(pk=run_id)))
-
-
-def stop_engine_group(*, run_id: int, pid: int, host: str, folder: Path) -> str | None:
-    """stop_local_engine's process checks and signals, the run's `folder` telling who its engines run as."""
     users = _run_users(folder)
     if not _engine_group_alive(run_id=run_id, pid=pid, users=users):
         return f"its engine (pid {pid} on {host}) had exited"
