@@ -183,7 +183,7 @@ def kubernetes_request(*, run: Run) -> KubernetesLaunchRequest:
         run_volume_claim=claim,
         nodes=nodes, gpus_per_node=gpus_per_node,
         cpus_per_node=settings.K8S_CPUS_PER_NODE, memory=settings.K8S_MEMORY, namespace=settings.K8S_NAMESPACE,
-        control_plane_url=settings.PUBLIC_URL, token_secret=f"{name}-token", python=settings.K8S_PYTHON,
+        control_plane_url=settings.PUBLIC_URL, token_secret=_token_secret(name), python=settings.K8S_PYTHON,
         service_account=settings.K8S_ENGINE_SERVICE_ACCOUNT, ttl_after_finished_s=settings.K8S_JOB_TTL_S or None,
         allowed_paths=tuple(engine_allowed_paths(run=run, run_folder=RUN_DIR)),
     )
@@ -251,8 +251,17 @@ def delete_kubernetes_objects(*, name: str, api: KubernetesApi) -> None:
     while its pods wait, or one whose end is recorded. The Job owns the other two; they are deleted by name as well,
     whatever the garbage collector has done yet."""
     api.delete("Job", name)
+    _delete_dependents(name=name, api=api)
+
+
+def _token_secret(job: str) -> str:
+    return f"{job}-token"
+
+
+def _delete_dependents(*, name: str, api: KubernetesApi) -> None:
+    """The attempt's ConfigMap and token Secret (dependents of its Job), by name: a 404 is fine."""
     api.delete("ConfigMap", name)
-    api.delete("Secret", f"{name}-token")
+    api.delete("Secret", _token_secret(name))
 
 
 def remove_ended_attempts(*, api: KubernetesApi, followed: Collection[int] = ()) -> dict[int, str]:
@@ -351,8 +360,7 @@ def stop_kubernetes_job(*, name: str, api: KubernetesApi | None = None,
         return unknown
     # Owned by the Job, so gone with it by now, or soon; deleted by name all the same (a 404 is fine): a stop is
     # confirmed only once nothing the submission created is left. The token in the Secret is revoked already.
-    api.delete("ConfigMap", name)
-    api.delete("Secret", f"{name}-token")
+    _delete_dependents(name=name, api=api)
     return f"Kubernetes Job {name} and its pods are gone"
 
 
