@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from tests.support.small_disk import small_disk
 from workers.engine.line_file import LineFile, Outages
@@ -48,3 +49,21 @@ def test_outages_that_come_and_go_are_logged_at_the_first_second_fourth_and_eigh
     starts = [record.getMessage() for record in caplog.records if "cannot be written" in record.getMessage()]
     assert len(starts) == 4 and "outage 8; the next logged is outage 16" in starts[-1]
     assert outages.count == 10 and outages.dropped == 30 and not outages.going_on
+
+
+def test_a_close_that_reports_a_failed_write_back_is_logged_not_raised(tmp_path, monkeypatch, caplog):
+    lines = LineFile(tmp_path / "lines.jsonl", what="the test file")
+    assert lines.append("{}\n")
+    close = os.close
+
+    def write_back_failed(fd: int) -> None:
+        close(fd)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "close", write_back_failed)
+    with caplog.at_level(logging.WARNING):
+        lines.close()
+    monkeypatch.undo()
+    assert "closing it failed ([Errno 5] Input/output error): its last lines may be lost" in caplog.text
+    lines.close()  # closed already: nothing to do
+    assert (tmp_path / "lines.jsonl").read_text() == "{}\n"

@@ -190,3 +190,17 @@ def test_an_engine_group_left_with_only_processes_the_worker_may_not_signal_is_s
         assert said["problem"] == problem
     finally:
         os.killpg(leader.pid, signal.SIGKILL)
+
+
+def test_a_run_folder_the_worker_may_not_read_tells_no_engine_apart(tmp_path):
+    """Whose processes the run's engines are is told by the owners of its folder's files: a folder this worker may not
+    list leaves it unknown, so no process at the engine's pid is taken for exited (or stopped) on a guess."""
+    stopper = OTHER_USER if suite_is_root() else os.geteuid()
+    folder = tmp_path / "run"
+    folder.mkdir(mode=0o000)
+    try:
+        with pytest.raises(PermissionError, match=f"may not read the run's folder {folder}"):
+            call_as(stopper, local.stop_local_engine, run_id=1, pid=os.getpid(), host=socket.gethostname(),
+                    folder=folder)
+    finally:
+        folder.chmod(0o700)

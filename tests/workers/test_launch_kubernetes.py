@@ -9,6 +9,7 @@ import types
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
 
 from workers.launch import kubernetes
@@ -258,3 +259,15 @@ def test_the_controller_index_counted_completed_is_a_success_once_its_pod_is_gon
     if state == "running":
         pods = recorded["pods"]["items"]
     assert kubernetes_job_status(recorded["job"], pods).state == state
+
+
+def test_a_create_answered_exists_whose_object_is_then_gone_is_a_refusal_that_says_so():
+    """A redelivered launch's create finds the object (409), whose read then finds none (it was being deleted)."""
+    from workers.launch.kubernetes_backend import KubernetesApi, KubernetesApiFailed
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(409 if request.method == "POST" else 404, json={"message": "no"})
+
+    api = KubernetesApi(base_url="https://k8s.test", namespace="research", transport=httpx.MockTransport(answer))
+    with pytest.raises(KubernetesApiFailed, match=r"^creating Secret s: it exists, then it does not \(being deleted\?\)$"):
+        api.create({"kind": "Secret", "metadata": {"name": "s"}})
