@@ -78,7 +78,11 @@ def test_grpo_sync_is_on_policy(sft_warm_start: tuple[Path, float], make_config)
     assert result.metrics[0]["time/weight_sync_s"] == 0.0  # generator and trainer start from the same weights
     assert all(m["time/weight_sync_s"] > 0.0 for m in result.metrics[1:])  # one versioned sync per update
     rollouts = [r for r in sink.records if r["kind"] == "rollout" and r["split"] == "train"]
-    assert len(rollouts) == 4 * 4 and {"prompt", "completion", "reward", "policy_version"} <= set(rollouts[0])
+    assert len(rollouts) == 4 * 4 and {"prompt", "completion", "reward", "advantage", "policy_version"} <= set(rollouts[0])
+    for step in range(1, 5):  # the first rollouts of a step are of one group: a higher reward, a higher advantage
+        shown = sorted((r["reward"], r["advantage"]) for r in rollouts if r["step"] == step)
+        assert [a for _, a in shown] == sorted(a for _, a in shown)
+    assert any(r["advantage"] != 0.0 for r in rollouts)
 
 
 def test_grpo_async_uses_stale_rollouts_and_corrects_them(sft_warm_start: tuple[Path, float], make_config) -> None:

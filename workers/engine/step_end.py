@@ -36,7 +36,8 @@ class StepEnd(Generic[EvalT]):
         if rollouts is not None:
             for i in range(min(cfg.eval.rollout_samples, len(rollouts))):
                 self.recorder.rollout(step=step, prompt=rollouts.prompt_texts[i], completion=rollouts.response_texts[i],
-                                      reward=rollouts.rewards[i], policy_version=rollouts.policy_version, split="train")
+                                      reward=rollouts.rewards[i], advantage=rollouts.advantages[i],
+                                      policy_version=rollouts.policy_version, split="train")
         if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or step == last):
             self.last_eval = self.evaluate(step)
         if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or step == last:
