@@ -278,6 +278,10 @@ if K8S_RUN_VOLUME_CLAIM and not (len(K8S_RUN_VOLUME_CLAIM) <= 253 and re.fullmat
     raise ImproperlyConfigured(
         "FORGEBOARD_K8S_RUN_VOLUME_CLAIM: expected a PersistentVolumeClaim name (a DNS subdomain: at most 253 "
         f"lowercase letters, digits, '-' and '.'), got {K8S_RUN_VOLUME_CLAIM!r}")
+# The run pods' fsGroup (a gid): the run volume claim's folder made writable by that group, for an image running as
+# non-root on a storage class that honours fsGroup. Unset: the pods set none.
+K8S_RUN_FS_GROUP = (env.int("FORGEBOARD_K8S_RUN_FS_GROUP", 0, minimum=0, maximum=2**31 - 1)
+                    if env.str("FORGEBOARD_K8S_RUN_FS_GROUP") is not None else None)
 # Where a run config's raw paths (model.path, data.path, checkpoint.resume_from) and registered artifacts may
 # point: folders on the workers' hosts (artifacts/resolver.py). A run's own files are reached by `run:` references.
 # In tests "/" is a root too: every path is inside except DATA_DIR's (only roots inside DATA_DIR reach into it).

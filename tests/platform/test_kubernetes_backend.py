@@ -575,6 +575,22 @@ def test_without_a_run_volume_claim_the_timeline_says_a_restart_starts_from_step
                                                 "step 0 (set FORGEBOARD_K8S_RUN_VOLUME_CLAIM)")
 
 
+@pytest.mark.django_db
+@pytest.mark.parametrize("fs_group", [None, 2000])
+def test_the_run_pods_have_the_configured_fs_group_so_a_non_root_image_may_write_the_claim(team, k8s, settings,
+                                                                                          fs_group):
+    """On the old code the pods set no fsGroup: an image running as non-root could not write its folder on a claim
+    whose storage class honours fsGroup."""
+    settings.K8S_RUN_VOLUME_CLAIM = "forgeboard-runs"
+    settings.K8S_RUN_FS_GROUP = fs_group
+    _submitted(team)
+    pod = k8s.created[-1]["spec"]["template"]["spec"]
+    if fs_group is None:
+        assert "securityContext" not in pod
+    else:
+        assert pod["securityContext"] == {"fsGroup": 2000, "fsGroupChangePolicy": "OnRootMismatch"}
+
+
 # --- a run that has ended leaves nothing behind ----------------------------------------------------------------------
 
 def _running(team) -> Run:

@@ -120,12 +120,23 @@ def test_every_deployment_runs_the_web_server_as_forgeboard_serve_does(deploymen
          "FORGEBOARD_EXPORT_LOST_AFTER_S: must be at least FORGEBOARD_EXPORT_TIMEOUT_S + 60 (3660), got 3000"),
         ({"FORGEBOARD_K8S_RUN_VOLUME_CLAIM": "Runs_Volume"},
          "FORGEBOARD_K8S_RUN_VOLUME_CLAIM: expected a PersistentVolumeClaim name (a DNS subdomain"),
+        ({"FORGEBOARD_K8S_RUN_FS_GROUP": "forgeboard"}, "FORGEBOARD_K8S_RUN_FS_GROUP: expected an integer, got 'forgeboard'"),
+        ({"FORGEBOARD_K8S_RUN_FS_GROUP": "-1"}, "FORGEBOARD_K8S_RUN_FS_GROUP: must be at least 0, got -1"),
+        ({"FORGEBOARD_K8S_RUN_FS_GROUP": "2147483648"}, "FORGEBOARD_K8S_RUN_FS_GROUP: must be at most 2147483647"),
     ],
 )
 def test_bad_production_environment_stops_startup_naming_the_variable(env, message):
     result = _manage(["check"], **(PRODUCTION | env))
     assert result.returncode != 0
     assert message in result.stderr
+
+
+def test_the_kubernetes_run_fs_group_is_unset_by_default_and_read_as_an_integer(settings):
+    assert settings.K8S_RUN_FS_GROUP is None
+    read = _manage(["shell", "-c", "from django.conf import settings; print(repr(settings.K8S_RUN_FS_GROUP))"],
+                   **(PRODUCTION | {"FORGEBOARD_K8S_RUN_FS_GROUP": " 2000 "}))
+    assert read.returncode == 0, read.stderr
+    assert read.stdout.splitlines()[-1] == "2000"
 
 
 def test_production_logs_are_json_with_request_and_run(caplog):

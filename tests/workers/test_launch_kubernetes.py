@@ -124,6 +124,15 @@ def test_a_run_volume_claim_holds_the_run_folder_one_folder_per_run_shared_by_it
     assert objects[0][1]["metadata"]["name"] != objects[3][1]["metadata"]["name"], "a Job per attempt, one folder"
 
 
+def test_an_fs_group_is_the_pods_fsgroup_applied_only_when_the_volumes_root_lacks_it_and_none_is_set_without():
+    assert "securityContext" not in _job()["spec"]["template"]["spec"]
+    for gid in (0, 2000):
+        job = kubernetes_objects(replace(REQUEST, run_volume_claim="forgeboard-runs", fs_group=gid))[1]
+        pod = job["spec"]["template"]["spec"]
+        assert pod["securityContext"] == {"fsGroup": gid, "fsGroupChangePolicy": "OnRootMismatch"}
+        assert "securityContext" not in _container(job), "the image's own user is left as it is"
+
+
 def test_pod_zero_runs_the_controller_and_every_pod_a_worker_on_its_pod_ip():
     command = _container(_job())["command"]
     assert command[:2] == ["/bin/sh", "-c"]
@@ -186,6 +195,10 @@ def test_a_finished_job_is_deleted_by_the_api_server_only_after_its_ttl_a_backst
         ({"ttl_after_finished_s": 0}, "ttl_after_finished_s"),  # 0 would delete a Job as soon as it finished
         ({"run_volume_claim": "Runs_Volume"}, "run_volume_claim"),
         ({"run_volume_claim": "runs/../other"}, "run_volume_claim"),
+        ({"fs_group": -1}, "fs_group"),
+        ({"fs_group": 2**31}, "fs_group"),
+        ({"fs_group": "2000"}, "fs_group"),
+        ({"fs_group": True}, "fs_group"),
     ],
 )
 def test_bad_requests_name_the_field(change, field):

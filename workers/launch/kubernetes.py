@@ -16,7 +16,8 @@ dicts for `kubectl apply` or the API's create calls:
 
 The engine's working directory RUN_DIR (its checkpoints) is an emptyDir, gone with the pod, unless the request names
 a PersistentVolumeClaim (`run_volume_claim`): then it is that claim's folder `run-<run id>`, shared by the run's
-attempts, so that a restarted run resumes from its own last checkpoint (the config's checkpoint.resume_latest).
+attempts, so that a restarted run resumes from its own last checkpoint (the config's checkpoint.resume_latest). With
+`fs_group` the pods' fsGroup is that group, so that an image running as non-root may write the claim's folder.
 
 The job poller deletes a Job once its run's end is recorded; `ttlSecondsAfterFinished`, long, is a backstop for what
 it missed.
@@ -58,6 +59,7 @@ CONFIG_DIR = "/etc/forgeboard/run"
 RUN_DIR = "/var/lib/forgeboard/run"  # the engine's working directory: its checkpoints and files
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+MAX_GROUP_ID = 2**31 - 1  # what the API server accepts as a pod's fsGroup
 _QUANTITY = re.compile(r"^[1-9][0-9]*(Ki|Mi|Gi|Ti)?$")
 # Waiting reasons after which a pod will not start without someone fixing the spec or the image.
 _FATAL_WAITING = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
@@ -97,6 +99,9 @@ class KubernetesLaunchRequest:
     # A PersistentVolumeClaim in the namespace holding RUN_DIR (ReadWriteMany for a run of several pods), in the folder
     # `run_subpath`: the run's checkpoints outlive its pods. None: an emptyDir, lost with the pod.
     run_volume_claim: str | None = None
+    # The pods' fsGroup: volumes that honour it (the run volume claim, on most storage classes) are made writable by
+    # this group, for an image that runs as non-root. None: the pod sets none, and the volumes stay as they are.
+    fs_group: int | None = None
 
     @property
     def name(self) -> str:
@@ -134,6 +139,9 @@ class KubernetesLaunchRequest:
                                                       and _DNS_SUBDOMAIN.match(self.run_volume_claim)):
             raise LaunchSpecError("run_volume_claim", f"{self.run_volume_claim!r} is not a DNS subdomain "
                                                       "(lowercase letters, digits, dashes and dots)")
+        if self.fs_group is not None and not (isinstance(self.fs_group, int) and not isinstance(self.fs_group, bool)
+                                              and 0 <= self.fs_group <= MAX_GROUP_ID):
+            raise LaunchSpecError("fs_group", f"{self.fs_group!r} is not a group id (an integer, 0 to {MAX_GROUP_ID})")
         for name in ("memory", "shared_memory"):
             if not _QUANTITY.match(getattr(self, name)):
                 raise LaunchSpecError(name, f"{getattr(self, name)!r} is not a quantity such as 512Gi")
@@ -223,6 +231,8 @@ def kubernetes_objects(request: KubernetesLaunchRequest) -> list[dict[str, Any]]
                                if request.run_volume_claim else {"emptyDir": {}}),
         ],
     }
+    if request.fs_group is not None:  # the group's ownership applied once, not again while the claim's root has it
+        pod_spec["securityContext"] = {"fsGroup": request.fs_group, "fsGroupChangePolicy": "OnRootMismatch"}
     if request.gpus_per_node:
         pod_spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     if request.node_selector:

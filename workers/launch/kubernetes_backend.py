@@ -180,7 +180,7 @@ def kubernetes_request(*, run: Run) -> KubernetesLaunchRequest:
     config_yaml = engine_config_yaml(run, run_folder=Path(RUN_DIR) if claim else None)
     return KubernetesLaunchRequest(
         run_id=run.pk, attempt=run.restart_count, image=settings.K8S_IMAGE, config_yaml=config_yaml,
-        run_volume_claim=claim,
+        run_volume_claim=claim, fs_group=settings.K8S_RUN_FS_GROUP,
         nodes=nodes, gpus_per_node=gpus_per_node,
         cpus_per_node=settings.K8S_CPUS_PER_NODE, memory=settings.K8S_MEMORY, namespace=settings.K8S_NAMESPACE,
         control_plane_url=settings.PUBLIC_URL, token_secret=_token_secret(name), python=settings.K8S_PYTHON,
