@@ -28,7 +28,8 @@ from forgeboard.runs.tokens import run_token_authenticate
 from forgeboard.telemetry.models import RunEvent
 from workers.launch import kubernetes_backend
 from workers.launch.backends import start_run, stop_attempt
-from workers.launch.kubernetes_backend import KubernetesApi, poll_kubernetes_runs, stop_kubernetes_job
+from workers.launch.kubernetes_backend import (KubernetesApi, KubernetesApiFailed, poll_kubernetes_runs,
+                                               stop_kubernetes_job)
 from workers.launch.slurm import JobStillCompleting
 
 RECORDED = Path(__file__).resolve().parents[2] / "workers" / "launch" / "recorded"
@@ -447,6 +448,40 @@ def test_a_lost_runs_job_that_did_not_complete_is_still_stopped_and_restarted(te
     k8s.show("k8s_running")
     assert stop_attempt(**ask).startswith(f"still stopping: Kubernetes Job {run.job_id} is being deleted")
     k8s.pods_removed()
+    assert stop_attempt(**ask) == f"Kubernetes Job {run.job_id} and its pods are gone; restarted"
+    assert k8s.left(run.job_id) == []
+    assert Run.objects.get(pk=run.pk).state == RunState.QUEUED
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("kind", "refusal"), [
+    ("configmaps", (403, 'configmaps "forgeboard-run-N" is forbidden: User '
+                         '"system:serviceaccount:forgeboard:forgeboard-worker" cannot delete resource "configmaps"')),
+    ("secrets", (500, "etcdserver: request timed out"))])
+def test_a_lost_runs_stop_whose_last_deletion_is_refused_is_not_confirmed_and_is_asked_again(team, k8s, asks, kind,
+                                                                                             refusal):
+    """Its Job and pods gone, the stop deletes the attempt's ConfigMap and Secret by name (the garbage collector may
+    not have yet): one refused raises, so the stop is not confirmed, the run neither restarted nor failed, and the
+    reconciler asks again; the stop that deletes them restarts the run."""
+    run, ask = _lost(team, asks)
+    k8s.objects.pop(("jobs", run.job_id))  # gone with its pods, the garbage collector not yet at its dependents
+    k8s.refuse_deleting[kind] = refusal
+    code, message = refusal
+    refused = {"configmaps": f"ConfigMap {run.job_id}", "secrets": f"Secret {run.job_id}-token"}[kind]
+
+    with pytest.raises(KubernetesApiFailed) as raised:
+        stop_kubernetes_job(name=run.job_id)
+    assert str(raised.value) == f"deleting {refused}: HTTP {code}: {message}"
+    assert stop_attempt(**ask) == f"not stopped: deleting {refused}: HTTP {code}: {message}"
+
+    run.refresh_from_db()
+    assert (run.state, run.restart_count, run.job_id) == (RunState.LOST, 0, ask["job_id"]), "not reported stopped"
+    [said] = RunEvent.objects.filter(run=run, kind="message", payload__name="previous_attempt_not_stopped")
+    assert said.payload["problem"] == f"deleting {refused}: HTTP {code}: {message}"
+    assert ("secrets", f"{run.job_id}-token") in k8s.left(run.job_id)
+    assert runs_reconcile(now=timezone.now()).stopping == [run.pk], "asked again"
+
+    del k8s.refuse_deleting[kind]
     assert stop_attempt(**ask) == f"Kubernetes Job {run.job_id} and its pods are gone; restarted"
     assert k8s.left(run.job_id) == []
     assert Run.objects.get(pk=run.pk).state == RunState.QUEUED
