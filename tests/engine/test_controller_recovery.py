@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.engine.fake_fleet import FakeHosts, Fleet, controller_parts, fake_group, grpo_config
+from tests.engine.fake_fleet import Done, FakeHosts, Fleet, controller_parts, fake_group, grpo_config
 from workers.engine.actors.fleet import CallFailed, ProcFailure
 from workers.engine.controller.control_procs import ControlLost
 from workers.engine.controller.drill_targets import DrillTargets
@@ -30,11 +30,11 @@ SAVED = {"step": 4, "policy_version": 4, "generations": 5, "staleness": {"0": 3,
          "data": {"position": 40}, "buffer": {"records": []}}
 
 
-def _recovery(placement: str = "replay_buffer: {hosts: [c, b]}", replicas_host: str = "a",
+def _recovery(placement: str = "replay_buffer: {hosts: [c, b]}", replicas_host: str = "a", generators: int = 1,
               **sections: str) -> tuple[Fleet, Recovery]:
     config = grpo_config(placement, **sections)
     hosts = FakeHosts(["a", "b", "c"])
-    groups = {"generator": fake_group("generator", hosts, [replicas_host], generate=([], 0.1)),
+    groups = {"generator": fake_group("generator", hosts, [replicas_host] * generators, generate=([], 0.1)),
               "reward": fake_group("reward", hosts, [replicas_host])}
     fleet = controller_parts(config, hosts, groups, trainer_hosts=["a"], control_host="c")
     fleet.trainer.actors.load = type(fleet.trainer.actors.pid)(lambda path: {0: dict(SAVED)})
@@ -225,6 +225,85 @@ def test_a_trainer_that_hangs_while_a_generator_reads_its_weights_is_blamed_when
     assert generation.calls == calls and fleet.events("failure_detected") == []
     _dropped_without_blaming_the_generator(fleet, recovery, generation, told)
     assert fleet.events("failure_detected") == [], "the generator is not blamed"
+
+
+def test_a_trainer_that_dies_while_a_retrys_generator_reads_its_weights_fails_the_step_and_not_that_generator():
+    """Replica 0 read publication 1 and then fails its request for a reason of its own (it still answers: it is not
+    replaced), so the request is retried on replica 1, whose inbox still reads the publication when the trainer's host
+    is lost. The trainer's failure is noticed while waiting for the retry, and the restore drops the retry without
+    blaming replica 1. Before, only the first attempt's read was the trainer's: the retry waited for weights that never
+    came, replica 1 was blamed for it and the request retried until the run failed."""
+    fleet, recovery = _recovery(replicas_host="b", generators=2, failover="{call_timeout_s: 5, poll_seconds: 0.05}")
+    fleet.waits.ticks = [fleet.supervisor.tick]
+    replicas = fleet.groups["generator"].replicas
+    told: list[int] = []
+    replicas[1].inbox.fetch.call_one = lambda publication: _WaitsForWeights(told)  # replica 0's read ends at once
+    for replica in replicas:
+        replica.inbox.abandon = type(replica.inbox.pid)(lambda publication, i=replica.index: told.append((i, publication)))
+    own_failure = RuntimeError("CUDA error: an illegal memory access was encountered")
+    replicas[0].actor.generate.call_one = lambda *args: Done(error=own_failure)
+    replicas[1].actor.generate.call_one = lambda *args: fleet.hosts.fail("a") or _WaitsForWeights(told)
+    generators = recovery.pipeline.generators
+    fleet.state.policy_version = 1
+    generators.before_launch(PhaseTimer())  # publication 1
+    calls = [generators.send([[1]] * 4, None, seed=0, number=0, key="k0")]  # routed to replica 0
+    generation = PendingGeneration([], [[1]] * 4, calls, {"position": 4}, 0, [(0, 1)])
+    started = time.monotonic()
+    with pytest.raises(TrainerLost, match="host a of the trainer was lost"):
+        recovery.pipeline.finish(generation, PhaseTimer())
+    assert time.monotonic() - started < 2, "noticed at the next poll, not at the read's timeout (4 s)"
+    assert list(fleet.state.pending) == [generation] and generation.calls == calls, "back in flight, for the restore"
+    assert [(e["role"], e["replica"]) for e in fleet.events("failure_detected")] == [("generator", 0), ("trainer", None)]
+    fleet.trainer.fetches.abandon(waits=fleet.waits)  # what the trainer's relaunch does first
+    assert told == [(0, 1), (1, 1)]
+    recovery.restore(None)
+    assert not fleet.state.pending and fleet.state.totals.samples_dropped == 4
+    assert [(e["role"], e["replica"]) for e in fleet.events("failure_detected")] == [("generator", 0), ("trainer", None)], \
+        "replica 1 is not blamed"
+    assert not replicas[1].failed and [r.outstanding for r in replicas] == [0, 0]
+    service = fleet.groups["generator"].service
+    assert service.in_flight == [0, 0] and service.served == [1, 1], "the retry dropped, not retried again"
+    assert fleet.failover.replacements.get("generator", 0) == 0
+    assert [(e["role"], e["replica"], e["action"]) for e in fleet.events("recovered")] == [("generator", 0, "retried")], \
+        "replica 0's failure is over: nothing waits to be served again (a later failure of it is a new one)"
+
+
+def test_a_trainer_lost_while_a_dead_generators_replacement_is_published_drops_the_retry_without_blaming_its_replica():
+    """Replica 0's proc dies with its request: the request is retried on replica 1 (whose inbox still reads publication
+    1) and replica 0 replaced meanwhile; the trainer's host is lost as the retry is sent, so the replacement's
+    publication fails as the trainer's. The retry, still out, is dropped at the restore, and replica 1's read of the
+    lost ranks is abandoned with the others. Before, the restore received the failed first attempt again (counting it
+    done twice) and left the retry out, and the publication's wait for the reads forgot replica 1's, so no inbox was
+    told it would not arrive."""
+    fleet, recovery = _recovery(replicas_host="b", generators=2, failover="{call_timeout_s: 5, poll_seconds: 0.05}")
+    fleet.waits.ticks = [fleet.supervisor.tick]
+    replicas = fleet.groups["generator"].replicas
+    told: list[tuple[int, int]] = []
+    replicas[1].inbox.fetch.call_one = lambda publication: _WaitsForWeights(told)  # replica 0's read ends at once
+    for replica in replicas:
+        replica.inbox.abandon = type(replica.inbox.pid)(lambda publication, i=replica.index: told.append((i, publication)))
+    died = RuntimeError("actor mesh generator-0 failed: the process exited")
+    replicas[0].actor.generate.call_one = lambda *args: Done(error=died)
+    replicas[0].actor.pid.call_one = lambda *args: Done(error=died)
+    replicas[1].actor.generate.call_one = lambda *args: fleet.hosts.fail("a") or _WaitsForWeights(told)
+    generators = recovery.pipeline.generators
+    fleet.state.policy_version = 1
+    generators.before_launch(PhaseTimer())  # publication 1
+    fleet.trainer.actors.stage_weights.call = lambda every_read_ended: Done(error=RuntimeError("rank 0 is unreachable"))
+    calls = [generators.send([[1]] * 4, None, seed=0, number=0, key="k0")]  # routed to replica 0
+    generation = PendingGeneration([], [[1]] * 4, calls, {"position": 4}, 0, [(0, 1)])
+    with pytest.raises(TrainerLost, match="rank 0 is unreachable"):
+        recovery.pipeline.finish(generation, PhaseTimer())
+    assert list(fleet.state.pending) == [generation] and generation.calls == calls, "back in flight, for the restore"
+    assert replicas[0].failed and fleet.failover.pending_repairs(), "replaced once the trainer is back"
+    fleet.trainer.fetches.abandon(waits=fleet.waits)  # what the trainer's relaunch does first
+    assert told == [(1, 1)], "replica 1's read of the lost ranks"
+    recovery.restore(None)
+    assert not fleet.state.pending and fleet.state.totals.samples_dropped == 4
+    assert [(e["role"], e["replica"]) for e in fleet.events("failure_detected")] == [("generator", 0), ("trainer", None)], \
+        "replica 1 is not blamed"
+    assert not replicas[1].failed and replicas[1].outstanding == 0
+    assert fleet.groups["generator"].service.in_flight == [0, 0], "each attempt done once"
 
 
 def test_the_inner_waits_for_weights_end_before_the_call_timeout_that_blames():

@@ -98,29 +98,31 @@ class ReplicaGenerators:
 
     def receive(self, request: ReplicaRequest, timer: PhaseTimer) -> Generated:
         """The request's answer; the replica's spans go on the step's timeline (lane `generator <index>`, from when
-        it was sent). TrainerLost when the trainer failed while the replica read the weights the request names."""
+        it was sent). TrainerLost when the trainer failed while the replica of the request, or of a retry of it, read
+        the weights the request names; the attempt then still out is `discard`'s."""
         routed = request.routed
-        self.trainer.await_read(routed.replica, request.publication)
         answer = self.router.receive(routed, started=lambda attempt: self.started(attempt, request))
         by = routed.answered_by or routed  # a retry's spans are its replica's, from when the retry was sent
         return answered(f"generator {by.index}", answer, sent_at=by.sent_at, timer=timer)
 
     def discard(self, request: ReplicaRequest) -> None:
-        if self.trainer.fetches.was_abandoned(request.routed.replica, request.publication):
-            self.router.drop(request.routed)  # it fails for want of its weights: not the replica's failure
+        """Finish the request's attempt still out (a retry's, when its first replica had failed) and throw it away."""
+        attempt = request.routed.attempt
+        if self.trainer.fetches.was_abandoned(attempt.replica, request.publication):
+            self.router.drop(attempt)  # it fails for want of its weights: not the replica's failure
         else:
-            self.router.receive(request.routed, started=lambda attempt: self.started(attempt, request))
+            self.router.receive(attempt, started=lambda retry: self.started(retry, request))
 
     def started(self, attempt: Request, request: ReplicaRequest) -> float:
         """When `attempt` (the request, or a retry of it) could start on its replica: once the replica's inbox had
         read the publication it names. A read still running as the request was sent holds the replica's generation
         up; its time is the weight sync's, not the generator's, so it is not counted towards the deadline that
-        declares the replica hung (a read that never ends is the trainer's: `TrainerHandle.await_read`)."""
+        declares the replica hung. TrainerLost when the trainer failed during the read, or did not serve it
+        (`TrainerHandle.await_read`): the request's first attempt's, or a retry's."""
         read = next((fetch for replica, fetch in request.reads if replica is attempt.replica), None)
         if read is None:
             return attempt.sent_at  # read before the request was sent
-        with suppress(TrainerLost):  # raised for the request itself before it was received; a retry goes on
-            self.trainer.await_read(attempt.replica, request.publication)
+        self.trainer.await_read(attempt.replica, request.publication)
         ended_by = time.monotonic()
         with suppress(Exception):  # a read that failed, or still runs (its replica failed): over, as seen now
             # it was sent before the request: it ended by the request's sending plus its own seconds at the latest

@@ -33,7 +33,13 @@ class Request:
     sent_at: float
     attempts: int = 0
     incident: Incident | None = None
+    retry: Request | None = None  # the newest retry of it on another replica, once it failed
     answered_by: Request | None = None  # the attempt that answered it: itself, or a retry of it on another replica
+
+    @property
+    def attempt(self) -> Request:
+        """The attempt sent last: itself, or its newest retry (the one still out when receiving it raised)."""
+        return self.retry or self
 
 
 class Router:
@@ -53,7 +59,9 @@ class Router:
         """The request's result; a failed or hung replica is reported and the request retried elsewhere.
         `started(attempt)`: when (time.monotonic()) the replica of the request, or of a retry of it, could start on it,
         waiting for it if need be (a generator's read of the weights it names); by default when it was sent. Its
-        deadline, and the seconds it took (the role's typical time, that sets the next deadlines), count from then."""
+        deadline, and the seconds it took (the role's typical time, that sets the next deadlines), count from then.
+        When `started`, or a repair while a retry runs, raises, the attempt sent last (`request.attempt`) is still out:
+        the caller's to drop or receive."""
         config = self.failover.config
         first = request
         while True:
@@ -70,7 +78,8 @@ class Router:
                                                 alive=alive)
                 attempts = request.attempts + 1
                 self.failover.backoff(attempts, what=f"a {request.group.role} request")
-                request = self.send(request.group, request.call, key=request.key, attempts=attempts, incident=incident)
+                request = first.retry = self.send(request.group, request.call, key=request.key, attempts=attempts,
+                                                  incident=incident)
                 if self.failover.pending_repairs():
                     self.supervisor.repair()  # while the retry runs on a healthy replica
                 continue
@@ -81,7 +90,7 @@ class Router:
 
     def drop(self, request: Request) -> None:
         """Wait for an answer nothing needs, whatever it is, while its replica is not known to have failed: a failure
-        is neither retried nor reported."""
+        is neither retried nor reported. A retry's: the failure that made it is over, nothing waits to be served."""
         replica = request.replica
         try:
             self.waits.wait(request.future, gone=lambda: replica.lost_with_host or (
@@ -89,6 +98,7 @@ class Router:
         except CallFailed:
             pass
         self._finish(request, None)
+        self.failover.served(request.incident)
 
     def call(self, group: ReplicaGroup, call: Callable[[Any], Any], *, key: str | None = None) -> Any:
         """Send and receive."""

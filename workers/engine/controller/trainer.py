@@ -66,16 +66,16 @@ class PendingFetches:
         """Wait for every pending read, or until the supervisor has marked its replica failed (replacing it is the
         supervisor's) or `ranks_gone` says why the ranks read from are lost, and record `weights/read_s` (the slowest
         read) and `weights/read_bytes` (one replica's); whether every read ended (a hung one may still be reading: the
-        ranks must not write over what it reads)."""
-        reads = []
-        for replica, _, fetch in self.pending:
+        ranks must not write over what it reads). Reads of lost ranks stay pending: the relaunch abandons them."""
+        reads, unended = [], []
+        for replica, publication, fetch in self.pending:
             try:
                 reads.append(waits.wait(fetch, gone=lambda replica=replica: ranks_gone() or (
                     f"generator replica {replica.index} failed" if replica.failed else None)))
             except CallFailed:
-                continue
-        ended = len(reads) == len(self.pending)
-        self.pending.clear()
+                unended.append((replica, publication, fetch))
+        ended = not unended
+        self.pending = unended if ranks_gone() is not None else []
         if reads:
             recorder.log_many({"weights/read_s": max(r.seconds for r in reads), "weights/read_bytes": reads[0].nbytes},
                               step=step)
