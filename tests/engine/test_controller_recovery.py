@@ -13,6 +13,7 @@ import pytest
 
 from tests.engine.fake_fleet import Done, FakeHosts, Fleet, controller_parts, fake_group, grpo_config
 from workers.engine.actors.fleet import CallFailed, ProcFailure
+from workers.engine.actors.weight_inbox import UNREAD, Unread
 from workers.engine.controller.control_procs import ControlLost
 from workers.engine.controller.drill_targets import DrillTargets
 from workers.engine.controller.generation import GenerationPipeline
@@ -205,11 +206,11 @@ class _ReadGivesUp:
     def __init__(self) -> None:
         self.gives_up_at = time.monotonic() + 0.3
 
-    def get(self, timeout: float | None = None) -> None:
+    def get(self, timeout: float | None = None) -> Unread:
         if time.monotonic() < self.gives_up_at:
             raise TimeoutError
-        raise RuntimeError("actor inbox failed: PublicationUnread: weight publication 1 could not be read from the "
-                           "trainer ranks within 2.5 s (MonarchError: RDMA submit failed: tcp read chunk timed out)")
+        return Unread(publication=1, why=f"{UNREAD} within 2.5 s (MonarchError: RDMA submit failed: tcp read chunk "
+                                         "timed out)")
 
 
 def test_a_trainer_that_hangs_while_a_generator_reads_its_weights_is_blamed_when_the_read_gives_up():

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.engine.fake_fleet import PIDS, Done, FakeActor, FakeHosts, Fleet, controller_parts, fake_group, fetched, grpo_config
+from workers.engine.actors.weight_inbox import UNREAD, Fetched, Unread
 from workers.engine.controller.control_procs import ControlLost
 from workers.engine.controller.supervision import Supervisor
 from workers.engine.controller.trainer import TrainerLost
@@ -137,6 +138,31 @@ def test_the_next_staging_waits_for_the_last_ones_reads_and_takes_new_memory_aft
     assert len(fleet.sink.series("weights/read_s")) == 4, "the reads that ended are still counted"
 
 
+def test_the_trainer_is_blamed_for_a_read_only_by_the_inbox_answering_unread_not_by_a_failures_text():
+    """An inbox answers Unread when the ranks did not serve its read: the trainer's failure (hung). A fetch that raises
+    is the replica's own failure, whatever its text says (before, the text was searched for the Unread message), and a
+    read that ended is nobody's."""
+    fleet, _ = _supervised()
+    trainer, replicas = fleet.trainer, fleet.groups["generator"].replicas
+    answers = {0: Done(Unread(publication=1, why=f"{UNREAD} within 2 s (TimeoutError)")),
+               1: Done(error=RuntimeError(f"actor inbox failed: weight publication 1 {UNREAD}: its proc was killed"))}
+    for replica in replicas:
+        replica.inbox.fetch.call_one = lambda publication, i=replica.index: answers[i]
+    trainer.publish_weights(replicas, 1)
+    with pytest.raises(TrainerLost, match="the trainer ranks did not serve generator replica 0's read of weight "
+                                          f"publication 1: {UNREAD} within 2 s") as lost:
+        trainer.await_read(replicas[0], 1)
+    assert lost.value.failure.hung
+    trainer.await_read(replicas[1], 1)  # the request naming it fails on the replica: its failure to report
+    replicas[0].failed = True
+    trainer.await_read(replicas[0], 1)  # an Unread of a replica marked failed is the replica's too
+    answers[1] = Done(Fetched(publication=2, nbytes=4, seconds=0.1))
+    trainer.publish_weights(replicas, 2)
+    assert trainer.actors.stage_weights.calls == [(True,), (False,)], "a read that gave up may still be reading"
+    trainer.await_read(replicas[1], 2)
+    assert fleet.events("failure_detected") == []
+
+
 def test_a_read_that_hangs_is_waited_for_only_until_its_replica_is_marked_failed():
     fleet, _ = _supervised()
     trainer, replicas = fleet.trainer, fleet.groups["generator"].replicas
@@ -189,8 +215,7 @@ def test_a_replacement_reading_the_weights_of_stopped_trainer_ranks_fails_as_the
     fleet, supervisor = _supervised()
     fleet.state.step, fleet.state.policy_version = 4, 3
     generators = fleet.groups["generator"]
-    unread = Done(error=RuntimeError("PublicationUnread: weight publication 1 could not be read from the trainer ranks "
-                                     "within 150 s (TimeoutError)"))
+    unread = Done(Unread(publication=1, why=f"{UNREAD} within 150 s (TimeoutError)"))
 
     def inbox_of_stopped_ranks(procs: object, name: str) -> FakeActor:
         inbox = FakeActor(next(PIDS), name=name)

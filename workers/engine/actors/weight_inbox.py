@@ -9,7 +9,8 @@ generator swaps it in between requests (`PublishedWeights.use_publication`). The
 reads: ranks that die while they are read leave their read waiting for its timeout, and the controller then tells the
 inbox that the publication will not arrive (`abandon`), so the requests naming it fail at once instead of waiting, and
 the next publication, from the respawned ranks, is read at once. A read that gives up (ranks stopped, or dead on a host
-the controller cannot look into) fails its publication the same way, and the controller blames the trainer for it.
+the controller cannot look into) fails its publication the same way and answers `Unread`, for which the controller
+blames the trainer (a fetch that raises is the replica's own failure).
 Both waits here come from the run's `failover` section (`weight_read_s`, `weight_wait_s`), within its call timeout.
 
 Every publication is numbered (one policy version can be published twice: after a restore from a checkpoint the
@@ -29,17 +30,13 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from workers.engine.actors.weight_outbox import WeightPublication, read_publication_async
 
-UNREAD = "could not be read from the trainer ranks"  # what a failed fetch says, for the controller to blame the trainer
+UNREAD = "could not be read from the trainer ranks"
 RANKS_LOST = "the trainer ranks it was read from were lost"
 
 
 class PublicationLost(RuntimeError):
     """The publication a request names will not arrive: the trainer ranks it was being read from were lost, or did not
     serve the read."""
-
-
-class PublicationUnread(RuntimeError):
-    """An inbox's read of a publication failed or gave up: the trainer ranks did not serve it."""
 
 
 class PolicySlot:
@@ -106,6 +103,14 @@ class Fetched:
     seconds: float
 
 
+@dataclass(frozen=True)
+class Unread:
+    """An inbox's read of one publication that failed or gave up: the trainer ranks did not serve it (`why`)."""
+
+    publication: int
+    why: str
+
+
 class WeightInboxActor(Actor):
     """Reads the trainer ranks' publications for the generator replica on its proc; `wait_s`: how long a request waits
     for the publication it names (the run's failover.weight_wait_s)."""
@@ -114,16 +119,15 @@ class WeightInboxActor(Actor):
         SLOT.wait_s = wait_s
 
     @concurrent_endpoint
-    async def fetch(self, publication: WeightPublication) -> Fetched:
+    async def fetch(self, publication: WeightPublication) -> Fetched | Unread:
         """Runs beside the fetches before it: one whose ranks died mid-read does not hold up the next. A read that
-        fails or gives up fails the publication here (the requests naming it fail at once) and answers
-        PublicationUnread."""
+        fails or gives up fails the publication here (the requests naming it fail at once) and answers Unread."""
         try:
             weights, seconds = await read_publication_async(publication)
         except Exception as error:  # noqa: BLE001 - a timeout, a dead peer: the ranks did not serve the read
             why = f"{UNREAD} within {publication.read_timeout_s:g} s ({type(error).__name__}: {str(error)[:300]})"
             SLOT.abandon(publication.number, why=why)
-            raise PublicationUnread(f"weight publication {publication.number} {why}") from None
+            return Unread(publication=publication.number, why=why)
         SLOT.put(publication.number, publication.version, weights)
         return Fetched(publication=publication.number, nbytes=publication.nbytes, seconds=seconds)
 

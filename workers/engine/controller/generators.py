@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from workers.engine.actors.fleet import Replica, ReplicaGroup
+from workers.engine.actors.weight_inbox import Fetched
 from workers.engine.controller.requests import Request, Router
 from workers.engine.controller.state import RunState
 from workers.engine.controller.supervision import Supervisor
@@ -125,8 +126,9 @@ class ReplicaGenerators:
         self.trainer.await_read(attempt.replica, request.publication)
         ended_by = time.monotonic()
         with suppress(Exception):  # a read that failed, or still runs (its replica failed): over, as seen now
-            # it was sent before the request: it ended by the request's sending plus its own seconds at the latest
-            ended_by = min(ended_by, attempt.sent_at + read.get(timeout=0.01).seconds)
+            if isinstance(fetched := read.get(timeout=0.01), Fetched):
+                # it was sent before the request: it ended by the request's sending plus its own seconds at the latest
+                ended_by = min(ended_by, attempt.sent_at + fetched.seconds)
         return max(attempt.sent_at, ended_by)
 
     def served(self) -> list[int]:

@@ -13,7 +13,7 @@ from monarch.spmd import setup_torch_elastic_env
 from workers.engine.actors.fleet import CallFailed, MeshStops, Replica, answered, exited, spawned_name, stop_quietly
 from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.trainer_rank import TrainerRankActor
-from workers.engine.actors.weight_inbox import UNREAD
+from workers.engine.actors.weight_inbox import Fetched, Unread
 from workers.engine.actors.weight_outbox import WeightPublication
 from workers.engine.config import RunConfig
 from workers.engine.controller.incidents import Noticed, RecoveryLog
@@ -66,15 +66,22 @@ class PendingFetches:
         """Wait for every pending read, or until the supervisor has marked its replica failed (replacing it is the
         supervisor's) or `ranks_gone` says why the ranks read from are lost, and record `weights/read_s` (the slowest
         read) and `weights/read_bytes` (one replica's); whether every read ended (a hung one may still be reading: the
-        ranks must not write over what it reads). Reads of lost ranks stay pending: the relaunch abandons them."""
-        reads, unended = [], []
+        ranks must not write over what it reads; one that gave up, `Unread`, counts as not ended). Reads of lost ranks
+        stay pending: the relaunch abandons them."""
+        reads: list[Fetched] = []
+        unended, gave_up = [], False
         for replica, publication, fetch in self.pending:
             try:
-                reads.append(waits.wait(fetch, gone=lambda replica=replica: ranks_gone() or (
-                    f"generator replica {replica.index} failed" if replica.failed else None)))
+                read = waits.wait(fetch, gone=lambda replica=replica: ranks_gone() or (
+                    f"generator replica {replica.index} failed" if replica.failed else None))
             except CallFailed:
                 unended.append((replica, publication, fetch))
-        ended = not unended
+                continue
+            if isinstance(read, Unread):
+                gave_up = True
+            else:
+                reads.append(read)
+        ended = not unended and not gave_up
         self.pending = unended if ranks_gone() is not None else []
         if reads:
             recorder.log_many({"weights/read_s": max(r.seconds for r in reads), "weights/read_bytes": reads[0].nbytes},
@@ -217,21 +224,21 @@ class TrainerHandle:
         """Wait for `replica`'s inbox to read `publication` from the ranks, when it still does: a request naming it
         waits for that read anyway, and a rank that dies meanwhile leaves it waiting for weights that never come.
         TrainerLost then, noticed at once, not a generator hung at `failover.call_timeout_s`; and TrainerLost (hung)
-        when the read gave up (`failover.weight_read_s`, within the call timeout): ranks that are stopped, or dead on
-        a host still up, do not serve it. A read that fails or hangs otherwise (its replica's proc) is the request's to
-        report."""
+        when the inbox answers that the read gave up (`Unread`, after `failover.weight_read_s`, within the call
+        timeout): ranks that are stopped, or dead on a host still up, do not serve it. A read that fails or hangs
+        otherwise (its replica's proc) is the request's to report."""
         fetch = self.fetches.reading(replica, publication)
         if fetch is None:
             return
         try:
-            self.waits.wait(fetch, gone=lambda: self._read_lost(replica))
-        except CallFailed as failed:
-            if (failure := self.failure()) is not None:
-                raise TrainerLost(failure) from None
-            if UNREAD in str(failed) and not replica.failed:
-                raise TrainerLost(CallFailed(f"the trainer ranks did not serve generator replica {replica.index}'s "
-                                             f"read of weight publication {publication}: {failed.reason}",
-                                             hung=True)) from None
+            read = self.waits.wait(fetch, gone=lambda: self._read_lost(replica))
+        except CallFailed:
+            read = None  # the replica's own failure, unless the trainer's explains it
+        if (failure := self.failure()) is not None and not isinstance(read, Fetched):
+            raise TrainerLost(failure)
+        if isinstance(read, Unread) and not replica.failed:
+            raise TrainerLost(CallFailed(f"the trainer ranks did not serve generator replica {replica.index}'s read of "
+                                         f"weight publication {publication}: {read.why}", hung=True))
 
     def _read_lost(self, replica: Replica) -> str | None:
         """Why `replica`'s read of the ranks' weights will not end, or None."""
