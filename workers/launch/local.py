@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,14 +54,29 @@ def engine_allowed_paths(*, run: Run, run_folder: str) -> list[str]:
     return allowed(artifact_paths=(run.artifact_paths or {}).values(), run_folder=run_folder)
 
 
+def _write_replacing(path: Path, text: str) -> None:
+    """`path` holds `text`, in a new file of this worker's that only it may read (0600): written whole beside it, then
+    renamed over it. A file there before (an earlier attempt's, perhaps another account's, perhaps readable by all)
+    is replaced, never rewritten in place; a write that fails leaves it as it was."""
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # O_CREAT|O_EXCL, mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
 def write_run_files(*, run: Run, folder: Path) -> Path:
-    """The engine's config.yaml (resuming from the run's checkpoints in `folder`) and a fresh run token (readable by its
-    owner only) in `folder`; the token's path."""
+    """The engine's config.yaml (resuming from the run's checkpoints in `folder`) and a fresh run token in `folder`,
+    each a new file readable by its owner only; the token's path."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.yaml").write_text(engine_config_yaml(run, run_folder=folder), encoding="utf-8")
+    _write_replacing(folder / "config.yaml", engine_config_yaml(run, run_folder=folder))
     token_file = folder / "run_token"
-    token_file.touch(mode=0o600)
-    token_file.write_text(run_token_issue(run=run))
+    _write_replacing(token_file, run_token_issue(run=run))
     return token_file
 
 
