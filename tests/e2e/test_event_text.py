@@ -159,7 +159,8 @@ def _facts(kind: str, p: dict) -> list[str]:
             return [f"telemetry dropped: 1 metric point of batch {p['seq']} ({p['reasons'][0][:60]}",
                     f"; {p['total']} item dropped so far"]
         case "restarted":
-            return [f"restart {p['restart']} of {p['of']}", p["after"]]
+            previous = f"after stopping {p['stopped']}" if "stopped" in p else f"without stopping {p['not_stopped']}"
+            return [f"attempt {p['attempt']} queued (restart {p['restart']} of {p['of']}) {previous}"]
         case "state_changed":
             return [f"{p['from'] or '—'} → {p['to']}", *([p["reason"]] if p.get("reason") else [])]
         case "command_issued":
@@ -203,6 +204,16 @@ def test_a_lost_runs_timeline_reads_in_words(page, server, team, asks, tmp_path,
         assert not text.startswith(("{", "[")) and not NOT_WORDS.search(text), (event, text)
         for fact in _facts(event["kind"], event["payload"]):
             assert fact in text, (fact, text)
+    # A restart reads once: the state change to queued says why, the restarted event after it only what is new.
+    restarts = [e for e in events if e["kind"] == EventKind.RESTARTED]
+    [stopped_here, host_down] = [e["payload"] for e in restarts]
+    assert stopped_here["attempt"] == 2 and re.fullmatch(rf"its engine \(pid \d+ on {re.escape(socket.gethostname())}\)",
+                                                          stopped_here["stopped"]), stopped_here
+    assert host_down["attempt"] == 3 and host_down["not_stopped"] == "its engine (pid 4242 on gpu-node-7)", host_down
+    for restart in restarts:
+        why, said = shown[restart["seq"] - 1], shown[restart["seq"]]
+        assert why.startswith("lost → queued: restart ") and "no heartbeat for" in why, why
+        assert "no heartbeat" not in said and "lost" not in said, said
     page.locator("#timeline").evaluate("list => { list.style.maxHeight = 'none'; }")  # the whole list in the picture
     page.locator("#timeline").scroll_into_view_if_needed()
     screenshot(page, "run_page_timeline_lost_run_in_words")
@@ -412,3 +423,19 @@ def test_a_kubernetes_submission_says_where_the_runs_checkpoints_are(page):
         "from step 0 (set FORGEBOARD_K8S_RUN_VOLUME_CLAIM)")
     assert page.evaluate(describe, ["message", {"name": "job_submitted", "backend": "slurm", "job_id": "18004"}]) == \
         "submitted as slurm job 18004"
+
+
+def test_a_restart_says_the_attempt_it_queues_and_what_it_stopped_not_why(page):
+    """runs/reconcile.py: the reason a run restarts is its state change's (lost → queued), said once; a restart from
+    before that (its payload has the reason as `after`) reads as its count only."""
+    _described(page)
+    describe = "([kind, payload]) => FBEventText.describe({kind, payload})"
+    stopped = {"restart": 1, "of": 2, "attempt": 2, "stopped": "SLURM job 18004"}
+    assert page.evaluate(describe, ["restarted", stopped]) == "attempt 2 queued (restart 1 of 2) after stopping SLURM job 18004"
+    host_down = {"restart": 2, "of": 2, "attempt": 3, "not_stopped": "its engine (pid 4242 on gpu-node-7)"}
+    assert page.evaluate(describe, ["restarted", host_down]) == \
+        "attempt 3 queued (restart 2 of 2) without stopping its engine (pid 4242 on gpu-node-7)"
+    nothing_left = {"restart": 1, "of": 3, "attempt": 2}
+    assert page.evaluate(describe, ["restarted", nothing_left]) == "attempt 2 queued (restart 1 of 3)"
+    older = {"restart": 1, "of": 2, "after": "no heartbeat for 75 s (timeout 60 s)"}
+    assert page.evaluate(describe, ["restarted", older]) == "restart 1 of 2"

@@ -110,8 +110,14 @@ window.FBEventText = (function () {
         `${number(p.seconds) !== null ? ` in ${seconds(number(p.seconds))}` : ""}` +
         (moved.length ? `: ${moved.join(", ")}` : "");
     },
-    restarted: (p) => `restart ${value(p.restart ?? p.count)}${optional(p.of, (n) => ` of ${n}`)}` +
-      `${optional(p.from_checkpoint, (c) => " from " + c)}${optional(p.after, (why) => ` after it was lost: ${why}`)}`,
+    // The reconciler's: why is the state change's just before it ("lost → queued: restart 1 of 2: no heartbeat …").
+    restarted: (p) => {
+      const restart = `restart ${value(p.restart ?? p.count)}${optional(p.of, (n) => ` of ${n}`)}`;
+      return (given(p.attempt) ? `attempt ${value(p.attempt)} queued (${restart})` : restart) +
+        optional(p.from_checkpoint, (c) => " from " + c) +
+        (given(p.stopped) ? ` after stopping ${text(p.stopped)}` : "") +
+        (given(p.not_stopped) ? ` without stopping ${text(p.not_stopped)}` : "");
+    },
     command_issued: (p) => `command ${value(p.command)}: ${value(p.kind)}${optional(p.by, (by) => ` from ${by}`)}`,
     command_acknowledged: (p) => `command ${value(p.command)} taken by the run's controller`,
     command_finished: (p) => {

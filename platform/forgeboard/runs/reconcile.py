@@ -144,11 +144,15 @@ def _cancels_end(*, now: datetime, silent: Q, heartbeat_timeout_s: int, launch_t
 
 def previous_attempt(run: Run) -> str:
     """What the run's previous attempt may have left running, in words ("" when nothing): its job, or its engine."""
-    if run.backend == LaunchBackend.SLURM:
-        return f"SLURM job {run.job_id}" if run.job_id else ""
-    if run.backend == LaunchBackend.KUBERNETES:
-        return f"Kubernetes Job {run.job_id}" if run.job_id else ""
-    return f"its engine (pid {run.pid} on {run.host})" if run.pid is not None else ""
+    return _attempt(backend=run.backend, job_id=run.job_id, pid=run.pid, host=run.host)
+
+
+def _attempt(*, backend: str, job_id: str, pid: int | None, host: str) -> str:
+    if backend == LaunchBackend.SLURM:
+        return f"SLURM job {job_id}" if job_id else ""
+    if backend == LaunchBackend.KUBERNETES:
+        return f"Kubernetes Job {job_id}" if job_id else ""
+    return f"its engine (pid {pid} on {host})" if pid is not None else ""
 
 
 def left_running(run: Run) -> str:
@@ -173,10 +177,15 @@ def _ask_stop(run: Run) -> None:
             queue=queue, expires=STOP_ASK_EXPIRES_S)
 
 
-def _restart_or_fail(*, run: Run, now: datetime, stop_timeout_s: int) -> str:
+def _restart_or_fail(*, run: Run, now: datetime, stop_timeout_s: int, stopped: str = "") -> str:
     """Requeue a lost run (it resumes from its newest checkpoint) while restarts remain, once its previous attempt is
-    stopped; else fail it. "restarted", "stopping" (asked to stop its previous attempt), "failed" or "moved"."""
+    stopped (`stopped`: the one a worker has just confirmed, in words); else fail it. "restarted", "stopping" (asked to
+    stop its previous attempt), "failed" or "moved".
+
+    Its timeline says why once, on the state change to queued (the restart's count and the reason it was lost); the
+    restarted event says what is new: the attempt now queued, and what of the previous one was stopped or not."""
     left = previous_attempt(run)
+    not_stopped = ""
     # A run that fails with something left asks it to stop now, and every pass after (`_follow_leftover`).
     leftover = {"leftover_stop_since": now} if left else {}
     try:
@@ -196,7 +205,7 @@ def _restart_or_fail(*, run: Run, now: datetime, stop_timeout_s: int) -> str:
                 problem=f"{run.host} is down: its engine cannot be reached to stop it, so the run restarts without "
                         f"that, on another host; if {run.host} comes back with it running, stop its process group "
                         f"{run.pid} there")
-            left = ""
+            left, not_stopped = "", left
         if left:
             waited = (now - run.state_changed_at).total_seconds()
             if waited >= stop_timeout_s:
@@ -216,9 +225,10 @@ def _restart_or_fail(*, run: Run, now: datetime, stop_timeout_s: int) -> str:
                            # The lost controller's last heartbeat is not the new one's: kept, it would have the
                            # restarted run lost again as soon as it is running, before its engine could report.
                            restart_count=F("restart_count") + 1, pid=None, job_id="", last_heartbeat_at=None)
+            previous = {"stopped": stopped} if stopped else {"not_stopped": not_stopped} if not_stopped else {}
             event_append(run=run, kind=EventKind.RESTARTED,
                          payload={"restart": run.restart_count + 1, "of": run.max_restarts,
-                                  "after": run.exit_reason})
+                                  "attempt": run.restart_count + 2} | previous)
             transaction.on_commit(lambda: run_enqueue_launch(run.pk))
         return "restarted"
     except IllegalTransition:
@@ -279,7 +289,8 @@ def lost_attempt_stopped(*, run_id: int, job_id: str, pid: int | None, done: str
     logger.info("run %s: %s", run_id, done, extra={"run_id": run_id})
     if not cleared:
         return False
-    return _restart_or_fail(run=run, now=timezone.now(), stop_timeout_s=STOP_TIMEOUT_S) == "restarted"
+    stopped = _attempt(backend=run.backend, job_id=job_id, pid=pid, host=run.host)
+    return _restart_or_fail(run=run, now=timezone.now(), stop_timeout_s=STOP_TIMEOUT_S, stopped=stopped) == "restarted"
 
 
 def lost_attempt_finished(*, run_id: int, job_id: str, pid: int | None, to_state: RunState, how: str) -> bool:
