@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from dataclasses import asdict
 
 from celery import shared_task
 from celery.signals import celeryd_after_setup, worker_ready
@@ -154,13 +155,9 @@ def reconcile_runs() -> dict:
     from forgeboard.runs.reconcile import runs_reconcile
 
     now = timezone.now()
-    report = runs_reconcile(now=now)
-    if report.lost or report.restarted or report.failed or report.stopping:
-        logger.info("reconcile: lost %s, restarted %s, failed %s, stopping the previous attempt of %s",
-                    report.lost, report.restarted, report.failed, report.stopping)
+    report = runs_reconcile(now=now)  # which logs what it did
     exports = checkpoint_exports_reconcile(now=now)
-    return {"lost": report.lost, "restarted": report.restarted, "failed": report.failed, "stopping": report.stopping,
-            "exports_requeued": exports.requeued, "exports_failed": exports.failed}
+    return asdict(report) | {"exports_requeued": exports.requeued, "exports_failed": exports.failed}
 
 
 @shared_task(name=RUNS_POLL_JOBS)

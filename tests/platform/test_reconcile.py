@@ -3,6 +3,8 @@ being cancelled ends cancelled."""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import fields
 from datetime import timedelta
 
 import pytest
@@ -142,6 +144,35 @@ def test_a_silent_cancelling_run_ends_cancelled_with_the_reason_and_is_not_resta
         "cancel": (CommandState.EXPIRED, "the run was cancelled before its controller took this command"),
     }
     assert runs_reconcile(now=timezone.now(), heartbeat_timeout_s=60) == ReconcileReport()
+
+
+def test_the_reconcile_task_logs_and_returns_every_field_of_the_report_that_holds_runs(
+        team, launch, sent, caplog, django_capture_on_commit_callbacks):
+    """A pass that only ends a cancel (a field the task's summary once left out) says so; a pass with nothing to do
+    says nothing."""
+    from workers.tasks import reconcile_runs
+
+    run = launch(state=RunState.RUNNING, heartbeat_age_s=120, max_restarts=2)
+    run_cancel(actor=team.member, run=Run.objects.get(pk=run.pk))
+    _cancelled_ago(run, 90)
+    caplog.set_level(logging.INFO)
+    with django_capture_on_commit_callbacks(execute=True):
+        result = reconcile_runs()
+    assert result["cancelled"] == [run.pk] and result["lost"] == result["leftover_unconfirmed"] == []
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("reconcile: ")]
+    assert said == [f"reconcile: cancelled [{run.pk}]"], said
+
+    caplog.clear()
+    reconcile_runs()
+    assert not [r for r in caplog.records if r.getMessage().startswith("reconcile: ")]
+
+
+def test_a_reports_summary_names_each_of_its_fields_that_holds_runs():
+    names = [f.name for f in fields(ReconcileReport)]
+    full = ReconcileReport(**{name: [index, index + 100] for index, name in enumerate(names, start=1)})
+    assert full.summary() == ", ".join(f"{name} [{index}, {index + 100}]" for index, name in enumerate(names, start=1))
+    assert ReconcileReport(leftover_stopping=[7]).summary() == "leftover_stopping [7]"
+    assert ReconcileReport().summary() == ""
 
 
 @pytest.mark.parametrize(("heartbeat_age_s", "cancelled_ago_s"), [(120, 30), (5, 600)],

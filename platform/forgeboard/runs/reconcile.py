@@ -34,7 +34,7 @@ all (`lost_attempt_finished`: failed -> succeeded, the one move out of an end st
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timedelta
 
 from django.db import transaction
@@ -72,6 +72,10 @@ class ReconcileReport:
     leftover_stopping: list[int] = field(default_factory=list)  # failed runs whose last attempt is asked to stop again
     leftover_unconfirmed: list[int] = field(default_factory=list)  # ... and those given up on (said on the timeline)
 
+    def summary(self) -> str:
+        """Every field that holds runs, by name, with their ids ("" when none does): a field added is said too."""
+        return ", ".join(f"{f.name} {getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name))
+
 
 def runs_reconcile(
     *, now: datetime, heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S, launch_timeout_s: int = LAUNCH_TIMEOUT_S,
@@ -108,6 +112,8 @@ def runs_reconcile(
         outcome = _restart_or_fail(run=run, now=now, stop_timeout_s=stop_timeout_s)
         if outcome in outcomes:
             outcomes[outcome].append(run.pk)
+    if summary := report.summary():
+        logger.info("reconcile: %s", summary)
     return report
 
 
