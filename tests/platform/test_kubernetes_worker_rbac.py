@@ -177,7 +177,7 @@ def test_the_workers_role_grants_exactly_what_the_launch_backend_calls(team, wor
     assert granted - set(called) == set(), "granted by the Role, called by nothing"
 
 
-def test_the_worker_runs_as_the_account_the_role_is_bound_to_and_beat_and_web_do_not():
+def test_the_worker_runs_as_the_account_the_role_is_bound_to_and_beat_and_web_have_no_token():
     rbac = _manifests("worker-rbac.yaml")
     account = rbac["ServiceAccount"]["metadata"]
     binding = rbac["RoleBinding"]
@@ -192,4 +192,8 @@ def test_the_worker_runs_as_the_account_the_role_is_bound_to_and_beat_and_web_do
 
     assert pod_spec("worker.yaml")["serviceAccountName"] == account["name"] == "forgeboard-worker"
     assert "serviceAccountName" not in pod_spec("beat.yaml") and "serviceAccountName" not in pod_spec("web.yaml")
+    # Neither calls the API (only the worker's launch backend does): neither mounts the default account's token.
+    assert pod_spec("beat.yaml")["automountServiceAccountToken"] is False
+    assert pod_spec("web.yaml")["automountServiceAccountToken"] is False
+    assert "automountServiceAccountToken" not in pod_spec("worker.yaml"), "the worker needs its token"
     assert "worker-rbac.yaml" in yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())["resources"]
