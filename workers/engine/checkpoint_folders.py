@@ -70,6 +70,15 @@ def with_resume_point(config: RunConfig) -> RunConfig:
     return config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"resume_from": str(latest)})})
 
 
+def resume_field(config: RunConfig) -> str:
+    """The field that named the checkpoint a `with_resume_point` config starts from, which its refusal names:
+    checkpoint.folder when checkpoint.resume_latest chose its newest checkpoint, else checkpoint.resume_from."""
+    chosen = config.checkpoint.resume_from
+    if config.checkpoint.resume_latest and chosen and Path(chosen).parent == Path(config.checkpoint.folder):
+        return "checkpoint.folder"
+    return "checkpoint.resume_from"
+
+
 def write_checkpoint_info(folder: Path, *, recipe: str, step: int) -> None:
     (folder / INFO_FILE).write_text(json.dumps({"recipe": str(recipe), "step": step}))
 
@@ -121,8 +130,9 @@ def progress_recipe(progress: Mapping[str, Any]) -> str | None:
     return "sft" if "data" in progress else None
 
 
-def check_resume_recipe(path: str | Path, *, recipe: str, progress: Mapping[str, Any] | None = None) -> None:
-    """ConfigError on checkpoint.resume_from unless the checkpoint at `path` says (its INFO_FILE) that this recipe
+def check_resume_recipe(path: str | Path, *, recipe: str, progress: Mapping[str, Any] | None = None,
+                        field: str = "checkpoint.resume_from") -> None:
+    """ConfigError on `field` (the one that named it: `resume_field`) unless the checkpoint at `path` says (its INFO_FILE) that this recipe
     wrote it: a resume continues the run that wrote it (its optimizer, schedule, data position and, for GRPO, its
     generations and replay buffer). Starting a run of one recipe from the other's weights is an export, then
     model.path. `progress`: what the checkpoint loaded with, which must be that recipe's too (an INFO_FILE written by
@@ -131,7 +141,7 @@ def check_resume_recipe(path: str | Path, *, recipe: str, progress: Mapping[str,
     try:
         wrote = checkpoint_recipe(folder)
     except UnreadableInfo as exc:
-        raise ConfigError([FieldError("checkpoint.resume_from", f"{exc}: {_remedy(folder, recipe=recipe)}")]) from None
+        raise ConfigError([FieldError(field, f"{exc}: {_remedy(folder, recipe=recipe)}")]) from None
     holds = progress_recipe(progress) if progress is not None else None
     if wrote != recipe:
         problem = f"{folder} holds {A_RUN[wrote]}'s checkpoint"
@@ -139,7 +149,7 @@ def check_resume_recipe(path: str | Path, *, recipe: str, progress: Mapping[str,
         problem = f"{folder / INFO_FILE} says {A_RUN[wrote]} wrote it, but it holds {A_RUN[holds]}'s progress"
     else:
         return
-    raise ConfigError([FieldError("checkpoint.resume_from", (
+    raise ConfigError([FieldError(field, (
         f"{problem}, and {A_RUN[str(recipe)]} resumes only its own recipe's; to start it from these weights, "
         f"{_export(folder)}"))])
 

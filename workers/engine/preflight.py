@@ -226,9 +226,9 @@ def _resume_errors(config: RunConfig) -> list[FieldError]:
     latest = latest_checkpoint(config)
     if latest is not None:
         try:
-            check_resume_recipe(latest, recipe=config.recipe)
+            check_resume_recipe(latest, recipe=config.recipe, field="checkpoint.folder")
         except ConfigError as exc:
-            return [FieldError("checkpoint.folder", error.message) for error in exc.errors]
+            return exc.errors
         return []
     path = config.checkpoint.resume_from
     if not path:

@@ -11,7 +11,8 @@ from typing import Any
 
 from workers.engine.actors.fleet import CallFailed, Failover, ProcFailure
 from workers.engine.actors.hosts import HostsUnreachable
-from workers.engine.checkpoint_folders import check_resume_recipe
+from workers.engine.checkpoint import check_plain_data
+from workers.engine.checkpoint_folders import check_resume_recipe, resume_field
 from workers.engine.config import RunConfig
 from workers.engine.controller.control_procs import ControlLost, ControlProcs
 from workers.engine.controller.generation import GenerationPipeline
@@ -41,13 +42,15 @@ class TrainerRecovery:
         recipe's (and may be on a disk only the trainer's hosts see); `checkpoint.resume_from` may be the other
         recipe's, a ConfigError: told by its checkpoint.json before the ranks load it (one without a usable
         checkpoint.json is refused there too), and by its progress before that is read (a checkpoint.json written by
-        hand may name the wrong recipe)."""
-        resuming = path == self.config.checkpoint.resume_from
-        if resuming:
-            check_resume_recipe(path, recipe=self.config.recipe)
+        hand may name the wrong recipe). Its trainer.pt must be plain data too (`check_plain_data`): a refusal in
+        the ranks would be an actor's failure, not the field's. Each names the field that named it."""
+        if path != self.config.checkpoint.resume_from:
+            return self.trainer.load(path)
+        field = resume_field(self.config)
+        check_resume_recipe(path, recipe=self.config.recipe, field=field)
+        check_plain_data(path, field=field)
         progress = self.trainer.load(path)
-        if resuming:
-            check_resume_recipe(path, recipe=self.config.recipe, progress=progress)
+        check_resume_recipe(path, recipe=self.config.recipe, progress=progress, field=field)
         return progress
 
     def resume(self, path: str) -> None:

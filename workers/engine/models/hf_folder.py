@@ -93,9 +93,10 @@ def save_pretrained(model: Decoder, hf_config: dict[str, Any], tokenizer_folder:
 
 
 def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write the checkpoint's model as an HF folder that a new run can start from."""
+    """Write the checkpoint's model as an HF folder that a new run can start from (a trainer.pt that is not plain data
+    is a ConfigError on `checkpoint`, and loads nothing)."""
     checkpoint = resolve_checkpoint(checkpoint)
     hf_config = read_hf_config(checkpoint)
     model = build_decoder(hf_config)
-    load_checkpoint(checkpoint, model=model, restore_rng=False)
+    load_checkpoint(checkpoint, model=model, restore_rng=False, field="checkpoint")
     return save_pretrained(model, hf_config, checkpoint, out)

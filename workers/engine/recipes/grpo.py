@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from workers.engine.batching import collate_record
 from workers.engine.behaviour_weights import BehaviourWeights
 from workers.engine.checkpoint import load_checkpoint, save_checkpoint
-from workers.engine.checkpoint_folders import with_resume_point
+from workers.engine.checkpoint_folders import resume_field, with_resume_point
 from workers.engine.config import RunConfig
 from workers.engine.grpo_math import (group_prompts, kl_reward_advantages, policy_update, prepare_old_logprobs,
                                       sequence_logprobs)
@@ -110,7 +110,7 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
     staleness: Counter[int] = Counter()
     if cfg.checkpoint.resume_from:
         progress = load_checkpoint(cfg.checkpoint.resume_from, model=model, optimizer=optimizer, scheduler=scheduler,
-                                   recipe=cfg.recipe)
+                                   recipe=cfg.recipe, field=resume_field(cfg))
         start_step, policy_version, generations = progress["step"], progress["policy_version"], progress["generations"]
         stream.load_state_dict(progress["data"])
         buffer.load_state_dict(progress["buffer"])

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from workers.engine.checkpoint import load_checkpoint, save_checkpoint
-from workers.engine.checkpoint_folders import with_resume_point
+from workers.engine.checkpoint_folders import resume_field, with_resume_point
 from workers.engine.config import RunConfig
 from workers.engine.metrics import Recorder
 from workers.engine.models.hf_folder import load_pretrained
@@ -60,7 +60,7 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
     start_step = 0
     if cfg.checkpoint.resume_from:
         progress = load_checkpoint(cfg.checkpoint.resume_from, model=model, optimizer=optimizer, scheduler=scheduler,
-                                   recipe=cfg.recipe)
+                                   recipe=cfg.recipe, field=resume_field(cfg))
         start_step = progress["step"]
         stream.load_state_dict(progress["data"])
         recorder.event("resumed", step=start_step, path=cfg.checkpoint.resume_from)
