@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.engine.conftest import ARITHMETIC
 from workers.engine.checkpoint import list_checkpoints, resolve_checkpoint, save_checkpoint
+from workers.engine.checkpoint_folders import with_resume_point
 from workers.engine.config import ConfigError
 from workers.engine.metrics import MemorySink, Recorder
 from workers.engine.models.hf_folder import export_hf, load_pretrained
@@ -320,3 +321,44 @@ def test_resume_latest_refuses_the_other_recipes_checkpoint_in_its_folder(tiny_t
         train_grpo(config, Recorder())
     assert preflight_errors(config.model_copy(update={"checkpoint": config.checkpoint.model_copy(
         update={"resume_latest": False})})) == [], "without the switch the folder is only written to"
+
+
+def _cut_short(folder: Path, step: int) -> Path:
+    """What a save that a kill stopped mid-way leaves: a temp folder with a half-written trainer.pt."""
+    tmp = folder / f".tmp_step_{step:06d}"
+    tmp.mkdir(parents=True)
+    (tmp / "trainer.pt").write_bytes(b"half")
+    return tmp
+
+
+def test_a_save_removes_this_runs_unfinished_saves_and_leaves_later_ones(tmp_path: Path) -> None:
+    # they stayed until their own step was saved again: a run killed mid-save and resumed from an earlier
+    # checkpoint kept one for good when its next saves fell on other steps
+    folder = tmp_path / "checkpoints"
+    for step in (1, 3, 4, 9):
+        _cut_short(folder, step)
+    assert list_checkpoints(folder) == []
+    with pytest.raises(FileNotFoundError):
+        resolve_checkpoint(folder)
+
+    _save(folder, 2, keep_last=5)
+    assert sorted(p.name for p in folder.iterdir()) == [".tmp_step_000003", ".tmp_step_000004", ".tmp_step_000009",
+                                                        "step_000002"]
+    _save(folder, 4, keep_last=5)  # its own temp folder, and the one of step 3 a kill left
+    assert sorted(p.name for p in folder.iterdir()) == [".tmp_step_000009", "step_000002", "step_000004"], \
+        "step 9's may be another run's save, being written now"
+    assert list_checkpoints(folder) == [folder / "step_000002", folder / "step_000004"]
+
+
+def test_an_unfinished_save_is_never_resumed(tiny_qwen3: Path, make_config, tmp_path: Path) -> None:
+    # named as checkpoint.resume_from it was a step folder like any other, and torch.load met its half a file
+    folder = tmp_path / "checkpoints"
+    tmp = _cut_short(folder, 3)
+    (tmp / "checkpoint.json").write_text(json.dumps({"recipe": "sft", "step": 3}))
+    with pytest.raises(FileNotFoundError):
+        resolve_checkpoint(tmp)
+    named = make_config("sft", tiny_qwen3, *ARITHMETIC, f"checkpoint.resume_from={tmp}")
+    assert {e.field: e.message for e in preflight_errors(named)} == {
+        "checkpoint.resume_from": f"{tmp} holds no checkpoint (a step_N folder, or a folder of them)"}
+    latest = make_config("sft", tiny_qwen3, *ARITHMETIC, f"checkpoint.folder={folder}", "checkpoint.resume_latest=true")
+    assert preflight_errors(latest) == [] and with_resume_point(latest) == latest, "a folder without one: step 0"

@@ -25,7 +25,8 @@ from torch import nn
 from torch.serialization import get_unsafe_globals_in_checkpoint
 
 from workers.engine.checkpoint_folders import (
-    STATE_FILE, check_resume_recipe, checkpoint_step, list_checkpoints, resolve_checkpoint, write_checkpoint_info,
+    STATE_FILE, check_resume_recipe, checkpoint_step, leftover_saves, list_checkpoints, resolve_checkpoint,
+    temp_folder, write_checkpoint_info,
 )
 from workers.engine.fields import ConfigError, FieldError
 from workers.engine.sharding import load_full_state
@@ -58,14 +59,15 @@ def save_checkpoint(
 
     This run's checkpoints are the ones at or before `step`: a folder can also hold later steps of an
     older run (a rerun, or a resume into the same folder), and those are neither counted nor deleted.
-    So the one just written is always the newest kept and the returned path always exists.
+    So the one just written is always the newest kept and the returned path always exists. The temp
+    folders of this run's saves that a kill cut short (steps up to `step`) go too.
     The states are full (unsharded): `sharding.full_model_state` / `full_optimizer_state`. A state
     that is not plain data is a TypeError here, not a checkpoint that no run can resume.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"step_{step:06d}"
-    tmp = folder / f".tmp_step_{step:06d}"
+    tmp = temp_folder(folder, step)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -94,6 +96,8 @@ def save_checkpoint(
     this_run = [path for path in list_checkpoints(folder) if checkpoint_step(path) <= step]
     for old in this_run[:-keep_last]:
         shutil.rmtree(old)
+    for leftover in leftover_saves(folder, up_to=step):
+        shutil.rmtree(leftover, ignore_errors=True)  # a save of another run's may be removing it too
     return final
 
 

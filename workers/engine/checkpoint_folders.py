@@ -24,6 +24,7 @@ INFO_MAX_BYTES = 4096  # what this engine writes there is a few dozen bytes
 GRPO_PROGRESS_KEYS = ("generations", "buffer", "staleness")
 A_RUN = {"grpo": "a GRPO run", "sft": "an SFT run"}  # each recipe's run, in a sentence
 _STEP_FOLDER = re.compile(r"step_([0-9]+)")
+_TEMP_FOLDER = re.compile(r"\.tmp_step_([0-9]+)")  # a save under way, or one a kill cut short: never a checkpoint
 
 
 def checkpoint_step(path: Path) -> int:
@@ -39,9 +40,24 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
+def temp_folder(folder: Path, step: int) -> Path:
+    """Where a save of `step` is written before it is renamed to its step_* folder."""
+    return folder / f".tmp_step_{step:06d}"
+
+
+def leftover_saves(folder: Path, *, up_to: int) -> list[Path]:
+    """The temp folders of saves of steps up to `up_to` that never finished (a later step's may be another run's,
+    being written now)."""
+    return [path for path in folder.glob(".tmp_step_*")
+            if (match := _TEMP_FOLDER.fullmatch(path.name)) and int(match.group(1)) <= up_to]
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A step_* folder as given, or the newest one inside a checkpoints folder."""
+    """A step_* folder as given, or the newest one inside a checkpoints folder (an unfinished save's temp folder is
+    neither)."""
     path = Path(path)
+    if _TEMP_FOLDER.fullmatch(path.name):
+        raise FileNotFoundError(f"{path} is a save that never finished, not a checkpoint")
     if (path / STATE_FILE).is_file():
         return path
     found = list_checkpoints(path)
