@@ -115,8 +115,8 @@ def load_checkpoint(
 
     `recipe`: the resuming run's; a checkpoint its checkpoint.json does not say this recipe wrote is a ConfigError,
     before anything is loaded (and one whose progress is the other recipe's, before a state is). A trainer.pt that
-    is not plain data is a ConfigError before anything in it is built (`check_plain_data`). Either names `field`:
-    the one that named the checkpoint (`checkpoint_folders.resume_field`)."""
+    is not plain data is a ConfigError before anything in it is built (weights_only refuses it as it meets it).
+    Either names `field`: the one that named the checkpoint (`checkpoint_folders.resume_field`)."""
     folder = resolve_checkpoint(path)
     if recipe is not None:
         check_resume_recipe(folder, recipe=recipe, field=field)
