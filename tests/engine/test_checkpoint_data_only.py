@@ -21,6 +21,7 @@ from workers.engine.checkpoint_folders import with_resume_point
 from workers.engine.config import ConfigError
 from workers.engine.controller.recovery import TrainerRecovery
 from workers.engine.metrics import Recorder
+from workers.engine.cli import main as cli_main
 from workers.engine.models.hf_folder import export_hf
 from workers.engine.preflight import preflight_errors
 from workers.engine.recipes.grpo import train_grpo
@@ -63,7 +64,7 @@ def _refusal(folder: Path) -> str:
 
 @pytest.mark.parametrize("writer", WRITERS)
 def test_a_trainer_pt_that_would_run_code_is_refused_naming_its_field_and_runs_nothing(
-        tiny_qwen3: Path, make_config, tmp_path: Path, writer: str) -> None:
+        tiny_qwen3: Path, make_config, tmp_path: Path, writer: str, capsys: pytest.CaptureFixture[str]) -> None:
     # it loaded with weights_only=False: the pickle ran open(marker) in the engine (and anything else it liked)
     marker = tmp_path / "ran"
     step = _hostile_checkpoint(tmp_path / "theirs" / "step_000001", marker, writer)
@@ -92,6 +93,11 @@ def test_a_trainer_pt_that_would_run_code_is_refused_naming_its_field_and_runs_n
     [error] = refused.value.errors
     assert error.field == "checkpoint" and error.message.startswith(_refusal(step))
     assert not marker.exists() and not (tmp_path / "exported" / "model.safetensors").exists()
+    # the platform's export runs the command line and shows the last lines it printed: the reason, not a traceback
+    assert cli_main(["export", "--checkpoint", str(step), "--out", str(tmp_path / "exported")]) == 2
+    printed = capsys.readouterr().err
+    assert "Traceback" not in printed and f"checkpoint: {_refusal(step)}" in printed.splitlines()[-1]
+    assert not marker.exists()
 
 
 def test_the_refusal_names_what_it_would_have_built(tiny_qwen3: Path, make_config, tmp_path: Path) -> None:

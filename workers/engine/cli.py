@@ -150,7 +150,11 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from workers.engine.models.hf_folder import export_hf
 
-    print(export_hf(args.checkpoint, args.out))
+    try:
+        print(export_hf(args.checkpoint, args.out))
+    except ConfigError as exc:  # a checkpoint it refuses: the reason, not a traceback (the platform shows the tail)
+        _print_config_error(exc)
+        return EXIT_CONFIG_ERROR
     return 0
 
 
