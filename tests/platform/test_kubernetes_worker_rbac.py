@@ -177,7 +177,7 @@ def test_the_workers_role_grants_exactly_what_the_launch_backend_calls(team, wor
     assert granted - set(called) == set(), "granted by the Role, called by nothing"
 
 
-def test_the_worker_runs_as_the_account_the_role_is_bound_to_and_beat_and_web_have_no_token():
+def test_the_worker_runs_as_the_account_the_role_is_bound_to_and_no_other_pod_has_a_token():
     rbac = _manifests("worker-rbac.yaml")
     account = rbac["ServiceAccount"]["metadata"]
     binding = rbac["RoleBinding"]
@@ -188,7 +188,8 @@ def test_the_worker_runs_as_the_account_the_role_is_bound_to_and_beat_and_web_ha
     assert account["namespace"] == rbac["Role"]["metadata"]["namespace"] == binding["metadata"]["namespace"]
 
     def pod_spec(name: str) -> dict:
-        return _manifests(name)["Deployment"]["spec"]["template"]["spec"]
+        manifests = _manifests(name)
+        return (manifests.get("Deployment") or manifests["StatefulSet"])["spec"]["template"]["spec"]
 
     assert pod_spec("worker.yaml")["serviceAccountName"] == account["name"] == "forgeboard-worker"
     assert "serviceAccountName" not in pod_spec("beat.yaml") and "serviceAccountName" not in pod_spec("web.yaml")
@@ -196,4 +197,6 @@ def test_the_worker_runs_as_the_account_the_role_is_bound_to_and_beat_and_web_ha
     assert pod_spec("beat.yaml")["automountServiceAccountToken"] is False
     assert pod_spec("web.yaml")["automountServiceAccountToken"] is False
     assert "automountServiceAccountToken" not in pod_spec("worker.yaml"), "the worker needs its token"
+    assert pod_spec("postgres.yaml")["automountServiceAccountToken"] is False  # nor do the databases
+    assert pod_spec("redis.yaml")["automountServiceAccountToken"] is False
     assert "worker-rbac.yaml" in yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())["resources"]
