@@ -94,3 +94,21 @@ def test_a_sink_raising_an_os_error_drops_its_records_alone_and_is_logged_once(c
     recorder.close()
     assert len(memory.records) == 5 and recorder.dropped == {"BrokenPipeSink": 5}
     assert len(caplog.records) == 1 and "BrokenPipeSink cannot be written" in caplog.records[0].getMessage()
+
+
+class FullDiskOnCloseSink(ListSink):
+    """A file sink whose last flush, on close, finds the disk full."""
+
+    def close(self) -> None:
+        raise OSError(28, "No space left on device")
+
+
+def test_a_sink_whose_close_raises_an_os_error_is_logged_by_name_and_the_other_sinks_still_close(caplog):
+    before, after = ListSink(), ListSink()
+    recorder = Recorder([before, FullDiskOnCloseSink(), after])
+    recorder.log("loss", 1.0, step=1)
+    with caplog.at_level(logging.WARNING, logger="workers.engine.metrics"):
+        recorder.close()  # nothing raises
+    assert before.closed and after.closed
+    [logged] = caplog.records
+    assert "FullDiskOnCloseSink" in logged.getMessage() and "No space left on device" in logged.getMessage()
