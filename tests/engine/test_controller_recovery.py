@@ -341,6 +341,7 @@ class Rollouts:
     prompt_texts = ["p1", "p2", "p3"]
     response_texts = ["r1", "r2", "r3"]
     rewards = [1.0, 0.0, 0.5]
+    advantages = [0.8, -0.8, 0.0]
     policy_version = 2
 
     def __len__(self) -> int:
@@ -368,7 +369,8 @@ def test_every_recipe_ends_a_step_the_same_way():
     assert (end.first_eval, end.last_eval, end.saved) == (0, 5, Path("ckpt/5"))
     rollouts = [{k: v for k, v in r.items() if k not in ("seq", "time")} for r in sink.records if r["kind"] == "rollout"]
     assert len(rollouts) == 10 and rollouts[0] == {"kind": "rollout", "step": 1, "prompt": "p1", "completion": "r1",
-                                                    "reward": 1.0, "policy_version": 2, "split": "train"}
+                                                    "reward": 1.0, "advantage": 0.8, "policy_version": 2,
+                                                    "split": "train"}
     stopping = StepEnd(config=config, recorder=Recorder([]), evaluate=lambda step: None,
                        checkpoint=lambda step: Path("x"), control=Control(stop_at=2))
     stopping.before_first(3)  # a resumed run: no eval before its first step
