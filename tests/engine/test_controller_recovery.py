@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from tests.engine.fake_fleet import Done, FakeHosts, Fleet, controller_parts, fake_group, grpo_config
+from tests.engine.fake_fleet import (Done, FakeActor, FakeHosts, FakeProcs, Fleet, controller_parts, fake_group,
+                                     grpo_config, staged_part)
 from workers.engine.actors.fleet import CallFailed, ProcFailure
 from workers.engine.actors.weight_inbox import UNREAD, Unread
 from workers.engine.controller.control_procs import ControlLost
@@ -305,6 +306,124 @@ def test_a_trainer_lost_while_a_dead_generators_replacement_is_published_drops_t
         "replica 1 is not blamed"
     assert not replicas[1].failed and replicas[1].outstanding == 0
     assert fleet.groups["generator"].service.in_flight == [0, 0], "each attempt done once"
+
+
+class _TrainerProcs(FakeProcs):
+    """A relaunched trainer mesh's procs: torch elastic's set-up actor, then the trainer's ranks (`ranks`)."""
+
+    _labels = ("procs",)
+
+    def __init__(self, host: str, ranks: FakeActor):
+        super().__init__(host)
+        self.ranks = ranks
+
+    def spawn(self, name: str, actor_class: type, *args: Any) -> FakeActor:
+        if name == "trainer":
+            return self.ranks
+        return FakeActor(0, get_host_port=("a.cluster", 29500), setup_env=None)
+
+
+def _relaunches(fleet: Fleet, *healthy: bool) -> list[FakeActor]:
+    """Each relaunch of the trainer spawns a mesh whose ranks load the checkpoint as SAVED and stage weights, or, for
+    a False in `healthy` (the next of them each time), fail as they stage them; the meshes spawned, in order."""
+    meshes: list[FakeActor] = []
+
+    def spawn_across(*, hosts: list[str], **_: Any) -> _TrainerProcs:
+        ranks = FakeActor(0, name="trainer", setup={0: {"n_params": 1, "master_addr": hosts[0]}},
+                          pids={0: 100 + len(meshes)}, load=lambda path: {0: dict(SAVED)}, stage_weights=staged_part,
+                          shutdown=None)
+        if not healthy[len(meshes)]:
+            ranks.stage_weights.call = lambda every_read_ended: Done(error=RuntimeError(UNREACHABLE))
+        meshes.append(ranks)
+        return _TrainerProcs(hosts[0], ranks)
+
+    fleet.hosts.spawn_across = spawn_across
+    return meshes
+
+
+UNREACHABLE = "rank 0 of the new trainer mesh is unreachable"
+
+
+def _retried_during_the_restore(recovery_failures: int) -> tuple[Fleet, Recovery, PendingGeneration]:
+    """A generation in flight at step 6 whose request's replica (0) dies: the restore's drop of it retries the request
+    on replica 1 and replaces replica 0 meanwhile, with the weights of the trainer's new mesh, which fails as they are
+    staged."""
+    fleet, recovery = _recovery(replicas_host="b", generators=2, failover="{call_timeout_s: 5, poll_seconds: 0.05}",
+                                trainer=f"{{recover_failures: {recovery_failures}}}")
+    fleet.waits.ticks = [fleet.supervisor.tick]
+    state, replicas = fleet.state, fleet.groups["generator"].replicas
+    state.step, state.policy_version, state.generations, state.last_checkpoint = 6, 6, 7, "ckpt/step_000004"
+    state.generator_version = 6
+    died = RuntimeError("actor mesh generator-0 failed: the process exited")
+    replicas[0].actor.generate.call_one = lambda *args: Done(error=died)
+    replicas[0].actor.pid.call_one = lambda *args: Done(error=died)
+    request = fleet.router.send(fleet.groups["generator"], lambda actor: actor.generate.call_one(), key="k0")
+    assert request.replica is replicas[0]
+    generation = PendingGeneration([], [[1]] * 4, [ReplicaRequest(request, 0)], {"position": 48}, 6, [(0, 1)])
+    state.pending.append(generation)
+    fleet.hosts.fail("a")  # the trainer's host: its mesh goes to the next host
+    fleet.supervisor.scan()
+    return fleet, recovery, generation
+
+
+def test_a_trainer_that_fails_again_while_its_restore_drops_the_generations_in_flight_is_recovered_once_more():
+    """The restore after a trainer failure drops the generations in flight; a request retried there has its dead
+    replica replaced with the weights of the trainer's new mesh, which fails as it stages them. That TrainerLost is one
+    more trainer failure, recovered the same way (a third mesh, the same checkpoint), not a raw TrainerLost out of the
+    step loop's handler that ended the run with recoveries left. Every failure gets its `recovered`; the steps lost
+    count once."""
+    fleet, recovery, generation = _retried_during_the_restore(recovery_failures=2)
+    meshes = _relaunches(fleet, False, True)
+    recovery.recover_trainer(CallFailed("host a of the trainer was lost", hung=False))
+    state, replicas = fleet.state, fleet.groups["generator"].replicas
+    assert len(meshes) == 2 and fleet.trainer.actors is meshes[1] and fleet.trainer.pids == [101]
+    assert not meshes[1].stage_weights.calls, "replica 0's replacement is left to the next sync"
+    assert (state.totals.trainer_recoveries, state.totals.steps_lost) == (2, 2)
+    assert (state.step, state.policy_version, state.generator_version) == (4, 4, -1)
+    assert not state.pending and state.totals.samples_dropped == 4, "the interrupted generation is dropped too"
+    assert [r.outstanding for r in replicas] == [0, 0] and fleet.groups["generator"].service.in_flight[1] == 0, \
+        "the retry still out when the new mesh failed is received at the next restore"
+    detected = [(e["role"], e["reason"]) for e in fleet.events("failure_detected") if e["role"] == "trainer"]
+    assert detected == [("trainer", "host a of the trainer was lost"),
+                        ("trainer", f"RuntimeError: {UNREACHABLE}")]
+    recovered = [(e["role"], e["action"], e["steps_lost"]) for e in fleet.events("recovered") if e["role"] == "trainer"]
+    assert recovered == [("trainer", "restored_checkpoint", 2), ("trainer", "restored_checkpoint", 0)]
+    [replaced] = [e for e in fleet.events("replica_replaced") if e["role"] == "trainer"]
+    assert replaced["pids"] == [101] and replaced["path"] == "ckpt/step_000004"
+
+
+def test_a_trainer_that_fails_again_during_its_restore_with_no_recovery_left_ends_the_run_as_a_trainer_failure():
+    fleet, recovery, _ = _retried_during_the_restore(recovery_failures=1)
+    meshes = _relaunches(fleet, False, True)
+    with pytest.raises(ProcFailure, match=r"trainer failed at step 5 \(1 recoveries allowed, trainer.recover_failures\): "
+                                          r"RuntimeError: rank 0 of the new trainer mesh is unreachable"):
+        recovery.recover_trainer(CallFailed("host a of the trainer was lost", hung=False))
+    assert len(meshes) == 1 and fleet.state.totals.trainer_recoveries == 2
+
+
+def test_a_trainer_that_fails_while_a_lost_control_procs_restore_drops_the_generations_in_flight_is_recovered():
+    """The control proc's host is lost; its restore drops the generations in flight, one of which waits for a
+    generator's read of the trainer's weights when the trainer's host is lost too. Before, that TrainerLost came out of
+    the step loop's ControlLost handler and ended the run; now the trainer is recovered (the same checkpoint) and the
+    control proc's recovery is recorded as well."""
+    fleet, recovery = _recovery(replicas_host="b", failover="{call_timeout_s: 5, poll_seconds: 0.05}",
+                                trainer="{recover_failures: 1}")
+    generation, calls, told = _waiting_for_weights(fleet, recovery, _WaitsForWeights)
+    state = fleet.state
+    state.pending.append(generation)
+    state.step, state.policy_version, state.generations, state.last_checkpoint = 6, 6, 7, "ckpt/step_000004"
+    meshes = _relaunches(fleet, True)
+    fleet.hosts.fail("c")  # the control proc's
+    fleet.supervisor.scan()
+    fleet.control.replace = lambda real=fleet.control.replace: fleet.hosts.fail("a") or real()  # then the trainer's
+    recovery.recover_control(ControlLost("host c of the dataset and replay buffer was lost"))
+    assert fleet.control.host == "b" and len(meshes) == 1 and fleet.trainer.actors is meshes[0]
+    assert told == [1], "the trainer's relaunch told the inbox its read will not end"
+    assert (state.step, state.totals.steps_lost, state.totals.trainer_recoveries, state.totals.control_recoveries) == \
+        (4, 2, 1, 1)
+    assert not state.pending and state.totals.samples_dropped == 8
+    assert [e["role"] for e in fleet.events("failure_detected")] == ["replay_buffer", "trainer"]
+    assert [(e["role"], e["steps_lost"]) for e in fleet.events("recovered")] == [("replay_buffer", 2), ("trainer", 0)]
 
 
 def test_the_inner_waits_for_weights_end_before_the_call_timeout_that_blames():

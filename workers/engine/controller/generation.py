@@ -163,10 +163,14 @@ class GenerationPipeline:
         return Batch(concat_records(chunks), tokens, max(seconds_per_replica.values())), results
 
     def drain(self, *, dropped: bool) -> None:
-        """Finish the generations in flight and throw them away (`dropped`: count their samples as dropped)."""
+        """Finish the generations in flight and throw them away (`dropped`: count their samples as dropped). TrainerLost
+        (the trainer failed as a request, or a retry of it, waited for its weights): the generation, with the requests
+        not finished yet, stays in flight for the restore that follows."""
         while self.state.pending:
-            generation = self.state.pending.popleft()
-            for request in generation.calls:
-                self.generators.discard(request)
+            generation = self.state.pending[0]
+            while generation.calls:
+                self.generators.discard(generation.calls[0])  # a retry still out when it raised is discarded next time
+                generation.calls = generation.calls[1:]
+            self.state.pending.popleft()
             if dropped:
                 self.state.totals.samples_dropped += len(generation.prompts)

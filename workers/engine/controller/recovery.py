@@ -16,10 +16,10 @@ from workers.engine.checkpoint_folders import check_resume_recipe, resume_field
 from workers.engine.config import RunConfig
 from workers.engine.controller.control_procs import ControlLost, ControlProcs
 from workers.engine.controller.generation import GenerationPipeline
-from workers.engine.controller.incidents import RecoveryLog
+from workers.engine.controller.incidents import Noticed, RecoveryLog
 from workers.engine.controller.state import RunState
 from workers.engine.controller.supervision import Supervisor
-from workers.engine.controller.trainer import TrainerHandle
+from workers.engine.controller.trainer import TrainerHandle, TrainerLost
 from workers.engine.metrics import Recorder
 from workers.engine.tasks.stream import ProblemStream
 
@@ -60,7 +60,36 @@ class TrainerRecovery:
         self.recorder.event("resumed", step=self.state.step, path=path, policy_version=self.state.policy_version)
 
     def recover_trainer(self, failure: CallFailed) -> None:
-        """The trainer mesh lost a proc (or hangs): respawn it and go back to the last checkpoint."""
+        """The trainer mesh lost a proc (or hangs): respawn it and go back to the last checkpoint. The new mesh may fail
+        before the restore is done (the generations in flight are dropped: a request retried there has its failed
+        replica replaced with the new mesh's weights): one more failure, recovered the same way, within the same
+        `trainer.recover_failures`. Each failure gets its `recovered` once the run is whole; the steps lost are the
+        first's."""
+        state, trainer, placer = self.state, self.trainer, self.trainer.placer
+        lost_from, failures = state.step, []
+        while True:
+            failures.append(self.relaunch_trainer(failure))
+            try:
+                self.restore(state.last_checkpoint)
+                break
+            except TrainerLost as lost:
+                failure = lost.failure
+        state.totals.steps_lost += lost_from - state.step
+        self.recorder.event("replica_replaced", step=state.step, role="trainer", replica=None,
+                            ranks=self.config.trainer.ranks, host=placer.trainer_hosts[0],
+                            hosts=list(placer.trainer_hosts), pids=list(trainer.pids), path=state.last_checkpoint,
+                            policy_version=state.policy_version,
+                            seconds=round(time.monotonic() - failures[0].detected_at, 3))
+        for noticed in failures:
+            if noticed.time_to_detect_s is not None:
+                self.failover.detect_seconds.append(noticed.time_to_detect_s)
+            steps_lost = lost_from - state.step if noticed is failures[0] else 0
+            self.log.recovered("trainer", noticed, at_step=state.step, action="restored_checkpoint",
+                               path=state.last_checkpoint, steps_lost=steps_lost)
+
+    def relaunch_trainer(self, failure: CallFailed) -> Noticed:
+        """A new trainer mesh in place of the failed one (ProcFailure when `trainer.recover_failures` are spent); the
+        failure, as noticed."""
         state, trainer, placer = self.state, self.trainer, self.trainer.placer
         noticed = trainer.detect(failure)
         state.totals.trainer_recoveries += 1
@@ -72,7 +101,6 @@ class TrainerRecovery:
             trainer.kill_procs()
         self.supervisor.settle(placer.trainer_hosts[0])
         trainer.stop()
-        lost_from = state.step
         while True:
             try:
                 trainer.launch()
@@ -81,17 +109,7 @@ class TrainerRecovery:
                 self.supervisor.check_hosts(now=True)
         trainer.await_started()
         trainer.noticed = None  # settle() may find the old host lost: that is this failure; the next one is new
-        self.restore(state.last_checkpoint)
-        state.totals.steps_lost += lost_from - state.step
-        self.recorder.event("replica_replaced", step=state.step, role="trainer", replica=None,
-                            ranks=self.config.trainer.ranks, host=placer.trainer_hosts[0],
-                            hosts=list(placer.trainer_hosts), pids=list(trainer.pids), path=state.last_checkpoint,
-                            policy_version=state.policy_version,
-                            seconds=round(time.monotonic() - noticed.detected_at, 3))
-        if noticed.time_to_detect_s is not None:
-            self.failover.detect_seconds.append(noticed.time_to_detect_s)
-        self.log.recovered("trainer", noticed, at_step=state.step, action="restored_checkpoint",
-                           path=state.last_checkpoint, steps_lost=lost_from - state.step)
+        return noticed
 
     def move_trainer(self, path: str) -> None:
         """The operator drained a host of the trainer's: respawn the mesh on undrained hosts and load the checkpoint
@@ -143,11 +161,11 @@ class Recovery(TrainerRecovery):
         state.resume(progress)
         control.call(control.dataset.load_state_dict.call_one(progress["data"]))
         control.call(control.buffer.load_state_dict.call_one(progress["buffer"]))
-        self.pipeline.drain(dropped=True)  # launched from later states
-        state.generator_version = -1  # the generators hold newer weights: sync before generating
-        if control_failure is not None:
+        if control_failure is not None:  # whole again, whatever befalls the trainer next
             self.log.recovered("replay_buffer", control_failure, at_step=state.step, action="restored_checkpoint",
                                path=path, steps_lost=lost_from - state.step)
+        self.pipeline.drain(dropped=True)  # launched from later states (TrainerLost: the trainer failed meanwhile)
+        state.generator_version = -1  # the generators hold newer weights: sync before generating
 
     def recover_control(self, lost: ControlLost) -> None:
         """The dataset and replay buffer are gone: back to the last checkpoint with a new control proc."""
@@ -157,7 +175,10 @@ class Recovery(TrainerRecovery):
         if self.state.last_checkpoint is None:
             raise ProcFailure(f"{lost}; no checkpoint to restore them from yet (checkpoint.every_steps)") from None
         lost_from = self.state.step
-        self.restore(self.state.last_checkpoint)
+        try:
+            self.restore(self.state.last_checkpoint)
+        except TrainerLost as trainer_lost:  # while the generations in flight were dropped: its recovery restores again
+            self.recover_trainer(trainer_lost.failure)
         self.state.totals.steps_lost += lost_from - self.state.step
 
 
