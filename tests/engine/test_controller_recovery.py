@@ -426,6 +426,36 @@ def test_a_trainer_that_fails_while_a_lost_control_procs_restore_drops_the_gener
     assert [(e["role"], e["steps_lost"]) for e in fleet.events("recovered")] == [("replay_buffer", 2), ("trainer", 0)]
 
 
+def test_a_trainer_lost_as_the_generations_launched_ahead_are_dropped_after_the_last_step_does_not_fail_the_run():
+    """The last step is trained and checkpointed; a generation launched ahead waits for a generator's read of the
+    trainer's weights when the trainer's host is lost. Nothing needs that generation: the run ends as trained, the
+    failure on its page, its ranks stopped (not shut down: they are gone). Before, the TrainerLost failed the run."""
+    from workers.engine.recipes.grpo_monarch import MonarchGrpoRun
+
+    fleet, recovery = _recovery(replicas_host="b", failover="{call_timeout_s: 5, poll_seconds: 0.05}",
+                                trainer="{steps: 6, recover_failures: 1}")
+    generation, _, told = _waiting_for_weights(fleet, recovery, _WaitsForWeights)
+    run = MonarchGrpoRun(fleet.config, fleet.recorder, hosts=fleet.hosts, plan=DrillPlan([]), control=None,
+                         fault_reports=[])
+    run.state, run.trainer, run.supervisor, run.injector = fleet.state, fleet.trainer, fleet.supervisor, fleet.injector
+    run.control_procs, run.pipeline, run.recovery = fleet.control, recovery.pipeline, recovery
+    run.step_end = StepEnd(config=fleet.config, recorder=fleet.recorder, evaluate=lambda step: None,
+                           checkpoint=recovery.checkpoint, control=None)
+    fleet.trainer.actors.shutdown = type(fleet.trainer.actors.pid)(None)
+    fleet.state.step, fleet.state.last_checkpoint = 6, "ckpt/step_000006"  # the last step, saved
+    fleet.state.pending.append(generation)
+    fleet.hosts.fail("a")
+    result = run.train()
+    assert result.step == 6 and fleet.state.totals.trainer_recoveries == 0
+    assert fleet.trainer.actors.shutdown.calls == [], "a lost mesh is stopped, not asked to shut down"
+    assert [(e["role"], e["reason"]) for e in fleet.events("failure_detected")] == \
+        [("trainer", "host a of the trainer was lost")]
+    [said] = [e["text"] for e in fleet.events("message") if "trainer" in e["text"]]
+    assert said == ("the trainer failed after the run's last step (6): host a of the trainer was lost; not recovered: "
+                    "the run is over and nothing needs the generations launched ahead")
+    assert fleet.events("staleness_histogram"), "the run's end is recorded as usual"
+
+
 def test_the_inner_waits_for_weights_end_before_the_call_timeout_that_blames():
     failover = grpo_config(failover="{call_timeout_s: 40}").failover
     assert failover.weight_read_s < failover.weight_wait_s < failover.call_timeout_s == 40

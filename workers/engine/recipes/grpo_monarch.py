@@ -267,13 +267,22 @@ class MonarchGrpoRun:
                 self.recovery.recover_trainer(lost.failure)
             except ControlLost as lost:
                 self.recovery.recover_control(lost)
-        self.pipeline.drain(dropped=False)  # launched ahead, not needed any more
+        trainer_lost = False
+        try:
+            self.pipeline.drain(dropped=False)  # launched ahead, not needed any more
+        except TrainerLost as lost:  # the run is over: nothing to recover for
+            trainer_lost = True
+            self.trainer.detect(lost.failure)
+            self.recorder.event("message", step=state.step, text=(
+                f"the trainer failed after the run's last step ({state.step}): {lost.failure.reason}; not recovered: "
+                "the run is over and nothing needs the generations launched ahead"))
         self.recorder.event("staleness_histogram", step=state.step,
                             counts={str(k): v for k, v in sorted(state.staleness.items())})
         self.injector.close(step=state.step)
         self.supervisor.scan()
         self.supervisor.check_control_procs()
-        self.trainer.shutdown()
+        if not trainer_lost:  # a lost mesh's procs are stopped (`stop`), not asked
+            self.trainer.shutdown()
         return GrpoResult(step=state.step, losses=losses, first_eval=self.step_end.first_eval,
                           eval=self.step_end.last_eval, checkpoint=self.step_end.saved, metrics=step_metrics,
                           seconds=time.perf_counter() - loop_start, trained_samples=trained_samples)
