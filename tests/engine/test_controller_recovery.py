@@ -309,33 +309,56 @@ def test_a_trainer_lost_while_a_dead_generators_replacement_is_published_drops_t
 
 
 class _TrainerProcs(FakeProcs):
-    """A relaunched trainer mesh's procs: torch elastic's set-up actor, then the trainer's ranks (`ranks`)."""
+    """A relaunched trainer mesh's procs: torch elastic's set-up actor (whose call fails with `elastic_fails`), then
+    the trainer's ranks (`ranks`)."""
 
     _labels = ("procs",)
 
-    def __init__(self, host: str, ranks: FakeActor):
+    def __init__(self, host: str, ranks: FakeActor, *, elastic_fails: bool = False):
         super().__init__(host)
-        self.ranks = ranks
+        self.ranks, self.elastic_fails = ranks, elastic_fails
 
     def spawn(self, name: str, actor_class: type, *args: Any) -> FakeActor:
         if name == "trainer":
             return self.ranks
-        return FakeActor(0, get_host_port=("a.cluster", 29500), setup_env=None)
+        setup_env = FakeActor(0, get_host_port=("a.cluster", 29500), setup_env=None)
+        if self.elastic_fails:
+            setup_env.setup_env.call = lambda *args: Done(error=RuntimeError(UNREACHABLE))
+        return setup_env
 
 
-def _relaunches(fleet: Fleet, *healthy: bool) -> list[FakeActor]:
-    """Each relaunch of the trainer spawns a mesh whose ranks load the checkpoint as SAVED and stage weights, or, for
-    a False in `healthy` (the next of them each time), fail as they stage them; the meshes spawned, in order."""
+class _NeverAnswers:
+    """A call to ranks that hang. Waited for without a deadline (`get()`), it fails the test instead of hanging it."""
+
+    def get(self, timeout: float | None = None) -> None:
+        assert timeout is not None, "waited for a hung trainer without a deadline"
+        time.sleep(timeout)
+        raise TimeoutError
+
+
+def _relaunches(fleet: Fleet, *fates: bool | str) -> list[FakeActor]:
+    """Each relaunch of the trainer spawns a mesh whose ranks load the checkpoint as SAVED and stage weights, or, by the
+    next of `fates` each time, fail: as they stage them (False), as torch elastic's environment is set ("elastic"), as
+    they start ("start") or load the checkpoint ("load"), or hang as they start ("hang"); the meshes spawned, in
+    order."""
     meshes: list[FakeActor] = []
 
     def spawn_across(*, hosts: list[str], **_: Any) -> _TrainerProcs:
         ranks = FakeActor(0, name="trainer", setup={0: {"n_params": 1, "master_addr": hosts[0]}},
                           pids={0: 100 + len(meshes)}, load=lambda path: {0: dict(SAVED)}, stage_weights=staged_part,
                           shutdown=None)
-        if not healthy[len(meshes)]:
-            ranks.stage_weights.call = lambda every_read_ended: Done(error=RuntimeError(UNREACHABLE))
+        fate = fates[len(meshes)]
+        failed = Done(error=RuntimeError(UNREACHABLE))
+        if fate is False:
+            ranks.stage_weights.call = lambda every_read_ended: failed
+        elif fate == "start":
+            ranks.setup.call = lambda master: failed
+        elif fate == "hang":
+            ranks.setup.call = lambda master: _NeverAnswers()
+        elif fate == "load":
+            ranks.load.call = lambda path: failed
         meshes.append(ranks)
-        return _TrainerProcs(hosts[0], ranks)
+        return _TrainerProcs(hosts[0], ranks, elastic_fails=fate == "elastic")
 
     fleet.hosts.spawn_across = spawn_across
     return meshes
@@ -399,6 +422,102 @@ def test_a_trainer_that_fails_again_during_its_restore_with_no_recovery_left_end
                                           r"RuntimeError: rank 0 of the new trainer mesh is unreachable"):
         recovery.recover_trainer(CallFailed("host a of the trainer was lost", hung=False))
     assert len(meshes) == 1 and fleet.state.totals.trainer_recoveries == 2
+
+
+@pytest.mark.parametrize(("fate", "reason"), [
+    ("elastic", f"the trainer did not start: RuntimeError: {UNREACHABLE}"),
+    ("start", f"the trainer did not start: RuntimeError: {UNREACHABLE}"),
+    ("hang", "the trainer did not start: no answer within 0.5 s"),
+    ("load", f"the trainer did not load checkpoint ckpt/step_000004: RuntimeError: {UNREACHABLE}")])
+def test_a_new_trainer_mesh_that_fails_as_it_starts_or_loads_the_checkpoint_is_one_more_failure(
+        fate: str, reason: str, monkeypatch: pytest.MonkeyPatch):
+    """The trainer's new mesh fails (or hangs) as torch elastic's environment is set, as its ranks start, or as they
+    load the checkpoint: one more trainer failure, recovered the same way (a third mesh, the same checkpoint), noticed
+    within failover.call_timeout_s. Before, the new mesh's raw Monarch error (or, hung, a wait without end) came out of
+    the recovery and ended the run with recoveries left."""
+    from workers.engine.controller import supervision
+
+    monkeypatch.setattr(supervision, "HOST_SETTLE_S", 0.0)  # the failed meshes' host is up: no port to see closed
+    fleet, recovery = _recovery(replicas_host="b", failover="{call_timeout_s: 0.5, poll_seconds: 0.05}",
+                                trainer="{recover_failures: 2}")
+    state = fleet.state
+    state.step, state.policy_version, state.generations, state.last_checkpoint = 6, 6, 7, "ckpt/step_000004"
+    meshes = _relaunches(fleet, fate, True)
+    started = time.monotonic()
+    recovery.recover_trainer(CallFailed("trainer process 7 exited", hung=False))
+    assert time.monotonic() - started < 3
+    assert len(meshes) == 2 and fleet.trainer.actors is meshes[1] and fleet.trainer.pids == [101]
+    assert meshes[1].load.calls == [("ckpt/step_000004",)]
+    assert (state.step, state.policy_version, state.generator_version) == (4, 4, -1)
+    assert (state.totals.trainer_recoveries, state.totals.steps_lost) == (2, 2)
+    detected = [(e["role"], e["reason"], e["hung"]) for e in fleet.events("failure_detected")]
+    assert detected == [("trainer", "trainer process 7 exited", False), ("trainer", reason, fate == "hang")]
+    assert [(e["role"], e["steps_lost"]) for e in fleet.events("recovered")] == [("trainer", 2), ("trainer", 0)]
+    assert all(7 not in pids for _, pids in fleet.hosts.killed), "a hung start kills no earlier mesh's procs"
+
+
+def test_a_new_trainer_mesh_that_fails_as_it_loads_with_no_recovery_left_ends_the_run_as_a_trainer_failure():
+    fleet, recovery = _recovery(failover="{call_timeout_s: 0.5, poll_seconds: 0.05}", trainer="{recover_failures: 1}")
+    fleet.state.step, fleet.state.last_checkpoint = 6, "ckpt/step_000004"
+    meshes = _relaunches(fleet, "load", True)
+    fleet.hosts.fail("a")
+    with pytest.raises(ProcFailure, match=r"trainer failed at step 7 \(1 recoveries allowed, trainer.recover_failures\): "
+                                          r"the trainer did not load checkpoint ckpt/step_000004: RuntimeError: "):
+        recovery.recover_trainer(CallFailed("host a of the trainer was lost", hung=False))
+    assert len(meshes) == 1 and fleet.state.totals.trainer_recoveries == 2
+
+
+@pytest.mark.parametrize("fate", ["elastic", "start", "hang"])
+def test_a_trainer_that_fails_or_hangs_as_the_run_starts_ends_the_run_saying_so(fate: str):
+    """At the run's start no recovery is possible: the trainer's failure ends the run with what failed (before: a raw
+    Monarch error, or a hung start waited for without end)."""
+    fleet, _ = _recovery(failover="{call_timeout_s: 0.5, poll_seconds: 0.05}")
+    _relaunches(fleet, fate)
+    trainer = fleet.trainer
+    with pytest.raises(TrainerLost, match=r"^the trainer did not start: (RuntimeError: rank 0|no answer within 0.5 s)"):
+        trainer.launch()
+        trainer.await_started()
+
+
+def test_a_trainer_that_fails_as_a_grpo_run_starts_ends_the_run_saying_so():
+    """GRPO's start polls the trainer's setup beside the other roles' (`await_started(wait_s=...)`)."""
+    fleet, _ = _recovery()
+    _relaunches(fleet, "start")
+    trainer = fleet.trainer
+    trainer.launch()
+    with pytest.raises(TrainerLost, match=f"^the trainer did not start: RuntimeError: {UNREACHABLE}"):
+        trainer.await_started(wait_s=0.01)
+
+
+def test_a_trainer_that_fails_as_it_loads_the_checkpoint_a_run_resumes_from_ends_the_run_saying_so():
+    fleet, _ = _recovery(failover="{call_timeout_s: 0.5, poll_seconds: 0.05}")
+    fleet.trainer.actors.load.call = lambda path: Done(error=RuntimeError(UNREACHABLE))
+    with pytest.raises(TrainerLost, match=f"^the trainer did not load checkpoint ckpt/step_000004: RuntimeError: "
+                                          f"{UNREACHABLE}"):
+        fleet.trainer.load("ckpt/step_000004")
+    fleet.trainer.actors.load.call = lambda path: _NeverAnswers()
+    with pytest.raises(TrainerLost, match="did not load checkpoint ckpt/step_000004: no answer within 0.5 s"):
+        fleet.trainer.load("ckpt/step_000004")
+
+
+def test_a_trainer_that_fails_as_it_shuts_down_after_the_last_step_does_not_fail_the_run():
+    """The run is over and its last checkpoint saved: the failure is recorded, not recovered (before: the raw Monarch
+    error failed the finished run, and hung ranks made it wait without end). Before a drain's move it is TrainerLost,
+    for the step loop to recover."""
+    fleet, _ = _recovery(failover="{call_timeout_s: 0.5, poll_seconds: 0.05}")
+    fleet.state.step = 6
+    trainer = fleet.trainer
+    trainer.actors.shutdown = type(trainer.actors.pid)(None)
+    trainer.actors.shutdown.call = lambda: Done(error=RuntimeError("rank 1 is unreachable"))
+    with pytest.raises(TrainerLost, match="rank 1 is unreachable"):
+        trainer.leave_group()
+    trainer.actors.shutdown.call = lambda: _NeverAnswers()
+    trainer.shutdown()
+    assert [(e["role"], e["reason"], e["hung"]) for e in fleet.events("failure_detected")] == \
+        [("trainer", "no answer within 0.5 s", True)]
+    [said] = [e["text"] for e in fleet.events("message")]
+    assert said == ("the trainer failed as it shut down after the run's last step (6): no answer within 0.5 s; not "
+                    "recovered: the run is over")
 
 
 def test_a_trainer_that_fails_while_a_lost_control_procs_restore_drops_the_generations_in_flight_is_recovered():

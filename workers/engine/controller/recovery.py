@@ -61,19 +61,16 @@ class TrainerRecovery:
 
     def recover_trainer(self, failure: CallFailed) -> None:
         """The trainer mesh lost a proc (or hangs): respawn it and go back to the last checkpoint. The new mesh may fail
-        before the restore is done (the generations in flight are dropped: a request retried there has its failed
-        replica replaced with the new mesh's weights): one more failure, recovered the same way, within the same
-        `trainer.recover_failures`. Each failure gets its `recovered` once the run is whole; the steps lost are the
-        first's."""
+        before the restore is done (as it starts, as it loads the checkpoint, or as the generations in flight are
+        dropped: a request retried there has its failed replica replaced with the new mesh's weights): one more
+        failure, recovered the same way, within the same `trainer.recover_failures`. Each failure gets its `recovered`
+        once the run is whole; the steps lost are the first's."""
         state, trainer, placer = self.state, self.trainer, self.trainer.placer
         lost_from, failures = state.step, []
-        while True:
-            failures.append(self.relaunch_trainer(failure))
-            try:
-                self.restore(state.last_checkpoint)
-                break
-            except TrainerLost as lost:
-                failure = lost.failure
+        new_failure: CallFailed | None = failure
+        while new_failure is not None:
+            failures.append(self.stop_trainer(new_failure))
+            new_failure = self.start_and_restore()
         state.totals.steps_lost += lost_from - state.step
         self.recorder.event("replica_replaced", step=state.step, role="trainer", replica=None,
                             ranks=self.config.trainer.ranks, host=placer.trainer_hosts[0],
@@ -87,8 +84,8 @@ class TrainerRecovery:
             self.log.recovered("trainer", noticed, at_step=state.step, action="restored_checkpoint",
                                path=state.last_checkpoint, steps_lost=steps_lost)
 
-    def relaunch_trainer(self, failure: CallFailed) -> Noticed:
-        """A new trainer mesh in place of the failed one (ProcFailure when `trainer.recover_failures` are spent); the
+    def stop_trainer(self, failure: CallFailed) -> Noticed:
+        """Stop the failed trainer mesh for a new one (ProcFailure when `trainer.recover_failures` are spent); the
         failure, as noticed."""
         state, trainer, placer = self.state, self.trainer, self.trainer.placer
         noticed = trainer.detect(failure)
@@ -101,22 +98,31 @@ class TrainerRecovery:
             trainer.kill_procs()
         self.supervisor.settle(placer.trainer_hosts[0])
         trainer.stop()
-        while True:
-            try:
-                trainer.launch()
-                break
-            except HostsUnreachable:  # it died meanwhile: the probe finds it lost now, and the trainer goes elsewhere
-                self.supervisor.check_hosts(now=True)
-        trainer.await_started()
         trainer.noticed = None  # settle() may find the old host lost: that is this failure; the next one is new
         return noticed
 
+    def start_and_restore(self) -> CallFailed | None:
+        """A new trainer mesh, started and back at the last checkpoint with the rest of the run; its failure
+        meanwhile (TrainerLost), or None."""
+        try:
+            while True:
+                try:
+                    self.trainer.launch()
+                    break
+                except HostsUnreachable:  # it died meanwhile: the probe finds it lost now, and the trainer goes elsewhere
+                    self.supervisor.check_hosts(now=True)
+            self.trainer.await_started()
+            self.restore(self.state.last_checkpoint)
+        except TrainerLost as lost:
+            return lost.failure
+        return None
+
     def move_trainer(self, path: str) -> None:
         """The operator drained a host of the trainer's: respawn the mesh on undrained hosts and load the checkpoint
-        just saved, so no step is lost."""
+        just saved, so no step is lost. A mesh that fails meanwhile is TrainerLost: the step loop recovers it."""
         started, trainer, placer, state = time.monotonic(), self.trainer, self.trainer.placer, self.state
         drained, before = state.trainer_drain, list(placer.trainer_hosts)
-        trainer.shutdown()
+        trainer.leave_group()
         trainer.stop()
         trainer.launch()
         trainer.await_started()
@@ -177,7 +183,7 @@ class Recovery(TrainerRecovery):
         lost_from = self.state.step
         try:
             self.restore(self.state.last_checkpoint)
-        except TrainerLost as trainer_lost:  # while the generations in flight were dropped: its recovery restores again
+        except TrainerLost as trainer_lost:  # as it loaded or the generations were dropped: its recovery restores again
             self.recover_trainer(trainer_lost.failure)
         self.state.totals.steps_lost += lost_from - self.state.step
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from monarch.spmd import setup_torch_elastic_env
 
-from workers.engine.actors.fleet import CallFailed, MeshStops, Replica, answered, exited, spawned_name, stop_quietly
+from workers.engine.actors.fleet import (CallFailed, MeshStops, Replica, answered, call_failed, exited, spawned_name,
+                                         stop_quietly)
 from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.trainer_rank import TrainerRankActor
 from workers.engine.actors.weight_inbox import Fetched, Unread
@@ -109,7 +110,8 @@ class TrainerHandle:
     # --- start ------------------------------------------------------------------------
     def launch(self) -> None:
         """Spawn the procs on the first of the trainer's hosts still there; the model loads while the caller goes on.
-        HostsUnreachable when a host died meanwhile. Reads of an earlier mesh's publication are abandoned."""
+        HostsUnreachable when a host died meanwhile; TrainerLost when a new proc fails as torch elastic's environment is
+        set (`await_started`). Reads of an earlier mesh's publication are abandoned."""
         placer, cfg = self.placer, self.config
         self.fetches.abandon(waits=self.waits)
         placer.trainer_hosts = placer.place_trainer()
@@ -118,7 +120,11 @@ class TrainerHandle:
                                         threads=cfg.trainer.threads_per_process,
                                         gpus_per_proc=cfg.placement.trainer.gpus_per_proc, owner="trainer")
         self.procs = procs
-        setup_torch_elastic_env(procs)
+        self.pids = []  # this mesh's once it has started: a hung start's procs are stopped, never an earlier mesh's killed
+        try:
+            setup_torch_elastic_env(procs)
+        except Exception as error:  # noqa: BLE001 - a supervision error, a proc's: the new mesh failed
+            raise TrainerLost(_not_started(call_failed(error))) from None
         self.actors = procs.spawn("trainer", self.actor, cfg)
         self.reported, self._spawned_name, self.running = None, None, True
         # Over several hosts, rank 0's host by the address its worker has (a pod IP, a node name).
@@ -126,12 +132,21 @@ class TrainerHandle:
         self._setup = self.actors.setup.call(master)
 
     def await_started(self, *, wait_s: float | None = None) -> bool:
-        """Wait (up to `wait_s`; None: until it ends) for every rank's setup; whether it has ended."""
-        if wait_s is not None and not answered(self._setup, wait_s):
-            return False
-        rank0 = list(self._setup.get().values())[0]
+        """Wait (up to `wait_s`; None: up to `failover.call_timeout_s`) for every rank's setup; whether it has ended.
+        TrainerLost when a rank fails or hangs as it starts, or its host is lost: in a recovery one more failure, at the
+        run's start the run's end."""
+        try:
+            if wait_s is not None and not answered(self._setup, wait_s):
+                return False
+            setup = self.waits.wait(self._setup, gone=self.gone)
+            pids = self.waits.wait(self.actors.pids.call(), gone=self.gone)
+        except CallFailed as failure:
+            raise TrainerLost(_not_started(failure)) from None
+        except Exception as error:  # noqa: BLE001 - answered() raises what the setup raised
+            raise TrainerLost(_not_started(call_failed(error))) from None
+        rank0 = list(setup.values())[0]
         self.n_params, self.master_addr = rank0["n_params"], rank0["master_addr"]
-        self.pids = list(self.actors.pids.call().get().values())
+        self.pids = list(pids.values())
         return True
 
     def rank(self, rank: int) -> Any:
@@ -305,8 +320,29 @@ class TrainerHandle:
         return Path(self.from_rank0("save", step, progress))
 
     def load(self, path: str) -> dict[str, Any]:
-        """Every rank back to a checkpoint; the progress saved with it."""
-        return list(self.actors.load.call(path).get().values())[0]
+        """Every rank back to a checkpoint; the progress saved with it. TrainerLost when a rank fails or hangs meanwhile
+        (within `failover.call_timeout_s`)."""
+        try:
+            return list(self.waits.wait(self.actors.load.call(path), gone=self.gone).values())[0]
+        except CallFailed as failure:
+            raise TrainerLost(CallFailed(f"the trainer did not load checkpoint {path}: {failure}",
+                                         hung=failure.hung)) from None
+
+    def leave_group(self) -> None:
+        """Every rank leaves its process group (before the mesh is stopped); TrainerLost when one fails or hangs."""
+        self.result(self.actors.shutdown.call())
 
     def shutdown(self) -> None:
-        self.actors.shutdown.call().get()
+        """The run is over: the ranks leave their process group. One that fails or hangs meanwhile is recorded (the
+        failure, and a message on the run page), not recovered: the last checkpoint is saved and the mesh is stopped."""
+        try:
+            self.leave_group()
+        except TrainerLost as lost:
+            self.detect(lost.failure)
+            self.recorder.event("message", step=self.state.step, text=(
+                f"the trainer failed as it shut down after the run's last step ({self.state.step}): "
+                f"{lost.failure.reason}; not recovered: the run is over"))
+
+
+def _not_started(failure: CallFailed) -> CallFailed:
+    return CallFailed(f"the trainer did not start: {failure}", hung=failure.hung)
