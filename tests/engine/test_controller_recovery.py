@@ -520,6 +520,56 @@ def test_a_trainer_that_fails_as_it_shuts_down_after_the_last_step_does_not_fail
                     "recovered: the run is over")
 
 
+def test_a_control_proc_lost_during_a_trainer_recoverys_restore_is_replaced_and_the_recovery_goes_on():
+    """The trainer's new mesh has loaded the checkpoint when the control proc dies as the dataset loads its part.
+    Before, that ControlLost came out of the step loop's TrainerLost handler and ended the run; now the restore
+    replaces the control proc (within failover.max_replacements) and the trainer's recovery ends as usual. The steps
+    were lost to the trainer's failure: the control proc's loses none more."""
+    fleet, recovery = _recovery(replicas_host="b", failover="{call_timeout_s: 5, poll_seconds: 0.05}",
+                                trainer="{recover_failures: 1}")
+    state, control = fleet.state, fleet.control
+    state.step, state.policy_version, state.generations, state.last_checkpoint = 6, 6, 7, "ckpt/step_000004"
+    meshes = _relaunches(fleet, True)
+    first = control.dataset
+    first.load_state_dict.call_one = lambda data: Done(error=RuntimeError("actor mesh dataset failed: it exited"))
+    fleet.hosts.fail("a")
+    fleet.supervisor.scan()
+    recovery.recover_trainer(CallFailed("host a of the trainer was lost", hung=False))
+    assert fleet.trainer.actors is meshes[0] and meshes[0].load.calls == [("ckpt/step_000004",)]
+    assert control.dataset is not first and control.dataset.load_state_dict.calls == [({"position": 40},)]
+    assert control.buffer.load_state_dict.calls == [({"records": []},)]
+    assert (state.step, state.totals.trainer_recoveries, state.totals.control_recoveries, state.totals.steps_lost) == \
+        (4, 1, 1, 2)
+    assert [(e["role"], e["reason"]) for e in fleet.events("failure_detected")] == \
+        [("trainer", "host a of the trainer was lost"),
+         ("replay_buffer", "RuntimeError: actor mesh dataset failed: it exited")]
+    assert [(e["role"], e["steps_lost"]) for e in fleet.events("recovered")] == [("replay_buffer", 0), ("trainer", 2)]
+
+
+def test_a_control_proc_that_fails_again_as_its_restore_loads_it_is_replaced_once_more():
+    """The control proc's host is lost; its replacement dies as the replay buffer loads its part: replaced once more
+    (failover.max_replacements), not a ControlLost out of the step loop's handler. Each failure is recovered; the
+    steps lost count once."""
+    fleet, recovery = _recovery()
+    state, control = fleet.state, fleet.control
+    state.step, state.policy_version, state.generations, state.last_checkpoint = 6, 6, 7, "ckpt/step_000004"
+    fleet.hosts.fail("c")
+    fleet.supervisor.scan()
+
+    def replace(real=control.replace) -> Any:
+        noticed = real()
+        if state.totals.control_recoveries == 1:
+            control.buffer.load_state_dict.call_one = lambda records: Done(error=RuntimeError("replay buffer died"))
+        return noticed
+
+    control.replace = replace
+    recovery.recover_control(ControlLost("host c of the dataset and replay buffer was lost"))
+    assert control.host == "b" and control.buffer.load_state_dict.calls == [({"records": []},)]
+    assert (state.step, state.totals.control_recoveries, state.totals.steps_lost) == (4, 2, 2)
+    assert [e["role"] for e in fleet.events("failure_detected")] == ["replay_buffer", "replay_buffer"]
+    assert [(e["role"], e["steps_lost"]) for e in fleet.events("recovered")] == [("replay_buffer", 2), ("replay_buffer", 0)]
+
+
 def test_a_trainer_that_fails_while_a_lost_control_procs_restore_drops_the_generations_in_flight_is_recovered():
     """The control proc's host is lost; its restore drops the generations in flight, one of which waits for a
     generator's read of the trainer's weights when the trainer's host is lost too. Before, that TrainerLost came out of

@@ -159,17 +159,26 @@ class Recovery(TrainerRecovery):
         return path
 
     def restore(self, path: str | None) -> None:
-        """Put every stateful actor back to a checkpoint (or to the run's start); a lost control proc is replaced first."""
+        """Put every stateful actor back to a checkpoint (or to the run's start). A lost control proc is replaced, also
+        one lost as it loads (each within `failover.max_replacements`): its steps lost are those of a failure noticed
+        before the restore; one during it loses none more."""
         state, control = self.state, self.control
-        lost_from = state.step
-        control_failure = control.replace() if control.noticed is not None else None
+        lost_from, lost_before = state.step, control.noticed
         progress = self.load(path) if path else self.initial_progress
         state.resume(progress)
-        control.call(control.dataset.load_state_dict.call_one(progress["data"]))
-        control.call(control.buffer.load_state_dict.call_one(progress["buffer"]))
-        if control_failure is not None:  # whole again, whatever befalls the trainer next
-            self.log.recovered("replay_buffer", control_failure, at_step=state.step, action="restored_checkpoint",
-                               path=path, steps_lost=lost_from - state.step)
+        control_failures: list[Noticed] = []
+        while True:
+            if control.noticed is not None:
+                control_failures.append(control.replace())
+            try:
+                control.call(control.dataset.load_state_dict.call_one(progress["data"]))
+                control.call(control.buffer.load_state_dict.call_one(progress["buffer"]))
+                break
+            except ControlLost:  # noticed (`control.noticed`): replaced next
+                pass
+        for noticed in control_failures:  # whole again, whatever befalls the trainer next
+            self.log.recovered("replay_buffer", noticed, at_step=state.step, action="restored_checkpoint", path=path,
+                               steps_lost=lost_from - state.step if noticed is lost_before else 0)
         self.pipeline.drain(dropped=True)  # launched from later states (TrainerLost: the trainer failed meanwhile)
         state.generator_version = -1  # the generators hold newer weights: sync before generating
 
