@@ -328,10 +328,15 @@ class _TrainerProcs(FakeProcs):
 
 
 class _NeverAnswers:
-    """A call to ranks that hang. Waited for without a deadline (`get()`), it fails the test instead of hanging it."""
+    """A call to ranks that hang (or died where Monarch does not fail the call: `then`, run at the first poll). Waited
+    for without polling (`get()`), it fails the test instead of hanging it."""
+
+    def __init__(self, then: Callable[[], None] = lambda: None):
+        self.then = then
 
     def get(self, timeout: float | None = None) -> None:
-        assert timeout is not None, "waited for a hung trainer without a deadline"
+        assert timeout is not None, "waited for the trainer without polling for its failure"
+        self.then()
         time.sleep(timeout)
         raise TimeoutError
 
@@ -339,8 +344,10 @@ class _NeverAnswers:
 def _relaunches(fleet: Fleet, *fates: bool | str) -> list[FakeActor]:
     """Each relaunch of the trainer spawns a mesh whose ranks load the checkpoint as SAVED and stage weights, or, by the
     next of `fates` each time, fail: as they stage them (False), as torch elastic's environment is set ("elastic"), as
-    they start ("start") or load the checkpoint ("load"), or hang as they start ("hang"); the meshes spawned, in
-    order."""
+    they start ("start", or "dies": Monarch reports a rank failed and the setup never answers), as they load the
+    checkpoint ("load"), or hang as they load it ("load_hangs"); the meshes spawned, in order. The waits tick the
+    supervisor (which reads Monarch's reports)."""
+    fleet.waits.ticks = [fleet.supervisor.tick]
     meshes: list[FakeActor] = []
 
     def spawn_across(*, hosts: list[str], **_: Any) -> _TrainerProcs:
@@ -353,10 +360,13 @@ def _relaunches(fleet: Fleet, *fates: bool | str) -> list[FakeActor]:
             ranks.stage_weights.call = lambda every_read_ended: failed
         elif fate == "start":
             ranks.setup.call = lambda master: failed
-        elif fate == "hang":
-            ranks.setup.call = lambda master: _NeverAnswers()
+        elif fate == "dies":
+            died = SimpleNamespace(mesh_name="trainer-0", detail="rank 0: Killed(sig=9)")
+            ranks.setup.call = lambda master: _NeverAnswers(then=lambda: fleet.supervisor.reports.append(died))
         elif fate == "load":
             ranks.load.call = lambda path: failed
+        elif fate == "load_hangs":
+            ranks.load.call = lambda path: _NeverAnswers()
         meshes.append(ranks)
         return _TrainerProcs(hosts[0], ranks, elastic_fails=fate == "elastic")
 
@@ -427,14 +437,15 @@ def test_a_trainer_that_fails_again_during_its_restore_with_no_recovery_left_end
 @pytest.mark.parametrize(("fate", "reason"), [
     ("elastic", f"the trainer did not start: RuntimeError: {UNREACHABLE}"),
     ("start", f"the trainer did not start: RuntimeError: {UNREACHABLE}"),
-    ("hang", "the trainer did not start: no answer within 0.5 s"),
-    ("load", f"the trainer did not load checkpoint ckpt/step_000004: RuntimeError: {UNREACHABLE}")])
+    ("dies", "a trainer process failed: namespace(mesh_name='trainer-0', detail='rank 0: Killed(sig=9)')"),  # reported
+    ("load", f"the trainer did not load checkpoint ckpt/step_000004: RuntimeError: {UNREACHABLE}"),
+    ("load_hangs", "the trainer did not load checkpoint ckpt/step_000004: no answer within 0.5 s")])
 def test_a_new_trainer_mesh_that_fails_as_it_starts_or_loads_the_checkpoint_is_one_more_failure(
         fate: str, reason: str, monkeypatch: pytest.MonkeyPatch):
-    """The trainer's new mesh fails (or hangs) as torch elastic's environment is set, as its ranks start, or as they
-    load the checkpoint: one more trainer failure, recovered the same way (a third mesh, the same checkpoint), noticed
-    within failover.call_timeout_s. Before, the new mesh's raw Monarch error (or, hung, a wait without end) came out of
-    the recovery and ended the run with recoveries left."""
+    """The trainer's new mesh fails as torch elastic's environment is set, as its ranks start (Monarch reports one
+    dead: its setup never answers), or as they load the checkpoint (or hangs: failover.call_timeout_s): one more
+    trainer failure, recovered the same way (a third mesh, the same checkpoint). Before, the new mesh's raw Monarch
+    error came out of the recovery and ended the run with recoveries left, or the controller waited without end."""
     from workers.engine.controller import supervision
 
     monkeypatch.setattr(supervision, "HOST_SETTLE_S", 0.0)  # the failed meshes' host is up: no port to see closed
@@ -451,9 +462,9 @@ def test_a_new_trainer_mesh_that_fails_as_it_starts_or_loads_the_checkpoint_is_o
     assert (state.step, state.policy_version, state.generator_version) == (4, 4, -1)
     assert (state.totals.trainer_recoveries, state.totals.steps_lost) == (2, 2)
     detected = [(e["role"], e["reason"], e["hung"]) for e in fleet.events("failure_detected")]
-    assert detected == [("trainer", "trainer process 7 exited", False), ("trainer", reason, fate == "hang")]
+    assert detected == [("trainer", "trainer process 7 exited", False), ("trainer", reason, fate == "load_hangs")]
     assert [(e["role"], e["steps_lost"]) for e in fleet.events("recovered")] == [("trainer", 2), ("trainer", 0)]
-    assert all(7 not in pids for _, pids in fleet.hosts.killed), "a hung start kills no earlier mesh's procs"
+    assert fleet.hosts.killed == ([("a", [100])] if fate == "load_hangs" else []), "a hung mesh's own procs"
 
 
 def test_a_new_trainer_mesh_that_fails_as_it_loads_with_no_recovery_left_ends_the_run_as_a_trainer_failure():
@@ -467,14 +478,14 @@ def test_a_new_trainer_mesh_that_fails_as_it_loads_with_no_recovery_left_ends_th
     assert len(meshes) == 1 and fleet.state.totals.trainer_recoveries == 2
 
 
-@pytest.mark.parametrize("fate", ["elastic", "start", "hang"])
-def test_a_trainer_that_fails_or_hangs_as_the_run_starts_ends_the_run_saying_so(fate: str):
+@pytest.mark.parametrize("fate", ["elastic", "start", "dies"])
+def test_a_trainer_that_fails_as_the_run_starts_ends_the_run_saying_so(fate: str):
     """At the run's start no recovery is possible: the trainer's failure ends the run with what failed (before: a raw
-    Monarch error, or a hung start waited for without end)."""
+    Monarch error, or a wait without end for a rank Monarch reported dead)."""
     fleet, _ = _recovery(failover="{call_timeout_s: 0.5, poll_seconds: 0.05}")
     _relaunches(fleet, fate)
     trainer = fleet.trainer
-    with pytest.raises(TrainerLost, match=r"^the trainer did not start: (RuntimeError: rank 0|no answer within 0.5 s)"):
+    with pytest.raises(TrainerLost, match=r"^the trainer did not start: (RuntimeError: rank 0|a trainer process failed)"):
         trainer.launch()
         trainer.await_started()
 

@@ -4,6 +4,7 @@ Its calls fail with TrainerLost; the step loop then restores it from the last ch
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -132,13 +133,13 @@ class TrainerHandle:
         self._setup = self.actors.setup.call(master)
 
     def await_started(self, *, wait_s: float | None = None) -> bool:
-        """Wait (up to `wait_s`; None: up to `failover.call_timeout_s`) for every rank's setup; whether it has ended.
-        TrainerLost when a rank fails or hangs as it starts, or its host is lost: in a recovery one more failure, at the
-        run's start the run's end."""
+        """Wait (up to `wait_s`; None: until it ends) for every rank's setup; whether it has ended. TrainerLost when a
+        rank fails as it starts, or its host is lost or Monarch reports it failed: in a recovery one more failure, at
+        the run's start the run's end. A setup has no deadline: loading a model may take longer than any call."""
         try:
             if wait_s is not None and not answered(self._setup, wait_s):
                 return False
-            setup = self.waits.wait(self._setup, gone=self.gone)
+            setup = self.waits.wait(self._setup, gone=self.gone, timeout_s=math.inf)
             pids = self.waits.wait(self.actors.pids.call(), gone=self.gone)
         except CallFailed as failure:
             raise TrainerLost(_not_started(failure)) from None
