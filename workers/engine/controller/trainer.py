@@ -121,7 +121,7 @@ class TrainerHandle:
                                         threads=cfg.trainer.threads_per_process,
                                         gpus_per_proc=cfg.placement.trainer.gpus_per_proc, owner="trainer")
         self.procs = procs
-        self.pids = []  # this mesh's once it has started: a hung start's procs are stopped, never an earlier mesh's killed
+        self.pids = []  # this mesh's once it has started: a relaunch that fails first kills none of an earlier mesh's
         try:
             setup_torch_elastic_env(procs)
         except Exception as error:  # noqa: BLE001 - a supervision error, a proc's: the new mesh failed
