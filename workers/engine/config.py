@@ -433,9 +433,10 @@ class PlacementConfig(_Section):
 
 class FailoverConfig(_Section):
     call_timeout_s: Annotated[float, Field(gt=0.0, le=86_400.0)] = Field(
-        default=300.0, description="a generator, reference or reward call, or a train step, not answered in this long counts as "
-                                   "hung; a generator's read of the trainer's weights gets half of it (then the trainer counts "
-                                   "as hung or lost), so a large model over a slow network needs a longer one")
+        default=300.0, description="a generator, reference or reward call, a train step, or the trainer's load of a checkpoint "
+                                   "(resuming, or recovering a failure), not answered in this long counts as hung; a generator's "
+                                   "read of the trainer's weights gets half of it (then the trainer counts as hung or lost), so "
+                                   "a large model over a slow network or disk needs a longer one")
     poll_seconds: Annotated[float, Field(gt=0.0, le=60.0)] = Field(default=1.0, description="how often waits check for failures and drills")
     max_retries: NonNegativeInt = Field(default=3, description="retries of one request on a healthy replica before the run fails")
     retry_backoff_s: Annotated[float, Field(ge=0.0, le=600.0)] = Field(default=0.2, description="wait before a retry; doubles each time")
