@@ -263,11 +263,12 @@ class TrainerHandle:
         return f"generator replica {replica.index} failed" if replica.failed else None
 
     # --- calls ------------------------------------------------------------------------
-    def result(self, future: Any) -> Any:
+    def result(self, future: Any, *, failing: str = "") -> Any:
+        """The ranks' answer; TrainerLost when one fails or hangs (its reason after `failing`, what did not happen)."""
         try:
             return self.waits.wait(future, gone=self.gone)
         except CallFailed as failure:
-            raise TrainerLost(failure) from None
+            raise TrainerLost(CallFailed(f"{failing}: {failure}", hung=failure.hung) if failing else failure) from None
 
     def from_rank0(self, endpoint: str, *args: Any) -> Any:
         """Rank 0's answer. Every rank of a sharded (FSDP) trainer takes part: its weights are gathered from all."""
@@ -323,11 +324,8 @@ class TrainerHandle:
     def load(self, path: str) -> dict[str, Any]:
         """Every rank back to a checkpoint; the progress saved with it. TrainerLost when a rank fails or hangs meanwhile
         (within `failover.call_timeout_s`)."""
-        try:
-            return list(self.waits.wait(self.actors.load.call(path), gone=self.gone).values())[0]
-        except CallFailed as failure:
-            raise TrainerLost(CallFailed(f"the trainer did not load checkpoint {path}: {failure}",
-                                         hung=failure.hung)) from None
+        return list(self.result(self.actors.load.call(path), failing=f"the trainer did not load checkpoint {path}")
+                    .values())[0]
 
     def leave_group(self) -> None:
         """Every rank leaves its process group (before the mesh is stopped); TrainerLost when one fails or hangs."""
@@ -339,10 +337,15 @@ class TrainerHandle:
         try:
             self.leave_group()
         except TrainerLost as lost:
-            self.detect(lost.failure)
-            self.recorder.event("message", step=self.state.step, text=(
-                f"the trainer failed as it shut down after the run's last step ({self.state.step}): "
-                f"{lost.failure.reason}; not recovered: the run is over"))
+            self.lost_after_last_step(lost.failure, how="failed as it shut down")
+
+    def lost_after_last_step(self, failure: CallFailed, *, how: str = "failed", unneeded: str = "") -> None:
+        """The trainer failed once the run was over (its last checkpoint saved): recorded, with a message on the run
+        page, not recovered. `unneeded`: what else of the run is given up with it."""
+        self.detect(failure)
+        self.recorder.event("message", step=self.state.step, text=(
+            f"the trainer {how} after the run's last step ({self.state.step}): {failure.reason}; not recovered: the run "
+            f"is over{unneeded}"))
 
 
 def _not_started(failure: CallFailed) -> CallFailed:

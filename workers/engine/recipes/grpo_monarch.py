@@ -272,10 +272,7 @@ class MonarchGrpoRun:
             self.pipeline.drain(dropped=False)  # launched ahead, not needed any more
         except TrainerLost as lost:  # the run is over: nothing to recover for
             trainer_lost = True
-            self.trainer.detect(lost.failure)
-            self.recorder.event("message", step=state.step, text=(
-                f"the trainer failed after the run's last step ({state.step}): {lost.failure.reason}; not recovered: "
-                "the run is over and nothing needs the generations launched ahead"))
+            self.trainer.lost_after_last_step(lost.failure, unneeded=" and nothing needs the generations launched ahead")
         self.recorder.event("staleness_histogram", step=state.step,
                             counts={str(k): v for k, v in sorted(state.staleness.items())})
         self.injector.close(step=state.step)
