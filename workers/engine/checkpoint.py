@@ -144,18 +144,20 @@ def check_plain_data(path: str | Path, *, field: str) -> None:
         raise ConfigError([FieldError(field, f"{folder / STATE_FILE} is not a checkpoint this engine wrote (the zip "
                                              "torch.save writes)")]) from None
     except (pickle.UnpicklingError, EOFError):  # an opcode torch.save never writes
-        raise _not_plain_data(folder, field=field) from None
+        raise _not_plain_data(folder, field=field, unsafe=[]) from None
     if unsafe:
-        raise _not_plain_data(folder, field=field)
+        raise _not_plain_data(folder, field=field, unsafe=unsafe)
 
 
-def _not_plain_data(folder: Path, *, field: str) -> ConfigError:
+def _not_plain_data(folder: Path, *, field: str, unsafe: list[str] | None = None) -> ConfigError:
+    """The refusal, naming the types it would have built (`unsafe`; None: read them from the file, where it can)."""
     state_file = folder / STATE_FILE
-    try:
-        unsafe = sorted(get_unsafe_globals_in_checkpoint(state_file))
-    except (pickle.UnpicklingError, EOFError, ValueError, RuntimeError):  # not a torch.save zip, or beyond reading
-        unsafe = []
-    named = f" ({', '.join(unsafe)})" if unsafe else ""
+    if unsafe is None:
+        try:
+            unsafe = get_unsafe_globals_in_checkpoint(state_file)
+        except (pickle.UnpicklingError, EOFError, ValueError, RuntimeError):  # not a torch.save zip, or beyond reading
+            unsafe = []
+    named = f" ({', '.join(sorted(unsafe))})" if unsafe else ""
     return ConfigError([FieldError(field, (
         f"{state_file} holds objects that are not plain data{named}, and checkpoints load as data only (tensors, "
         "numbers, strings, lists, dicts): this engine never wrote it, and it is not loaded; name a checkpoint a run "
