@@ -406,6 +406,12 @@ def test_a_redirect_and_a_failure_say_what_moved_and_where(page):
         "drain host gpu-b done in 3.2 s: generator replica 0 → gpu-c, generator replica 2 → gpu-d"
     assert page.evaluate(describe, ["redirect_finished", {"action": "undrain", "host": "gpu-b", "moved": {}}]) == \
         "undrain host gpu-b done"
+    moved_in_recovery = {"action": "drain", "host": "gpu-a", "moved": {}, "plan": {}, "seconds": 2.14,
+                         "moved_roles": {"trainer": {"0": "gpu-b"}}, "in_recovery": True}
+    assert page.evaluate(describe, ["redirect_finished", moved_in_recovery]) == \
+        "drain host gpu-a done in 2.1 s as the trainer recovered"
+    assert page.evaluate(describe, ["redirect_finished", {**moved_in_recovery, "in_recovery": False}]) == \
+        "drain host gpu-a done in 2.1 s"
     failed = {"role": "generator", "replica": 1, "host": "gpu-b", "reason": "killed", "time_to_detect_s": 0.25}
     assert page.evaluate(describe, ["failure_detected", failed]) == \
         "generator 1 failed on gpu-b (detected in 0.25 s): killed"

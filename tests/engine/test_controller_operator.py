@@ -10,6 +10,7 @@ import pytest
 from tests.engine.fake_fleet import FakeHosts, Fleet, controller_parts, fake_group, fetched, grpo_config
 from workers.engine.controller.drill_targets import DrillTargets
 from workers.engine.controller.operator import Operator
+from workers.engine.controller.state import TrainerDrain
 from workers.engine.drills import DrillPlan
 from workers.engine.config import load_config
 from workers.engine.operations import parse_operation
@@ -142,7 +143,7 @@ def test_an_sft_drain_of_the_trainers_host_moves_it_at_the_next_checkpoint_and_p
         operator.operate("load_redirect", command("load_redirect", action="drain", host="b"))
     result = operator.operate("load_redirect", command("load_redirect", action="drain", host="a"))
     assert result["trainer_ranks"] == [0, 1] and result["moves_at"] == "the next checkpoint"
-    assert fleet.state.trainer_drain == "a" and fleet.placer.drained == {"a"}
+    assert fleet.state.trainer_drain == TrainerDrain(host="a", from_hosts=["a"]) and fleet.placer.drained == {"a"}
     assert fleet.placer.place_trainer() == ["b"], "the trainer's next hosts are undrained ones"
     assert fleet.events("redirect_started")[-1]["trainer_ranks"] == [0, 1]
     operator.operate("load_redirect", command("load_redirect", action="undrain", host="a"))

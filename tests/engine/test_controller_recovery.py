@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.engine.fake_fleet import (Done, FakeActor, FakeHosts, FakeProcs, Fleet, controller_parts, fake_group,
+from tests.engine.fake_fleet import (Done, FakeActor, FakeEndpoint, FakeHosts, FakeProcs, Fleet, controller_parts, fake_group,
                                      grpo_config, staged_part)
 from workers.engine.actors.fleet import CallFailed, ProcFailure
 from workers.engine.actors.weight_inbox import UNREAD, Unread
@@ -19,13 +19,18 @@ from workers.engine.controller.control_procs import ControlLost
 from workers.engine.controller.drill_targets import DrillTargets
 from workers.engine.controller.generation import GenerationPipeline
 from workers.engine.controller.generators import ReplicaGenerators, ReplicaRequest
-from workers.engine.controller.recovery import Recovery
+from workers.engine.controller.operator import Operator
+from workers.engine.controller.recovery import Recovery, SftRecovery
 from workers.engine.controller.requests import Router
 from workers.engine.controller.state import PendingGeneration, RunState
 from workers.engine.controller.trainer import TrainerLost
+from workers.engine.config import load_config
 from workers.engine.drills import DrillPlan
 from workers.engine.metrics import MemorySink, Recorder
+from workers.engine.operations import parse_operation
 from workers.engine.step_end import StepEnd
+from workers.engine.tasks import Problem
+from workers.engine.tasks.stream import ProblemStream
 from workers.engine.training import PhaseTimer
 
 SAVED = {"step": 4, "policy_version": 4, "generations": 5, "staleness": {"0": 3, "1": 1},
@@ -341,8 +346,8 @@ class _NeverAnswers:
         raise TimeoutError
 
 
-def _relaunches(fleet: Fleet, *fates: bool | str) -> list[FakeActor]:
-    """Each relaunch of the trainer spawns a mesh whose ranks load the checkpoint as SAVED and stage weights, or, by the
+def _relaunches(fleet: Fleet, *fates: bool | str, saved: dict[str, Any] = SAVED) -> list[FakeActor]:
+    """Each relaunch of the trainer spawns a mesh whose ranks load the checkpoint as `saved` and stage weights, or, by the
     next of `fates` each time, fail: as they stage them (False), as torch elastic's environment is set ("elastic"), as
     they start ("start", or "dies": Monarch reports a rank failed and the setup never answers), as they load the
     checkpoint ("load"), or hang as they load it ("load_hangs"); the meshes spawned, in order. The waits tick the
@@ -352,8 +357,8 @@ def _relaunches(fleet: Fleet, *fates: bool | str) -> list[FakeActor]:
 
     def spawn_across(*, hosts: list[str], **_: Any) -> _TrainerProcs:
         ranks = FakeActor(0, name="trainer", setup={0: {"n_params": 1, "master_addr": hosts[0]}},
-                          pids={0: 100 + len(meshes)}, load=lambda path: {0: dict(SAVED)}, stage_weights=staged_part,
-                          shutdown=None)
+                          pids={0: 100 + len(meshes)}, load=lambda path: {0: dict(saved)}, stage_weights=staged_part,
+                          shutdown=None, save=_saved_at)
         fate = fates[len(meshes)]
         failed = Done(error=RuntimeError(UNREACHABLE))
         if fate is False:
@@ -375,6 +380,10 @@ def _relaunches(fleet: Fleet, *fates: bool | str) -> list[FakeActor]:
 
 
 UNREACHABLE = "rank 0 of the new trainer mesh is unreachable"
+
+
+def _saved_at(step: int, progress: dict[str, Any]) -> str:
+    return f"ckpt/step_{step:06d}"
 
 
 def _retried_during_the_restore(recovery_failures: int) -> tuple[Fleet, Recovery, PendingGeneration]:
@@ -476,6 +485,100 @@ def test_a_new_trainer_mesh_that_fails_as_it_loads_with_no_recovery_left_ends_th
                                           r"the trainer did not load checkpoint ckpt/step_000004: RuntimeError: "):
         recovery.recover_trainer(CallFailed("host a of the trainer was lost", hung=False))
     assert len(meshes) == 1 and fleet.state.totals.trainer_recoveries == 2
+
+
+SFT_SAVED = {"step": 4, "policy_version": 4, "data": {"epoch": 0, "index": 8}}
+
+
+def _sft_drained(monkeypatch: pytest.MonkeyPatch, *fates: bool | str, recover_failures: int = 2
+                 ) -> tuple[Fleet, SftRecovery, list[FakeActor]]:
+    """An SFT run at step 4 whose two trainer ranks are on host a (of a, b, c), which the operator has drained: the
+    trainer moves at its next checkpoint. Its relaunches as `_relaunches` (ranks that load SFT_SAVED); the meshes."""
+    from workers.engine.controller import supervision
+
+    monkeypatch.setattr(supervision, "HOST_SETTLE_S", 0.0)  # the failed meshes' host is up: no port to see closed
+    config = load_config("recipe: sft\nmodel: {path: /m}\nplacement: {backend: monarch}\n"
+                         f"trainer: {{ranks: 2, steps: 10, recover_failures: {recover_failures}}}\n"
+                         "failover: {call_timeout_s: 0.5, poll_seconds: 0.05}\ncheckpoint: {every_steps: 2}\n")
+    fleet = controller_parts(config, FakeHosts(["a", "b", "c"]), {}, trainer_hosts=["a"], trainer_pids=(7, 8))
+    fleet.trainer.actors.shutdown, fleet.trainer.actors.save = FakeEndpoint(None), FakeEndpoint(_saved_at)
+    stream = ProblemStream([Problem(messages=[{"role": "user", "content": "q"}], response="r")] * 16, seed=0)
+    recovery = SftRecovery(config=config, trainer=fleet.trainer, stream=stream, supervisor=fleet.supervisor,
+                           failover=fleet.failover, log=fleet.log, recorder=fleet.recorder, state=fleet.state)
+    drills = DrillTargets(plan=DrillPlan([]), injector=fleet.injector, recorder=fleet.recorder, hosts=fleet.hosts,
+                          groups={}, placer=fleet.placer, trainer=fleet.trainer, state=fleet.state)
+    operator = Operator(config=config, placer=fleet.placer, hosts=fleet.hosts, groups={}, supervisor=fleet.supervisor,
+                        drills=drills, recorder=fleet.recorder, state=fleet.state, moves_trainer=True)
+    fleet.state.step = fleet.state.policy_version = 4
+    operator.operate("load_redirect", parse_operation("load_redirect", {"action": "drain", "host": "a"}))
+    return fleet, recovery, _relaunches(fleet, *fates, saved=SFT_SAVED)
+
+
+def _checkpoint_in_the_step_loop(recovery: SftRecovery, step: int) -> None:
+    """The step loop's end of a step: a checkpoint (where a drained trainer moves); a TrainerLost meanwhile, as
+    `MonarchSftRun.train` handles it."""
+    recovery.state.step = recovery.state.policy_version = step
+    try:
+        recovery.checkpoint(step)
+    except TrainerLost as lost:
+        recovery.recover_trainer(lost.failure)
+
+
+def test_a_drain_whose_move_fails_half_way_is_finished_by_the_recovery_that_leaves_the_drained_host(monkeypatch):
+    """The trainer's new mesh (on host b) fails as it starts during the drain's move at the checkpoint; the step loop's
+    recovery relaunches it on an undrained host and loads that checkpoint. That recovery finishes the drain: counted
+    once, its redirect_finished recorded with the move's facts, and the next checkpoint moves nothing. Before, the
+    drain stayed pending, and the next checkpoint stopped the healthy mesh to move it again."""
+    fleet, recovery, meshes = _sft_drained(monkeypatch, "start", True)
+    state = fleet.state
+    _checkpoint_in_the_step_loop(recovery, 4)
+    assert len(meshes) == 2 and fleet.trainer.actors is meshes[1] and fleet.placer.trainer_hosts == ["b"]
+    assert meshes[1].load.calls == [("ckpt/step_000004",)] and state.step == 4
+    assert state.trainer_drain is None and state.totals.migrations == 1 and state.totals.steps_lost == 0
+    assert [(e["role"], e["host"]) for e in fleet.events("failure_detected")] == [("trainer", "b")]
+    [finished] = fleet.events("redirect_finished")
+    assert {k: finished[k] for k in ("step", "action", "host", "moved", "plan", "moved_roles", "from_hosts", "pids",
+                                     "path", "in_recovery")} == \
+        {"step": 4, "action": "drain", "host": "a", "moved": {}, "plan": {}, "moved_roles": {"trainer": {"0": "b", "1": "b"}},
+         "from_hosts": ["a"], "pids": [101], "path": "ckpt/step_000004", "in_recovery": True}
+    assert finished["seconds"] >= 0
+    _checkpoint_in_the_step_loop(recovery, 6)
+    assert len(meshes) == 2 and meshes[1].shutdown.calls == [], "the trainer stays where the recovery put it"
+    assert len(fleet.events("redirect_finished")) == 1 and state.totals.migrations == 1
+
+
+def test_a_trainer_failure_before_a_drains_move_finishes_the_drain_when_its_recovery_leaves_the_host(monkeypatch):
+    """A rank dies between the drain and its checkpoint: the recovery places the new mesh on an undrained host, so the
+    drain is done there (its checkpoint is the last one); no move at the next checkpoint."""
+    fleet, recovery, meshes = _sft_drained(monkeypatch, True)
+    fleet.state.last_checkpoint = "ckpt/step_000004"
+    fleet.state.step = 5
+    recovery.recover_trainer(CallFailed("trainer process 7 exited", hung=False))
+    assert fleet.placer.trainer_hosts == ["b"] and fleet.state.trainer_drain is None
+    [finished] = fleet.events("redirect_finished")
+    assert (finished["host"], finished["from_hosts"], finished["path"], finished["in_recovery"]) == \
+        ("a", ["a"], "ckpt/step_000004", True)
+    _checkpoint_in_the_step_loop(recovery, 6)
+    assert len(meshes) == 1 and fleet.state.totals.migrations == 1
+
+
+def test_a_drain_whose_recovery_stays_on_the_drained_host_is_not_finished(monkeypatch):
+    """Hosts b and c are lost: the recovery's only host is the drained one. The drain is not done."""
+    fleet, recovery, meshes = _sft_drained(monkeypatch, True)
+    fleet.state.last_checkpoint = "ckpt/step_000004"
+    fleet.hosts.lost.update({"b", "c"})
+    recovery.recover_trainer(CallFailed("trainer process 7 exited", hung=False))
+    assert fleet.placer.trainer_hosts == ["a"] and fleet.state.trainer_drain is not None
+    assert fleet.events("redirect_finished") == [] and fleet.state.totals.migrations == 0
+
+
+def test_a_drain_whose_move_fails_with_no_recovery_left_fails_the_run_without_saying_the_drain_finished(monkeypatch):
+    fleet, recovery, meshes = _sft_drained(monkeypatch, "start", recover_failures=0)
+    with pytest.raises(ProcFailure, match=r"trainer failed at step 5 \(0 recoveries allowed, trainer.recover_failures\): "
+                                          r"the trainer did not start: RuntimeError: "):
+        _checkpoint_in_the_step_loop(recovery, 4)
+    assert fleet.events("redirect_finished") == [] and fleet.state.totals.migrations == 0
+    assert [e["host"] for e in fleet.events("redirect_started")] == ["a"]
 
 
 @pytest.mark.parametrize("fate", ["elastic", "start", "dies"])

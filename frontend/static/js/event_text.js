@@ -108,7 +108,7 @@ window.FBEventText = (function () {
       const moved = Object.entries(objectOf(p.moved)).map(([r, host]) => `generator replica ${clip(r, 20)} → ${value(host)}`);
       return `${given(p.action) ? value(p.action) : "redirect"} host ${value(p.host)} done` +
         `${number(p.seconds) !== null ? ` in ${seconds(number(p.seconds))}` : ""}` +
-        (moved.length ? `: ${moved.join(", ")}` : "");
+        (p.in_recovery === true ? " as the trainer recovered" : "") + (moved.length ? `: ${moved.join(", ")}` : "");
     },
     // The reconciler's: why is the state change's just before it ("lost → queued: restart 1 of 2: no heartbeat …").
     restarted: (p) => {

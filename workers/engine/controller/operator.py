@@ -14,7 +14,7 @@ from workers.engine.config import RunConfig
 from workers.engine.controller.drill_targets import DrillTargets
 from workers.engine.controller.placement import Placer
 from workers.engine.controller.roles import MOVABLE, role_group, role_plan, serving
-from workers.engine.controller.state import RunState
+from workers.engine.controller.state import RunState, TrainerDrain
 from workers.engine.controller.supervision import Supervisor
 from workers.engine.metrics import Recorder
 from workers.engine.operations import FaultDrillRequest, LoadRedirectRequest, Operation, PlacementChangeRequest
@@ -92,7 +92,7 @@ class Operator:
         plan = role_plan(groups, "generator") if "generator" in groups else {}
         if command.action == "undrain":
             self.placer.drained.discard(host)
-            if self.state.trainer_drain == host:
+            if self.state.trainer_drain is not None and self.state.trainer_drain.host == host:
                 self.state.trainer_drain = None
             self.recorder.event("redirect_finished", step=self.state.step, action="undrain", host=host, moved={},
                                 plan=plan)
@@ -142,7 +142,7 @@ class Operator:
         if (refusal := placer.trainer_move_refusal(draining=host)) is not None:
             raise ValueError(refusal)
         placer.drained.add(host)
-        self.state.trainer_drain = host
+        self.state.trainer_drain = TrainerDrain(host=host, from_hosts=list(placer.trainer_hosts))
         self.recorder.event("redirect_started", step=self.state.step, action="drain", host=host, replicas=[],
                             trainer_ranks=ranks, moves_at="the next checkpoint")
         return {"host": host, "moved": {}, "plan": {}, "trainer_ranks": ranks, "moves_at": "the next checkpoint"}

@@ -1,7 +1,8 @@
 """Checkpoints of a Monarch run (GRPO or SFT) and going back to them: a trainer proc that dies or hangs takes the
 trainer mesh with it (the mesh is respawned, on another of its hosts when its host was lost, up to
 `trainer.recover_failures` times); a lost control proc is started again elsewhere. Either way every stateful actor
-goes back to the last checkpoint (or to the run's start). A trainer on a drained host moves at a checkpoint."""
+goes back to the last checkpoint (or to the run's start). A trainer on a drained host moves at a checkpoint, or
+sooner when a recovery places its new mesh elsewhere."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from workers.engine.config import RunConfig
 from workers.engine.controller.control_procs import ControlLost, ControlProcs
 from workers.engine.controller.generation import GenerationPipeline
 from workers.engine.controller.incidents import Noticed, RecoveryLog
-from workers.engine.controller.state import RunState
+from workers.engine.controller.state import RunState, TrainerDrain
 from workers.engine.controller.supervision import Supervisor
 from workers.engine.controller.trainer import TrainerHandle, TrainerLost
 from workers.engine.metrics import Recorder
@@ -64,7 +65,8 @@ class TrainerRecovery:
         before the restore is done (as it starts, as it loads the checkpoint, or as the generations in flight are
         dropped: a request retried there has its failed replica replaced with the new mesh's weights): one more
         failure, recovered the same way, within the same `trainer.recover_failures`. Each failure gets its `recovered`
-        once the run is whole; the steps lost are the first's."""
+        once the run is whole; the steps lost are the first's. A new mesh off the host an operator drained finishes
+        that drain (also one whose move at the checkpoint failed half-way): no move at the next checkpoint."""
         state, trainer, placer = self.state, self.trainer, self.trainer.placer
         lost_from, failures = state.step, []
         new_failure: CallFailed | None = failure
@@ -83,6 +85,9 @@ class TrainerRecovery:
             steps_lost = lost_from - state.step if noticed is failures[0] else 0
             self.log.recovered("trainer", noticed, at_step=state.step, action="restored_checkpoint",
                                path=state.last_checkpoint, steps_lost=steps_lost)
+        drain = state.trainer_drain
+        if drain is not None and drain.host not in placer.trainer_hosts:  # the new mesh left the drained host
+            self.finish_drain(drain=drain, path=state.last_checkpoint, since=failures[0].detected_at, in_recovery=True)
 
     def stop_trainer(self, failure: CallFailed) -> Noticed:
         """Stop the failed trainer mesh for a new one (ProcFailure when `trainer.recover_failures` are spent); the
@@ -117,22 +122,28 @@ class TrainerRecovery:
             return lost.failure
         return None
 
-    def move_trainer(self, path: str) -> None:
+    def move_trainer(self, *, drain: TrainerDrain, path: str) -> None:
         """The operator drained a host of the trainer's: respawn the mesh on undrained hosts and load the checkpoint
-        just saved, so no step is lost. A mesh that fails meanwhile is TrainerLost: the step loop recovers it."""
-        started, trainer, placer, state = time.monotonic(), self.trainer, self.trainer.placer, self.state
-        drained, before = state.trainer_drain, list(placer.trainer_hosts)
+        just saved, so no step is lost. A mesh that fails meanwhile is TrainerLost: the step loop recovers it, and that
+        recovery finishes the drain when it leaves the drained host."""
+        started, trainer = time.monotonic(), self.trainer
         trainer.leave_group()
         trainer.stop()
         trainer.launch()
         trainer.await_started()
         trainer.load(path)
+        self.finish_drain(drain=drain, path=path, since=started, in_recovery=False)
+
+    def finish_drain(self, *, drain: TrainerDrain, path: str | None, since: float, in_recovery: bool) -> None:
+        """The trainer has left the drained host (`in_recovery`: a recovery's new mesh did, the drain's own move did
+        not): the drain is done, a migration. `path`: the checkpoint the new mesh loaded; `since`: when it began."""
+        state, trainer, placer = self.state, self.trainer, self.trainer.placer
         state.trainer_drain = None
         state.totals.migrations += 1
         ranks = {str(rank): placer.rank_host(rank) for rank in range(placer.trainer_ranks)}
-        self.recorder.event("redirect_finished", step=state.step, action="drain", host=drained, moved={}, plan={},
-                            moved_roles={"trainer": ranks}, from_hosts=before, pids=list(trainer.pids), path=path,
-                            seconds=round(time.monotonic() - started, 3))
+        self.recorder.event("redirect_finished", step=state.step, action="drain", host=drain.host, moved={}, plan={},
+                            moved_roles={"trainer": ranks}, from_hosts=drain.from_hosts, pids=list(trainer.pids),
+                            path=path, seconds=round(time.monotonic() - since, 3), in_recovery=in_recovery)
 
 
 class Recovery(TrainerRecovery):
@@ -216,8 +227,8 @@ class SftRecovery(TrainerRecovery):
         path = self.trainer.save(step, self.progress())
         self.state.last_checkpoint = str(path)
         self.recorder.event("checkpoint_saved", step=step, path=str(path), policy_version=self.state.policy_version)
-        if self.state.trainer_drain is not None and step < self.config.trainer.steps:
-            self.move_trainer(str(path))
+        if (drain := self.state.trainer_drain) is not None and step < self.config.trainer.steps:
+            self.move_trainer(drain=drain, path=str(path))
         return path
 
     def restore(self, path: str | None) -> None:

@@ -32,6 +32,15 @@ class FaultTotals:
 
 
 @dataclass
+class TrainerDrain:
+    """An operator drained a host of the trainer's (SFT): the trainer leaves it at the next checkpoint, or sooner in a
+    recovery that places it elsewhere."""
+
+    host: str
+    from_hosts: list[str]  # the trainer's hosts when it was drained
+
+
+@dataclass
 class RunState:
     step: int = 0
     policy_version: int = 0
@@ -41,7 +50,7 @@ class RunState:
     staleness: Counter[int] = field(default_factory=Counter)  # trained batches by policy age
     pending: deque[PendingGeneration] = field(default_factory=deque)  # launched ahead, oldest first
     last_checkpoint: str | None = None
-    trainer_drain: str | None = None  # a drained host the trainer leaves at the next checkpoint (SFT)
+    trainer_drain: TrainerDrain | None = None
     totals: FaultTotals = field(default_factory=FaultTotals)
 
     def trained(self, *, record_version: int) -> int:

@@ -13,7 +13,8 @@ Each step, top to bottom (`MonarchSftRun.step`):
 
 Failures: a trainer rank that dies or hangs (or whose host is lost) sends the run back to the last checkpoint on a
 respawned trainer mesh, up to `trainer.recover_failures` times (`controller/recovery.py`: SftRecovery). Drains of
-a trainer host move the trainer at the next checkpoint (`controller/operator.py`).
+a trainer host move the trainer at the next checkpoint, or in a recovery that respawns it elsewhere first
+(`controller/operator.py`).
 """
 
 from __future__ import annotations
