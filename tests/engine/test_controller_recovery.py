@@ -334,13 +334,16 @@ class _TrainerProcs(FakeProcs):
 
 class _NeverAnswers:
     """A call to ranks that hang (or died where Monarch does not fail the call: `then`, run at the first poll). Waited
-    for without polling (`get()`), it fails the test instead of hanging it."""
+    for without polling (`get()`), or still waited for `fails_after_s` after the call, it fails the test instead of
+    hanging it."""
 
-    def __init__(self, then: Callable[[], None] = lambda: None):
+    def __init__(self, then: Callable[[], None] = lambda: None, *, fails_after_s: float | None = None):
         self.then = then
+        self.fails_at = None if fails_after_s is None else time.monotonic() + fails_after_s
 
     def get(self, timeout: float | None = None) -> None:
         assert timeout is not None, "waited for the trainer without polling for its failure"
+        assert self.fails_at is None or time.monotonic() < self.fails_at, "still waited for, past every bound"
         self.then()
         time.sleep(timeout)
         raise TimeoutError
@@ -350,8 +353,8 @@ def _relaunches(fleet: Fleet, *fates: bool | str, saved: dict[str, Any] = SAVED)
     """Each relaunch of the trainer spawns a mesh whose ranks load the checkpoint as `saved` and stage weights, or, by the
     next of `fates` each time, fail: as they stage them (False), as torch elastic's environment is set ("elastic"), as
     they start ("start", or "dies": Monarch reports a rank failed and the setup never answers), as they load the
-    checkpoint ("load"), or hang as they load it ("load_hangs"); the meshes spawned, in order. The waits tick the
-    supervisor (which reads Monarch's reports)."""
+    checkpoint ("load"), or hang as they start ("setup_hangs": no failure, no report) or load it ("load_hangs"); the
+    meshes spawned, in order. The waits tick the supervisor (which reads Monarch's reports)."""
     fleet.waits.ticks = [fleet.supervisor.tick]
     meshes: list[FakeActor] = []
 
@@ -368,6 +371,8 @@ def _relaunches(fleet: Fleet, *fates: bool | str, saved: dict[str, Any] = SAVED)
         elif fate == "dies":
             died = SimpleNamespace(mesh_name="trainer-0", detail="rank 0: Killed(sig=9)")
             ranks.setup.call = lambda master: _NeverAnswers(then=lambda: fleet.supervisor.reports.append(died))
+        elif fate == "setup_hangs":
+            ranks.setup.call = lambda master: _NeverAnswers(fails_after_s=5)
         elif fate == "load":
             ranks.load.call = lambda path: failed
         elif fate == "load_hangs":
@@ -591,6 +596,51 @@ def test_a_trainer_that_fails_as_the_run_starts_ends_the_run_saying_so(fate: str
     with pytest.raises(TrainerLost, match=r"^the trainer did not start: (RuntimeError: rank 0|a trainer process failed)"):
         trainer.launch()
         trainer.await_started()
+
+
+SETUP_OVERDUE = r"the trainer did not start within 0.5 s \(failover.setup_timeout_s\)"
+
+
+@pytest.mark.parametrize("polled", [False, True])
+def test_a_trainer_whose_setup_never_ends_ends_the_run_at_failover_setup_timeout_s(polled: bool):
+    """A set-up that hangs (a stuck shared filesystem, a deadlocked rendezvous: no rank fails, nothing is reported)
+    ends the run at failover.setup_timeout_s, waited for at once (SFT's start) or polled beside the other roles
+    (GRPO's), not at the shorter call timeout; its procs' pids are known, for the run's stop. Before, a trainer's
+    set-up had no bound: the run waited, holding its GPUs, without end."""
+    fleet, _ = _recovery(failover="{call_timeout_s: 0.2, poll_seconds: 0.05, setup_timeout_s: 0.5}")
+    _relaunches(fleet, "setup_hangs")
+    trainer = fleet.trainer
+    started = time.monotonic()
+    with pytest.raises(TrainerLost, match=f"^{SETUP_OVERDUE}$") as lost:
+        trainer.launch()
+        while not trainer.await_started(wait_s=0.02 if polled else None):
+            pass
+    assert 0.5 <= time.monotonic() - started < 2
+    assert lost.value.failure.hung and trainer.pids == [100]
+
+
+def test_a_new_trainer_mesh_whose_setup_never_ends_is_one_more_failure_at_failover_setup_timeout_s(monkeypatch):
+    """During a recovery, a new mesh whose set-up hangs is one more trainer failure at failover.setup_timeout_s: its
+    own procs are killed (not the failed mesh's before it) and a third mesh restores the checkpoint. Before, the
+    recovery waited without end."""
+    from workers.engine.controller import supervision
+
+    monkeypatch.setattr(supervision, "HOST_SETTLE_S", 0.0)  # the failed meshes' host is up: no port to see closed
+    fleet, recovery = _recovery(replicas_host="b", trainer="{recover_failures: 2}",
+                                failover="{call_timeout_s: 0.2, poll_seconds: 0.05, setup_timeout_s: 0.5}")
+    state = fleet.state
+    state.step, state.policy_version, state.generations, state.last_checkpoint = 6, 6, 7, "ckpt/step_000004"
+    meshes = _relaunches(fleet, "setup_hangs", True)
+    started = time.monotonic()
+    recovery.recover_trainer(CallFailed("trainer process 7 exited", hung=False))
+    assert 0.5 <= time.monotonic() - started < 3
+    assert len(meshes) == 2 and fleet.trainer.actors is meshes[1] and fleet.trainer.pids == [101]
+    assert meshes[1].load.calls == [("ckpt/step_000004",)] and state.totals.trainer_recoveries == 2
+    detected = [(e["reason"], e["hung"]) for e in fleet.events("failure_detected")]
+    assert detected == [("trainer process 7 exited", False),
+                        ("the trainer did not start within 0.5 s (failover.setup_timeout_s)", True)]
+    assert fleet.hosts.killed == [("a", [100])], "the hung mesh's own procs, not the first mesh's (pid 7)"
+    assert [(e["role"], e["steps_lost"]) for e in fleet.events("recovered")] == [("trainer", 2), ("trainer", 0)]
 
 
 def test_a_trainer_that_fails_as_a_grpo_run_starts_ends_the_run_saying_so():

@@ -44,6 +44,19 @@ def test_failover_off_monarch_is_refused_per_field() -> None:
     assert load_config(GRPO, overrides=[MONARCH, "failover.max_retries=5"]).failover.max_retries == 5
 
 
+def test_the_trainers_setup_timeout_is_bounded_and_read_only_where_a_monarch_trainer_starts() -> None:
+    """failover.setup_timeout_s bounds a Monarch trainer's set-up (GRPO's or SFT's): refused off Monarch like every
+    failover option, and outside its bounds with the field named."""
+    sft = "recipe: sft\nmodel: {path: /x}\n"
+    assert load_config(GRPO, overrides=[MONARCH]).failover.setup_timeout_s == 1800.0
+    assert load_config(sft, overrides=[MONARCH, "failover.setup_timeout_s=600"]).failover.setup_timeout_s == 600.0
+    assert load_config(GRPO, overrides=[MONARCH, "failover.setup_timeout_s=60"]).failover.setup_timeout_s == 60.0
+    assert "placement.backend: monarch" in _errors("failover.setup_timeout_s=600")["failover.setup_timeout_s"]
+    assert "placement.backend: monarch" in _errors("failover.setup_timeout_s=600", text=sft)["failover.setup_timeout_s"]
+    for bad in ("0", "-5", "100000", "soon"):
+        assert set(_errors(MONARCH, f"failover.setup_timeout_s={bad}")) == {"failover.setup_timeout_s"}
+
+
 def test_full_dumps_of_default_configs_still_validate() -> None:
     for text in (GRPO, "recipe: sft\nmodel: {path: /x}\n"):
         config = load_config(text, overrides=["trainer.optimizer.name=sgd"])

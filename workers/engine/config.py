@@ -437,6 +437,13 @@ class FailoverConfig(_Section):
                                    "(resuming, or recovering a failure), not answered in this long counts as hung; a generator's "
                                    "read of the trainer's weights gets half of it (then the trainer counts as hung or lost), so "
                                    "a large model over a slow network or disk needs a longer one")
+    setup_timeout_s: Annotated[float, Field(gt=0.0, le=86_400.0)] = Field(
+        default=1800.0, description="the trainer's ranks not started (spawned, joined their process group and loaded the "
+                                    "model) within this long of their launch count as hung: at the run's start the run "
+                                    "fails, in a recovery it is one more trainer failure (trainer.recover_failures). "
+                                    "Separate from call_timeout_s, since loading a large model can take far longer than "
+                                    "any call or step; it bounds a set-up that never ends (a stuck shared filesystem, a "
+                                    "deadlocked rendezvous), which would hold the run's GPUs")
     poll_seconds: Annotated[float, Field(gt=0.0, le=60.0)] = Field(default=1.0, description="how often waits check for failures and drills")
     max_retries: NonNegativeInt = Field(default=3, description="retries of one request on a healthy replica before the run fails")
     retry_backoff_s: Annotated[float, Field(ge=0.0, le=600.0)] = Field(default=0.2, description="wait before a retry; doubles each time")
@@ -694,7 +701,7 @@ def replay_buffer_errors(config: RunConfig) -> list[FieldError]:
 PLACED_ROLES = ("trainer", "generator", "reference", "reward", "replay_buffer")
 # The roles whose processes each recipe starts (SFT: its trainer ranks only).
 RECIPE_ROLES: dict[str, tuple[str, ...]] = {Recipe.GRPO: PLACED_ROLES, Recipe.SFT: ("trainer",)}
-SFT_FAILOVER_FIELDS = ("call_timeout_s", "poll_seconds")  # what of FailoverConfig an SFT run's trainer waits read
+SFT_FAILOVER_FIELDS = ("call_timeout_s", "setup_timeout_s", "poll_seconds")  # what of FailoverConfig an SFT run's trainer waits read
 
 
 # roles start in this order (trainer, generators, reward, reference): a role follows one started before it

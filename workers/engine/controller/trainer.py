@@ -4,7 +4,7 @@ Its calls fail with TrainerLost; the step loop then restores it from the last ch
 
 from __future__ import annotations
 
-import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -106,6 +106,8 @@ class TrainerHandle:
         self.running = False  # spawned and not stopped: a failure report can be this mesh's
         self._spawned_name: str | None = None  # Monarch's name of this mesh's spawn (read at the first report)
         self._setup: Any = None  # every rank's pending setup
+        self._asked_pids: Any = None  # every rank's pid, asked before the setup (answered before it begins)
+        self._setup_by = 0.0  # when that setup counts as hung (monotonic; failover.setup_timeout_s after the launch)
         self.fetches = PendingFetches()
 
     # --- start ------------------------------------------------------------------------
@@ -114,6 +116,7 @@ class TrainerHandle:
         HostsUnreachable when a host died meanwhile; TrainerLost when a new proc fails as torch elastic's environment is
         set (`await_started`). Reads of an earlier mesh's publication are abandoned."""
         placer, cfg = self.placer, self.config
+        self._setup_by = time.monotonic() + cfg.failover.setup_timeout_s
         self.fetches.abandon(waits=self.waits)
         placer.trainer_hosts = placer.place_trainer()
         self.hosts.release("trainer")
@@ -121,7 +124,8 @@ class TrainerHandle:
                                         threads=cfg.trainer.threads_per_process,
                                         gpus_per_proc=cfg.placement.trainer.gpus_per_proc, owner="trainer")
         self.procs = procs
-        self.pids = []  # this mesh's once it has started: a relaunch that fails first kills none of an earlier mesh's
+        # this mesh's once started (or its setup overdue): a relaunch that fails first kills none of an earlier mesh's
+        self.pids = []
         try:
             setup_torch_elastic_env(procs)
         except Exception as error:  # noqa: BLE001 - a supervision error, a proc's: the new mesh failed
@@ -130,25 +134,41 @@ class TrainerHandle:
         self.reported, self._spawned_name, self.running = None, None, True
         # Over several hosts, rank 0's host by the address its worker has (a pod IP, a node name).
         master = self.hosts.workers[placer.trainer_hosts[0]].host if len(placer.trainer_hosts) > 1 else None
+        self._asked_pids = self.actors.pids.call()  # before the setup: a hung setup's procs are known, to be killed
         self._setup = self.actors.setup.call(master)
 
     def await_started(self, *, wait_s: float | None = None) -> bool:
         """Wait (up to `wait_s`; None: until it ends) for every rank's setup; whether it has ended. TrainerLost when a
-        rank fails as it starts, or its host is lost or Monarch reports it failed: in a recovery one more failure, at
-        the run's start the run's end. A setup has no deadline: loading a model may take longer than any call."""
+        rank fails as it starts, or its host is lost or Monarch reports it failed, or (hung) when the setup has not
+        ended within `failover.setup_timeout_s` of the launch: in a recovery one more failure, at the run's start the
+        run's end. Its own bound, not the call timeout: loading a model may take longer than any call."""
         try:
-            if wait_s is not None and not answered(self._setup, wait_s):
+            if wait_s is not None and wait_s < self._setup_left_s() and not answered(self._setup, wait_s):
                 return False
-            setup = self.waits.wait(self._setup, gone=self.gone, timeout_s=math.inf)
-            pids = self.waits.wait(self.actors.pids.call(), gone=self.gone)
+            setup = self.waits.wait(self._setup, gone=self.gone, timeout_s=self._setup_left_s())
+            pids = self.waits.wait(self._asked_pids, gone=self.gone, timeout_s=self._setup_left_s())
         except CallFailed as failure:
-            raise TrainerLost(_not_started(failure)) from None
+            raise TrainerLost(self._setup_overdue() if failure.hung else _not_started(failure)) from None
         except Exception as error:  # noqa: BLE001 - answered() raises what the setup raised
             raise TrainerLost(_not_started(call_failed(error))) from None
         rank0 = list(setup.values())[0]
         self.n_params, self.master_addr = rank0["n_params"], rank0["master_addr"]
         self.pids = list(pids.values())
         return True
+
+    def _setup_left_s(self) -> float:
+        return max(0.0, self._setup_by - time.monotonic())
+
+    def _setup_overdue(self) -> CallFailed:
+        """The setup's failure once failover.setup_timeout_s is past. Its ranks' pids are this mesh's (answered unless a
+        proc hung before its setup began): the recovery kills those, none of an earlier mesh's."""
+        try:
+            if answered(self._asked_pids, self.config.failover.poll_seconds):
+                self.pids = list(self._asked_pids.get().values())
+        except Exception:  # noqa: BLE001 - the pids call failed: no pid known, none killed (the mesh is stopped)
+            pass
+        return CallFailed(f"the trainer did not start within {self.config.failover.setup_timeout_s:g} s "
+                          "(failover.setup_timeout_s)", hung=True)
 
     def rank(self, rank: int) -> Any:
         """One rank's actor."""
