@@ -14,6 +14,7 @@ import pytest
 from tests.engine.fake_fleet import (Done, FakeActor, FakeEndpoint, FakeHosts, FakeProcs, Fleet, controller_parts, fake_group,
                                      grpo_config, staged_part)
 from workers.engine.actors.fleet import CallFailed, ProcFailure
+from workers.engine.actors.hosts import HostsUnreachable
 from workers.engine.actors.weight_inbox import UNREAD, Unread
 from workers.engine.controller.control_procs import ControlLost
 from workers.engine.controller.drill_targets import DrillTargets
@@ -565,6 +566,28 @@ def test_a_trainer_failure_before_a_drains_move_finishes_the_drain_when_its_reco
         ("a", ["a"], "ckpt/step_000004", True)
     _checkpoint_in_the_step_loop(recovery, 6)
     assert len(meshes) == 1 and fleet.state.totals.migrations == 1
+
+
+def test_a_drain_whose_move_finds_its_new_host_dead_moves_the_trainer_to_the_next_one(monkeypatch):
+    """Host b dies as the move spawns the trainer's new procs there: the move goes on to host c, as a recovery's
+    relaunch does, and host b's loss is no failure of the trainer (no mesh ran there). Before, the HostsUnreachable
+    came out of the checkpoint and ended the run."""
+    fleet, recovery, meshes = _sft_drained(monkeypatch, True)
+    relaunch = fleet.hosts.spawn_across
+
+    def spawn_across(*, hosts: list[str], **kwargs: Any) -> Any:
+        if hosts == ["b"]:
+            fleet.hosts.fail("b")
+            raise HostsUnreachable("host b stopped accepting connections while a proc was spawned there")
+        return relaunch(hosts=hosts, **kwargs)
+
+    fleet.hosts.spawn_across = spawn_across
+    _checkpoint_in_the_step_loop(recovery, 4)
+    assert len(meshes) == 1 and fleet.trainer.actors is meshes[0] and fleet.placer.trainer_hosts == ["c"]
+    assert fleet.events("failure_detected") == [] and fleet.trainer.noticed is None
+    assert fleet.state.totals.trainer_recoveries == 0 and fleet.state.trainer_drain is None
+    [finished] = fleet.events("redirect_finished")
+    assert (finished["moved_roles"], finished["in_recovery"]) == ({"trainer": {"0": "c", "1": "c"}}, False)
 
 
 def test_a_drain_whose_recovery_stays_on_the_drained_host_is_not_finished(monkeypatch):

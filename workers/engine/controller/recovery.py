@@ -110,17 +110,21 @@ class TrainerRecovery:
         """A new trainer mesh, started and back at the last checkpoint with the rest of the run; its failure
         meanwhile (TrainerLost), or None."""
         try:
-            while True:
-                try:
-                    self.trainer.launch()
-                    break
-                except HostsUnreachable:  # it died meanwhile: the probe finds it lost now, and the trainer goes elsewhere
-                    self.supervisor.check_hosts(now=True)
+            self.launch_trainer()
             self.trainer.await_started()
             self.restore(self.state.last_checkpoint)
         except TrainerLost as lost:
             return lost.failure
         return None
+
+    def launch_trainer(self) -> None:
+        """Spawn a new trainer mesh on the first of its hosts still there."""
+        while True:
+            try:
+                self.trainer.launch()
+                return
+            except HostsUnreachable:  # it died meanwhile: the probe finds it lost now, and the trainer goes elsewhere
+                self.supervisor.check_hosts(now=True)
 
     def move_trainer(self, *, drain: TrainerDrain, path: str) -> None:
         """The operator drained a host of the trainer's: respawn the mesh on undrained hosts and load the checkpoint
@@ -129,7 +133,7 @@ class TrainerRecovery:
         started, trainer = time.monotonic(), self.trainer
         trainer.leave_group()
         trainer.stop()
-        trainer.launch()
+        self.launch_trainer()
         trainer.await_started()
         trainer.load(path)
         self.finish_drain(drain=drain, path=path, since=started, in_recovery=False)

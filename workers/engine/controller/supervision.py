@@ -82,7 +82,9 @@ class Supervisor:
         self.recorder.event("message", step=self.state.step, text=f"{reason}: its procs are lost")
         if self.control is not None and name == self.control.host:  # noticed now; restored from the last checkpoint on the next dataset or buffer call
             self.control.detect(f"{reason}: the dataset and replay buffer ran there")
-        if name in self.placer.trainer_hosts:  # noticed now; restored once the controller next needs the trainer
+        # noticed now; restored once the controller next needs the trainer (a stopped mesh, or one not spawned yet, is
+        # no failure: a relaunch goes elsewhere)
+        if self.trainer.running and name in self.placer.trainer_hosts:
             self.trainer.detect(CallFailed(f"host {self.hosts.describe(name)} of the trainer was lost", hung=False))
         for group in self.groups.values():
             live = group.live()
