@@ -17,6 +17,8 @@ from __future__ import annotations
 import pickle
 import random
 import shutil
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,8 @@ from workers.engine.fields import ConfigError, FieldError
 from workers.engine.sharding import load_full_state
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json", "config.json")
+STATE_KEYS = ("model", "optimizer", "scheduler", "rng", "progress")  # what `save_checkpoint` writes in trainer.pt
+_ANOTHER = "name another checkpoint (an earlier step_N folder of that run, say)"  # a refused trainer.pt's remedy
 
 
 def rng_state() -> dict[str, Any]:
@@ -115,18 +119,26 @@ def load_checkpoint(
 
     `recipe`: the resuming run's; a checkpoint its checkpoint.json does not say this recipe wrote is a ConfigError,
     before anything is loaded (and one whose progress is the other recipe's, before a state is). A trainer.pt that
-    is not plain data is a ConfigError before anything in it is built (weights_only refuses it as it meets it).
-    Either names `field`: the one that named the checkpoint (`checkpoint_folders.resume_field`)."""
-    folder = resolve_checkpoint(path)
+    is not plain data is a ConfigError before anything in it is built (weights_only refuses it as it meets it), and so
+    is one that is damaged (`_state_file_problem`) or holds states these objects cannot take (`_state_problem`,
+    `_model_misfit`), before any of them is changed. Each names `field`: the one that named the checkpoint
+    (`checkpoint_folders.resume_field`)."""
+    folder = find_checkpoint(path, field=field)
     if recipe is not None:
         check_resume_recipe(folder, recipe=recipe, field=field)
-    try:
-        state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:  # what weights_only refuses: a global it does not allow, an opcode it does not read
-        raise _not_plain_data(folder, field=field) from None
+    _check_state_file(folder, field=field)
+    state = _read_state(folder, field=field)
+    if problem := _state_problem(state, optimizer=optimizer, scheduler=scheduler):
+        raise _refusal(folder, field=field, problem=f"holds states this run cannot take ({problem})")
+    if problem := _model_misfit(state["model"], model):
+        raise _refusal(folder, field=field, problem=f"holds the weights of another model than model.path's ({problem})",
+                       remedy="resume it with model.path the model its run trained")
     if recipe is not None:
         check_resume_recipe(folder, recipe=recipe, progress=state["progress"], field=field)
-    load_full_state(model, optimizer, model_state=state["model"], optimizer_state=state["optimizer"])
+    try:
+        load_full_state(model, optimizer, model_state=state["model"], optimizer_state=state["optimizer"])
+    except (ValueError, KeyError, TypeError) as exc:  # the optimizer's state, which torch's loader checks as it goes
+        raise _refusal(folder, field=field, problem=f"holds an optimizer state this run cannot take ({exc})") from None
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
     if restore_rng:
@@ -135,18 +147,155 @@ def load_checkpoint(
 
 
 def check_plain_data(path: str | Path, *, field: str) -> None:
-    """ConfigError on `field` unless the checkpoint's trainer.pt is plain data, told from its pickle without loading
-    anything (what a Monarch run's controller checks before its trainer ranks load it)."""
-    folder = resolve_checkpoint(path)
+    """ConfigError on `field` unless the checkpoint's trainer.pt is whole (`_state_file_problem`) and plain data, told
+    from its pickle before anything is built, and then holds the states a run loads (`_state_problem`, but for the
+    model's, which need the model): what a Monarch run's controller checks before its trainer ranks load it. The
+    tensors are mapped from the file, not read into memory."""
+    folder = find_checkpoint(path, field=field)
+    _check_state_file(folder, field=field)
     try:
         unsafe = get_unsafe_globals_in_checkpoint(folder / STATE_FILE)
-    except ValueError:  # not the zip torch.save writes: an older format, or not torch's at all
-        raise ConfigError([FieldError(field, f"{folder / STATE_FILE} is not a checkpoint this engine wrote (the zip "
-                                             "torch.save writes)")]) from None
     except (pickle.UnpicklingError, EOFError):  # an opcode torch.save never writes
         raise _not_plain_data(folder, field=field, unsafe=[]) from None
+    except (RuntimeError, ValueError) as exc:  # torch's reader refuses what Python's zip reader took
+        raise _refusal(folder, field=field, problem=f"is damaged (torch cannot read it: {_first_line(exc)})") from None
     if unsafe:
         raise _not_plain_data(folder, field=field, unsafe=unsafe)
+    state = _read_state(folder, field=field, mmap=True)
+    if problem := _state_problem(state, optimizer=None, scheduler=None):
+        raise _refusal(folder, field=field, problem=f"holds states this run cannot take ({problem})")
+
+
+def find_checkpoint(path: str | Path, *, field: str) -> Path:
+    """`resolve_checkpoint`, with a path that holds no checkpoint a ConfigError on `field`."""
+    try:
+        return resolve_checkpoint(path)
+    except FileNotFoundError as exc:
+        raise ConfigError([FieldError(field, f"{exc} (a step_N folder that holds a {STATE_FILE} file, or a folder "
+                                             "of them)")]) from None
+
+
+def _refusal(folder: Path, *, field: str, problem: str, remedy: str = _ANOTHER) -> ConfigError:
+    return ConfigError([FieldError(field, f"{folder / STATE_FILE} {problem}; it is not loaded: {remedy}")])
+
+
+def _read_state(folder: Path, *, field: str, mmap: bool = False) -> Any:
+    """trainer.pt loaded as data only, once `_check_state_file` found it whole (`mmap`: its tensors mapped from the
+    file, not read)."""
+    try:
+        return torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError:  # what weights_only refuses: a global it does not allow, an opcode it does not read
+        raise _not_plain_data(folder, field=field) from None
+    except (RuntimeError, OSError, EOFError) as exc:  # a tensor's data its pickle names that the zip does not hold
+        raise _refusal(folder, field=field, problem=f"is damaged (torch cannot read it: {_first_line(exc)})") from None
+
+
+def _first_line(exc: Exception) -> str:
+    """What torch says went wrong: its first sentence (its messages go on about where to report it)."""
+    text = str(exc).strip()
+    return text.splitlines()[0].split(". ")[0].removesuffix(".") if text else type(exc).__name__
+
+
+def _check_state_file(folder: Path, *, field: str) -> None:
+    """ConfigError on `field` when trainer.pt is not whole as torch.save writes it (`_state_file_problem`)."""
+    if problem := _state_file_problem(folder / STATE_FILE):
+        raise _refusal(folder, field=field, problem=problem)
+
+
+def _state_file_problem(state_file: Path) -> str | None:
+    """Why `state_file` is not the zip torch.save writes (one folder's members, stored, holding data.pkl), whole: each
+    member read through once and matched against its checksum, which torch's own reader never checks (a flipped byte
+    in a tensor would load as a wrong weight). None when it is."""
+    not_ours = "is not a checkpoint this engine wrote (the zip torch.save writes"
+    try:
+        with zipfile.ZipFile(state_file) as archive:
+            members = archive.infolist()
+            top = members[0].filename.split("/", 1)[0] if members else ""
+            names = {member.filename for member in members}
+            if not {f"{top}/data.pkl", f"{top}/version"} <= names or any(not n.startswith(f"{top}/") for n in names):
+                return f"{not_ours}, with a data.pkl and a version in one folder, and {_first(sorted(names))} is not)"
+            if compressed := [m.filename for m in members if m.compress_type != zipfile.ZIP_STORED]:
+                return f"{not_ours}, and its member {compressed[0]} is compressed)"
+            damaged = archive.testzip()
+    except zipfile.BadZipFile:
+        with open(state_file, "rb") as file:
+            start = file.read(4)
+        if start == b"PK\x03\x04":  # a zip's first member: one cut short before its directory, or damaged there
+            return "is damaged (a zip that ends before its directory: a copy or a save cut short?)"
+        return f"{not_ours}, and {'it is empty' if not start else 'it is not a zip'})"
+    except (zlib.error, EOFError, NotImplementedError, ValueError) as exc:
+        return f"is damaged (its members cannot be read: {type(exc).__name__}: {exc})"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if damaged is not None:
+        return f"is damaged (its member {damaged} does not match its checksum: a copy or a disk changed it?)"
+    return None
+
+
+def _state_problem(state: Any, *, optimizer: torch.optim.Optimizer | None,
+                   scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> str | None:
+    """Why `state` (trainer.pt's, loaded) is not what `save_checkpoint` writes for these objects: the dict of
+    `STATE_KEYS`, RNG states, an optimizer state of the parts torch's loader reads, a scheduler state of this
+    scheduler's keys (the optimizer and scheduler are checked only when given; the model's, by `_model_misfit`). None
+    when it is."""
+    if not isinstance(state, dict):
+        return f"a {type(state).__name__}, not a dict of {', '.join(STATE_KEYS)}"
+    if missing := [key for key in STATE_KEYS if key not in state]:
+        return f"no {', '.join(missing)}"
+    if not_dicts := [key for key in STATE_KEYS if not isinstance(state[key], dict)]:
+        return f"{not_dicts[0]} is a {type(state[not_dicts[0]]).__name__}, not a dict"
+    if not_tensors := [str(name) for name, value in state["model"].items() if not isinstance(value, torch.Tensor)]:
+        return f"model's {_first(not_tensors)} is not a tensor"
+    if problem := _rng_problem(state["rng"]):
+        return problem
+    if optimizer is not None and (problem := _optimizer_problem(state["optimizer"], optimizer)):
+        return problem
+    if scheduler is not None and (unknown := [str(key) for key in state["scheduler"]
+                                              if key not in scheduler.state_dict()]):
+        return f"scheduler's {_first(unknown)} is not one of this run's schedule's"
+    return None
+
+
+def _optimizer_problem(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+    """Why `saved` is not an optimizer state of `optimizer`'s parameter groups (torch's loader refuses the rest)."""
+    groups = saved.get("param_groups")
+    if not isinstance(saved.get("state"), dict) or not isinstance(groups, list) or \
+            not all(isinstance(group, dict) and isinstance(group.get("params"), list) for group in groups):
+        return "optimizer is not a dict of state and param_groups, each with its params"
+    counts, expected = [len(group["params"]) for group in groups], [len(g["params"]) for g in optimizer.param_groups]
+    if counts != expected:
+        return f"optimizer's param_groups hold {counts} parameters, where this run's hold {expected}"
+    return None
+
+
+def _rng_problem(rng: dict[str, Any]) -> str | None:
+    try:
+        random.Random().setstate(rng["python"])
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return "rng.python is not a Python random state"
+    expected = torch.get_rng_state()
+    found = rng.get("torch")
+    if not isinstance(found, torch.Tensor) or found.dtype != expected.dtype or found.shape != expected.shape:
+        return f"rng.torch is not torch's random state (a {expected.dtype} tensor of {expected.numel()})"
+    return None
+
+
+def _model_misfit(saved: dict[str, torch.Tensor], model: nn.Module) -> str | None:
+    """How `saved` (a model state) does not fit `model`: the first names it lacks or does not have, or a shape it
+    disagrees on. None when it fits."""
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    if missing := [name for name in expected if name not in saved]:
+        return f"no {_first(missing)}"
+    if unexpected := [str(name) for name in saved if name not in expected]:
+        return f"{_first(unexpected)}, which it does not have"
+    for name, shape in expected.items():
+        if tuple(saved[name].shape) != shape:
+            return f"{name} of {list(saved[name].shape)}, where it has {list(shape)}"
+    return None
+
+
+def _first(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _not_plain_data(folder: Path, *, field: str, unsafe: list[str] | None = None) -> ConfigError:

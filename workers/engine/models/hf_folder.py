@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torchtitan.models.common.decoder import Decoder
 
-from workers.engine.checkpoint import load_checkpoint, resolve_checkpoint
+from workers.engine.checkpoint import find_checkpoint, load_checkpoint
 from workers.engine.models.titan import Family, build_decoder, family_of, model_config_from_hf, state_dict_adapter
 from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.precision import DTYPES
@@ -93,9 +93,9 @@ def save_pretrained(model: Decoder, hf_config: dict[str, Any], tokenizer_folder:
 
 
 def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write the checkpoint's model as an HF folder that a new run can start from (a trainer.pt that is not plain data
-    is a ConfigError on `checkpoint`, and loads nothing)."""
-    checkpoint = resolve_checkpoint(checkpoint)
+    """Write the checkpoint's model as an HF folder that a new run can start from (a path that holds none, or a
+    trainer.pt that is not plain data or is damaged, is a ConfigError on `checkpoint`, and loads nothing)."""
+    checkpoint = find_checkpoint(checkpoint, field="checkpoint")
     hf_config = read_hf_config(checkpoint)
     model = build_decoder(hf_config)
     load_checkpoint(checkpoint, model=model, restore_rng=False, field="checkpoint")
