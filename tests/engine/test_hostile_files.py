@@ -5,6 +5,7 @@ is loaded from it."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import zipfile
@@ -13,12 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tests.engine.test_checkpoint_data_only import _monarch_recovery
 from workers.engine.checkpoint import check_plain_data, load_checkpoint, save_checkpoint
 from workers.engine.cli import main as cli_main
 from workers.engine.config import ConfigError, OptimizerConfig
-from workers.engine.models.hf_folder import read_hf_config
+from workers.engine.models.hf_folder import load_pretrained, read_hf_config
 from workers.engine.models.titan import build_decoder
 from workers.engine.sharding import full_model_state, full_optimizer_state
 from workers.engine.training import build_optimizer, build_scheduler
@@ -253,3 +255,126 @@ def test_a_whole_checkpoint_loads(written: Path, tiny_qwen3: Path) -> None:
         {"step": 1, "data": {"epoch": 0, "index": 0}}
     assert optimizer.state_dict()["state"] != {} and scheduler.last_epoch == 1
     check_plain_data(written, field="checkpoint.resume_from")
+
+
+def _model_folder(tiny_qwen3: Path, tmp_path: Path) -> Path:
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_qwen3, folder)
+    return folder
+
+
+def _config_with(**changes: object) -> Callable[[Path], object]:
+    """A config.json of the tiny model with `changes` to its keys (a change of None removes that key)."""
+    def write(path: Path) -> None:
+        changed = {**json.loads(path.read_text()), **changes}
+        path.write_text(json.dumps({key: value for key, value in changed.items() if value is not None}))
+    return write
+
+
+# each hostile config.json: how to make it, and how the refusal starts after the folder's path
+HOSTILE_CONFIG: dict[str, tuple[Callable[[Path], object], str]] = {
+    "empty": (lambda f: f.write_bytes(b""), "/config.json is not JSON (Expecting value, line 1 column 1)"),
+    "NUL bytes": (lambda f: f.write_bytes(b"\0" * 8), "/config.json is not JSON (Expecting value, line 1 column 1)"),
+    "not UTF-8": (lambda f: f.write_bytes(f.read_bytes() + b"\xff"), "/config.json is not UTF-8 text (byte "),
+    "a list": (lambda f: f.write_text("[1, 2]"), "/config.json is a JSON list, not an object"),
+    "a number of 5000 digits": (lambda f: f.write_text('{"hidden_size": ' + "9" * 5000 + "}"),
+                                "/config.json is not JSON this engine can read"),
+    "too long": (lambda f: f.write_text(" " * (2 << 20) + "{}"), "/config.json is longer than 1048576 bytes"),
+    "a folder": (lambda f: (f.unlink(), f.mkdir()), " has no config.json file (the model's description)"),
+    "a dangling symlink": (lambda f: (f.unlink(), os.symlink(f.parent / "gone", f)),
+                           " has no config.json file (the model's description)"),
+    "a size that is a string": (_config_with(hidden_size="64"),
+                                ": config.json hidden_size: a whole number from 1 to 10000000, got '64'"),
+    "a huge size": (_config_with(intermediate_size=10**12),
+                    ": config.json intermediate_size: a whole number from 1 to 10000000, got 1000000000000"),
+    "no vocab_size": (_config_with(vocab_size=None), ": config.json vocab_size: a whole number from 1 to 10000000, got "
+                                                     "None"),
+    "no layers": (_config_with(num_hidden_layers=0), ": config.json num_hidden_layers: a whole number from 1 to "),
+    "positions that are a string": (_config_with(max_position_embeddings="x"),
+                                    ': config.json max_position_embeddings: a whole number from 1 to 10000000, got "x"'),
+    "an epsilon that is a string": (_config_with(rms_norm_eps="x"), ': config.json rms_norm_eps: a number above 0, got '
+                                                                    '"x"'),
+    "a negative RoPE theta": (_config_with(rope_parameters={"rope_theta": -1.0, "rope_type": "default"}),
+                              ": config.json rope_theta: a number above 0, got -1.0"),
+    "RoPE parameters that are a list": (_config_with(rope_parameters=[1]),
+                                        ": config.json rope_parameters: an object, got list"),
+    "key-value heads that do not divide the heads": (_config_with(num_key_value_heads=3), ": config.json "
+                                                     "num_key_value_heads: 3 does not divide num_attention_heads"),
+    "a model_type that is a list": (_config_with(model_type=["qwen3"]), ": unsupported model_type ['qwen3']"),
+}
+
+
+@pytest.mark.parametrize("form", HOSTILE_CONFIG)
+def test_a_hostile_config_json_is_refused_naming_the_field_of_its_folder(
+        written: Path, tiny_qwen3: Path, tmp_path: Path, form: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # each was a traceback (JSONDecodeError, UnicodeDecodeError, ValueError, AttributeError, KeyError, TypeError,
+    # IsADirectoryError, FileNotFoundError), or a model built with a size of 10^12
+    make, problem = HOSTILE_CONFIG[form]
+    folder = _model_folder(tiny_qwen3, tmp_path)
+    make(folder / "config.json")
+    with pytest.raises(ConfigError) as refused:
+        load_pretrained(folder)
+    assert [(e.field, e.message.startswith(f"{folder}{problem}")) for e in refused.value.errors] == \
+        [("model.path", True)], refused.value
+
+    step = _copy(written, tmp_path)  # an export reads the checkpoint's own config.json
+    make(step / "config.json")
+    assert cli_main(["export", "--checkpoint", str(step), "--out", str(tmp_path / "exported")]) == 2
+    printed = capsys.readouterr().err
+    assert "Traceback" not in printed and printed.splitlines()[-1].strip().startswith(f"checkpoint: {step}{problem}")
+
+
+def _safetensors_with(change: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> Callable[[Path], None]:
+    def write(path: Path) -> None:
+        save_file(change(load_file(str(path))), str(path))
+    return write
+
+
+# each hostile *.safetensors: how to make it from the model's, and how the refusal starts after the folder's path
+HOSTILE_WEIGHTS: dict[str, tuple[Callable[[Path], object], str]] = {
+    "empty": (lambda f: f.write_bytes(b""), "/model.safetensors is not a safetensors file this engine can read "
+                                            "(Error while deserializing header: header too small)"),
+    "cut short": (lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]),
+                  "/model.safetensors is not a safetensors file this engine can read"),
+    "NUL bytes": (lambda f: f.write_bytes(b"\0" * 64), "/model.safetensors is not a safetensors file this engine can "
+                                                       "read"),
+    "a header of 2^60 bytes": (lambda f: f.write_bytes((1 << 60).to_bytes(8, "little") + b"{}"),
+                               "/model.safetensors is not a safetensors file this engine can read"),
+    "a folder": (lambda f: (f.unlink(), f.mkdir()), "/model.safetensors is not a file (a folder, or a link to nothing)"),
+    "a dangling symlink": (lambda f: (f.unlink(), os.symlink(f.parent / "gone", f)),
+                           "/model.safetensors is not a file (a folder, or a link to nothing)"),
+    "a weight it does not have": (_safetensors_with(lambda state: {**state, "foo": torch.zeros(2)}),
+                                  ": the weights do not fit the model config.json describes: 'foo' is not one of its "
+                                  "weights"),
+    "a weight of another shape": (_safetensors_with(lambda state: {**state, "model.norm.weight": torch.zeros(3)}),
+                                  ": the weights do not fit the model config.json describes: norm.weight is [3], not "
+                                  "[64]"),
+    "a weight missing": (_safetensors_with(lambda state: {k: v for k, v in state.items() if k != "model.norm.weight"}),
+                         ": the weights do not fit the model config.json describes: missing ['norm.weight']"),
+}
+
+
+@pytest.mark.parametrize("form", HOSTILE_WEIGHTS)
+def test_hostile_safetensors_are_refused_naming_model_path(tiny_qwen3: Path, tmp_path: Path, form: str) -> None:
+    # each was a traceback: SafetensorError, OSError ("No such device"), FileNotFoundError, KeyError, RuntimeError
+    make, problem = HOSTILE_WEIGHTS[form]
+    folder = _model_folder(tiny_qwen3, tmp_path)
+    make(folder / "model.safetensors")
+    with pytest.raises(ConfigError) as refused:
+        load_pretrained(folder)
+    assert [(e.field, e.message.startswith(f"{folder}{problem}")) for e in refused.value.errors] == \
+        [("model.path", True)], refused.value
+
+
+def test_a_run_whose_config_json_passes_preflight_but_builds_no_model_exits_2_naming_model_path(
+        tiny_qwen3: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # preflight reads model_type and the sizes its memory check needs; a string where a number is: a TypeError
+    folder = _model_folder(tiny_qwen3, tmp_path)
+    _config_with(rms_norm_eps="x")(folder / "config.json")
+    config = tmp_path / "run.yaml"
+    config.write_text(f"recipe: sft\nmodel: {{path: '{folder}'}}\ncheckpoint: {{folder: '{tmp_path / 'ck'}'}}\n"
+                      "telemetry: {console: false}\ntrainer: {threads_per_process: 1, steps: 1}\n"
+                      "data: {max_operand: 20, eval_size: 16}\n")
+    assert cli_main(["train", "--config", str(config)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].strip() == \
+        f'model.path: {folder}: config.json rms_norm_eps: a number above 0, got "x"'

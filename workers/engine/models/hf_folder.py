@@ -9,16 +9,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torchtitan.models.common.decoder import Decoder
 
 from workers.engine.checkpoint import find_checkpoint, load_checkpoint
+from workers.engine.fields import ConfigError, FieldError
 from workers.engine.models.titan import Family, build_decoder, family_of, model_config_from_hf, state_dict_adapter
 from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.precision import DTYPES
 
 # Files of an HF folder that describe the tokenizer and generation; copied as they are.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+HF_CONFIG_MAX_BYTES = 1 << 20  # a model's config.json is a few KB
 
 
 @dataclass
@@ -30,18 +33,61 @@ class LoadedModel:
     folder: Path
 
 
-def read_hf_config(folder: str | Path) -> dict[str, Any]:
-    return json.loads((Path(folder) / "config.json").read_text())
+def read_hf_config(folder: str | Path, *, field: str = "model.path") -> dict[str, Any]:
+    """The folder's config.json, a JSON object; a ConfigError on `field` (the one that named the folder) when it is
+    missing, not a file, or not a JSON object (read no further than HF_CONFIG_MAX_BYTES)."""
+    path = Path(folder) / "config.json"
+    try:
+        if not path.is_file():
+            raise _refused(field, f"{folder} has no config.json file (the model's description)")
+        with open(path, "rb") as file:
+            raw = file.read(HF_CONFIG_MAX_BYTES + 1)
+    except OSError as exc:
+        raise _refused(field, f"cannot read {path} ({exc.strerror or exc})") from None
+    if len(raw) > HF_CONFIG_MAX_BYTES:
+        raise _refused(field, f"{path} is longer than {HF_CONFIG_MAX_BYTES} bytes: not a model's config.json")
+    try:
+        hf_config = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise _refused(field, f"{path} is not UTF-8 text (byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise _refused(field, f"{path} is not JSON ({exc.msg}, line {exc.lineno} column {exc.colno})") from None
+    except (ValueError, RecursionError):  # a number of over 4300 digits, arrays nested a thousand deep
+        raise _refused(field, f"{path} is not JSON this engine can read") from None
+    if not isinstance(hf_config, dict):
+        raise _refused(field, f"{path} is a JSON {type(hf_config).__name__}, not an object")
+    return hf_config
 
 
-def load_hf_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
+def load_hf_state_dict(folder: str | Path, *, field: str = "model.path") -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's *.safetensors files; a ConfigError on `field` for one it cannot read."""
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {folder}")
+        raise _refused(field, f"{folder} holds no *.safetensors")
     state: dict[str, torch.Tensor] = {}
     for path in files:
-        state.update(load_file(str(path)))
+        if not path.is_file():
+            raise _refused(field, f"{path} is not a file (a folder, or a link to nothing)")
+        try:
+            state.update(load_file(str(path)))
+        except SafetensorError as exc:
+            raise _refused(field, f"{path} is not a safetensors file this engine can read ({exc})") from None
+        except OSError as exc:
+            raise _refused(field, f"cannot read {path} ({exc.strerror or exc})") from None
     return state
+
+
+def decoder_for(hf_config: dict[str, Any], *, folder: Path, field: str, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> Decoder:
+    """`build_decoder`, with a config.json that describes no model it builds a ConfigError on `field`."""
+    try:
+        return build_decoder(hf_config, device=device, dtype=dtype)
+    except ValueError as exc:
+        raise _refused(field, f"{folder}: {exc}") from None
+
+
+def _refused(field: str, message: str) -> ConfigError:
+    return ConfigError([FieldError(field, message)])
 
 
 def to_hf_state_dict(model: Decoder, hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -50,14 +96,25 @@ def to_hf_state_dict(model: Decoder, hf_config: dict[str, Any]) -> dict[str, tor
 
 
 def load_hf_weights(model: Decoder, hf_config: dict[str, Any], hf_state: dict[str, torch.Tensor]) -> None:
+    """ValueError, before any weight is loaded, when `hf_state` does not fit the model config.json describes."""
     adapter = state_dict_adapter(hf_config, model.config)
-    titan_state = adapter.from_hf(dict(hf_state))
+    try:
+        titan_state = adapter.from_hf(dict(hf_state))
+    except KeyError as exc:  # a name the adapter does not know
+        raise ValueError(f"the weights do not fit the model config.json describes: {exc} is not one of its weights") \
+            from None
+    expected = model.state_dict()
+    for name, tensor in titan_state.items():
+        if name in expected and tensor.shape != expected[name].shape:
+            raise ValueError(f"the weights do not fit the model config.json describes: {name} is "
+                             f"{list(tensor.shape)}, not {list(expected[name].shape)}")
     dtype = next(model.parameters()).dtype
     titan_state = {k: v.to(dtype) for k, v in titan_state.items()}
     missing, unexpected = model.load_state_dict(titan_state, strict=False)
     # RoPE caches are non-persistent buffers; nothing else may be missing.
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+        raise ValueError(f"the weights do not fit the model config.json describes: missing {missing}, unexpected "
+                         f"{unexpected}")
 
 
 def load_pretrained(
@@ -67,13 +124,18 @@ def load_pretrained(
     dtype: str = "float32",
     device: str | torch.device = "cpu",
 ) -> LoadedModel:
+    """The model and tokenizer of an HF folder (model.path); a config.json or *.safetensors it cannot use is a
+    ConfigError on model.path."""
     folder = Path(folder)
     hf_config = read_hf_config(folder)
+    model = decoder_for(hf_config, folder=folder, field="model.path", device=device, dtype=DTYPES[dtype])
     found = family_of(hf_config)
     if family is not None and family != found:
         raise ValueError(f"{folder} holds a {found} model, the config says {family}")
-    model = build_decoder(hf_config, device=device, dtype=DTYPES[dtype])
-    load_hf_weights(model, hf_config, load_hf_state_dict(folder))
+    try:
+        load_hf_weights(model, hf_config, load_hf_state_dict(folder))
+    except ValueError as exc:
+        raise _refused("model.path", f"{folder}: {exc}") from None
     return LoadedModel(model=model, tokenizer=ChatTokenizer(folder), hf_config=hf_config, family=found, folder=folder)
 
 
@@ -96,7 +158,7 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     """Write the checkpoint's model as an HF folder that a new run can start from (a path that holds none, or a
     trainer.pt that is not plain data or is damaged, is a ConfigError on `checkpoint`, and loads nothing)."""
     checkpoint = find_checkpoint(checkpoint, field="checkpoint")
-    hf_config = read_hf_config(checkpoint)
-    model = build_decoder(hf_config)
+    hf_config = read_hf_config(checkpoint, field="checkpoint")
+    model = decoder_for(hf_config, folder=checkpoint, field="checkpoint")
     load_checkpoint(checkpoint, model=model, restore_rng=False, field="checkpoint")
     return save_pretrained(model, hf_config, checkpoint, out)

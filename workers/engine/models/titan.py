@@ -7,6 +7,8 @@ the same module trains on CPU, packs documents, and decodes with a KV cache.
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any, Literal
 
 import torch
@@ -21,6 +23,7 @@ from torchtitan.models.qwen3.model import Qwen3TransformerBlock
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
 from workers.engine.models.attention import EngineAttention
+from workers.engine.planning.shapes import MAX_SIZE, ModelShape
 
 Family = Literal["qwen3", "llama3"]
 
@@ -33,17 +36,31 @@ _NORM_INIT = {"weight": torch.nn.init.ones_}
 
 def family_of(hf_config: dict[str, Any]) -> Family:
     model_type = hf_config.get("model_type", "")
-    if model_type not in HF_MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in HF_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(HF_MODEL_TYPES)}")
     return HF_MODEL_TYPES[model_type]
 
 
+def _positive(value: Any, *, key: str) -> float:
+    """A config.json number that must be finite and above 0; ValueError naming `key` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"config.json {key}: a number above 0, got {json.dumps(value)[:40]}")
+    return float(value)
+
+
+def _mapping(hf_config: dict[str, Any], key: str) -> dict[str, Any]:
+    value = hf_config.get(key) or {}
+    if not isinstance(value, dict):
+        raise ValueError(f"config.json {key}: an object, got {type(value).__name__}")
+    return value
+
+
 def _rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
     """transformers 5 writes `rope_parameters`; older folders have rope_theta + rope_scaling."""
-    params = dict(hf_config.get("rope_parameters") or {})
+    params = dict(_mapping(hf_config, "rope_parameters"))
     if "rope_theta" not in params:
         params["rope_theta"] = hf_config.get("rope_theta", 10000.0)
-    scaling = hf_config.get("rope_scaling") or {}
+    scaling = _mapping(hf_config, "rope_scaling")
     for key, value in scaling.items():
         params.setdefault(key, value)
     if "type" in params and "rope_type" not in params:
@@ -54,8 +71,11 @@ def _rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
 def _rope_config(family: Family, hf_config: dict[str, Any], head_dim: int) -> CosSinRoPE.Config | ComplexRoPE.Config:
     params = _rope_parameters(hf_config)
     rope_type = params.get("rope_type", "default")
-    max_len = hf_config["max_position_embeddings"]
-    theta = float(params["rope_theta"])
+    max_len = hf_config.get("max_position_embeddings")
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len <= MAX_SIZE:
+        raise ValueError(f"config.json max_position_embeddings: a whole number from 1 to {MAX_SIZE}, got "
+                         f"{json.dumps(max_len)[:40]}")
+    theta = _positive(params["rope_theta"], key="rope_theta")
     if family == "qwen3":
         if rope_type != "default":
             raise ValueError(f"qwen3 rope_type {rope_type!r} is not supported")
@@ -65,25 +85,35 @@ def _rope_config(family: Family, hf_config: dict[str, Any], head_dim: int) -> Co
     if rope_type == "llama3":
         return ComplexRoPE.Config(
             dim=head_dim, max_seq_len=max_len, theta=theta, scaling="llama",
-            scaling_factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            scaling_factor=_positive(params.get("factor"), key="rope_scaling.factor"),
+            low_freq_factor=_positive(params.get("low_freq_factor"), key="rope_scaling.low_freq_factor"),
+            high_freq_factor=_positive(params.get("high_freq_factor"), key="rope_scaling.high_freq_factor"),
+            original_max_position_embeddings=int(_positive(params.get("original_max_position_embeddings"),
+                                                           key="rope_scaling.original_max_position_embeddings")),
         )
     raise ValueError(f"llama rope_type {rope_type!r} is not supported")
 
 
 def model_config_from_hf(hf_config: dict[str, Any]) -> Decoder.Config:
-    """A torchtitan Decoder config with the shapes of an HF Qwen3 / Llama config.json."""
+    """A torchtitan Decoder config with the shapes of an HF Qwen3 / Llama config.json; ValueError, naming the key, for
+    one that describes no model it builds (a size that is not a whole number from 1 to MAX_SIZE, a number that is not
+    a positive one)."""
     family = family_of(hf_config)
     if hf_config.get("attention_bias") or hf_config.get("mlp_bias"):
         raise ValueError("attention_bias / mlp_bias are not supported")
+    ModelShape.from_hf_config(hf_config)  # the sizes
     dim = hf_config["hidden_size"]
     n_heads = hf_config["num_attention_heads"]
     n_kv_heads = hf_config.get("num_key_value_heads") or n_heads
+    if n_heads % n_kv_heads:
+        raise ValueError(f"config.json num_key_value_heads: {n_kv_heads} does not divide num_attention_heads "
+                         f"{n_heads}")
     head_dim = hf_config.get("head_dim") or dim // n_heads
+    if head_dim < 2 or head_dim % 2:
+        raise ValueError(f"config.json head_dim: heads of {head_dim} values (head_dim, else hidden_size / "
+                         "num_attention_heads), and RoPE needs an even number of them")
     vocab = hf_config["vocab_size"]
-    eps = float(hf_config.get("rms_norm_eps", 1e-6))
+    eps = _positive(hf_config.get("rms_norm_eps", 1e-6), key="rms_norm_eps")
     rope = _rope_config(family, hf_config, head_dim)
 
     def norm(size: int) -> RMSNorm.Config:
