@@ -192,6 +192,12 @@ def test_gsm8k_fields_and_extractor(tmp_path: Path) -> None:
     (_sums(10), ("recipe=grpo", "data.eval_size=2", "data.train_size=9"), "data.train_size",
      "9 asked, but"),
     ([], ("recipe=grpo",), "data.path", "no rows: every line is blank"),
+    ([*_sums(2), '{"prompt": "x", "answer": ' + "9" * 5000 + "}"], ("recipe=grpo",), "data.path",
+     "line 3: a number of more than 4300 digits"),
+    (['{"prompt": "x", "answer": NaN}'], ("recipe=grpo",), "data.path", "line 1: 'answer' must be a finite number, not "
+                                                                         "nan"),
+    (['{"prompt": "x", "answer": 1e400}'], ("recipe=grpo",), "data.path", "line 1: 'answer' must be a finite number, "
+                                                                           "not inf"),
 ])
 def test_a_row_it_cannot_use_is_a_field_error_with_its_line(tmp_path: Path, tiny_qwen3: Path, rows: list,
                                                              overrides: tuple[str, ...], field: str, message: str) -> None:

@@ -13,6 +13,7 @@ DataError naming its line.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,8 @@ def extract_answer(value: Any, *, key: str, extractor: str | None, line: int) ->
     """The answer a reward compares against, from a row's answer field."""
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         raise DataError(f"'{key}' must be a string or a number, not {type(value).__name__}", line=line)
+    if isinstance(value, float) and not math.isfinite(value):  # NaN, Infinity, or a number too large for a float
+        raise DataError(f"'{key}' must be a finite number, not {value}", line=line)
     if not isinstance(value, str):
         return str(value)
     if extractor == "gsm8k":
@@ -132,6 +135,8 @@ def numbered_jsonl_problems(path: str | Path, *, data: DataConfig, needs: Needs)
                 raise DataError(f"not JSON ({exc.msg})", line=number) from None
             except RecursionError:
                 raise DataError("nested too deeply", line=number) from None
+            except ValueError:  # what Python refuses to read as a number: one of over 4300 digits
+                raise DataError("a number of more than 4300 digits", line=number) from None
             problems.append((number, problem_from_row(record, line=number, data=data, needs=needs)))
     if not problems:
         raise DataError("no rows: every line is blank")
