@@ -378,3 +378,15 @@ def test_a_run_whose_config_json_passes_preflight_but_builds_no_model_exits_2_na
     assert cli_main(["train", "--config", str(config)]) == 2
     assert capsys.readouterr().err.splitlines()[-1].strip() == \
         f'model.path: {folder}: config.json rms_norm_eps: a number above 0, got "x"'
+
+
+@pytest.mark.parametrize("where", ["out", "inside"])
+def test_an_export_whose_out_cannot_be_a_folder_exits_2_naming_out(written: Path, tmp_path: Path, where: str,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # it was a FileExistsError or NotADirectoryError traceback, once the checkpoint had loaded
+    (tmp_path / "taken").write_text("a file")
+    out = tmp_path / "taken" if where == "out" else tmp_path / "taken" / "exported"
+    assert cli_main(["export", "--checkpoint", str(written), "--out", str(out)]) == 2
+    problem = "File exists" if where == "out" else "Not a directory"
+    assert capsys.readouterr().err.splitlines()[-1].strip() == f"out: cannot make the folder {out} ({problem})"
+    assert (tmp_path / "taken").read_text() == "a file"

@@ -156,9 +156,15 @@ def save_pretrained(model: Decoder, hf_config: dict[str, Any], tokenizer_folder:
 
 def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     """Write the checkpoint's model as an HF folder that a new run can start from (a path that holds none, or a
-    trainer.pt that is not plain data or is damaged, is a ConfigError on `checkpoint`, and loads nothing)."""
+    trainer.pt that is not plain data or is damaged, is a ConfigError on `checkpoint`, and loads nothing; an `out`
+    that cannot be made a folder, one on `out`)."""
     checkpoint = find_checkpoint(checkpoint, field="checkpoint")
     hf_config = read_hf_config(checkpoint, field="checkpoint")
     model = decoder_for(hf_config, folder=checkpoint, field="checkpoint")
     load_checkpoint(checkpoint, model=model, restore_rng=False, field="checkpoint")
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file there, or on the way to it
+        raise _refused("out", f"cannot make the folder {out} ({exc.strerror or exc})") from None
     return save_pretrained(model, hf_config, checkpoint, out)
