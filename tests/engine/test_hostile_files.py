@@ -209,6 +209,11 @@ MISFIT: dict[str, tuple[Callable[[dict], object], str]] = {
                                       "scheduler, rng, progress)"),
     "no progress": (lambda state: {key: value for key, value in state.items() if key != "progress"},
                     "holds states this run cannot take (no progress)"),
+    "a step that is a string": (lambda state: _with(state, "progress", step="1"),
+                                "holds states this run cannot take (progress.step is \"1\", not a whole number of "
+                                "steps (0 or more))"),
+    "a step that is a tensor": (lambda state: _with(state, "progress", step=torch.ones(1)),
+                                "holds states this run cannot take (progress.step is \"Tensor\", not a whole number"),
     "a model that is a list": (lambda state: {**state, "model": [1]}, "holds states this run cannot take (model is a "
                                                                       "list, not a dict)"),
     "a weight that is a string": (lambda state: _with(state, "model", **{"tok_embeddings.weight": "x"}),

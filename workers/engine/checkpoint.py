@@ -28,7 +28,7 @@ from torch.serialization import get_unsafe_globals_in_checkpoint
 
 from workers.engine.checkpoint_folders import (
     STATE_FILE, check_resume_recipe, checkpoint_step, leftover_saves, list_checkpoints, resolve_checkpoint,
-    temp_folder, write_checkpoint_info,
+    shown, temp_folder, write_checkpoint_info,
 )
 from workers.engine.fields import ConfigError, FieldError
 from workers.engine.sharding import load_full_state
@@ -246,6 +246,9 @@ def _state_problem(state: Any, *, optimizer: torch.optim.Optimizer | None,
         return f"{not_dicts[0]} is a {type(state[not_dicts[0]]).__name__}, not a dict"
     if not_tensors := [str(name) for name, value in state["model"].items() if not isinstance(value, torch.Tensor)]:
         return f"model's {_first(not_tensors)} is not a tensor"
+    step = state["progress"].get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"progress.step is {shown(step)}, not a whole number of steps (0 or more)"
     if problem := _rng_problem(state["rng"]):
         return problem
     if optimizer is not None and (problem := _optimizer_problem(state["optimizer"], optimizer)):

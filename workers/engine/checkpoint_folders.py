@@ -133,9 +133,9 @@ def checkpoint_recipe(folder: Path) -> str:
         raise UnreadableInfo(f"{info} is not a JSON object")
     recipe, step = info_data.get("recipe"), info_data.get("step")
     if not isinstance(recipe, str) or recipe not in A_RUN:
-        raise UnreadableInfo(f"{info}: 'recipe' is {_shown(recipe)}, not one of {', '.join(map(repr, A_RUN))}")
+        raise UnreadableInfo(f"{info}: 'recipe' is {shown(recipe)}, not one of {', '.join(map(repr, A_RUN))}")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise UnreadableInfo(f"{info}: 'step' is {_shown(step)}, not a whole number of steps (0 or more)")
+        raise UnreadableInfo(f"{info}: 'step' is {shown(step)}, not a whole number of steps (0 or more)")
     return recipe
 
 
@@ -183,7 +183,8 @@ def _export(folder: Path) -> str:
             "(on the platform: model.artifact=run:<id>@step:<step>)")
 
 
-def _shown(value: object) -> str:
-    """A value read from a file, as JSON, cut short: it may be anything up to INFO_MAX_BYTES."""
-    text = json.dumps(value)
+def shown(value: object) -> str:
+    """A value read from a file, as JSON (what JSON cannot write, by its type's name), cut short: it may be anything up
+    to INFO_MAX_BYTES, or a checkpoint's."""
+    text = json.dumps(value, default=lambda other: type(other).__name__)
     return text if len(text) <= 40 else f"{text[:37]}..."
