@@ -197,10 +197,10 @@ def _saved_with(step: Path, change: Callable[[dict], object]) -> None:
     torch.save(change(torch.load(step / "trainer.pt", weights_only=True)), step / "trainer.pt")
 
 
-def _with(state: dict, part: str, **changes: object) -> dict:
-    """`state` with its `part` (a dict) updated by `changes`; a change of None removes that key."""
-    changed = {**state[part], **changes}
-    return {**state, part: {key: value for key, value in changed.items() if value is not None}}
+def _with(saved: dict, part: str, **changes: object) -> dict:
+    """`saved` with its `part` (a dict) updated by `changes`; a change of None removes that key."""
+    changed = {**saved[part], **changes}
+    return {**saved, part: {key: value for key, value in changed.items() if value is not None}}
 
 
 # each form of states the run cannot take: what it makes of the saved state, and what the refusal says of it
@@ -237,6 +237,15 @@ MISFIT: dict[str, tuple[Callable[[dict], object], str]] = {
     "an optimizer of other parameters": (lambda state: _with(state, "optimizer", param_groups=[]),
                                          "holds states this run cannot take (optimizer's param_groups hold [] "
                                          "parameters, where this run's hold ["),
+    "a moment of another shape": (lambda state: _with(state, "optimizer", state={
+                                      **state["optimizer"]["state"], 0: {**state["optimizer"]["state"][0],
+                                                                        "exp_avg": torch.zeros(2)}}),
+                                  "holds states this run cannot take (optimizer's exp_avg of parameter 0 is [2], where "
+                                  "the parameter is ["),
+    "the moments of a parameter it does not have": (lambda state: _with(state, "optimizer", state={
+                                                        **state["optimizer"]["state"], 999: {}}),
+                                                    "holds states this run cannot take (optimizer's state of 999 is not "
+                                                    "the moments of one of its param_groups' parameters)"),
     "a schedule that sets other attributes": (lambda state: _with(state, "scheduler", optimizer=5),
                                               "holds states this run cannot take (scheduler's optimizer is not one of "
                                               "this run's schedule's)"),

@@ -260,7 +260,9 @@ def _state_problem(state: Any, *, optimizer: torch.optim.Optimizer | None,
 
 
 def _optimizer_problem(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
-    """Why `saved` is not an optimizer state of `optimizer`'s parameter groups (torch's loader refuses the rest)."""
+    """Why `saved` is not an optimizer state of `optimizer`'s parameters: its param_groups list as many (each by an
+    index or a name), and a moment kept for one is of its shape (what torch's loader never checks: the first step
+    would fail on it)."""
     groups = saved.get("param_groups")
     if not isinstance(saved.get("state"), dict) or not isinstance(groups, list) or \
             not all(isinstance(group, dict) and isinstance(group.get("params"), list) for group in groups):
@@ -268,6 +270,17 @@ def _optimizer_problem(saved: dict[str, Any], optimizer: torch.optim.Optimizer) 
     counts, expected = [len(group["params"]) for group in groups], [len(g["params"]) for g in optimizer.param_groups]
     if counts != expected:
         return f"optimizer's param_groups hold {counts} parameters, where this run's hold {expected}"
+    if not all(isinstance(key, int | str) for group in groups for key in group["params"]):
+        return "optimizer's param_groups name a parameter by something other than an index or a name"
+    params = {key: param for group, own in zip(groups, optimizer.param_groups)
+              for key, param in zip(group["params"], own["params"])}
+    for key, moments in saved["state"].items():
+        if key not in params or not isinstance(moments, dict):
+            return f"optimizer's state of {shown(key)} is not the moments of one of its param_groups' parameters"
+        for name, value in moments.items():
+            if isinstance(value, torch.Tensor) and value.ndim and value.shape != params[key].shape:
+                return (f"optimizer's {name} of parameter {shown(key)} is {list(value.shape)}, where the parameter is "
+                        f"{list(params[key].shape)}")
     return None
 
 
