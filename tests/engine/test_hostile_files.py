@@ -89,26 +89,27 @@ def _recompressed(state_file: Path) -> None:
 
 # each damaged form: how to make it from a whole trainer.pt, and how the refusal starts after the file's path
 DAMAGED: dict[str, tuple[Callable[[Path], object], str]] = {
-    "empty": (lambda f: f.write_bytes(b""), "is not a checkpoint this engine wrote (the zip torch.save writes, and it "
-                                            "is empty)"),
+    "empty": (lambda f: f.write_bytes(b""), "is not a checkpoint this engine wrote (the zip torch.save writes; it is "
+                                            "empty)"),
     "cut short": (lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]),
                   "is damaged (a zip that ends before its directory: a copy or a save cut short?)"),
     "NUL bytes": (lambda f: f.write_bytes(b"\0" * 4096), "is not a checkpoint this engine wrote (the zip torch.save "
-                                                         "writes, and it is not a zip)"),
+                                                         "writes; it is not a zip)"),
     "a byte of a weight flipped": (lambda f: _flipped(f, "trainer/data/0"),
                                    "is damaged (its member trainer/data/0 does not match its checksum"),
     "a byte of its pickle flipped": (lambda f: _flipped(f, "trainer/data.pkl"),
                                      "is damaged (its member trainer/data.pkl does not match its checksum"),
     "other members": (lambda f: _rezipped(f, keep=lambda name: True, rename=lambda name: f"x{name}.txt"),
-                      "is not a checkpoint this engine wrote (the zip torch.save writes, with a data.pkl and a version "
-                      "in one folder"),
+                      "is not a checkpoint this engine wrote (the zip torch.save writes: a data.pkl and a version in "
+                      "one folder; it holds xtrainer/.data/serialization_id.txt"),
     "no version": (lambda f: _rezipped(f, keep=lambda name: not name.endswith("/version")),
-                   "is not a checkpoint this engine wrote (the zip torch.save writes, with a data.pkl and a version"),
+                   "is not a checkpoint this engine wrote (the zip torch.save writes: a data.pkl and a version in "
+                   "one folder; it holds trainer/.data/serialization_id"),
     "a weight's member missing": (lambda f: _rezipped(f, keep=lambda name: name != "trainer/data/0"),
                                   "is damaged (torch cannot read it: PytorchStreamReader failed locating file data/0"),
     "compressed": (_recompressed,
-                   "is not a checkpoint this engine wrote (the zip torch.save writes, and its member trainer/data.pkl "
-                   "is compressed)"),
+                   "is not a checkpoint this engine wrote (the zip torch.save writes, whose members are stored; its "
+                   "trainer/data.pkl is compressed)"),
 }
 NOT_A_FILE: dict[str, Callable[[Path], object]] = {  # a step folder whose trainer.pt is not a file holds no checkpoint
     "a folder": lambda f: f.mkdir(),

@@ -148,9 +148,9 @@ def load_checkpoint(
 
 def check_plain_data(path: str | Path, *, field: str) -> None:
     """ConfigError on `field` unless the checkpoint's trainer.pt is whole (`_state_file_problem`) and plain data, told
-    from its pickle before anything is built, and then holds the states a run loads (`_state_problem`, but for the
-    model's, which need the model): what a Monarch run's controller checks before its trainer ranks load it. The
-    tensors are mapped from the file, not read into memory."""
+    from its pickle before anything is built, and holds the parts a run loads (`_state_problem`; whether they fit the
+    model, optimizer and schedule, which it does not have, the ranks' load checks): what a Monarch run's controller
+    checks before its trainer ranks load it. The tensors are mapped from the file, not read into memory."""
     folder = find_checkpoint(path, field=field)
     _check_state_file(folder, field=field)
     try:
@@ -208,21 +208,21 @@ def _state_file_problem(state_file: Path) -> str | None:
     in a tensor would load as a wrong weight). None when it is."""
     not_ours = "is not a checkpoint this engine wrote (the zip torch.save writes"
     try:
+        with open(state_file, "rb") as file:
+            start = file.read(4)
         with zipfile.ZipFile(state_file) as archive:
             members = archive.infolist()
             top = members[0].filename.split("/", 1)[0] if members else ""
             names = {member.filename for member in members}
             if not {f"{top}/data.pkl", f"{top}/version"} <= names or any(not n.startswith(f"{top}/") for n in names):
-                return f"{not_ours}, with a data.pkl and a version in one folder, and {_first(sorted(names))} is not)"
+                return f"{not_ours}: a data.pkl and a version in one folder; it holds {_first(sorted(names))})"
             if compressed := [m.filename for m in members if m.compress_type != zipfile.ZIP_STORED]:
-                return f"{not_ours}, and its member {compressed[0]} is compressed)"
+                return f"{not_ours}, whose members are stored; its {compressed[0]} is compressed)"
             damaged = archive.testzip()
     except zipfile.BadZipFile:
-        with open(state_file, "rb") as file:
-            start = file.read(4)
         if start == b"PK\x03\x04":  # a zip's first member: one cut short before its directory, or damaged there
             return "is damaged (a zip that ends before its directory: a copy or a save cut short?)"
-        return f"{not_ours}, and {'it is empty' if not start else 'it is not a zip'})"
+        return f"{not_ours}; it is {'empty' if not start else 'not a zip'})"
     except (zlib.error, EOFError, NotImplementedError, ValueError) as exc:
         return f"is damaged (its members cannot be read: {type(exc).__name__}: {exc})"
     except OSError as exc:
