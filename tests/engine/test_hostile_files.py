@@ -1,4 +1,5 @@
-"""Files the engine reads from a place a user names or can write (a checkpoint, a model folder, a data file): each
+"""Files the engine reads from a place a user names or can write (a checkpoint's trainer.pt and config.json, a model
+folder's config.json and *.safetensors, an export's output folder; a data file's rows are test_datasets.py's): each
 damaged or hostile form is a ConfigError on the field that named it, with the reason, never a traceback, and nothing
 is loaded from it."""
 
@@ -26,7 +27,8 @@ from workers.engine.sharding import full_model_state, full_optimizer_state
 from workers.engine.training import build_optimizer, build_scheduler
 
 
-def _model_and_state(model_folder: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+def _model_and_state(
+        model_folder: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     model = build_decoder(read_hf_config(model_folder))
     optimizer = build_optimizer(model, OptimizerConfig())
     return model, optimizer, build_scheduler(optimizer, OptimizerConfig(), total_steps=10)
@@ -46,7 +48,8 @@ def written(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _member_offset(state_file: Path, name: str) -> int:
-    """Where a member's bytes start in the zip (after its local header)."""
+    """Where a member's bytes start in the zip: after its local header, 30 bytes that end with the lengths of its name
+    and of its extra field (2 bytes each, at 26 and 28), then those two."""
     with zipfile.ZipFile(state_file) as archive:
         member = archive.getinfo(name)
     raw = state_file.read_bytes()
