@@ -222,6 +222,12 @@ MISFIT: dict[str, tuple[Callable[[dict], object], str]] = {
                                                                       "list, not a dict)"),
     "a weight that is a string": (lambda state: _with(state, "model", **{"tok_embeddings.weight": "x"}),
                                   "holds states this run cannot take (model's tok_embeddings.weight is not a tensor)"),
+    "another model's checkpoint": (lambda state: _with(_with(state, "model", **{"norm.weight": torch.zeros(3)}),
+                                                       "optimizer", state={key: {**moments, "exp_avg": torch.zeros(3)}
+                                                                           for key, moments in
+                                                                           state["optimizer"]["state"].items()}),
+                                   "holds the weights of another model than model.path's (norm.weight of [3], where it "
+                                   "has [64]); it is not loaded: resume it with model.path the model its run trained"),
     "another model's weight": (lambda state: _with(state, "model", **{"norm.weight": torch.zeros(3, 3)}),
                                "holds the weights of another model than model.path's (norm.weight of [3, 3], where it "
                                "has ["),

@@ -121,18 +121,20 @@ def load_checkpoint(
     before anything is loaded (and one whose progress is the other recipe's, before a state is). A trainer.pt that
     is not plain data is a ConfigError before anything in it is built (weights_only refuses it as it meets it), and so
     is one that is damaged (`_state_file_problem`) or holds states these objects cannot take (`_state_problem`,
-    `_model_misfit`), before any of them is changed. Each names `field`: the one that named the checkpoint
+    `_model_misfit`, `_fit_problem`), before any of them is changed. Each names `field`: the one that named the checkpoint
     (`checkpoint_folders.resume_field`)."""
     folder = find_checkpoint(path, field=field)
     if recipe is not None:
         check_resume_recipe(folder, recipe=recipe, field=field)
     _check_state_file(folder, field=field)
     state = _read_state(folder, field=field)
-    if problem := _state_problem(state, optimizer=optimizer, scheduler=scheduler):
+    if problem := _state_problem(state):
         raise _refusal(folder, field=field, problem=f"holds states this run cannot take ({problem})")
     if problem := _model_misfit(state["model"], model):
         raise _refusal(folder, field=field, problem=f"holds the weights of another model than model.path's ({problem})",
                        remedy="resume it with model.path the model its run trained")
+    if problem := _fit_problem(state, optimizer=optimizer, scheduler=scheduler):
+        raise _refusal(folder, field=field, problem=f"holds states this run cannot take ({problem})")
     if recipe is not None:
         check_resume_recipe(folder, recipe=recipe, progress=state["progress"], field=field)
     try:
@@ -162,7 +164,7 @@ def check_plain_data(path: str | Path, *, field: str) -> None:
     if unsafe:
         raise _not_plain_data(folder, field=field, unsafe=unsafe)
     state = _read_state(folder, field=field, mmap=True)
-    if problem := _state_problem(state, optimizer=None, scheduler=None):
+    if problem := _state_problem(state):
         raise _refusal(folder, field=field, problem=f"holds states this run cannot take ({problem})")
 
 
@@ -232,12 +234,10 @@ def _state_file_problem(state_file: Path) -> str | None:
     return None
 
 
-def _state_problem(state: Any, *, optimizer: torch.optim.Optimizer | None,
-                   scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> str | None:
-    """Why `state` (trainer.pt's, loaded) is not what `save_checkpoint` writes for these objects: the dict of
-    `STATE_KEYS`, RNG states, an optimizer state of the parts torch's loader reads, a scheduler state of this
-    scheduler's keys (the optimizer and scheduler are checked only when given; the model's, by `_model_misfit`). None
-    when it is."""
+def _state_problem(state: Any) -> str | None:
+    """Why `state` (trainer.pt's, loaded) is not what `save_checkpoint` writes: the dict of `STATE_KEYS`, each a dict,
+    the model's of tensors, a step, RNG states (whether they fit the run's model, optimizer and schedule:
+    `_model_misfit`, `_fit_problem`). None when it is."""
     if not isinstance(state, dict):
         return f"a {type(state).__name__}, not a dict of {', '.join(STATE_KEYS)}"
     if missing := [key for key in STATE_KEYS if key not in state]:
@@ -249,8 +249,13 @@ def _state_problem(state: Any, *, optimizer: torch.optim.Optimizer | None,
     step = state["progress"].get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         return f"progress.step is {shown(step)}, not a whole number of steps (0 or more)"
-    if problem := _rng_problem(state["rng"]):
-        return problem
+    return _rng_problem(state["rng"])
+
+
+def _fit_problem(state: dict[str, Any], *, optimizer: torch.optim.Optimizer | None,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> str | None:
+    """Why `state`'s optimizer and scheduler states (of a state `_state_problem` passed) do not fit these (each
+    checked when given). None when they do."""
     if optimizer is not None and (problem := _optimizer_problem(state["optimizer"], optimizer)):
         return problem
     if scheduler is not None and (unknown := [str(key) for key in state["scheduler"]
