@@ -150,12 +150,14 @@ def fetched(inbox: Any) -> list[tuple[int, int]]:
 
 
 def fake_group(role: str, hosts: FakeHosts, placement: list[str], *, per_host: int | None = None,
-               spares: int = 0, **endpoints: Any) -> ReplicaGroup:
+               spares: int = 0, setup_timeout_s: float = FailoverConfig().setup_timeout_s,
+               **endpoints: Any) -> ReplicaGroup:
     """A started replica group of `role` with one replica on each host of `placement`."""
     inbox = (lambda procs, name: FakeActor(next(PIDS), name=name, fetch=read_publication)) \
         if role == "generator" else None
     group = ReplicaGroup(role, spawn_actor=lambda procs, name: FakeActor(next(PIDS), name=name, **endpoints), threads=1,
-                         routing="round_robin", hosts=hosts, spares=spares, per_host=per_host, spawn_inbox=inbox)
+                         routing="round_robin", setup_timeout_s=setup_timeout_s, hosts=hosts, spares=spares,
+                         per_host=per_host, spawn_inbox=inbox)
     group.start(placement)
     return group
 

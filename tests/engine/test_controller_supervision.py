@@ -89,6 +89,35 @@ def test_failure_reports_name_the_replica_or_spare_they_are_about():
         "the dropped spare and the one used up start again"
 
 
+class NeverLoads:
+    """A spare's pid call whose model load never ends."""
+
+    def get(self, timeout: float | None = None) -> int:
+        time.sleep(min(timeout or 0, 0.01))
+        raise TimeoutError
+
+
+def test_a_spare_that_does_not_start_within_setup_timeout_s_is_dropped_saying_so_and_started_again():
+    """Before, a spare whose model load hung stayed loading for ever (and the run's start, which waits for its spares,
+    with it)."""
+    hosts = FakeHosts(["a", "b", "c"])
+    groups = {"reward": fake_group("reward", hosts, ["c"], spares=1, setup_timeout_s=0.3)}
+    fleet = controller_parts(grpo_config(), hosts, groups, trainer_hosts=["a"], control_host="c")
+    supervisor, rewards = fleet.supervisor, groups["reward"]
+    supervisor.warm_spares()
+    stuck = rewards.warming[0][0]
+    rewards.warming = [(stuck, NeverLoads())]
+    started = time.monotonic()
+    while rewards.warming:
+        supervisor.poll_spares(wait_s=0.02)
+        assert time.monotonic() - started < 3, "waited past every bound"
+    assert stuck.procs.stopped and rewards.spare_replicas() == []
+    assert [e["text"] for e in fleet.events("message")] == [
+        "a reward spare did not start within 0.3 s (failover.setup_timeout_s); another is started"]
+    supervisor.warm_spares()
+    assert len(rewards.warming) == 1 and rewards.warming[0][0] is not stuck
+
+
 def test_a_report_no_replica_explains_fails_the_control_proc_only_when_it_stops_answering():
     fleet, supervisor = _supervised()
     supervisor.reports.append(SimpleNamespace(mesh_name="dataset_9-0"))

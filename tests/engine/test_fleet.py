@@ -44,8 +44,9 @@ class FakeMesh:
 class FakeGroup(ReplicaGroup):
     """A replica group whose spawns are plain objects."""
 
-    def __init__(self, role: str, count: int):
-        super().__init__(role, spawn_actor=lambda procs, name: None, threads=1, routing="round_robin")
+    def __init__(self, role: str, count: int, *, setup_timeout_s: float = FailoverConfig().setup_timeout_s):
+        super().__init__(role, spawn_actor=lambda procs, name: None, threads=1, routing="round_robin",
+                         setup_timeout_s=setup_timeout_s)
         self.service = Service([self._fake(i, "a") for i in range(count)], routing="round_robin")
 
     def _fake(self, index: int, host: str) -> Replica:
@@ -129,6 +130,7 @@ class Loading:
         if self.error is not None:
             raise self.error
         if not self.loaded:
+            time.sleep(min(timeout or 0, 0.01))
             raise TimeoutError
         return 4242
 
@@ -136,8 +138,8 @@ class Loading:
 class SpareGroup(FakeGroup):
     """A fake group whose new replicas (spares included) load until the test says they are loaded."""
 
-    def __init__(self, role: str, count: int, *, spares: int):
-        super().__init__(role, count)
+    def __init__(self, role: str, count: int, *, spares: int = 0, setup_timeout_s: float = FailoverConfig().setup_timeout_s):
+        super().__init__(role, count, setup_timeout_s=setup_timeout_s)
         self.spares = spares
         self.loads: list[Loading] = []
 
@@ -153,7 +155,7 @@ def test_a_failed_replica_is_replaced_by_a_warm_spare_once_one_has_loaded() -> N
     failover, _ = _failover(sink)
     group = SpareGroup("generator", 2, spares=1)
     assert group.warm("a") == 1 and group.warm("a") == 0, "one spare is enough"
-    assert group.poll_spares() == [] and group.take_spare(0, "a") is None, "a spare still loading cannot serve"
+    assert group.poll_spares() == ([], []) and group.take_spare(0, "a") is None, "a spare still loading cannot serve"
 
     # no spare is ready: the replacement is spawned
     failover.detect(group, group.replicas[0], "killed", hung=False)
@@ -161,7 +163,7 @@ def test_a_failed_replica_is_replaced_by_a_warm_spare_once_one_has_loaded() -> N
     assert sink.records[-1]["name"] == "replica_replaced" and sink.records[-1]["from_spare"] is False
 
     group.loads[0].loaded = True
-    [spare] = group.poll_spares()
+    [spare], [] = group.poll_spares()
     assert spare.pids == [4242] and spare.name.startswith("generator_spare_")
     dead = group.replicas[1]
     failover.detect(group, dead, "killed", hung=False)
@@ -177,7 +179,8 @@ def test_a_spare_that_fails_to_start_is_dropped_and_started_again() -> None:
     group.warm("a")
     first = group.warming[0][0]
     group.loads[-1].error = RuntimeError("ImportError in the spare's proc")
-    assert group.poll_spares() == [] and group.spare_replicas() == [] and first.procs.stopped
+    assert group.poll_spares() == ([], ["did not start: RuntimeError: ImportError in the spare's proc"])
+    assert group.spare_replicas() == [] and first.procs.stopped
     assert group.warm("a") == 1 and group.spare_replicas()[0] is not first
 
 
@@ -196,6 +199,94 @@ def test_a_spare_is_not_taken_back_when_preparing_it_fails() -> None:
     with pytest.raises(RuntimeError):
         failover.repair({"generator": trainer_gone}, host=lambda replica: replica.host)
     assert len(group.ready_spares) == 1 and group.ready_spares[0].index == -1 and failover.pending_repairs()
+
+
+class StartingGroup(SpareGroup):
+    """A fake group whose replacements start as real ones do (`ReplicaGroup.spawn`), each loading until the test
+    says (`loads`); `fates` makes the next starts fail ("dies") or never end ("hangs")."""
+
+    spawn = ReplicaGroup.spawn
+
+    def __init__(self, role: str, count: int, *, setup_timeout_s: float, fates: list[str]):
+        super().__init__(role, count, setup_timeout_s=setup_timeout_s)
+        self.fates = fates
+        self.spawned: list[Replica] = []
+
+    def _start(self, index: int, host: str, name: str) -> Replica:
+        replica = super()._start(index, host, name)
+        fate = self.fates.pop(0) if self.fates else "loads"
+        self.loads[-1].loaded = fate == "loads"
+        self.loads[-1].error = RuntimeError("CUDA error: out of memory") if fate == "dies" else None
+        self.spawned.append(replica)
+        return replica
+
+
+NOT_STARTED = {"hangs": ("did not start within 0.3 s (failover.setup_timeout_s)", True),
+               "dies": ("did not start: RuntimeError: CUDA error: out of memory", False)}
+
+
+@pytest.mark.parametrize("fate", ["hangs", "dies"])
+def test_a_replacement_that_does_not_start_is_one_more_failure_of_the_replica_and_another_is_started(fate: str) -> None:
+    """A replacement whose model load never ends (a stuck shared filesystem) is given up at failover.setup_timeout_s,
+    one that fails as it starts at once: either is one more failure of the replica (within max_replacements), its own
+    procs stopped, and another replacement is started. Before, a hung one held the run (for 600 s, then the run
+    failed with a TimeoutError), and one that failed ended the run with its error."""
+    sink = MemorySink()
+    failover, _ = _failover(sink)
+    group = StartingGroup("reward", 1, setup_timeout_s=0.3, fates=[fate])
+    old = group.replicas[0]
+    failover.detect(group, old, "process 12 exited", hung=False, request_failed=False)
+    started = time.monotonic()
+    failover.repair({}, host=lambda replica: "b")
+    took = time.monotonic() - started
+    stuck, new = group.spawned
+    assert group.replicas[0] is new and new.pids == [4242] and group.service.routable() == [0]
+    assert old.procs.stopped and stuck.procs.stopped, "the stuck replacement's procs are stopped too"
+    assert (0.3 <= took < 2) if fate == "hangs" else took < 0.3
+    reason, hung = NOT_STARTED[fate]
+    assert [(e["replica"], e["host"], e["reason"], e["hung"]) for e in sink.events("failure_detected")] == [
+        (0, "a", "process 12 exited", False), (0, "b", f"the replacement {reason}", hung)]
+    assert _names(sink) == ["failure_detected", "failure_detected", "replica_replaced", "recovered", "recovered"]
+    assert failover.replacements == {"reward": 2} and not failover.pending_repairs()
+
+
+def test_replacements_that_never_start_end_the_run_at_max_replacements() -> None:
+    failover, _ = _failover(MemorySink(), max_replacements=2)
+    group = StartingGroup("reference", 1, setup_timeout_s=0.3, fates=["dies", "dies", "loads"])
+    failover.detect(group, group.replicas[0], "killed", hung=False)
+    with pytest.raises(ProcFailure, match=r"reference replica 0 failed and the run has used its 2 replacements for "
+                                          r"reference \(failover.max_replacements\)"):
+        failover.repair({}, host=lambda replica: "a")
+    assert all(replica.procs.stopped for replica in group.spawned) and len(group.spawned) == 2
+
+
+@pytest.mark.parametrize("fate", ["hangs", "dies"])
+def test_a_role_whose_replica_does_not_start_ends_the_run_at_its_start_naming_the_role_and_the_option(fate: str):
+    """At the run's start (the roles polled side by side) a replica whose model load never ends ends the run at
+    failover.setup_timeout_s, one that fails at once; each names the role. Before, the start waited without end."""
+    group = StartingGroup("generator", 1, setup_timeout_s=0.3, fates=["loads", fate])
+    group.launch(["a", "b"])
+    reason, _ = NOT_STARTED[fate]
+    started = time.monotonic()
+    with pytest.raises(ProcFailure) as failed:
+        while not group.await_started(wait_s=0.02):
+            assert time.monotonic() - started < 3, "waited past every bound"
+    assert str(failed.value) == f"generator replica 1 {reason}"
+    assert group.replicas[0].pids == [4242], "the replica that started"
+
+
+def test_a_spare_that_does_not_start_in_time_is_dropped_and_started_again() -> None:
+    group = StartingGroup("generator", 1, setup_timeout_s=0.3, fates=["hangs"])
+    group.spares = 1
+    group.warm("a")
+    first = group.warming[0][0]
+    started = time.monotonic()
+    while group.warming:
+        ready, failed = group.poll_spares(wait_s=0.02)
+        assert time.monotonic() - started < 3, "waited past every bound"
+    assert 0.3 <= time.monotonic() - started and ready == [] and failed == [NOT_STARTED["hangs"][0]]
+    assert first.procs.stopped and group.spare_replicas() == []
+    assert group.warm("a") == 1 and group.spare_replicas()[0] is not first
 
 
 def test_spares_on_a_drained_host_are_stopped() -> None:

@@ -438,9 +438,12 @@ class FailoverConfig(_Section):
                                    "read of the trainer's weights gets half of it (then the trainer counts as hung or lost), so "
                                    "a large model over a slow network or disk needs a longer one")
     setup_timeout_s: Annotated[float, Field(gt=0.0, le=86_400.0)] = Field(
-        default=1800.0, description="the trainer's ranks not started (spawned, joined their process group and loaded the "
-                                    "model) within this long of their launch count as hung: at the run's start the run "
-                                    "fails, in a recovery it is one more trainer failure (trainer.recover_failures). "
+        default=1800.0, description="every role's set-up: the trainer's ranks not started (spawned, joined their process "
+                                    "group and loaded the model), or a generator, reference or reward replica or spare "
+                                    "not started (its model loaded), within this long of their launch count as hung: at "
+                                    "the run's start the run fails, later it is one more failure of that role (the trainer: "
+                                    "trainer.recover_failures; a replica: failover.max_replacements; a spare is started "
+                                    "again). "
                                     "Separate from call_timeout_s, since loading a large model can take far longer than "
                                     "any call or step; it bounds a set-up that never ends (a stuck shared filesystem, a "
                                     "deadlocked rendezvous), which would hold the run's GPUs")

@@ -14,7 +14,10 @@ and replacements spawn the replica's new proc on the host they pick.
   repair   at a safe point of the controller loop: take a warm spare (`failover.warm_spares`)
            or else spawn the replacement on its host, bring it to the current policy version
            (`prepare`), check the version it reports, put it back in routing, emit
-           `replica_replaced`. Spares used up are started again in the background.
+           `replica_replaced`. Spares used up are started again in the background. A replica
+           (first, replacement or spare) whose model is not loaded within `failover.setup_timeout_s`
+           of its spawn did not start: at the run's start the run fails; a replacement that did not
+           start (or failed as it started) is one more failure of its replica; a spare is dropped.
   recovered  emitted once the failed request has been served again (retried on a healthy
            replica) and the replacement, if one was needed, serves: `time_to_detect_s` (from
            the injected fault, when a drill caused it), `time_to_recover_s` (from detection).
@@ -177,6 +180,7 @@ class Replica:
     lost_with_host: str | None = None  # why it is gone when its whole host was lost
     outstanding: int = 0  # requests sent to it and not yet awaited
     inbox: Any = None  # a generator's WeightInboxActor, on the same proc (actors/weight_inbox.py)
+    spawned_at: float = field(default_factory=time.monotonic)  # its set-up's failover.setup_timeout_s counts from here
     spawned_names: tuple[str, ...] | None = field(default=None, repr=False)  # read at the first failure report
 
     def owns(self, mesh_name: str) -> bool:
@@ -208,9 +212,10 @@ class ReplicaGroup:
     """
 
     def __init__(self, role: str, *, spawn_actor: Callable[[Any, str], Any], threads: int, routing: str,
-                 hosts: Hosts | None = None, spares: int = 0, gpus_per_proc: int = 0, per_host: int | None = None,
-                 spawn_inbox: Callable[[Any, str], Any] | None = None):
+                 setup_timeout_s: float, hosts: Hosts | None = None, spares: int = 0, gpus_per_proc: int = 0,
+                 per_host: int | None = None, spawn_inbox: Callable[[Any, str], Any] | None = None):
         self.role = role
+        self.setup_timeout_s = setup_timeout_s  # failover.setup_timeout_s: a new replica's model load that never ends
         self.gpus_per_proc = gpus_per_proc
         self.per_host = per_host  # placement.<role>.procs_per_host: the most replicas and spares on one host
         self.spawn_actor = spawn_actor  # (procs, actor name) -> actor mesh of one actor
@@ -228,22 +233,41 @@ class ReplicaGroup:
 
     def start(self, hosts: list[str]) -> None:
         self.launch(hosts)
-        self.await_started()
+        while not self.await_started(wait_s=math.inf):
+            pass
 
     def launch(self, hosts: list[str]) -> None:
         """Spawn the first replicas' procs and actors, one per host given; their models load meanwhile."""
         self.service = Service([self._spawn(index, host) for index, host in enumerate(hosts)], routing=self.routing)
         self.starting = [(replica, replica.actor.pid.call_one()) for replica in self.replicas]
 
-    def await_started(self, *, wait_s: float = 600) -> bool:
-        """Wait up to `wait_s` for the launched replicas' models to load; whether every one has."""
+    def await_started(self, *, wait_s: float) -> bool:
+        """Wait up to `wait_s` for the launched replicas' models to load; whether every one has. ProcFailure (the run's
+        start has nothing to fall back on) when one failed as it started or did not start in time (`started`)."""
         while self.starting:
             replica, pid = self.starting[0]
-            if not answered(pid, wait_s):
-                return False
-            replica.pids = [pid.get()]
+            try:
+                if not self.started(replica, pid, wait_s=wait_s):
+                    return False
+            except CallFailed as failure:
+                raise ProcFailure(f"{self.role} replica {replica.index} {failure}") from None
             self.starting.pop(0)
         return True
+
+    def started(self, replica: Replica, pid: Any, *, wait_s: float) -> bool:
+        """Whether a new replica (launched, a replacement or a spare) has started, waiting up to `wait_s`: `pid`, its
+        actor's pid call, answers once its model has loaded (then its pids are set). CallFailed when it failed as it
+        started, or (hung) when failover.setup_timeout_s has passed since its spawn (a stuck shared filesystem)."""
+        deadline = replica.spawned_at + self.setup_timeout_s
+        try:
+            if answered(pid, max(0.001, min(wait_s, deadline - time.monotonic()))):
+                replica.pids = [pid.get()]
+                return True
+        except Exception as error:  # noqa: BLE001 - a supervision error, an actor's (its model load raised)
+            raise CallFailed(f"did not start: {call_failed(error)}", hung=False) from None
+        if time.monotonic() < deadline:
+            return False
+        raise CallFailed(f"did not start within {self.setup_timeout_s:g} s (failover.setup_timeout_s)", hung=True)
 
     def _start(self, index: int, host: str, name: str) -> Replica:
         """A new proc mesh with the role's actor on `host`; its model may still be loading."""
@@ -257,12 +281,17 @@ class ReplicaGroup:
         self.incarnations += 1
         return self._start(index, host, f"{self.role}_{index}_{self.incarnations}")
 
-    def _ready(self, replica: Replica) -> None:
-        replica.pids = [replica.actor.pid.call_one().get(timeout=600)]
-
     def spawn(self, index: int, host: str) -> Replica:
+        """A new replica `index` on `host`, started. CallFailed when it did not start (`started`): its procs are
+        stopped, none of another replica's."""
         replica = self._spawn(index, host)
-        self._ready(replica)
+        pid = replica.actor.pid.call_one()
+        try:
+            while not self.started(replica, pid, wait_s=math.inf):
+                pass
+        except CallFailed:
+            self.stop(replica)
+            raise
         return replica
 
     def room(self, host: str, *, replacing: Replica | None = None) -> float:
@@ -308,21 +337,23 @@ class ReplicaGroup:
             started += 1
         return started
 
-    def poll_spares(self, *, wait_s: float = 0.001) -> list[Replica]:
-        """Spares whose model finished loading since the last poll (they are ready now)."""
-        ready, loading = [], []
+    def poll_spares(self, *, wait_s: float = 0.001) -> tuple[list[Replica], list[str]]:
+        """Spares whose model finished loading since the last poll (they are ready now), and why each spare that failed
+        to start (`started`) did: those are stopped and dropped; `warm` starts others."""
+        ready, loading, failed = [], [], []
         for spare, pid in self.warming:
             try:
-                spare.pids = [pid.get(timeout=wait_s)]
-                ready.append(spare)
-            except TimeoutError:
-                loading.append((spare, pid))
-            except Exception:  # noqa: BLE001 - a spare that failed to start is dropped; `warm` starts another
-                logger.warning("a %s spare failed to start", self.role, exc_info=True)
+                if self.started(spare, pid, wait_s=wait_s):
+                    ready.append(spare)
+                else:
+                    loading.append((spare, pid))
+            except CallFailed as failure:
+                logger.warning("a %s spare %s", self.role, failure)
+                failed.append(str(failure))
                 self.stop(spare)
         self.warming = loading
         self.ready_spares.extend(ready)
-        return ready
+        return ready, failed
 
     def take_spare(self, index: int, host: str) -> Replica | None:
         """A ready spare to serve as replica `index` (one on `host` if there is one), or None."""
@@ -447,7 +478,7 @@ class Failover:
         self.replacements: dict[str, int] = {}
         self.incidents: list[Incident] = []
         self._by_replica: dict[int, Incident] = {}  # id(replica) -> its incident
-        self._queue: list[tuple[ReplicaGroup, Replica, Incident]] = []
+        self._queue: list[tuple[ReplicaGroup, Replica, list[Incident]]] = []  # with its replacements' failed starts
         self.detect_seconds: list[float] = []
         self.recover_seconds: list[float] = []
 
@@ -479,7 +510,7 @@ class Failover:
             group.service.set_available(replica.index, False)
             if hung:
                 group.kill(replica)  # a hung proc may wake up later: make sure it does not
-            self._queue.append((group, replica, incident))
+            self._queue.append((group, replica, [incident]))
         return incident
 
     def incident_of(self, replica: Replica) -> Incident | None:
@@ -487,9 +518,11 @@ class Failover:
 
     # --- replacement ----------------------------------------------------------------
     def repair(self, prepare: dict[str, Callable[[Replica], int]], *, host: Callable[[Replica], str]) -> None:
-        """Replace queued failed replicas: spawn (on `host(old)`), bring to the current version, route to them again."""
+        """Replace queued failed replicas: spawn (on `host(old)`), bring to the current version, route to them again. A
+        replacement that does not start (it fails, or its set-up outlasts failover.setup_timeout_s) is one more failure
+        of the replica, within the same failover.max_replacements: another is started."""
         while self._queue:
-            group, replica, incident = self._queue[0]
+            group, replica, incidents = self._queue[0]
             used = self.replacements.get(group.role, 0) + 1
             if used > self.config.max_replacements:
                 raise ProcFailure(f"{group.role} replica {replica.index} failed and the run has used its "
@@ -503,6 +536,10 @@ class Failover:
                 new = spare or group.spawn(replica.index, target)
             except HostsUnreachable:  # the host died meanwhile: `host` finds it lost next time and picks another
                 continue
+            except CallFailed as failure:  # its procs are stopped already
+                self.replacements[group.role] = used
+                incidents.append(self._start_failed(group, replica, host=target, failure=failure))
+                continue
             try:
                 new.version = prepare[group.role](new) if group.role in prepare else 0
             except BaseException:  # e.g. the trainer holding the weights died: try again at the next repair
@@ -515,11 +552,23 @@ class Failover:
             self._queue.pop(0)
             self.replacements[group.role] = used
             group.service.replace(replica.index, new)
-            incident.replaced = True
             self.recorder.event("replica_replaced", step=self.step(), role=group.role, replica=replica.index,
                                 host=new.host, incarnation=new.incarnation, pids=new.pids, policy_version=new.version,
                                 from_spare=spare is not None, seconds=round(time.monotonic() - started, 3))
-            self._maybe_recovered(incident)
+            for incident in incidents:
+                incident.replaced = True
+                self._maybe_recovered(incident)
+
+    def _start_failed(self, group: ReplicaGroup, replica: Replica, *, host: str, failure: CallFailed) -> Incident:
+        """A replacement of `replica` that did not start on `host`: its failure_detected; recovered once a replacement
+        serves (no request waits for this one)."""
+        incident = Incident(group.role, replica.index, None, time.monotonic(), None, needs_replacement=True,
+                            served_again=True)
+        self.incidents.append(incident)
+        self.recorder.event("failure_detected", step=self.step(), role=group.role, replica=replica.index, host=host,
+                            fault_id=None, reason=f"the replacement {failure}"[:300], hung=failure.hung,
+                            time_to_detect_s=None)
+        return incident
 
     def pending_repairs(self) -> bool:
         return bool(self._queue)

@@ -156,6 +156,10 @@ class Supervisor:
 
     def poll_spares(self, wait_s: float = 0.001) -> None:
         for group in self.groups.values():
-            for spare in group.poll_spares(wait_s=wait_s):
+            ready, failed = group.poll_spares(wait_s=wait_s)
+            for spare in ready:
                 self.recorder.event("spare_ready", step=self.state.step, role=group.role, host=spare.host,
                                     pids=spare.pids)
+            for why in failed:
+                self.recorder.event("message", step=self.state.step,
+                                    text=f"a {group.role} spare {why}; another is started")

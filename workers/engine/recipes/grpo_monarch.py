@@ -210,6 +210,7 @@ class MonarchGrpoRun:
         group = self.groups[role] = ReplicaGroup(
             role, spawn_actor=self._actor_spawner(role), hosts=self.hosts, threads=cfg.trainer.threads_per_process,
             routing=cfg.generator.routing if role == "generator" else "round_robin", spares=cfg.failover.warm_spares,
+            setup_timeout_s=cfg.failover.setup_timeout_s,
             gpus_per_proc=rule.gpus_per_proc, per_host=rule.procs_per_host,
             spawn_inbox=(lambda procs, name: procs.spawn(name, WeightInboxActor, cfg.failover.weight_wait_s))
             if role == "generator" else None)
