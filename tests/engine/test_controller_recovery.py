@@ -600,6 +600,49 @@ def test_a_drain_whose_recovery_stays_on_the_drained_host_is_not_finished(monkey
     assert fleet.events("redirect_finished") == [] and fleet.state.totals.migrations == 0
 
 
+NOWHERE = ("the drain of host a waits: no undrained host can take the trainer: it needs 1 host(s) (2 ranks, 2 per "
+           "host), undrained: none; the trainer stays there until one can take it")
+
+
+def test_a_drain_whose_other_hosts_were_lost_leaves_the_healthy_mesh_in_place_and_waits_saying_so_once(monkeypatch):
+    """Hosts b and c are lost after host a was drained: no host can take the trainer. The checkpoint does not stop the
+    healthy mesh; the drain waits, and the run page is told why once, not at every checkpoint. Before, the move
+    relaunched the trainer onto the drained host and recorded the drain finished (in_recovery: false)."""
+    fleet, recovery, meshes = _sft_drained(monkeypatch, True)
+    first = fleet.trainer.actors
+    fleet.hosts.lost.update({"b", "c"})
+    for step in (4, 6):
+        _checkpoint_in_the_step_loop(recovery, step)
+    assert meshes == [] and fleet.trainer.actors is first and first.shutdown.calls == [], "the mesh was not stopped"
+    assert fleet.state.trainer_drain is not None and fleet.state.totals.migrations == 0
+    assert fleet.events("redirect_finished") == [] and fleet.events("failure_detected") == []
+    assert [e["text"] for e in fleet.events("message")] == [NOWHERE]
+    assert [e["step"] for e in fleet.events("checkpoint_saved")] == [4, 6]
+
+
+def test_a_drains_move_whose_only_undrained_host_dies_as_it_spawns_there_waits_on_the_drained_host(monkeypatch):
+    """Host c was lost; host b dies as the move spawns the trainer there: the relaunch can only go back to the drained
+    host. The drain is not finished there: it waits, saying why. Before, redirect_finished said the trainer had left."""
+    fleet, recovery, meshes = _sft_drained(monkeypatch, True)
+    fleet.hosts.lost.add("c")
+    relaunch = fleet.hosts.spawn_across
+
+    def spawn_across(*, hosts: list[str], **kwargs: Any) -> Any:
+        if hosts == ["b"]:
+            fleet.hosts.fail("b")
+            raise HostsUnreachable("host b stopped accepting connections while a proc was spawned there")
+        return relaunch(hosts=hosts, **kwargs)
+
+    fleet.hosts.spawn_across = spawn_across
+    _checkpoint_in_the_step_loop(recovery, 4)
+    assert len(meshes) == 1 and fleet.placer.trainer_hosts == ["a"] and meshes[0].load.calls == [("ckpt/step_000004",)]
+    assert fleet.state.trainer_drain is not None and fleet.state.totals.migrations == 0
+    assert fleet.events("redirect_finished") == [] and [e["text"] for e in fleet.events("message")] == [
+        "host b is unreachable: its procs are lost", NOWHERE]
+    _checkpoint_in_the_step_loop(recovery, 6)
+    assert len(meshes) == 1 and len(fleet.events("message")) == 2, "no second move, no second message"
+
+
 def test_a_drain_whose_move_fails_with_no_recovery_left_fails_the_run_without_saying_the_drain_finished(monkeypatch):
     fleet, recovery, meshes = _sft_drained(monkeypatch, "start", recover_failures=0)
     with pytest.raises(ProcFailure, match=r"trainer failed at step 5 \(0 recoveries allowed, trainer.recover_failures\): "

@@ -88,6 +88,8 @@ class TrainerRecovery:
         drain = state.trainer_drain
         if drain is not None and drain.host not in placer.trainer_hosts:  # the new mesh left the drained host
             self.finish_drain(drain=drain, path=state.last_checkpoint, since=failures[0].detected_at, in_recovery=True)
+        elif drain is not None:
+            self.drain_waits(drain)
 
     def stop_trainer(self, failure: CallFailed) -> Noticed:
         """Stop the failed trainer mesh for a new one (ProcFailure when `trainer.recover_failures` are spent); the
@@ -129,14 +131,31 @@ class TrainerRecovery:
     def move_trainer(self, *, drain: TrainerDrain, path: str) -> None:
         """The operator drained a host of the trainer's: respawn the mesh on undrained hosts and load the checkpoint
         just saved, so no step is lost. A mesh that fails meanwhile is TrainerLost: the step loop recovers it, and that
-        recovery finishes the drain when it leaves the drained host."""
+        recovery finishes the drain when it leaves the drained host. While no undrained host can take the trainer
+        (those up at the drain were lost since), the healthy mesh stays and the drain waits (`drain_waits`); so does
+        a move whose new hosts were lost as it spawned there, leaving only the drained one."""
         started, trainer = time.monotonic(), self.trainer
+        if self.drain_waits(drain):
+            return
         trainer.leave_group()
         trainer.stop()
         self.launch_trainer()
         trainer.await_started()
         trainer.load(path)
+        if drain.host in trainer.placer.trainer_hosts:
+            self.drain_waits(drain)
+            return
         self.finish_drain(drain=drain, path=path, since=started, in_recovery=False)
+
+    def drain_waits(self, drain: TrainerDrain) -> bool:
+        """Whether the drain must wait for a host to take the trainer (no undrained one is up); the run page is told
+        why once per drain, not at every checkpoint."""
+        refusal = self.trainer.placer.trainer_move_refusal(draining=drain.host)
+        if refusal is not None and not drain.said_waiting:
+            drain.said_waiting = True
+            self.recorder.event("message", step=self.state.step, text=(
+                f"the drain of host {drain.host} waits: {refusal}; the trainer stays there until one can take it"))
+        return refusal is not None
 
     def finish_drain(self, *, drain: TrainerDrain, path: str | None, since: float, in_recovery: bool) -> None:
         """The trainer has left the drained host (`in_recovery`: a recovery's new mesh did, the drain's own move did

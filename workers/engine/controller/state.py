@@ -38,6 +38,7 @@ class TrainerDrain:
 
     host: str
     from_hosts: list[str]  # the trainer's hosts when it was drained
+    said_waiting: bool = False  # the run page was told that no undrained host can take the trainer
 
 
 @dataclass
