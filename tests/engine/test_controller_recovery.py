@@ -520,14 +520,21 @@ def _sft_drained(monkeypatch: pytest.MonkeyPatch, *fates: bool | str, recover_fa
     return fleet, recovery, _relaunches(fleet, *fates, saved=SFT_SAVED)
 
 
-def _checkpoint_in_the_step_loop(recovery: SftRecovery, step: int) -> None:
-    """The step loop's end of a step: a checkpoint (where a drained trainer moves); a TrainerLost meanwhile, as
-    `MonarchSftRun.train` handles it."""
+def _sft_step_end(recovery: SftRecovery, control: Any = None) -> StepEnd:
+    """The end of a step as `MonarchSftRun` wires it: a drained trainer moves after the checkpoint and the commands."""
+    return StepEnd(config=recovery.config, recorder=recovery.recorder, evaluate=lambda step: None,
+                   checkpoint=recovery.checkpoint, control=control, after_checkpoint=recovery.move_drained_trainer)
+
+
+def _checkpoint_in_the_step_loop(recovery: SftRecovery, step: int, end: StepEnd | None = None) -> bool:
+    """The step loop's end of a step (`end`, else one without operator commands): a checkpoint, where a drained
+    trainer moves; a TrainerLost meanwhile, as `MonarchSftRun.train` handles it. Whether the run goes on."""
     recovery.state.step = recovery.state.policy_version = step
     try:
-        recovery.checkpoint(step)
+        return (end or _sft_step_end(recovery)).after(step)
     except TrainerLost as lost:
         recovery.recover_trainer(lost.failure)
+        return True
 
 
 def test_a_drain_whose_move_fails_half_way_is_finished_by_the_recovery_that_leaves_the_drained_host(monkeypatch):
@@ -598,6 +605,46 @@ def test_a_drain_whose_recovery_stays_on_the_drained_host_is_not_finished(monkey
     recovery.recover_trainer(CallFailed("trainer process 7 exited", hung=False))
     assert fleet.placer.trainer_hosts == ["a"] and fleet.state.trainer_drain is not None
     assert fleet.events("redirect_finished") == [] and fleet.state.totals.migrations == 0
+
+
+class Commands:
+    """The operator's commands as the step loop sees them: `cancel_at` a step's end, the run is cancelled (after a final
+    checkpoint)."""
+
+    def __init__(self, *, cancel_at: int | None = None):
+        self.cancel_at, self.seen = cancel_at, []
+
+    def between_steps(self, *, step: int, checkpoint: Callable[[], Path]) -> bool:
+        self.seen.append(step)
+        if step == self.cancel_at:
+            checkpoint()
+            return False
+        return True
+
+
+def test_a_drains_move_that_fails_at_a_checkpoint_keeps_the_checkpoint_saved_and_runs_the_operators_commands(monkeypatch):
+    """The move's new mesh fails as it starts: the checkpoint it was to load is recorded as the run's newest
+    (StepEnd.saved), and the step's operator commands still ran (before the move). Before, the TrainerLost out of the
+    checkpoint left the previous checkpoint as the newest and skipped the step's commands."""
+    fleet, recovery, meshes = _sft_drained(monkeypatch, "start", True)
+    commands = Commands()
+    end = _sft_step_end(recovery, commands)
+    assert _checkpoint_in_the_step_loop(recovery, 4, end)
+    assert end.saved == Path("ckpt/step_000004") and commands.seen == [4]
+    assert len(meshes) == 2 and fleet.placer.trainer_hosts == ["b"] and fleet.state.trainer_drain is None
+
+
+def test_a_cancel_at_a_drains_checkpoint_ends_the_run_without_moving_the_trainer(monkeypatch):
+    """The operator cancelled as the step that moves a drained trainer ended: the run ends there (its final checkpoint
+    saved), with no move to fail first. Before, the move ran inside the checkpoint, before the commands: had it failed,
+    the cancel waited for the end of the step after the recovery."""
+    fleet, recovery, meshes = _sft_drained(monkeypatch, "start", True)
+    commands = Commands(cancel_at=4)
+    end = _sft_step_end(recovery, commands)
+    assert not _checkpoint_in_the_step_loop(recovery, 4, end)
+    assert commands.seen == [4] and end.saved == Path("ckpt/step_000004") and meshes == []
+    assert [e["step"] for e in fleet.events("checkpoint_saved")] == [4, 4], "the step's, then the cancel's"
+    assert fleet.events("failure_detected") == [] and fleet.state.trainer_drain is not None
 
 
 NOWHERE = ("the drain of host a waits: no undrained host can take the trainer: it needs 1 host(s) (2 ranks, 2 per "

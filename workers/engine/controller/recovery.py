@@ -246,13 +246,16 @@ class SftRecovery(TrainerRecovery):
         return {"step": self.state.step, "policy_version": self.state.policy_version, "data": self.stream.state_dict()}
 
     def checkpoint(self, step: int) -> Path:
-        """Save; a trainer on a drained host then moves (not after the last step: the run ends there)."""
         path = self.trainer.save(step, self.progress())
         self.state.last_checkpoint = str(path)
         self.recorder.event("checkpoint_saved", step=step, path=str(path), policy_version=self.state.policy_version)
+        return path
+
+    def move_drained_trainer(self, step: int, path: Path) -> None:
+        """After the step loop's checkpoint (`StepEnd.after_checkpoint`): a trainer on a drained host moves, loading
+        it (not after the last step: the run ends there)."""
         if (drain := self.state.trainer_drain) is not None and step < self.config.trainer.steps:
             self.move_trainer(drain=drain, path=str(path))
-        return path
 
     def restore(self, path: str | None) -> None:
         progress = self.load(path) if path else self.initial_progress

@@ -122,7 +122,8 @@ class MonarchSftRun:
         if cfg.checkpoint.resume_from:
             self.recovery.resume(cfg.checkpoint.resume_from)
         self.step_end = StepEnd(config=cfg, recorder=recorder, evaluate=self.evaluate,
-                                checkpoint=self.recovery.checkpoint, control=self.control)
+                                checkpoint=self.recovery.checkpoint, control=self.control,
+                                after_checkpoint=self.recovery.move_drained_trainer)
         startup.ready()
 
     def stop(self) -> None:
