@@ -971,3 +971,19 @@ def test_every_recipe_ends_a_step_the_same_way():
     stopping.before_first(3)  # a resumed run: no eval before its first step
     assert [stopping.after(1), stopping.after(2)] == [True, False], "the operator cancelled after step 2"
     assert stopping.first_eval is None
+
+
+class CancelWithCheckpoint:
+    """RunControl's cancel as it is: a final checkpoint written through the callable it is given, then stop."""
+
+    def between_steps(self, *, step: int, checkpoint) -> bool:
+        checkpoint()
+        return False
+
+
+def test_a_cancels_final_checkpoint_is_the_runs_newest():
+    config = grpo_config(checkpoint="{every_steps: 3}", trainer="{steps: 5}")
+    end = StepEnd(config=config, recorder=Recorder([]), evaluate=lambda step: None,
+                  checkpoint=lambda step: Path(f"ckpt/{step}"), control=CancelWithCheckpoint())
+    assert end.after(2) is False
+    assert end.saved == Path("ckpt/2"), "the result names the checkpoint the cancel wrote, not none (or an older one)"

@@ -27,6 +27,12 @@ class StepEnd(Generic[EvalT]):
         self.last_eval: EvalT | None = None
         self.saved: Path | None = None  # the newest checkpoint this run wrote
 
+    def save(self, step: int) -> Path:
+        """A checkpoint of step `step`, the step loop's or one the operator asked for (a cancel's final one too): the
+        newest this run wrote."""
+        self.saved = self.checkpoint(step)
+        return self.saved
+
     def before_first(self, step: int) -> None:
         """The held-out eval at step 0, so that the first point of its curve is the model before training."""
         if self.config.eval.every_steps and step == 0:
@@ -47,8 +53,8 @@ class StepEnd(Generic[EvalT]):
             self.last_eval = self.evaluate(step)
         saved_now = None
         if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or step == last:
-            self.saved = saved_now = self.checkpoint(step)
-        if self.control is not None and not self.control.between_steps(step=step, checkpoint=lambda: self.checkpoint(step)):
+            saved_now = self.save(step)
+        if self.control is not None and not self.control.between_steps(step=step, checkpoint=lambda: self.save(step)):
             return False
         if saved_now is not None and self.after_checkpoint is not None:
             self.after_checkpoint(step, saved_now)
