@@ -20,9 +20,10 @@ from safetensors.torch import load_file, save_file
 from tests.engine.test_checkpoint_data_only import _monarch_recovery
 from workers.engine.checkpoint import check_plain_data, load_checkpoint, save_checkpoint
 from workers.engine.cli import main as cli_main
-from workers.engine.config import ConfigError, OptimizerConfig
+from workers.engine.config import ConfigError, OptimizerConfig, load_config
 from workers.engine.models.hf_folder import load_pretrained, read_hf_config
 from workers.engine.models.titan import build_decoder
+from workers.engine.preflight import preflight_errors
 from workers.engine.sharding import full_model_state, full_optimizer_state
 from workers.engine.training import build_optimizer, build_scheduler
 
@@ -414,3 +415,37 @@ def test_an_export_whose_out_cannot_be_a_folder_exits_2_naming_out(written: Path
     problem = "File exists" if where == "out" else "Not a directory"
     assert capsys.readouterr().err.splitlines()[-1].strip() == f"out: cannot make the folder {out} ({problem})"
     assert (tmp_path / "taken").read_text() == "a file"
+
+
+def _preflight_errors(folder: Path, tmp_path: Path, *overrides: str) -> list[str]:
+    config = load_config(f"recipe: sft\nmodel: {{path: '{folder}'}}\n",
+                         overrides=[f"checkpoint.folder={tmp_path / 'ck'}", "telemetry.console=false", *overrides])
+    return [str(error) for error in preflight_errors(config)]
+
+
+@pytest.mark.parametrize("form", HOSTILE_CONFIG)
+def test_preflight_refuses_every_config_json_the_model_load_refuses(tiny_qwen3: Path, tmp_path: Path,
+                                                                     form: str) -> None:
+    # preflight read only model_type and the sizes of its memory check: a config.json of no model (a string epsilon,
+    # heads that do not divide, RoPE parameters that are a list, ...) passed it, and a Monarch run spawned its procs
+    # before their load refused it
+    make, _ = HOSTILE_CONFIG[form]
+    folder = _model_folder(tiny_qwen3, tmp_path)
+    make(folder / "config.json")
+    errors = _preflight_errors(folder, tmp_path)
+    assert any(error.startswith("model.path: ") for error in errors), errors
+
+
+def test_preflight_refuses_a_config_json_of_no_model_as_the_load_does(tiny_qwen3: Path, tmp_path: Path) -> None:
+    folder = _model_folder(tiny_qwen3, tmp_path)
+    _config_with(num_key_value_heads=3)(folder / "config.json")
+    with pytest.raises(ConfigError) as refused:
+        load_pretrained(folder)
+    assert _preflight_errors(folder, tmp_path) == [str(refused.value)]
+
+
+def test_a_data_path_that_is_a_folder_is_refused_saying_so(tiny_qwen3: Path, tmp_path: Path) -> None:
+    # it said "file ... does not exist"
+    (tmp_path / "rows").mkdir()
+    assert _preflight_errors(tiny_qwen3, tmp_path, "data.source=jsonl", f"data.path={tmp_path / 'rows'}") == \
+        [f"data.path: {tmp_path / 'rows'} is a folder: name a JSONL file"]

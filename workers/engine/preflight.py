@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from workers.engine.checkpoint_folders import check_resume_recipe, latest_checkpoint
 from workers.engine.config import ConfigError, FieldError, RunConfig, check_model_folder
 from workers.engine.env import ALLOWED_PATHS_ENV, WORKERS_ENV, read_env
+from workers.engine.models.hf_config import read_hf_config
 from workers.engine.planning.shapes import BYTES_PER_VALUE, ModelShape
 from workers.engine.planning.whatif import TRAINER_STATE_BYTES_PER_PARAM, Placement, Workload, generate_requests
 from workers.engine.tasks import Problem, build_task, check_data, prompts_to_check
@@ -179,22 +180,25 @@ def preflight_report(config: RunConfig) -> PreflightReport:
     except OSError as exc:  # inside a folder that exists (one it may not read, say)
         errors.append(FieldError("model.path", _unreachable(exc, path=config.model.path or "")))
     else:
-        config_json = Path(config.model.path) / "config.json"
         try:
-            hf_config = json.loads(config_json.read_text())
-            model_type = hf_config.get("model_type")
-        except (OSError, ValueError, AttributeError) as exc:
-            errors.append(FieldError("model.path", f"cannot read {config_json}: {exc}"))
+            hf_config = read_hf_config(config.model.path)
+        except ConfigError as exc:
+            errors.extend(exc.errors)
         else:
-            family = _MODEL_TYPES.get(model_type)
+            model_type = hf_config.get("model_type")
+            family = _MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
             if family is None:
                 errors.append(FieldError("model.path", f"model_type {model_type!r} is not supported (qwen3, llama)"))
             elif family != config.model.family:
                 errors.append(FieldError("model.family", f"the folder holds a {family} model, not {config.model.family}"))
+            else:
+                errors.extend(_model_errors(config, hf_config))
             context = hf_config.get("max_position_embeddings")
             errors.extend(_context_errors(config, context))
             errors.extend(memory_errors(config, hf_config, host_bytes=host_memory_bytes()))
-    if config.data.source == "jsonl" and config.data.path and not Path(config.data.path).is_file():
+    if config.data.source == "jsonl" and config.data.path and Path(config.data.path).is_dir():
+        errors.append(FieldError("data.path", f"{config.data.path} is a folder: name a JSONL file"))
+    elif config.data.source == "jsonl" and config.data.path and not Path(config.data.path).is_file():
         errors.append(FieldError("data.path", f"file {config.data.path} does not exist"))
     elif config.data.source == "arithmetic" or config.data.path:
         checked = check_data(config)  # every row read and checked (a file it cannot read is a data.path error)
@@ -211,6 +215,21 @@ def preflight_report(config: RunConfig) -> PreflightReport:
         return PreflightReport(errors, [])
     # a usable model folder and data: their prompts in the model's tokens
     return prompt_length_checks(config, context=context if _positions(context) else None, rows=rows)
+
+
+def _model_errors(config: RunConfig, hf_config: dict) -> list[FieldError]:
+    """A config.json that describes no model the engine builds (`titan.model_config_from_hf`: its sizes, heads, norm
+    and RoPE), refused as the model's load would refuse it, before any proc starts; no weight is built. Where torchtitan
+    is not installed (the web process) this is the engine's own preflight's to check."""
+    if importlib.util.find_spec("torchtitan") is None:
+        return []
+    from workers.engine.models.titan import model_config_from_hf  # noqa: PLC0415 - torch: only once a folder passed
+
+    try:
+        model_config_from_hf(hf_config)
+    except ValueError as exc:
+        return [FieldError("model.path", f"{config.model.path}: {exc}")]
+    return []
 
 
 def preflight_errors(config: RunConfig) -> list[FieldError]:
