@@ -229,6 +229,44 @@ def test_monarch_runs_refuse_the_other_recipes_checkpoint(tiny_trainable_qwen3: 
     assert not (tmp_path / "grpo-resumed").exists() and not (tmp_path / "sft-resumed").exists()
 
 
+@pytest.mark.slow
+def test_a_checkpoint_or_model_its_ranks_refuse_ends_a_monarch_sft_run_with_the_fields_error(
+        tiny_trainable_qwen3: Path, tmp_path: Path) -> None:
+    # the ranks' refusal reached the controller as TrainerLost("the trainer did not load checkpoint ...: ActorError ...
+    # ConfigError: checkpoint.resume_from: ...") (a traceback at the run's start, and the field not the one that chose
+    # the checkpoint), or "the trainer did not start: ActorError ..." for a model folder whose weights do not fit
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from workers.engine.models.tiny import make_tiny_model
+    from workers.engine.recipes.sft_monarch import train_sft_monarch
+
+    monarch = ("placement.backend=monarch", "trainer.steps=2", "eval.every_steps=0")
+    half = make_tiny_model(tmp_path / "half", family="qwen3", hidden_size=32, intermediate_size=64)
+    own = tmp_path / "own"
+    saved = train_sft(_config(half, own, "trainer.steps=1", "eval.every_steps=0"), Recorder()).checkpoint
+    assert saved is not None
+    sink = MemorySink()
+    with pytest.raises(ConfigError) as refused:  # checkpoint.resume_latest chose it: checkpoint.folder's error
+        train_sft_monarch(_config(tiny_trainable_qwen3, own, *monarch, "checkpoint.resume_latest=true"),
+                          Recorder([sink]))
+    [error] = refused.value.errors
+    assert error.field == "checkpoint.folder"
+    assert error.message.startswith(f"{saved / 'trainer.pt'} holds the weights of another model than model.path's")
+    assert [e["text"] for e in sink.events("message")][-1:] == [
+        f"the trainer did not load checkpoint {saved}: {refused.value}; not recovered: the run ends"]
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_trainable_qwen3, model)
+    weights = load_file(str(model / "model.safetensors"))
+    save_file({**weights, "model.norm.weight": torch.zeros(3)}, str(model / "model.safetensors"))
+    with pytest.raises(ConfigError) as refused:
+        train_sft_monarch(_config(model, tmp_path / "fresh", *monarch), Recorder())
+    assert [str(e) for e in refused.value.errors] == [
+        f"model.path: {model}: the weights do not fit the model config.json describes: norm.weight is [3], not [64]"]
+
+
 def test_sft_on_monarch_is_accepted_and_its_refusals_name_the_trainer(tmp_path: Path) -> None:
     def errors(*overrides: str) -> dict[str, str]:
         with pytest.raises(ConfigError) as caught:

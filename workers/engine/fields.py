@@ -33,6 +33,10 @@ class ConfigError(Exception):
         self.errors = list(errors)
         super().__init__("; ".join(str(e) for e in self.errors))
 
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[list[FieldError]]]:
+        """Pickled by its errors (a Monarch actor's refusal reaches the controller so), not by its text."""
+        return ConfigError, (self.errors,)
+
 
 class FieldProblems(ValueError):
     """Raised by a model validator to report problems against the model's own fields."""

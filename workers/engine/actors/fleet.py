@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from monarch.actor import ActorError
+
 from workers.engine.actors.hosts import Hosts, HostsUnreachable
 from workers.engine.actors.service import Service
 from workers.engine.config import FailoverConfig
@@ -51,9 +53,10 @@ class ProcFailure(RuntimeError):
 
 
 class CallFailed(Exception):
-    def __init__(self, message: str, *, hung: bool):
+    def __init__(self, message: str, *, hung: bool, raised: BaseException | None = None):
         super().__init__(message)
         self.hung = hung
+        self.raised = raised  # what the call ended with: for an actor's exception, the one its endpoint raised
 
     @property
     def reason(self) -> str:
@@ -65,7 +68,8 @@ class CallFailed(Exception):
 
 def call_failed(error: Exception) -> CallFailed:
     """A call that ended with an error (a supervision error, an actor's exception)."""
-    return CallFailed(f"{type(error).__name__}: {str(error)[:20_000]}", hung=False)
+    return CallFailed(f"{type(error).__name__}: {str(error)[:20_000]}", hung=False,
+                      raised=error.exception if isinstance(error, ActorError) else error)
 
 
 def wait_for(future: Any, *, timeout_s: float, poll_s: float, tick: Callable[[], None],

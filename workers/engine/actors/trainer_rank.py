@@ -20,6 +20,7 @@ from workers.engine.actors.faults import FaultInjectableActor
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.actors.weight_outbox import WeightOutbox, WeightPart
 from workers.engine.checkpoint import load_checkpoint, save_checkpoint
+from workers.engine.checkpoint_folders import resume_field
 from workers.engine.config import RunConfig
 from workers.engine.data_parallel import RankShare, rank_share
 from workers.engine.env import LOCAL_RANK_ENV, MASTER_ADDR_ENV, read_env, read_number
@@ -134,7 +135,12 @@ class TrainerRankActor(FaultInjectableActor):
 
     @endpoint
     def load(self, path: str) -> dict[str, Any]:
-        return load_checkpoint(Path(path), model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        """Back to the checkpoint at `path`; one it refuses is a ConfigError on the field that named it: the run's own
+        checkpoints are checkpoint.folder's."""
+        cfg = self.config.checkpoint
+        field = resume_field(self.config) if path == cfg.resume_from else "checkpoint.folder"
+        return load_checkpoint(Path(path), model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                               field=field)
 
     @endpoint
     def shutdown(self) -> None:

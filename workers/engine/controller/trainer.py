@@ -22,6 +22,7 @@ from workers.engine.controller.incidents import Noticed, RecoveryLog
 from workers.engine.controller.placement import Placer
 from workers.engine.controller.state import RunState
 from workers.engine.controller.waits import Waits
+from workers.engine.fields import ConfigError
 from workers.engine.metrics import Recorder
 
 
@@ -148,8 +149,10 @@ class TrainerHandle:
             setup = self.waits.wait(self._setup, gone=self.gone, timeout_s=self._setup_left_s())
             pids = self.waits.wait(self._asked_pids, gone=self.gone, timeout_s=self._setup_left_s())
         except CallFailed as failure:
+            self._refused(failure, what="the trainer did not start")
             raise TrainerLost(self._setup_overdue() if failure.hung else _not_started(failure)) from None
         except Exception as error:  # noqa: BLE001 - answered() raises what the setup raised
+            self._refused(call_failed(error), what="the trainer did not start")
             raise TrainerLost(_not_started(call_failed(error))) from None
         rank0 = list(setup.values())[0]
         self.n_params, self.master_addr = rank0["n_params"], rank0["master_addr"]
@@ -343,9 +346,23 @@ class TrainerHandle:
 
     def load(self, path: str) -> dict[str, Any]:
         """Every rank back to a checkpoint; the progress saved with it. TrainerLost when a rank fails or hangs meanwhile
-        (within `failover.call_timeout_s`)."""
-        return list(self.result(self.actors.load.call(path), failing=f"the trainer did not load checkpoint {path}")
-                    .values())[0]
+        (within `failover.call_timeout_s`); the ConfigError of a checkpoint the ranks refuse (`_refused`)."""
+        failing = f"the trainer did not load checkpoint {path}"
+        try:
+            loaded = self.waits.wait(self.actors.load.call(path), gone=self.gone)
+        except CallFailed as failure:
+            self._refused(failure, what=failing)
+            raise TrainerLost(CallFailed(f"{failing}: {failure}", hung=failure.hung)) from None
+        return list(loaded.values())[0]
+
+    def _refused(self, failure: CallFailed, *, what: str) -> None:
+        """A rank refused a file a field named (a model folder, a checkpoint: `failure.raised` is its ConfigError): the
+        run ends with that field's error, as a single-process run does, and no new mesh is tried (it would read the same
+        file); said on the run page, since in a recovery the failure was detected there."""
+        if isinstance(failure.raised, ConfigError):
+            self.recorder.event("message", step=self.state.step,
+                                text=f"{what}: {failure.raised}; not recovered: the run ends")
+            raise failure.raised from None
 
     def leave_group(self) -> None:
         """Every rank leaves its process group (before the mesh is stopped); TrainerLost when one fails or hangs."""

@@ -1,0 +1,101 @@
+"""A file a field named that the trainer's ranks refuse (a checkpoint's trainer.pt, the model folder's config.json or
+*.safetensors) ends a Monarch run with that field's ConfigError, as a single-process run does, over fake hosts: at the
+run's start and in a recovery, where it is no trainer failure to retry. The refusal comes back through Monarch as an
+ActorError holding the rank's exception (test_monarch_sft's test of a refused checkpoint and model: the real one)."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+from monarch.actor import ActorError
+
+from tests.engine.fake_fleet import Done
+from tests.engine.test_controller_recovery import _recovery, _relaunches
+from workers.engine.actors.fleet import CallFailed
+from workers.engine.fields import ConfigError, FieldError
+
+CHECKPOINT = "ckpt/step_000004"
+REFUSED_CHECKPOINT = FieldError("checkpoint.folder", f"{CHECKPOINT}/trainer.pt holds the weights of another model than "
+                                                     "model.path's (tok_embeddings.weight is [320, 32], not [320, 64])")
+REFUSED_MODEL = FieldError("model.path", "/m: the weights do not fit the model config.json describes: norm.weight is "
+                                         "[3], not [64]")
+
+
+def _from_a_rank(error: FieldError, endpoint: str) -> Done:
+    """A call whose rank raised ConfigError([error]), as Monarch brings it back: an ActorError, pickled on the way."""
+    raised = ActorError(ConfigError([error]), f"Actor call trainer.{endpoint} failed.")
+    return Done(error=pickle.loads(pickle.dumps(raised)))
+
+
+def test_a_config_error_comes_back_from_a_rank_as_itself() -> None:
+    # ConfigError pickled by its text: unpickled, its errors were the text's characters ("m; o; d; e; l; ...")
+    refused = pickle.loads(pickle.dumps(ActorError(ConfigError([REFUSED_MODEL]), "Actor call trainer.setup failed.")))
+    assert isinstance(refused.exception, ConfigError)
+    assert refused.exception.errors == [REFUSED_MODEL] and str(refused.exception) == str(REFUSED_MODEL)
+
+
+def test_a_checkpoint_the_ranks_refuse_as_a_run_resumes_ends_the_run_with_its_fields_error() -> None:
+    # it was TrainerLost("the trainer did not load checkpoint ...: ActorError: ..."), outside the step loop's handler
+    # and not a ConfigError the command line reports: a traceback
+    fleet, _ = _recovery(failover="{call_timeout_s: 0.5, poll_seconds: 0.05}")
+    fleet.trainer.actors.load.call = lambda path: _from_a_rank(REFUSED_CHECKPOINT, "load")
+    with pytest.raises(ConfigError) as refused:
+        fleet.trainer.load(CHECKPOINT)
+    assert refused.value.errors == [REFUSED_CHECKPOINT]
+    assert [e["text"] for e in fleet.events("message")] == [
+        f"the trainer did not load checkpoint {CHECKPOINT}: {REFUSED_CHECKPOINT}; not recovered: the run ends"]
+
+
+@pytest.mark.parametrize("polled", [False, True])
+def test_a_model_folder_the_ranks_refuse_as_the_run_starts_ends_the_run_with_model_paths_error(polled: bool) -> None:
+    # it was TrainerLost("the trainer did not start: ActorError: ..."): SFT's blocking wait and GRPO's polled one
+    fleet, _ = _recovery(failover="{call_timeout_s: 0.5, poll_seconds: 0.05}")
+    meshes = _relaunches(fleet, True)
+    spawn = fleet.hosts.spawn_across
+
+    def refusing(**spawned: Any) -> Any:
+        procs = spawn(**spawned)
+        procs.ranks.setup.call = lambda master: _from_a_rank(REFUSED_MODEL, "setup")
+        return procs
+
+    fleet.hosts.spawn_across = refusing
+    trainer = fleet.trainer
+    trainer.launch()
+    with pytest.raises(ConfigError) as refused:
+        while not trainer.await_started(wait_s=0.02 if polled else None):
+            pass
+    assert refused.value.errors == [REFUSED_MODEL] and len(meshes) == 1
+    assert [e["text"] for e in fleet.events("message")] == [
+        f"the trainer did not start: {REFUSED_MODEL}; not recovered: the run ends"]
+
+
+@pytest.mark.parametrize(("endpoint", "error"), [("load", REFUSED_CHECKPOINT), ("setup", REFUSED_MODEL)])
+def test_a_file_the_new_meshs_ranks_refuse_in_a_recovery_ends_the_run_with_its_fields_error(
+        endpoint: str, error: FieldError, monkeypatch: pytest.MonkeyPatch) -> None:
+    # each new mesh read the same file and refused it: trainer.recover_failures more meshes, then a ProcFailure
+    # ("trainer failed at step 7 ... the trainer did not load checkpoint ...: ActorError ...")
+    from workers.engine.controller import supervision
+
+    monkeypatch.setattr(supervision, "HOST_SETTLE_S", 0.0)
+    fleet, recovery = _recovery(replicas_host="b", failover="{call_timeout_s: 0.5, poll_seconds: 0.05}",
+                                trainer="{recover_failures: 3}")
+    fleet.state.step, fleet.state.last_checkpoint = 6, CHECKPOINT
+    meshes = _relaunches(fleet, True, True, True)
+    spawn = fleet.hosts.spawn_across
+
+    def refusing(**spawned: Any) -> Any:
+        procs = spawn(**spawned)
+        getattr(procs.ranks, endpoint).call = lambda *args: _from_a_rank(error, endpoint)
+        return procs
+
+    fleet.hosts.spawn_across = refusing
+    with pytest.raises(ConfigError) as refused:
+        recovery.recover_trainer(CallFailed("trainer process 7 exited", hung=False))
+    assert refused.value.errors == [error]
+    assert len(meshes) == 1 and fleet.state.totals.trainer_recoveries == 1, "no second mesh reads the same file"
+    assert [e["reason"] for e in fleet.events("failure_detected")] == ["trainer process 7 exited"]
+    assert fleet.events("recovered") == []
+    what = f"the trainer did not load checkpoint {CHECKPOINT}" if endpoint == "load" else "the trainer did not start"
+    assert [e["text"] for e in fleet.events("message")] == [f"{what}: {error}; not recovered: the run ends"]
