@@ -234,11 +234,13 @@ def test_a_checkpoint_or_model_its_ranks_refuse_ends_a_monarch_sft_run_with_the_
         tiny_trainable_qwen3: Path, tmp_path: Path) -> None:
     # the ranks' refusal reached the controller as TrainerLost("the trainer did not load checkpoint ...: ActorError ...
     # ConfigError: checkpoint.resume_from: ...") (a traceback at the run's start, and the field not the one that chose
-    # the checkpoint), or "the trainer did not start: ActorError ..." for a model folder whose weights do not fit
+    # the checkpoint), or "the trainer did not start: ActorError ..." for a model folder whose weights do not fit; a
+    # flipped weight, which the controller's check_plain_data no longer reads, is the ranks' to refuse
     import shutil
 
     from safetensors.torch import load_file, save_file
 
+    from tests.engine.test_hostile_files import _flipped
     from workers.engine.models.tiny import make_tiny_model
     from workers.engine.recipes.sft_monarch import train_sft_monarch
 
@@ -256,6 +258,17 @@ def test_a_checkpoint_or_model_its_ranks_refuse_ends_a_monarch_sft_run_with_the_
     assert error.message.startswith(f"{saved / 'trainer.pt'} holds the weights of another model than model.path's")
     assert [e["text"] for e in sink.events("message")][-1:] == [
         f"the trainer did not load checkpoint {saved}: {refused.value}; not recovered: the run ends"]
+
+    flipped = tmp_path / "theirs" / saved.name  # a weight's byte: the controller reads no weight, the ranks refuse it
+    shutil.copytree(saved, flipped)
+    _flipped(flipped / "trainer.pt", "trainer/data/0")
+    with pytest.raises(ConfigError) as refused:
+        train_sft_monarch(_config(half, tmp_path / "resumed", *monarch, f"checkpoint.resume_from={flipped}"),
+                          Recorder())
+    [error] = refused.value.errors
+    assert error.field == "checkpoint.resume_from"
+    assert error.message.startswith(f"{flipped / 'trainer.pt'} is damaged (its member trainer/data/0 does not match "
+                                    "its checksum")
 
     model = tmp_path / "model"
     shutil.copytree(tiny_trainable_qwen3, model)

@@ -126,7 +126,7 @@ def load_checkpoint(
     folder = find_checkpoint(path, field=field)
     if recipe is not None:
         check_resume_recipe(folder, recipe=recipe, field=field)
-    _check_state_file(folder, field=field)
+    _check_state_file(folder, field=field, weights=True)
     state = _read_state(folder, field=field)
     if problem := _state_problem(state):
         raise _refusal(folder, field=field, problem=f"holds states this run cannot take ({problem})")
@@ -149,12 +149,14 @@ def load_checkpoint(
 
 
 def check_plain_data(path: str | Path, *, field: str) -> None:
-    """ConfigError on `field` unless the checkpoint's trainer.pt is whole (`_state_file_problem`) and plain data, told
-    from its pickle before anything is built, and holds the parts a run loads (`_state_problem`; whether they fit the
-    model, optimizer and schedule, which it does not have, the ranks' load checks): what a Monarch run's controller
-    checks before its trainer ranks load it. The tensors are mapped from the file, not read into memory."""
+    """ConfigError on `field` unless the checkpoint's trainer.pt is whole (`_state_file_problem`, but for its weights'
+    checksums) and plain data, told from its pickle before anything is built, and holds the parts a run loads
+    (`_state_problem`; whether they fit the model, optimizer and schedule, which it does not have, the ranks' load
+    checks): what a Monarch run's controller checks before its trainer ranks load it. The tensors are mapped from the
+    file, not read: their checksums (a read of the whole file) are the ranks' load's to check, whose refusal ends the
+    run as this one does."""
     folder = find_checkpoint(path, field=field)
-    _check_state_file(folder, field=field)
+    _check_state_file(folder, field=field, weights=False)
     try:
         unsafe = get_unsafe_globals_in_checkpoint(folder / STATE_FILE)
     except (pickle.UnpicklingError, EOFError):  # an opcode torch.save never writes
@@ -198,16 +200,17 @@ def _first_line(exc: Exception) -> str:
     return text.splitlines()[0].split(". ")[0].removesuffix(".") if text else type(exc).__name__
 
 
-def _check_state_file(folder: Path, *, field: str) -> None:
+def _check_state_file(folder: Path, *, field: str, weights: bool) -> None:
     """ConfigError on `field` when trainer.pt is not whole as torch.save writes it (`_state_file_problem`)."""
-    if problem := _state_file_problem(folder / STATE_FILE):
+    if problem := _state_file_problem(folder / STATE_FILE, weights=weights):
         raise _refusal(folder, field=field, problem=problem)
 
 
-def _state_file_problem(state_file: Path) -> str | None:
+def _state_file_problem(state_file: Path, *, weights: bool) -> str | None:
     """Why `state_file` is not the zip torch.save writes (one folder's members, stored, holding data.pkl), whole: each
     member read through once and matched against its checksum, which torch's own reader never checks (a flipped byte
-    in a tensor would load as a wrong weight). None when it is."""
+    in a tensor would load as a wrong weight); with `weights` false, all but the tensors' (its data/ members, nearly
+    all of its bytes). None when it is."""
     not_ours = "is not a checkpoint this engine wrote (the zip torch.save writes"
     try:
         with open(state_file, "rb") as file:
@@ -220,7 +223,7 @@ def _state_file_problem(state_file: Path) -> str | None:
                 return f"{not_ours}: a data.pkl and a version in one folder; it holds {_first(sorted(names))})"
             if compressed := [m.filename for m in members if m.compress_type != zipfile.ZIP_STORED]:
                 return f"{not_ours}, whose members are stored; its {compressed[0]} is compressed)"
-            damaged = archive.testzip()
+            damaged = _unmatched(archive, [m for m in members if weights or not m.filename.startswith(f"{top}/data/")])
     except zipfile.BadZipFile:
         if start == b"PK\x03\x04":  # a zip's first member: one cut short before its directory, or damaged there
             return "is damaged (a zip that ends before its directory: a copy or a save cut short?)"
@@ -231,6 +234,18 @@ def _state_file_problem(state_file: Path) -> str | None:
         return f"cannot be read ({exc.strerror or exc})"
     if damaged is not None:
         return f"is damaged (its member {damaged} does not match its checksum: a copy or a disk changed it?)"
+    return None
+
+
+def _unmatched(archive: zipfile.ZipFile, members: list[zipfile.ZipInfo]) -> str | None:
+    """The first of `members` whose bytes do not match their checksum (read through, as ZipFile.testzip reads all)."""
+    for member in members:
+        try:
+            with archive.open(member) as file:
+                while file.read(1 << 20):
+                    pass
+        except zipfile.BadZipFile:
+            return member.filename
     return None
 
 
