@@ -18,6 +18,8 @@ from typing import Any
 
 from monarch.actor import Actor, endpoint
 
+from workers.engine.fields import ConfigError
+
 
 class InjectedFault(RuntimeError):
     """Raised by a work endpoint because a `raise` fault drill armed it."""
@@ -43,9 +45,15 @@ class FaultInjectableActor(Actor):
     _delay_until = 0.0
     _latency_s = 0.0
     _bits_per_s: float | None = None
+    refused: ConfigError | None = None  # a file a field named, which the constructor could not load (`pid` raises it)
 
     @endpoint
     def pid(self) -> int:
+        """This proc's pid, which the controller asks for once the actor is built. The constructor's refusal of a file
+        a field named is raised here: from an endpoint the ConfigError itself reaches the controller (in its
+        ActorError), where a constructor's exception fails the actor, a supervision error of its text only."""
+        if self.refused is not None:
+            raise self.refused
         return os.getpid()
 
     @endpoint

@@ -6,6 +6,7 @@ from workers.engine.actors.faults import FaultInjectableActor
 from workers.engine.actors.devices import bind_proc_gpus
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.actors.weight_inbox import PublishedWeights
+from workers.engine.fields import ConfigError
 from workers.engine.training import resolve_device
 from workers.engine.sampler import Completion, SamplingParams, TorchSampler
 from workers.engine.timeline import ProcSpan, WorkSpans
@@ -20,7 +21,11 @@ class GeneratorActor(FaultInjectableActor, PublishedWeights):
 
         set_proc_threads()
         bind_proc_gpus()  # placement gpus_per_proc: CUDA shows this proc its own GPU only
-        loaded = load_pretrained(model_folder, dtype=dtype, device=resolve_device(device))
+        try:
+            loaded = load_pretrained(model_folder, dtype=dtype, device=resolve_device(device))
+        except ConfigError as refused:  # model.path's error: `pid` raises it
+            self.refused = refused
+            return
         loaded.model.eval().requires_grad_(False)
         self.sampler = TorchSampler(loaded.model, eos_token_ids=loaded.tokenizer.eos_token_ids,
                                     pad_id=loaded.tokenizer.pad_id, policy_version=0)

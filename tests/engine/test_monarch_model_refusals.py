@@ -1,0 +1,44 @@
+"""A model folder a generator or reference proc refuses (its weights do not fit its config.json): on real Monarch procs
+the actor is built, and its pid call (the controller's sign that it started) raises model.path's ConfigError, which
+reaches the controller itself inside Monarch's ActorError, where a constructor's exception failed the actor."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from workers.engine.fields import ConfigError
+
+
+@pytest.mark.slow
+def test_a_generator_or_reference_proc_that_refuses_the_model_folder_says_model_paths_error(
+        tiny_qwen3: Path, tmp_path: Path) -> None:
+    # each was a SupervisionError ("The actor ... and all its descendants have failed: ... ConfigError: ...", the
+    # text only) and an unhandled fault report
+    from monarch.actor import ActorError
+
+    from workers.engine.actors.generator import GeneratorActor
+    from workers.engine.actors.procs import spawn_procs
+    from workers.engine.actors.reference import ReferenceActor
+    from workers.engine.controller.attach import collect_fault_reports
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_qwen3, model)
+    weights = load_file(str(model / "model.safetensors"))
+    save_file({**weights, "model.norm.weight": torch.zeros(3)}, str(model / "model.safetensors"))
+    refusal = f"model.path: {model}: the weights do not fit the model config.json describes: norm.weight is [3], not [64]"
+    reports = collect_fault_reports()
+    procs = spawn_procs(1, threads=1)
+    try:
+        for name, actor in (("generator", GeneratorActor), ("reference", ReferenceActor)):
+            with pytest.raises(ActorError) as refused:
+                procs.spawn(name, actor, str(model), "float32", "cpu").pid.call_one().get(timeout=120)
+            assert isinstance(refused.value.exception, ConfigError), refused.value
+            assert [str(e) for e in refused.value.exception.errors] == [refusal]
+        assert reports == [], "no actor failed"
+    finally:
+        procs.stop().get()
