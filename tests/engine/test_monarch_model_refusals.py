@@ -39,6 +39,8 @@ def test_a_generator_or_reference_proc_that_refuses_the_model_folder_says_model_
                 procs.spawn(name, actor, str(model), "float32", "cpu").pid.call_one().get(timeout=120)
             assert isinstance(refused.value.exception, ConfigError), refused.value
             assert [str(e) for e in refused.value.exception.errors] == [refusal]
+            assert procs.spawn(f"{name}_whole", actor, str(tiny_qwen3), "float32", "cpu").pid.call_one().get(
+                timeout=120) > 0, "a whole folder's actor answers with its pid"
         assert reports == [], "no actor failed"
     finally:
         procs.stop().get()
