@@ -73,7 +73,9 @@ checked.append("JSON schema")
 with tempfile.TemporaryDirectory() as tmp:
     folder = Path(tmp, "model")
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 320, "max_position_embeddings": 512}))
     (folder / "tokenizer.json").write_text("{}")
     (folder / "model.safetensors").write_bytes(b"")
     base = f"recipe: grpo\nmodel: {{path: '{folder}', family: llama3}}\n"
@@ -81,6 +83,10 @@ with tempfile.TemporaryDirectory() as tmp:
     preflight(load_config(base))
     found = {e.field for e in preflight_errors(load_config(base, overrides=["model.family=qwen3", "generator.replicas=2"]))}
     assert {"model.family", "generator.replicas"} <= found, found
+    (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()),
+                                                    "num_key_value_heads": 3}))
+    built = {e.field: e.message for e in preflight_errors(load_config(base))}
+    assert "num_key_value_heads: 3 does not divide" in built["model.path"], built
     missing = {e.field: e.message for e in preflight_errors(load_config("recipe: sft\nmodel: {path: /no/such/folder}\n"))}
     assert "does not exist" in missing["model.path"], missing
     config_file = Path(tmp, "run.yaml")

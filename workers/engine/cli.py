@@ -9,8 +9,7 @@
 
 Config and preflight problems print one `field: message` line each and exit with code 2
 before any model is loaded or process started (what preflight only warns about prints as
-`warning: field: message`, and the run goes on). torch is imported only after that, but for
-preflight's check that the model folder's config.json describes a model it builds. A file a
+`warning: field: message`, and the run goes on). torch is imported only after that. A file a
 field names that the run refuses once it has started (a checkpoint's trainer.pt, the model's
 weights, in the process or in a Monarch trainer rank) exits with code 2 the same way.
 """

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from workers.engine.checkpoint_folders import check_resume_recipe, latest_checkpoint
 from workers.engine.config import ConfigError, FieldError, RunConfig, check_model_folder
 from workers.engine.env import ALLOWED_PATHS_ENV, WORKERS_ENV, read_env
-from workers.engine.models.hf_config import read_hf_config
+from workers.engine.models.hf_config import model_dims, read_hf_config
 from workers.engine.planning.shapes import BYTES_PER_VALUE, ModelShape
 from workers.engine.planning.whatif import TRAINER_STATE_BYTES_PER_PARAM, Placement, Workload, generate_requests
 from workers.engine.tasks import Problem, build_task, check_data, prompts_to_check
@@ -218,17 +218,12 @@ def preflight_report(config: RunConfig) -> PreflightReport:
 
 
 def _model_errors(config: RunConfig, hf_config: dict) -> list[FieldError]:
-    """A config.json that describes no model the engine builds (`titan.model_config_from_hf`: its sizes, heads, norm
-    and RoPE), refused as the model's load would refuse it, before any proc starts; no weight is built. Where torchtitan
-    is not installed (the web process) this is the engine's own preflight's to check."""
-    if importlib.util.find_spec("torchtitan") is None:
-        return []
-    from workers.engine.models.titan import model_config_from_hf  # noqa: PLC0415 - torch: only once a folder passed
-
+    """A config.json that describes no model the engine builds (`hf_config.model_dims`: its sizes, heads, norm and
+    RoPE), refused with the words of the model's load, before any proc starts."""
     try:
-        model_config_from_hf(hf_config)
+        model_dims(hf_config)
     except ValueError as exc:
-        return [FieldError("model.path", f"{config.model.path}: {exc}")]
+        return [FieldError("model.path", f"{Path(config.model.path)}: {exc}")]
     return []
 
 

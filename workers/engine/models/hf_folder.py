@@ -15,8 +15,8 @@ from torchtitan.models.common.decoder import Decoder
 
 from workers.engine.checkpoint import find_checkpoint, load_checkpoint
 from workers.engine.fields import ConfigError, FieldError
-from workers.engine.models.hf_config import read_hf_config
-from workers.engine.models.titan import Family, build_decoder, family_of, model_config_from_hf, state_dict_adapter
+from workers.engine.models.hf_config import Family, family_of, read_hf_config
+from workers.engine.models.titan import build_decoder, model_config_from_hf, state_dict_adapter
 from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.precision import DTYPES
 
