@@ -43,6 +43,7 @@ from workers.engine.actors.hosts import Hosts, HostsUnreachable
 from workers.engine.actors.service import Service
 from workers.engine.config import FailoverConfig
 from workers.engine.drills import ActiveFault, FaultInjector
+from workers.engine.fields import ConfigError
 from workers.engine.metrics import Recorder
 
 logger = logging.getLogger(__name__)
@@ -247,13 +248,16 @@ class ReplicaGroup:
 
     def await_started(self, *, wait_s: float) -> bool:
         """Wait up to `wait_s` for the launched replicas' models to load; whether every one has. ProcFailure (the run's
-        start has nothing to fall back on) when one failed as it started or did not start in time (`started`)."""
+        start has nothing to fall back on) when one failed as it started or did not start in time (`started`); the
+        ConfigError of a model folder one refused (its actor's `pid` raises it), as a single-process run's."""
         while self.starting:
             replica, pid = self.starting[0]
             try:
                 if not self.started(replica, pid, wait_s=wait_s):
                     return False
             except CallFailed as failure:
+                if isinstance(failure.raised, ConfigError):  # the model folder it refused: model.path's error
+                    raise failure.raised from None
                 raise ProcFailure(f"{self.role} replica {replica.index} {failure}") from None
             self.starting.pop(0)
         return True
@@ -268,7 +272,8 @@ class ReplicaGroup:
                 replica.pids = [pid.get()]
                 return True
         except Exception as error:  # noqa: BLE001 - a supervision error, an actor's (its model load raised)
-            raise CallFailed(f"did not start: {call_failed(error)}", hung=False) from None
+            failed = call_failed(error)
+            raise CallFailed(f"did not start: {failed}", hung=False, raised=failed.raised) from None
         if time.monotonic() < deadline:
             return False
         raise CallFailed(f"did not start within {self.setup_timeout_s:g} s (failover.setup_timeout_s)", hung=True)

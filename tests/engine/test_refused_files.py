@@ -1,7 +1,8 @@
 """A file a field named that the trainer's ranks refuse (a checkpoint's trainer.pt, the model folder's config.json or
 *.safetensors) ends a Monarch run with that field's ConfigError, as a single-process run does, over fake hosts: at the
-run's start and in a recovery, where it is no trainer failure to retry. The refusal comes back through Monarch as an
-ActorError holding the rank's exception (test_monarch_sft's test of a refused checkpoint and model: the real one)."""
+run's start and in a recovery, where it is no trainer failure to retry; and so does a model folder a generator,
+reward or reference replica refuses at the run's start. The refusal comes back through Monarch as an ActorError
+holding the rank's exception (test_monarch_sft and test_monarch_model_refusals: the real ones)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from monarch.actor import ActorError
 
 from tests.engine.fake_fleet import Done
 from tests.engine.test_controller_recovery import _recovery, _relaunches
+from tests.engine.test_fleet import StartingGroup
 from workers.engine.actors.fleet import CallFailed
 from workers.engine.fields import ConfigError, FieldError
 
@@ -99,3 +101,15 @@ def test_a_file_the_new_meshs_ranks_refuse_in_a_recovery_ends_the_run_with_its_f
     assert fleet.events("recovered") == []
     what = f"the trainer did not load checkpoint {CHECKPOINT}" if endpoint == "load" else "the trainer did not start"
     assert [e["text"] for e in fleet.events("message")] == [f"{what}: {error}; not recovered: the run ends"]
+
+
+def test_a_model_folder_a_replica_refuses_as_the_run_starts_ends_the_run_with_model_paths_error() -> None:
+    # it was ProcFailure("generator replica 1 did not start: ActorError: ... ConfigError: model.path: ..."), a
+    # traceback that named no field
+    group = StartingGroup("generator", 1, setup_timeout_s=5, fates=["loads", "dies"])
+    group.launch(["a", "b"])
+    group.loads[-1].error = _from_a_rank(REFUSED_MODEL, "pid").error
+    with pytest.raises(ConfigError) as refused:
+        while not group.await_started(wait_s=0.02):
+            pass
+    assert refused.value.errors == [REFUSED_MODEL]
