@@ -44,3 +44,26 @@ def test_a_generator_or_reference_proc_that_refuses_the_model_folder_says_model_
         assert reports == [], "no actor failed"
     finally:
         procs.stop().get()
+
+
+@pytest.mark.slow
+def test_a_monarch_grpo_run_whose_procs_refuse_the_model_folder_ends_with_model_paths_error(
+        tiny_qwen3: Path, tmp_path: Path) -> None:
+    # preflight reads no weights: the trainer ranks, the generator and the reference each refuse them; it ended with
+    # the first to answer's raw error (a SupervisionError from generator_0_1.pid() on the old code)
+    from workers.engine.config import load_config
+    from workers.engine.metrics import Recorder
+    from workers.engine.recipes.grpo_monarch import train_grpo_monarch
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_qwen3, model)
+    weights = load_file(str(model / "model.safetensors"))
+    save_file({**weights, "model.norm.weight": torch.zeros(3)}, str(model / "model.safetensors"))
+    config = load_config(f"recipe: grpo\nmodel: {{path: '{model}'}}\n", overrides=[
+        "data.max_operand=20", "data.eval_size=8", "trainer.batch_size=2", "grpo.group_size=2",
+        "generator.max_new_tokens=4", "eval.every_steps=0", "telemetry.console=false", "trainer.threads_per_process=1",
+        "placement.backend=monarch", "trainer.steps=1", "reference.enabled=true", f"checkpoint.folder={tmp_path / 'ck'}"])
+    with pytest.raises(ConfigError) as refused:
+        train_grpo_monarch(config, Recorder())
+    assert [str(e) for e in refused.value.errors] == [
+        f"model.path: {model}: the weights do not fit the model config.json describes: norm.weight is [3], not [64]"]
