@@ -398,6 +398,15 @@ def test_hostile_safetensors_are_refused_naming_model_path(tiny_qwen3: Path, tmp
         [("model.path", True)], refused.value
 
 
+def test_a_model_folder_of_another_family_is_refused_on_model_family_as_preflight_says_it(tiny_qwen3: Path,
+                                                                                          tmp_path: Path) -> None:
+    # a ValueError: a traceback from a Monarch rank or proc whose folder changed after preflight
+    with pytest.raises(ConfigError) as refused:
+        load_pretrained(tiny_qwen3, family="llama3")
+    assert [str(e) for e in refused.value.errors] == ["model.family: the folder holds a qwen3 model, not llama3"]
+    assert _preflight_errors(tiny_qwen3, tmp_path, "model.family=llama3") == [str(refused.value)]
+
+
 def test_a_run_whose_config_json_passes_preflight_but_builds_no_model_exits_2_naming_model_path(
         tiny_qwen3: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # preflight reads model_type and the sizes its memory check needs; a string where a number is: a TypeError

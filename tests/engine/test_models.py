@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from workers.engine.fields import ConfigError
 from workers.engine.models.hf_folder import load_hf_state_dict, load_pretrained, save_pretrained
 from workers.engine.models.tiny import make_tiny_model
 
@@ -31,7 +32,7 @@ def test_logits_equal_transformers(tmp_path: Path, family: str, tied: bool) -> N
 
 
 def test_family_mismatch_is_refused(tiny_llama3: Path) -> None:
-    with pytest.raises(ValueError, match="llama3 model"):
+    with pytest.raises(ConfigError, match="^model.family: the folder holds a llama3 model, not qwen3$"):
         load_pretrained(tiny_llama3, family="qwen3")
 
 

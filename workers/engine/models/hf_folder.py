@@ -99,13 +99,14 @@ def load_pretrained(
     device: str | torch.device = "cpu",
 ) -> LoadedModel:
     """The model and tokenizer of an HF folder (model.path); a config.json or *.safetensors it cannot use is a
-    ConfigError on model.path."""
+    ConfigError on model.path, a model of another family than `family` (model.family's) one on model.family, as
+    preflight says it."""
     folder = Path(folder)
     hf_config = read_hf_config(folder)
     model = decoder_for(hf_config, folder=folder, field="model.path", device=device, dtype=DTYPES[dtype])
     found = family_of(hf_config)
     if family is not None and family != found:
-        raise ValueError(f"{folder} holds a {found} model, the config says {family}")
+        raise _refused("model.family", f"the folder holds a {found} model, not {family}")
     try:
         load_hf_weights(model, hf_config, load_hf_state_dict(folder))
     except ValueError as exc:
