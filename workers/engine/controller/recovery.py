@@ -43,8 +43,9 @@ class TrainerRecovery:
         recipe's (and may be on a disk only the trainer's hosts see); `checkpoint.resume_from` may be the other
         recipe's, a ConfigError: told by its checkpoint.json before the ranks load it (one without a usable
         checkpoint.json is refused there too), and by its progress before that is read (a checkpoint.json written by
-        hand may name the wrong recipe). Its trainer.pt must be plain data too (`check_plain_data`): a refusal in
-        the ranks would be an actor's failure, not the field's. Each names the field that named it."""
+        hand may name the wrong recipe). Its trainer.pt must be whole and plain data too (`check_plain_data`), checked
+        here before any rank reads it; what only the ranks can check (the weights' checksums, their fit to the model)
+        comes back from them as the same field's ConfigError (`TrainerHandle.load`). Each names the field that named it."""
         if path != self.config.checkpoint.resume_from:
             return self.trainer.load(path)
         field = resume_field(self.config)

@@ -287,10 +287,12 @@ class TrainerHandle:
 
     # --- calls ------------------------------------------------------------------------
     def result(self, future: Any, *, failing: str = "") -> Any:
-        """The ranks' answer; TrainerLost when one fails or hangs (its reason after `failing`, what did not happen)."""
+        """The ranks' answer; TrainerLost when one fails or hangs (its reason after `failing`, what did not happen), or
+        the ConfigError of a file a rank refused (`_refused`)."""
         try:
             return self.waits.wait(future, gone=self.gone)
         except CallFailed as failure:
+            self._refused(failure, what=failing or "a trainer call")
             raise TrainerLost(CallFailed(f"{failing}: {failure}", hung=failure.hung) if failing else failure) from None
 
     def from_rank0(self, endpoint: str, *args: Any) -> Any:
@@ -347,13 +349,8 @@ class TrainerHandle:
     def load(self, path: str) -> dict[str, Any]:
         """Every rank back to a checkpoint; the progress saved with it. TrainerLost when a rank fails or hangs meanwhile
         (within `failover.call_timeout_s`); the ConfigError of a checkpoint the ranks refuse (`_refused`)."""
-        failing = f"the trainer did not load checkpoint {path}"
-        try:
-            loaded = self.waits.wait(self.actors.load.call(path), gone=self.gone)
-        except CallFailed as failure:
-            self._refused(failure, what=failing)
-            raise TrainerLost(CallFailed(f"{failing}: {failure}", hung=failure.hung)) from None
-        return list(loaded.values())[0]
+        return list(self.result(self.actors.load.call(path), failing=f"the trainer did not load checkpoint {path}")
+                    .values())[0]
 
     def _refused(self, failure: CallFailed, *, what: str) -> None:
         """A rank refused a file a field named (a model folder, a checkpoint: `failure.raised` is its ConfigError): the
