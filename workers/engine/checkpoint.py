@@ -126,10 +126,7 @@ def load_checkpoint(
     folder = find_checkpoint(path, field=field)
     if recipe is not None:
         check_resume_recipe(folder, recipe=recipe, field=field)
-    _check_state_file(folder, field=field, weights=True)
-    state = _read_state(folder, field=field)
-    if problem := _state_problem(state):
-        raise _refusal(folder, field=field, problem=f"holds states this run cannot take ({problem})")
+    state = _checked_state(folder, field=field, weights=True)
     if problem := _model_misfit(state["model"], model):
         raise _refusal(folder, field=field, problem=f"holds the weights of another model than model.path's ({problem})",
                        remedy="resume it with model.path the model its run trained")
@@ -155,19 +152,7 @@ def check_plain_data(path: str | Path, *, field: str) -> None:
     checks): what a Monarch run's controller checks before its trainer ranks load it. The tensors are mapped from the
     file, not read: their checksums (a read of the whole file) are the ranks' load's to check, whose refusal ends the
     run as this one does."""
-    folder = find_checkpoint(path, field=field)
-    _check_state_file(folder, field=field, weights=False)
-    try:
-        unsafe = get_unsafe_globals_in_checkpoint(folder / STATE_FILE)
-    except (pickle.UnpicklingError, EOFError):  # an opcode torch.save never writes
-        raise _not_plain_data(folder, field=field, unsafe=[]) from None
-    except (RuntimeError, ValueError) as exc:  # torch's reader refuses what Python's zip reader took
-        raise _refusal(folder, field=field, problem=f"is damaged (torch cannot read it: {_first_line(exc)})") from None
-    if unsafe:
-        raise _not_plain_data(folder, field=field, unsafe=unsafe)
-    state = _read_state(folder, field=field, mmap=True)
-    if problem := _state_problem(state):
-        raise _refusal(folder, field=field, problem=f"holds states this run cannot take ({problem})")
+    _checked_state(find_checkpoint(path, field=field), field=field, weights=False)
 
 
 def find_checkpoint(path: str | Path, *, field: str) -> Path:
@@ -183,27 +168,27 @@ def _refusal(folder: Path, *, field: str, problem: str, remedy: str = _ANOTHER) 
     return ConfigError([FieldError(field, f"{folder / STATE_FILE} {problem}; it is not loaded: {remedy}")])
 
 
-def _read_state(folder: Path, *, field: str, mmap: bool = False) -> Any:
-    """trainer.pt loaded as data only, once `_check_state_file` found it whole (`mmap`: its tensors mapped from the
-    file, not read)."""
+def _checked_state(folder: Path, *, field: str, weights: bool) -> dict[str, Any]:
+    """trainer.pt, whole (`_state_file_problem`; `weights` false: but for its tensors' checksums, and the tensors mapped
+    from the file, not read), loaded as data only (a global weights_only does not allow is refused as it meets it),
+    holding the parts `save_checkpoint` writes (`_state_problem`); else a ConfigError on `field`."""
+    if problem := _state_file_problem(folder / STATE_FILE, weights=weights):
+        raise _refusal(folder, field=field, problem=problem)
     try:
-        return torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True, mmap=mmap)
+        state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True, mmap=not weights)
     except pickle.UnpicklingError:  # what weights_only refuses: a global it does not allow, an opcode it does not read
         raise _not_plain_data(folder, field=field) from None
-    except (RuntimeError, OSError, EOFError) as exc:  # a tensor's data its pickle names that the zip does not hold
+    except (RuntimeError, ValueError, OSError, EOFError) as exc:  # torch's reader refuses what Python's zip reader took
         raise _refusal(folder, field=field, problem=f"is damaged (torch cannot read it: {_first_line(exc)})") from None
+    if problem := _state_problem(state):
+        raise _refusal(folder, field=field, problem=f"holds states this run cannot take ({problem})")
+    return state
 
 
 def _first_line(exc: Exception) -> str:
     """What torch says went wrong: its first sentence (its messages go on about where to report it)."""
     text = str(exc).strip()
     return text.splitlines()[0].split(". ")[0].removesuffix(".") if text else type(exc).__name__
-
-
-def _check_state_file(folder: Path, *, field: str, weights: bool) -> None:
-    """ConfigError on `field` when trainer.pt is not whole as torch.save writes it (`_state_file_problem`)."""
-    if problem := _state_file_problem(folder / STATE_FILE, weights=weights):
-        raise _refusal(folder, field=field, problem=problem)
 
 
 def _state_file_problem(state_file: Path, *, weights: bool) -> str | None:

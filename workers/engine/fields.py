@@ -33,6 +33,11 @@ class ConfigError(Exception):
         self.errors = list(errors)
         super().__init__("; ".join(str(e) for e in self.errors))
 
+    @classmethod
+    def on(cls, field: str, message: str) -> ConfigError:
+        """One field's error."""
+        return cls([FieldError(field, message)])
+
     def __reduce__(self) -> tuple[type[ConfigError], tuple[list[FieldError]]]:
         """Pickled by its errors (a Monarch actor's refusal reaches the controller so), not by its text."""
         return ConfigError, (self.errors,)

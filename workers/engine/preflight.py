@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from workers.engine.checkpoint_folders import check_resume_recipe, latest_checkpoint
 from workers.engine.config import ConfigError, FieldError, RunConfig, check_model_folder
 from workers.engine.env import ALLOWED_PATHS_ENV, WORKERS_ENV, read_env
-from workers.engine.models.hf_config import model_dims, read_hf_config
+from workers.engine.models.hf_config import HF_MODEL_TYPES, model_dims, read_hf_config
 from workers.engine.planning.shapes import BYTES_PER_VALUE, ModelShape
 from workers.engine.planning.whatif import TRAINER_STATE_BYTES_PER_PARAM, Placement, Workload, generate_requests
 from workers.engine.tasks import Problem, build_task, check_data, prompts_to_check
@@ -35,7 +35,6 @@ from workers.engine.tasks import Problem, build_task, check_data, prompts_to_che
 if TYPE_CHECKING:
     from workers.engine.models.tokenizer import ChatTokenizer
 
-_MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama3"}
 NUL = "\x00"
 NUL_PROBLEM = "contains a NUL byte, which no file's name can hold"
 PATH_FIELDS = ("model.path", "data.path", "checkpoint.resume_from", "checkpoint.folder", "telemetry.jsonl_path")
@@ -186,7 +185,7 @@ def preflight_report(config: RunConfig) -> PreflightReport:
             errors.extend(exc.errors)
         else:
             model_type = hf_config.get("model_type")
-            family = _MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+            family = HF_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
             if family is None:
                 errors.append(FieldError("model.path", f"model_type {model_type!r} is not supported (qwen3, llama)"))
             elif family != config.model.family:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from workers.engine.fields import ConfigError, FieldError
+from workers.engine.fields import ConfigError
 from workers.engine.planning.shapes import MAX_SIZE, ModelShape
 
 HF_CONFIG_MAX_BYTES = 1 << 20  # a model's config.json is a few KB
@@ -54,28 +54,24 @@ def read_hf_config(folder: str | Path, *, field: str = "model.path") -> dict[str
     path = Path(folder) / "config.json"
     try:
         if not path.is_file():
-            raise _refused(field, f"{folder} has no config.json file (the model's description)")
+            raise ConfigError.on(field, f"{folder} has no config.json file (the model's description)")
         with open(path, "rb") as file:
             raw = file.read(HF_CONFIG_MAX_BYTES + 1)
     except OSError as exc:
-        raise _refused(field, f"cannot read {path} ({exc.strerror or exc})") from None
+        raise ConfigError.on(field, f"cannot read {path} ({exc.strerror or exc})") from None
     if len(raw) > HF_CONFIG_MAX_BYTES:
-        raise _refused(field, f"{path} is longer than {HF_CONFIG_MAX_BYTES} bytes: not a model's config.json")
+        raise ConfigError.on(field, f"{path} is longer than {HF_CONFIG_MAX_BYTES} bytes: not a model's config.json")
     try:
         hf_config = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
-        raise _refused(field, f"{path} is not UTF-8 text (byte {exc.start})") from None
+        raise ConfigError.on(field, f"{path} is not UTF-8 text (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
-        raise _refused(field, f"{path} is not JSON ({exc.msg}, line {exc.lineno} column {exc.colno})") from None
+        raise ConfigError.on(field, f"{path} is not JSON ({exc.msg}, line {exc.lineno} column {exc.colno})") from None
     except (ValueError, RecursionError):  # a number of over 4300 digits, arrays nested a thousand deep
-        raise _refused(field, f"{path} is not JSON this engine can read") from None
+        raise ConfigError.on(field, f"{path} is not JSON this engine can read") from None
     if not isinstance(hf_config, dict):
-        raise _refused(field, f"{path} is a JSON {type(hf_config).__name__}, not an object")
+        raise ConfigError.on(field, f"{path} is a JSON {type(hf_config).__name__}, not an object")
     return hf_config
-
-
-def _refused(field: str, message: str) -> ConfigError:
-    return ConfigError([FieldError(field, message)])
 
 
 def family_of(hf_config: dict[str, Any]) -> Family:

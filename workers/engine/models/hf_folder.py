@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from torchtitan.models.common.decoder import Decoder
 
 from workers.engine.checkpoint import find_checkpoint, load_checkpoint
-from workers.engine.fields import ConfigError, FieldError
+from workers.engine.fields import ConfigError
 from workers.engine.models.hf_config import Family, family_of, read_hf_config
 from workers.engine.models.titan import build_decoder, model_config_from_hf, state_dict_adapter
 from workers.engine.models.tokenizer import ChatTokenizer
@@ -37,17 +37,17 @@ def load_hf_state_dict(folder: str | Path, *, field: str = "model.path") -> dict
     """Every tensor of the folder's *.safetensors files; a ConfigError on `field` for one it cannot read."""
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
-        raise _refused(field, f"{folder} holds no *.safetensors")
+        raise ConfigError.on(field, f"{folder} holds no *.safetensors")
     state: dict[str, torch.Tensor] = {}
     for path in files:
         if not path.is_file():
-            raise _refused(field, f"{path} is not a file (a folder, or a link to nothing)")
+            raise ConfigError.on(field, f"{path} is not a file (a folder, or a link to nothing)")
         try:
             state.update(load_file(str(path)))
         except SafetensorError as exc:
-            raise _refused(field, f"{path} is not a safetensors file this engine can read ({exc})") from None
+            raise ConfigError.on(field, f"{path} is not a safetensors file this engine can read ({exc})") from None
         except OSError as exc:
-            raise _refused(field, f"cannot read {path} ({exc.strerror or exc})") from None
+            raise ConfigError.on(field, f"cannot read {path} ({exc.strerror or exc})") from None
     return state
 
 
@@ -57,11 +57,7 @@ def decoder_for(hf_config: dict[str, Any], *, folder: Path, field: str, device: 
     try:
         return build_decoder(hf_config, device=device, dtype=dtype)
     except ValueError as exc:
-        raise _refused(field, f"{folder}: {exc}") from None
-
-
-def _refused(field: str, message: str) -> ConfigError:
-    return ConfigError([FieldError(field, message)])
+        raise ConfigError.on(field, f"{folder}: {exc}") from None
 
 
 def to_hf_state_dict(model: Decoder, hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -106,11 +102,11 @@ def load_pretrained(
     model = decoder_for(hf_config, folder=folder, field="model.path", device=device, dtype=DTYPES[dtype])
     found = family_of(hf_config)
     if family is not None and family != found:
-        raise _refused("model.family", f"the folder holds a {found} model, not {family}")
+        raise ConfigError.on("model.family", f"the folder holds a {found} model, not {family}")
     try:
         load_hf_weights(model, hf_config, load_hf_state_dict(folder))
     except ValueError as exc:
-        raise _refused("model.path", f"{folder}: {exc}") from None
+        raise ConfigError.on("model.path", f"{folder}: {exc}") from None
     return LoadedModel(model=model, tokenizer=ChatTokenizer(folder), hf_config=hf_config, family=found, folder=folder)
 
 
@@ -141,5 +137,5 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file there, or on the way to it
-        raise _refused("out", f"cannot make the folder {out} ({exc.strerror or exc})") from None
+        raise ConfigError.on("out", f"cannot make the folder {out} ({exc.strerror or exc})") from None
     return save_pretrained(model, hf_config, checkpoint, out)
