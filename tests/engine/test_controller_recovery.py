@@ -575,20 +575,25 @@ def test_a_trainer_failure_before_a_drains_move_finishes_the_drain_when_its_reco
     assert len(meshes) == 1 and fleet.state.totals.migrations == 1
 
 
+def _dies_as_the_trainer_spawns_there(fleet: Fleet, host: str) -> None:
+    """`host` stops accepting connections as the trainer's procs are spawned there."""
+    relaunch = fleet.hosts.spawn_across
+
+    def spawn_across(*, hosts: list[str], **kwargs: Any) -> Any:
+        if hosts == [host]:
+            fleet.hosts.fail(host)
+            raise HostsUnreachable(f"host {host} stopped accepting connections while a proc was spawned there")
+        return relaunch(hosts=hosts, **kwargs)
+
+    fleet.hosts.spawn_across = spawn_across
+
+
 def test_a_drain_whose_move_finds_its_new_host_dead_moves_the_trainer_to_the_next_one(monkeypatch):
     """Host b dies as the move spawns the trainer's new procs there: the move goes on to host c, as a recovery's
     relaunch does, and host b's loss is no failure of the trainer (no mesh ran there). Before, the HostsUnreachable
     came out of the checkpoint and ended the run."""
     fleet, recovery, meshes = _sft_drained(monkeypatch, True)
-    relaunch = fleet.hosts.spawn_across
-
-    def spawn_across(*, hosts: list[str], **kwargs: Any) -> Any:
-        if hosts == ["b"]:
-            fleet.hosts.fail("b")
-            raise HostsUnreachable("host b stopped accepting connections while a proc was spawned there")
-        return relaunch(hosts=hosts, **kwargs)
-
-    fleet.hosts.spawn_across = spawn_across
+    _dies_as_the_trainer_spawns_there(fleet, "b")
     _checkpoint_in_the_step_loop(recovery, 4)
     assert len(meshes) == 1 and fleet.trainer.actors is meshes[0] and fleet.placer.trainer_hosts == ["c"]
     assert fleet.events("failure_detected") == [] and fleet.trainer.noticed is None
@@ -672,15 +677,7 @@ def test_a_drains_move_whose_only_undrained_host_dies_as_it_spawns_there_waits_o
     host. The drain is not finished there: it waits, saying why. Before, redirect_finished said the trainer had left."""
     fleet, recovery, meshes = _sft_drained(monkeypatch, True)
     fleet.hosts.lost.add("c")
-    relaunch = fleet.hosts.spawn_across
-
-    def spawn_across(*, hosts: list[str], **kwargs: Any) -> Any:
-        if hosts == ["b"]:
-            fleet.hosts.fail("b")
-            raise HostsUnreachable("host b stopped accepting connections while a proc was spawned there")
-        return relaunch(hosts=hosts, **kwargs)
-
-    fleet.hosts.spawn_across = spawn_across
+    _dies_as_the_trainer_spawns_there(fleet, "b")
     _checkpoint_in_the_step_loop(recovery, 4)
     assert len(meshes) == 1 and fleet.placer.trainer_hosts == ["a"] and meshes[0].load.calls == [("ckpt/step_000004",)]
     assert fleet.state.trainer_drain is not None and fleet.state.totals.migrations == 0
@@ -973,17 +970,9 @@ def test_every_recipe_ends_a_step_the_same_way():
     assert stopping.first_eval is None
 
 
-class CancelWithCheckpoint:
-    """RunControl's cancel as it is: a final checkpoint written through the callable it is given, then stop."""
-
-    def between_steps(self, *, step: int, checkpoint) -> bool:
-        checkpoint()
-        return False
-
-
 def test_a_cancels_final_checkpoint_is_the_runs_newest():
     config = grpo_config(checkpoint="{every_steps: 3}", trainer="{steps: 5}")
     end = StepEnd(config=config, recorder=Recorder([]), evaluate=lambda step: None,
-                  checkpoint=lambda step: Path(f"ckpt/{step}"), control=CancelWithCheckpoint())
+                  checkpoint=lambda step: Path(f"ckpt/{step}"), control=Commands(cancel_at=2))
     assert end.after(2) is False
     assert end.saved == Path("ckpt/2"), "the result names the checkpoint the cancel wrote, not none (or an older one)"

@@ -14,6 +14,19 @@ from safetensors.torch import load_file, save_file
 from workers.engine.fields import ConfigError
 
 
+def _misfit_model(tiny_qwen3: Path, tmp_path: Path) -> Path:
+    """A copy of the tiny model whose final norm's weight is of another size than its config.json says."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_qwen3, model)
+    weights = load_file(str(model / "model.safetensors"))
+    save_file({**weights, "model.norm.weight": torch.zeros(3)}, str(model / "model.safetensors"))
+    return model
+
+
+def _refusal(model: Path) -> str:
+    return f"model.path: {model}: the weights do not fit the model config.json describes: norm.weight is [3], not [64]"
+
+
 @pytest.mark.slow
 def test_a_generator_or_reference_proc_that_refuses_the_model_folder_says_model_paths_error(
         tiny_qwen3: Path, tmp_path: Path) -> None:
@@ -26,11 +39,8 @@ def test_a_generator_or_reference_proc_that_refuses_the_model_folder_says_model_
     from workers.engine.actors.reference import ReferenceActor
     from workers.engine.controller.attach import collect_fault_reports
 
-    model = tmp_path / "model"
-    shutil.copytree(tiny_qwen3, model)
-    weights = load_file(str(model / "model.safetensors"))
-    save_file({**weights, "model.norm.weight": torch.zeros(3)}, str(model / "model.safetensors"))
-    refusal = f"model.path: {model}: the weights do not fit the model config.json describes: norm.weight is [3], not [64]"
+    model = _misfit_model(tiny_qwen3, tmp_path)
+    refusal = _refusal(model)
     reports = collect_fault_reports()
     procs = spawn_procs(1, threads=1)
     try:
@@ -55,15 +65,11 @@ def test_a_monarch_grpo_run_whose_procs_refuse_the_model_folder_ends_with_model_
     from workers.engine.metrics import Recorder
     from workers.engine.recipes.grpo_monarch import train_grpo_monarch
 
-    model = tmp_path / "model"
-    shutil.copytree(tiny_qwen3, model)
-    weights = load_file(str(model / "model.safetensors"))
-    save_file({**weights, "model.norm.weight": torch.zeros(3)}, str(model / "model.safetensors"))
+    model = _misfit_model(tiny_qwen3, tmp_path)
     config = load_config(f"recipe: grpo\nmodel: {{path: '{model}'}}\n", overrides=[
         "data.max_operand=20", "data.eval_size=8", "trainer.batch_size=2", "grpo.group_size=2",
         "generator.max_new_tokens=4", "eval.every_steps=0", "telemetry.console=false", "trainer.threads_per_process=1",
         "placement.backend=monarch", "trainer.steps=1", "reference.enabled=true", f"checkpoint.folder={tmp_path / 'ck'}"])
     with pytest.raises(ConfigError) as refused:
         train_grpo_monarch(config, Recorder())
-    assert [str(e) for e in refused.value.errors] == [
-        f"model.path: {model}: the weights do not fit the model config.json describes: norm.weight is [3], not [64]"]
+    assert [str(e) for e in refused.value.errors] == [_refusal(model)]

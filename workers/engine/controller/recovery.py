@@ -38,6 +38,17 @@ class TrainerRecovery:
         """Put every stateful part back to a checkpoint (or to the run's start)."""
         raise NotImplementedError
 
+    def progress(self) -> dict[str, Any]:
+        """The recipe's progress saved beside the trainer's state."""
+        raise NotImplementedError
+
+    def checkpoint(self, step: int) -> Path:
+        """Save the trainer and the recipe's progress at `step`: the run's newest checkpoint."""
+        path = self.trainer.save(step, self.progress())
+        self.state.last_checkpoint = str(path)
+        self.recorder.event("checkpoint_saved", step=step, path=str(path), policy_version=self.state.policy_version)
+        return path
+
     def load(self, path: str) -> dict[str, Any]:
         """Every trainer rank back to a checkpoint; the progress saved with it. The run's own checkpoints are its
         recipe's (and may be on a disk only the trainer's hosts see); `checkpoint.resume_from` may be the other
@@ -184,14 +195,10 @@ class Recovery(TrainerRecovery):
                                  "data": control.dataset.state_dict.call_one().get(),
                                  "buffer": control.buffer.state_dict.call_one().get()}
 
-    def checkpoint(self, step: int) -> Path:
-        state, control = self.state, self.control
-        progress = state.progress(data_now=lambda: control.call(control.dataset.state_dict.call_one()),
-                                  buffer=lambda: control.call(control.buffer.state_dict.call_one()))
-        path = self.trainer.save(step, progress)
-        state.last_checkpoint = str(path)
-        self.recorder.event("checkpoint_saved", step=step, path=str(path), policy_version=state.policy_version)
-        return path
+    def progress(self) -> dict[str, Any]:
+        control = self.control
+        return self.state.progress(data_now=lambda: control.call(control.dataset.state_dict.call_one()),
+                                   buffer=lambda: control.call(control.buffer.state_dict.call_one()))
 
     def restore(self, path: str | None) -> None:
         """Put every stateful actor back to a checkpoint (or to the run's start). A lost control proc is replaced, also
@@ -245,12 +252,6 @@ class SftRecovery(TrainerRecovery):
 
     def progress(self) -> dict[str, Any]:
         return {"step": self.state.step, "policy_version": self.state.policy_version, "data": self.stream.state_dict()}
-
-    def checkpoint(self, step: int) -> Path:
-        path = self.trainer.save(step, self.progress())
-        self.state.last_checkpoint = str(path)
-        self.recorder.event("checkpoint_saved", step=step, path=str(path), policy_version=self.state.policy_version)
-        return path
 
     def move_drained_trainer(self, step: int, path: Path) -> None:
         """After the step loop's checkpoint (`StepEnd.after_checkpoint`): a trainer on a drained host moves, loading
