@@ -465,3 +465,109 @@ def test_a_data_path_that_is_a_folder_is_refused_saying_so(tiny_qwen3: Path, tmp
     (tmp_path / "rows").mkdir()
     assert _preflight_errors(tiny_qwen3, tmp_path, "data.source=jsonl", f"data.path={tmp_path / 'rows'}") == \
         [f"data.path: {tmp_path / 'rows'} is a folder: name a JSONL file"]
+
+
+def _json_with(name: str, **changes: object) -> Callable[[Path], None]:
+    """The model folder's JSON file `name` with `changes` to its keys (a change of None removes that key)."""
+    def write(folder: Path) -> None:
+        _config_with(**changes)(folder / name)
+    return write
+
+
+def _written(name: str, text: str | bytes | Callable[[bytes], bytes]) -> Callable[[Path], None]:
+    """The model folder's file `name` written with `text`, or with what `text` makes of its bytes."""
+    def write(folder: Path) -> None:
+        path = folder / name
+        raw = text(path.read_bytes()) if callable(text) else text
+        path.write_bytes(raw if isinstance(raw, bytes) else raw.encode())
+    return write
+
+
+def _no_eos(folder: Path) -> None:
+    _json_with("tokenizer_config.json", eos_token=None)(folder)
+    _json_with("generation_config.json", eos_token_id=None)(folder)
+    _json_with("config.json", eos_token_id=None)(folder)
+
+
+# each unusable form of a model folder's tokenizer files: how to make it, and how model.path's refusal starts; the
+# tiny model's tokenizer has 259 tokens
+EOS_ID = "eos_token_id: a token id from 0 to 258, or a list of them, got "
+HOSTILE_TOKENIZER: dict[str, tuple[Callable[[Path], object], str]] = {
+    "tokenizer.json empty": (_written("tokenizer.json", b""),
+                             "{folder}/tokenizer.json is not JSON (Expecting value, line 1 column 1)"),
+    "tokenizer.json cut short": (_written("tokenizer.json", lambda raw: raw[:1000]),
+                                 "{folder}/tokenizer.json is not JSON (Unterminated string"),
+    "tokenizer.json not UTF-8": (_written("tokenizer.json", lambda raw: raw + b"\xff"),
+                                 "{folder}/tokenizer.json is not UTF-8 text (byte "),
+    "tokenizer.json a list": (_written("tokenizer.json", "[1]"),
+                              "{folder}/tokenizer.json is a JSON list, not an object"),
+    "tokenizer.json of no tokenizer": (_written("tokenizer.json", "{}"),
+                                       "cannot load its tokenizer ({folder}/tokenizer.json: Model missing."),
+    "tokenizer.json too long": (lambda d: os.truncate(d / "tokenizer.json", (64 << 20) + 1),
+                                "{folder}/tokenizer.json is longer than 67108864 bytes: not a model's tokenizer.json"),
+    "no tokenizer.json": (lambda d: (d / "tokenizer.json").unlink(),
+                          "{folder} has no tokenizer.json file (the model's tokenizer)"),
+    "a tokenizer.json that is a folder": (lambda d: ((d / "tokenizer.json").unlink(), (d / "tokenizer.json").mkdir()),
+                                          "{folder} has no tokenizer.json file (the model's tokenizer)"),
+    "tokenizer_config.json empty": (_written("tokenizer_config.json", b""),
+                                    "{folder}/tokenizer_config.json is not JSON (Expecting value, line 1 column 1)"),
+    "tokenizer_config.json a string": (_written("tokenizer_config.json", '"x"'),
+                                       "{folder}/tokenizer_config.json is a JSON str, not an object"),
+    "tokenizer_config.json an eos_token that is a number": (
+        _json_with("tokenizer_config.json", eos_token=5),
+        "cannot load its tokenizer ({folder}: TypeError: Special token eos_token has to be either str or AddedToken"),
+    "tokenizer_config.json a model_max_length that is a string": (
+        _json_with("tokenizer_config.json", model_max_length="x"),
+        "{folder}: its tokenizer cannot render a conversation (TypeError: "),
+    "no chat template": (lambda d: (d / "chat_template.jinja").unlink(),
+                         "{folder}: its tokenizer has no chat template (chat_template.jinja, or chat_template in "
+                         "tokenizer_config.json)"),
+    "a chat template that does not parse": (
+        _written("chat_template.jinja", "{% for %}"),
+        "{folder}: its tokenizer cannot render a conversation (TemplateSyntaxError: "),
+    "no end-of-sequence token": (_no_eos, "{folder}: its tokenizer has no end-of-sequence token (eos_token in "
+                                          "tokenizer_config.json, or eos_token_id in generation_config.json or "
+                                          "config.json)"),
+    "generation_config.json a list": (_written("generation_config.json", "[258]"),
+                                      "{folder}/generation_config.json is a JSON list, not an object"),
+    "generation_config.json too long": (_written("generation_config.json", " " * (2 << 20) + "{}"),
+                                        "{folder}/generation_config.json is longer than 1048576 bytes"),
+    "an eos_token_id that is a fraction": (_json_with("generation_config.json", eos_token_id=2.5),
+                                           "{folder}: generation_config.json " + EOS_ID + "2.5"),
+    "an eos_token_id that is a boolean": (_json_with("generation_config.json", eos_token_id=True),
+                                          "{folder}: generation_config.json " + EOS_ID + "true"),
+    "a negative eos_token_id": (_json_with("generation_config.json", eos_token_id=-1),
+                                "{folder}: generation_config.json " + EOS_ID + "-1"),
+    "an eos_token_id past the vocabulary": (_json_with("generation_config.json", eos_token_id=[258, 259]),
+                                            "{folder}: generation_config.json " + EOS_ID + "[258, 259]"),
+    "an eos_token_id that is a string": (_json_with("generation_config.json", eos_token_id="x"),
+                                         '{folder}: generation_config.json ' + EOS_ID + '"x"'),
+    "config.json an eos_token_id past the vocabulary": (_json_with("config.json", eos_token_id=100000),
+                                                        "{folder}: config.json " + EOS_ID + "100000"),
+}
+PREFLIGHT_FIRST = {"no tokenizer.json", "a tokenizer.json that is a folder"}  # its own words: the folder lacks it
+
+
+@pytest.mark.parametrize("form", HOSTILE_TOKENIZER)
+def test_hostile_tokenizer_files_are_refused_naming_model_path_as_preflight_says_it(tiny_qwen3: Path, tmp_path: Path,
+                                                                                    form: str) -> None:
+    # each was a traceback (JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, ValueError,
+    # TemplateSyntaxError) from the trainer, generator, reference or reward proc that built its tokenizer, or an
+    # end-of-sequence id taken as it was: 2.5 as 2, true as 1, -1 and ids the vocabulary does not have
+    from workers.engine.models.tokenizer import ChatTokenizer
+
+    make, problem = HOSTILE_TOKENIZER[form]
+    folder = _model_folder(tiny_qwen3, tmp_path)
+    make(folder)
+    with pytest.raises(ConfigError) as refused:
+        ChatTokenizer(folder)
+    assert [(e.field, e.message.startswith(problem.format(folder=folder))) for e in refused.value.errors] == \
+        [("model.path", True)], refused.value
+    with pytest.raises(ConfigError) as loaded:
+        load_pretrained(folder)
+    assert str(loaded.value) == str(refused.value)
+    if form in PREFLIGHT_FIRST:
+        assert _preflight_errors(folder, tmp_path) == [f"model.path: folder {folder} lacks tokenizer.json"]
+    else:
+        assert _preflight_errors(folder, tmp_path) == [str(refused.value)]
+

@@ -323,6 +323,8 @@ def prompt_length_checks(config: RunConfig, *, context: int | None,
 
     try:
         tokenizer = ChatTokenizer(config.model.path)
+    except ConfigError as exc:  # tokenizer files it cannot use, with the words of the model's load
+        return PreflightReport(exc.errors, [])
     except Exception as exc:  # noqa: BLE001 - whatever the folder's tokenizer files hold, the run could not load them
         problem = f"cannot load its tokenizer ({type(exc).__name__}: {exc})"
         return PreflightReport([FieldError("model.path", problem)], [])

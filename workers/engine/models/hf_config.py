@@ -50,28 +50,42 @@ class ModelDims:
 
 def read_hf_config(folder: str | Path, *, field: str = "model.path") -> dict[str, Any]:
     """The folder's config.json, a JSON object; a ConfigError on `field` (the one that named the folder) when it is
-    missing, not a file, or not a JSON object (read no further than HF_CONFIG_MAX_BYTES)."""
+    missing, not a file, or not a JSON object (`read_json_object`)."""
     path = Path(folder) / "config.json"
     try:
         if not path.is_file():
             raise ConfigError.on(field, f"{folder} has no config.json file (the model's description)")
-        with open(path, "rb") as file:
-            raw = file.read(HF_CONFIG_MAX_BYTES + 1)
     except OSError as exc:
         raise ConfigError.on(field, f"cannot read {path} ({exc.strerror or exc})") from None
-    if len(raw) > HF_CONFIG_MAX_BYTES:
-        raise ConfigError.on(field, f"{path} is longer than {HF_CONFIG_MAX_BYTES} bytes: not a model's config.json")
+    return read_json_object(path, field=field)
+
+
+def read_json_object(path: Path, *, field: str, max_bytes: int = HF_CONFIG_MAX_BYTES) -> dict[str, Any]:
+    """A JSON file of a model folder (config.json, generation_config.json, the tokenizer's), an object; a ConfigError on
+    `field` when it cannot be read, is longer than `max_bytes` (read no further), not UTF-8, not JSON, or not an
+    object."""
     try:
-        hf_config = json.loads(raw.decode("utf-8"))
+        with open(path, "rb") as file:
+            raw = file.read(max_bytes + 1)
+    except OSError as exc:
+        raise ConfigError.on(field, f"cannot read {path} ({exc.strerror or exc})") from None
+    if len(raw) > max_bytes:
+        raise too_long(path, field=field, max_bytes=max_bytes)
+    try:
+        value = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise ConfigError.on(field, f"{path} is not UTF-8 text (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise ConfigError.on(field, f"{path} is not JSON ({exc.msg}, line {exc.lineno} column {exc.colno})") from None
     except (ValueError, RecursionError):  # a number of over 4300 digits, arrays nested a thousand deep
         raise ConfigError.on(field, f"{path} is not JSON this engine can read") from None
-    if not isinstance(hf_config, dict):
-        raise ConfigError.on(field, f"{path} is a JSON {type(hf_config).__name__}, not an object")
-    return hf_config
+    if not isinstance(value, dict):
+        raise ConfigError.on(field, f"{path} is a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def too_long(path: Path, *, field: str, max_bytes: int) -> ConfigError:
+    return ConfigError.on(field, f"{path} is longer than {max_bytes} bytes: not a model's {path.name}")
 
 
 def family_of(hf_config: dict[str, Any]) -> Family:
