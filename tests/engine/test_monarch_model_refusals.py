@@ -57,6 +57,37 @@ def test_a_generator_or_reference_proc_that_refuses_the_model_folder_says_model_
 
 
 @pytest.mark.slow
+def test_a_reward_proc_that_refuses_the_model_folders_tokenizer_says_model_paths_error(tiny_qwen3: Path,
+                                                                                      tmp_path: Path) -> None:
+    # it was a SupervisionError from reward_0_1.pid() (the ValueError's text only) and an unhandled fault report
+    from monarch.actor import ActorError
+
+    from workers.engine.actors.procs import spawn_procs
+    from workers.engine.actors.reward import RewardActor
+    from workers.engine.config import OverlongConfig
+    from workers.engine.controller.attach import collect_fault_reports
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_qwen3, model)
+    (model / "generation_config.json").write_text('{"eos_token_id": "x"}')
+    reports = collect_fault_reports()
+    procs = spawn_procs(1, threads=1)
+    try:
+        with pytest.raises(ActorError) as refused:
+            procs.spawn("reward", RewardActor, str(model), ["exact_math"], None, True, OverlongConfig(), 4).pid \
+                .call_one().get(timeout=120)
+        assert isinstance(refused.value.exception, ConfigError), refused.value
+        assert [str(e) for e in refused.value.exception.errors] == [
+            f'model.path: {model}: generation_config.json eos_token_id: a token id from 0 to 258, or a list of them, '
+            'got "x"']
+        assert procs.spawn("reward_whole", RewardActor, str(tiny_qwen3), ["exact_math"], None, True, OverlongConfig(),
+                           4).pid.call_one().get(timeout=120) > 0, "a whole folder's actor answers with its pid"
+        assert reports == [], "no actor failed"
+    finally:
+        procs.stop().get()
+
+
+@pytest.mark.slow
 def test_a_monarch_grpo_run_whose_procs_refuse_the_model_folder_ends_with_model_paths_error(
         tiny_qwen3: Path, tmp_path: Path) -> None:
     # preflight reads no weights: the trainer ranks, the generator and the reference each refuse them; it ended with

@@ -14,11 +14,14 @@ from __future__ import annotations
 import os
 import pickle
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from monarch.actor import Actor, endpoint
 
 from workers.engine.fields import ConfigError
+
+T = TypeVar("T")
 
 
 class InjectedFault(RuntimeError):
@@ -55,6 +58,15 @@ class FaultInjectableActor(Actor):
         if self.refused is not None:
             raise self.refused
         return os.getpid()
+
+    def unless_refused(self, load: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+        """`load(*args, **kwargs)` in the constructor; None when it refuses a file a field named, its ConfigError kept
+        for `pid` to raise (the constructor then returns)."""
+        try:
+            return load(*args, **kwargs)
+        except ConfigError as refused:
+            self.refused = refused
+            return None
 
     @endpoint
     def inject_fault(self, kind: str, duration_s: float = 0.0, latency_ms: float | None = None,

@@ -6,7 +6,6 @@ from workers.engine.actors.faults import FaultInjectableActor
 from workers.engine.actors.devices import bind_proc_gpus
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.actors.weight_inbox import PublishedWeights
-from workers.engine.fields import ConfigError
 from workers.engine.training import resolve_device
 from workers.engine.sampler import Completion, SamplingParams, TorchSampler
 from workers.engine.timeline import ProcSpan, WorkSpans
@@ -21,10 +20,8 @@ class GeneratorActor(FaultInjectableActor, PublishedWeights):
 
         set_proc_threads()
         bind_proc_gpus()  # placement gpus_per_proc: CUDA shows this proc its own GPU only
-        try:
-            loaded = load_pretrained(model_folder, dtype=dtype, device=resolve_device(device))
-        except ConfigError as refused:  # model.path's error: `pid` raises it
-            self.refused = refused
+        loaded = self.unless_refused(load_pretrained, model_folder, dtype=dtype, device=resolve_device(device))
+        if loaded is None:  # model.path's error: `pid` raises it
             return
         loaded.model.eval().requires_grad_(False)
         self.sampler = TorchSampler(loaded.model, eos_token_ids=loaded.tokenizer.eos_token_ids,

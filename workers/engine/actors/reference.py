@@ -7,7 +7,6 @@ from workers.engine.actors.faults import FaultInjectableActor
 from workers.engine.actors.devices import bind_proc_gpus
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.batching import collate_rollouts
-from workers.engine.fields import ConfigError
 from workers.engine.training import resolve_device
 from workers.engine.grpo_math import sequence_logprobs
 from workers.engine.replay_buffer import RolloutBatchRecord
@@ -21,10 +20,8 @@ class ReferenceActor(FaultInjectableActor):
 
         set_proc_threads()
         bind_proc_gpus()  # placement gpus_per_proc: CUDA shows this proc its own GPU only
-        try:
-            loaded = load_pretrained(model_folder, dtype=dtype, device=resolve_device(device))
-        except ConfigError as refused:  # model.path's error: `pid` raises it
-            self.refused = refused
+        loaded = self.unless_refused(load_pretrained, model_folder, dtype=dtype, device=resolve_device(device))
+        if loaded is None:  # model.path's error: `pid` raises it
             return
         self.model = loaded.model.eval().requires_grad_(False)
         self.pad_id = loaded.tokenizer.pad_id

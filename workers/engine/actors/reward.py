@@ -20,7 +20,10 @@ class RewardActor(FaultInjectableActor):
     def __init__(self, model_folder: str, functions: list[str], weights: list[float] | None, std_normalised: bool,
                  overlong: OverlongConfig, max_new_tokens: int):
         set_proc_threads()
-        self.tokenizer = ChatTokenizer(model_folder)
+        tokenizer = self.unless_refused(ChatTokenizer, model_folder)
+        if tokenizer is None:  # model.path's error: `pid` raises it
+            return
+        self.tokenizer = tokenizer
         self.reward = CombinedReward(functions, weights)
         self.std_normalised = std_normalised
         self.overlong, self.max_new_tokens = overlong, max_new_tokens
