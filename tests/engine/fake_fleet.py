@@ -87,6 +87,7 @@ class FakeHosts:
         self._failing: list[str] = []
         self.killed: list[tuple[str, list[int]]] = []
         self.spawned: list[tuple[str, str]] = []  # (host, owner)
+        self.released: list[str] = []  # owners whose GPUs were given back
 
     def fail(self, name: str) -> None:
         self._failing.append(name)
@@ -123,7 +124,7 @@ class FakeHosts:
         self.killed.append((host, list(pids)))
 
     def release(self, owner: str) -> None:
-        pass
+        self.released.append(owner)
 
     def signals(self, host: str) -> LocalSignals:
         if host in self.lost:
@@ -160,6 +161,22 @@ def fake_group(role: str, hosts: FakeHosts, placement: list[str], *, per_host: i
                          per_host=per_host, spawn_inbox=inbox)
     group.start(placement)
     return group
+
+
+def fails_to_start(group: ReplicaGroup, error: Exception, *, on: str) -> list[FakeProcs]:
+    """From now on the group's new replicas and spares on host `on` fail as they start: their actor's pid call raises
+    `error`, as one whose model load raised. The procs each was spawned on."""
+    spawn_actor, spawned = group.spawn_actor, []
+
+    def failing(procs: FakeProcs, name: str) -> FakeActor:
+        actor = spawn_actor(procs, name)
+        if procs.host == on:
+            actor.pid.call_one = lambda: Done(error=error)
+            spawned.append(procs)
+        return actor
+
+    group.spawn_actor = failing
+    return spawned
 
 
 def grpo_config(placement: str = "", **sections: str) -> RunConfig:

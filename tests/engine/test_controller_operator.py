@@ -7,7 +7,9 @@ import re
 
 import pytest
 
-from tests.engine.fake_fleet import FakeHosts, Fleet, controller_parts, fake_group, fetched, grpo_config
+from tests.engine.fake_fleet import Done, FakeHosts, Fleet, controller_parts, fails_to_start, fake_group, fetched, grpo_config
+from tests.engine.test_refused_files import REFUSED_MODEL, _from_a_rank
+from workers.engine.actors.hosts import HostsUnreachable
 from workers.engine.controller.drill_targets import DrillTargets
 from workers.engine.controller.operator import Operator
 from workers.engine.controller.state import TrainerDrain
@@ -96,6 +98,92 @@ def test_draining_a_host_moves_every_movable_role_off_it_and_undrain_lets_replic
     operator.redirect(command("load_redirect", action="undrain", host="a"))
     assert fleet.placer.drained == set() and fleet.events("redirect_finished")[-1]["action"] == "undrain"
     operator.change_placement(command("placement_change", action="add", role="generator", host="a"))
+
+
+NOT_STARTED = {"dies": (RuntimeError("CUDA error: out of memory"), "did not start: RuntimeError: CUDA error: out of memory"),
+               "refuses": (_from_a_rank(REFUSED_MODEL, "pid").error, f"did not start: {REFUSED_MODEL}")}
+
+
+@pytest.mark.parametrize("fate", ["dies", "refuses"])
+@pytest.mark.parametrize("action", ["add", "move"])
+def test_a_replica_that_does_not_start_on_its_new_host_is_a_refusal_with_why_and_nothing_changes(action, fate):
+    """Before, the replica's CallFailed escaped the operator ("did not start: ActorError: ..." with the actor's
+    traceback); its model folder's refusal now names the field, as at the run's start."""
+    fleet, operator = _operator()
+    generators = fleet.groups["generator"]
+    error, why = NOT_STARTED[fate]
+    failed = fails_to_start(generators, error, on="c")
+    before = list(generators.replicas)
+    replica = {"add": 2, "move": 1}[action]
+    payload = {"add": {}, "move": {"replica": 1}}[action]
+    with pytest.raises(ValueError) as refused:
+        operator.operate("placement_change", command("placement_change", action=action, role="generator", host="c",
+                                                     **payload))
+    assert str(refused.value) == f"generator replica {replica} on host 'c' {why}"
+    assert generators.replicas == before and generators.service.routable() == [0, 1], "the old one still serves"
+    assert generators.retiring == [] and fleet.state.totals.migrations == 0
+    assert [procs.stopped for procs in failed] == [True], "the new replica's procs are stopped"
+    assert fleet.hosts.released[-1] == fleet.hosts.spawned[-1][1] == f"generator_{replica}_{generators.incarnations}"
+    assert fleet.events("placement_changed") == []
+
+
+def test_an_added_replica_whose_host_is_lost_as_it_spawns_there_is_a_refusal_with_why():
+    """Before, the HostsUnreachable escaped the operator."""
+    fleet, operator = _operator()
+
+    def lost_as_it_spawns(**spawned):
+        fleet.hosts.lost.add(spawned["host"])
+        raise HostsUnreachable(f"host {spawned['host']} is lost")
+
+    fleet.hosts.spawn_procs = lost_as_it_spawns
+    with pytest.raises(ValueError, match=re.escape("generator replica 2 on host 'c' did not start: host c is lost")):
+        operator.change_placement(command("placement_change", action="add", role="generator", host="c"))
+    assert len(fleet.groups["generator"].replicas) == 2 and fleet.events("placement_changed") == []
+
+
+def test_an_added_replica_that_fails_as_it_takes_the_weights_is_stopped_and_the_add_refused():
+    """Before, the new replica's CallFailed escaped the operator and its procs were left running, out of routing."""
+    fleet, operator = _operator()
+    generators = fleet.groups["generator"]
+    spawn_actor, spawned = generators.spawn_actor, []
+
+    def failing_take_weights(procs, name):
+        actor = spawn_actor(procs, name)
+        spawned.append(procs)
+        actor.take_weights.call_one = lambda publication: Done(error=RuntimeError("the proc died"))
+        return actor
+
+    generators.spawn_actor = failing_take_weights
+    with pytest.raises(ValueError, match=re.escape("generator replica 2 on host 'c' did not take the current "
+                                                   "weights: RuntimeError: the proc died")):
+        operator.change_placement(command("placement_change", action="add", role="generator", host="c"))
+    assert len(generators.replicas) == 2 and fleet.events("placement_changed") == []
+    assert [procs.stopped for procs in spawned] == [True]
+    assert fleet.hosts.released[-1] == fleet.hosts.spawned[-1][1] == "generator_2_3"
+
+
+def test_a_drain_whose_move_does_not_start_puts_the_rest_back_in_routing_and_leaves_the_host_undrained():
+    """Host b's generator 1 moves to a; generator 2's new proc on c fails as it starts: the drain stops there. Before,
+    its CallFailed escaped with generator 2 and the reward on b out of routing for good and b drained."""
+    fleet, operator = _operator(generators=("a", "b", "b"))
+    generators, rewards = fleet.groups["generator"], fleet.groups["reward"]
+    failed = fails_to_start(generators, RuntimeError("CUDA error: out of memory"), on="c")
+    staying = generators.replicas[2]
+    with pytest.raises(ValueError) as refused:
+        operator.operate("load_redirect", command("load_redirect", action="drain", host="b"))
+    refusal = ("the drain of host 'b' stopped: generator replica 2 on host 'c' did not start: RuntimeError: CUDA error: "
+               "out of memory; moved already: generator replica 1 to a; host 'b' is not drained")
+    assert str(refused.value) == refusal
+    assert [(r.index, r.host) for r in generators.live()] == [(0, "a"), (1, "a"), (2, "b")], "what moved stays moved"
+    assert generators.replicas[2] is staying and [(r.index, r.host) for r in rewards.live()] == [(0, "b")]
+    assert fleet.placer.drained == set() and fleet.state.totals.migrations == 1
+    assert [procs.stopped for procs in failed] == [True] and fleet.hosts.released[-1] == fleet.hosts.spawned[-1][1]
+    assert [e["replicas"] for e in fleet.events("redirect_started")] == [[1, 2]]
+    assert fleet.events("redirect_finished") == [], "the drain did not finish"
+    assert [e["text"] for e in fleet.events("message")] == [refusal]
+    result = operator.redirect(command("load_redirect", action="drain", host="b"))  # a drain again moves the rest
+    assert result["moved"] == {"2": "a"} and result["moved_roles"] == {"reward": {"0": "a"}}
+    assert fleet.placer.drained == {"b"}
 
 
 def test_a_role_that_follows_the_generators_moves_with_them_and_one_that_follows_the_trainer_stays():

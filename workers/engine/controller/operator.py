@@ -8,14 +8,15 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from workers.engine.actors.fleet import Replica, ReplicaGroup
-from workers.engine.actors.hosts import Hosts
+from workers.engine.actors.fleet import CallFailed, Replica, ReplicaGroup
+from workers.engine.actors.hosts import Hosts, HostsUnreachable
 from workers.engine.config import RunConfig
 from workers.engine.controller.drill_targets import DrillTargets
 from workers.engine.controller.placement import Placer
 from workers.engine.controller.roles import MOVABLE, role_group, role_plan, serving
 from workers.engine.controller.state import RunState, TrainerDrain
 from workers.engine.controller.supervision import Supervisor
+from workers.engine.fields import ConfigError
 from workers.engine.metrics import Recorder
 from workers.engine.operations import FaultDrillRequest, LoadRedirectRequest, Operation, PlacementChangeRequest
 
@@ -71,9 +72,24 @@ class Operator:
             raise ValueError(refusal)
 
     def start_replica(self, group: ReplicaGroup, index: int, host: str) -> Replica:
-        """A new replica of the group's role on `host`, ready to serve (a generator at the current weights)."""
-        new = group.spawn(index, host)
-        new.version = self.supervisor.prepare(new)
+        """A new replica of the group's role on `host`, ready to serve (a generator at the current weights). ValueError
+        with why when it does not start (the model folder it refused: that field's error) or fails as it takes the
+        weights; its procs are stopped and its GPUs released either way."""
+        try:
+            new = group.spawn(index, host)  # stops its procs when it does not start
+        except CallFailed as failure:
+            why = f"did not start: {failure.raised}" if isinstance(failure.raised, ConfigError) else failure.reason
+            raise ValueError(f"{group.role} replica {index} on host {host!r} {why}") from None
+        except HostsUnreachable as lost:
+            raise ValueError(f"{group.role} replica {index} on host {host!r} did not start: {lost}") from None
+        try:
+            new.version = self.supervisor.prepare(new)
+        except BaseException as error:
+            group.stop(new)
+            if isinstance(error, CallFailed):
+                raise ValueError(f"{group.role} replica {index} on host {host!r} did not take the current weights: "
+                                 f"{error.reason}") from None
+            raise
         return new
 
     def move(self, group: ReplicaGroup, replica: Replica, host: str) -> None:
@@ -115,14 +131,21 @@ class Operator:
                 groups[role].service.set_available(replica.index, False)
         spares_dropped = sum(group.drop_spares_on(host) for group in groups.values())
         moved: dict[str, dict[str, str]] = {}
-        for role in roles:
-            destinations = first[role] if role in first else \
-                self.placer.drain_destinations(role, host, count=len(moving[role]))  # where the generators went
-            for replica, target in zip(moving[role], destinations):
-                self.move(groups[role], replica, target)
-                moved.setdefault(role, {})[str(replica.index)] = target
-        if spares_dropped:
-            self.supervisor.warm_spares()  # after the moves: a spare must not take a moving replica's room
+        try:
+            for role in roles:
+                destinations = first[role] if role in first else \
+                    self.placer.drain_destinations(role, host, count=len(moving[role]))  # where the generators went
+                for replica, target in zip(moving[role], destinations):
+                    self.move(groups[role], replica, target)
+                    moved.setdefault(role, {})[str(replica.index)] = target
+        except BaseException as error:  # a replica's new proc did not start (`start_replica`): nothing more moves
+            refusal = self.drain_stopped(host, moving, moved, why=str(error))
+            if isinstance(error, ValueError):
+                raise ValueError(refusal) from None
+            raise
+        finally:
+            if spares_dropped:
+                self.supervisor.warm_spares()  # after the moves: a spare must not take a moving replica's room
         others = {role: plan for role, plan in moved.items() if role != "generator"}
         plan = role_plan(groups, "generator") if "generator" in groups else {}
         self.recorder.event("redirect_finished", step=self.state.step, action="drain", host=host,
@@ -130,6 +153,24 @@ class Operator:
                             seconds=round(time.monotonic() - started, 3), **({"moved_roles": others} if others else {}))
         return {"host": host, "moved": moved.get("generator", {}), "plan": plan,
                 **({"moved_roles": others} if others else {})}
+
+    def drain_stopped(self, host: str, moving: Mapping[str, list[Replica]], moved: Mapping[str, Mapping[str, str]], *,
+                      why: str) -> str:
+        """A drain refused midway, as a move's new replica did not start: the replicas it took out of routing and did
+        not move serve again on `host` (they are healthy there), and the host is not drained (a refused command leaves
+        it as it was: a drain again moves the rest); those moved already stay where they went. No redirect_finished:
+        the run page is told what moved and what did not. The refusal."""
+        for role, replicas in moving.items():
+            group = self.groups[role]
+            for replica in replicas:
+                if group.replicas[replica.index] is replica and not replica.failed:
+                    group.service.set_available(replica.index, True)
+        self.placer.drained.discard(host)
+        done = [f"{role} replica {index} to {target}" for role, went in moved.items() for index, target in went.items()]
+        refusal = (f"the drain of host {host!r} stopped: {why}; "
+                   f"{'moved already: ' + ', '.join(done) if done else 'nothing moved'}; host {host!r} is not drained")
+        self.recorder.event("message", step=self.state.step, text=refusal)
+        return refusal
 
     def drain_trainer(self, host: str) -> dict[str, Any]:
         """A run whose only role is its trainer: refuse now if no undrained hosts could take it, else it moves at the
