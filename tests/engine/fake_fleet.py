@@ -163,14 +163,14 @@ def fake_group(role: str, hosts: FakeHosts, placement: list[str], *, per_host: i
     return group
 
 
-def fails_to_start(group: ReplicaGroup, error: Exception, *, on: str) -> list[FakeProcs]:
-    """From now on the group's new replicas and spares on host `on` fail as they start: their actor's pid call raises
-    `error`, as one whose model load raised. The procs each was spawned on."""
+def fails_to_start(group: ReplicaGroup, error: Exception, *, on: str | None = None) -> list[FakeProcs]:
+    """From now on the group's new replicas and spares on host `on` (None: on any) fail as they start: their actor's
+    pid call raises `error`, as one whose model load raised. The procs each was spawned on."""
     spawn_actor, spawned = group.spawn_actor, []
 
     def failing(procs: FakeProcs, name: str) -> FakeActor:
         actor = spawn_actor(procs, name)
-        if procs.host == on:
+        if on is None or procs.host == on:
             actor.pid.call_one = lambda: Done(error=error)
             spawned.append(procs)
         return actor

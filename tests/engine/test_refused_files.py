@@ -1,8 +1,9 @@
 """A file a field named that the trainer's ranks refuse (a checkpoint's trainer.pt, the model folder's config.json or
 *.safetensors) ends a Monarch run with that field's ConfigError, as a single-process run does, over fake hosts: at the
 run's start and in a recovery, where it is no trainer failure to retry; and so does a model folder a generator,
-reward or reference replica refuses at the run's start. The refusal comes back through Monarch as an ActorError
-holding the rank's exception (test_monarch_sft and test_monarch_model_refusals: the real ones)."""
+reward or reference replica refuses at the run's start, or its replacement or a warm spare mid-run (the folder changed
+since the start: every other would read it too). The refusal comes back through Monarch as an ActorError holding the
+rank's exception (test_monarch_sft and test_monarch_model_refusals: the real ones)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from typing import Any
 import pytest
 from monarch.actor import ActorError
 
-from tests.engine.fake_fleet import Done
+from tests.engine.fake_fleet import Done, FakeHosts, controller_parts, fails_to_start, fake_group, grpo_config
 from tests.engine.test_controller_recovery import _recovery, _relaunches
 from tests.engine.test_fleet import StartingGroup
 from workers.engine.actors.fleet import CallFailed
+from workers.engine.controller.requests import Router
 from workers.engine.fields import ConfigError, FieldError
 
 CHECKPOINT = "ckpt/step_000004"
@@ -113,3 +115,48 @@ def test_a_model_folder_a_replica_refuses_as_the_run_starts_ends_the_run_with_mo
         while not group.await_started(wait_s=0.02):
             pass
     assert refused.value.errors == [REFUSED_MODEL]
+
+
+def _refused_mid_run(monkeypatch: pytest.MonkeyPatch, *, spares: int = 0) -> tuple[Any, Any]:
+    """A run's reward replicas on hosts b and c whose model folder changed since they started: each new one refuses it."""
+    from workers.engine.controller import supervision
+
+    monkeypatch.setattr(supervision, "HOST_SETTLE_S", 0.0)
+    hosts = FakeHosts(["a", "b", "c"])
+    rewards = fake_group("reward", hosts, ["b", "c"], spares=spares, score=1.0)
+    fleet = controller_parts(grpo_config(), hosts, {"reward": rewards}, trainer_hosts=["a"], control_host="a")
+    return fleet, fails_to_start(rewards, _from_a_rank(REFUSED_MODEL, "pid").error)
+
+
+def test_a_replacement_that_refuses_the_model_folder_mid_run_ends_the_run_with_model_paths_error(monkeypatch) -> None:
+    # it was one more failure of the replica, and another replacement read and refused the same folder, until
+    # failover.max_replacements ended the run with a ProcFailure naming no field
+    fleet, spawned = _refused_mid_run(monkeypatch)
+    rewards = fleet.groups["reward"]
+    dead = rewards.replicas[0]
+    dead.actor.score.call_one = dead.actor.pid.call_one = lambda: Done(error=RuntimeError("the proc died"))
+    router = Router(failover=fleet.failover, waits=fleet.waits, supervisor=fleet.supervisor)
+    request = router.send(rewards, lambda actor: actor.score.call_one())
+    with pytest.raises(ConfigError) as refused:  # its retry on replica 1 is out, the repair runs meanwhile
+        router.receive(request)
+    assert refused.value.errors == [REFUSED_MODEL]
+    assert len(spawned) == 1 and spawned[0].stopped, "no second replacement reads the same folder"
+    assert fleet.hosts.released[-1] == fleet.hosts.spawned[-1][1]
+    assert [e["reason"] for e in fleet.events("failure_detected")] == ["RuntimeError: the proc died"]
+    assert fleet.events("replica_replaced") == [] and fleet.events("recovered") == []
+    host = fleet.hosts.spawned[-1][0]
+    assert [e["text"] for e in fleet.events("message")] == [
+        f"the replacement of reward replica 0 did not start on {host}: {REFUSED_MODEL}; not recovered: the run ends"]
+
+
+def test_a_warm_spare_that_refuses_the_model_folder_ends_the_run_with_model_paths_error(monkeypatch) -> None:
+    # it was dropped and another spare started, which read and refused the same folder, for as long as the run went on
+    fleet, spawned = _refused_mid_run(monkeypatch, spares=1)
+    rewards = fleet.groups["reward"]
+    fleet.supervisor.warm_spares()
+    with pytest.raises(ConfigError) as refused:
+        fleet.supervisor.tick()
+    assert refused.value.errors == [REFUSED_MODEL]
+    assert len(spawned) == 1 and spawned[0].stopped and rewards.spare_replicas() == []
+    assert [e["text"] for e in fleet.events("message")] == [
+        f"a reward spare did not start: {REFUSED_MODEL}; not recovered: the run ends"]

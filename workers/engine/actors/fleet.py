@@ -18,6 +18,8 @@ and replacements spawn the replica's new proc on the host they pick.
            (first, replacement or spare) whose model is not loaded within `failover.setup_timeout_s`
            of its spawn did not start: at the run's start the run fails; a replacement that did not
            start (or failed as it started) is one more failure of its replica; a spare is dropped.
+           One that refuses the model folder (its actor's ConfigError: the folder changed since the
+           start) ends the run with that field's error, as at the start: every other would read it too.
   recovered  emitted once the failed request has been served again (retried on a healthy
            replica) and the replacement, if one was needed, serves: `time_to_detect_s` (from
            the injected fault, when a drill caused it), `time_to_recover_s` (from detection).
@@ -348,8 +350,10 @@ class ReplicaGroup:
 
     def poll_spares(self, *, wait_s: float = 0.001) -> tuple[list[Replica], list[str]]:
         """Spares whose model finished loading since the last poll (they are ready now), and why each spare that failed
-        to start (`started`) did: those are stopped and dropped; `warm` starts others."""
+        to start (`started`) did: those are stopped and dropped; `warm` starts others. The ConfigError of a model folder
+        one refused (as `await_started`): each spare started again would refuse it too."""
         ready, loading, failed = [], [], []
+        refused: ConfigError | None = None
         for spare, pid in self.warming:
             try:
                 if self.started(spare, pid, wait_s=wait_s):
@@ -360,8 +364,12 @@ class ReplicaGroup:
                 logger.warning("a %s spare %s", self.role, failure)
                 failed.append(str(failure))
                 self.stop(spare)
+                if isinstance(failure.raised, ConfigError):
+                    refused = refused or failure.raised
         self.warming = loading
         self.ready_spares.extend(ready)
+        if refused is not None:
+            raise refused
         return ready, failed
 
     def take_spare(self, index: int, host: str) -> Replica | None:
@@ -529,7 +537,8 @@ class Failover:
     def repair(self, prepare: dict[str, Callable[[Replica], int]], *, host: Callable[[Replica], str]) -> None:
         """Replace queued failed replicas: spawn (on `host(old)`), bring to the current version, route to them again. A
         replacement that does not start (it fails, or its set-up outlasts failover.setup_timeout_s) is one more failure
-        of the replica, within the same failover.max_replacements: another is started."""
+        of the replica, within the same failover.max_replacements: another is started. One that refuses the model folder
+        ends the run with that field's ConfigError (as `await_started`): another would read the same folder."""
         while self._queue:
             group, replica, incidents = self._queue[0]
             used = self.replacements.get(group.role, 0) + 1
@@ -546,6 +555,11 @@ class Failover:
             except HostsUnreachable:  # the host died meanwhile: `host` finds it lost next time and picks another
                 continue
             except CallFailed as failure:  # its procs are stopped already
+                if isinstance(failure.raised, ConfigError):
+                    self.recorder.event("message", step=self.step(),
+                                        text=f"the replacement of {group.role} replica {replica.index} did not start on "
+                                             f"{target}: {failure.raised}; not recovered: the run ends")
+                    raise failure.raised from None
                 self.replacements[group.role] = used
                 incidents.append(self._start_failed(group, replica, host=target, failure=failure))
                 continue

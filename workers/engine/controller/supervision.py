@@ -16,6 +16,7 @@ from workers.engine.controller.placement import Placer
 from workers.engine.controller.state import RunState
 from workers.engine.controller.trainer import TrainerHandle
 from workers.engine.controller.waits import Waits
+from workers.engine.fields import ConfigError
 from workers.engine.metrics import Recorder
 
 HOST_SETTLE_S = 2.0  # a killed worker's port can accept connections a moment longer than its procs live
@@ -155,8 +156,15 @@ class Supervisor:
                 self.recorder.event("spares_started", step=self.state.step, role=group.role, host=host, count=started)
 
     def poll_spares(self, wait_s: float = 0.001) -> None:
+        """Record the spares that are ready and those that failed to start; the ConfigError of a model folder a spare
+        refused ends the run (`ReplicaGroup.poll_spares`), said on the run page."""
         for group in self.groups.values():
-            ready, failed = group.poll_spares(wait_s=wait_s)
+            try:
+                ready, failed = group.poll_spares(wait_s=wait_s)
+            except ConfigError as refused:
+                self.recorder.event("message", step=self.state.step,
+                                    text=f"a {group.role} spare did not start: {refused}; not recovered: the run ends")
+                raise
             for spare in ready:
                 self.recorder.event("spare_ready", step=self.state.step, role=group.role, host=spare.host,
                                     pids=spare.pids)
