@@ -215,6 +215,34 @@ def _with(saved: dict, part: str, **changes: object) -> dict:
     return {**saved, part: {key: value for key, value in changed.items() if value is not None}}
 
 
+GONE = object()  # a change that removes the key
+
+
+def _changed(values: dict, changes: dict[str, object]) -> dict:
+    return {key: value for key, value in {**values, **changes}.items() if value is not GONE}
+
+
+def _moments(saved: dict, of: int = 1, **changes: object) -> dict:
+    """`saved` with the optimizer's state of parameter `of` (1: layer 0's wqkv, [128, 64]) updated by `changes`."""
+    optimizer = saved["optimizer"]
+    return _with(saved, "optimizer", state={**optimizer["state"], of: _changed(optimizer["state"][of], changes)})
+
+
+def _settings(saved: dict, **changes: object) -> dict:
+    """`saved` with the optimizer's (one) param_group updated by `changes`."""
+    [group] = saved["optimizer"]["param_groups"]
+    return _with(saved, "optimizer", param_groups=[_changed(group, changes)])
+
+
+def _named_twice(saved: dict) -> dict:
+    """q_norm's place in the param_group naming k_norm too (both [16]), q_norm's state dropped: torch's loader gave
+    k_norm's moments to q_norm and started k_norm's again."""
+    [group] = saved["optimizer"]["param_groups"]
+    state = {key: moments for key, moments in saved["optimizer"]["state"].items() if key != 3}
+    return _with(saved, "optimizer", state=state, param_groups=[{**group, "params": [*group["params"][:3], 4,
+                                                                                     *group["params"][4:]]}])
+
+
 # each form of states the run cannot take: what it makes of the saved state, and what the refusal says of it
 MISFIT: dict[str, tuple[Callable[[dict], object], str]] = {
     "a list": (lambda state: [state], "holds states this run cannot take (a list, not a dict of model, optimizer, "
@@ -267,6 +295,67 @@ MISFIT: dict[str, tuple[Callable[[dict], object], str]] = {
     "a schedule that sets other attributes": (lambda state: _with(state, "scheduler", optimizer=5),
                                               "holds states this run cannot take (scheduler's optimizer is not one of "
                                               "this run's schedule's)"),
+    # an optimizer state torch's loader takes, whose first step fails (or moves the weights wrongly)
+    "a moment that is a list": (lambda state: _moments(state, exp_avg=[0.0, 0.0]),
+                                "holds states this run cannot take (optimizer's exp_avg of parameter 1 is [0.0, 0.0], "
+                                "not a tensor)"),
+    "a moment that is a string": (lambda state: _moments(state, exp_avg_sq="x"),
+                                  "holds states this run cannot take (optimizer's exp_avg_sq of parameter 1 is \"x\", "
+                                  "not a tensor)"),
+    "a moment that is None": (lambda state: _moments(state, exp_avg=None),
+                              "holds states this run cannot take (optimizer's exp_avg of parameter 1 is null, not a "
+                              "tensor)"),
+    "a moment of integers": (lambda state: _moments(state, exp_avg=torch.zeros(128, 64, dtype=torch.int64)),
+                             "holds states this run cannot take (optimizer's exp_avg of parameter 1 is a tensor of "
+                             "int64, not of floating point)"),
+    "a moment of booleans": (lambda state: _moments(state, exp_avg_sq=torch.zeros(128, 64, dtype=torch.bool)),
+                             "holds states this run cannot take (optimizer's exp_avg_sq of parameter 1 is a tensor of "
+                             "bool, not of floating point)"),
+    "a scalar moment of a matrix": (lambda state: _moments(state, exp_avg_sq=torch.tensor(0.0)),
+                                    "holds states this run cannot take (optimizer's exp_avg_sq of parameter 1 is [], "
+                                    "where the parameter is [128, 64])"),
+    "a moment that holds no values": (lambda state: _moments(state, exp_avg=torch.zeros(128, 64, device="meta")),
+                                      "holds states this run cannot take (optimizer's exp_avg of parameter 1 is a meta "
+                                      "tensor, which holds no values)"),
+    "a moment missing": (lambda state: _moments(state, exp_avg_sq=GONE),
+                         "holds states this run cannot take (optimizer's state of parameter 1 has no exp_avg_sq (AdamW "
+                         "keeps step, exp_avg, exp_avg_sq of a parameter it has stepped))"),
+    "a state AdamW does not keep": (lambda state: _moments(state, extra=torch.zeros((), device="meta")),
+                                    "holds states this run cannot take (optimizer's state of parameter 1 holds "
+                                    "\"extra\", which this run's AdamW does not keep)"),
+    "no optimizer step": (lambda state: _moments(state, step=GONE),
+                          "holds states this run cannot take (optimizer's state of parameter 1 has no step (AdamW "
+                          "keeps step, exp_avg, exp_avg_sq of a parameter it has stepped))"),
+    "an optimizer step that is a string": (lambda state: _moments(state, step="1"),
+                                           "holds states this run cannot take (optimizer's step of parameter 1 is "
+                                           "\"1\", not a count of steps (a number, or a tensor of one, 0 or more))"),
+    "a negative optimizer step": (lambda state: _moments(state, step=torch.tensor(-1.0)),
+                                  "holds states this run cannot take (optimizer's step of parameter 1 is a tensor of "
+                                  "-1.0, not a count of steps"),
+    "an optimizer step that is not a number": (lambda state: _moments(state, step=float("nan")),
+                                               "holds states this run cannot take (optimizer's step of parameter 1 is "
+                                               "NaN, not a count of steps"),
+    "an optimizer step of many values": (lambda state: _moments(state, step=torch.ones(128, 64)),
+                                         "holds states this run cannot take (optimizer's step of parameter 1 is a "
+                                         "tensor of [128, 64] float32, not a count of steps"),
+    "a learning rate that is a string": (lambda state: _settings(state, lr="1e-4"),
+                                         "holds states this run cannot take (optimizer's param_groups[0].lr is "
+                                         "\"1e-4\", not a number (0 or more))"),
+    "no eps": (lambda state: _settings(state, eps=GONE),
+               "holds states this run cannot take (optimizer's param_groups[0] has no eps (AdamW's steps read lr, "
+               "betas, eps, weight_decay))"),
+    "one beta": (lambda state: _settings(state, betas=(0.9,)),
+                 "holds states this run cannot take (optimizer's param_groups[0].betas is [0.9], not two numbers from 0 "
+                 "up to 1)"),
+    "amsgrad, which the run does not keep the moments of": (lambda state: _settings(state, amsgrad=True),
+                                                            "holds states this run cannot take (optimizer's "
+                                                            "param_groups[0].amsgrad is true, where this run's AdamW "
+                                                            "has false)"),
+    "an optimizer that climbs the loss": (lambda state: _settings(state, maximize=True),
+                                          "holds states this run cannot take (optimizer's param_groups[0].maximize is "
+                                          "true, where this run's AdamW has false)"),
+    "a parameter named twice": (_named_twice, "holds states this run cannot take (optimizer's param_groups name "
+                                              "parameter 4 more than once)"),
 }
 
 
@@ -274,7 +363,10 @@ MISFIT: dict[str, tuple[Callable[[dict], object], str]] = {
 def test_a_trainer_pt_of_states_the_run_cannot_take_is_refused_before_any_is_loaded(
         written: Path, tiny_qwen3: Path, tmp_path: Path, misfit: str) -> None:
     # each was a traceback (TypeError, KeyError, RuntimeError from load_state_dict, ValueError from setstate), some
-    # after the model's weights were loaded; a schedule's unknown key was set on the scheduler as an attribute
+    # after the model's weights were loaded; a schedule's unknown key was set on the scheduler as an attribute. Most
+    # optimizer states were taken by torch's loader, and the first step failed (AttributeError, KeyError, ValueError,
+    # RuntimeError, ZeroDivisionError, after the weights were loaded), made the weights NaN (a NaN step), climbed the
+    # loss (maximize), or went on with moments cast from integers or a parameter's moments lost (one named twice)
     step = _copy(written, tmp_path)
     change, problem = MISFIT[misfit]
     _saved_with(step, change)

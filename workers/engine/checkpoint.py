@@ -14,6 +14,7 @@ A checkpoint is a folder `<checkpoint.folder>/step_NNNNNN/` holding
 
 from __future__ import annotations
 
+import math
 import pickle
 import random
 import shutil
@@ -265,9 +266,12 @@ def _fit_problem(state: dict[str, Any], *, optimizer: torch.optim.Optimizer | No
 
 
 def _optimizer_problem(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
-    """Why `saved` is not an optimizer state of `optimizer`'s parameters: its param_groups list as many (each by an
-    index or a name), and a moment kept for one is of its shape (what torch's loader never checks: the first step
-    would fail on it)."""
+    """Why `saved` is not an optimizer state `optimizer` can step from: its param_groups list as many parameters (each
+    by an index or a name, once), each group holding the settings a step reads (`_group_problem`), and what it keeps of
+    a parameter is what a step reads (`_moments_problem`). torch's loader takes nearly any of these values as they are,
+    and the first step would fail on one it cannot use (or move the weights wrongly), after the weights were loaded.
+    The saved groups' settings are the ones the run goes on with: the loader keeps all of a group but its params, and
+    the run's config does not come back (the learning rate goes on from the schedule's saved base_lrs)."""
     groups = saved.get("param_groups")
     if not isinstance(saved.get("state"), dict) or not isinstance(groups, list) or \
             not all(isinstance(group, dict) and isinstance(group.get("params"), list) for group in groups):
@@ -275,18 +279,121 @@ def _optimizer_problem(saved: dict[str, Any], optimizer: torch.optim.Optimizer) 
     counts, expected = [len(group["params"]) for group in groups], [len(g["params"]) for g in optimizer.param_groups]
     if counts != expected:
         return f"optimizer's param_groups hold {counts} parameters, where this run's hold {expected}"
-    if not all(isinstance(key, int | str) for group in groups for key in group["params"]):
+    keys = [key for group in groups for key in group["params"]]
+    if not all(isinstance(key, int | str) and not isinstance(key, bool) for key in keys):
         return "optimizer's param_groups name a parameter by something other than an index or a name"
-    params = {key: param for group, own in zip(groups, optimizer.param_groups)
+    if twice := [key for index, key in enumerate(keys) if key in keys[:index]]:
+        return f"optimizer's param_groups name parameter {shown(twice[0])} more than once"
+    for index, (group, own) in enumerate(zip(groups, optimizer.param_groups)):
+        if problem := _group_problem(group, own, optimizer=optimizer):
+            return f"optimizer's param_groups[{index}]{problem}"
+    params = {key: (param, own) for group, own in zip(groups, optimizer.param_groups)
               for key, param in zip(group["params"], own["params"])}
     for key, moments in saved["state"].items():
         if key not in params or not isinstance(moments, dict):
             return f"optimizer's state of {shown(key)} is not the moments of one of its param_groups' parameters"
-        for name, value in moments.items():
-            if isinstance(value, torch.Tensor) and value.ndim and value.shape != params[key].shape:
-                return (f"optimizer's {name} of parameter {shown(key)} is {list(value.shape)}, where the parameter is "
-                        f"{list(params[key].shape)}")
+        if problem := _moments_problem(moments, *params[key], optimizer=optimizer, of=f"parameter {shown(key)}"):
+            return problem
     return None
+
+
+# what a step of each optimizer `training.build_optimizer` builds reads of a param_group, and keeps for a parameter
+# besides AdamW's step (AdamW's max_exp_avg_sq too with amsgrad): what torch's loader takes as it is
+_SETTINGS: dict[type[torch.optim.Optimizer], tuple[str, ...]] = {
+    torch.optim.AdamW: ("lr", "betas", "eps", "weight_decay"), torch.optim.SGD: ("lr", "momentum", "dampening",
+                                                                                  "weight_decay")}
+_MOMENTS: dict[type[torch.optim.Optimizer], tuple[str, ...]] = {
+    torch.optim.AdamW: ("exp_avg", "exp_avg_sq"), torch.optim.SGD: ("momentum_buffer",)}
+
+
+def _group_problem(group: dict[Any, Any], own: dict[str, Any], *, optimizer: torch.optim.Optimizer) -> str | None:
+    """Why a saved param_group is not one `optimizer`'s step can read, told after the group's name: a setting
+    `_SETTINGS` names missing or not a number it takes, or a switch of how the optimizer steps (amsgrad, maximize,
+    foreach, fused, ...: what its own group holds as True, False or None) other than this run's, which built it with
+    none of them (the steps of a run with another amsgrad fail, one with maximize climbs the loss). None when it is."""
+    kind = type(optimizer).__name__
+    for name in _SETTINGS.get(type(optimizer), ()):
+        if name not in group:
+            return f" has no {name} ({kind}'s steps read {', '.join(_SETTINGS[type(optimizer)])})"
+        value = group[name]
+        if name == "betas":
+            if not isinstance(value, list | tuple) or len(value) != 2 or \
+                    not all((beta := _number(item)) is not None and 0 <= beta < 1 for item in value):
+                return f".betas is {_shown_value(value)}, not two numbers from 0 up to 1"
+        elif (number := _number(value, tensors=False)) is None or number < 0:
+            return f".{name} is {_shown_value(value)}, not a number (0 or more)"
+    for name, value in own.items():
+        if (value is None or isinstance(value, bool)) and name in group and group[name] is not value:
+            return f".{name} is {_shown_value(group[name])}, where this run's {kind} has {shown(value)}"
+    return None
+
+
+def _moments_problem(moments: dict[Any, Any], param: torch.Tensor, own: dict[str, Any], *,
+                     optimizer: torch.optim.Optimizer, of: str) -> str | None:
+    """Why the state saved `of` `param` (of this run's group `own`) is not one `optimizer`'s step can read: a moment
+    `_MOMENTS` names missing (a parameter a step has reached keeps them all) or not a tensor of floating point of the
+    parameter's shape (`_moment_problem`), AdamW's step not a count of steps, or anything else. None when it is."""
+    kind = type(optimizer).__name__
+    names = _MOMENTS.get(type(optimizer))
+    if names is None:  # not an optimizer the engine builds: only the shapes of what it keeps
+        return next((_moment_problem(name, value, param, of=of) for name, value in moments.items()
+                     if isinstance(value, torch.Tensor) and value.ndim and value.shape != param.shape), None)
+    stepped = isinstance(optimizer, torch.optim.AdamW)
+    names = (*names, "max_exp_avg_sq") if stepped and own.get("amsgrad") else names
+    if stepped and moments and (missing := [name for name in ("step", *names) if name not in moments]):
+        return f"optimizer's state of {of} has no {missing[0]} ({kind} keeps {', '.join(('step', *names))} of a " \
+               "parameter it has stepped)"
+    for name, value in moments.items():
+        if stepped and name == "step":
+            if (count := _number(value)) is None or count < 0:
+                return f"optimizer's step of {of} is {_shown_value(value)}, not a count of steps (a number, or a " \
+                       "tensor of one, 0 or more)"
+        elif name not in names:
+            return f"optimizer's state of {of} holds {shown(name)}, which this run's {kind} does not keep"
+        elif (value is not None or stepped) and (problem := _moment_problem(name, value, param, of=of)):
+            return problem  # (SGD's momentum_buffer may be None: its next step makes one)
+    return None
+
+
+def _moment_problem(name: str, value: Any, param: torch.Tensor, *, of: str) -> str | None:
+    moment = f"optimizer's {name} of {of}"
+    if not isinstance(value, torch.Tensor):
+        return f"{moment} is {_shown_value(value)}, not a tensor"
+    if value.is_meta:
+        return f"{moment} is a meta tensor, which holds no values"
+    if value.layout != torch.strided:
+        return f"{moment} is a {str(value.layout).removeprefix('torch.')} tensor, not a dense one"
+    if not value.is_floating_point():
+        return f"{moment} is a tensor of {str(value.dtype).removeprefix('torch.')}, not of floating point"
+    if value.shape != param.shape:
+        return f"{moment} is {list(value.shape)}, where the parameter is {list(param.shape)}"
+    return None
+
+
+def _number(value: Any, *, tensors: bool = True) -> float | None:
+    """`value` as a float when it is a finite real number (not a bool), or (`tensors`) a tensor of one; else None."""
+    if tensors and isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_meta or value.layout != torch.strided or value.is_quantized or \
+                value.dtype == torch.bool or value.is_complex():
+            return None
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond a float: torch's loader and steps make floats of them
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _shown_value(value: Any) -> str:
+    """A saved optimizer value as the refusal shows it: a tensor by its value (one of one) or its shape and type, anything
+    else as JSON."""
+    if not isinstance(value, torch.Tensor):
+        return shown(value)
+    if value.numel() == 1 and not value.is_meta and value.layout == torch.strided and not value.is_quantized:
+        return f"a tensor of {shown(value.item())}"
+    return f"a tensor of {list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
 
 
 def _rng_problem(rng: dict[str, Any]) -> str | None:
