@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from tests.engine.test_checkpoint_data_only import _monarch_recovery
@@ -24,7 +25,7 @@ from workers.engine.config import ConfigError, OptimizerConfig, load_config
 from workers.engine.models.hf_folder import load_pretrained, read_hf_config
 from workers.engine.models.titan import build_decoder
 from workers.engine.preflight import preflight_errors
-from workers.engine.sharding import full_model_state, full_optimizer_state
+from workers.engine.sharding import full_model_state, full_optimizer_state, shard_model
 from workers.engine.training import build_optimizer, build_scheduler
 
 
@@ -371,6 +372,41 @@ def test_a_trainer_pt_of_states_the_run_cannot_take_is_refused_before_any_is_loa
     change, problem = MISFIT[misfit]
     _saved_with(step, change)
     assert _refused_load(step, tiny_qwen3, field="checkpoint.resume_from").startswith(f"{step / 'trainer.pt'} {problem}")
+
+
+def test_an_adamw_checkpoint_resumed_by_an_sgd_run_is_refused_naming_the_setting_sgd_reads(
+        written: Path, tiny_qwen3: Path) -> None:
+    # was taken by torch's loader, and the first step failed with KeyError: 'momentum'
+    model = build_decoder(read_hf_config(tiny_qwen3))
+    optimizer = build_optimizer(model, OptimizerConfig(name="sgd"))
+    with pytest.raises(ConfigError) as refused:
+        load_checkpoint(written, model=model, optimizer=optimizer, field="checkpoint.resume_from")
+    [error] = refused.value.errors
+    assert error.field == "checkpoint.resume_from"
+    assert error.message.startswith(f"{written / 'trainer.pt'} holds states this run cannot take (optimizer's "
+                                    "param_groups[0] has no momentum (SGD's steps read lr, momentum, dampening, "
+                                    "weight_decay))")
+    assert optimizer.state_dict()["state"] == {}
+
+
+def test_optimizer_steps_saved_as_numbers_load_into_a_sharded_trainer_that_steps_from_them(
+        written: Path, tiny_qwen3: Path, tmp_path: Path) -> None:
+    # torch before 1.12 saved AdamW's step as a number, which its loader takes; sharding it was an AttributeError
+    step = _copy(written, tmp_path)
+    _saved_with(step, lambda state: _with(state, "optimizer", state={
+        key: {**moments, "step": float(moments["step"])} for key, moments in state["optimizer"]["state"].items()}))
+    model = build_decoder(read_hf_config(tiny_qwen3))
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        shard_model(model, mixed_precision="off")
+        optimizer = build_optimizer(model, OptimizerConfig())
+        load_checkpoint(step, model=model, optimizer=optimizer, recipe="sft")
+        model(torch.tensor([[1, 2, 3]])).sum().backward()
+        optimizer.step()
+        assert all(moments["step"].item() == 2.0 for moments in optimizer.state.values())
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_whole_checkpoint_loads(written: Path, tiny_qwen3: Path) -> None:

@@ -104,9 +104,10 @@ def _gathered(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _like(full: torch.Tensor, sharded: torch.Tensor) -> torch.Tensor:
-    """`full` cut the way `sharded` is (a parameter or an optimizer moment of the same shape); scalars stay whole."""
-    if isinstance(sharded, DTensor) and full.shape == sharded.shape:
+def _like(full: Any, sharded: torch.Tensor) -> Any:
+    """`full` cut the way `sharded` is (a parameter or an optimizer moment of the same shape); scalars stay whole, and
+    so do values that are not tensors (a step saved as a number, as torch before 1.12 saved AdamW's)."""
+    if isinstance(full, torch.Tensor) and isinstance(sharded, DTensor) and full.shape == sharded.shape:
         return distribute_tensor(full.to(sharded.dtype), sharded.device_mesh, sharded.placements)
     return full
 
