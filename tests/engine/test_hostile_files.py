@@ -346,8 +346,8 @@ MISFIT: dict[str, tuple[Callable[[dict], object], str]] = {
                "holds states this run cannot take (optimizer's param_groups[0] has no eps (AdamW's steps read lr, "
                "betas, eps, weight_decay))"),
     "one beta": (lambda state: _settings(state, betas=(0.9,)),
-                 "holds states this run cannot take (optimizer's param_groups[0].betas is [0.9], not two numbers from 0 "
-                 "up to 1)"),
+                 "holds states this run cannot take (optimizer's param_groups[0].betas is [0.9], not two numbers "
+                 "from 0 up to 1)"),
     "amsgrad, which the run does not keep the moments of": (lambda state: _settings(state, amsgrad=True),
                                                             "holds states this run cannot take (optimizer's "
                                                             "param_groups[0].amsgrad is true, where this run's AdamW "

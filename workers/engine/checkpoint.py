@@ -318,7 +318,7 @@ def _group_problem(group: dict[Any, Any], own: dict[str, Any], *, optimizer: tor
         value = group[name]
         if name == "betas":
             if not isinstance(value, list | tuple) or len(value) != 2 or \
-                    not all((beta := _number(item)) is not None and 0 <= beta < 1 for item in value):
+                    not all((beta := _number(item, tensors=False)) is not None and 0 <= beta < 1 for item in value):
                 return f".betas is {_shown_value(value)}, not two numbers from 0 up to 1"
         elif (number := _number(value, tensors=False)) is None or number < 0:
             return f".{name} is {_shown_value(value)}, not a number (0 or more)"
@@ -387,8 +387,8 @@ def _number(value: Any, *, tensors: bool = True) -> float | None:
 
 
 def _shown_value(value: Any) -> str:
-    """A saved optimizer value as the refusal shows it: a tensor by its value (one of one) or its shape and type, anything
-    else as JSON."""
+    """A saved optimizer value as the refusal shows it: a tensor by its value (one of one) or its shape and type,
+    anything else as JSON."""
     if not isinstance(value, torch.Tensor):
         return shown(value)
     if value.numel() == 1 and not value.is_meta and value.layout == torch.strided and not value.is_quantized:
