@@ -39,6 +39,9 @@ def test_sft_resume_matches_uninterrupted_run(tiny_trainable_qwen3: Path, make_c
     assert resumed.losses == pytest.approx(whole.losses[3:], abs=LOSS_TOLERANCE)
     assert sink.series("lr") == whole_sink.series("lr")[3:]  # the schedule continues where it stopped
     assert [step for step, _ in sink.series("lr")] == [4, 5, 6]
+    # the same optimizer settings (the warmup's lr at the step is not the setting): nothing to say
+    assert [event["optimizer_from_checkpoint"] for event in sink.events("resumed")] == [[]]
+    assert sink.events("message") == []
 
 
 def test_grpo_async_resume_matches_uninterrupted_run(sft_warm_start: tuple[Path, float], make_config, tmp_path: Path) -> None:
@@ -47,11 +50,57 @@ def test_grpo_async_resume_matches_uninterrupted_run(sft_warm_start: tuple[Path,
               "grpo.mode=async", "grpo.max_policy_age=1", "trainer.optimizer.lr=2e-3", "eval.every_steps=0")
     whole = train_grpo(make_config("grpo", folder, *common, f"checkpoint.folder={tmp_path / 'a'}",
                                    "checkpoint.every_steps=2"), Recorder())
+    sink = MemorySink()
     resumed = train_grpo(make_config("grpo", folder, *common, f"checkpoint.folder={tmp_path / 'b'}",
-                                     f"checkpoint.resume_from={tmp_path / 'a'}/step_000002"), Recorder())
+                                     f"checkpoint.resume_from={tmp_path / 'a'}/step_000002"), Recorder([sink]))
     assert resumed.losses == pytest.approx(whole.losses[2:], abs=LOSS_TOLERANCE)
     assert [m["policy_version"] for m in resumed.metrics] == [3, 4, 5]
     assert [m["staleness/policy_age"] for m in resumed.metrics] == [m["staleness/policy_age"] for m in whole.metrics[2:]]
+    assert [event["optimizer_from_checkpoint"] for event in sink.events("resumed")] == [[]]
+    assert sink.events("message") == []
+
+
+# The checkpoint's optimizer settings win over the resuming run's config (torch's loaders keep them: exact
+# resumption), and the run says so: in the `resumed` event and in words on the run page.
+CHANGED_SETTINGS = ("trainer.optimizer.lr=2e-3", "trainer.optimizer.weight_decay=0.1")
+FROM_CHECKPOINT_TEXT = ("resumed with the checkpoint's optimizer settings: lr 0.001 (the config says 0.002){betas}, "
+                        "weight_decay 0.0 (the config says 0.1); a resumed run goes on with its checkpoint's optimizer")
+
+
+def test_an_sft_resume_with_other_optimizer_settings_goes_on_with_the_checkpoints_and_says_so(
+        tiny_trainable_qwen3: Path, make_config, tmp_path: Path) -> None:
+    common = (*ARITHMETIC, "trainer.batch_size=4", "trainer.micro_batch_size=4", "eval.every_steps=0")
+    train_sft(make_config("sft", tiny_trainable_qwen3, *common, "trainer.steps=1", "trainer.optimizer.lr=1e-3",
+                          f"checkpoint.folder={tmp_path / 'a'}", "checkpoint.every_steps=1"), Recorder())
+    sink = MemorySink()
+    resumed = train_sft(make_config("sft", tiny_trainable_qwen3, *common, "trainer.steps=2", *CHANGED_SETTINGS,
+                                    "trainer.optimizer.betas=[0.8, 0.99]", f"checkpoint.folder={tmp_path / 'b'}",
+                                    f"checkpoint.resume_from={tmp_path / 'a' / 'step_000001'}"), Recorder([sink]))
+    assert resumed.step == 2 and sink.series("lr") == [(2, 1e-3)]  # the checkpoint's lr, not the config's
+    assert [event["optimizer_from_checkpoint"] for event in sink.events("resumed")] == [[
+        {"setting": "lr", "checkpoint": 1e-3, "config": 2e-3},
+        {"setting": "betas", "checkpoint": [0.9, 0.95], "config": [0.8, 0.99]},
+        {"setting": "weight_decay", "checkpoint": 0.0, "config": 0.1}]]
+    assert [(event["step"], event["text"]) for event in sink.events("message")] == [
+        (1, FROM_CHECKPOINT_TEXT.format(betas=", betas [0.9, 0.95] (the config says [0.8, 0.99])"))]
+
+
+def test_a_grpo_resume_with_other_optimizer_settings_goes_on_with_the_checkpoints_and_says_so(
+        tiny_trainable_qwen3: Path, make_config, tmp_path: Path) -> None:
+    common = (*ARITHMETIC, "trainer.batch_size=2", "trainer.micro_batch_size=4", "grpo.group_size=2",
+              "eval.every_steps=0")
+    train_grpo(make_config("grpo", tiny_trainable_qwen3, *common, "trainer.steps=1", "trainer.optimizer.lr=1e-3",
+                           f"checkpoint.folder={tmp_path / 'a'}", "checkpoint.every_steps=1"), Recorder())
+    sink = MemorySink()
+    resumed = train_grpo(make_config("grpo", tiny_trainable_qwen3, *common, "trainer.steps=2", *CHANGED_SETTINGS,
+                                     f"checkpoint.folder={tmp_path / 'b'}",
+                                     f"checkpoint.resume_from={tmp_path / 'a' / 'step_000001'}"), Recorder([sink]))
+    assert [m["lr"] for m in resumed.metrics] == [1e-3]  # the checkpoint's lr, not the config's
+    assert [event["optimizer_from_checkpoint"] for event in sink.events("resumed")] == [[
+        {"setting": "lr", "checkpoint": 1e-3, "config": 2e-3},
+        {"setting": "weight_decay", "checkpoint": 0.0, "config": 0.1}]]
+    assert [(event["step"], event["text"]) for event in sink.events("message")] == [
+        (1, FROM_CHECKPOINT_TEXT.format(betas=""))]
 
 
 def test_export_is_an_hf_folder_that_starts_a_new_run(tiny_trainable_qwen3: Path, make_config, tmp_path: Path) -> None:

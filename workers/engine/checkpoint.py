@@ -32,11 +32,16 @@ from workers.engine.checkpoint_folders import (
     shown, temp_folder, write_checkpoint_info,
 )
 from workers.engine.fields import ConfigError, FieldError
+from workers.engine.metrics import Recorder
 from workers.engine.sharding import load_full_state
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json", "config.json")
 STATE_KEYS = ("model", "optimizer", "scheduler", "rng", "progress")  # what `save_checkpoint` writes in trainer.pt
 _ANOTHER = "name another checkpoint (an earlier step_N folder of that run, say)"  # a refused trainer.pt's remedy
+# the key `load_checkpoint` adds to the progress it returns: the optimizer settings the checkpoint's state brought over
+# the run's config's (`optimizer_differences`); the progress dict is what every caller gets, on Monarch too (a rank's
+# `load` endpoint returns it), and no caller saves it again
+OPTIMIZER_FROM_CHECKPOINT = "optimizer_from_checkpoint"
 
 
 def rng_state() -> dict[str, Any]:
@@ -116,7 +121,10 @@ def load_checkpoint(
     recipe: str | None = None,
     field: str = "checkpoint.resume_from",
 ) -> dict[str, Any]:
-    """Load states into the given objects, sharded (FSDP2) or not; return the recipe's progress dict.
+    """Load states into the given objects, sharded (FSDP2) or not; return the recipe's progress dict, with
+    OPTIMIZER_FROM_CHECKPOINT: the optimizer settings the loaded state holds other than the ones this run's optimizer
+    and scheduler were built with from its config (`optimizer_differences`; [] without an optimizer). The checkpoint's
+    win, as torch's loaders keep them: a resumed run goes on exactly as the run that saved it would have.
 
     `recipe`: the resuming run's; a checkpoint its checkpoint.json does not say this recipe wrote is a ConfigError,
     before anything is loaded (and one whose progress is the other recipe's, before a state is). A trainer.pt that
@@ -135,6 +143,7 @@ def load_checkpoint(
         raise _refusal(folder, field=field, problem=f"holds states this run cannot take ({problem})")
     if recipe is not None:
         check_resume_recipe(folder, recipe=recipe, progress=state["progress"], field=field)
+    configured = _optimizer_settings(optimizer, scheduler) if optimizer is not None else {}
     try:
         load_full_state(model, optimizer, model_state=state["model"], optimizer_state=state["optimizer"])
     except (ValueError, KeyError, TypeError) as exc:  # the optimizer's state, which torch's loader checks as it goes
@@ -143,7 +152,48 @@ def load_checkpoint(
         scheduler.load_state_dict(state["scheduler"])
     if restore_rng:
         restore_rng_state(state["rng"])
-    return state["progress"]
+    loaded = _optimizer_settings(optimizer, scheduler) if optimizer is not None else {}
+    return {**state["progress"], OPTIMIZER_FROM_CHECKPOINT: optimizer_differences(checkpoint=loaded, config=configured)}
+
+
+def _optimizer_settings(optimizer: torch.optim.Optimizer,
+                        scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> dict[str, Any]:
+    """The settings a step of `optimizer` reads (`_SETTINGS`) as plain numbers (betas a list), from its first
+    param_group (`training.build_optimizer` builds one); lr is the schedule's base lr when there is a schedule (the
+    group's lr is the schedule's value at its step)."""
+    group = optimizer.param_groups[0]
+    settings = {name: _plain(group[name]) for name in _SETTINGS.get(type(optimizer), ()) if name in group}
+    if scheduler is not None and scheduler.base_lrs:
+        settings["lr"] = _plain(scheduler.base_lrs[0])
+    return settings
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
+
+
+def optimizer_differences(*, checkpoint: dict[str, Any], config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each setting whose checkpoint's value is not the config's, as {"setting", "checkpoint", "config"}."""
+    return [{"setting": name, "checkpoint": value, "config": config[name]}
+            for name, value in checkpoint.items() if name in config and value != config[name]]
+
+
+def optimizer_differences_text(differences: list[dict[str, Any]]) -> str:
+    """One line for the run page: which of the checkpoint's optimizer settings a resumed run took over its config's."""
+    settings = ", ".join(f"{d['setting']} {d['checkpoint']} (the config says {d['config']})" for d in differences)
+    return f"resumed with the checkpoint's optimizer settings: {settings}; a resumed run goes on with its checkpoint's " \
+           "optimizer"
+
+
+def record_resumed(recorder: Recorder, *, step: int, path: str, progress: dict[str, Any], **fields: Any) -> None:
+    """The `resumed` event of a run that starts from a checkpoint (`progress`: what `load_checkpoint` returned), with
+    the optimizer settings it took from the checkpoint over its config's; and those in words when there are any."""
+    differences = progress.get(OPTIMIZER_FROM_CHECKPOINT, [])
+    recorder.event("resumed", step=step, path=path, **fields, optimizer_from_checkpoint=differences)
+    if differences:
+        recorder.event("message", step=step, text=optimizer_differences_text(differences))
 
 
 def check_plain_data(path: str | Path, *, field: str) -> None:

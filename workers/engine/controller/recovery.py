@@ -12,7 +12,7 @@ from typing import Any
 
 from workers.engine.actors.fleet import CallFailed, Failover, ProcFailure
 from workers.engine.actors.hosts import HostsUnreachable
-from workers.engine.checkpoint import check_plain_data
+from workers.engine.checkpoint import check_plain_data, record_resumed
 from workers.engine.checkpoint_folders import check_resume_recipe, resume_field
 from workers.engine.config import RunConfig
 from workers.engine.controller.control_procs import ControlLost, ControlProcs
@@ -33,6 +33,7 @@ class TrainerRecovery:
                  log: RecoveryLog, recorder: Recorder, state: RunState):
         self.config, self.trainer, self.supervisor = config, trainer, supervisor
         self.failover, self.log, self.recorder, self.state = failover, log, recorder, state
+        self.resumed_progress: dict[str, Any] = {}  # what the ranks loaded from checkpoint.resume_from (`load`)
 
     def restore(self, path: str | None) -> None:
         """Put every stateful part back to a checkpoint (or to the run's start)."""
@@ -64,13 +65,15 @@ class TrainerRecovery:
         check_plain_data(path, field=field)
         progress = self.trainer.load(path)
         check_resume_recipe(path, recipe=self.config.recipe, progress=progress, field=field)
+        self.resumed_progress = progress
         return progress
 
     def resume(self, path: str) -> None:
         """Start from `checkpoint.resume_from`."""
         self.restore(path)
         self.state.last_checkpoint = path
-        self.recorder.event("resumed", step=self.state.step, path=path, policy_version=self.state.policy_version)
+        record_resumed(self.recorder, step=self.state.step, path=path, progress=self.resumed_progress,
+                       policy_version=self.state.policy_version)
 
     def recover_trainer(self, failure: CallFailed) -> None:
         """The trainer mesh lost a proc (or hangs): respawn it and go back to the last checkpoint. The new mesh may fail

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from workers.engine.batching import collate_record
 from workers.engine.behaviour_weights import BehaviourWeights
-from workers.engine.checkpoint import load_checkpoint, save_checkpoint
+from workers.engine.checkpoint import load_checkpoint, record_resumed, save_checkpoint
 from workers.engine.checkpoint_folders import resume_field, with_resume_point
 from workers.engine.config import RunConfig
 from workers.engine.grpo_math import (group_prompts, kl_reward_advantages, policy_update, prepare_old_logprobs,
@@ -116,7 +116,8 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
         buffer.load_state_dict(progress["buffer"])
         staleness.update({int(k): v for k, v in progress["staleness"].items()})
         generator.policy_version = -1  # its weights are the starting ones: sync before generating
-        recorder.event("resumed", step=start_step, path=cfg.checkpoint.resume_from, policy_version=policy_version)
+        record_resumed(recorder, step=start_step, path=cfg.checkpoint.resume_from, progress=progress,
+                       policy_version=policy_version)
 
     behaviour.record(model, version=policy_version)
 

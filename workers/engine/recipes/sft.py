@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from workers.engine.checkpoint import load_checkpoint, save_checkpoint
+from workers.engine.checkpoint import load_checkpoint, record_resumed, save_checkpoint
 from workers.engine.checkpoint_folders import resume_field, with_resume_point
 from workers.engine.config import RunConfig
 from workers.engine.metrics import Recorder
@@ -63,7 +63,7 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
                                    recipe=cfg.recipe, field=resume_field(cfg))
         start_step = progress["step"]
         stream.load_state_dict(progress["data"])
-        recorder.event("resumed", step=start_step, path=cfg.checkpoint.resume_from)
+        record_resumed(recorder, step=start_step, path=cfg.checkpoint.resume_from, progress=progress)
 
     def run_eval(step: int) -> EvalResult | None:
         """Held-out NLL of the reference replies (and how many it leaves out, cut off whole by data.seq_len); greedy
