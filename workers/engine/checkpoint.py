@@ -38,9 +38,9 @@ from workers.engine.sharding import load_full_state
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json", "config.json")
 STATE_KEYS = ("model", "optimizer", "scheduler", "rng", "progress")  # what `save_checkpoint` writes in trainer.pt
 _ANOTHER = "name another checkpoint (an earlier step_N folder of that run, say)"  # a refused trainer.pt's remedy
-# the key `load_checkpoint` adds to the progress it returns: the optimizer settings the checkpoint's state brought over
-# the run's config's (`optimizer_differences`); the progress dict is what every caller gets, on Monarch too (a rank's
-# `load` endpoint returns it), and no caller saves it again
+# the key `load_checkpoint` adds to the progress it returns when the checkpoint's optimizer settings are not the run's
+# config's (`optimizer_differences`): the progress dict is what every caller gets, on Monarch too (a rank's `load`
+# endpoint returns it), and no caller saves it again
 OPTIMIZER_FROM_CHECKPOINT = "optimizer_from_checkpoint"
 
 
@@ -121,10 +121,10 @@ def load_checkpoint(
     recipe: str | None = None,
     field: str = "checkpoint.resume_from",
 ) -> dict[str, Any]:
-    """Load states into the given objects, sharded (FSDP2) or not; return the recipe's progress dict, with
-    OPTIMIZER_FROM_CHECKPOINT: the optimizer settings the loaded state holds other than the ones this run's optimizer
-    and scheduler were built with from its config (`optimizer_differences`; [] without an optimizer). The checkpoint's
-    win, as torch's loaders keep them: a resumed run goes on exactly as the run that saved it would have.
+    """Load states into the given objects, sharded (FSDP2) or not; return the recipe's progress dict, and in it
+    OPTIMIZER_FROM_CHECKPOINT when the loaded optimizer state holds other settings than the ones this run's optimizer
+    and scheduler were built with from its config (`optimizer_differences`). The checkpoint's win, as torch's loaders
+    keep them: a resumed run goes on exactly as the run that saved it would have.
 
     `recipe`: the resuming run's; a checkpoint its checkpoint.json does not say this recipe wrote is a ConfigError,
     before anything is loaded (and one whose progress is the other recipe's, before a state is). A trainer.pt that
@@ -153,18 +153,22 @@ def load_checkpoint(
     if restore_rng:
         restore_rng_state(state["rng"])
     loaded = _optimizer_settings(optimizer, scheduler) if optimizer is not None else {}
-    return {**state["progress"], OPTIMIZER_FROM_CHECKPOINT: optimizer_differences(checkpoint=loaded, config=configured)}
+    if differences := optimizer_differences(checkpoint=loaded, config=configured):
+        return {**state["progress"], OPTIMIZER_FROM_CHECKPOINT: differences}
+    return state["progress"]
 
 
 def _optimizer_settings(optimizer: torch.optim.Optimizer,
                         scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> dict[str, Any]:
     """The settings a step of `optimizer` reads (`_SETTINGS`) as plain numbers (betas a list), from its first
-    param_group (`training.build_optimizer` builds one); lr is the schedule's base lr when there is a schedule (the
-    group's lr is the schedule's value at its step)."""
+    param_group (`training.build_optimizer` builds one); lr is the schedule's base lr (the group's lr is the
+    schedule's value at its step): the scheduler's, or the one a scheduler left in the group (a checkpoint's)."""
     group = optimizer.param_groups[0]
     settings = {name: _plain(group[name]) for name in _SETTINGS.get(type(optimizer), ()) if name in group}
     if scheduler is not None and scheduler.base_lrs:
         settings["lr"] = _plain(scheduler.base_lrs[0])
+    elif "initial_lr" in group:
+        settings["lr"] = _plain(group["initial_lr"])
     return settings
 
 
