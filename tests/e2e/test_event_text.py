@@ -445,3 +445,19 @@ def test_a_restart_says_the_attempt_it_queues_and_what_it_stopped_not_why(page):
     assert page.evaluate(describe, ["restarted", nothing_left]) == "attempt 2 queued (restart 1 of 3)"
     older = {"restart": 1, "of": 2, "after": "no heartbeat for 75 s (timeout 60 s)"}
     assert page.evaluate(describe, ["restarted", older]) == "restart 1 of 2"
+
+
+def test_a_resume_says_the_optimizer_settings_it_took_from_the_checkpoint_over_the_config(page):
+    """workers/engine/checkpoint.py's record_resumed: a resumed run goes on with its checkpoint's optimizer settings;
+    the ones its config gave otherwise are in the `resumed` event, said in words."""
+    _described(page)
+    describe = "([kind, payload]) => FBEventText.describe({kind, payload})"
+    resumed = {"name": "resumed", "step": 2, "path": "/ckpt/step_000002", "policy_version": 2,
+               "optimizer_from_checkpoint": [{"setting": "lr", "checkpoint": 1e-05, "config": 2e-05},
+                                             {"setting": "betas", "checkpoint": [0.9, 0.95], "config": [0.8, 0.99]},
+                                             {"setting": "weight_decay", "checkpoint": 0.0, "config": 0.1}]}
+    assert page.evaluate(describe, ["message", resumed]) == (
+        "resumed from /ckpt/step_000002 at step 2, policy version 2; the checkpoint's optimizer settings: lr 0.00001 "
+        "(the config says 0.00002), betas [0.9, 0.95] (the config says [0.8, 0.99]), weight_decay 0 (the config says 0.1)")
+    assert page.evaluate(describe, ["message", {**resumed, "optimizer_from_checkpoint": []}]) == \
+        "resumed from /ckpt/step_000002 at step 2, policy version 2"

@@ -64,8 +64,14 @@ window.FBEventText = (function () {
         .map(([age, n]) => `${plural(n, "batch", "batches")} ${plural(clip(age, 20), "step")} behind`);
       return `policy age of the trained batches: ${ages.join(", ") || "none trained"}`;
     },
-    resumed: (p) => `resumed from ${value(p.path)} at step ${value(p.step)}` +
-      optional(p.policy_version, (v) => `, policy version ${v}`),
+    resumed: (p) => {  // the optimizer settings the checkpoint's state brought over the config's (checkpoint.py)
+      const setting = (v) => (Array.isArray(v) ? `[${v.map((item) => value(item)).join(", ")}]` : value(v));
+      const settings = listOf(p.optimizer_from_checkpoint).map((d) =>
+        `${value(d.setting)} ${setting(d.checkpoint)} (the config says ${setting(d.config)})`);
+      return `resumed from ${value(p.path)} at step ${value(p.step)}` +
+        optional(p.policy_version, (v) => `, policy version ${v}`) +
+        (settings.length ? `; the checkpoint's optimizer settings: ${settings.join(", ")}` : "");
+    },
     spares_started: (p) => `starting ${plural(p.count, "warm spare")} for ${value(p.role)} on ${value(p.host)}`,
     spare_ready: (p) => `a warm spare for ${value(p.role)} is ready on ${value(p.host)}`,
     // The reconciler's, about what a lost (or failed) run's previous attempt left: its job, or its engine.
