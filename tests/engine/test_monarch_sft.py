@@ -181,9 +181,23 @@ def test_a_killed_sft_rank_is_restored_and_the_run_matches_one_resumed_from_that
     assert losses[4][1] == pytest.approx(losses[5][1], abs=1e-6)  # from the same checkpoint, the same step
     assert sink.series("faults/steps_lost")[-1] == (8, 1)
 
+    assert sink.events("resumed") == []  # a recovery from the run's own checkpoints is no resume
+
+    resumed_sink = MemorySink()
     resumed = train_sft_monarch(_config(model, tmp_path / "resumed", *common,
-                                        f"checkpoint.resume_from={tmp_path / 'killed' / 'step_000004'}"), Recorder())
+                                        f"checkpoint.resume_from={tmp_path / 'killed' / 'step_000004'}"),
+                                Recorder([resumed_sink]))
     assert resumed.losses == pytest.approx(killed.losses[-4:], abs=1e-6)
+    assert [e["optimizer_from_checkpoint"] for e in resumed_sink.events("resumed")] == [[]]
+    # with other optimizer settings it goes on with the checkpoint's, and says so: the ranks tell the controller
+    changed = MemorySink()
+    train_sft_monarch(_config(model, tmp_path / "changed", *common, "trainer.steps=5", "trainer.optimizer.lr=3e-4",
+                              f"checkpoint.resume_from={tmp_path / 'killed' / 'step_000004'}"), Recorder([changed]))
+    assert [e["optimizer_from_checkpoint"] for e in changed.events("resumed")] == [
+        [{"setting": "lr", "checkpoint": 1e-4, "config": 3e-4}]]
+    assert [e["text"] for e in changed.events("message") if "optimizer" in e["text"]] == [
+        "resumed with the checkpoint's optimizer settings: lr 0.0001 (the config says 0.0003); a resumed run goes on "
+        "with its checkpoint's optimizer"]
 
 
 @pytest.mark.slow
