@@ -259,6 +259,12 @@ MISFIT: dict[str, tuple[Callable[[dict], object], str]] = {
                                                                       "list, not a dict)"),
     "a weight that is a string": (lambda state: _with(state, "model", **{"tok_embeddings.weight": "x"}),
                                   "holds states this run cannot take (model's tok_embeddings.weight is not a tensor)"),
+    "a weight that holds no values": (lambda state: _with(state, "model", **{"norm.weight": torch.zeros(64, device="meta")}),
+                                      "holds states this run cannot take (model's norm.weight is not a dense tensor of "
+                                      "values (a meta or sparse one))"),
+    "a sparse weight": (lambda state: _with(state, "model", **{"norm.weight": torch.zeros(64).to_sparse()}),
+                        "holds states this run cannot take (model's norm.weight is not a dense tensor of values (a "
+                        "meta or sparse one))"),
     "another model's checkpoint": (lambda state: _with(_with(state, "model", **{"norm.weight": torch.zeros(3)}),
                                                        "optimizer", state={key: {**moments, "exp_avg": torch.zeros(3)}
                                                                            for key, moments in
@@ -296,6 +302,12 @@ MISFIT: dict[str, tuple[Callable[[dict], object], str]] = {
     "a schedule that sets other attributes": (lambda state: _with(state, "scheduler", optimizer=5),
                                               "holds states this run cannot take (scheduler's optimizer is not one of "
                                               "this run's schedule's)"),
+    "a schedule's base learning rate that is a string": (lambda state: _with(state, "scheduler", base_lrs=["x"]),
+                                                         "holds states this run cannot take (scheduler's base_lrs is "
+                                                         "[\"x\"], not a list of 1 numbers (0 or more))"),
+    "a schedule's step that is a string": (lambda state: _with(state, "scheduler", last_epoch="3"),
+                                           "holds states this run cannot take (scheduler's last_epoch is \"3\", not "
+                                           "a whole number)"),
     # an optimizer state torch's loader takes, whose first step fails (or moves the weights wrongly)
     "a moment that is a list": (lambda state: _moments(state, exp_avg=[0.0, 0.0]),
                                 "holds states this run cannot take (optimizer's exp_avg of parameter 1 is [0.0, 0.0], "

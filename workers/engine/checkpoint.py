@@ -301,6 +301,8 @@ def _state_problem(state: Any) -> str | None:
         return f"{not_dicts[0]} is a {type(state[not_dicts[0]]).__name__}, not a dict"
     if not_tensors := [str(name) for name, value in state["model"].items() if not isinstance(value, torch.Tensor)]:
         return f"model's {_first(not_tensors)} is not a tensor"
+    if hollow := [str(name) for name, value in state["model"].items() if value.is_meta or value.layout != torch.strided]:
+        return f"model's {_first(hollow)} is not a dense tensor of values (a meta or sparse one)"
     step = state["progress"].get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         return f"progress.step is {shown(step)}, not a whole number of steps (0 or more)"
@@ -316,6 +318,27 @@ def _fit_problem(state: dict[str, Any], *, optimizer: torch.optim.Optimizer | No
     if scheduler is not None and (unknown := [str(key) for key in state["scheduler"]
                                               if key not in scheduler.state_dict()]):
         return f"scheduler's {_first(unknown)} is not one of this run's schedule's"
+    if scheduler is not None:
+        return _schedule_problem(state["scheduler"], scheduler)
+    return None
+
+
+def _schedule_problem(saved: dict[str, Any], scheduler: torch.optim.lr_scheduler.LRScheduler) -> str | None:
+    """Why a saved schedule's numbers (its base_lrs, last_epoch, step count, ...) are not of the form this run's schedule
+    holds them in: a whole number, a number, a list of as many numbers (0 or more). torch's loader takes any value, and
+    the schedule's next step fails on it. None when they are."""
+    for key, own in scheduler.state_dict().items():
+        if key not in saved or isinstance(own, bool):
+            continue
+        value = saved[key]
+        if isinstance(own, int) and (isinstance(value, bool) or not isinstance(value, int)):
+            return f"scheduler's {key} is {_shown_value(value)}, not a whole number"
+        if isinstance(own, float) and _number(value, tensors=False) is None:
+            return f"scheduler's {key} is {_shown_value(value)}, not a number"
+        if isinstance(own, list) and own and all(isinstance(item, float) for item in own) and (
+                not isinstance(value, list) or len(value) != len(own)
+                or not all((number := _number(item, tensors=False)) is not None and number >= 0 for item in value)):
+            return f"scheduler's {key} is {_shown_value(value)}, not a list of {len(own)} numbers (0 or more)"
     return None
 
 
