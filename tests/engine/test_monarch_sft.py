@@ -195,9 +195,7 @@ def test_a_killed_sft_rank_is_restored_and_the_run_matches_one_resumed_from_that
                               f"checkpoint.resume_from={tmp_path / 'killed' / 'step_000004'}"), Recorder([changed]))
     assert [e["optimizer_from_checkpoint"] for e in changed.events("resumed")] == [
         [{"setting": "lr", "checkpoint": 1e-4, "config": 3e-4}]]
-    assert [e["text"] for e in changed.events("message") if "optimizer" in e["text"]] == [
-        "resumed with the checkpoint's optimizer settings: lr 0.0001 (the config says 0.0003); a resumed run goes on "
-        "with its checkpoint's optimizer"]
+    assert [e["text"] for e in changed.events("message") if "optimizer" in e["text"]] == [], "said once, in resumed"
 
 
 @pytest.mark.slow

@@ -184,20 +184,11 @@ def optimizer_differences(*, checkpoint: dict[str, Any], config: dict[str, Any])
             for name, value in checkpoint.items() if name in config and value != config[name]]
 
 
-def optimizer_differences_text(differences: list[dict[str, Any]]) -> str:
-    """One line for the run page: which of the checkpoint's optimizer settings a resumed run took over its config's."""
-    settings = ", ".join(f"{d['setting']} {d['checkpoint']} (the config says {d['config']})" for d in differences)
-    return f"resumed with the checkpoint's optimizer settings: {settings}; a resumed run goes on with its checkpoint's " \
-           "optimizer"
-
-
 def record_resumed(recorder: Recorder, *, step: int, path: str, progress: dict[str, Any], **fields: Any) -> None:
     """The `resumed` event of a run that starts from a checkpoint (`progress`: what `load_checkpoint` returned), with
-    the optimizer settings it took from the checkpoint over its config's; and those in words when there are any."""
-    differences = progress.get(OPTIMIZER_FROM_CHECKPOINT, [])
-    recorder.event("resumed", step=step, path=path, **fields, optimizer_from_checkpoint=differences)
-    if differences:
-        recorder.event("message", step=step, text=optimizer_differences_text(differences))
+    the optimizer settings it took from the checkpoint over its config's (the run page says them in words)."""
+    recorder.event("resumed", step=step, path=path, **fields,
+                   optimizer_from_checkpoint=progress.get(OPTIMIZER_FROM_CHECKPOINT, []))
 
 
 def check_plain_data(path: str | Path, *, field: str) -> None:
