@@ -39,7 +39,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 STATE_KEYS = ("model", "optimizer", "scheduler", "rng", "progress")  # what `save_checkpoint` writes in trainer.pt
 _ANOTHER = "name another checkpoint (an earlier step_N folder of that run, say)"  # a refused trainer.pt's remedy
 # the key `load_checkpoint` adds to the progress it returns when the checkpoint's optimizer settings are not the run's
-# config's (`optimizer_differences`): the progress dict is what every caller gets, on Monarch too (a rank's `load`
+# config's (`_optimizer_differences`): the progress dict is what every caller gets, on Monarch too (a rank's `load`
 # endpoint returns it), and no caller saves it again
 OPTIMIZER_FROM_CHECKPOINT = "optimizer_from_checkpoint"
 
@@ -123,7 +123,7 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load states into the given objects, sharded (FSDP2) or not; return the recipe's progress dict, and in it
     OPTIMIZER_FROM_CHECKPOINT when the loaded optimizer state holds other settings than the ones this run's optimizer
-    and scheduler were built with from its config (`optimizer_differences`). The checkpoint's win, as torch's loaders
+    and scheduler were built with from its config (`_optimizer_differences`). The checkpoint's win, as torch's loaders
     keep them: a resumed run goes on exactly as the run that saved it would have.
 
     `recipe`: the resuming run's; a checkpoint its checkpoint.json does not say this recipe wrote is a ConfigError,
@@ -153,7 +153,7 @@ def load_checkpoint(
     if restore_rng:
         restore_rng_state(state["rng"])
     loaded = _optimizer_settings(optimizer, scheduler) if optimizer is not None else {}
-    if differences := optimizer_differences(checkpoint=loaded, config=configured):
+    if differences := _optimizer_differences(checkpoint=loaded, config=configured):
         return {**state["progress"], OPTIMIZER_FROM_CHECKPOINT: differences}
     return state["progress"]
 
@@ -178,7 +178,7 @@ def _plain(value: Any) -> Any:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
 
 
-def optimizer_differences(*, checkpoint: dict[str, Any], config: dict[str, Any]) -> list[dict[str, Any]]:
+def _optimizer_differences(*, checkpoint: dict[str, Any], config: dict[str, Any]) -> list[dict[str, Any]]:
     """Each setting whose checkpoint's value is not the config's, as {"setting", "checkpoint", "config"}."""
     return [{"setting": name, "checkpoint": value, "config": config[name]}
             for name, value in checkpoint.items() if name in config and value != config[name]]

@@ -68,6 +68,12 @@ class CallFailed(Exception):
         text = lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
         return text[:300]
 
+    @property
+    def refused(self) -> ConfigError | None:
+        """The field's error when the call ended on a file a field named that the actor refused (a model folder, a
+        checkpoint): the run ends with it, as a single-process run does; a new proc would read the same file."""
+        return self.raised if isinstance(self.raised, ConfigError) else None
+
 
 def call_failed(error: Exception) -> CallFailed:
     """A call that ended with an error (a supervision error, an actor's exception)."""
@@ -258,8 +264,8 @@ class ReplicaGroup:
                 if not self.started(replica, pid, wait_s=wait_s):
                     return False
             except CallFailed as failure:
-                if isinstance(failure.raised, ConfigError):  # the model folder it refused: model.path's error
-                    raise failure.raised from None
+                if failure.refused:  # the model folder it refused: model.path's error
+                    raise failure.refused from None
                 raise ProcFailure(f"{self.role} replica {replica.index} {failure}") from None
             self.starting.pop(0)
         return True
@@ -364,8 +370,7 @@ class ReplicaGroup:
                 logger.warning("a %s spare %s", self.role, failure)
                 failed.append(str(failure))
                 self.stop(spare)
-                if isinstance(failure.raised, ConfigError):
-                    refused = refused or failure.raised
+                refused = refused or failure.refused
         self.warming = loading
         self.ready_spares.extend(ready)
         if refused is not None:
@@ -555,11 +560,11 @@ class Failover:
             except HostsUnreachable:  # the host died meanwhile: `host` finds it lost next time and picks another
                 continue
             except CallFailed as failure:  # its procs are stopped already
-                if isinstance(failure.raised, ConfigError):
+                if failure.refused:
                     self.recorder.event("message", step=self.step(),
                                         text=f"the replacement of {group.role} replica {replica.index} did not start on "
-                                             f"{target}: {failure.raised}; not recovered: the run ends")
-                    raise failure.raised from None
+                                             f"{target}: {failure.refused}; not recovered: the run ends")
+                    raise failure.refused from None
                 self.replacements[group.role] = used
                 incidents.append(self._start_failed(group, replica, host=target, failure=failure))
                 continue

@@ -16,7 +16,6 @@ from workers.engine.controller.placement import Placer
 from workers.engine.controller.roles import MOVABLE, role_group, role_plan, serving
 from workers.engine.controller.state import RunState, TrainerDrain
 from workers.engine.controller.supervision import Supervisor
-from workers.engine.fields import ConfigError
 from workers.engine.metrics import Recorder
 from workers.engine.operations import FaultDrillRequest, LoadRedirectRequest, Operation, PlacementChangeRequest
 
@@ -78,7 +77,7 @@ class Operator:
         try:
             new = group.spawn(index, host)  # stops its procs when it does not start
         except CallFailed as failure:
-            why = f"did not start: {failure.raised}" if isinstance(failure.raised, ConfigError) else failure.reason
+            why = f"did not start: {failure.refused}" if failure.refused else failure.reason
             raise ValueError(f"{group.role} replica {index} on host {host!r} {why}") from None
         except HostsUnreachable as lost:
             raise ValueError(f"{group.role} replica {index} on host {host!r} did not start: {lost}") from None

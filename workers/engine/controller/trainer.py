@@ -22,7 +22,6 @@ from workers.engine.controller.incidents import Noticed, RecoveryLog
 from workers.engine.controller.placement import Placer
 from workers.engine.controller.state import RunState
 from workers.engine.controller.waits import Waits
-from workers.engine.fields import ConfigError
 from workers.engine.metrics import Recorder
 
 
@@ -353,13 +352,13 @@ class TrainerHandle:
                     .values())[0]
 
     def _refused(self, failure: CallFailed, *, what: str) -> None:
-        """A rank refused a file a field named (a model folder, a checkpoint: `failure.raised` is its ConfigError): the
+        """A rank refused a file a field named (a model folder, a checkpoint: `failure.refused`): the
         run ends with that field's error, as a single-process run does, and no new mesh is tried (it would read the same
         file); said on the run page, since in a recovery the failure was detected there."""
-        if isinstance(failure.raised, ConfigError):
+        if failure.refused:
             self.recorder.event("message", step=self.state.step,
-                                text=f"{what}: {failure.raised}; not recovered: the run ends")
-            raise failure.raised from None
+                                text=f"{what}: {failure.refused}; not recovered: the run ends")
+            raise failure.refused from None
 
     def leave_group(self) -> None:
         """Every rank leaves its process group (before the mesh is stopped); TrainerLost when one fails or hangs."""
