@@ -179,6 +179,24 @@ def fails_to_start(group: ReplicaGroup, error: Exception, *, on: str | None = No
     return spawned
 
 
+def fails_to_spawn(group: ReplicaGroup, error: Exception, *, part: str = "actor", on: str | None = None,
+                   times: int | None = None) -> list[FakeProcs]:
+    """From now on the group's new replicas and spares on host `on` (None: on any) get their procs, and then spawning
+    their actor (`part` "actor") or weight inbox ("inbox") on them raises `error`, as on procs that died as they
+    started; the first `times` of them (None: every one). The procs each was spawned on."""
+    attribute = "spawn_actor" if part == "actor" else "spawn_inbox"
+    spawn, spawned = getattr(group, attribute), []
+
+    def failing(procs: FakeProcs, name: str) -> FakeActor:
+        if (on is None or procs.host == on) and (times is None or len(spawned) < times):
+            spawned.append(procs)
+            raise error
+        return spawn(procs, name)
+
+    setattr(group, attribute, failing)
+    return spawned
+
+
 def grpo_config(placement: str = "", **sections: str) -> RunConfig:
     extra = "".join(f"{name}: {body}\n" for name, body in sections.items())
     return load_config(f"recipe: grpo\nmodel: {{path: /m}}\nplacement: {{backend: monarch, {placement}}}\n{extra}")

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from tests.engine.fake_fleet import Done, FakeHosts, Fleet, controller_parts, fails_to_start, fake_group, fetched, grpo_config
+from tests.engine.fake_fleet import (Done, FakeHosts, Fleet, controller_parts, fails_to_spawn, fails_to_start,
+                                     fake_group, fetched, grpo_config)
 from tests.engine.test_refused_files import REFUSED_MODEL, _from_a_rank
 from workers.engine.actors.hosts import HostsUnreachable
 from workers.engine.controller.drill_targets import DrillTargets
@@ -125,6 +126,31 @@ def test_a_replica_that_does_not_start_on_its_new_host_is_a_refusal_with_why_and
     assert [procs.stopped for procs in failed] == [True], "the new replica's procs are stopped"
     assert fleet.hosts.released[-1] == fleet.hosts.spawned[-1][1] == f"generator_{replica}_{generators.incarnations}"
     assert fleet.events("placement_changed") == []
+
+
+@pytest.mark.parametrize("part", ["actor", "inbox"])
+@pytest.mark.parametrize("action", ["add", "move"])
+def test_a_replica_whose_actor_does_not_spawn_on_its_new_procs_is_a_refusal_its_procs_stopped_and_released(action,
+                                                                                                            part):
+    """The new replica's procs spawned on host c, then its actor (or weight inbox) did not. Before, that error was the
+    command's (a raw "RuntimeError: ...") and the procs stayed up, their GPUs counted as taken for the rest of the
+    run."""
+    fleet, operator = _operator()
+    generators = fleet.groups["generator"]
+    failed = fails_to_spawn(generators, RuntimeError("the proc mesh failed as the actor was spawned on it"), part=part,
+                            on="c")
+    before = list(generators.replicas)
+    replica = {"add": 2, "move": 1}[action]
+    payload = {"add": {}, "move": {"replica": 1}}[action]
+    with pytest.raises(ValueError) as refused:
+        operator.operate("placement_change", command("placement_change", action=action, role="generator", host="c",
+                                                     **payload))
+    assert str(refused.value) == (f"generator replica {replica} on host 'c' did not start: RuntimeError: the proc mesh "
+                                  "failed as the actor was spawned on it")
+    assert generators.replicas == before and generators.service.routable() == [0, 1], "the old one still serves"
+    assert [procs.stopped for procs in failed] == [True], "the new replica's procs are stopped"
+    assert fleet.hosts.released[-1] == fleet.hosts.spawned[-1][1] == f"generator_{replica}_{generators.incarnations}"
+    assert fleet.events("placement_changed") == [] and fleet.state.totals.migrations == 0
 
 
 def test_an_added_replica_whose_host_is_lost_as_it_spawns_there_is_a_refusal_with_why():

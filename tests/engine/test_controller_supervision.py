@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.engine.fake_fleet import PIDS, Done, FakeActor, FakeHosts, Fleet, controller_parts, fake_group, fetched, grpo_config
+from tests.engine.fake_fleet import (PIDS, Done, FakeActor, FakeHosts, Fleet, controller_parts, fails_to_spawn,
+                                     fake_group, fetched, grpo_config)
 from workers.engine.actors.weight_inbox import UNREAD, Fetched, Unread
 from workers.engine.controller.control_procs import ControlLost
 from workers.engine.controller.supervision import Supervisor
@@ -116,6 +117,58 @@ def test_a_spare_that_does_not_start_within_setup_timeout_s_is_dropped_saying_so
         "a reward spare did not start within 0.3 s (failover.setup_timeout_s); another is started"]
     supervisor.warm_spares()
     assert len(rewards.warming) == 1 and rewards.warming[0][0] is not stuck
+
+
+SPAWN_FAILED = RuntimeError("the proc mesh failed as the actor was spawned on it")
+
+
+@pytest.mark.parametrize("part", ["actor", "inbox"])
+def test_a_replacement_whose_actor_does_not_spawn_on_its_procs_is_one_more_failure_its_procs_stopped_and_released(
+        part: str):
+    """The replacement's procs spawned, then its actor (or weight inbox) did not. Before, that error escaped the repair
+    (the run failed with it) and the new procs were never stopped nor their GPUs released; now it is a replacement
+    that did not start, as one whose model load failed: one more failure of the replica, and another is started."""
+    fleet, supervisor = _supervised()
+    generators = fleet.groups["generator"]
+    failed = fails_to_spawn(generators, SPAWN_FAILED, part=part, times=1)
+    supervisor.reports.append(SimpleNamespace(mesh_name=f"{generators.replicas[0].name}-0"))
+    supervisor.scan()
+    supervisor.repair()
+    assert [procs.stopped for procs in failed] == [True], "the procs it got are stopped"
+    unstarted_owner = fleet.hosts.spawned[-2][1]
+    assert unstarted_owner in fleet.hosts.released, "and their GPUs released"
+    detected = fleet.events("failure_detected")
+    assert [(e["replica"], e["reason"]) for e in detected][1:] == [
+        (0, f"the replacement did not start: RuntimeError: {SPAWN_FAILED}")]
+    new = generators.replicas[0]
+    assert new.name == fleet.hosts.spawned[-1][1] and generators.service.routable() == [0, 1]
+    assert [e["replica"] for e in fleet.events("replica_replaced")] == [0]
+    assert fleet.failover.replacements == {"generator": 2} and not fleet.failover.pending_repairs()
+
+
+@pytest.mark.parametrize(("role", "part"), [("reward", "actor"), ("generator", "inbox")])
+def test_a_spare_whose_actor_does_not_spawn_on_its_procs_is_dropped_saying_so_its_procs_stopped_and_released(
+        role: str, part: str):
+    """Before, the error escaped `warm_spares` (at a repair: the run failed with it) and the spare's procs were left
+    running with their GPUs taken; now it is a spare that did not start, told at the next poll, and the next warm
+    starts another."""
+    hosts = FakeHosts(["a", "b", "c"])
+    groups = {role: fake_group(role, hosts, ["c"], spares=1, **(GENERATOR if role == "generator" else {}))}
+    fleet = controller_parts(grpo_config(), hosts, groups, trainer_hosts=["a"], control_host="c")
+    supervisor, group = fleet.supervisor, groups[role]
+    failed = fails_to_spawn(group, SPAWN_FAILED, part=part, times=1)
+    supervisor.warm_spares()
+    assert [procs.stopped for procs in failed] == [True] and group.spare_replicas() == []
+    assert fleet.hosts.spawned[-1][1] in fleet.hosts.released
+    assert fleet.events("spares_started") == []
+    supervisor.poll_spares()
+    assert [e["text"] for e in fleet.events("message")] == [
+        f"a {role} spare did not start: RuntimeError: {SPAWN_FAILED}; another is started"]
+    supervisor.poll_spares()
+    assert len(fleet.events("message")) == 1, "said once"
+    supervisor.warm_spares()
+    supervisor.poll_spares()
+    assert len(group.ready_spares) == 1 and len(fleet.events("spare_ready")) == 1
 
 
 def test_a_report_no_replica_explains_fails_the_control_proc_only_when_it_stops_answering():

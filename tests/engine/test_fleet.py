@@ -275,6 +275,27 @@ def test_a_role_whose_replica_does_not_start_ends_the_run_at_its_start_naming_th
     assert group.replicas[0].pids == [4242], "the replica that started"
 
 
+def test_a_replica_whose_actor_does_not_spawn_as_the_run_starts_ends_the_run_naming_the_role_and_stops_every_proc():
+    """Before, the error escaped the launch and the procs spawned (the failed one's and those of the replicas before it)
+    were never stopped nor their GPUs released: the group had no service yet, so its stop at the run's end missed
+    them."""
+    from tests.engine.fake_fleet import FakeActor, FakeHosts, fails_to_spawn
+
+    hosts = FakeHosts(["a", "b"])
+    group = ReplicaGroup("reference", spawn_actor=lambda procs, name: FakeActor(1, name=name), threads=1,
+                         routing="round_robin", setup_timeout_s=5, hosts=hosts)
+    spawned: list[Any] = []
+    spawn_procs = hosts.spawn_procs
+    hosts.spawn_procs = lambda **kwargs: spawned.append(spawn_procs(**kwargs)) or spawned[-1]
+    fails_to_spawn(group, RuntimeError("the proc mesh failed as the actor was spawned on it"), on="b")
+    with pytest.raises(ProcFailure) as failed:
+        group.launch(["a", "b"])
+    assert str(failed.value) == "reference replica 1 did not start: RuntimeError: the proc mesh failed as the actor " \
+                                "was spawned on it"
+    assert [procs.stopped for procs in spawned] == [True, True]
+    assert sorted(hosts.released) == sorted(owner for _, owner in hosts.spawned) == ["reference_0_1", "reference_1_2"]
+
+
 def test_a_spare_that_does_not_start_in_time_is_dropped_and_started_again() -> None:
     group = StartingGroup("generator", 1, setup_timeout_s=0.3, fates=["hangs"])
     group.spares = 1

@@ -81,6 +81,12 @@ def call_failed(error: Exception) -> CallFailed:
                       raised=error.exception if isinstance(error, ActorError) else error)
 
 
+def not_started(error: Exception) -> CallFailed:
+    """A new replica whose actor failed as it spawned or as its model loaded (a supervision error, an actor's)."""
+    failed = call_failed(error)
+    return CallFailed(f"did not start: {failed}", hung=False, raised=failed.raised)
+
+
 def wait_for(future: Any, *, timeout_s: float, poll_s: float, tick: Callable[[], None],
              gone: Callable[[], str | None] = lambda: None) -> Any:
     """A future's result, polling every poll_s (running `tick`); CallFailed when it fails or hangs.
@@ -243,6 +249,7 @@ class ReplicaGroup:
         self.ready_spares: list[Replica] = []
         self.warming: list[tuple[Replica, Any]] = []  # (spare, future of its pid once its model is loaded)
         self.starting: list[tuple[Replica, Any]] = []  # the same for launched replicas not yet awaited
+        self.unstarted_spares: list[CallFailed] = []  # spares whose actor did not spawn (`warm`), told at the next poll
 
     def start(self, hosts: list[str]) -> None:
         self.launch(hosts)
@@ -250,8 +257,20 @@ class ReplicaGroup:
             pass
 
     def launch(self, hosts: list[str]) -> None:
-        """Spawn the first replicas' procs and actors, one per host given; their models load meanwhile."""
-        self.service = Service([self._spawn(index, host) for index, host in enumerate(hosts)], routing=self.routing)
+        """Spawn the first replicas' procs and actors, one per host given; their models load meanwhile. A replica whose
+        actor does not spawn on its procs did not start, as in `await_started`; the procs spawned before it are
+        stopped (the group has no service yet for `stop_all` to find them in)."""
+        replicas: list[Replica] = []
+        try:
+            for index, host in enumerate(hosts):
+                replicas.append(self._spawn(index, host))
+        except BaseException as error:
+            for replica in replicas:
+                self.stop(replica)
+            if isinstance(error, CallFailed):
+                raise self._start_failure(len(replicas), error) from None
+            raise
+        self.service = Service(replicas, routing=self.routing)
         self.starting = [(replica, replica.actor.pid.call_one()) for replica in self.replicas]
 
     def await_started(self, *, wait_s: float) -> bool:
@@ -264,11 +283,14 @@ class ReplicaGroup:
                 if not self.started(replica, pid, wait_s=wait_s):
                     return False
             except CallFailed as failure:
-                if failure.refused:  # the model folder it refused: model.path's error
-                    raise failure.refused from None
-                raise ProcFailure(f"{self.role} replica {replica.index} {failure}") from None
+                raise self._start_failure(replica.index, failure) from None
             self.starting.pop(0)
         return True
+
+    def _start_failure(self, index: int, failure: CallFailed) -> Exception:
+        """What ends the run when replica `index` did not start at the run's start: the ConfigError of the model folder
+        it refused (model.path's error), else a ProcFailure naming the role."""
+        return failure.refused or ProcFailure(f"{self.role} replica {index} {failure}")
 
     def started(self, replica: Replica, pid: Any, *, wait_s: float) -> bool:
         """Whether a new replica (launched, a replacement or a spare) has started, waiting up to `wait_s`: `pid`, its
@@ -280,27 +302,35 @@ class ReplicaGroup:
                 replica.pids = [pid.get()]
                 return True
         except Exception as error:  # noqa: BLE001 - a supervision error, an actor's (its model load raised)
-            failed = call_failed(error)
-            raise CallFailed(f"did not start: {failed}", hung=False, raised=failed.raised) from None
+            raise not_started(error) from None
         if time.monotonic() < deadline:
             return False
         raise CallFailed(f"did not start within {self.setup_timeout_s:g} s (failover.setup_timeout_s)", hung=True)
 
     def _start(self, index: int, host: str, name: str) -> Replica:
-        """A new proc mesh with the role's actor on `host`; its model may still be loading."""
+        """A new proc mesh with the role's actor on `host`; its model may still be loading. CallFailed when the actor
+        or its inbox does not spawn on the new procs (as when its model load fails: `started`): they are stopped and
+        their GPUs released."""
         procs = self.hosts.spawn_procs(host=host, count=1, threads=self.threads, gpus_per_proc=self.gpus_per_proc,
                                        owner=name)
-        return Replica(self.role, index, host, self.incarnations, name, procs, self.spawn_actor(procs, name),
-                       pids_visible=self.hosts.pids_visible(host),
-                       inbox=self.spawn_inbox(procs, f"{name}_inbox") if self.spawn_inbox else None)
+        replica = Replica(self.role, index, host, self.incarnations, name, procs, None,
+                          pids_visible=self.hosts.pids_visible(host))
+        try:
+            replica.actor = self.spawn_actor(procs, name)
+            if self.spawn_inbox is not None:
+                replica.inbox = self.spawn_inbox(procs, f"{name}_inbox")
+        except Exception as error:  # noqa: BLE001 - a supervision error, a proc's: the new procs failed
+            self.stop(replica)
+            raise not_started(error) from None
+        return replica
 
     def _spawn(self, index: int, host: str) -> Replica:
         self.incarnations += 1
         return self._start(index, host, f"{self.role}_{index}_{self.incarnations}")
 
     def spawn(self, index: int, host: str) -> Replica:
-        """A new replica `index` on `host`, started. CallFailed when it did not start (`started`): its procs are
-        stopped, none of another replica's."""
+        """A new replica `index` on `host`, started. CallFailed when it did not start (`_start`, `started`): its procs
+        are stopped, none of another replica's."""
         replica = self._spawn(index, host)
         pid = replica.actor.pid.call_one()
         try:
@@ -345,21 +375,27 @@ class ReplicaGroup:
         return [*self.ready_spares, *(replica for replica, _ in self.warming)]
 
     def warm(self, host: str) -> int:
-        """Start spares on `host` until `spares` are ready or loading; how many were started."""
+        """Start spares on `host` until `spares` are ready or loading; how many were started. One whose actor does not
+        spawn on its procs (`_start`) is told at the next `poll_spares`, and no more are started now: the next `warm`
+        starts another."""
         started = 0
         while len(self.ready_spares) + len(self.warming) < self.spares and self.has_room(host):
             self.incarnations += 1
-            spare = self._start(-1, host, f"{self.role}_spare_{self.incarnations}")
+            try:
+                spare = self._start(-1, host, f"{self.role}_spare_{self.incarnations}")
+            except CallFailed as failure:  # its procs are stopped already
+                self.unstarted_spares.append(failure)
+                break
             self.warming.append((spare, spare.actor.pid.call_one()))
             started += 1
         return started
 
     def poll_spares(self, *, wait_s: float = 0.001) -> tuple[list[Replica], list[str]]:
         """Spares whose model finished loading since the last poll (they are ready now), and why each spare that failed
-        to start (`started`) did: those are stopped and dropped; `warm` starts others. The ConfigError of a model folder
-        one refused (as `await_started`): each spare started again would refuse it too."""
-        ready, loading, failed = [], [], []
-        refused: ConfigError | None = None
+        to start (`started`, or `warm` as it spawned it) did: those are stopped and dropped; `warm` starts others. The
+        ConfigError of a model folder one refused (as `await_started`): each spare started again would refuse it too."""
+        ready, loading = [], []
+        failures, self.unstarted_spares = self.unstarted_spares, []
         for spare, pid in self.warming:
             try:
                 if self.started(spare, pid, wait_s=wait_s):
@@ -367,10 +403,12 @@ class ReplicaGroup:
                 else:
                     loading.append((spare, pid))
             except CallFailed as failure:
-                logger.warning("a %s spare %s", self.role, failure)
-                failed.append(str(failure))
+                failures.append(failure)
                 self.stop(spare)
-                refused = refused or failure.refused
+        for failure in failures:
+            logger.warning("a %s spare %s", self.role, failure)
+        failed = [str(failure) for failure in failures]
+        refused = next((failure.refused for failure in failures if failure.refused), None)
         self.warming = loading
         self.ready_spares.extend(ready)
         if refused is not None:
