@@ -160,3 +160,27 @@ def test_a_warm_spare_that_refuses_the_model_folder_ends_the_run_with_model_path
     assert len(spawned) == 1 and spawned[0].stopped and rewards.spare_replicas() == []
     assert [e["text"] for e in fleet.events("message")] == [
         f"a reward spare did not start: {REFUSED_MODEL}; not recovered: the run ends"]
+
+
+def test_a_warm_spare_that_refuses_the_model_folder_while_the_trainer_recovers_is_said_once_and_blames_no_trainer(
+        monkeypatch) -> None:
+    # the new trainer mesh's setup is waited for, and the wait's tick polls the spares: the spare's ConfigError came
+    # out of that wait and await_started took it for the setup's own refusal, so the run page said "a reward spare did
+    # not start: ..." and then "the trainer did not start: ...", both ending the run
+    from workers.engine.controller import supervision
+
+    monkeypatch.setattr(supervision, "HOST_SETTLE_S", 0.0)
+    fleet, recovery = _recovery(failover="{call_timeout_s: 0.5, poll_seconds: 0.05}", trainer="{recover_failures: 1}")
+    fleet.state.step, fleet.state.last_checkpoint = 6, CHECKPOINT
+    rewards = fleet.groups["reward"]
+    rewards.spares = 1
+    spawned = fails_to_start(rewards, _from_a_rank(REFUSED_MODEL, "pid").error)
+    meshes = _relaunches(fleet, "setup_hangs")
+    fleet.supervisor.warm_spares()
+    with pytest.raises(ConfigError) as refused:
+        recovery.recover_trainer(CallFailed("trainer process 7 exited", hung=False))
+    assert refused.value.errors == [REFUSED_MODEL]
+    assert len(meshes) == 1 and len(spawned) == 1 and spawned[0].stopped
+    assert [e["text"] for e in fleet.events("message")] == [
+        f"a reward spare did not start: {REFUSED_MODEL}; not recovered: the run ends"]
+    assert [e["reason"] for e in fleet.events("failure_detected")] == ["trainer process 7 exited"]

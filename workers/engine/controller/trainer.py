@@ -142,17 +142,19 @@ class TrainerHandle:
         rank fails as it starts, or its host is lost or Monarch reports it failed, or (hung) when the setup has not
         ended within `failover.setup_timeout_s` of the launch: in a recovery one more failure, at the run's start the
         run's end. Its own bound, not the call timeout: loading a model may take longer than any call."""
-        try:
-            if wait_s is not None and wait_s < self._setup_left_s() and not answered(self._setup, wait_s):
-                return False
+        if wait_s is not None and wait_s < self._setup_left_s():
+            try:
+                if not answered(self._setup, wait_s):
+                    return False
+            except Exception as error:  # noqa: BLE001 - answered() raises what the setup raised
+                self._refused(call_failed(error), what="the trainer did not start")
+                raise TrainerLost(_not_started(call_failed(error))) from None
+        try:  # what the waits' ticks raise is not the setup's (a spare's refused model folder ends the run as itself)
             setup = self.waits.wait(self._setup, gone=self.gone, timeout_s=self._setup_left_s())
             pids = self.waits.wait(self._asked_pids, gone=self.gone, timeout_s=self._setup_left_s())
         except CallFailed as failure:
             self._refused(failure, what="the trainer did not start")
             raise TrainerLost(self._setup_overdue() if failure.hung else _not_started(failure)) from None
-        except Exception as error:  # noqa: BLE001 - answered() raises what the setup raised
-            self._refused(call_failed(error), what="the trainer did not start")
-            raise TrainerLost(_not_started(call_failed(error))) from None
         rank0 = list(setup.values())[0]
         self.n_params, self.master_addr = rank0["n_params"], rank0["master_addr"]
         self.pids = list(pids.values())
