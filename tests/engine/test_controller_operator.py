@@ -14,6 +14,7 @@ from workers.engine.actors.hosts import HostsUnreachable
 from workers.engine.controller.drill_targets import DrillTargets
 from workers.engine.controller.operator import Operator
 from workers.engine.controller.state import TrainerDrain
+from workers.engine.controller.trainer import TrainerLost
 from workers.engine.drills import DrillPlan
 from workers.engine.config import load_config
 from workers.engine.operations import parse_operation
@@ -186,6 +187,71 @@ def test_an_added_replica_that_fails_as_it_takes_the_weights_is_stopped_and_the_
     assert len(generators.replicas) == 2 and fleet.events("placement_changed") == []
     assert [procs.stopped for procs in spawned] == [True]
     assert fleet.hosts.released[-1] == fleet.hosts.spawned[-1][1] == "generator_2_3"
+
+
+RANKS_LOST = "RuntimeError: rank 0 is unreachable"
+LOST_REFUSAL = ("the trainer was lost while {doing}: " + RANKS_LOST + "; the run recovers, and the command can be sent "
+                "again then")
+
+
+def _ranks_lost(fleet: Fleet, endpoint: str) -> None:
+    """The trainer's ranks fail when `endpoint` is called (a rank that died, or whose host went, as the command ran)."""
+    getattr(fleet.trainer.actors, endpoint).call = lambda *args: Done(error=RuntimeError("rank 0 is unreachable"))
+
+
+def _lost_once_and_recovered_next(fleet: Fleet) -> None:
+    """The trainer's loss is noticed once, as the trainer's, and the step loop's next check recovers it at once."""
+    assert [(e["role"], e["reason"]) for e in fleet.events("failure_detected")] == [("trainer", RANKS_LOST)]
+    with pytest.raises(TrainerLost, match=RANKS_LOST):
+        fleet.trainer.check()
+
+
+@pytest.mark.parametrize("action", ["add", "move"])
+def test_a_trainer_lost_while_a_new_replica_takes_its_weights_refuses_the_command_saying_so_and_the_run_recovers(
+        action):
+    """The trainer's ranks fail as they stage the weights for the new generator replica. Before, the TrainerLost was
+    the command's failure (the operator read the trainer's error as the command's), and the step loop found the loss
+    only at its next trainer call (a hung rank: after failover.call_timeout_s). Now the command is refused saying the
+    trainer was lost and the run recovers; the new replica's procs are stopped."""
+    fleet, operator = _operator()
+    generators = fleet.groups["generator"]
+    before = list(generators.replicas)
+    _ranks_lost(fleet, "stage_weights")
+    replica = {"add": 2, "move": 1}[action]
+    payload = {"add": {}, "move": {"replica": 1}}[action]
+    with pytest.raises(ValueError) as refused:
+        operator.operate("placement_change", command("placement_change", action=action, role="generator", host="c",
+                                                     **payload))
+    assert str(refused.value) == LOST_REFUSAL.format(doing=f"generator replica {replica} on host 'c' took the current "
+                                                           "weights")
+    assert generators.replicas == before and generators.service.routable() == [0, 1]
+    assert fleet.hosts.released[-1] == fleet.hosts.spawned[-1][1], "the new replica's procs are stopped"
+    assert fleet.events("placement_changed") == []
+    _lost_once_and_recovered_next(fleet)
+
+
+def test_a_trainer_lost_while_a_drain_moves_a_replica_stops_the_drain_saying_so_and_the_run_recovers():
+    fleet, operator = _operator(generators=("a", "b"))
+    _ranks_lost(fleet, "stage_weights")
+    with pytest.raises(ValueError) as refused:
+        operator.operate("load_redirect", command("load_redirect", action="drain", host="b"))
+    doing = "generator replica 1 on host 'a' took the current weights"
+    refusal = (f"the drain of host 'b' stopped: {LOST_REFUSAL.format(doing=doing)}; nothing moved; host 'b' is not "
+               "drained")
+    assert str(refused.value) == refusal and [e["text"] for e in fleet.events("message")] == [refusal]
+    assert fleet.placer.drained == set() and fleet.groups["generator"].service.routable() == [0, 1]
+    _lost_once_and_recovered_next(fleet)
+
+
+def test_a_trainer_lost_while_a_trainer_drill_is_aimed_refuses_the_drill_saying_so_and_the_run_recovers():
+    fleet, operator = _operator()
+    _ranks_lost(fleet, "pids")
+    with pytest.raises(ValueError) as refused:
+        operator.operate("fault_drill", parse_operation("fault_drill", {"kind": "raise", "role": "trainer",
+                                                                        "replica": 0}))
+    assert str(refused.value) == LOST_REFUSAL.format(doing="the fault drill ran")
+    assert fleet.events("fault_injected") == []
+    _lost_once_and_recovered_next(fleet)
 
 
 def test_a_drain_whose_move_does_not_start_puts_the_rest_back_in_routing_and_leaves_the_host_undrained():

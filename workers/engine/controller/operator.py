@@ -16,6 +16,7 @@ from workers.engine.controller.placement import Placer
 from workers.engine.controller.roles import MOVABLE, role_group, role_plan, serving
 from workers.engine.controller.state import RunState, TrainerDrain
 from workers.engine.controller.supervision import Supervisor
+from workers.engine.controller.trainer import TrainerLost
 from workers.engine.metrics import Recorder
 from workers.engine.operations import FaultDrillRequest, LoadRedirectRequest, Operation, PlacementChangeRequest
 
@@ -31,12 +32,26 @@ class Operator:
         self.moves_trainer = moves_trainer
 
     def operate(self, kind: str, operation: Operation) -> dict[str, Any]:
-        """`RunControl.operator`: run one command between (or during) steps."""
-        if isinstance(operation, FaultDrillRequest):
-            return self.drills.schedule(operation)
-        if isinstance(operation, PlacementChangeRequest):
-            return self.change_placement(operation)
-        return self.redirect(operation)
+        """`RunControl.operator`: run one command between (or during) steps. A trainer lost meanwhile refuses it
+        (`trainer_lost`)."""
+        try:
+            if isinstance(operation, FaultDrillRequest):
+                return self.drills.schedule(operation)
+            if isinstance(operation, PlacementChangeRequest):
+                return self.change_placement(operation)
+            return self.redirect(operation)
+        except TrainerLost as lost:
+            raise self.trainer_lost(lost, doing=f"the {kind.replace('_', ' ')} ran") from None
+
+    def trainer_lost(self, lost: TrainerLost, *, doing: str) -> ValueError:
+        """The refusal of a command whose call to the trainer found it lost (a trainer drill's, a new generator's
+        weights): the trainer failed, not the command. Its loss is noticed now and the step loop recovers it at its next
+        check (`TrainerHandle.lost`). Refused, not run again after the recovery: commands run at most once, and the run
+        it was sent to is then back at its last checkpoint (or its start): the operator sends it again if it still
+        fits."""
+        self.supervisor.trainer.lost(lost.failure)
+        return ValueError(f"the trainer was lost while {doing}: {lost.failure.reason}; the run recovers, and the "
+                          "command can be sent again then")
 
     # --- placement changes --------------------------------------------------------------
     def change_placement(self, change: PlacementChangeRequest) -> dict[str, Any]:
@@ -73,7 +88,8 @@ class Operator:
     def start_replica(self, group: ReplicaGroup, index: int, host: str) -> Replica:
         """A new replica of the group's role on `host`, ready to serve (a generator at the current weights). ValueError
         with why when it does not start (the model folder it refused: that field's error) or fails as it takes the
-        weights; its procs are stopped and its GPUs released either way."""
+        weights, or the trainer is lost meanwhile (`trainer_lost`); its procs are stopped and its GPUs released either
+        way."""
         try:
             new = group.spawn(index, host)  # stops its procs when it does not start
         except CallFailed as failure:
@@ -88,6 +104,9 @@ class Operator:
             if isinstance(error, CallFailed):
                 raise ValueError(f"{group.role} replica {index} on host {host!r} did not take the current weights: "
                                  f"{error.reason}") from None
+            if isinstance(error, TrainerLost):
+                raise self.trainer_lost(error, doing=f"{group.role} replica {index} on host {host!r} took the current "
+                                                     "weights") from None
             raise
         return new
 

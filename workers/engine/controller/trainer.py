@@ -103,6 +103,7 @@ class TrainerHandle:
         self.master_addr: str | None = None
         self.noticed: Noticed | None = None  # a failure seen, not yet recovered from
         self.reported: str | None = None  # Monarch reported a rank of this mesh failed: why
+        self.lost_in_command: CallFailed | None = None  # a call of an operator's command found this mesh lost (`lost`)
         self.running = False  # spawned and not stopped: a failure report can be this mesh's
         self._spawned_name: str | None = None  # Monarch's name of this mesh's spawn (read at the first report)
         self._setup: Any = None  # every rank's pending setup
@@ -131,7 +132,7 @@ class TrainerHandle:
         except Exception as error:  # noqa: BLE001 - a supervision error, a proc's: the new mesh failed
             raise TrainerLost(_not_started(call_failed(error))) from None
         self.actors = procs.spawn("trainer", self.actor, cfg)
-        self.reported, self._spawned_name, self.running = None, None, True
+        self.reported, self.lost_in_command, self._spawned_name, self.running = None, None, None, True
         # Over several hosts, rank 0's host by the address its worker has (a pod IP, a node name).
         master = self.hosts.workers[placer.trainer_hosts[0]].host if len(placer.trainer_hosts) > 1 else None
         self._asked_pids = self.actors.pids.call()  # before the setup: a hung setup's procs are known, to be killed
@@ -186,9 +187,10 @@ class TrainerHandle:
         return next((h for h in self.placer.trainer_hosts if h in self.hosts.lost), None)
 
     def gone(self) -> str | None:
-        """Why the ranks are known lost (a lost host, a failure report), or None."""
-        lost = self.lost_host()
-        return f"host {self.hosts.describe(lost)} of the trainer was lost" if lost else self.reported
+        """Why the ranks are known lost (a lost host, a failure report, an operator's command's call), or None."""
+        if (lost := self.lost_host()) is not None:
+            return f"host {self.hosts.describe(lost)} of the trainer was lost"
+        return self.reported or (self.lost_in_command.reason if self.lost_in_command is not None else None)
 
     def owns(self, mesh_name: str) -> bool:
         """Whether a failure report's mesh is this spawn of the trainer (a late report from a mesh stopped before the
@@ -209,6 +211,13 @@ class TrainerHandle:
             self.reported = CallFailed(f"a trainer process failed: {report}", hung=False).reason
             self.detect(CallFailed(self.reported, hung=False))
 
+    def lost(self, failure: CallFailed) -> None:
+        """A trainer call of an operator's command failed (TrainerLost), between steps: noticed now, and the step loop's
+        next check (or trainer call) fails with it at once and recovers the trainer, hung ranks killed as in a step."""
+        self.detect(failure)
+        if self.lost_in_command is None:
+            self.lost_in_command = failure
+
     def exited_pid(self) -> int | None:
         """A rank that exited, when the trainer's pids are this machine's (so /proc shows it)."""
         if not all(self.hosts.pids_visible(h) for h in self.placer.trainer_hosts):
@@ -216,7 +225,10 @@ class TrainerHandle:
         return next((pid for pid in self.pids if exited(pid)), None)
 
     def failure(self) -> CallFailed | None:
-        """A lost host or an exited rank, seen without calling the trainer."""
+        """A lost host, a failure report, an operator's command's failed call or an exited rank, seen without calling
+        the trainer."""
+        if self.lost_host() is None and self.reported is None and self.lost_in_command is not None:
+            return self.lost_in_command  # as its call failed: hung or not
         if (reason := self.gone()) is not None:
             return CallFailed(reason, hung=False)
         if (pid := self.exited_pid()) is not None:
