@@ -81,6 +81,15 @@ def call_failed(error: Exception) -> CallFailed:
                       raised=error.exception if isinstance(error, ActorError) else error)
 
 
+def refusal_ends_run(refused: ConfigError, *, recorder: Recorder, step: int, what: str) -> ConfigError:
+    """A file a field named that a new proc refused (the model folder, a checkpoint: `CallFailed.refused`) ends the run
+    with that field's error, as a single-process run does; no other proc is tried, it would read the same file. Said on
+    the run page as "`what`: the error; not recovered: the run ends" (`what`: which proc did not do what), since mid-run
+    the failure it was to recover from is told there. The error, for the caller to raise."""
+    recorder.event("message", step=step, text=f"{what}: {refused}; not recovered: the run ends")
+    return refused
+
+
 def not_started(error: Exception) -> CallFailed:
     """A new replica whose actor failed as it spawned or as its model loaded (a supervision error, an actor's)."""
     failed = call_failed(error)
@@ -599,10 +608,8 @@ class Failover:
                 continue
             except CallFailed as failure:  # its procs are stopped already
                 if failure.refused:
-                    self.recorder.event("message", step=self.step(),
-                                        text=f"the replacement of {group.role} replica {replica.index} did not start on "
-                                             f"{target}: {failure.refused}; not recovered: the run ends")
-                    raise failure.refused from None
+                    raise refusal_ends_run(failure.refused, recorder=self.recorder, step=self.step(), what=(
+                        f"the replacement of {group.role} replica {replica.index} did not start on {target}")) from None
                 self.replacements[group.role] = used
                 incidents.append(self._start_failed(group, replica, host=target, failure=failure))
                 continue

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from workers.engine.actors.fleet import CallFailed, Failover, Replica, ReplicaGroup, exited
+from workers.engine.actors.fleet import CallFailed, Failover, Replica, ReplicaGroup, exited, refusal_ends_run
 from workers.engine.actors.hosts import Hosts
 from workers.engine.controller.control_procs import ControlLost, ControlProcs
 from workers.engine.controller.placement import Placer
@@ -162,9 +162,8 @@ class Supervisor:
             try:
                 ready, failed = group.poll_spares(wait_s=wait_s)
             except ConfigError as refused:
-                self.recorder.event("message", step=self.state.step,
-                                    text=f"a {group.role} spare did not start: {refused}; not recovered: the run ends")
-                raise
+                raise refusal_ends_run(refused, recorder=self.recorder, step=self.state.step,
+                                       what=f"a {group.role} spare did not start") from None
             for spare in ready:
                 self.recorder.event("spare_ready", step=self.state.step, role=group.role, host=spare.host,
                                     pids=spare.pids)

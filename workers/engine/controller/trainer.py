@@ -11,8 +11,8 @@ from typing import Any
 
 from monarch.spmd import setup_torch_elastic_env
 
-from workers.engine.actors.fleet import (CallFailed, MeshStops, Replica, answered, call_failed, exited, spawned_name,
-                                         stop_quietly)
+from workers.engine.actors.fleet import (CallFailed, MeshStops, Replica, answered, call_failed, exited,
+                                         refusal_ends_run, spawned_name, stop_quietly)
 from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.trainer_rank import TrainerRankActor
 from workers.engine.actors.weight_inbox import Fetched, Unread
@@ -366,13 +366,10 @@ class TrainerHandle:
                     .values())[0]
 
     def _refused(self, failure: CallFailed, *, what: str) -> None:
-        """A rank refused a file a field named (a model folder, a checkpoint: `failure.refused`): the
-        run ends with that field's error, as a single-process run does, and no new mesh is tried (it would read the same
-        file); said on the run page, since in a recovery the failure was detected there."""
+        """A rank refused a file a field named (a model folder, a checkpoint): the run ends with that field's error, and
+        no new mesh is tried (`refusal_ends_run`)."""
         if failure.refused:
-            self.recorder.event("message", step=self.state.step,
-                                text=f"{what}: {failure.refused}; not recovered: the run ends")
-            raise failure.refused from None
+            raise refusal_ends_run(failure.refused, recorder=self.recorder, step=self.state.step, what=what) from None
 
     def leave_group(self) -> None:
         """Every rank leaves its process group (before the mesh is stopped); TrainerLost when one fails or hangs."""
