@@ -448,7 +448,7 @@ def test_a_restart_says_the_attempt_it_queues_and_what_it_stopped_not_why(page):
 
 
 def test_a_resume_says_the_optimizer_settings_it_took_from_the_checkpoint_over_the_config(page):
-    """workers/engine/checkpoint.py's record_resumed: a resumed run goes on with its checkpoint's optimizer settings;
+    """workers/engine/startup.py's record_resumed: a resumed run goes on with its checkpoint's optimizer settings;
     the ones its config gave otherwise are in the `resumed` event, said in words."""
     _described(page)
     describe = "([kind, payload]) => FBEventText.describe({kind, payload})"

@@ -1,4 +1,5 @@
-"""What a run does before its first step, as `startup_phase` events a run page can show.
+"""What a run does before its first step, as events a run page can show: its `startup_phase` events, and a resumed
+run's `resumed` event (`record_resumed`).
 
     phases = StartupPhases(recorder)
     phases.enter("loading_model", "loading the model")
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
+from workers.engine.checkpoint import OPTIMIZER_FROM_CHECKPOINT
 from workers.engine.metrics import Recorder
 
 PHASES = ("placing", "spawning_procs", "loading_model", "warming_generator", "ready")
@@ -60,3 +63,11 @@ class StartupPhases:
     def ready(self) -> None:
         """Setup is done: the next thing the run does is its first step (or the step-0 held-out evaluation)."""
         self.enter("ready", "ready")
+
+
+def record_resumed(recorder: Recorder, *, step: int, path: str, progress: dict[str, Any], **fields: Any) -> None:
+    """The `resumed` event of a run that starts from a checkpoint (`progress`: what `load_checkpoint` returned), with
+    the optimizer settings it took from the checkpoint over its config's (the run page says them in words): the
+    single-process recipes' after their load, a Monarch run's controller's after its ranks' (`TrainerRecovery.resume`)."""
+    recorder.event("resumed", step=step, path=path, **fields,
+                   optimizer_from_checkpoint=progress.get(OPTIMIZER_FROM_CHECKPOINT, []))

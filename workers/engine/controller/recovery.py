@@ -12,7 +12,7 @@ from typing import Any
 
 from workers.engine.actors.fleet import CallFailed, Failover, ProcFailure
 from workers.engine.actors.hosts import HostsUnreachable
-from workers.engine.checkpoint import check_plain_data, record_resumed
+from workers.engine.checkpoint import check_plain_data
 from workers.engine.checkpoint_folders import check_resume_recipe, resume_field
 from workers.engine.config import RunConfig
 from workers.engine.controller.control_procs import ControlLost, ControlProcs
@@ -22,6 +22,7 @@ from workers.engine.controller.state import RunState, TrainerDrain
 from workers.engine.controller.supervision import Supervisor
 from workers.engine.controller.trainer import TrainerHandle, TrainerLost
 from workers.engine.metrics import Recorder
+from workers.engine.startup import record_resumed
 from workers.engine.tasks.stream import ProblemStream
 
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from workers.engine.batching import collate_record
 from workers.engine.behaviour_weights import BehaviourWeights
-from workers.engine.checkpoint import load_checkpoint, record_resumed, save_checkpoint
+from workers.engine.checkpoint import load_checkpoint, save_checkpoint
 from workers.engine.checkpoint_folders import resume_field, with_resume_point
 from workers.engine.config import RunConfig
 from workers.engine.grpo_math import (group_prompts, kl_reward_advantages, policy_update, prepare_old_logprobs,
@@ -52,7 +52,7 @@ from workers.engine.rewards import CombinedReward
 from workers.engine.rollout_shaping import DynamicSampler
 from workers.engine.sampler import SamplingParams, TorchSampler
 from workers.engine.scoring import score_rollouts
-from workers.engine.startup import StartupPhases
+from workers.engine.startup import StartupPhases, record_resumed
 from workers.engine.step_end import StepEnd
 from workers.engine.timeline import WorkSpans
 from workers.engine.tasks import build_task

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from workers.engine.checkpoint import load_checkpoint, record_resumed, save_checkpoint
+from workers.engine.checkpoint import load_checkpoint, save_checkpoint
 from workers.engine.checkpoint_folders import resume_field, with_resume_point
 from workers.engine.config import RunConfig
 from workers.engine.metrics import Recorder
@@ -22,7 +22,7 @@ from workers.engine.recipes.results import SftResult
 from workers.engine.rewards import CombinedReward
 from workers.engine.sampler import TorchSampler
 from workers.engine.sft_math import held_out_dropped, sft_batch, sft_step_metrics, sft_update
-from workers.engine.startup import StartupPhases
+from workers.engine.startup import StartupPhases, record_resumed
 from workers.engine.step_end import StepEnd
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
