@@ -244,6 +244,15 @@ def _named_twice(saved: dict) -> dict:
                                                                                      *group["params"][4:]]}])
 
 
+def _spoiled(tensor: torch.Tensor, value: float) -> torch.Tensor:
+    """`tensor` with its last element `value`: what a run that diverged leaves in a weight or a moment."""
+    spoiled = tensor.clone()
+    spoiled.view(-1)[-1] = value
+    return spoiled
+
+
+WQ = "layers.0.attention.qkv_linear.wq.weight"
+DIVERGED = "the run that saved it had diverged"
 # each form of states the run cannot take: what it makes of the saved state, and what the refusal says of it
 MISFIT: dict[str, tuple[Callable[[dict], object], str]] = {
     "a list": (lambda state: [state], "holds states this run cannot take (a list, not a dict of model, optimizer, "
@@ -369,6 +378,27 @@ MISFIT: dict[str, tuple[Callable[[dict], object], str]] = {
                                           "true, where this run's AdamW has false)"),
     "a parameter named twice": (_named_twice, "holds states this run cannot take (optimizer's param_groups name "
                                               "parameter 4 more than once)"),
+    # values torch's loaders take, from which the first step trains NaN: a checkpoint a run that diverged saved
+    "a weight holding NaN": (lambda state: _with(state, "model", **{WQ: _spoiled(state["model"][WQ], float("nan"))}),
+                             f"holds states no run can train from (model's {WQ} holds NaN or infinite values: "
+                             f"{DIVERGED})"),
+    "a weight holding an infinite value": (lambda state: _with(state, "model", **{"norm.weight": _spoiled(
+                                               state["model"]["norm.weight"], float("-inf"))}),
+                                           "holds states no run can train from (model's norm.weight holds NaN or "
+                                           f"infinite values: {DIVERGED})"),
+    "a moment holding NaN": (lambda state: _moments(state, exp_avg=_spoiled(state["optimizer"]["state"][1]["exp_avg"],
+                                                                            float("nan"))),
+                             "holds states no run can train from (optimizer's exp_avg of parameter 1 holds NaN or "
+                             f"infinite values: {DIVERGED})"),
+    "an exp_avg_sq holding an infinite value": (lambda state: _moments(state, exp_avg_sq=_spoiled(
+                                                    state["optimizer"]["state"][1]["exp_avg_sq"], float("inf"))),
+                                                "holds states no run can train from (optimizer's exp_avg_sq of "
+                                                f"parameter 1 holds NaN or infinite values: {DIVERGED})"),
+    "an exp_avg_sq holding a negative value": (lambda state: _moments(state, exp_avg_sq=_spoiled(
+                                                   state["optimizer"]["state"][1]["exp_avg_sq"], -1e-8)),
+                                               "holds states no run can train from (optimizer's exp_avg_sq of "
+                                               "parameter 1 holds negative values, where AdamW's steps take its "
+                                               "square root)"),
 }
 
 
@@ -427,6 +457,21 @@ def test_a_whole_checkpoint_loads(written: Path, tiny_qwen3: Path) -> None:
         {"step": 1, "data": {"epoch": 0, "index": 0}}
     assert optimizer.state_dict()["state"] != {} and scheduler.last_epoch == 1
     check_plain_data(written, field="checkpoint.resume_from")
+
+
+def test_a_checkpoint_a_run_that_diverged_saved_is_refused_by_the_export_and_by_the_ranks_load_only(
+        written: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the export wrote its NaN weights as the model
+    step = _copy(written, tmp_path)
+    change, problem = MISFIT["a weight holding NaN"]
+    _saved_with(step, change)
+    check_plain_data(step, field="checkpoint.resume_from")  # passes: a Monarch controller reads no weight, its ranks do
+    out = tmp_path / "exported"
+    assert cli_main(["export", "--checkpoint", str(step), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].strip() == (
+        f"checkpoint: {step / 'trainer.pt'} {problem}; it is not loaded: name another checkpoint (an earlier step_N "
+        "folder of that run, say)")
+    assert not (out / "model.safetensors").exists()
 
 
 def _model_folder(tiny_qwen3: Path, tmp_path: Path) -> Path:

@@ -23,7 +23,9 @@ import torch
 from torch import nn
 from torch.serialization import get_unsafe_globals_in_checkpoint
 
-from workers.engine.checkpoint_checks import SETTINGS, checked_state, fit_problem, model_misfit, refusal
+from workers.engine.checkpoint_checks import (
+    SETTINGS, checked_state, fit_problem, model_misfit, refusal, values_problem,
+)
 from workers.engine.checkpoint_folders import (
     STATE_FILE, check_resume_recipe, checkpoint_step, leftover_saves, list_checkpoints, resolve_checkpoint,
     temp_folder, write_checkpoint_info,
@@ -123,9 +125,9 @@ def load_checkpoint(
     `recipe`: the resuming run's; a checkpoint its checkpoint.json does not say this recipe wrote is a ConfigError,
     before anything is loaded (and one whose progress is the other recipe's, before a state is). A trainer.pt that
     is not plain data is a ConfigError before anything in it is built (weights_only refuses it as it meets it), and so
-    is one that is damaged or holds states these objects cannot take (`checkpoint_checks`: `checked_state`,
-    `model_misfit`, `fit_problem`), before any of them is changed. Each names `field`: the one that named the checkpoint
-    (`checkpoint_folders.resume_field`)."""
+    is one that is damaged, holds states these objects cannot take or values no run can train from (`checkpoint_checks`:
+    `checked_state`, `model_misfit`, `fit_problem`, `values_problem`: NaN or infinite weights), before any of them is
+    changed. Each names `field`: the one that named the checkpoint (`checkpoint_folders.resume_field`)."""
     folder = find_checkpoint(path, field=field)
     if recipe is not None:
         check_resume_recipe(folder, recipe=recipe, field=field)
@@ -137,6 +139,8 @@ def load_checkpoint(
         raise refusal(folder, field=field, problem=f"holds states this run cannot take ({problem})")
     if recipe is not None:
         check_resume_recipe(folder, recipe=recipe, progress=state["progress"], field=field)
+    if problem := values_problem(state, optimizer=optimizer):
+        raise refusal(folder, field=field, problem=f"holds states no run can train from ({problem})")
     configured = _optimizer_settings(optimizer, scheduler) if optimizer is not None else {}
     try:
         load_full_state(model, optimizer, model_state=state["model"], optimizer_state=state["optimizer"])
