@@ -208,6 +208,11 @@ class TrainerConfig(_Section):
         description="monarch backend: respawn a failed trainer mesh and resume from the last checkpoint, up to this many times",
     )
     optimizer: OptimizerConfig = OptimizerConfig()
+    max_skipped_updates: PositiveInt = Field(
+        default=3,
+        description="end the run as diverged when this many steps in a row had NaN or infinite gradients (each such "
+                    "update is skipped: the weights do not take it)",
+    )
     seed: NonNegativeInt = 0
     peak_flops_per_second: Annotated[float, Field(gt=0.0, le=1e18)] = Field(
         default=1e12,

@@ -78,11 +78,27 @@ def zero_weighted_pass(model: nn.Module, filler: RankRows) -> None:
     (model(filler.inputs).float().sum() * 0.0).backward()
 
 
+@dataclass(frozen=True)
+class AppliedUpdate:
+    grad_norm: float  # before clipping; NaN or infinite when the update was skipped
+    lr: float  # the learning rate the update used (or would have)
+    skipped: bool  # the gradients were NaN or infinite: the weights and the optimizer's state did not move
+
+
 def apply_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, *,
-                 grad_clip: float | None) -> tuple[float, float]:
-    """Clip, step the optimizer and the schedule; (gradient norm before clipping, learning rate used)."""
+                 grad_clip: float | None) -> AppliedUpdate:
+    """Clip, step the optimizer and the schedule. When the gradient's norm is NaN or infinite (its clip would scale by
+    0 and write inf x 0 = NaN into the weights, AdamW's step NaN into its moments) the update is skipped: no clip, no
+    optimizer step, the gradients zeroed. The norm is global (all-reduced gradients, or FSDP's full norm), so every
+    rank skips alike. The schedule still steps, as GradScaler's skipped steps and Megatron's skipped iterations do: the
+    learning rate stays the one of the run's step (warm-up and decay are counted in trainer.steps, and a resume at step
+    N takes the schedule at N), rather than the run's end coming before its schedule's."""
     grad_norm = grad_norm_and_clip(model, grad_clip)
     lr = scheduler.get_last_lr()[0]
-    optimizer.step()
+    skipped = not math.isfinite(grad_norm)
+    if skipped:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
     scheduler.step()
-    return grad_norm, lr
+    return AppliedUpdate(grad_norm=grad_norm, lr=lr, skipped=skipped)

@@ -87,6 +87,7 @@ class UpdateResult:
     grad_norm: float  # mean over the updates, before clipping
     lr: float  # the last update's
     updates: int
+    skipped: int  # updates skipped on NaN or infinite gradients (data_parallel.apply_update)
 
 
 def update_order(rows: int, *, grpo: GrpoConfig, seed: int) -> list[torch.Tensor]:
@@ -122,7 +123,7 @@ def policy_update(
     the ranks' gradients (`share.reduce_gradients`, or FSDP's reduce-scatter) gives the update's full gradient. With
     a rollout correction or more than one update, `batch.old_logprobs` must hold pi_old (prepare_old_logprobs).
     """
-    losses, norms, parts, lr = [], [], [], 0.0
+    losses, norms, parts, lr, skipped = [], [], [], 0.0, 0
     span = (spans or WorkSpans()).span
     for rows in update_order(len(batch), grpo=grpo, seed=seed):
         update = batch.select(rows)
@@ -138,12 +139,14 @@ def policy_update(
             with span("all_reduce"):
                 share.reduce_gradients(model)
         with span("optimizer"):
-            grad_norm, lr = apply_update(model, optimizer, scheduler, grad_clip=grad_clip)
+            applied = apply_update(model, optimizer, scheduler, grad_clip=grad_clip)
+        lr = applied.lr
+        skipped += applied.skipped
         losses.append(loss)
-        norms.append(grad_norm)
+        norms.append(applied.grad_norm)
         parts.extend(update_parts)
     return UpdateResult(loss=sum(losses) / len(losses), parts=parts, grad_norm=sum(norms) / len(norms), lr=lr,
-                        updates=len(losses))
+                        updates=len(losses), skipped=skipped)
 
 
 def needs_old_logprobs(grpo: GrpoConfig, *, policy_age: int) -> bool:

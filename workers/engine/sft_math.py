@@ -16,7 +16,7 @@ from workers.engine.models.tokenizer import ChatTokenizer
 from workers.engine.sharding import set_gradient_sync
 from workers.engine.tasks import Problem
 from workers.engine.timeline import WorkSpans
-from workers.engine.training import PhaseTimer, mfu, train_tokens_per_second
+from workers.engine.training import UPDATE_SKIPPED, PhaseTimer, mfu, train_tokens_per_second
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class SftUpdate:
     grad_norm: float  # before clipping, of the whole (summed) gradient
     lr: float
     rows: int  # this rank's rows
+    skipped: bool  # the gradients were NaN or infinite: no update (data_parallel.apply_update)
 
 
 def sft_update(
@@ -64,8 +65,8 @@ def sft_update(
         with span("all_reduce"):
             share.reduce_gradients(model)
     with span("optimizer"):
-        grad_norm, lr = apply_update(model, optimizer, scheduler, grad_clip=grad_clip)
-    return SftUpdate(loss=loss_sum, grad_norm=grad_norm, lr=lr, rows=len(mine))
+        applied = apply_update(model, optimizer, scheduler, grad_clip=grad_clip)
+    return SftUpdate(loss=loss_sum, grad_norm=applied.grad_norm, lr=applied.lr, rows=len(mine), skipped=applied.skipped)
 
 
 def sft_batch(problems: list[Problem], *, tokenizer: ChatTokenizer, data: DataConfig) -> SftBatch:
@@ -80,13 +81,15 @@ def held_out_dropped(problems: list[Problem], *, tokenizer: ChatTokenizer, seq_l
     return sum(len(tokenizer.encode_prompt(problem.messages)) > seq_len for problem in problems)
 
 
-def sft_step_metrics(*, update_loss: float, grad_norm: float, lr: float, batch: SftBatch, step_seconds: float,
-                     timer: PhaseTimer, n_params: int, peak_flops_per_second: float, epoch: int) -> dict[str, float]:
+def sft_step_metrics(*, update_loss: float, grad_norm: float, update_skipped: bool, lr: float, batch: SftBatch,
+                     step_seconds: float, timer: PhaseTimer, n_params: int, peak_flops_per_second: float,
+                     epoch: int) -> dict[str, float]:
     """What either SFT recipe logs for a step (`update_loss`: the step's loss, summed over the ranks)."""
     tokens = int(batch.inputs.numel())
     return {
         "loss": update_loss,
         "grad_norm": grad_norm,
+        UPDATE_SKIPPED: int(update_skipped),
         "lr": lr,
         "time/step_s": step_seconds,
         **timer.metrics(),

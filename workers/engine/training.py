@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from workers.engine.batching import collate_sft
 from workers.engine.config import OptimizerConfig, RunConfig
+from workers.engine.fields import ConfigError
 from workers.engine.losses import sft_loss
 from workers.engine.metrics import Recorder
 from workers.engine.models.tokenizer import ChatTokenizer
@@ -145,14 +146,43 @@ def train_tokens_per_second(*, tokens: int, step_seconds: float) -> float:
 
 
 def grad_norm_and_clip(model: nn.Module, max_norm: float | None) -> float:
-    """The gradient's global norm (over every shard of a sharded model), clipped to max_norm when given."""
+    """The gradient's global norm (over every shard of a sharded model), clipped to max_norm when given and the norm is
+    finite (a NaN or infinite norm would scale by NaN or 0, and inf x 0 is NaN: apply_update skips that update)."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if isinstance(norm, DTensor):  # FSDP: each rank holds a partial norm of its shards
         norm = norm.full_tensor()
-    if max_norm is not None:
+    value = float(norm)
+    if max_norm is not None and math.isfinite(value):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return float(norm)
+    return value
+
+
+UPDATE_SKIPPED = "train/update_skipped"  # a step's metric: its optimizer updates skipped on NaN or infinite gradients
+
+
+class SkippedUpdates:
+    """Ends a run whose updates were skipped (data_parallel.apply_update: NaN or infinite gradients) in `limit`
+    (trainer.max_skipped_updates) steps in a row: its weights no longer train. Every recipe calls `check` with each
+    step's logged metrics, before the step's eval and checkpoint."""
+
+    def __init__(self, *, limit: int):
+        self.limit = limit
+        self.in_a_row = 0
+        self.first_step = 0  # the first step of the current row
+
+    def check(self, metrics: dict[str, float], *, step: int) -> None:
+        """ConfigError on trainer.optimizer.lr when this step makes `limit` in a row."""
+        if not metrics[UPDATE_SKIPPED]:
+            self.in_a_row = 0
+            return
+        if self.in_a_row == 0:
+            self.first_step = step
+        self.in_a_row += 1
+        if self.in_a_row >= self.limit:
+            raise ConfigError.on("trainer.optimizer.lr", (
+                f"the gradients were NaN or infinite for {self.in_a_row} steps in a row from step {self.first_step}: "
+                "the run diverged; lower trainer.optimizer.lr or resume from an earlier checkpoint"))
 
 
 @torch.no_grad()

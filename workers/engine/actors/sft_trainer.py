@@ -27,6 +27,7 @@ class SftTrainerActor(TrainerRankActor):
                             micro_batch_size=cfg.micro_batch_size, grad_clip=cfg.optimizer.grad_clip, share=self.share(),
                             spans=spans)
         return {"loss": update.loss, "grad_norm": update.grad_norm, "lr": update.lr, "rows": update.rows,
+                "update_skipped": update.skipped,
                 "spans": spans.items}
 
     @endpoint

@@ -112,8 +112,8 @@ class TrainerActor(TrainerRankActor):
         self.behaviour.record(self.model, version=policy_version + 1)
         mine, _ = batch.rank_rows(rank=self.rank, world=self.world)
         return {"loss": update.loss, "parts": update.parts, "grad_norm": update.grad_norm, "lr": update.lr,
-                "updates": update.updates, "shaping": shaping, "train_tokens": int(mine.inputs.numel()),
-                "spans": spans.items}
+                "updates": update.updates, "update_skipped": update.skipped, "shaping": shaping,
+                "train_tokens": int(mine.inputs.numel()), "spans": spans.items}
 
     @endpoint
     def accumulate(self, record: RolloutBatchRecord, ref_logprobs: torch.Tensor | None) -> int:
@@ -159,10 +159,11 @@ class TrainerActor(TrainerRankActor):
             for param in self.model.parameters():
                 if param.grad is not None:
                     param.grad.div_(normalizer)
-            grad_norm, lr = apply_update(self.model, self.optimizer, self.scheduler,
-                                         grad_clip=self.config.trainer.optimizer.grad_clip)
+            applied = apply_update(self.model, self.optimizer, self.scheduler,
+                                   grad_clip=self.config.trainer.optimizer.grad_clip)
         self.optimizer.zero_grad(set_to_none=True)
         self._step_so_far = _new_step()
-        return {"loss": step["loss"] / normalizer, "parts": step["parts"], "grad_norm": grad_norm, "lr": lr,
-                "updates": 1, "shaping": {key: value / step["rows"] for key, value in step["shaping"].items()},
+        return {"loss": step["loss"] / normalizer, "parts": step["parts"], "grad_norm": applied.grad_norm,
+                "lr": applied.lr, "updates": 1, "update_skipped": int(applied.skipped),
+                "shaping": {key: value / step["rows"] for key, value in step["shaping"].items()},
                 "train_tokens": step["train_tokens"], "spans": spans.items}

@@ -58,8 +58,8 @@ from workers.engine.timeline import WorkSpans
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
 from workers.engine.training import (
-    EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, mfu, record_eval, setup_process,
-    single_process_device, train_tokens_per_second,
+    UPDATE_SKIPPED, EvalResult, PhaseTimer, SkippedUpdates, build_optimizer, build_scheduler, evaluate, mfu,
+    record_eval, setup_process, single_process_device, train_tokens_per_second,
 )
 
 
@@ -164,6 +164,7 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
 
     startup.ready()
     step_end = StepEnd(config=cfg, recorder=recorder, evaluate=run_eval, checkpoint=checkpoint, control=control)
+    skipped_updates = SkippedUpdates(limit=trainer_cfg.max_skipped_updates)
     step_end.before_first(start_step)
     loop_start = time.perf_counter()
     losses: list[float] = []
@@ -222,6 +223,7 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
             **sampled,
             "train/updates": update.updates,
             "grad_norm": update.grad_norm,
+            UPDATE_SKIPPED: update.skipped,
             "lr": update.lr,
             "policy_version": policy_version,
             "staleness/policy_age": age,
@@ -240,6 +242,7 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
         recorder.log_many(metrics, step)
         losses.append(update.loss)
         step_metrics.append(metrics)
+        skipped_updates.check(metrics, step=step)
         if not step_end.after(step, rollouts=batch_record):  # rollouts, eval, checkpoint, operator commands
             break
 

@@ -74,7 +74,8 @@ from workers.engine.recipes.results import GrpoResult
 from workers.engine.run_control import RunControl
 from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
-from workers.engine.training import EvalResult, PhaseTimer, mfu, record_eval, train_tokens_per_second
+from workers.engine.training import (UPDATE_SKIPPED, EvalResult, PhaseTimer, SkippedUpdates, mfu, record_eval,
+                                     train_tokens_per_second)
 
 __all__ = ["FaultDrill", "ProcFailure", "train_grpo_monarch"]
 
@@ -199,6 +200,7 @@ class MonarchGrpoRun:
             self.recovery.resume(cfg.checkpoint.resume_from)
         self.step_end = StepEnd(config=cfg, recorder=recorder, evaluate=self.evaluate,
                                 checkpoint=self.recovery.checkpoint, control=self.control)
+        self.skipped_updates = SkippedUpdates(limit=cfg.trainer.max_skipped_updates)
         startup.ready()
 
     def _spares_ready(self, wait_s: float) -> bool:
@@ -262,6 +264,7 @@ class MonarchGrpoRun:
                 self.recorder.log_many(metrics, state.step)
                 losses.append(metrics["loss"])
                 step_metrics.append(metrics)
+                self.skipped_updates.check(metrics, step=state.step)
                 if not self.step_end.after(state.step, rollouts=batch.record):
                     break
             except TrainerLost as lost:  # the step did not happen
@@ -309,6 +312,7 @@ class MonarchGrpoRun:
             **results[0]["shaping"],
             "train/updates": results[0]["updates"],
             "grad_norm": results[0]["grad_norm"],
+            UPDATE_SKIPPED: results[0]["update_skipped"],
             "lr": results[0]["lr"],
             "policy_version": state.policy_version,
             "staleness/policy_age": age,

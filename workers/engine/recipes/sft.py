@@ -28,8 +28,8 @@ from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
 from workers.engine.timeline import WorkSpans
 from workers.engine.training import (
-    EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, held_out_nll, record_eval, setup_process,
-    single_process_device,
+    EvalResult, PhaseTimer, SkippedUpdates, build_optimizer, build_scheduler, evaluate, held_out_nll, record_eval,
+    setup_process, single_process_device,
 )
 
 
@@ -91,6 +91,7 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
 
     startup.ready()
     step_end = StepEnd(config=cfg, recorder=recorder, evaluate=run_eval, checkpoint=checkpoint, control=control)
+    skipped_updates = SkippedUpdates(limit=trainer_cfg.max_skipped_updates)
     step_end.before_first(start_step)
     loop_start = time.perf_counter()
     losses: list[float] = []
@@ -109,12 +110,13 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
 
         losses.append(update.loss)
         metrics = sft_step_metrics(
-            update_loss=update.loss, grad_norm=update.grad_norm, lr=update.lr, batch=batch,
-            step_seconds=time.perf_counter() - step_start, timer=timer, n_params=n_params,
+            update_loss=update.loss, grad_norm=update.grad_norm, update_skipped=update.skipped, lr=update.lr,
+            batch=batch, step_seconds=time.perf_counter() - step_start, timer=timer, n_params=n_params,
             peak_flops_per_second=trainer_cfg.peak_flops_per_second, epoch=stream.epoch)
         timer.split("train", train_spans.items)  # where the step's time went: the train phase in its parts
         metrics.update(timer.record_timeline(recorder, step=step))
         recorder.log_many(metrics, step)
+        skipped_updates.check(metrics, step=step)
 
         if not step_end.after(step):  # eval, checkpoint, operator commands
             break

@@ -51,7 +51,7 @@ from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
-from workers.engine.training import EvalResult, PhaseTimer, record_eval
+from workers.engine.training import EvalResult, PhaseTimer, SkippedUpdates, record_eval
 
 
 def train_sft_monarch(config: RunConfig, recorder: Recorder, *, control: RunControl | None = None,
@@ -124,6 +124,7 @@ class MonarchSftRun:
         self.step_end = StepEnd(config=cfg, recorder=recorder, evaluate=self.evaluate,
                                 checkpoint=self.recovery.checkpoint, control=self.control,
                                 after_checkpoint=self.recovery.move_drained_trainer)
+        self.skipped_updates = SkippedUpdates(limit=cfg.trainer.max_skipped_updates)
         startup.ready()
 
     def stop(self) -> None:
@@ -152,6 +153,7 @@ class MonarchSftRun:
                 metrics.update(timer.record_timeline(self.recorder, step=state.step))
                 self.recorder.log_many(metrics, state.step)
                 losses.append(metrics["loss"])
+                self.skipped_updates.check(metrics, step=state.step)
                 if not self.step_end.after(state.step):
                     break
             except TrainerLost as lost:  # the step did not happen
@@ -175,7 +177,8 @@ class MonarchSftRun:
         cfg = self.config.trainer
         return {
             **sft_step_metrics(update_loss=sum(r["loss"] for r in results), grad_norm=results[0]["grad_norm"],
-                               lr=results[0]["lr"], batch=batch, step_seconds=step_seconds, timer=timer,
+                               update_skipped=results[0]["update_skipped"], lr=results[0]["lr"], batch=batch,
+                               step_seconds=step_seconds, timer=timer,
                                n_params=self.trainer.n_params, peak_flops_per_second=cfg.peak_flops_per_second * cfg.ranks,
                                epoch=self.stream.epoch),
             **fault_metrics(self.failover, self.injector, self.state.totals),
