@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import threading
 import time
 from typing import Any
 
@@ -56,6 +58,12 @@ class FakeGroup(ReplicaGroup):
 
     def spawn(self, index: int, host: str) -> Replica:
         return self._fake(index, host)
+
+    def begin_replacement(self, index: int, host: str) -> tuple[Replica, Any]:
+        """A replacement whose model has loaded by the time it is looked at."""
+        replica = self._fake(index, host)
+        self.replacing.append(replica)
+        return replica, Loaded()
 
 
 def _failover(sink: MemorySink, **config: Any) -> tuple[Failover, FaultInjector]:
@@ -117,6 +125,13 @@ def test_limits_end_the_run_with_the_reason() -> None:
     failover.backoff(2, what="a reward request")
     with pytest.raises(ProcFailure, match=r"a reward request failed 3 times \(failover.max_retries is 2\)"):
         failover.backoff(3, what="a reward request")
+
+
+class Loaded:
+    """A pid future that has answered."""
+
+    def get(self, timeout: float | None = None) -> int:
+        return 4241
 
 
 class Loading:
@@ -201,11 +216,123 @@ def test_a_spare_is_not_taken_back_when_preparing_it_fails() -> None:
     assert len(group.ready_spares) == 1 and group.ready_spares[0].index == -1 and failover.pending_repairs()
 
 
+class LoadingGroup(SpareGroup):
+    """A fake group whose replacements start as real ones do (`ReplicaGroup.begin_replacement`), each loading until
+    the test says (`loads`)."""
+
+    begin_replacement = ReplicaGroup.begin_replacement
+
+
+def test_a_replacement_loads_while_the_healthy_replicas_serve_and_serves_from_the_repair_after_it_has_loaded() -> None:
+    """The run goes on while a replacement's model loads (minutes for a large model): each repair looks at it without
+    waiting, and it serves from the first repair after it has loaded. Before, the repair, and with it the step loop,
+    waited for the load."""
+    sink = MemorySink()
+    failover, _ = _failover(sink)
+    group = LoadingGroup("generator", 2)
+    dead = group.replicas[1]
+    failover.detect(group, dead, "process 12 exited", hung=False, request_failed=False)
+    started = time.monotonic()
+    failover.repair({"generator": lambda replica: 3}, host=lambda replica: "b")
+    failover.repair({"generator": lambda replica: 3}, host=lambda replica: "b")
+    assert time.monotonic() - started < 0.5, "the repairs did not wait for the model"
+    [new] = group.replacing
+    assert dead.procs.stopped and group.replicas[1] is dead and group.service.routable() == [0]
+    assert failover.pending_repairs() and "replica_replaced" not in _names(sink) and len(group.loads) == 1
+    assert group.find(new.name + "-0") is new, "supervision reports name a loading replacement too"
+    assert group.room("b") == math.inf and new.host == "b"
+
+    time.sleep(0.05)
+    group.loads[0].loaded = True
+    failover.repair({"generator": lambda replica: 3}, host=lambda replica: "b")
+    assert group.replicas[1] is new and new.version == 3 and new.pids == [4242] and group.service.routable() == [0, 1]
+    assert group.replacing == [] and not failover.pending_repairs() and failover.replacements == {"generator": 1}
+    replaced = sink.events("replica_replaced")[-1]
+    assert replaced["from_spare"] is False and replaced["seconds"] >= 0.05 and replaced["host"] == "b"
+    assert _names(sink) == ["failure_detected", "replica_replaced", "recovered"]
+
+
+def test_a_repair_waits_for_a_loading_replacement_once_no_replica_of_its_role_serves() -> None:
+    """Every replica of the role lost at once (their host died): each replacement starts loading, side by side, and
+    the repair waits until one serves; the others join at a later repair."""
+    sink = MemorySink()
+    failover, _ = _failover(sink)
+    group = LoadingGroup("generator", 2)
+    failover.detect(group, group.replicas[1], "killed", hung=False, request_failed=False)
+    failover.detect(group, group.replicas[0], "killed", hung=False, request_failed=False)
+    loading_when_loaded: list[int] = []
+
+    def load_the_first() -> None:
+        loading_when_loaded.append(len(group.loads))
+        group.loads[0].loaded = True
+
+    loaded = threading.Timer(0.3, load_the_first)
+    started = time.monotonic()
+    loaded.start()
+    failover.repair({}, host=lambda replica: "b")
+    assert time.monotonic() - started >= 0.25, "nothing serves the role: the repair waits"
+    assert loading_when_loaded == [2], "both replacements loaded side by side"
+    assert group.service.routable() == [1] and failover.pending_repairs()
+    group.loads[1].loaded = True
+    failover.repair({}, host=lambda replica: "b")
+    assert group.service.routable() == [0, 1] and not failover.pending_repairs()
+
+
+def test_a_loading_replacement_that_fails_is_one_more_failure_and_another_loads_while_the_run_goes_on() -> None:
+    sink = MemorySink()
+    failover, _ = _failover(sink)
+    group = LoadingGroup("reward", 2)
+    failover.detect(group, group.replicas[0], "process 12 exited", hung=False, request_failed=False)
+    failover.repair({}, host=lambda replica: "b")
+    first = group.replacing[0]
+    group.loads[0].error = RuntimeError("CUDA error: out of memory")
+    failover.repair({}, host=lambda replica: "c")
+    [second] = group.replacing
+    assert first.procs.stopped and second.host == "c" and failover.replacements == {"reward": 1}
+    assert [(e["host"], e["reason"]) for e in sink.events("failure_detected")] == [
+        ("a", "process 12 exited"), ("b", "the replacement did not start: RuntimeError: CUDA error: out of memory")]
+    group.loads[1].loaded = True
+    failover.repair({}, host=lambda replica: "c")
+    assert group.replicas[0] is second and failover.replacements == {"reward": 2} and not failover.pending_repairs()
+
+
+def test_a_loading_replacement_whose_host_is_lost_or_drained_starts_again_elsewhere_uncounted() -> None:
+    sink = MemorySink()
+    failover, _ = _failover(sink)
+    group = LoadingGroup("generator", 2)
+    picked = iter(["b", "c", "d"])
+    failover.detect(group, group.replicas[1], "killed", hung=False, request_failed=False)
+    failover.repair({}, host=lambda replica: next(picked))
+    on_b = group.replacing[0]
+    group.hosts.lost.add("b")
+    failover.repair({}, host=lambda replica: next(picked))
+    [on_c] = group.replacing
+    assert on_c.host == "c" and on_b not in group.replacing
+    assert group.drop_spares_on("c") == 0 and on_c.procs.stopped and group.replacing == [], "a drain stops it"
+    failover.repair({}, host=lambda replica: next(picked))
+    [on_d] = group.replacing
+    group.loads[-1].loaded = True
+    failover.repair({}, host=lambda replica: "d")
+    assert group.replicas[1] is on_d and on_d.host == "d" and failover.replacements == {"generator": 1}
+    assert len(sink.events("failure_detected")) == 1, "neither the lost host nor the drain is the replica's failure"
+
+
+def test_a_loading_replacement_is_stopped_with_its_group() -> None:
+    failover, _ = _failover(MemorySink())
+    group = LoadingGroup("generator", 2)
+    failover.detect(group, group.replicas[1], "killed", hung=False, request_failed=False)
+    failover.repair({}, host=lambda replica: "b")
+    [loading] = group.replacing
+    group.stop_all()
+    assert loading.procs.stopped and group.replacing == []
+
+
 class StartingGroup(SpareGroup):
     """A fake group whose replacements start as real ones do (`ReplicaGroup.spawn`), each loading until the test
     says (`loads`); `fates` makes the next starts fail ("dies") or never end ("hangs")."""
 
     spawn = ReplicaGroup.spawn
+    begin_replacement = ReplicaGroup.begin_replacement
 
     def __init__(self, role: str, count: int, *, setup_timeout_s: float, fates: list[str]):
         super().__init__(role, count, setup_timeout_s=setup_timeout_s)
@@ -403,14 +530,14 @@ def test_a_replacement_whose_host_dies_while_it_spawns_goes_to_the_next_host_pic
     sink = MemorySink()
     failover, _ = _failover(sink)
     group = FakeGroup("generator", 2)
-    spawn = group.spawn
+    begin = group.begin_replacement
 
-    def spawn_or_fail(index: int, host: str) -> Replica:
+    def begin_or_fail(index: int, host: str) -> tuple[Replica, Any]:
         if host == "a":
             raise HostsUnreachable("host a stopped accepting connections while a proc was spawned there")
-        return spawn(index, host)
+        return begin(index, host)
 
-    group.spawn = spawn_or_fail
+    group.begin_replacement = begin_or_fail
     picked = iter(["a", "b"])  # the probe finds host a lost only on the second look
     failover.detect(group, group.replicas[0], "process 12 exited", hung=False, request_failed=False)
     failover.repair({}, host=lambda replica: next(picked))

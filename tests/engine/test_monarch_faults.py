@@ -38,9 +38,6 @@ drills:
   - {kind: kill, role: reward, schedule: {at_step: 5}}
   - {kind: raise, role: reference, schedule: {at_step: 6}}
   - {kind: raise, role: trainer, schedule: {at_step: 6}}
-  - {kind: latency, role: generator, replica: 1, latency_ms: 200, duration_s: 2, schedule: {at_step: 7}}
-  - {kind: bandwidth, role: generator, replica: 0, bandwidth_mbps: 50, duration_s: 2, schedule: {at_step: 7}}
-  - {kind: slow_host, role: generator, replica: 1, duty_cycle: 0.5, duration_s: 2, schedule: {at_step: 7}}
 """
 
 COMMANDS: dict[int, list[tuple[str, dict[str, Any]]]] = {
@@ -51,7 +48,13 @@ COMMANDS: dict[int, list[tuple[str, dict[str, Any]]]] = {
         ("placement_change", {"action": "remove", "replica": 7}),
         ("load_redirect", {"action": "drain", "host": "nowhere"}),
         ("fault_drill", {"kind": "latency", "role": "generator"})],
-    5: [("load_redirect", {"action": "drain", "host": "a"})],
+    # Replicas 0 and 1 are replaced in the background from steps 2 and 4 (their models load while the others serve),
+    # so the timed drills and the drain after them aim at replica 2: added at step 1, it serves throughout.
+    3: [("fault_drill", {"kind": "bandwidth", "role": "generator", "replica": 2, "bandwidth_mbps": 50,
+                         "duration_s": 2})],
+    5: [("load_redirect", {"action": "drain", "host": "c"})],
+    6: [("fault_drill", {"kind": "latency", "role": "generator", "replica": 2, "latency_ms": 200, "duration_s": 2}),
+        ("fault_drill", {"kind": "slow_host", "role": "generator", "replica": 2, "duty_cycle": 0.5, "duration_s": 2})],
     8: [("fault_drill", {"kind": "raise", "role": "generator", "replica": 2})],
     9: [("fault_drill", {"kind": "kill", "role": "trainer"})],
 }
@@ -147,10 +150,13 @@ def test_every_injected_fault_is_detected_once_and_recovered_once(fault_run) -> 
 def test_replaced_generators_serve_the_current_policy_version(fault_run) -> None:
     _, events, _ = fault_run
     replaced = [e for e in _named(events, "replica_replaced") if e["role"] == "generator"]
-    assert len(replaced) == 2  # the kill at step 2, the hang at step 4
+    assert sorted(e["replica"] for e in replaced) == [0, 1]  # the kill at step 2, the hang at step 4
     for event in replaced:
         # sync GRPO: after step N the trainer's policy is version N; the new replica reports it
         assert event["policy_version"] == event["step"]
+    # the run trained on while replica 1's replacement loaded: it serves from a later step than its failure's
+    killed = next(e for e in _named(events, "failure_detected") if e["role"] == "generator" and e["replica"] == 1)
+    assert next(e for e in replaced if e["replica"] == 1)["step"] > killed["step"]
     assert [e["role"] for e in _named(events, "replica_replaced")].count("reward") == 1
     retried = [e for e in _named(events, "recovered") if e.get("action") == "retried"]
     assert sorted(e["role"] for e in retried) == ["generator", "generator", "reference", "trainer"]
@@ -162,9 +168,9 @@ def test_placement_change_and_drain_take_effect_mid_run(fault_run) -> None:
     assert [(e["action"], e["replica"], e["host"]) for e in changed] == [("add", 2, "c")]
     assert changed[0]["plan"] == {"0": "a", "1": "b", "2": "c"}
     started, finished = _named(events, "redirect_started"), _named(events, "redirect_finished")
-    assert [(e["host"], e["replicas"]) for e in started] == [("a", [0])]
-    assert finished[0]["moved"] == {"0": "b"} and "a" not in finished[0]["plan"].values()
-    # replica 2 (added after step 1) served requests; after the drain nothing was placed on host a
+    assert [(e["host"], e["replicas"]) for e in started] == [("c", [2])]
+    assert finished[0]["moved"] == {"2": "a"} and "c" not in finished[0]["plan"].values()
+    # replica 2 (added after step 1) served requests; after the drain nothing was placed on host c
     assert result.metrics[-1]["generator/replica_2_requests"] > 0
     assert result.metrics[-1]["faults/migrations"] == 1
     assert [outcome for step, _, outcome in channel.outcomes if step in (1, 5, 8)][0]["plan"]["2"] == "c"

@@ -75,7 +75,7 @@ class HostScript:
 
             self.killed_at = time.time()
             kill_host(self.workers["host1"])
-        if step == 5:
+        if step == 6:  # the last: host1's replicas come back on host0 while the run goes on, in the steps after the kill
             self.seen["replaced"] = {str(e["replica"]): self.worker_of(e["pids"][0])
                                      for e in self.events("replica_replaced") if e["role"] == "generator"}
             restored = next(e for e in self.events("replica_replaced") if e["role"] == "trainer")

@@ -12,9 +12,11 @@ and replacements spawn the replica's new proc on the host they pick.
            emit `failure_detected`, take the replica out of routing, queue its replacement
            (a hung proc is killed first). Once per replica incarnation.
   repair   at a safe point of the controller loop: take a warm spare (`failover.warm_spares`)
-           or else spawn the replacement on its host, bring it to the current policy version
-           (`prepare`), check the version it reports, put it back in routing, emit
-           `replica_replaced`. Spares used up are started again in the background. A replica
+           or else spawn the replacement on its host; once its model has loaded, bring it to the
+           current policy version (`prepare`), put it back in routing, emit `replica_replaced`.
+           While it loads the role's healthy replicas serve and the run goes on: it is looked at
+           again at each repair, and waited for only when no replica of its role serves. Spares
+           used up are started again in the background. A replica
            (first, replacement or spare) whose model is not loaded within `failover.setup_timeout_s`
            of its spawn did not start: at the run's start the run fails; a replacement that did not
            start (or failed as it started) is one more failure of its replica; a spare is dropped.
@@ -259,6 +261,7 @@ class ReplicaGroup:
         self.warming: list[tuple[Replica, Any]] = []  # (spare, future of its pid once its model is loaded)
         self.starting: list[tuple[Replica, Any]] = []  # the same for launched replicas not yet awaited
         self.unstarted_spares: list[CallFailed] = []  # spares whose actor did not spawn (`warm`), told at the next poll
+        self.replacing: list[Replica] = []  # replacements spawned, their model loading (`Failover.repair` polls them)
 
     def start(self, hosts: list[str]) -> None:
         self.launch(hosts)
@@ -350,10 +353,23 @@ class ReplicaGroup:
             raise
         return replica
 
+    def begin_replacement(self, index: int, host: str) -> tuple[Replica, Any]:
+        """A replacement for replica `index` spawned on `host`, and its pid call: its model loads meanwhile
+        (`started` says when it has). Stopped with the group while it loads."""
+        replica = self._spawn(index, host)
+        self.replacing.append(replica)
+        return replica, replica.actor.pid.call_one()
+
+    def replace(self, index: int, new: Replica) -> None:
+        """A started replacement serves as replica `index`."""
+        self.replacing = [r for r in self.replacing if r is not new]
+        self.service.replace(index, new)
+
     def room(self, host: str, *, replacing: Replica | None = None) -> float:
         """How many more of this role's procs `host` can take (inf: no limit): procs_per_host, and free GPUs with
         gpus_per_proc. `replacing`: a replica about to stop, whose place counts as free."""
-        others = [r for r in [*(self.live() if self.service else []), *self.spare_replicas()] if r is not replacing]
+        others = [r for r in [*(self.live() if self.service else []), *self.spare_replicas(), *self.replacing]
+                  if r is not replacing]
         slots = math.inf if self.per_host is None else self.per_host - sum(r.host == host for r in others)
         free = self.hosts.gpus_free(host)
         if free is not None and self.gpus_per_proc:
@@ -374,7 +390,7 @@ class ReplicaGroup:
         return [r for i, r in enumerate(self.replicas) if self.service.available[i]]
 
     def find(self, mesh_name: str) -> Replica | None:
-        for replica in [*self.replicas, *self.retiring, *self.spare_replicas()]:
+        for replica in [*self.replicas, *self.retiring, *self.spare_replicas(), *self.replacing]:
             if replica.owns(mesh_name):
                 return replica
         return None
@@ -436,10 +452,13 @@ class ReplicaGroup:
         return spare
 
     def drop_spares_on(self, host: str) -> int:
-        """Stop the spares on a host that is being drained; how many."""
+        """Stop the spares on a host that is being drained, and the replacements loading there (each starts again
+        elsewhere at the next repair); how many spares."""
         doomed = [spare for spare in self.spare_replicas() if spare.host == host]
         for spare in doomed:
             self.drop_spare(spare)
+        for replacement in [r for r in self.replacing if r.host == host]:
+            self.stop(replacement)
         return len(doomed)
 
     def drop_spare(self, spare: Replica) -> None:
@@ -468,6 +487,7 @@ class ReplicaGroup:
 
     def stop(self, replica: Replica, *, stops: MeshStops | None = None) -> None:
         """Stop a replica's procs (with `stops`: start stopping them, `stops.wait()` waits)."""
+        self.replacing = [r for r in self.replacing if r is not replica]
         if replica.host not in self.hosts.lost:  # a lost host's procs are gone, and stopping them would wait
             if stops is None:
                 stop_quietly(replica.procs)
@@ -477,7 +497,8 @@ class ReplicaGroup:
 
     def stop_all(self, *, stops: MeshStops | None = None) -> None:
         stops_here = stops or MeshStops()
-        for replica in [*(self.service.replicas if self.service else []), *self.retiring, *self.spare_replicas()]:
+        for replica in [*(self.service.replicas if self.service else []), *self.retiring, *self.spare_replicas(),
+                        *self.replacing]:
             self.stop(replica, stops=stops_here)
         if stops is None:
             stops_here.wait()
@@ -522,6 +543,18 @@ def stop_quietly(mesh: Any) -> None:
 
 
 @dataclass
+class Repair:
+    """A failed replica waiting for its replacement: queued at its detection, done once a replacement serves."""
+
+    group: ReplicaGroup
+    replica: Replica  # the failed one
+    incidents: list[Incident]  # its failure, then each replacement's that did not start
+    began: float | None = None  # when the failed one was stopped for its first replacement (time.monotonic())
+    new: Replica | None = None  # the replacement loading now, if any
+    pid: Any = None  # the new replica's pid call: it answers once the model has loaded
+
+
+@dataclass
 class Incident:
     """One detected failure of one replica incarnation, until it is recovered."""
 
@@ -547,7 +580,7 @@ class Failover:
         self.replacements: dict[str, int] = {}
         self.incidents: list[Incident] = []
         self._by_replica: dict[int, Incident] = {}  # id(replica) -> its incident
-        self._queue: list[tuple[ReplicaGroup, Replica, list[Incident]]] = []  # with its replacements' failed starts
+        self._queue: list[Repair] = []
         self.detect_seconds: list[float] = []
         self.recover_seconds: list[float] = []
 
@@ -579,7 +612,7 @@ class Failover:
             group.service.set_available(replica.index, False)
             if hung:
                 group.kill(replica)  # a hung proc may wake up later: make sure it does not
-            self._queue.append((group, replica, [incident]))
+            self._queue.append(Repair(group, replica, [incident]))
         return incident
 
     def incident_of(self, replica: Replica) -> Incident | None:
@@ -587,50 +620,87 @@ class Failover:
 
     # --- replacement ----------------------------------------------------------------
     def repair(self, prepare: dict[str, Callable[[Replica], int]], *, host: Callable[[Replica], str]) -> None:
-        """Replace queued failed replicas: spawn (on `host(old)`), bring to the current version, route to them again. A
-        replacement that does not start (it fails, or its set-up outlasts failover.setup_timeout_s) is one more failure
-        of the replica, within the same failover.max_replacements: another is started. One that refuses the model folder
-        ends the run with that field's ConfigError (as `await_started`): another would read the same folder."""
-        while self._queue:
-            group, replica, incidents = self._queue[0]
-            used = self.replacements.get(group.role, 0) + 1
-            if used > self.config.max_replacements:
-                raise ProcFailure(f"{group.role} replica {replica.index} failed and the run has used its "
-                                  f"{self.config.max_replacements} replacements for {group.role} "
-                                  f"(failover.max_replacements)")
-            started = time.monotonic()
-            target = host(replica)  # first: it finds out whether the old replica's host is lost (then not stopped)
-            group.stop(replica)
-            spare = group.take_spare(replica.index, target)
+        """Replace queued failed replicas: a ready spare at once; else a replacement spawned on `host(old)` that serves
+        from the first repair after its model has loaded. Either is brought to the current version (`prepare`) and
+        routed to again. While one loads, its role's healthy replicas serve; a repair waits for it only when none does.
+        A replacement that does not start (it fails, or its set-up outlasts failover.setup_timeout_s) is one more
+        failure of the replica, within the same failover.max_replacements: another is started. One that refuses the
+        model folder ends the run with that field's ConfigError (as `await_started`): another would read the same
+        folder."""
+        for repair in list(self._queue):  # each starts loading (or serves, when it has loaded)
+            self._advance(repair, prepare, host, wait=False)
+        for repair in list(self._queue):  # then a role none of whose replicas serves waits for its replacements
+            if repair in self._queue and not repair.group.service.routable():
+                self._advance(repair, prepare, host, wait=True)
+
+    def _advance(self, repair: Repair, prepare: dict[str, Callable[[Replica], int]], host: Callable[[Replica], str], *,
+                 wait: bool) -> None:
+        group, replica = repair.group, repair.replica
+        while True:
+            if repair.new is not None and (repair.new not in group.replacing or repair.new.host in group.hosts.lost):
+                group.stop(repair.new)  # a drain stopped it, or its host died as it loaded: another host, uncounted
+                repair.new = None
+            if repair.new is None:
+                loading = sum(r.new is not None for r in self._queue if r.group is group)
+                if self.replacements.get(group.role, 0) + loading + 1 > self.config.max_replacements:
+                    raise ProcFailure(f"{group.role} replica {replica.index} failed and the run has used its "
+                                      f"{self.config.max_replacements} replacements for {group.role} "
+                                      f"(failover.max_replacements)")
+                target = host(replica)  # first: it finds out whether the old replica's host is lost (then not stopped)
+                if repair.began is None:
+                    group.stop(replica)
+                    repair.began = time.monotonic()
+                spare = group.take_spare(replica.index, target)
+                if spare is not None:
+                    self._replaced(repair, spare, prepare, from_spare=True)
+                    return
             try:
-                new = spare or group.spawn(replica.index, target)
+                if repair.new is None:
+                    repair.new, repair.pid = group.begin_replacement(replica.index, target)
+                waits = wait and not group.service.routable()  # no replica of the role serves: nothing goes on
+                while not group.started(repair.new, repair.pid, wait_s=math.inf if waits else 0.0):
+                    if not waits:
+                        return  # still loading: the healthy replicas serve meanwhile
             except HostsUnreachable:  # the host died meanwhile: `host` finds it lost next time and picks another
                 continue
-            except CallFailed as failure:  # its procs are stopped already
+            except CallFailed as failure:  # it failed as it spawned or loaded, or its load outlasted the setup timeout
+                where = repair.new.host if repair.new is not None else target
+                if repair.new is not None:
+                    group.stop(repair.new)
+                    repair.new = None
                 if failure.refused:
                     raise refusal_ends_run(failure.refused, recorder=self.recorder, step=self.step(), what=(
-                        f"the replacement of {group.role} replica {replica.index} did not start on {target}")) from None
-                self.replacements[group.role] = used
-                incidents.append(self._start_failed(group, replica, host=target, failure=failure))
+                        f"the replacement of {group.role} replica {replica.index} did not start on {where}")) from None
+                self.replacements[group.role] = self.replacements.get(group.role, 0) + 1
+                repair.incidents.append(self._start_failed(group, replica, host=where, failure=failure))
                 continue
-            try:
-                new.version = prepare[group.role](new) if group.role in prepare else 0
-            except BaseException:  # e.g. the trainer holding the weights died: try again at the next repair
-                if spare is not None:
-                    spare.index = -1
-                    group.ready_spares.append(spare)
-                else:
-                    group.stop(new)
-                raise
-            self._queue.pop(0)
-            self.replacements[group.role] = used
-            group.service.replace(replica.index, new)
-            self.recorder.event("replica_replaced", step=self.step(), role=group.role, replica=replica.index,
-                                host=new.host, incarnation=new.incarnation, pids=new.pids, policy_version=new.version,
-                                from_spare=spare is not None, seconds=round(time.monotonic() - started, 3))
-            for incident in incidents:
-                incident.replaced = True
-                self._maybe_recovered(incident)
+            new, repair.new = repair.new, None
+            self._replaced(repair, new, prepare, from_spare=False)
+            return
+
+    def _replaced(self, repair: Repair, new: Replica, prepare: dict[str, Callable[[Replica], int]], *,
+                  from_spare: bool) -> None:
+        """A started replacement (a spare, or one spawned for the replica) takes the current weights and serves."""
+        group, replica = repair.group, repair.replica
+        try:
+            new.version = prepare[group.role](new) if group.role in prepare else 0
+        except BaseException:  # e.g. the trainer holding the weights died: try again at the next repair
+            if from_spare:  # back among the ready ones
+                new.index = -1
+                group.ready_spares.append(new)
+            else:
+                group.stop(new)
+            raise
+        self._queue.remove(repair)
+        self.replacements[group.role] = self.replacements.get(group.role, 0) + 1
+        group.replace(replica.index, new)
+        self.recorder.event("replica_replaced", step=self.step(), role=group.role, replica=replica.index,
+                            host=new.host, incarnation=new.incarnation, pids=new.pids, policy_version=new.version,
+                            from_spare=from_spare,
+                            seconds=round(time.monotonic() - (repair.began or time.monotonic()), 3))
+        for incident in repair.incidents:
+            incident.replaced = True
+            self._maybe_recovered(incident)
 
     def _start_failed(self, group: ReplicaGroup, replica: Replica, *, host: str, failure: CallFailed) -> Incident:
         """A replacement of `replica` that did not start on `host`: its failure_detected; recovered once a replacement

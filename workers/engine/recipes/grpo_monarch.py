@@ -28,8 +28,9 @@ In pipelined mode 1-6 run chunk by chunk, so generation overlaps training within
 
 Failures: every wait polls each `failover.poll_seconds` and gives up after `failover.call_timeout_s`
 (`controller/waits.py`). A generator, reward or reference replica that dies or hangs is detected, its request is
-retried on a healthy replica (`controller/requests.py`), and it is replaced by a fresh proc or a warm spare holding
-the current policy weights (`controller/supervision.py`, `actors/fleet.py`). A trainer proc that dies or hangs, or a
+retried on a healthy replica (`controller/requests.py`), and it is replaced by a fresh proc (loading while the
+healthy replicas serve) or a warm spare, holding the current policy weights (`controller/supervision.py`,
+`actors/fleet.py`). A trainer proc that dies or hangs, or a
 lost control proc, sends the run back to the last checkpoint (`controller/recovery.py`). A host that stops
 accepting connections is lost with every proc on it, and each of them is handled as above on the remaining hosts.
 """
