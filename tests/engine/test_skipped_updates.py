@@ -5,6 +5,7 @@ such steps in a row end the run as diverged."""
 from __future__ import annotations
 
 import math
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from workers.engine.fields import ConfigError
 from workers.engine.metrics import MemorySink, Recorder
 from workers.engine.recipes.grpo import train_grpo
 from workers.engine.recipes.sft import train_sft
-from workers.engine.training import build_optimizer, build_scheduler
+from workers.engine.training import RunDiverged, build_optimizer, build_scheduler
 
 SFT = (*ARITHMETIC, "trainer.batch_size=4", "trainer.micro_batch_size=4", "trainer.optimizer.lr=3e-3",
        "eval.every_steps=0")
@@ -127,6 +128,14 @@ def test_sft_steps_with_infinite_gradients_in_a_row_end_the_run_as_diverged(
     last = max(bad_steps)
     assert [step for step, skipped in sink.series("train/update_skipped") if skipped] == sorted(bad_steps)
     assert sink.series("train/update_skipped")[-1][0] == last  # ended at the step that made the row
+    # each skipped update but the last is said on the run page; the last ends the run under its own heading
+    said = [(e["step"], e["text"]) for e in sink.events("message")]
+    assert [step for step, _ in said] == sorted(bad_steps)[:-1]
+    assert all(text.startswith(f"the gradients of step {step} were NaN or infinite: its update was skipped, the "
+                               "weights are those of the step before (") for step, text in said)
+    assert isinstance(raised.value, RunDiverged) and raised.value.heading == "the run diverged"
+    assert pickle.loads(pickle.dumps(raised.value)).errors == raised.value.errors  # as a Monarch rank would send it
+    assert type(pickle.loads(pickle.dumps(raised.value))) is RunDiverged
 
 
 def test_grpo_steps_with_infinite_gradients_are_skipped_then_end_the_run(
@@ -150,3 +159,14 @@ def test_max_skipped_updates_is_at_least_one(tiny_trainable_qwen3: Path, make_co
     [error] = raised.value.errors
     assert error.field == "trainer.max_skipped_updates" and "greater than or equal to 1" in error.message
     assert make_config("sft", tiny_trainable_qwen3).trainer.max_skipped_updates == 3
+
+
+def test_the_command_line_says_a_diverged_run_diverged_and_a_config_error_is_an_invalid_config(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from workers.engine.cli import _print_config_error
+
+    _print_config_error(RunDiverged.on("trainer.optimizer.lr", "the gradients were NaN or infinite"))
+    _print_config_error(ConfigError.on("trainer.steps", "must be positive"))
+    assert capsys.readouterr().err.splitlines() == [
+        "the run diverged:", "  trainer.optimizer.lr: the gradients were NaN or infinite",
+        "invalid config:", "  trainer.steps: must be positive"]

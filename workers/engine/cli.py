@@ -30,7 +30,7 @@ EXIT_CONFIG_ERROR = 2
 
 
 def _print_config_error(exc: ConfigError) -> None:
-    print("invalid config:", file=sys.stderr)
+    print(f"{exc.heading}:", file=sys.stderr)
     for error in exc.errors:
         print(f"  {error}", file=sys.stderr)
 

@@ -29,6 +29,8 @@ class FieldError:
 class ConfigError(Exception):
     """A config that cannot be used; `errors` names each field and why."""
 
+    heading = "invalid config"  # what the command line prints above the errors
+
     def __init__(self, errors: Sequence[FieldError]):
         self.errors = list(errors)
         super().__init__("; ".join(str(e) for e in self.errors))
@@ -40,7 +42,7 @@ class ConfigError(Exception):
 
     def __reduce__(self) -> tuple[type[ConfigError], tuple[list[FieldError]]]:
         """Pickled by its errors (a Monarch actor's refusal reaches the controller so), not by its text."""
-        return ConfigError, (self.errors,)
+        return type(self), (self.errors,)
 
 
 class FieldProblems(ValueError):

@@ -161,18 +161,25 @@ def grad_norm_and_clip(model: nn.Module, max_norm: float | None) -> float:
 UPDATE_SKIPPED = "train/update_skipped"  # a step's metric: its optimizer updates skipped on NaN or infinite gradients
 
 
-class SkippedUpdates:
-    """Ends a run whose updates were skipped (data_parallel.apply_update: NaN or infinite gradients) in `limit`
-    (trainer.max_skipped_updates) steps in a row: its weights no longer train. Every recipe calls `check` with each
-    step's logged metrics, before the step's eval and checkpoint."""
+class RunDiverged(ConfigError):
+    """Updates skipped on NaN or infinite gradients `trainer.max_skipped_updates` steps in a row (`SkippedUpdates`): on
+    the field to change, as a config's error, under its own heading."""
 
-    def __init__(self, *, limit: int):
-        self.limit = limit
+    heading = "the run diverged"
+
+
+class SkippedUpdates:
+    """Says on the run page each step whose update was skipped (data_parallel.apply_update: NaN or infinite gradients),
+    and ends a run with `limit` (trainer.max_skipped_updates) such steps in a row: its weights no longer train. Every
+    recipe calls `check` with each step's logged metrics, before the step's eval and checkpoint."""
+
+    def __init__(self, *, limit: int, recorder: Recorder):
+        self.limit, self.recorder = limit, recorder
         self.in_a_row = 0
         self.first_step = 0  # the first step of the current row
 
     def check(self, metrics: dict[str, float], *, step: int) -> None:
-        """ConfigError on trainer.optimizer.lr when this step makes `limit` in a row."""
+        """RunDiverged on trainer.optimizer.lr when this step makes `limit` in a row."""
         if not metrics[UPDATE_SKIPPED]:
             self.in_a_row = 0
             return
@@ -180,9 +187,12 @@ class SkippedUpdates:
             self.first_step = step
         self.in_a_row += 1
         if self.in_a_row >= self.limit:
-            raise ConfigError.on("trainer.optimizer.lr", (
+            raise RunDiverged.on("trainer.optimizer.lr", (
                 f"the gradients were NaN or infinite for {self.in_a_row} steps in a row from step {self.first_step}: "
                 "the run diverged; lower trainer.optimizer.lr or resume from an earlier checkpoint"))
+        self.recorder.event("message", step=step, text=(
+            f"the gradients of step {step} were NaN or infinite: its update was skipped, the weights are those of the "
+            f"step before ({self.in_a_row} in a row; trainer.max_skipped_updates {self.limit} in a row end the run)"))
 
 
 @torch.no_grad()

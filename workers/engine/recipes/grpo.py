@@ -164,7 +164,7 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
 
     startup.ready()
     step_end = StepEnd(config=cfg, recorder=recorder, evaluate=run_eval, checkpoint=checkpoint, control=control)
-    skipped_updates = SkippedUpdates(limit=trainer_cfg.max_skipped_updates)
+    skipped_updates = SkippedUpdates(limit=trainer_cfg.max_skipped_updates, recorder=recorder)
     step_end.before_first(start_step)
     loop_start = time.perf_counter()
     losses: list[float] = []

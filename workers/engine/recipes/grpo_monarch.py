@@ -201,7 +201,7 @@ class MonarchGrpoRun:
             self.recovery.resume(cfg.checkpoint.resume_from)
         self.step_end = StepEnd(config=cfg, recorder=recorder, evaluate=self.evaluate,
                                 checkpoint=self.recovery.checkpoint, control=self.control)
-        self.skipped_updates = SkippedUpdates(limit=cfg.trainer.max_skipped_updates)
+        self.skipped_updates = SkippedUpdates(limit=cfg.trainer.max_skipped_updates, recorder=recorder)
         startup.ready()
 
     def _spares_ready(self, wait_s: float) -> bool:

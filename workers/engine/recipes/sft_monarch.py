@@ -124,7 +124,7 @@ class MonarchSftRun:
         self.step_end = StepEnd(config=cfg, recorder=recorder, evaluate=self.evaluate,
                                 checkpoint=self.recovery.checkpoint, control=self.control,
                                 after_checkpoint=self.recovery.move_drained_trainer)
-        self.skipped_updates = SkippedUpdates(limit=cfg.trainer.max_skipped_updates)
+        self.skipped_updates = SkippedUpdates(limit=cfg.trainer.max_skipped_updates, recorder=recorder)
         startup.ready()
 
     def stop(self) -> None:
