@@ -335,3 +335,35 @@ def test_an_sft_drain_with_nowhere_to_go_is_refused():
     with pytest.raises(ValueError, match="no undrained host can take the trainer: it needs 1 host"):
         operator.operate("load_redirect", command("load_redirect", action="drain", host="a"))
     assert fleet.placer.drained == set() and fleet.state.trainer_drain is None
+
+
+@pytest.mark.parametrize("ending", ["refused", "out_of_replacements"])
+def test_an_error_the_run_cannot_go_on_from_fails_the_command_and_ends_the_run_after_the_steps_commands(
+        ending, monkeypatch):
+    """A warm spare refusing the model folder while a command waits (poll_spares, in the waits' tick), or a role out
+    of its replacements: the page says the run ends. Before, the command channel took the error for the command's own
+    failure and the run went on (until the next refusal). Now the command fails with it, the next command still runs
+    (the channel reports every one), and the step loop's check after the commands ends the run with the error."""
+    from workers.engine.actors.fleet import ProcFailure
+    from workers.engine.fields import ConfigError
+
+    fleet, operator = _operator()
+    error = {"refused": ConfigError.on("model.path", "config.json is not JSON"),
+             "out_of_replacements": ProcFailure("reward replica 0 failed and the run has used its 3 replacements for "
+                                                "reward (failover.max_replacements)")}[ending]
+
+    def prepare(replica):  # noqa: ANN001, ANN202
+        raise error
+
+    monkeypatch.setattr(fleet.supervisor, "prepare", prepare)
+    operator.raise_run_ending()  # nothing met yet
+    with pytest.raises(ValueError) as failed:
+        operator.operate("placement_change", command("placement_change", action="add", role="generator", host="c"))
+    assert str(failed.value) == f"the run ends: {error}"
+    assert fleet.hosts.released[-1] == fleet.hosts.spawned[-1][1], "the new replica's procs are stopped"
+    moved = operator.operate("placement_change", command("placement_change", action="remove", role="generator",
+                                                         replica=1))
+    assert moved["plan"] == {"0": "a"}
+    with pytest.raises(type(error)) as ended:
+        operator.raise_run_ending()
+    assert ended.value is error

@@ -8,7 +8,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from workers.engine.actors.fleet import CallFailed, Replica, ReplicaGroup
+from workers.engine.actors.fleet import CallFailed, ProcFailure, Replica, ReplicaGroup
 from workers.engine.actors.hosts import Hosts, HostsUnreachable
 from workers.engine.config import RunConfig
 from workers.engine.controller.drill_targets import DrillTargets
@@ -17,6 +17,7 @@ from workers.engine.controller.roles import MOVABLE, role_group, role_plan, serv
 from workers.engine.controller.state import RunState, TrainerDrain
 from workers.engine.controller.supervision import Supervisor
 from workers.engine.controller.trainer import TrainerLost
+from workers.engine.fields import ConfigError
 from workers.engine.metrics import Recorder
 from workers.engine.operations import FaultDrillRequest, LoadRedirectRequest, Operation, PlacementChangeRequest
 
@@ -30,10 +31,14 @@ class Operator:
         self.config, self.placer, self.hosts, self.groups = config, placer, hosts, groups
         self.supervisor, self.drills, self.recorder, self.state = supervisor, drills, recorder, state
         self.moves_trainer = moves_trainer
+        self.run_ending: ConfigError | ProcFailure | None = None  # met by a command; the step loop ends the run with it
 
     def operate(self, kind: str, operation: Operation) -> dict[str, Any]:
         """`RunControl.operator`: run one command between (or during) steps. A trainer lost meanwhile refuses it
-        (`trainer_lost`)."""
+        (`trainer_lost`). An error the run cannot go on from, met while it ran (a model folder a warm spare refused as
+        the command waited, a role out of its replacements), fails the command with it and is kept for the step loop
+        to end the run with (`raise_run_ending`): the command channel takes whatever a command raises as the command's
+        failure, and the run would go on."""
         try:
             if isinstance(operation, FaultDrillRequest):
                 return self.drills.schedule(operation)
@@ -42,6 +47,14 @@ class Operator:
             return self.redirect(operation)
         except TrainerLost as lost:
             raise self.trainer_lost(lost, doing=f"the {kind.replace('_', ' ')} ran") from None
+        except (ConfigError, ProcFailure) as ending:
+            self.run_ending = self.run_ending or ending
+            raise ValueError(f"the run ends: {ending}") from None
+
+    def raise_run_ending(self) -> None:
+        """After the step's commands: end the run with the error one of them met (`operate`), if any."""
+        if self.run_ending is not None:
+            raise self.run_ending
 
     def trainer_lost(self, lost: TrainerLost, *, doing: str) -> ValueError:
         """The refusal of a command whose call to the trainer found it lost (a trainer drill's, a new generator's

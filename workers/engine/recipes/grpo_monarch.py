@@ -266,7 +266,9 @@ class MonarchGrpoRun:
                 losses.append(metrics["loss"])
                 step_metrics.append(metrics)
                 self.skipped_updates.check(metrics, step=state.step)
-                if not self.step_end.after(state.step, rollouts=batch.record):
+                running = self.step_end.after(state.step, rollouts=batch.record)
+                self.operator.raise_run_ending()  # an error a command met that the run cannot go on from
+                if not running:
                     break
             except TrainerLost as lost:  # the step did not happen
                 self.recovery.recover_trainer(lost.failure)

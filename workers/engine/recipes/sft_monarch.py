@@ -154,7 +154,9 @@ class MonarchSftRun:
                 self.recorder.log_many(metrics, state.step)
                 losses.append(metrics["loss"])
                 self.skipped_updates.check(metrics, step=state.step)
-                if not self.step_end.after(state.step):
+                running = self.step_end.after(state.step)
+                self.operator.raise_run_ending()  # an error a command met that the run cannot go on from
+                if not running:
                     break
             except TrainerLost as lost:  # the step did not happen
                 self.recovery.recover_trainer(lost.failure)
