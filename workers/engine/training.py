@@ -146,16 +146,15 @@ def train_tokens_per_second(*, tokens: int, step_seconds: float) -> float:
 
 
 def grad_norm_and_clip(model: nn.Module, max_norm: float | None) -> float:
-    """The gradient's global norm (over every shard of a sharded model), clipped to max_norm when given and the norm is
-    finite (a NaN or infinite norm would scale by NaN or 0, and inf x 0 is NaN: apply_update skips that update)."""
+    """The gradient's global norm (over every shard of a sharded model), clipped to max_norm when given (a NaN or
+    infinite norm's gradients are dropped by data_parallel.apply_update, which decides on the norm alone)."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if isinstance(norm, DTensor):  # FSDP: each rank holds a partial norm of its shards
         norm = norm.full_tensor()
-    value = float(norm)
-    if max_norm is not None and math.isfinite(value):
+    if max_norm is not None:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return value
+    return float(norm)
 
 
 UPDATE_SKIPPED = "train/update_skipped"  # a step's metric: its optimizer updates skipped on NaN or infinite gradients

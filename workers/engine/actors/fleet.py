@@ -549,7 +549,8 @@ class Repair:
     group: ReplicaGroup
     replica: Replica  # the failed one
     incidents: list[Incident]  # its failure, then each replacement's that did not start
-    began: float | None = None  # when the failed one was stopped for its first replacement (time.monotonic())
+    began: float | None = None  # when the failed one was stopped for its first replacement (time.monotonic()):
+    # set before any replacement is taken or spawned
     new: Replica | None = None  # the replacement loading now, if any
     pid: Any = None  # the new replica's pid call: it answers once the model has loaded
 
@@ -697,7 +698,7 @@ class Failover:
         self.recorder.event("replica_replaced", step=self.step(), role=group.role, replica=replica.index,
                             host=new.host, incarnation=new.incarnation, pids=new.pids, policy_version=new.version,
                             from_spare=from_spare,
-                            seconds=round(time.monotonic() - (repair.began or time.monotonic()), 3))
+                            seconds=round(time.monotonic() - repair.began, 3))
         for incident in repair.incidents:
             incident.replaced = True
             self._maybe_recovered(incident)
