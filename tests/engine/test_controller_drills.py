@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from tests.engine.fake_fleet import FakeHosts, Fleet, controller_parts, fake_group, grpo_config
+from tests.engine.fake_fleet import FakeActor, FakeHosts, FakeProcs, Fleet, controller_parts, fake_group, grpo_config
+from workers.engine.actors.fleet import ReplicaGroup
 from workers.engine.controller.drill_targets import DrillTargets, measure_replica
 from workers.engine.drills import DrillPlan
 from workers.engine.operations import parse_operation
@@ -91,6 +92,86 @@ def test_a_scheduled_operator_drill_is_checked_now_and_a_failing_one_is_reported
     targets.inject_due()
     assert fleet.injector.faults == []
     assert any("fault drill not run: reward replica 0 is not serving" in e["text"] for e in fleet.events("message"))
+
+
+class Loading:
+    """A new replica's pid call that answers once `loaded` is set: its model is still loading until then."""
+
+    def __init__(self, pid: int):
+        self.pid, self.loaded = pid, False
+
+    def get(self, timeout: float | None = None) -> int:
+        if not self.loaded:
+            raise TimeoutError
+        return self.pid
+
+
+def loads_slowly(group: ReplicaGroup) -> list[Loading]:
+    """From now on the group's new replicas load their model until the test says they have: their pid calls."""
+    spawn_actor, loading = group.spawn_actor, []
+
+    def slow(procs: FakeProcs, name: str) -> FakeActor:
+        actor = spawn_actor(procs, name)
+        loading.append(Loading(actor.pid.answer))
+        actor.pid.call_one = lambda future=loading[-1]: future
+        return actor
+
+    group.spawn_actor = slow
+    return loading
+
+
+def _fail_generator_0(fleet: Fleet) -> Loading:
+    """Generator replica 0 fails; its replacement, spawned on host c, loads its model (replica 1 serves meanwhile)."""
+    group = fleet.groups["generator"]
+    loading = loads_slowly(group)
+    fleet.failover.detect(group, group.replicas[0], "process exited", hung=False)
+    fleet.failover.repair({}, host=lambda replica: "c")
+    assert len(group.replacing) == 1 and len(loading) == 1 and group.replicas[0].failed
+    return loading[0]
+
+
+def test_a_planned_drill_on_a_replica_being_replaced_waits_for_it_and_runs_once_it_serves():
+    planned = drill(kind="raise", role="generator", replica=0, schedule={"at_step": 2})
+    missing = drill(kind="raise", role="generator", replica=4, schedule={"at_step": 2})
+    fleet, targets = _targets(plan=DrillPlan([planned, missing]))
+    load = _fail_generator_0(fleet)
+    group = fleet.groups["generator"]
+    fleet.state.step = 1  # step 2 is about to train
+    targets.inject_due()
+    fleet.state.step = 2
+    targets.inject_due()
+    targets.inject_due(timed_only=True)  # a step drill is not tried while the controller waits
+    texts = [e["text"] for e in fleet.events("message")]
+    assert texts.count("fault drill deferred: generator replica 0 is being replaced; it runs once the replica serves") \
+        == 1, "told once, at step 2"
+    assert [t for t in texts if t.startswith("fault drill not run")] == \
+        ["fault drill not run: generator replica 4 is not serving; serving replicas: [1]"], "a missing replica: at once"
+    assert fleet.injector.faults == []
+    load.loaded = True
+    fleet.failover.repair({}, host=lambda replica: "c")
+    assert group.live()[0].index == 0 and not group.replicas[0].failed, "the replacement serves"
+    fleet.state.step = 3
+    targets.inject_due()
+    targets.inject_due()
+    assert [(f.role, f.replica, f.step) for f in fleet.injector.faults] == [("generator", 0, 4)], "once, at step 4"
+    assert fleet.events("fault_injected")[-1]["step"] == 4
+    assert group.replicas[0].actor.inject_fault.calls == [("raise",)], "armed in the replacement"
+    assert targets.told_deferred == []
+
+
+def test_an_immediate_drill_on_a_replica_being_replaced_is_refused_and_a_scheduled_one_is_taken():
+    fleet, targets = _targets()
+    _fail_generator_0(fleet)
+    for kind in ("raise", "kill"):
+        with pytest.raises(ValueError, match=re.escape(
+                "generator replica 0 is being replaced (it failed and its replacement does not serve yet); the drill "
+                "can be sent again once it serves; serving replicas: [1]")):
+            targets.schedule(drill(kind=kind, role="generator", replica=0))
+    assert targets.schedule(drill(kind="kill", role="generator", replica=0, schedule={"at_step": 3})) == \
+        {"scheduled": {"at_step": 3}}, "it exists: planned, and deferred if it is still being replaced then"
+    with pytest.raises(ValueError, match=re.escape("generator replica 2 is not serving; serving replicas: [1]")):
+        targets.schedule(drill(kind="kill", role="generator", replica=2, schedule={"at_step": 3}))
+    assert fleet.injector.faults == []
 
 
 def test_a_replicas_measure_is_its_served_requests_and_recent_seconds():

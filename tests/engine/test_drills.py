@@ -55,6 +55,21 @@ def test_timed_only_leaves_step_drills_for_the_step() -> None:
     assert {d.role for d in plan.due(step=1, now=2.0)} == {"generator", "trainer"}
 
 
+def test_a_deferred_drill_is_due_at_each_check_until_it_is_not_deferred_again() -> None:
+    step_drill = _drill(kind="kill", schedule={"at_step": 1})
+    timed = _drill(kind="latency", replica=1, latency_ms=5, duration_s=1, schedule={"every_s": 1})
+    plan = DrillPlan([step_drill, timed], start=0.0)
+    assert plan.due(step=1, now=1.0) == [step_drill, timed]
+    plan.defer(step_drill)
+    plan.defer(timed)
+    plan.defer(timed)
+    assert plan.due(step=1, now=1.5, timed_only=True) == [timed], "a step drill waits for the step, a timed one not"
+    plan.defer(timed)
+    assert plan.due(step=2, now=2.0) == [step_drill, timed], "deferred once, though it came due again meanwhile"
+    assert plan.due(step=3, now=2.5) == [], "not deferred again: ran"
+    assert plan.due(step=3, now=3.0) == [timed], "and repeats on its schedule"
+
+
 def test_hang_stops_the_process_until_its_duration_ends(sleeper) -> None:
     sink = MemorySink()
     served = iter([3, 5])

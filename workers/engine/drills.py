@@ -13,7 +13,8 @@ for it; a fault that wears off without a failure gets its `recovered` from `tick
 ends. So each fault yields exactly one `recovered`.
 
 Schedules: at a step (before it trains), every T seconds, at random (a seeded Poisson
-process), or now. Signals are sent by the target's `Signals`: `LocalSignals` from this process
+process), or now. A planned drill whose replica is being replaced when it is due is deferred
+(`DrillPlan.defer`) until the replica serves. Signals are sent by the target's `Signals`: `LocalSignals` from this process
 for procs on this machine, or an agent on the target's host (`actors/host_signals.py`) with
 Monarch workers. Monarch- and torch-free.
 """
@@ -141,6 +142,7 @@ class DrillPlan:
     def __init__(self, requests: list[FaultDrillRequest] = (), *, start: float | None = None):
         self.start = time.monotonic() if start is None else start
         self._waiting: list[tuple[FaultDrillRequest, float | None, random.Random | None]] = []
+        self._deferred: list[FaultDrillRequest] = []  # were due, and wait for their target (`defer`)
         for request in requests:
             self.add(request, now=self.start)
 
@@ -161,17 +163,32 @@ class DrillPlan:
     def _random_gap(rng: random.Random, rate_per_min: float) -> float:
         return -math.log(1.0 - rng.random()) * 60.0 / rate_per_min
 
+    def defer(self, request: FaultDrillRequest) -> None:
+        """A drill that was due and cannot run yet (its replica is being replaced): due again at every later `due` that
+        its schedule's kind passes (a step drill between steps, a timed one also while waiting) until it is not deferred
+        again. Once: a repeating drill that comes due again meanwhile is the same drill, not a second one."""
+        if not any(waiting is request for waiting in self._deferred):
+            self._deferred.append(request)
+
+    @staticmethod
+    def _selected(request: FaultDrillRequest, roles: tuple[str, ...] | None, timed_only: bool) -> bool:
+        schedule = request.schedule
+        timed = schedule is not None and schedule.at_step is None
+        return (roles is None or request.role in roles) and (timed or not timed_only)
+
     def due(self, *, step: int, now: float, roles: tuple[str, ...] | None = None,
             timed_only: bool = False) -> list[FaultDrillRequest]:
-        """Drills to inject now; `step` is the step about to train. Repeating drills are rescheduled.
+        """Drills to inject now, deferred ones first; `step` is the step about to train. Repeating drills are
+        rescheduled.
 
         `roles`: only drills on these roles; `timed_only`: only every_s and random drills.
         """
+        deferred = [request for request in self._deferred if self._selected(request, roles, timed_only)]
+        self._deferred = [request for request in self._deferred if not self._selected(request, roles, timed_only)]
         fired, waiting = [], []
         for request, next_at, rng in self._waiting:
             schedule = request.schedule
-            timed = schedule is not None and schedule.at_step is None
-            if (roles is not None and request.role not in roles) or (timed_only and not timed):
+            if not self._selected(request, roles, timed_only):
                 waiting.append((request, next_at, rng))
             elif schedule is not None and schedule.at_step is not None:
                 if step >= schedule.at_step:
@@ -187,7 +204,7 @@ class DrillPlan:
             else:
                 waiting.append((request, next_at, rng))
         self._waiting = waiting
-        return fired
+        return [*deferred, *(request for request in fired if not any(request is d for d in deferred))]
 
 
 class FaultInjector:
