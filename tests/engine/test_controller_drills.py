@@ -174,6 +174,25 @@ def test_an_immediate_drill_on_a_replica_being_replaced_is_refused_and_a_schedul
     assert fleet.injector.faults == []
 
 
+def test_a_slow_host_drill_hits_a_replacement_once_its_pid_is_known():
+    fleet, targets = _targets()
+    group = fleet.groups["generator"]
+    load = _fail_generator_0(fleet)
+    new = group.replacing[0]
+    assert new.host == "c" and new.pids == [], "loading: its pid call answers once its model has loaded"
+    on_c = []
+
+    def prepare(replica) -> int:  # the replacement takes the current weights: a slow_host drill may come meanwhile
+        on_c.append(targets.target(drill(kind="slow_host", role="generator", replica=1, duration_s=5,
+                                          duty_cycle=0.5)).pids)
+        return 0
+
+    load.loaded = True
+    fleet.failover.repair({"generator": prepare}, host=lambda replica: "c")
+    assert new.pids and group.replicas[0] is new
+    assert sorted(on_c[0]) == sorted([*group.replicas[1].pids, *new.pids]), "replica 1 and the replacement, on c"
+
+
 def test_a_replicas_measure_is_its_served_requests_and_recent_seconds():
     fleet, _ = _targets()
     service = fleet.groups["generator"].service

@@ -57,10 +57,14 @@ class DrillTargets:
         return self.groups[role].replicas[index].host
 
     def run_pids_on(self, host: str) -> list[int]:
-        """The run's trainer ranks and replicas (spares and retiring ones too) on `host`."""
+        """The run's trainer ranks and replicas (spares, retiring ones and replacements too) on `host`.
+
+        A replacement's or a spare's pid is known once its model has loaded (its actor's pid call answers after the
+        constructor; `ReplicaGroup.started` sets it): from then on, as a replacement takes the current weights, it is
+        hit; one still loading has no pid yet, and is not."""
         pids = [pid for rank, pid in enumerate(self.trainer.pids) if self.placer.rank_host(rank) == host]
         for group in self.groups.values():
-            for replica in [*group.replicas, *group.retiring, *group.spare_replicas()]:
+            for replica in [*group.replicas, *group.retiring, *group.spare_replicas(), *group.replacing]:
                 if replica.host == host:
                     pids.extend(replica.pids)
         return pids
