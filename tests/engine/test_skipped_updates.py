@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,37 @@ def test_an_update_whose_gradient_is_not_finite_is_skipped_and_the_next_one_trai
     assert not applied.skipped and math.isfinite(applied.grad_norm) and applied.lr > warm_up_lr
     assert all(torch.isfinite(w).all() for w in after.values()) and not _same(before, after)
     assert all(int(s["step"]) == 1 for s in optimizer.state.values())
+
+
+def test_a_first_update_skipped_steps_the_schedule_without_torchs_warning_and_keeps_its_learning_rates() -> None:
+    """torch warns "Detected call of `lr_scheduler.step()` before `optimizer.step()`" when a schedule's first step comes
+    before any optimizer step: here it is deliberate (a skipped update steps the schedule alone). The learning rates
+    are those of a run whose updates all trained."""
+
+    def learning_rates(skip_first: bool) -> tuple[list[float], list[str]]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        config = OptimizerConfig(lr=1e-2, warmup_steps=2, schedule="cosine")
+        optimizer, lrs = build_optimizer(model, config), []
+        scheduler = build_scheduler(optimizer, config, total_steps=6)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for update in range(6):
+                model(torch.randn(3, 4)).sum().backward()
+                if skip_first and update == 0:
+                    model.weight.grad[0, 0] = math.nan
+                applied = apply_update(model, optimizer, scheduler, grad_clip=1.0)
+                assert applied.skipped == (skip_first and update == 0)
+                lrs.append(applied.lr)
+            lrs.append(scheduler.get_last_lr()[0])
+        return lrs, [str(w.message) for w in caught]
+
+    trained, _ = learning_rates(skip_first=False)
+    skipped, warned = learning_rates(skip_first=True)
+    assert not [text for text in warned if "lr_scheduler.step()" in text], warned
+    assert skipped == trained
+    assert trained == pytest.approx([1e-2 * f for f in (1 / 3, 2 / 3, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5,
+                                                        0.5 * (1 + math.cos(3 * math.pi / 4)), 0.0)])
 
 
 def _poison(module: Any, name: str, monkeypatch: pytest.MonkeyPatch, bad_calls: set[int]) -> None:

@@ -4,6 +4,7 @@ gradients, the zero-weighted pass a sharded rank short of rows runs, and one opt
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -85,6 +86,10 @@ class AppliedUpdate:
     skipped: bool  # the gradients were NaN or infinite: the weights and the optimizer's state did not move
 
 
+# torch's warning when a schedule's first step comes before any optimizer step
+SCHEDULE_BEFORE_OPTIMIZER = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+
+
 def apply_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, *,
                  grad_clip: float | None) -> AppliedUpdate:
     """Clip, step the optimizer and the schedule. When the gradient's norm is NaN or infinite (its clip would scale by
@@ -98,7 +103,10 @@ def apply_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: 
     skipped = not math.isfinite(grad_norm)
     if skipped:
         optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():  # torch takes a run's first update, skipped, for a schedule stepped too soon
+            warnings.filterwarnings("ignore", message=SCHEDULE_BEFORE_OPTIMIZER, category=UserWarning)
+            scheduler.step()
     else:
         optimizer.step()
-    scheduler.step()
+        scheduler.step()
     return AppliedUpdate(grad_norm=grad_norm, lr=lr, skipped=skipped)
