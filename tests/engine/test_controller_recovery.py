@@ -32,7 +32,7 @@ from workers.engine.operations import parse_operation
 from workers.engine.step_end import StepEnd
 from workers.engine.tasks import Problem
 from workers.engine.tasks.stream import ProblemStream
-from workers.engine.training import PhaseTimer
+from workers.engine.training import UPDATE_SKIPPED, PhaseTimer
 
 SAVED = {"step": 4, "policy_version": 4, "generations": 5, "staleness": {"0": 3, "1": 1},
          "data": {"position": 40}, "buffer": {"records": []}}
@@ -531,7 +531,7 @@ def _checkpoint_in_the_step_loop(recovery: SftRecovery, step: int, end: StepEnd 
     trainer moves; a TrainerLost meanwhile, as `MonarchSftRun.train` handles it. Whether the run goes on."""
     recovery.state.step = recovery.state.policy_version = step
     try:
-        return (end or _sft_step_end(recovery)).after(step)
+        return (end or _sft_step_end(recovery)).after(step, metrics={UPDATE_SKIPPED: 0.0})
     except TrainerLost as lost:
         recovery.recover_trainer(lost.failure)
         return True
@@ -956,7 +956,7 @@ def test_every_recipe_ends_a_step_the_same_way():
     end = StepEnd(config=config, recorder=Recorder([sink]), evaluate=lambda step: evals.append(step) or step,
                   checkpoint=lambda step: saves.append(step) or Path(f"ckpt/{step}"), control=Control(stop_at=9))
     end.before_first(0)
-    assert [end.after(step, rollouts=Rollouts()) for step in range(1, 6)] == [True] * 5
+    assert [end.after(step, metrics={UPDATE_SKIPPED: 0.0}, rollouts=Rollouts()) for step in range(1, 6)] == [True] * 5
     assert evals == [0, 2, 4, 5] and saves == [3, 5], "eval and checkpoint at their cadence and at the last step"
     assert (end.first_eval, end.last_eval, end.saved) == (0, 5, Path("ckpt/5"))
     rollouts = [{k: v for k, v in r.items() if k not in ("seq", "time")} for r in sink.records if r["kind"] == "rollout"]
@@ -966,7 +966,8 @@ def test_every_recipe_ends_a_step_the_same_way():
     stopping = StepEnd(config=config, recorder=Recorder([]), evaluate=lambda step: None,
                        checkpoint=lambda step: Path("x"), control=Control(stop_at=2))
     stopping.before_first(3)  # a resumed run: no eval before its first step
-    assert [stopping.after(1), stopping.after(2)] == [True, False], "the operator cancelled after step 2"
+    assert [stopping.after(step, metrics={UPDATE_SKIPPED: 0.0}) for step in (1, 2)] == [True, False], \
+        "the operator cancelled after step 2"
     assert stopping.first_eval is None
 
 
@@ -974,5 +975,5 @@ def test_a_cancels_final_checkpoint_is_the_runs_newest():
     config = grpo_config(checkpoint="{every_steps: 3}", trainer="{steps: 5}")
     end = StepEnd(config=config, recorder=Recorder([]), evaluate=lambda step: None,
                   checkpoint=lambda step: Path(f"ckpt/{step}"), control=Commands(cancel_at=2))
-    assert end.after(2) is False
+    assert end.after(2, metrics={UPDATE_SKIPPED: 0.0}) is False
     assert end.saved == Path("ckpt/2"), "the result names the checkpoint the cancel wrote, not none (or an older one)"

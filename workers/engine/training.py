@@ -170,7 +170,7 @@ class RunDiverged(ConfigError):
 class SkippedUpdates:
     """Says on the run page each step whose update was skipped (data_parallel.apply_update: NaN or infinite gradients),
     and ends a run with `limit` (trainer.max_skipped_updates) such steps in a row: its weights no longer train. Every
-    recipe calls `check` with each step's logged metrics, before the step's eval and checkpoint."""
+    recipe's `StepEnd.after` calls `check` with each step's logged metrics, before the step's eval and checkpoint."""
 
     def __init__(self, *, limit: int, recorder: Recorder):
         self.limit, self.recorder = limit, recorder

@@ -31,14 +31,14 @@ class Operator:
         self.config, self.placer, self.hosts, self.groups = config, placer, hosts, groups
         self.supervisor, self.drills, self.recorder, self.state = supervisor, drills, recorder, state
         self.moves_trainer = moves_trainer
-        self.run_ending: ConfigError | ProcFailure | None = None  # met by a command; the step loop ends the run with it
+        self.run_ending: ConfigError | ProcFailure | None = None  # met by a command; StepEnd ends the run with it
 
     def operate(self, kind: str, operation: Operation) -> dict[str, Any]:
         """`RunControl.operator`: run one command between (or during) steps. A trainer lost meanwhile refuses it
         (`trainer_lost`). An error the run cannot go on from, met while it ran (a model folder a warm spare refused as
-        the command waited, a role out of its replacements), fails the command with it and is kept for the step loop
-        to end the run with (`raise_run_ending`): the command channel takes whatever a command raises as the command's
-        failure, and the run would go on."""
+        the command waited, a role out of its replacements), fails the command with it and is kept for the step's end
+        to end the run with (`raise_run_ending`, StepEnd's `run_ending`): the command channel takes whatever a command
+        raises as the command's failure, and the run would go on."""
         try:
             if isinstance(operation, FaultDrillRequest):
                 return self.drills.schedule(operation)
@@ -52,7 +52,8 @@ class Operator:
             raise ValueError(f"the run ends: {ending}") from None
 
     def raise_run_ending(self) -> None:
-        """After the step's commands: end the run with the error one of them met (`operate`), if any."""
+        """After the step's commands (`StepEnd.after`): end the run with the error one of them met (`operate`), if
+        any."""
         if self.run_ending is not None:
             raise self.run_ending
 

@@ -22,7 +22,7 @@ drops anything older. max_policy_age = 0 is the on-policy case of the same loop.
 
 The step's maths (scoring, reference log-probs, the policy update) is in `grpo_math.py`, shared
 with the Monarch controller (`recipes/grpo_monarch.py`) and its actors, and so are the step's metrics
-(`grpo_metrics.py`) and its end (`step_end.py`: rollouts, eval, checkpoint, operator commands).
+(`grpo_metrics.py`) and its end (`step_end.py`: skipped updates, rollouts, eval, checkpoint, operator commands).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from workers.engine.timeline import WorkSpans
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
 from workers.engine.training import (
-    UPDATE_SKIPPED, EvalResult, PhaseTimer, SkippedUpdates, build_optimizer, build_scheduler, evaluate, mfu,
+    UPDATE_SKIPPED, EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, mfu,
     record_eval, setup_process, single_process_device, train_tokens_per_second,
 )
 
@@ -164,7 +164,6 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
 
     startup.ready()
     step_end = StepEnd(config=cfg, recorder=recorder, evaluate=run_eval, checkpoint=checkpoint, control=control)
-    skipped_updates = SkippedUpdates(limit=trainer_cfg.max_skipped_updates, recorder=recorder)
     step_end.before_first(start_step)
     loop_start = time.perf_counter()
     losses: list[float] = []
@@ -242,8 +241,7 @@ def train_grpo(config: RunConfig, recorder: Recorder, *, control: RunControl | N
         recorder.log_many(metrics, step)
         losses.append(update.loss)
         step_metrics.append(metrics)
-        skipped_updates.check(metrics, step=step)
-        if not step_end.after(step, rollouts=batch_record):  # rollouts, eval, checkpoint, operator commands
+        if not step_end.after(step, metrics=metrics, rollouts=batch_record):  # its end (step_end.py)
             break
 
     recorder.event("staleness_histogram", step=trainer_cfg.steps, counts={str(k): v for k, v in sorted(staleness.items())})

@@ -22,8 +22,11 @@ Each step, top to bottom (`MonarchGrpoRun.step`):
   4. reference (optional) reference log-probs for the KL penalty
   5. drills    fault drills due now are injected (`controller/drill_targets.py`)
   6. train     every trainer rank takes its rows; gradients are summed across ranks
-  7. record    metrics, where the step's time went (`timeline.py`), rollouts, eval, checkpoint, then operator commands (`step_end.py`; placement changes and
-               redirects: `controller/operator.py`)
+  7. record    metrics and where the step's time went (`timeline.py`), then the step's end (`step_end.py`, in this
+               order): a skipped update said (NaN or infinite gradients; trainer.max_skipped_updates in a row end the
+               run as diverged), rollouts, eval, checkpoint, operator commands (drills, placement changes and
+               redirects: `controller/operator.py`), and the end of the run on an error a command met that it cannot
+               go on from (a model folder refused, a role out of its replacements)
 In pipelined mode 1-6 run chunk by chunk, so generation overlaps training within the step.
 
 Failures: every wait polls each `failover.poll_seconds` and gives up after `failover.call_timeout_s`
@@ -75,8 +78,7 @@ from workers.engine.recipes.results import GrpoResult
 from workers.engine.run_control import RunControl
 from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
-from workers.engine.training import (UPDATE_SKIPPED, EvalResult, PhaseTimer, SkippedUpdates, mfu, record_eval,
-                                     train_tokens_per_second)
+from workers.engine.training import UPDATE_SKIPPED, EvalResult, PhaseTimer, mfu, record_eval, train_tokens_per_second
 
 __all__ = ["FaultDrill", "ProcFailure", "train_grpo_monarch"]
 
@@ -200,8 +202,8 @@ class MonarchGrpoRun:
         if cfg.checkpoint.resume_from:
             self.recovery.resume(cfg.checkpoint.resume_from)
         self.step_end = StepEnd(config=cfg, recorder=recorder, evaluate=self.evaluate,
-                                checkpoint=self.recovery.checkpoint, control=self.control)
-        self.skipped_updates = SkippedUpdates(limit=cfg.trainer.max_skipped_updates, recorder=recorder)
+                                checkpoint=self.recovery.checkpoint, control=self.control,
+                                run_ending=self.operator.raise_run_ending)
         startup.ready()
 
     def _spares_ready(self, wait_s: float) -> bool:
@@ -265,10 +267,7 @@ class MonarchGrpoRun:
                 self.recorder.log_many(metrics, state.step)
                 losses.append(metrics["loss"])
                 step_metrics.append(metrics)
-                self.skipped_updates.check(metrics, step=state.step)
-                running = self.step_end.after(state.step, rollouts=batch.record)
-                self.operator.raise_run_ending()  # an error a command met that the run cannot go on from
-                if not running:
+                if not self.step_end.after(state.step, metrics=metrics, rollouts=batch.record):  # 7. its end
                     break
             except TrainerLost as lost:  # the step did not happen
                 self.recovery.recover_trainer(lost.failure)

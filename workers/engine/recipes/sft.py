@@ -28,7 +28,7 @@ from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
 from workers.engine.timeline import WorkSpans
 from workers.engine.training import (
-    EvalResult, PhaseTimer, SkippedUpdates, build_optimizer, build_scheduler, evaluate, held_out_nll, record_eval,
+    EvalResult, PhaseTimer, build_optimizer, build_scheduler, evaluate, held_out_nll, record_eval,
     setup_process, single_process_device,
 )
 
@@ -91,7 +91,6 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
 
     startup.ready()
     step_end = StepEnd(config=cfg, recorder=recorder, evaluate=run_eval, checkpoint=checkpoint, control=control)
-    skipped_updates = SkippedUpdates(limit=trainer_cfg.max_skipped_updates, recorder=recorder)
     step_end.before_first(start_step)
     loop_start = time.perf_counter()
     losses: list[float] = []
@@ -116,9 +115,8 @@ def train_sft(config: RunConfig, recorder: Recorder, *, control: RunControl | No
         timer.split("train", train_spans.items)  # where the step's time went: the train phase in its parts
         metrics.update(timer.record_timeline(recorder, step=step))
         recorder.log_many(metrics, step)
-        skipped_updates.check(metrics, step=step)
 
-        if not step_end.after(step):  # eval, checkpoint, operator commands
+        if not step_end.after(step, metrics=metrics):  # skipped updates, eval, checkpoint, operator commands
             break
 
     return SftResult(step=step, losses=losses, eval=step_end.last_eval, checkpoint=step_end.saved,

@@ -8,8 +8,9 @@ Each step, top to bottom (`MonarchSftRun.step`):
   2. drills  trainer fault drills due now are injected (`controller/drill_targets.py`)
   3. train   every rank takes its contiguous rows of the batch, the loss normalised over the whole batch's
              response tokens, gradients summed across ranks (`actors/sft_trainer.py`, `sft_math.sft_update`)
-  4. record  metrics, where the step's time went (`timeline.py`), the held-out eval, a checkpoint, then operator
-             commands (`step_end.py`)
+  4. record  metrics and where the step's time went (`timeline.py`), then the step's end (`step_end.py`): a skipped
+             update said (too many in a row end the run as diverged), the held-out eval, a checkpoint, operator
+             commands (and the run's end on an error one met that it cannot go on from), a drained trainer's move
 
 Failures: a trainer rank that dies or hangs (or whose host is lost) sends the run back to the last checkpoint on a
 respawned trainer mesh, up to `trainer.recover_failures` times (`controller/recovery.py`: SftRecovery). Drains of
@@ -51,7 +52,7 @@ from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
-from workers.engine.training import EvalResult, PhaseTimer, SkippedUpdates, record_eval
+from workers.engine.training import EvalResult, PhaseTimer, record_eval
 
 
 def train_sft_monarch(config: RunConfig, recorder: Recorder, *, control: RunControl | None = None,
@@ -123,8 +124,8 @@ class MonarchSftRun:
             self.recovery.resume(cfg.checkpoint.resume_from)
         self.step_end = StepEnd(config=cfg, recorder=recorder, evaluate=self.evaluate,
                                 checkpoint=self.recovery.checkpoint, control=self.control,
-                                after_checkpoint=self.recovery.move_drained_trainer)
-        self.skipped_updates = SkippedUpdates(limit=cfg.trainer.max_skipped_updates, recorder=recorder)
+                                after_checkpoint=self.recovery.move_drained_trainer,
+                                run_ending=self.operator.raise_run_ending)
         startup.ready()
 
     def stop(self) -> None:
@@ -153,10 +154,7 @@ class MonarchSftRun:
                 metrics.update(timer.record_timeline(self.recorder, step=state.step))
                 self.recorder.log_many(metrics, state.step)
                 losses.append(metrics["loss"])
-                self.skipped_updates.check(metrics, step=state.step)
-                running = self.step_end.after(state.step)
-                self.operator.raise_run_ending()  # an error a command met that the run cannot go on from
-                if not running:
+                if not self.step_end.after(state.step, metrics=metrics):  # 4. its end
                     break
             except TrainerLost as lost:  # the step did not happen
                 self.recovery.recover_trainer(lost.failure)
