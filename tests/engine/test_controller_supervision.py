@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from tests.engine.fake_fleet import (PIDS, Done, FakeActor, FakeHosts, Fleet, controller_parts, fails_to_spawn,
                                      fake_group, fetched, grpo_config)
+from workers.engine.actors.hosts import HostsUnreachable
 from workers.engine.actors.weight_inbox import UNREAD, Fetched, Unread
 from workers.engine.controller.control_procs import ControlLost
 from workers.engine.controller.supervision import Supervisor
@@ -169,6 +171,52 @@ def test_a_spare_whose_actor_does_not_spawn_on_its_procs_is_dropped_saying_so_it
     supervisor.warm_spares()
     supervisor.poll_spares()
     assert len(group.ready_spares) == 1 and len(fleet.events("spare_ready")) == 1
+
+
+def _dies_as_a_spare_spawns_there(hosts: FakeHosts, dying: str, *, at: int) -> None:
+    """Host `dying` stops accepting connections as the `at`th spare is spawned there (`Hosts.spawn_procs` raises)."""
+    spawn_procs, spares = hosts.spawn_procs, []
+
+    def spawn(*, host: str, owner: str = "", **kwargs: Any) -> Any:
+        if "_spare_" in owner and host == dying:
+            spares.append(owner)
+            if len(spares) == at:
+                hosts.fail(host)
+                raise HostsUnreachable(f"host {host} stopped accepting connections while a proc was spawned there")
+        return spawn_procs(host=host, owner=owner, **kwargs)
+
+    hosts.spawn_procs = spawn
+
+
+@pytest.mark.parametrize("at", [1, 2])
+def test_a_host_that_dies_as_a_spare_spawns_there_is_told_once_and_the_spares_start_on_the_next_host(at: int):
+    """Host b, the reward spares' host, dies as the first (or the second) spare is spawned there. Before, the
+    HostsUnreachable escaped `warm_spares` and ended the run (at a repair, an operator's drain, or the run's start);
+    now it is told on the run page, b is found lost (its replica fails over) and the spares start on host c."""
+    hosts = FakeHosts(["a", "b", "c"])
+    groups = {"reward": fake_group("reward", hosts, ["b"], spares=2)}
+    fleet = controller_parts(grpo_config("reward: {hosts: [b, c]}"), hosts, groups, trainer_hosts=["a"],
+                             control_host="a")
+    supervisor, rewards = fleet.supervisor, groups["reward"]
+    on_b = rewards.replicas[0]
+    _dies_as_a_spare_spawns_there(hosts, "b", at=at)
+    supervisor.warm_spares()
+    assert hosts.lost == {"b"}
+    assert [e["text"] for e in fleet.events("message")] == [
+        "host b is unreachable: its procs are lost",
+        "a reward spare did not start: host b stopped accepting connections while a proc was spawned there; another "
+        "is started elsewhere"]
+    assert [(e["role"], e["replica"], e["host"]) for e in fleet.events("failure_detected")] == [("reward", 0, "b")]
+    assert on_b.failed and fleet.failover.pending_repairs(), "the replica on the lost host fails over"
+    assert [(e["host"], e["count"]) for e in fleet.events("spares_started")] == [("c", 2)]
+    assert [spare.host for spare in rewards.spare_replicas()] == ["c", "c"], "one started on b before it died is dropped"
+    supervisor.poll_spares()
+    assert len(rewards.ready_spares) == 2
+
+    supervisor.repair()
+    assert [(e["host"], e["from_spare"]) for e in fleet.events("replica_replaced")] == [("c", True)]
+    assert len(fleet.events("message")) == 2, "told once: b is not tried again"
+    assert [e["host"] for e in fleet.events("spares_started")] == ["c", "c"], "the spare used up starts again on c"
 
 
 def test_a_report_no_replica_explains_fails_the_control_proc_only_when_it_stops_answering():

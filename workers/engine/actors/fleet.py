@@ -402,7 +402,9 @@ class ReplicaGroup:
     def warm(self, host: str) -> int:
         """Start spares on `host` until `spares` are ready or loading; how many were started. One whose actor does not
         spawn on its procs (`_start`) is told at the next `poll_spares`, and no more are started now: the next `warm`
-        starts another."""
+        starts another. Spares on lost hosts are dropped first (their procs are gone); HostsUnreachable when `host` dies
+        as a spare is spawned there (those started before it are on that host too)."""
+        self.drop_lost_spares()
         started = 0
         while len(self.ready_spares) + len(self.warming) < self.spares and self.has_room(host):
             self.incarnations += 1
@@ -442,14 +444,17 @@ class ReplicaGroup:
 
     def take_spare(self, index: int, host: str) -> Replica | None:
         """A ready spare to serve as replica `index` (one on `host` if there is one), or None."""
-        for lost in [s for s in self.spare_replicas() if s.host in self.hosts.lost]:
-            self.drop_spare(lost)
+        self.drop_lost_spares()
         if not self.ready_spares:
             return None
         spare = next((s for s in self.ready_spares if s.host == host), self.ready_spares[0])
         self.ready_spares.remove(spare)
         spare.index = index
         return spare
+
+    def drop_lost_spares(self) -> None:
+        for lost in [s for s in self.spare_replicas() if s.host in self.hosts.lost]:
+            self.drop_spare(lost)
 
     def drop_spares_on(self, host: str) -> int:
         """Stop the spares on a host that is being drained, and the replacements loading there (each starts again

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from workers.engine.actors.fleet import CallFailed, Failover, Replica, ReplicaGroup, exited, refusal_ends_run
-from workers.engine.actors.hosts import Hosts
+from workers.engine.actors.hosts import Hosts, HostsUnreachable
 from workers.engine.controller.control_procs import ControlLost, ControlProcs
 from workers.engine.controller.placement import Placer
 from workers.engine.controller.state import RunState
@@ -150,10 +150,26 @@ class Supervisor:
         self.warm_spares()  # their models load while training goes on
 
     def warm_spares(self) -> None:
+        """Start each role's missing spares on its spare host. A spare is optional capacity: a host that dies as one is
+        spawned there is told on the run page and probed (found lost, its replicas fail over), and the spares go to the
+        role's next host; a host the probe still finds up is tried again at the next warm."""
         for group in self.groups.values():
-            host = self.placer.spare_host(group.role)
-            if host is not None and (started := group.warm(host)):
-                self.recorder.event("spares_started", step=self.state.step, role=group.role, host=host, count=started)
+            while (host := self.placer.spare_host(group.role)) is not None:
+                try:
+                    started = group.warm(host)
+                except HostsUnreachable as unreachable:
+                    self.check_hosts(now=True)
+                    elsewhere = host in self.hosts.lost  # the next spare host differs: it is not lost
+                    self.recorder.event("message", step=self.state.step, text=(
+                        f"a {group.role} spare did not start: {unreachable}; another is started"
+                        f"{' elsewhere' if elsewhere else ''}"))
+                    if elsewhere:
+                        continue
+                    break
+                if started:
+                    self.recorder.event("spares_started", step=self.state.step, role=group.role, host=host,
+                                        count=started)
+                break
 
     def poll_spares(self, wait_s: float = 0.001) -> None:
         """Record the spares that are ready and those that failed to start; the ConfigError of a model folder a spare
