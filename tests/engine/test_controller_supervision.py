@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.engine.fake_fleet import (PIDS, Done, FakeActor, FakeHosts, Fleet, controller_parts, fails_to_spawn,
-                                     fake_group, fetched, grpo_config)
+from tests.engine.fake_fleet import (PIDS, Done, FakeActor, FakeHosts, FakeProcs, Fleet, controller_parts,
+                                     fails_to_spawn, fake_group, fetched, grpo_config)
 from workers.engine.actors.hosts import HostsUnreachable
 from workers.engine.actors.weight_inbox import UNREAD, Fetched, Unread
 from workers.engine.controller.control_procs import ControlLost
@@ -217,6 +217,34 @@ def test_a_host_that_dies_as_a_spare_spawns_there_is_told_once_and_the_spares_st
     assert [(e["host"], e["from_spare"]) for e in fleet.events("replica_replaced")] == [("c", True)]
     assert len(fleet.events("message")) == 2, "told once: b is not tried again"
     assert [e["host"] for e in fleet.events("spares_started")] == ["c", "c"], "the spare used up starts again on c"
+
+
+def test_a_replacement_whose_proc_dies_as_it_takes_the_weights_is_one_more_failure_and_another_serves():
+    """The generator's replacement loaded its model, then its take_weights call failed (its proc died). Before, that
+    CallFailed escaped the repair and ended the run; now it is one more failure of the replica, its procs are
+    stopped, and the next replacement serves at the current weights."""
+    fleet, supervisor = _supervised()
+    fleet.state.step, fleet.state.policy_version = 4, 3
+    generators = fleet.groups["generator"]
+    spawn_actor, spawned = generators.spawn_actor, []
+
+    def dies_as_the_first_takes_the_weights(procs: FakeProcs, name: str) -> FakeActor:
+        actor = spawn_actor(procs, name)
+        if not spawned:
+            actor.take_weights.call_one = lambda publication: Done(error=RuntimeError("the proc died"))
+        spawned.append(procs)
+        return actor
+
+    generators.spawn_actor = dies_as_the_first_takes_the_weights
+    supervisor.reports.append(SimpleNamespace(mesh_name=f"{generators.replicas[0].name}-0"))
+    supervisor.scan()
+    supervisor.repair()
+    assert [procs.stopped for procs in spawned] == [True, False]
+    assert [e["reason"] for e in fleet.events("failure_detected")][1:] == [
+        "the replacement did not take the current weights: RuntimeError: the proc died"]
+    new = generators.replicas[0]
+    assert new.procs is spawned[1] and new.version == 3 and generators.service.routable() == [0, 1]
+    assert fleet.failover.replacements == {"generator": 2} and not fleet.failover.pending_repairs()
 
 
 def test_a_report_no_replica_explains_fails_the_control_proc_only_when_it_stops_answering():

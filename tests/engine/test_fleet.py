@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from workers.engine.actors.fleet import Failover, MeshStops, ProcFailure, Replica, ReplicaGroup, exited
+from workers.engine.actors.fleet import CallFailed, Failover, MeshStops, ProcFailure, Replica, ReplicaGroup, exited
 from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.service import Service
 from workers.engine.config import FailoverConfig
@@ -221,6 +222,91 @@ class LoadingGroup(SpareGroup):
     the test says (`loads`)."""
 
     begin_replacement = ReplicaGroup.begin_replacement
+
+
+def test_a_loaded_replacement_is_stopped_when_preparing_it_fails_and_another_is_started_at_the_next_repair() -> None:
+    """A replacement that is no spare (spawned, its model loaded in the background) fails to take the weights for a
+    reason not its own (the trainer holding them died): the error goes up to the step loop (the trainer's recovery),
+    the replacement's procs are stopped, it is no replacement used up nor a failure of the replica, and the next repair
+    starts another."""
+    sink = MemorySink()
+    failover, _ = _failover(sink)
+    group = LoadingGroup("generator", 2)
+    dead = group.replicas[1]
+    failover.detect(group, dead, "killed", hung=False, request_failed=False)
+    failover.repair({}, host=lambda replica: "b")
+    [loaded] = group.replacing
+    group.loads[0].loaded = True
+
+    def trainer_gone(replica: Replica) -> int:
+        raise RuntimeError("the trainer holding the weights died")
+
+    with pytest.raises(RuntimeError, match="the trainer holding the weights died"):
+        failover.repair({"generator": trainer_gone}, host=lambda replica: "b")
+    assert loaded.procs.stopped and group.replacing == [] and group.replicas[1] is dead
+    assert failover.pending_repairs() and failover.replacements == {}
+    failover.repair({"generator": lambda replica: 3}, host=lambda replica: "c")
+    [again] = group.replacing
+    assert again is not loaded and again.host == "c" and len(group.loads) == 2
+    group.loads[1].loaded = True
+    failover.repair({"generator": lambda replica: 3}, host=lambda replica: "c")
+    assert group.replicas[1] is again and again.version == 3 and group.service.routable() == [0, 1]
+    assert failover.replacements == {"generator": 1} and not failover.pending_repairs()
+    assert [e["reason"] for e in sink.events("failure_detected")] == ["killed"], "the trainer's failure, not the replica's"
+
+
+def _fails_once_as_it_takes_the_weights(hung: bool) -> Callable[[Replica], int]:
+    """A `prepare` whose first call fails on the new replica's own call (its proc died, or it hangs), as
+    `Supervisor.prepare_generator`'s wait for its take_weights does; later ones give policy version 3."""
+    taken: list[Replica] = []
+
+    def prepare(replica: Replica) -> int:
+        taken.append(replica)
+        if len(taken) == 1:
+            raise CallFailed("no answer within 300 s" if hung else "ActorError: the proc died", hung=hung)
+        return 3
+
+    return prepare
+
+
+@pytest.mark.parametrize("hung", [False, True])
+@pytest.mark.parametrize("from_spare", [False, True])
+def test_a_replacement_that_fails_as_it_takes_the_weights_is_one_more_failure_and_another_is_started(
+        from_spare: bool, hung: bool) -> None:
+    """The new replica's own call fails while it takes the weights (its proc died; or it hangs, then its procs are
+    killed first): like a replacement that did not start, it is stopped and is one more failure of the replica
+    (within failover.max_replacements), and another replacement is started. Before, the CallFailed escaped the repair
+    and ended the run, and a spare was put back among the ready ones although its proc was dead."""
+    sink = MemorySink()
+    failover, _ = _failover(sink)
+    group = LoadingGroup("generator", 2, spares=1 if from_spare else 0)
+    killed: list[Replica] = []
+    group.kill = killed.append  # from the replica's host: `test_a_hung_replica_is_killed_from_its_own_host`
+    dead = group.replicas[1]
+    prepare = {"generator": _fails_once_as_it_takes_the_weights(hung)}
+    if from_spare:
+        group.warm("a")
+        group.loads[-1].loaded = True
+        [failed], [] = group.poll_spares()
+        failover.detect(group, dead, "killed", hung=False, request_failed=False)
+    else:
+        failover.detect(group, dead, "killed", hung=False, request_failed=False)
+        failover.repair(prepare, host=lambda replica: "b")
+        [failed] = group.replacing
+        group.loads[-1].loaded = True
+    failover.repair(prepare, host=lambda replica: "b")
+    assert failed.procs.stopped and group.ready_spares == [] and group.replicas[1] is dead
+    assert killed == ([failed] if hung else []), "a hung one may wake up later: killed first"
+    [again] = group.replacing
+    assert again is not failed and failover.replacements == {"generator": 1} and failover.pending_repairs()
+    reason = "no answer within 300 s" if hung else "ActorError: the proc died"
+    assert [(e["host"], e["reason"], e["hung"]) for e in sink.events("failure_detected")] == [
+        ("a", "killed", False), (failed.host, f"the replacement did not take the current weights: {reason}", hung)]
+    group.loads[-1].loaded = True
+    failover.repair(prepare, host=lambda replica: "b")
+    assert group.replicas[1] is again and again.version == 3 and group.service.routable() == [0, 1]
+    assert failover.replacements == {"generator": 2} and not failover.pending_repairs()
+    assert [e["from_spare"] for e in sink.events("replica_replaced")] == [False]
 
 
 def test_a_replacement_loads_while_the_healthy_replicas_serve_and_serves_from_the_repair_after_it_has_loaded() -> None:

@@ -19,7 +19,8 @@ and replacements spawn the replica's new proc on the host they pick.
            used up are started again in the background. A replica
            (first, replacement or spare) whose model is not loaded within `failover.setup_timeout_s`
            of its spawn did not start: at the run's start the run fails; a replacement that did not
-           start (or failed as it started) is one more failure of its replica; a spare is dropped.
+           start (or failed as it started, or as it took the weights) is one more failure of its replica;
+           a spare is dropped.
            One that refuses the model folder (its actor's ConfigError: the folder changed since the
            start) ends the run with that field's error, as at the start: every other would read it too.
   recovered  emitted once the failed request has been served again (retried on a healthy
@@ -629,8 +630,9 @@ class Failover:
         """Replace queued failed replicas: a ready spare at once; else a replacement spawned on `host(old)` that serves
         from the first repair after its model has loaded. Either is brought to the current version (`prepare`) and
         routed to again. While one loads, its role's healthy replicas serve; a repair waits for it only when none does.
-        A replacement that does not start (it fails, or its set-up outlasts failover.setup_timeout_s) is one more
-        failure of the replica, within the same failover.max_replacements: another is started. One that refuses the
+        A replacement that does not start (it fails, or its set-up outlasts failover.setup_timeout_s) or whose own call
+        fails as it takes the weights is one more failure of the replica, within the same failover.max_replacements:
+        another is started. One that refuses the
         model folder ends the run with that field's ConfigError (as `await_started`): another would read the same
         folder."""
         for repair in list(self._queue):  # each starts loading (or serves, when it has loaded)
@@ -658,8 +660,9 @@ class Failover:
                     repair.began = time.monotonic()
                 spare = group.take_spare(replica.index, target)
                 if spare is not None:
-                    self._replaced(repair, spare, prepare, from_spare=True)
-                    return
+                    if self._replaced(repair, spare, prepare, from_spare=True):
+                        return
+                    continue
             try:
                 if repair.new is None:
                     repair.new, repair.pid = group.begin_replacement(replica.index, target)
@@ -681,15 +684,25 @@ class Failover:
                 repair.incidents.append(self._start_failed(group, replica, host=where, failure=failure))
                 continue
             new, repair.new = repair.new, None
-            self._replaced(repair, new, prepare, from_spare=False)
-            return
+            if self._replaced(repair, new, prepare, from_spare=False):
+                return
 
     def _replaced(self, repair: Repair, new: Replica, prepare: dict[str, Callable[[Replica], int]], *,
-                  from_spare: bool) -> None:
-        """A started replacement (a spare, or one spawned for the replica) takes the current weights and serves."""
+                  from_spare: bool) -> bool:
+        """A started replacement (a spare, or one spawned for the replica) takes the current weights and serves; whether
+        it does. One whose own call fails meanwhile (`prepare` raises CallFailed: its proc died, or it hangs and is
+        killed) is stopped and is one more failure of the replica, as one that did not start: another is tried."""
         group, replica = repair.group, repair.replica
         try:
             new.version = prepare[group.role](new) if group.role in prepare else 0
+        except CallFailed as failure:
+            if failure.hung:
+                group.kill(new)  # it may wake up later: make sure it does not
+            group.stop(new)
+            self.replacements[group.role] = self.replacements.get(group.role, 0) + 1
+            repair.incidents.append(self._start_failed(group, replica, host=new.host, failure=CallFailed(
+                f"did not take the current weights: {failure.reason}", hung=failure.hung)))
+            return False
         except BaseException:  # e.g. the trainer holding the weights died: try again at the next repair
             if from_spare:  # back among the ready ones
                 new.index = -1
@@ -707,6 +720,7 @@ class Failover:
         for incident in repair.incidents:
             incident.replaced = True
             self._maybe_recovered(incident)
+        return True
 
     def _start_failed(self, group: ReplicaGroup, replica: Replica, *, host: str, failure: CallFailed) -> Incident:
         """A replacement of `replica` that did not start on `host`: its failure_detected; recovered once a replacement
