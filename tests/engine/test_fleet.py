@@ -473,6 +473,23 @@ def test_replacements_that_never_start_end_the_run_at_max_replacements() -> None
     assert all(replica.procs.stopped for replica in group.spawned) and len(group.spawned) == 2
 
 
+@pytest.mark.parametrize("fate", ["loads", "dies"])
+def test_a_spawned_replica_is_no_replacement(fate: str) -> None:
+    """`spawn` (an operator's add or move) and `begin_replacement` start a replica the same way; only a replacement is
+    among `replacing` (stopped with the group, counted by `room`) and its repair's failover.max_replacements."""
+    group = StartingGroup("reference", 1, setup_timeout_s=0.3, fates=[fate, "loads"])
+    if fate == "dies":
+        with pytest.raises(CallFailed, match="did not start: RuntimeError: CUDA error: out of memory"):
+            group.spawn(1, "b")
+        assert group.spawned[0].procs.stopped
+    else:
+        added = group.spawn(1, "b")
+        assert added.pids == [4242] and added.index == 1 and added.host == "b"
+    assert group.replacing == []
+    replacement, _ = group.begin_replacement(0, "b")
+    assert group.replacing == [replacement]
+
+
 @pytest.mark.parametrize("fate", ["hangs", "dies"])
 def test_a_role_whose_replica_does_not_start_ends_the_run_at_its_start_naming_the_role_and_the_option(fate: str):
     """At the run's start (the roles polled side by side) a replica whose model load never ends ends the run at

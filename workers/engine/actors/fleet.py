@@ -341,11 +341,18 @@ class ReplicaGroup:
         self.incarnations += 1
         return self._start(index, host, f"{self.role}_{index}_{self.incarnations}")
 
-    def spawn(self, index: int, host: str) -> Replica:
-        """A new replica `index` on `host`, started. CallFailed when it did not start (`_start`, `started`): its procs
-        are stopped, none of another replica's."""
+    def _begin(self, index: int, host: str, *, replacement: bool) -> tuple[Replica, Any]:
+        """A new replica `index` spawned on `host`, and its pid call: its model loads meanwhile (`started` says when it
+        has). A `replacement` is among `replacing` from its spawn: stopped with the group while it loads."""
         replica = self._spawn(index, host)
-        pid = replica.actor.pid.call_one()
+        if replacement:
+            self.replacing.append(replica)
+        return replica, replica.actor.pid.call_one()
+
+    def spawn(self, index: int, host: str) -> Replica:
+        """A new replica `index` on `host`, started (an operator's add or move; no replacement). CallFailed when it did
+        not start (`_start`, `started`): its procs are stopped, none of another replica's."""
+        replica, pid = self._begin(index, host, replacement=False)
         try:
             while not self.started(replica, pid, wait_s=math.inf):
                 pass
@@ -355,11 +362,8 @@ class ReplicaGroup:
         return replica
 
     def begin_replacement(self, index: int, host: str) -> tuple[Replica, Any]:
-        """A replacement for replica `index` spawned on `host`, and its pid call: its model loads meanwhile
-        (`started` says when it has). Stopped with the group while it loads."""
-        replica = self._spawn(index, host)
-        self.replacing.append(replica)
-        return replica, replica.actor.pid.call_one()
+        """A replacement for replica `index` spawned on `host`, and its pid call (`_begin`)."""
+        return self._begin(index, host, replacement=True)
 
     def replace(self, index: int, new: Replica) -> None:
         """A started replacement serves as replica `index`."""
