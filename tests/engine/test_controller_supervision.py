@@ -12,6 +12,7 @@ import pytest
 
 from tests.engine.fake_fleet import (PIDS, Done, FakeActor, FakeHosts, FakeProcs, Fleet, controller_parts,
                                      fails_to_spawn, fake_group, fetched, grpo_config)
+from workers.engine.actors.fleet import CallFailed
 from workers.engine.actors.hosts import HostsUnreachable
 from workers.engine.actors.weight_inbox import UNREAD, Fetched, Unread
 from workers.engine.controller.control_procs import ControlLost
@@ -363,6 +364,28 @@ def test_a_report_of_the_current_trainer_mesh_fails_its_calls_at_once_where_pids
     supervisor.reports.append(SimpleNamespace(mesh_name="trainer-0", text="rank 0: stopped"))
     supervisor.scan()
     assert len(fleet.events("failure_detected")) == 1, "a stopped mesh's late report is not a new failure"
+
+
+def test_the_trainers_known_loss_is_one_failure_for_its_checks_and_one_reason_for_its_waits():
+    """What the ranks are known lost with, in order: a lost host of theirs, a failure report, an operator's command's
+    failed call (kept as it failed: hung). `failure()` (the checks between and during steps) gives it, `gone()` (the
+    waits on the ranks) its reason."""
+    fleet, supervisor = _supervised()
+    trainer = fleet.trainer
+    assert trainer.failure() is None and trainer.gone() is None
+    in_command = CallFailed("no answer within 300 s\nrank 1 stopped answering", hung=True)
+    trainer.lost(in_command)
+    assert trainer.failure() is in_command and trainer.failure().hung
+    assert trainer.gone() == "no answer within 300 s ... rank 1 stopped answering"
+    supervisor.reports.append(SimpleNamespace(mesh_name="trainer-0", text="rank 0: the process was killed"))
+    supervisor.scan()
+    assert (trainer.failure().hung, str(trainer.failure())) == (False, trainer.reported)
+    assert trainer.gone() == trainer.reported
+    fleet.hosts.fail("a")
+    supervisor.scan()
+    assert (trainer.failure().hung, str(trainer.failure())) == (False, "host a of the trainer was lost")
+    assert trainer.gone() == "host a of the trainer was lost"
+    assert [e["role"] for e in fleet.events("failure_detected")] == ["trainer", "generator"], "noticed once"
 
 
 def test_a_replacement_reading_the_weights_of_stopped_trainer_ranks_fails_as_the_trainers_and_is_tried_again():

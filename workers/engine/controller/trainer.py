@@ -186,11 +186,18 @@ class TrainerHandle:
     def lost_host(self) -> str | None:
         return next((h for h in self.placer.trainer_hosts if h in self.hosts.lost), None)
 
-    def gone(self) -> str | None:
-        """Why the ranks are known lost (a lost host, a failure report, an operator's command's call), or None."""
+    def known_lost(self) -> CallFailed | None:
+        """What the ranks are known lost with (a lost host, a failure report, an operator's command's call, as that call
+        failed: hung or not), or None."""
         if (lost := self.lost_host()) is not None:
-            return f"host {self.hosts.describe(lost)} of the trainer was lost"
-        return self.reported or (self.lost_in_command.reason if self.lost_in_command is not None else None)
+            return CallFailed(f"host {self.hosts.describe(lost)} of the trainer was lost", hung=False)
+        if self.reported is not None:
+            return CallFailed(self.reported, hung=False)
+        return self.lost_in_command
+
+    def gone(self) -> str | None:
+        """Why the ranks are known lost (`known_lost`), or None: for waits on them (`wait_for`'s `gone`)."""
+        return failure.reason if (failure := self.known_lost()) is not None else None
 
     def owns(self, mesh_name: str) -> bool:
         """Whether a failure report's mesh is this spawn of the trainer (a late report from a mesh stopped before the
@@ -227,10 +234,8 @@ class TrainerHandle:
     def failure(self) -> CallFailed | None:
         """A lost host, a failure report, an operator's command's failed call or an exited rank, seen without calling
         the trainer."""
-        if self.lost_host() is None and self.reported is None and self.lost_in_command is not None:
-            return self.lost_in_command  # as its call failed: hung or not
-        if (reason := self.gone()) is not None:
-            return CallFailed(reason, hung=False)
+        if (failure := self.known_lost()) is not None:
+            return failure
         if (pid := self.exited_pid()) is not None:
             return CallFailed(f"trainer process {pid} exited", hung=False)
         return None
