@@ -636,9 +636,8 @@ class Failover:
         routed to again. While one loads, its role's healthy replicas serve; a repair waits for it only when none does.
         A replacement that does not start (it fails, or its set-up outlasts failover.setup_timeout_s) or whose own call
         fails as it takes the weights is one more failure of the replica, within the same failover.max_replacements:
-        another is started. One that refuses the
-        model folder ends the run with that field's ConfigError (as `await_started`): another would read the same
-        folder."""
+        another is started. One that refuses the model folder ends the run with that field's ConfigError (as
+        `await_started`): another would read the same folder."""
         for repair in list(self._queue):  # each starts loading (or serves, when it has loaded)
             self._advance(repair, prepare, host, wait=False)
         for repair in list(self._queue):  # then a role none of whose replicas serves waits for its replacements
