@@ -224,11 +224,11 @@ class LoadingGroup(SpareGroup):
     begin_replacement = ReplicaGroup.begin_replacement
 
 
-def test_a_loaded_replacement_is_stopped_when_preparing_it_fails_and_another_is_started_at_the_next_repair() -> None:
+def test_a_loaded_replacement_that_cannot_take_the_weights_for_the_trainers_sake_is_kept_for_the_next_repair() -> None:
     """A replacement that is no spare (spawned, its model loaded in the background) fails to take the weights for a
     reason not its own (the trainer holding them died): the error goes up to the step loop (the trainer's recovery),
-    the replacement's procs are stopped, it is no replacement used up nor a failure of the replica, and the next repair
-    starts another."""
+    it is no replacement used up nor a failure of the replica, and it is kept loaded (a load costs minutes on GPUs):
+    the next repair gives it the weights, with no new spawn. Kept, it is still stopped with its group."""
     sink = MemorySink()
     failover, _ = _failover(sink)
     group = LoadingGroup("generator", 2)
@@ -243,16 +243,46 @@ def test_a_loaded_replacement_is_stopped_when_preparing_it_fails_and_another_is_
 
     with pytest.raises(RuntimeError, match="the trainer holding the weights died"):
         failover.repair({"generator": trainer_gone}, host=lambda replica: "b")
-    assert loaded.procs.stopped and group.replacing == [] and group.replicas[1] is dead
+    assert not loaded.procs.stopped and group.replacing == [loaded] and group.replicas[1] is dead
     assert failover.pending_repairs() and failover.replacements == {}
+    failover.repair({"generator": lambda replica: 3}, host=lambda replica: "c")
+    assert group.replicas[1] is loaded and loaded.version == 3 and loaded.host == "b" and len(group.loads) == 1
+    assert group.service.routable() == [0, 1] and group.replacing == []
+    assert failover.replacements == {"generator": 1} and not failover.pending_repairs()
+    assert [e["reason"] for e in sink.events("failure_detected")] == ["killed"], "the trainer's failure, not the replica's"
+    assert [e["replica"] for e in sink.events("replica_replaced")] == [1]
+
+
+@pytest.mark.parametrize("fate", ["drained", "host lost", "group stopped"])
+def test_a_kept_loaded_replacement_that_is_stopped_or_loses_its_host_is_started_again_uncounted(fate: str) -> None:
+    """The replacement kept after the trainer's failure (above) is stopped by a drain of its host or with its group,
+    or lost with its host: the next repair starts another, elsewhere, uncounted."""
+    sink = MemorySink()
+    failover, _ = _failover(sink)
+    group = LoadingGroup("generator", 2)
+    failover.detect(group, group.replicas[1], "killed", hung=False, request_failed=False)
+    failover.repair({}, host=lambda replica: "b")
+    [loaded] = group.replacing
+    group.loads[0].loaded = True
+
+    def trainer_gone(replica: Replica) -> int:
+        raise RuntimeError("the trainer holding the weights died")
+
+    with pytest.raises(RuntimeError):
+        failover.repair({"generator": trainer_gone}, host=lambda replica: "b")
+    if fate == "drained":
+        group.drop_spares_on("b")
+    elif fate == "host lost":
+        group.hosts.lost.add("b")
+    else:
+        group.stop_all()
+    assert group.replacing == ([loaded] if fate == "host lost" else []), "a lost host's is dropped at the next repair"
     failover.repair({"generator": lambda replica: 3}, host=lambda replica: "c")
     [again] = group.replacing
     assert again is not loaded and again.host == "c" and len(group.loads) == 2
     group.loads[1].loaded = True
     failover.repair({"generator": lambda replica: 3}, host=lambda replica: "c")
-    assert group.replicas[1] is again and again.version == 3 and group.service.routable() == [0, 1]
-    assert failover.replacements == {"generator": 1} and not failover.pending_repairs()
-    assert [e["reason"] for e in sink.events("failure_detected")] == ["killed"], "the trainer's failure, not the replica's"
+    assert group.replicas[1] is again and failover.replacements == {"generator": 1} and not failover.pending_repairs()
 
 
 def _fails_once_as_it_takes_the_weights(hung: bool) -> Callable[[Replica], int]:

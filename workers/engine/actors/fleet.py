@@ -563,6 +563,8 @@ class Repair:
     # set before any replacement is taken or spawned
     new: Replica | None = None  # the replacement loading now, if any
     pid: Any = None  # the new replica's pid call: it answers once the model has loaded
+    loaded: Replica | None = None  # one that loaded but could not take the weights, for a reason not its own (the
+    # trainer failed): it takes them at the next repair instead of loading another
 
 
 @dataclass
@@ -636,8 +638,9 @@ class Failover:
         routed to again. While one loads, its role's healthy replicas serve; a repair waits for it only when none does.
         A replacement that does not start (it fails, or its set-up outlasts failover.setup_timeout_s) or whose own call
         fails as it takes the weights is one more failure of the replica, within the same failover.max_replacements:
-        another is started. One that refuses the model folder ends the run with that field's ConfigError (as
-        `await_started`): another would read the same folder."""
+        another is started. One that cannot take them for a reason not its own (the trainer failed: the error goes up)
+        is kept, loaded, and takes them at the next repair. One that refuses the model folder ends the run with that
+        field's ConfigError (as `await_started`): another would read the same folder."""
         for repair in list(self._queue):  # each starts loading (or serves, when it has loaded)
             self._advance(repair, prepare, host, wait=False)
         for repair in list(self._queue):  # then a role none of whose replicas serves waits for its replacements
@@ -648,11 +651,18 @@ class Failover:
                  wait: bool) -> None:
         group, replica = repair.group, repair.replica
         while True:
-            if repair.new is not None and (repair.new not in group.replacing or repair.new.host in group.hosts.lost):
-                group.stop(repair.new)  # a drain stopped it, or its host died as it loaded: another host, uncounted
+            if repair.loaded is not None:
+                loaded, repair.loaded = repair.loaded, None
+                if self._still_there(group, loaded):
+                    if self._replaced(repair, loaded, prepare, from_spare=False):
+                        return
+                    continue
+                group.stop(loaded)
+            if repair.new is not None and not self._still_there(group, repair.new):
+                group.stop(repair.new)
                 repair.new = None
             if repair.new is None:
-                loading = sum(r.new is not None for r in self._queue if r.group is group)
+                loading = sum(r.new is not None or r.loaded is not None for r in self._queue if r.group is group)
                 if self.replacements.get(group.role, 0) + loading + 1 > self.config.max_replacements:
                     raise ProcFailure(f"{group.role} replica {replica.index} failed and the run has used its "
                                       f"{self.config.max_replacements} replacements for {group.role} "
@@ -690,6 +700,12 @@ class Failover:
             if self._replaced(repair, new, prepare, from_spare=False):
                 return
 
+    @staticmethod
+    def _still_there(group: ReplicaGroup, replacement: Replica) -> bool:
+        """Whether a replacement spawned for a repair still stands: a drain stops one (it leaves `replacing`), a lost
+        host takes it. One that does not is started again on another host, uncounted."""
+        return replacement in group.replacing and replacement.host not in group.hosts.lost
+
     def _replaced(self, repair: Repair, new: Replica, prepare: dict[str, Callable[[Replica], int]], *,
                   from_spare: bool) -> bool:
         """A started replacement (a spare, or one spawned for the replica) takes the current weights and serves; whether
@@ -706,12 +722,12 @@ class Failover:
             repair.incidents.append(self._start_failed(group, replica, host=new.host, failure=CallFailed(
                 f"did not take the current weights: {failure.reason}", hung=failure.hung)))
             return False
-        except BaseException:  # e.g. the trainer holding the weights died: try again at the next repair
+        except BaseException:  # e.g. the trainer holding the weights died: try again at the next repair, with it
             if from_spare:  # back among the ready ones
                 new.index = -1
                 group.ready_spares.append(new)
-            else:
-                group.stop(new)
+            else:  # kept loaded (its load takes minutes on GPUs); still among `replacing`, so stopped with the group
+                repair.loaded = new
             raise
         self._queue.remove(repair)
         self.replacements[group.role] = self.replacements.get(group.role, 0) + 1
