@@ -22,7 +22,7 @@ from tests.engine.test_checkpoint_data_only import _monarch_recovery
 from workers.engine.checkpoint import check_plain_data, load_checkpoint, save_checkpoint
 from workers.engine.cli import main as cli_main
 from workers.engine.config import ConfigError, OptimizerConfig, load_config
-from workers.engine.models.hf_folder import load_pretrained, read_hf_config
+from workers.engine.models.hf_folder import check_hf_folder, load_pretrained, read_hf_config
 from workers.engine.models.titan import build_decoder
 from workers.engine.preflight import preflight_errors
 from workers.engine.sharding import full_model_state, full_optimizer_state, shard_model
@@ -533,6 +533,7 @@ def test_a_hostile_config_json_is_refused_naming_the_field_of_its_folder(
         load_pretrained(folder)
     assert [(e.field, e.message.startswith(f"{folder}{problem}")) for e in refused.value.errors] == \
         [("model.path", True)], refused.value
+    _checked_alike(folder, refused.value)
 
     step = _copy(written, tmp_path)  # an export reads the checkpoint's own config.json
     make(step / "config.json")
@@ -581,6 +582,18 @@ def test_hostile_safetensors_are_refused_naming_model_path(tiny_qwen3: Path, tmp
         load_pretrained(folder)
     assert [(e.field, e.message.startswith(f"{folder}{problem}")) for e in refused.value.errors] == \
         [("model.path", True)], refused.value
+    _checked_alike(folder, refused.value)
+
+
+def _checked_alike(folder: Path, refusal: ConfigError) -> None:
+    """The vLLM generator's check before vLLM reads the folder (it reads no weights) refuses it as the load does."""
+    with pytest.raises(ConfigError) as checked:
+        check_hf_folder(folder)
+    assert str(checked.value) == str(refusal)
+
+
+def test_a_whole_model_folder_passes_the_check_before_vllm_reads_it(tiny_qwen3: Path) -> None:
+    assert check_hf_folder(tiny_qwen3) == read_hf_config(tiny_qwen3)
 
 
 def test_a_model_folder_of_another_family_is_refused_on_model_family_as_preflight_says_it(tiny_qwen3: Path,
@@ -751,6 +764,7 @@ def test_hostile_tokenizer_files_are_refused_naming_model_path_as_preflight_says
     with pytest.raises(ConfigError) as loaded:
         load_pretrained(folder)
     assert str(loaded.value) == str(refused.value)
+    _checked_alike(folder, refused.value)
     if form in PREFLIGHT_FIRST:
         assert _preflight_errors(folder, tmp_path) == [f"model.path: folder {folder} lacks tokenizer.json"]
     else:

@@ -104,3 +104,28 @@ def test_a_monarch_grpo_run_whose_procs_refuse_the_model_folder_ends_with_model_
     with pytest.raises(ConfigError) as refused:
         train_grpo_monarch(config, Recorder())
     assert [str(e) for e in refused.value.errors] == [_refusal(model)]
+
+
+@pytest.mark.slow
+def test_a_vllm_generator_proc_that_refuses_the_model_folder_says_model_paths_error(tiny_qwen3: Path,
+                                                                                    tmp_path: Path) -> None:
+    # vLLM read the folder itself: its error reached the controller as a SupervisionError's text only, and a
+    # replacement on a folder changed mid-run counted as one more failure until failover.max_replacements
+    from monarch.actor import ActorError
+
+    from workers.engine.actors.procs import spawn_procs
+    from workers.engine.actors.vllm_generator import VllmGeneratorActor, vllm_proc_env
+    from workers.engine.controller.attach import collect_fault_reports
+
+    model = _misfit_model(tiny_qwen3, tmp_path)
+    reports = collect_fault_reports()
+    vllm_proc_env()
+    procs = spawn_procs(1, threads=1)
+    try:
+        with pytest.raises(ActorError) as refused:
+            procs.spawn("vllm_generator", VllmGeneratorActor, str(model), "float32", 64).pid.call_one().get(timeout=120)
+        assert isinstance(refused.value.exception, ConfigError), refused.value
+        assert [str(e) for e in refused.value.exception.errors] == [_refusal(model)]
+        assert reports == [], "no actor failed"
+    finally:
+        procs.stop().get()

@@ -21,7 +21,6 @@ from workers.engine.actors.faults import FaultInjectableActor
 from workers.engine.actors.devices import bind_proc_gpus
 from workers.engine.actors.procs import set_proc_threads
 from workers.engine.actors.weight_inbox import PublishedWeights
-from workers.engine.models.hf_folder import read_hf_config
 from workers.engine.models.titan import model_config_from_hf, state_dict_adapter
 from workers.engine.sampler import Completion, SamplingParams, check_weights_fit
 from workers.engine.timeline import ProcSpan, WorkSpans
@@ -41,8 +40,13 @@ class VllmGeneratorActor(FaultInjectableActor, PublishedWeights):
         from vllm import LLM
         from vllm import SamplingParams as VllmSamplingParams
 
+        from workers.engine.models.hf_folder import check_hf_folder
+
         self._sampling_params = VllmSamplingParams
-        self.hf_config = read_hf_config(model_folder)
+        hf_config = self.unless_refused(check_hf_folder, model_folder)  # before vLLM reads the folder
+        if hf_config is None:  # model.path's error: `pid` raises it, as GeneratorActor's
+            return
+        self.hf_config = hf_config
         titan_config = model_config_from_hf(self.hf_config)
         self.adapter = state_dict_adapter(self.hf_config, titan_config)
         with torch.device("meta"):

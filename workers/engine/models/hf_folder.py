@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torchtitan.models.common.decoder import Decoder
 
@@ -33,8 +33,10 @@ class LoadedModel:
     folder: Path
 
 
-def load_hf_state_dict(folder: str | Path, *, field: str = "model.path") -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's *.safetensors files; a ConfigError on `field` for one it cannot read."""
+def load_hf_state_dict(folder: str | Path, *, field: str = "model.path",
+                      shapes_only: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's *.safetensors files; a ConfigError on `field` for one it cannot read.
+    `shapes_only`: meta tensors of the shapes the files' headers give, no data read."""
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise ConfigError.on(field, f"{folder} holds no *.safetensors")
@@ -43,12 +45,17 @@ def load_hf_state_dict(folder: str | Path, *, field: str = "model.path") -> dict
         if not path.is_file():
             raise ConfigError.on(field, f"{path} is not a file (a folder, or a link to nothing)")
         try:
-            state.update(load_file(str(path)))
+            state.update(_header_shapes(path) if shapes_only else load_file(str(path)))
         except SafetensorError as exc:
             raise ConfigError.on(field, f"{path} is not a safetensors file this engine can read ({exc})") from None
         except OSError as exc:
             raise ConfigError.on(field, f"cannot read {path} ({exc.strerror or exc})") from None
     return state
+
+
+def _header_shapes(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt") as weights:
+        return {name: torch.empty(weights.get_slice(name).get_shape(), device="meta") for name in weights.keys()}
 
 
 def decoder_for(hf_config: dict[str, Any], *, folder: Path, field: str, device: str | torch.device = "cpu",
@@ -108,6 +115,21 @@ def load_pretrained(
     except ValueError as exc:
         raise ConfigError.on("model.path", f"{folder}: {exc}") from None
     return LoadedModel(model=model, tokenizer=ChatTokenizer(folder), hf_config=hf_config, family=found, folder=folder)
+
+
+def check_hf_folder(folder: str | Path) -> dict[str, Any]:
+    """What `load_pretrained` refuses in a folder (its config.json, tokenizer, and weights that do not fit the config),
+    as the same ConfigError on model.path, without reading the weights (their shapes from the files' headers): for a
+    generator that loads the folder itself (vLLM), before it does. The folder's config.json."""
+    folder = Path(folder)
+    hf_config = read_hf_config(folder)
+    model = decoder_for(hf_config, folder=folder, field="model.path", device="meta")
+    try:
+        load_hf_weights(model, hf_config, load_hf_state_dict(folder, shapes_only=True))
+    except ValueError as exc:
+        raise ConfigError.on("model.path", f"{folder}: {exc}") from None
+    ChatTokenizer(folder)
+    return hf_config
 
 
 def save_pretrained(model: Decoder, hf_config: dict[str, Any], tokenizer_folder: str | Path, out: str | Path) -> Path:
