@@ -94,6 +94,22 @@ def test_a_scheduled_operator_drill_is_checked_now_and_a_failing_one_is_reported
     assert any("fault drill not run: reward replica 0 is not serving" in e["text"] for e in fleet.events("message"))
 
 
+def test_a_nan_gradients_drill_arms_its_trainer_rank_alone_and_explains_no_trainer_failure():
+    fleet, targets = _targets(plan=DrillPlan([drill(kind="nan_gradients", role="trainer", replica=1,
+                                                    schedule={"at_step": 3})]))
+    mesh, ranks = fleet.trainer.actors, {}
+    mesh.slice = lambda **where: ranks.setdefault(tuple(sorted(where.items())), FakeActor(0))
+    fleet.state.step = 2  # step 3 is about to train
+    targets.inject_due()
+    [fault] = fleet.injector.faults
+    assert (fault.request.kind, fault.role, fault.replica, fault.pids, fault.step) == ("nan_gradients", "trainer", 1, [102], 3)
+    assert ranks[(("hosts", 1), ("procs", 0))].inject_fault.calls == [("nan_gradients",)]
+    assert mesh.inject_fault.calls == [], "not every rank: the all-reduced norm carries one rank's NaN to the others"
+    [injected] = fleet.events("fault_injected")
+    assert (injected["fault_kind"], injected["step"], injected["duration_s"]) == ("nan_gradients", 3, None)
+    assert fleet.log.notice("trainer", "process exited").fault is None, "a skipped update fails no call"
+
+
 class Loading:
     """A new replica's pid call that answers once `loaded` is set: its model is still loading until then."""
 

@@ -116,6 +116,43 @@ def test_kill_and_in_actor_faults_and_claims(sleeper) -> None:
     assert [r["name"] for r in sink.records] == ["fault_injected", "fault_injected"]  # both claimed: no extra recovered
 
 
+def test_a_nan_gradients_fault_recovers_once_at_the_first_step_from_its_own_whose_update_was_not_skipped() -> None:
+    sink = MemorySink()
+    injector = FaultInjector(Recorder([sink]))
+    armed: list[str] = []
+    target = FaultTarget("trainer", 1, [4242], arm=lambda kind, **fields: armed.append(kind))
+    first = injector.inject(_drill(kind="nan_gradients", role="trainer", replica=1), target, step=3)
+    assert armed == ["nan_gradients"] and first.ends_at is None
+    injector.trained(step=2, skipped=0)  # trained before the fault's step: not its recovery
+    injector.trained(step=3, skipped=1)
+    second = injector.inject(_drill(kind="nan_gradients", role="trainer", replica=1), target, step=4)
+    injector.trained(step=4, skipped=1)
+    injector.tick(step=4)
+    assert injector.claim("trainer") is None and injector.claim("trainer", 1) is None, "no call failed for it"
+    assert [r["name"] for r in sink.records] == ["fault_injected", "fault_injected"]
+    injector.trained(step=5, skipped=0)
+    injector.trained(step=6, skipped=0)
+    injector.trained(step=7, skipped=1)  # a later skip (not a drill's) is no fault's
+    injector.close(step=7)
+    recovered = [r for r in sink.records if r["name"] == "recovered"]
+    assert [(r["fault_id"], r["step"], r["skipped_updates"], r["caused_failure"]) for r in recovered] == \
+        [(first.id, 5, 2, False), (second.id, 5, 1, False)], "each once, at step 5"
+    assert all(r["fault_kind"] == "nan_gradients" and (r["role"], r["replica"]) == ("trainer", 1) for r in recovered)
+
+
+def test_a_nan_gradients_fault_still_skipping_at_the_runs_end_is_recovered_by_close_once() -> None:
+    sink = MemorySink()
+    injector = FaultInjector(Recorder([sink]))
+    injector.inject(_drill(kind="nan_gradients", role="trainer"), FaultTarget("trainer", 0, [4242], arm=lambda kind, **_: None),
+                    step=5)
+    injector.trained(step=5, skipped=1)
+    injector.close(step=5)
+    injector.trained(step=6, skipped=0)
+    injector.close(step=6)
+    [recovered] = [r for r in sink.records if r["name"] == "recovered"]
+    assert (recovered["step"], recovered["skipped_updates"], recovered["cut_short_by_run_end"]) == (5, 1, True)
+
+
 def test_exited_sees_a_killed_process_before_it_is_reaped(sleeper) -> None:
     from workers.engine.actors.fleet import exited
 

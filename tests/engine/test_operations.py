@@ -64,6 +64,18 @@ def test_each_problem_names_its_field() -> None:
     assert _errors("load_redirect", ["not", "a", "dict"]) == {"": "the payload of load_redirect must be an object"}
 
 
+def test_a_nan_gradients_drill_is_the_trainers_only_and_takes_no_duration() -> None:
+    drill = parse_operation("fault_drill", {"kind": "nan_gradients", "role": "trainer", "replica": 1,
+                                            "schedule": {"at_step": 3}})
+    assert isinstance(drill, FaultDrillRequest) and (drill.replica, drill.duration_s) == (1, None)
+    assert FaultDrillRequest.model_validate(drill.model_dump()) == drill
+    for role in ("generator", "reward", "reference"):
+        assert _errors("fault_drill", {"kind": "nan_gradients", "role": role}) == {
+            "role": f"kind 'nan_gradients' applies only to the trainer (a rank's gradients), not the {role}"}
+    assert _errors("fault_drill", {"kind": "nan_gradients", "role": "trainer", "duration_s": 2}) == {
+        "duration_s": "does not apply to kind 'nan_gradients'"}
+
+
 def test_operation_errors_are_config_errors_with_field_pairs() -> None:
     with pytest.raises(ConfigError) as caught:
         parse_operation("fault_drill", {"kind": "kill"})
@@ -73,7 +85,8 @@ def test_operation_errors_are_config_errors_with_field_pairs() -> None:
 def test_json_schemas_cover_the_three_commands() -> None:
     schemas = operation_json_schemas()
     assert set(schemas) == {"fault_drill", "placement_change", "load_redirect"}
-    assert set(schemas["fault_drill"]["properties"]["kind"]["enum"]) == {"kill", "hang", "raise", "latency", "bandwidth", "slow_host"}
+    assert set(schemas["fault_drill"]["properties"]["kind"]["enum"]) == {"kill", "hang", "raise", "latency", "bandwidth",
+                                                                          "slow_host", "nan_gradients"}
     assert schemas["fault_drill"]["additionalProperties"] is False
     json.dumps(schemas)
 

@@ -22,6 +22,7 @@ def test_a_valid_drill_is_stored_for_a_monarch_run(team, monarch_running_run):
 @pytest.mark.parametrize(("kind", "payload", "field"), [
     ("fault_drill", {"kind": "kill", "role": "scheduler"}, "payload.role"),
     ("fault_drill", {"kind": "latency", "role": "generator"}, "payload.latency_ms"),
+    ("fault_drill", {"kind": "nan_gradients", "role": "generator"}, "payload.role"),
     ("fault_drill", {"kind": "kill", "role": "generator", "replica": -1}, "payload.replica"),
     ("fault_drill", {"kind": "kill", "role": "generator", "surprise": 1}, "payload.surprise"),
     ("placement_change", {"action": "move", "role": "generator", "replica": 0}, "payload.host"),

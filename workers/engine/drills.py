@@ -5,12 +5,15 @@
              declares them hung and replaces them)
   slow_host  SIGSTOP / SIGCONT every process of the run on the target's host in turn for
              duration_s, stopped `duty_cycle` of each second
-  raise, latency, bandwidth   armed inside the target actor (`actors/faults.py`)
+  raise, latency, bandwidth, nan_gradients   armed inside the target actor (`actors/faults.py`)
 
 Every injection emits `fault_injected` with a fault id. A fault that makes a call fail is
 claimed by the failure handling (`claim`), which emits `failure_detected` and `recovered`
 for it; a fault that wears off without a failure gets its `recovered` from `tick` when it
-ends. So each fault yields exactly one `recovered`.
+ends; a nan_gradients fault (its update skipped, no call fails) gets it from `trained` at the
+first step from its own whose update was not skipped. So each fault yields exactly one
+`recovered` (from `close` at the run's end, if it is still in effect then; none when the run
+ends in an error, such as RunDiverged).
 
 Schedules: at a step (before it trains), every T seconds, at random (a seeded Poisson
 process), or now. A planned drill whose replica is being replaced when it is due is deferred
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from workers.engine.metrics import Recorder
-from workers.engine.operations import DURATION_KINDS, FaultDrillRequest
+from workers.engine.operations import DURATION_KINDS, UPDATE_KINDS, FaultDrillRequest
 
 SLOW_HOST_PERIOD_S = 1.0
 SIGNAL_KINDS = ("kill", "hang", "slow_host")  # drills that signal the target's processes
@@ -121,6 +124,7 @@ class ActiveFault:
     finished: bool = False  # its recovered event was emitted
     stop_signals: threading.Event = field(default_factory=threading.Event)
     before: dict[str, float] = field(default_factory=dict)  # the target's measurements when it was injected
+    skipped_updates: int = 0  # nan_gradients: steps from its own whose update was skipped
     signals: Signals = field(default_factory=LocalSignals)
 
     def end_signals(self) -> None:
@@ -246,7 +250,7 @@ class FaultInjector:
         """The newest unclaimed fault on this role (and replica) whose effect can still explain a failure."""
         now = time.monotonic()
         for fault in reversed(self.faults):
-            if fault.claimed or fault.finished or fault.role != role:
+            if fault.claimed or fault.finished or fault.role != role or fault.request.kind in UPDATE_KINDS:
                 continue
             if replica is not None and fault.replica != replica:
                 continue
@@ -272,6 +276,22 @@ class FaultInjector:
                                 time_to_recover_s=round(now - fault.injected_at, 3), before=fault.before,
                                 during=self.measure(fault.role, fault.replica))
 
+    def trained(self, *, step: int, skipped: int) -> None:
+        """Step `step` trained, `skipped` of its updates skipped (NaN or infinite gradients): a nan_gradients fault
+        injected for this step or before recovers at the first such step that skipped none (its `recovered` says how
+        many steps were skipped until then)."""
+        now = time.monotonic()
+        for fault in self.faults:
+            if fault.request.kind not in UPDATE_KINDS or fault.finished or step < fault.step:
+                continue
+            if skipped:
+                fault.skipped_updates += 1
+                continue
+            fault.finished = True
+            self.recorder.event("recovered", step=step, fault_id=fault.id, fault_kind=fault.request.kind, role=fault.role,
+                                replica=fault.replica, caused_failure=False, time_to_detect_s=None,
+                                time_to_recover_s=round(now - fault.injected_at, 3), skipped_updates=fault.skipped_updates)
+
     def close(self, *, step: int) -> None:
         """At the end of the run: every fault still in effect ends now and gets its `recovered`."""
         now = time.monotonic()
@@ -283,4 +303,5 @@ class FaultInjector:
             self.recorder.event("recovered", step=step, fault_id=fault.id, fault_kind=fault.request.kind, role=fault.role,
                                 replica=fault.replica, caused_failure=False, cut_short_by_run_end=True, time_to_detect_s=None,
                                 time_to_recover_s=round(now - fault.injected_at, 3), before=fault.before,
-                                during=self.measure(fault.role, fault.replica))
+                                during=self.measure(fault.role, fault.replica),
+                                **({"skipped_updates": fault.skipped_updates} if fault.request.kind in UPDATE_KINDS else {}))

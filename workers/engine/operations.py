@@ -6,8 +6,10 @@ builds its forms from `operation_json_schemas()`, the run config carries schedul
 are errors; every problem is reported as a (field, reason) pair. Imports pydantic only.
 
 fault_drill (FaultDrillRequest)
-    kind           "kill" | "hang" | "raise" | "latency" | "bandwidth" | "slow_host"
-    role           "generator" | "trainer" | "reference" | "reward"
+    kind           "kill" | "hang" | "raise" | "latency" | "bandwidth" | "slow_host" | "nan_gradients"
+                   nan_gradients: the target rank's gradients of the trainer's next update are NaN, so every rank
+                   skips that update (the gradient norm is global)
+    role           "generator" | "trainer" | "reference" | "reward"; nan_gradients: the trainer only
     replica        int >= 0, default 0 (a trainer rank when role is trainer)
     duration_s     float > 0; hang, latency, bandwidth, slow_host: how long the effect lasts (default 5), refused
                    otherwise (null there)
@@ -41,7 +43,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from workers.engine.fields import ConfigError, FieldError, FieldProblems, StrictModel, field_errors
 
-DrillKind = Literal["kill", "hang", "raise", "latency", "bandwidth", "slow_host"]
+DrillKind = Literal["kill", "hang", "raise", "latency", "bandwidth", "slow_host", "nan_gradients"]
 DrillRole = Literal["generator", "trainer", "reference", "reward"]
 HostName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
 ReplicaIndex = Annotated[int, Field(ge=0, le=4096)]
@@ -50,6 +52,7 @@ PositiveSeconds = Annotated[float, Field(gt=0.0, le=86_400.0)]
 DURATION_KINDS = ("hang", "latency", "bandwidth", "slow_host")  # faults that wear off after duration_s
 DEFAULT_DURATION_S = 5.0
 FAILING_KINDS = ("kill", "hang", "raise")  # faults that make calls fail (hang: once past the call timeout)
+UPDATE_KINDS = ("nan_gradients",)  # faults in the trainer's next update: it is skipped, no call fails
 
 
 class OperationError(ConfigError):
@@ -107,6 +110,9 @@ class FaultDrillRequest(StrictModel):
                 problems.append((name, f"applies only to kind {kind!r}"))
         if self.duration_s is not None and self.kind not in DURATION_KINDS:
             problems.append(("duration_s", f"does not apply to kind {self.kind!r}"))
+        if self.kind in UPDATE_KINDS and self.role != "trainer":
+            problems.append(("role", f"kind {self.kind!r} applies only to the trainer (a rank's gradients), "
+                                     f"not the {self.role}"))
         if problems:
             raise FieldProblems(problems)
         return self

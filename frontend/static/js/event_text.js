@@ -95,6 +95,7 @@ window.FBEventText = (function () {
   const BY_KIND = {
     state_changed: (p) => `${given(p.from) ? value(p.from) : "—"} → ${value(p.to)}${optional(p.reason, (r) => ": " + r)}`,
     fault_injected: (p) => `${value(p.fault_kind || p.kind || "fault")} on ${who(p)}` +
+      (p.fault_kind === "nan_gradients" ? ": its next update is skipped" : "") +
       `${number(p.duration_s) ? ` for ${number(p.duration_s)} s` : ""}`,
     failure_detected: (p) => `${who(p)}${p.hung ? " hung" : " failed"}${optional(p.host, (h) => " on " + h)}` +
       `${number(p.time_to_detect_s) !== null ? ` (detected in ${number(p.time_to_detect_s).toFixed(2)} s)` : ""}` +
@@ -102,7 +103,8 @@ window.FBEventText = (function () {
     replica_replaced: (p) => `${who(p)} replaced${p.from_spare ? " by a warm spare" : ""}` +
       `${optional(p.host, (h) => " on " + h)}${optional(p.policy_version, (v) => `, at policy version ${v}`)}`,
     recovered: (p) => `recovered ${who(p)}` +
-      `${number(p.time_to_recover_s) !== null ? ` in ${number(p.time_to_recover_s).toFixed(2)} s` : ""}`,
+      `${number(p.time_to_recover_s) !== null ? ` in ${number(p.time_to_recover_s).toFixed(2)} s` : ""}` +
+      `${number(p.skipped_updates) !== null ? `, after ${plural(p.skipped_updates, "skipped update")}` : ""}`,
     placement_changed: (p) => `${given(p.action) ? value(p.action) : "change"} ${who(p)}${optional(p.host, (h) => " → " + h)}`,
     redirect_started: (p) => {
       const moving = [...listOf(p.replicas).map((r) => `generator replica ${value(r)}`),

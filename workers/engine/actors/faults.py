@@ -1,10 +1,11 @@
 """The actor side of fault drills: faults that act inside a role's endpoints.
 
 `FaultInjectableActor` is the base of every actor a drill can target. Its `inject_fault`
-endpoint arms one of:
-  raise      the next work call raises InjectedFault (the actor itself survives)
-  latency    each work call first waits latency_ms, for duration_s
-  bandwidth  each work call first waits (bytes of its arguments) / bandwidth, for duration_s
+endpoint arms (`arm_fault`) one of:
+  raise          the next work call raises InjectedFault (the actor itself survives)
+  latency        each work call first waits latency_ms, for duration_s
+  bandwidth      each work call first waits (bytes of its arguments) / bandwidth, for duration_s
+  nan_gradients  a trainer rank's only (`trainer_rank.py`): its gradients of the next update are NaN
 A work endpoint calls `self.before_work(args...)` first. Faults that act on the process
 (kill, hang, slow_host) are signals sent by the controller: see `workers/engine/drills.py`.
 """
@@ -71,6 +72,10 @@ class FaultInjectableActor(Actor):
     @endpoint
     def inject_fault(self, kind: str, duration_s: float = 0.0, latency_ms: float | None = None,
                      bandwidth_mbps: float | None = None) -> None:
+        self.arm_fault(kind, duration_s=duration_s, latency_ms=latency_ms, bandwidth_mbps=bandwidth_mbps)
+
+    def arm_fault(self, kind: str, *, duration_s: float, latency_ms: float | None, bandwidth_mbps: float | None) -> None:
+        """The fault of `inject_fault`; an actor that takes more kinds adds them (ValueError: a kind it does not take)."""
         if kind == "raise":
             self._raise_next = True
         elif kind in ("latency", "bandwidth"):
@@ -78,7 +83,7 @@ class FaultInjectableActor(Actor):
             self._latency_s = (latency_ms or 0.0) / 1000.0
             self._bits_per_s = bandwidth_mbps * 1e6 if bandwidth_mbps else None
         else:
-            raise ValueError(f"{kind} is not a fault an actor injects into itself")
+            raise ValueError(f"{kind} is not a fault that {type(self).__name__} injects into itself")
 
     def before_work(self, *args: Any, may_raise: bool = True) -> None:
         """Called first by a work endpoint with the arguments it received."""

@@ -6,6 +6,7 @@ Checkpoints hold full (unsharded) states, so a run resumes on any number of rank
 
 from __future__ import annotations
 
+import math
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from monarch.actor import endpoint
+from torch.utils.hooks import RemovableHandle
 
 from workers.engine.actors.devices import bind_proc_gpus
 from workers.engine.actors.faults import FaultInjectableActor
@@ -32,13 +34,58 @@ from workers.engine.tasks import Problem
 from workers.engine.training import EvalResult, build_optimizer, build_scheduler, evaluate, resolve_device, setup_process
 
 
+class NanGradients:
+    """The nan_gradients drill on one rank: once armed, the first parameter gradient accumulated (in the next update's
+    first backward) is filled with NaN. Accumulation keeps it NaN through the update's other micro-batches and the
+    ranks' all-reduce (FSDP: the hook runs once it is reduced into this rank's shard, whose norm every rank sums), so
+    the update's norm is NaN and data_parallel.apply_update skips it on every rank. Hooks on the accumulated gradients
+    hit the update whichever forward made them (the fused head's too), and not the no-grad ones (old log-probs, eval)."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.hooks: dict[int, RemovableHandle] = {}  # by id(parameter)
+
+    def arm(self, model: torch.nn.Module) -> None:
+        self.disarm()
+        self.armed = True
+        self.hooks = {id(param): param.register_post_accumulate_grad_hook(self._fill)
+                      for param in model.parameters() if param.requires_grad}
+
+    def disarm(self) -> None:
+        for hook in self.hooks.values():
+            hook.remove()
+        self.hooks = {}
+
+    def _fill(self, param: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        self.armed = False
+        param.grad.fill_(math.nan)
+        # the other hooks go now; this one at the next arming (its own parameter's hooks are being run)
+        for key, hook in self.hooks.items():
+            if key != id(param):
+                hook.remove()
+        self.hooks = {id(param): self.hooks[id(param)]}
+
+
 class TrainerRankActor(FaultInjectableActor):
+    nan_gradients: NanGradients | None = None  # made when a nan_gradients drill first arms this rank
+
     def __init__(self, config: RunConfig):
         set_proc_threads()
         self.config = config
         self.own_gpu = bind_proc_gpus() is not None  # placement.trainer.gpus_per_proc: this rank's GPU is cuda:0
         self.device = torch.device("cuda", 0) if self.own_gpu else resolve_device(config.trainer.device)
         self.outbox = WeightOutbox()
+
+    def arm_fault(self, kind: str, *, duration_s: float, latency_ms: float | None, bandwidth_mbps: float | None) -> None:
+        """A trainer rank also takes nan_gradients: its gradients of the next update are NaN (`NanGradients`)."""
+        if kind != "nan_gradients":
+            super().arm_fault(kind, duration_s=duration_s, latency_ms=latency_ms, bandwidth_mbps=bandwidth_mbps)
+            return
+        if self.nan_gradients is None:
+            self.nan_gradients = NanGradients()
+        self.nan_gradients.arm(self.model)
 
     def scheduled_updates(self) -> int:
         """Optimizer steps the learning-rate schedule spans."""

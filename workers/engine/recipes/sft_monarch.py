@@ -153,6 +153,7 @@ class MonarchSftRun:
                 timer.add_ranks(results)  # where the step's time went
                 metrics.update(timer.record_timeline(self.recorder, step=state.step))
                 self.recorder.log_many(metrics, state.step)
+                self.injector.trained(step=state.step, skipped=int(results[0]["update_skipped"]))  # nan_gradients drills
                 losses.append(metrics["loss"])
                 if not self.step_end.after(state.step, metrics=metrics):  # 4. its end
                     break

@@ -42,7 +42,8 @@ PLACEMENT_EVENTS = (EventKind.PLACEMENT_APPLIED, EventKind.PLACEMENT_CHANGED)
 # The operator controls' words for the engine's drill kinds (DrillKind).
 DRILL_KIND_LABELS = {"kill": "kill a process (SIGKILL)", "hang": "hang (SIGSTOP, then SIGCONT)",
                      "raise": "raise in an endpoint", "latency": "add message latency", "bandwidth": "cap bandwidth",
-                     "slow_host": "slow the host (stop/continue)"}
+                     "slow_host": "slow the host (stop/continue)",
+                     "nan_gradients": "make a trainer rank's gradients NaN (its next update is skipped)"}
 # Why the operator controls are put away in a state of a run that has not ended (they are shown in COMMAND_STATES).
 CONTROLS_NOTES = {
     RunState.QUEUED: "Queued: the controls work once the run is launching.",
