@@ -265,7 +265,7 @@ class MonarchGrpoRun:
                 timer.add_ranks(results)  # where the step's time went
                 metrics.update(timer.record_timeline(self.recorder, step=state.step))
                 self.recorder.log_many(metrics, state.step)
-                self.injector.trained(step=state.step, skipped=int(results[0]["update_skipped"]))  # nan_gradients drills
+                self.injector.trained(step=state.step, skipped=int(metrics[UPDATE_SKIPPED]))  # nan_gradients drills
                 losses.append(metrics["loss"])
                 step_metrics.append(metrics)
                 if not self.step_end.after(state.step, metrics=metrics, rollouts=batch.record):  # 7. its end

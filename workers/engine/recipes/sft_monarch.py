@@ -52,7 +52,7 @@ from workers.engine.startup import StartupPhases
 from workers.engine.step_end import StepEnd
 from workers.engine.tasks import build_task
 from workers.engine.tasks.stream import ProblemStream
-from workers.engine.training import EvalResult, PhaseTimer, record_eval
+from workers.engine.training import UPDATE_SKIPPED, EvalResult, PhaseTimer, record_eval
 
 
 def train_sft_monarch(config: RunConfig, recorder: Recorder, *, control: RunControl | None = None,
@@ -153,7 +153,7 @@ class MonarchSftRun:
                 timer.add_ranks(results)  # where the step's time went
                 metrics.update(timer.record_timeline(self.recorder, step=state.step))
                 self.recorder.log_many(metrics, state.step)
-                self.injector.trained(step=state.step, skipped=int(results[0]["update_skipped"]))  # nan_gradients drills
+                self.injector.trained(step=state.step, skipped=int(metrics[UPDATE_SKIPPED]))  # nan_gradients drills
                 losses.append(metrics["loss"])
                 if not self.step_end.after(state.step, metrics=metrics):  # 4. its end
                     break
