@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.engine.fake_fleet import FakeActor, FakeHosts, FakeProcs, Fleet, controller_parts, fake_group, grpo_config
-from workers.engine.actors.fleet import ReplicaGroup
+from workers.engine.actors.replica_group import ReplicaGroup
 from workers.engine.controller.drill_targets import DrillTargets, measure_replica
 from workers.engine.drills import DrillPlan
 from workers.engine.operations import parse_operation

@@ -12,7 +12,7 @@ import torch
 
 from tests.engine.fake_fleet import Done, FakeActor
 from tests.support.staging_rank import StagingRank, seeded_state
-from workers.engine.actors.fleet import Replica
+from workers.engine.actors.replica_group import Replica
 from workers.engine.actors.weight_inbox import PolicySlot, PublicationLost
 
 

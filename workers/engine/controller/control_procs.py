@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from workers.engine.actors.dataset import DatasetActor
-from workers.engine.actors.fleet import CallFailed, MeshStops, ProcFailure, stop_quietly
+from workers.engine.actors.replica_group import CallFailed, MeshStops, ProcFailure, stop_quietly
 from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.procs import spawn_procs
 from workers.engine.actors.replay_buffer import ReplayBufferActor

@@ -6,7 +6,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from workers.engine.actors.fleet import ReplicaGroup
+from workers.engine.actors.replica_group import ReplicaGroup
 from workers.engine.actors.hosts import Hosts, HostsUnreachable
 from workers.engine.controller.placement import Placer
 from workers.engine.controller.roles import serving

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from workers.engine.actors.fleet import ReplicaGroup
+from workers.engine.actors.replica_group import ReplicaGroup
 from workers.engine.config import RunConfig
 from workers.engine.controller.control_procs import ControlProcs
 from workers.engine.controller.drill_targets import DrillTargets

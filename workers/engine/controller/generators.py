@@ -14,7 +14,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
-from workers.engine.actors.fleet import Replica, ReplicaGroup
+from workers.engine.actors.replica_group import Replica, ReplicaGroup
 from workers.engine.actors.weight_inbox import Fetched
 from workers.engine.controller.requests import Request, Router
 from workers.engine.controller.state import RunState

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from workers.engine.actors.fleet import ProcFailure
+from workers.engine.actors.replica_group import ProcFailure
 from workers.engine.config import PlacementConfig
 from workers.engine.fields import ConfigError, FieldError
 
@@ -32,7 +32,7 @@ class PlacedReplica(Protocol):
 
 
 class RoleGroup(Protocol):
-    """What placement reads of a role's replicas (`actors.fleet.ReplicaGroup`)."""
+    """What placement reads of a role's replicas (`actors.replica_group.ReplicaGroup`)."""
 
     def live(self) -> Sequence[PlacedReplica]: ...
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from workers.engine.actors.fleet import CallFailed, Failover, Incident, Replica, ReplicaGroup, request_deadline
+from workers.engine.actors.replica_group import CallFailed, Failover, Incident, Replica, ReplicaGroup, request_deadline
 from workers.engine.controller.waits import Waits
 
 

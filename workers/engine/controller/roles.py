@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from workers.engine.actors.fleet import Replica, ReplicaGroup
+from workers.engine.actors.replica_group import Replica, ReplicaGroup
 from workers.engine.config import IN_TRAINER
 
 MOVABLE = ("generator", "reward", "reference")  # in this order: a role may follow the generators' hosts

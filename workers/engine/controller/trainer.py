@@ -11,7 +11,7 @@ from typing import Any
 
 from monarch.spmd import setup_torch_elastic_env
 
-from workers.engine.actors.fleet import (CallFailed, MeshStops, Replica, answered, call_failed, exited,
+from workers.engine.actors.replica_group import (CallFailed, MeshStops, Replica, answered, call_failed, exited,
                                          refusal_ends_run, spawned_name, stop_quietly)
 from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.trainer_rank import TrainerRankActor

@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from workers.engine.actors.fleet import Failover, MeshStops, ReplicaGroup
+from workers.engine.actors.replica_group import Failover, MeshStops, ReplicaGroup
 from workers.engine.actors.hosts import Hosts
 from workers.engine.actors.sft_trainer import SftTrainerActor
 from workers.engine.actors.worker import Worker
