@@ -8,8 +8,9 @@ from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
-from workers.engine.actors.replica_group import Failover, ReplicaGroup
+from workers.engine.actors.failover import Failover
 from workers.engine.actors.hosts import HostsUnreachable
+from workers.engine.actors.replica_group import ReplicaGroup
 from workers.engine.actors.weight_inbox import Fetched
 from workers.engine.actors.weight_outbox import WeightPart, WeightPublication
 from workers.engine.config import FailoverConfig, RunConfig, load_config

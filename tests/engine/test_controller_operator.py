@@ -344,7 +344,7 @@ def test_an_error_the_run_cannot_go_on_from_fails_the_command_and_ends_the_run_a
     of its replacements: the page says the run ends. Before, the command channel took the error for the command's own
     failure and the run went on (until the next refusal). Now the command fails with it, the next command still runs
     (the channel reports every one), and the step loop's check after the commands ends the run with the error."""
-    from workers.engine.actors.replica_group import ProcFailure
+    from workers.engine.actors.calls import ProcFailure
     from workers.engine.fields import ConfigError
 
     fleet, operator = _operator()

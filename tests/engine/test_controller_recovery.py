@@ -13,7 +13,7 @@ import pytest
 
 from tests.engine.fake_fleet import (Done, FakeActor, FakeEndpoint, FakeHosts, FakeProcs, Fleet, controller_parts, fake_group,
                                      grpo_config, staged_part)
-from workers.engine.actors.replica_group import CallFailed, ProcFailure
+from workers.engine.actors.calls import CallFailed, ProcFailure
 from workers.engine.actors.hosts import HostsUnreachable
 from workers.engine.actors.weight_inbox import UNREAD, Unread
 from workers.engine.controller.control_procs import ControlLost

@@ -12,7 +12,7 @@ import pytest
 
 from tests.engine.fake_fleet import (PIDS, Done, FakeActor, FakeHosts, FakeProcs, Fleet, controller_parts,
                                      fails_to_spawn, fake_group, fetched, grpo_config)
-from workers.engine.actors.replica_group import CallFailed
+from workers.engine.actors.calls import CallFailed
 from workers.engine.actors.hosts import HostsUnreachable
 from workers.engine.actors.weight_inbox import UNREAD, Fetched, Unread
 from workers.engine.controller.control_procs import ControlLost

@@ -154,7 +154,7 @@ def test_a_nan_gradients_fault_still_skipping_at_the_runs_end_is_recovered_by_cl
 
 
 def test_exited_sees_a_killed_process_before_it_is_reaped(sleeper) -> None:
-    from workers.engine.actors.replica_group import exited
+    from workers.engine.actors.calls import exited
 
     assert not exited(sleeper.pid)
     sleeper.kill()

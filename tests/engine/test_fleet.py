@@ -10,8 +10,11 @@ from typing import Any
 
 import pytest
 
-from workers.engine.actors.replica_group import CallFailed, Failover, MeshStops, ProcFailure, Replica, ReplicaGroup, exited
+from workers.engine.actors.calls import CallFailed, ProcFailure, exited
+from workers.engine.actors.failover import Failover
 from workers.engine.actors.hosts import Hosts
+from workers.engine.actors.mesh_stops import MeshStops
+from workers.engine.actors.replica_group import Replica, ReplicaGroup
 from workers.engine.actors.service import Service
 from workers.engine.config import FailoverConfig
 from workers.engine.drills import FaultInjector, FaultTarget
@@ -582,7 +585,7 @@ def test_spares_on_a_drained_host_are_stopped() -> None:
 
 
 def test_a_straggler_deadline_follows_the_roles_typical_request_time_within_its_bounds() -> None:
-    from workers.engine.actors.replica_group import request_deadline
+    from workers.engine.actors.calls import request_deadline
 
     off = FailoverConfig(call_timeout_s=30.0)
     assert request_deadline(typical_s=0.5, config=off) == 30.0, "off by default: only the call timeout"
@@ -621,7 +624,7 @@ class Answer:
 
 
 def test_wait_all_declares_a_straggler_hung_long_before_the_call_timeout() -> None:
-    from workers.engine.actors.replica_group import CallFailed, wait_all
+    from workers.engine.actors.calls import CallFailed, wait_all
 
     config = FailoverConfig(call_timeout_s=60.0, straggler_factor=4.0, straggler_min_s=0.3, poll_seconds=0.05)
     ticks: list[float] = []
@@ -636,7 +639,7 @@ def test_wait_all_declares_a_straggler_hung_long_before_the_call_timeout() -> No
 
 
 def test_wait_all_without_a_straggler_factor_waits_for_the_call_timeout() -> None:
-    from workers.engine.actors.replica_group import CallFailed, wait_all
+    from workers.engine.actors.calls import CallFailed, wait_all
 
     config = FailoverConfig(call_timeout_s=0.5, poll_seconds=0.05)
     started = time.monotonic()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.engine.actors.replica_group import CallFailed
+from workers.engine.actors.calls import CallFailed
 from workers.engine.controller.generators import RankRequest, TrainerGenerators
 from workers.engine.controller.roles import role_group
 from workers.engine.controller.state import RunState

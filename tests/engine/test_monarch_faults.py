@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests.engine.conftest import ARITHMETIC
-from workers.engine.actors.replica_group import exited
+from workers.engine.actors.calls import exited
 from workers.engine.metrics import MemorySink, Recorder
 from workers.engine.recipes.results import GrpoResult
 from workers.engine.run_control import RunControl

@@ -58,7 +58,7 @@ def test_generating_in_the_trainer_trains_exactly_as_a_generator_proc_does(
 
 def test_a_run_generating_in_the_trainer_starts_no_generator_proc_and_times_its_weight_copy(
         paired_runs: dict[str, tuple[Any, MemorySink]]) -> None:
-    from workers.engine.actors.replica_group import exited
+    from workers.engine.actors.calls import exited
 
     result, sink = paired_runs["in_trainer"]
     meshes = _events(sink, "meshes_ready")[0]

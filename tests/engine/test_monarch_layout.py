@@ -39,7 +39,7 @@ def _assigned(procs: Any) -> dict[tuple[int, int], tuple[int, str | None]]:
 
 def test_procs_hold_their_own_gpus_per_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from workers.engine.actors.devices import NoRoomForGpus
-    from workers.engine.actors.replica_group import stop_quietly
+    from workers.engine.actors.mesh_stops import stop_quietly
     from workers.engine.actors.hosts import Hosts, parse_workers
     from workers.engine.actors.local_workers import environment_value, local_workers
 
@@ -302,7 +302,7 @@ class HostLossScript:
 def test_a_replica_with_no_host_that_has_room_fails_the_run_with_the_reason(sft_warm_start: tuple[Path, float],
                                                                           tmp_path: Path) -> None:
     """host1 takes generator replica 1 with it; host0 already holds its one generator (procs_per_host: 1)."""
-    from workers.engine.actors.replica_group import ProcFailure
+    from workers.engine.actors.calls import ProcFailure
     from workers.engine.actors.hosts import parse_workers
     from workers.engine.config import load_config
     from workers.engine.recipes.grpo_monarch import train_grpo_monarch

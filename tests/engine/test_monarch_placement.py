@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.engine.fake_fleet import FakeHosts, fake_group
-from workers.engine.actors.replica_group import ProcFailure
+from workers.engine.actors.calls import ProcFailure
 from workers.engine.config import load_config
 from workers.engine.controller.placement import Placer
 from workers.engine.fields import ConfigError

@@ -137,7 +137,7 @@ def test_monarch_run_reports_placing_spawning_and_loading(monarch_mode_runs: dic
 
 @pytest.mark.slow
 def test_a_monarch_run_ends_with_every_proc_it_started_gone(monarch_mode_runs: dict[str, tuple[Any, MemorySink]]) -> None:
-    from workers.engine.actors.replica_group import exited
+    from workers.engine.actors.calls import exited
 
     for mode, (_, sink) in monarch_mode_runs.items():
         meshes = next(r for r in sink.records if r["kind"] == "event" and r["name"] == "meshes_ready")

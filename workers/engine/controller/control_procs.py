@@ -7,9 +7,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from workers.engine.actors.calls import CallFailed, ProcFailure
 from workers.engine.actors.dataset import DatasetActor
-from workers.engine.actors.replica_group import CallFailed, MeshStops, ProcFailure, stop_quietly
 from workers.engine.actors.hosts import Hosts
+from workers.engine.actors.mesh_stops import MeshStops, stop_quietly
 from workers.engine.actors.procs import spawn_procs
 from workers.engine.actors.replay_buffer import ReplayBufferActor
 from workers.engine.config import RunConfig

@@ -1,5 +1,5 @@
 """A trainer or control-proc failure: noticed once (its host may be found lost before its recovery starts), and its
-recovery recorded. Replica failures are `actors.replica_group.Failover`'s."""
+recovery recorded. Replica failures are `actors.failover.Failover`'s."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from workers.engine.actors.replica_group import Failover
+from workers.engine.actors.failover import Failover
 from workers.engine.controller.state import FaultTotals, RunState
 from workers.engine.drills import ActiveFault, FaultInjector
 from workers.engine.metrics import Recorder

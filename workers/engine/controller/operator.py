@@ -8,8 +8,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from workers.engine.actors.replica_group import CallFailed, ProcFailure, Replica, ReplicaGroup
+from workers.engine.actors.calls import CallFailed, ProcFailure
 from workers.engine.actors.hosts import Hosts, HostsUnreachable
+from workers.engine.actors.replica_group import Replica, ReplicaGroup
 from workers.engine.config import RunConfig
 from workers.engine.controller.drill_targets import DrillTargets
 from workers.engine.controller.placement import Placer

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from workers.engine.actors.replica_group import ProcFailure
+from workers.engine.actors.calls import ProcFailure
 from workers.engine.config import PlacementConfig
 from workers.engine.fields import ConfigError, FieldError
 

@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workers.engine.actors.replica_group import CallFailed, Failover, ProcFailure
+from workers.engine.actors.calls import CallFailed, ProcFailure
+from workers.engine.actors.failover import Failover
 from workers.engine.actors.hosts import HostsUnreachable
 from workers.engine.checkpoint import check_plain_data
 from workers.engine.checkpoint_folders import check_resume_recipe, resume_field

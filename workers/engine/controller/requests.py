@@ -8,7 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from workers.engine.actors.replica_group import CallFailed, Failover, Incident, Replica, ReplicaGroup, request_deadline
+from workers.engine.actors.calls import CallFailed, request_deadline
+from workers.engine.actors.failover import Failover, Incident
+from workers.engine.actors.replica_group import Replica, ReplicaGroup
 from workers.engine.controller.waits import Waits
 
 

@@ -1,6 +1,6 @@
 """Supervision and failover of a Monarch GRPO run's replicas: what failed (Monarch's failure reports, hosts that stop
 accepting connections, procs gone from /proc), where a replacement goes, and warm spares. The detection and
-replacement bookkeeping of one replica is `actors.replica_group.Failover`'s; the trainer's and the control proc's failures
+replacement bookkeeping of one replica is `actors.failover.Failover`'s; the trainer's and the control proc's failures
 end in a restore (`recovery.py`)."""
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from workers.engine.actors.replica_group import CallFailed, Failover, Replica, ReplicaGroup, exited, refusal_ends_run
+from workers.engine.actors.calls import CallFailed, exited, refusal_ends_run
+from workers.engine.actors.failover import Failover
 from workers.engine.actors.hosts import Hosts, HostsUnreachable
+from workers.engine.actors.replica_group import Replica, ReplicaGroup
 from workers.engine.controller.control_procs import ControlLost, ControlProcs
 from workers.engine.controller.placement import Placer
 from workers.engine.controller.state import RunState

@@ -11,9 +11,10 @@ from typing import Any
 
 from monarch.spmd import setup_torch_elastic_env
 
-from workers.engine.actors.replica_group import (CallFailed, MeshStops, Replica, answered, call_failed, exited,
-                                         refusal_ends_run, spawned_name, stop_quietly)
+from workers.engine.actors.calls import CallFailed, answered, call_failed, exited, refusal_ends_run
 from workers.engine.actors.hosts import Hosts
+from workers.engine.actors.mesh_stops import MeshStops, stop_quietly
+from workers.engine.actors.replica_group import Replica, spawned_name
 from workers.engine.actors.trainer_rank import TrainerRankActor
 from workers.engine.actors.weight_inbox import Fetched, Unread
 from workers.engine.actors.weight_outbox import WeightPublication

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from workers.engine.actors.replica_group import CallFailed, wait_all, wait_for
+from workers.engine.actors.calls import CallFailed, wait_all, wait_for
 from workers.engine.config import FailoverConfig
 
 

@@ -33,7 +33,7 @@ Failures: every wait polls each `failover.poll_seconds` and gives up after `fail
 (`controller/waits.py`). A generator, reward or reference replica that dies or hangs is detected, its request is
 retried on a healthy replica (`controller/requests.py`), and it is replaced by a fresh proc (loading while the
 healthy replicas serve) or a warm spare, holding the current policy weights (`controller/supervision.py`,
-`actors/replica_group.py`). A trainer proc that dies or hangs, or a
+`actors/failover.py`). A trainer proc that dies or hangs, or a
 lost control proc, sends the run back to the last checkpoint (`controller/recovery.py`). A host that stops
 accepting connections is lost with every proc on it, and each of them is handled as above on the remaining hosts.
 """
@@ -45,7 +45,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workers.engine.actors.replica_group import Failover, MeshStops, ProcFailure, ReplicaGroup, answered
+from workers.engine.actors.calls import ProcFailure, answered
+from workers.engine.actors.failover import Failover
+from workers.engine.actors.mesh_stops import MeshStops
+from workers.engine.actors.replica_group import ReplicaGroup
 from workers.engine.actors.generator import GeneratorActor
 from workers.engine.actors.weight_inbox import WeightInboxActor
 from workers.engine.actors.hosts import Hosts

@@ -24,8 +24,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from workers.engine.actors.replica_group import Failover, MeshStops, ReplicaGroup
+from workers.engine.actors.failover import Failover
 from workers.engine.actors.hosts import Hosts
+from workers.engine.actors.mesh_stops import MeshStops
+from workers.engine.actors.replica_group import ReplicaGroup
 from workers.engine.actors.sft_trainer import SftTrainerActor
 from workers.engine.actors.worker import Worker
 from workers.engine.batching import SftBatch
