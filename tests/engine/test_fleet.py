@@ -463,6 +463,10 @@ class StartingGroup(SpareGroup):
         fate = self.fates.pop(0) if self.fates else "loads"
         self.loads[-1].loaded = fate == "loads"
         self.loads[-1].error = RuntimeError("CUDA error: out of memory") if fate == "dies" else None
+        if fate == "unsendable":  # the pid call itself raises: Monarch could not send it to the new actor
+            def unsendable() -> None:
+                raise RuntimeError("the actor's mailbox is closed")
+            replica.actor = type("Actor", (), {"pid": type("Endpoint", (), {"call_one": staticmethod(unsendable)})()})()
         self.spawned.append(replica)
         return replica
 
@@ -521,6 +525,24 @@ def test_a_spawned_replica_is_no_replacement(fate: str) -> None:
     assert group.replacing == []
     replacement, _ = group.begin_replacement(0, "b")
     assert group.replacing == [replacement]
+
+
+@pytest.mark.parametrize("replacement", [False, True])
+def test_a_new_replica_whose_pid_call_cannot_be_sent_did_not_start_and_its_procs_are_stopped(replacement: bool) -> None:
+    """The pid call (the sign that a new replica started) raising as it is sent: the replica did not start, as one
+    whose load failed, and its procs are stopped (they ran on, their GPUs counted as taken) and it is no replacement."""
+    group = StartingGroup("reference", 1, setup_timeout_s=0.3, fates=["unsendable"])
+    with pytest.raises(CallFailed, match="did not start: RuntimeError: the actor's mailbox is closed"):
+        group.begin_replacement(0, "b") if replacement else group.spawn(1, "b")
+    assert group.spawned[0].procs.stopped and group.replacing == []
+
+
+def test_a_spare_whose_pid_call_cannot_be_sent_is_told_at_the_next_poll_and_its_procs_are_stopped() -> None:
+    group = StartingGroup("reference", 1, setup_timeout_s=0.3, fates=["unsendable"])
+    group.spares = 1
+    assert group.warm("b") == 0 and group.spawned[0].procs.stopped and group.warming == []
+    assert group.poll_spares() == ([], ["did not start: RuntimeError: the actor's mailbox is closed"])
+    assert group.warm("b") == 1 and [spare for spare, _ in group.warming] == [group.spawned[1]]
 
 
 @pytest.mark.parametrize("fate", ["hangs", "dies"])

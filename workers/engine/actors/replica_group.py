@@ -181,7 +181,16 @@ class ReplicaGroup:
         replica = self._spawn(index, host)
         if replacement:
             self.replacing.append(replica)
-        return replica, replica.actor.pid.call_one()
+        return replica, self._pid_call(replica)
+
+    def _pid_call(self, replica: Replica) -> Any:
+        """A new replica's pid call. CallFailed when it cannot be sent: the new procs are stopped, as when the actor
+        does not spawn (`_start`)."""
+        try:
+            return replica.actor.pid.call_one()
+        except Exception as error:  # noqa: BLE001 - Monarch's, sending to the new actor: the new procs failed
+            self.stop(replica)
+            raise not_started(error) from None
 
     def spawn(self, index: int, host: str) -> Replica:
         """A new replica `index` on `host`, started (an operator's add or move; no replacement). CallFailed when it did
@@ -249,10 +258,10 @@ class ReplicaGroup:
             self.incarnations += 1
             try:
                 spare = self._start(-1, host, f"{self.role}_spare_{self.incarnations}")
+                self.warming.append((spare, self._pid_call(spare)))
             except CallFailed as failure:  # its procs are stopped already
                 self.unstarted_spares.append(failure)
                 break
-            self.warming.append((spare, spare.actor.pid.call_one()))
             started += 1
         return started
 
