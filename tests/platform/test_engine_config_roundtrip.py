@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import get_args
 
 import yaml
 from hypothesis import HealthCheck, given, settings
@@ -19,7 +20,7 @@ from forgeboard.cluster.models import Device, DeviceKind, Host
 from forgeboard.experiments.services import experiment_create, validate_run_config
 from forgeboard.runs.services import run_launch
 from workers.engine.config import RunConfig, config_to_yaml, load_config
-from workers.engine.operations import DURATION_KINDS
+from workers.engine.operations import DURATION_KINDS, UPDATE_KINDS, DrillKind
 from workers.launch.local import engine_config_yaml
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs").glob("*.yaml"))
@@ -35,8 +36,8 @@ _schedules = st.one_of(st.none(), st.builds(lambda s: {"at_step": s}, st.integer
 @st.composite
 def _drill(draw: st.DrawFn) -> dict:
     """A drill the drills example (2 generator replicas, a reward, one trainer rank) can take."""
-    kind = draw(st.sampled_from(["kill", "hang", "raise", "latency", "bandwidth", "slow_host"]))
-    role = draw(st.sampled_from(["generator", "trainer", "reward"]))
+    kind = draw(st.sampled_from(get_args(DrillKind)))
+    role = "trainer" if kind in UPDATE_KINDS else draw(st.sampled_from(["generator", "trainer", "reward"]))
     drill: dict = {"kind": kind, "role": role, "schedule": draw(_schedules)}
     if role == "generator" and draw(st.booleans()):
         drill["replica"] = draw(st.integers(0, 1))
