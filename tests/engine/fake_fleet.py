@@ -1,16 +1,19 @@
 """A fake set of Monarch hosts and actors for the controller's parts: the real replica groups, services, failover
-and fault injector run over them, with no process spawned."""
+and fault injector run over them, with no process spawned. Below them, replica groups whose replicas are plain objects
+(FakeGroup and its subclasses), for the tests of actors/replica_group.py and actors/failover.py."""
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
 from workers.engine.actors.failover import Failover
 from workers.engine.actors.hosts import HostsUnreachable
-from workers.engine.actors.replica_group import ReplicaGroup
+from workers.engine.actors.replica_group import Replica, ReplicaGroup
+from workers.engine.actors.service import Service
 from workers.engine.actors.weight_inbox import Fetched
 from workers.engine.actors.weight_outbox import WeightPart, WeightPublication
 from workers.engine.config import FailoverConfig, RunConfig, load_config
@@ -254,3 +257,105 @@ def controller_parts(config: RunConfig, hosts: FakeHosts, groups: dict[str, Repl
                                   placer=fleet.placer, trainer=trainer, control=control, waits=fleet.waits,
                                   state=fleet.state, reports=[])
     return fleet
+
+
+class FakeMesh:
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def stop(self) -> Any:
+        self.stopped = True
+        return self
+
+    def get(self, timeout: float | None = None) -> None:
+        return None
+
+
+class FakeGroup(ReplicaGroup):
+    """A replica group whose spawns are plain objects."""
+
+    def __init__(self, role: str, count: int, *, setup_timeout_s: float = FailoverConfig().setup_timeout_s):
+        super().__init__(role, spawn_actor=lambda procs, name: None, threads=1, routing="round_robin",
+                         setup_timeout_s=setup_timeout_s)
+        self.service = Service([self._fake(i, "a") for i in range(count)], routing="round_robin")
+
+    def _fake(self, index: int, host: str) -> Replica:
+        self.incarnations += 1
+        return Replica(self.role, index, host, self.incarnations, f"{self.role}_{index}_{self.incarnations}", FakeMesh(), None,
+                       pids=[])
+
+    def spawn(self, index: int, host: str) -> Replica:
+        return self._fake(index, host)
+
+    def begin_replacement(self, index: int, host: str) -> tuple[Replica, Any]:
+        """A replacement whose model has loaded by the time it is looked at."""
+        replica = self._fake(index, host)
+        self.replacing.append(replica)
+        return replica, Loaded()
+
+
+class Loaded:
+    """A pid future that has answered."""
+
+    def get(self, timeout: float | None = None) -> int:
+        return 4241
+
+
+class Loading:
+    """A spare's pid future: not ready until `loaded`, or failing when `error` is set."""
+
+    def __init__(self) -> None:
+        self.loaded = False
+        self.error: Exception | None = None
+
+    def get(self, timeout: float | None = None) -> int:
+        if self.error is not None:
+            raise self.error
+        if not self.loaded:
+            time.sleep(min(timeout or 0, 0.01))
+            raise TimeoutError
+        return 4242
+
+
+class SpareGroup(FakeGroup):
+    """A fake group whose new replicas (spares included) load until the test says they are loaded."""
+
+    def __init__(self, role: str, count: int, *, spares: int = 0, setup_timeout_s: float = FailoverConfig().setup_timeout_s):
+        super().__init__(role, count, setup_timeout_s=setup_timeout_s)
+        self.spares = spares
+        self.loads: list[Loading] = []
+
+    def _start(self, index: int, host: str, name: str) -> Replica:
+        loading = Loading()
+        self.loads.append(loading)
+        actor = type("Actor", (), {"pid": type("Endpoint", (), {"call_one": staticmethod(lambda: loading)})()})()
+        return Replica(self.role, index, host, self.incarnations, name, FakeMesh(), actor)
+
+
+class StartingGroup(SpareGroup):
+    """A fake group whose replacements start as real ones do (`ReplicaGroup.spawn`), each loading until the test
+    says (`loads`); `fates` makes the next starts fail ("dies") or never end ("hangs")."""
+
+    spawn = ReplicaGroup.spawn
+    begin_replacement = ReplicaGroup.begin_replacement
+
+    def __init__(self, role: str, count: int, *, setup_timeout_s: float, fates: list[str]):
+        super().__init__(role, count, setup_timeout_s=setup_timeout_s)
+        self.fates = fates
+        self.spawned: list[Replica] = []
+
+    def _start(self, index: int, host: str, name: str) -> Replica:
+        replica = super()._start(index, host, name)
+        fate = self.fates.pop(0) if self.fates else "loads"
+        self.loads[-1].loaded = fate == "loads"
+        self.loads[-1].error = RuntimeError("CUDA error: out of memory") if fate == "dies" else None
+        if fate == "unsendable":  # the pid call itself raises: Monarch could not send it to the new actor
+            def unsendable() -> None:
+                raise RuntimeError("the actor's mailbox is closed")
+            replica.actor = type("Actor", (), {"pid": type("Endpoint", (), {"call_one": staticmethod(unsendable)})()})()
+        self.spawned.append(replica)
+        return replica
+
+
+NOT_STARTED = {"hangs": ("did not start within 0.3 s (failover.setup_timeout_s)", True),
+               "dies": ("did not start: RuntimeError: CUDA error: out of memory", False)}

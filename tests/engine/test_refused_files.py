@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from monarch.actor import ActorError
 
-from tests.engine.fake_fleet import Done, FakeHosts, controller_parts, fails_to_start, fake_group, grpo_config
+from tests.engine.fake_fleet import (Done, FakeHosts, StartingGroup, controller_parts, fails_to_start, fake_group,
+                                     grpo_config)
 from tests.engine.test_controller_recovery import _recovery, _relaunches
-from tests.engine.test_failover import StartingGroup
 from workers.engine.actors.calls import CallFailed
 from workers.engine.controller.requests import Router
 from workers.engine.fields import ConfigError, FieldError

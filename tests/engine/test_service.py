@@ -55,3 +55,14 @@ def test_unavailable_replicas_get_no_requests_until_replaced() -> None:
         service.set_available(index, False)
     with pytest.raises(NoReplica):
         service.pick()
+
+
+def test_typical_seconds_is_the_median_over_routable_replicas() -> None:
+    service = Service(["a", "b", "c", "d"], routing="least_loaded")
+    assert service.typical_seconds() is None
+    for index, seconds in enumerate([0.2, 0.4, 9.0]):  # replica 3 has not answered yet
+        service.in_flight[index] = 1
+        service.done(index, seconds)
+    assert service.typical_seconds() == 0.4
+    service.set_available(1, False)
+    assert service.typical_seconds() == 9.0, "the upper median of the routable replicas' 0.2 and 9.0"
