@@ -1,10 +1,11 @@
-"""The nan_gradients drill on a running Monarch GRPO run (real procs, the tiny Qwen3, two trainer ranks over gloo): the
-drill makes trainer rank 1's gradients of its next update NaN, and every rank skips that update, the norm being
-all-reduced (rank 0's results are the step's metrics, its weights the checkpoints').
+"""The nan_gradients drill on a running Monarch GRPO or SFT run (real procs, the tiny Qwen3, two trainer ranks over
+gloo): the drill makes trainer rank 1's gradients of its next update NaN, and every rank skips that update, the norm
+being all-reduced (rank 0's results are the step's metrics, its weights the checkpoints').
 
   diverged  drills at steps 3 and 4, trainer.max_skipped_updates 2: the run ends as diverged at step 4
   recovers  one drill at step 3, the default limit: step 3's update is skipped (its checkpoint holds step 2's
-            weights), step 4 trains again and the fault's one `recovered` says so
+            weights), step 4 trains again and the fault's one `recovered` says so; for GRPO, and for SFT (its own step
+            loop, which tells the injector of the skipped update too)
 """
 
 from __future__ import annotations
@@ -47,6 +48,21 @@ def _run(model: Path, root: Path, *, steps: int, drill_steps: tuple[int, ...], e
     except RunDiverged as diverged:
         outcome = diverged
     return outcome, sink.records
+
+
+def _run_sft(model: Path, root: Path, *, steps: int, drill_steps: tuple[int, ...]):
+    """(the SftResult, its records)."""
+    from workers.engine.config import load_config
+    from workers.engine.recipes.sft_monarch import train_sft_monarch
+
+    config = load_config(f"recipe: sft\nmodel: {{path: '{model}'}}\n{_drills(*drill_steps)}", overrides=[
+        "data.max_operand=20", "data.eval_size=8", "data.seq_len=64", "placement.backend=monarch", "trainer.ranks=2",
+        f"trainer.steps={steps}", "trainer.batch_size=10", "trainer.micro_batch_size=2", "eval.every_steps=0",
+        f"checkpoint.folder={root / 'checkpoints'}", "checkpoint.every_steps=1", "checkpoint.keep_last=10",
+        "telemetry.console=false", "trainer.threads_per_process=1",
+    ])
+    sink = MemorySink()
+    return train_sft_monarch(config, Recorder([sink])), sink.records
 
 
 def _metric(records: list[dict[str, Any]], key: str) -> dict[int, float]:
@@ -102,3 +118,20 @@ def test_one_nan_gradients_step_is_skipped_and_the_run_recovers_and_finishes(tin
         (injected["fault_id"], "nan_gradients", "trainer", 1)
     assert (recovered["step"], recovered["skipped_updates"], recovered["caused_failure"]) == (4, 1, False)
     assert "cut_short_by_run_end" not in recovered
+
+
+def test_one_nan_gradients_step_of_an_sft_run_is_skipped_and_the_run_recovers_and_finishes(tiny_trainable_qwen3: Path,
+                                                                                          tmp_path: Path) -> None:
+    result, records = _run_sft(tiny_trainable_qwen3, tmp_path, steps=4, drill_steps=(3,))
+    assert result.step == 4
+    assert _metric(records, UPDATE_SKIPPED) == {1: 0, 2: 0, 3: 1, 4: 0}, "rank 0 skipped rank 1's NaN update"
+    assert math.isnan(_metric(records, "grad_norm")[3]) and all(math.isfinite(loss) for loss in result.losses)
+    assert _skipped_messages(records) == [3]
+    assert _same(_weights(tmp_path, 2), _weights(tmp_path, 3)), "step 3's update was skipped: step 2's weights"
+    assert not _same(_weights(tmp_path, 3), _weights(tmp_path, 4)), "step 4 trained"
+    [injected] = _events(records, "fault_injected")
+    [recovered] = _events(records, "recovered")
+    assert (recovered["fault_id"], recovered["fault_kind"], recovered["role"], recovered["replica"]) == \
+        (injected["fault_id"], "nan_gradients", "trainer", 1)
+    assert (recovered["step"], recovered["skipped_updates"], recovered["caused_failure"]) == (4, 1, False)
+    assert "cut_short_by_run_end" not in recovered, "told by the step that trained again, not by the run's end"
