@@ -436,6 +436,21 @@
     });
   });
 
+  // A drill kind that only some roles take (nan_gradients: a trainer rank's gradients) leaves only those roles to pick,
+  // and moves the choice to the first of them; the server still refuses any other (workers/engine/operations.py).
+  function narrowDrillRoles(form) {
+    const kind = form.elements["payload.kind"], role = form.elements["payload.role"];
+    const allowed = run.drillKindRoles[kind.value] || null;
+    Array.from(role.options).forEach((option) => { option.disabled = allowed !== null && !allowed.includes(option.value); });
+    const first = Array.from(role.options).find((option) => !option.disabled);
+    if (role.selectedOptions[0]?.disabled && first) role.value = first.value;
+  }
+  const drillForm = document.querySelector('form[data-command="fault_drill"]');
+  if (drillForm) {
+    drillForm.elements["payload.kind"].addEventListener("change", () => narrowDrillRoles(drillForm));
+    narrowDrillRoles(drillForm);
+  }
+
   // Mirrors forgeboard.web.views.runs.form_payload: `payload.a.b` fields, numbers as numbers, empties dropped.
   function payloadFromFields(fields) {
     const payload = {};

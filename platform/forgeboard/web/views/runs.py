@@ -30,7 +30,7 @@ from forgeboard.telemetry.selectors import KEY_METRICS, rollout_samples
 from forgeboard.idempotency.services import idempotent_refused
 from forgeboard.web.errors import project_or_404, refusal_or_flash, run_or_404
 from forgeboard.web.idempotent import idempotent_form
-from workers.engine.operations import DrillKind, DrillRole, PlacedRole
+from workers.engine.operations import UPDATE_KINDS, DrillKind, DrillRole, PlacedRole
 
 RUNS_PER_PAGE = 50
 COMMANDS_SHOWN = 20
@@ -39,11 +39,11 @@ ROLLOUTS_SHOWN = 40
 PLACEMENT_ROWS_SHOWN = 256
 PLACEMENT_JSON_CHARS = 20_000
 PLACEMENT_EVENTS = (EventKind.PLACEMENT_APPLIED, EventKind.PLACEMENT_CHANGED)
-# The operator controls' words for the engine's drill kinds (DrillKind).
-DRILL_KIND_LABELS = {"kill": "kill a process (SIGKILL)", "hang": "hang (SIGSTOP, then SIGCONT)",
+# The operator controls' words for the engine's drill kinds (DrillKind), short enough to be read whole in the form's
+# select (tests/e2e/test_drills.py measures them).
+DRILL_KIND_LABELS = {"kill": "kill a process (SIGKILL)", "hang": "hang (SIGSTOP, SIGCONT)",
                      "raise": "raise in an endpoint", "latency": "add message latency", "bandwidth": "cap bandwidth",
-                     "slow_host": "slow the host (stop/continue)",
-                     "nan_gradients": "make a trainer rank's gradients NaN (its next update is skipped)"}
+                     "slow_host": "slow host (stop/continue)", "nan_gradients": "NaN gradients (trainer only)"}
 # Why the operator controls are put away in a state of a run that has not ended (they are shown in COMMAND_STATES).
 CONTROLS_NOTES = {
     RunState.QUEUED: "Queued: the controls work once the run is launching.",
@@ -155,6 +155,8 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
                      "terminalStates": sorted(TERMINAL_STATES), "cancelStates": sorted(CANCELLABLE_STATES),
                      "commandStates": sorted(COMMAND_STATES), "controlsNotes": CONTROLS_NOTES,
                      "reasonLabels": REASON_LABELS,
+                     # the drill kinds only a trainer rank takes: the drill form offers them for the trainer alone
+                     "drillKindRoles": {kind: ["trainer"] for kind in UPDATE_KINDS},
                      "commandsShown": COMMANDS_SHOWN, "commandTextChars": COMMAND_TEXT_CHARS,
                      "commandKindLabels": dict(CommandKind.choices), "commandStateLabels": dict(CommandState.choices),
                      "startedAt": run.started_at.isoformat() if run.started_at else None,
