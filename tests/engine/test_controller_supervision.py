@@ -287,14 +287,33 @@ def test_the_next_staging_waits_for_the_last_ones_reads_and_takes_new_memory_aft
     trainer.publish_weights(replicas, 1)
     trainer.publish_weights(replicas, 2)
     assert fetched(inboxes[0]) == fetched(inboxes[1]) == [(1, 0), (2, 0)]
-    assert fleet.sink.series("weights/read_bytes") == [(0, 4.0)], "publication 1's reads, settled before the 2nd"
+    assert [read.publication for read in trainer.fetches.settled] == [1, 1], "publication 1's reads, settled before the 2nd"
     inboxes[1].fetch.call_one = lambda publication: Done(error=RuntimeError("the inbox's proc died"))
     trainer.publish_weights(replicas, 3)
     trainer.publish_weights(replicas, 4)
     trainer.publish_weights(replicas, 5)
     # publication 3's read by the dead inbox fails: 4 goes into new memory, and so does 5 (4's read failed too)
     assert trainer.actors.stage_weights.calls == [(True,), (True,), (True,), (False,), (False,)]
-    assert len(fleet.sink.series("weights/read_s")) == 4, "the reads that ended are still counted"
+    assert [read.publication for read in trainer.fetches.settled] == [1, 1, 2, 2, 3, 4], \
+        "the reads that ended are still counted"
+
+
+def test_the_weight_reads_a_step_settles_are_one_metric_point_each_the_slowest_read() -> None:
+    """A step settles reads more than once (its own publication's, then a replacement's catch-up, in the same publish):
+    each went to the run as a point of its own at the same step, and the control plane kept the last and reported the
+    others as telemetry dropped. The step's metrics take them once: the slowest read, one replica's bytes."""
+    fleet, _ = _supervised()
+    trainer, replicas = fleet.trainer, fleet.groups["generator"].replicas
+    trainer.publish_weights(replicas, 1)
+    trainer.publish_weights(replicas, 2)  # settles publication 1's two reads
+    slow = replicas[0].inbox.fetch.call_one
+    replicas[0].inbox.fetch.call_one = lambda publication: Done(Fetched(publication=publication, nbytes=4, seconds=2.5))
+    trainer.publish_weights([replicas[0]], 3)  # a replacement's catch-up in the same step: settles 2's reads
+    trainer.publish_weights(replicas, 4)  # settles 3's (2.5 s)
+    assert trainer.fetches.figures() == {"weights/read_s": 2.5, "weights/read_bytes": 4.0}
+    assert trainer.fetches.figures() == {}, "taken once"
+    replicas[0].inbox.fetch.call_one = slow
+    assert fleet.sink.series("weights/read_s") == [], "recorded with the step's metrics only"
 
 
 def test_the_trainer_is_blamed_for_a_read_only_by_the_inbox_answering_unread_not_by_a_failures_text():

@@ -103,7 +103,8 @@ def fault_run(sft_warm_start: tuple[Path, float], tmp_path_factory: pytest.TempP
     channel.control = control
     sink = MemorySink()
     result = train_grpo_monarch(config, Recorder([sink]), control=control)
-    return result, [r for r in sink.records if r["kind"] == "event"], channel
+    return (result, [r for r in sink.records if r["kind"] == "event"], channel,
+            [r for r in sink.records if r["kind"] == "metric"])
 
 
 def _named(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
@@ -111,7 +112,7 @@ def _named(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
 
 
 def test_every_injected_fault_is_detected_once_and_recovered_once(fault_run) -> None:
-    result, events, _ = fault_run
+    result, events, _, _ = fault_run
     injected = _named(events, "fault_injected")
     kinds = Counter((e["fault_kind"], e["role"]) for e in injected)
     assert kinds == Counter({("kill", "generator"): 1, ("raise", "generator"): 2, ("hang", "generator"): 1,
@@ -148,7 +149,7 @@ def test_every_injected_fault_is_detected_once_and_recovered_once(fault_run) -> 
 
 
 def test_replaced_generators_serve_the_current_policy_version(fault_run) -> None:
-    _, events, _ = fault_run
+    _, events, _, metrics = fault_run
     replaced = [e for e in _named(events, "replica_replaced") if e["role"] == "generator"]
     assert sorted(e["replica"] for e in replaced) == [0, 1]  # the kill at step 2, the hang at step 4
     for event in replaced:
@@ -160,10 +161,16 @@ def test_replaced_generators_serve_the_current_policy_version(fault_run) -> None
     assert [e["role"] for e in _named(events, "replica_replaced")].count("reward") == 1
     retried = [e for e in _named(events, "recovered") if e.get("action") == "retried"]
     assert sorted(e["role"] for e in retried) == ["generator", "generator", "reference", "trainer"]
+    # a replacement's catch-up read of the weights was a point of its own beside the step's sync, at the same step
+    # (the control plane kept one and reported the other as telemetry dropped): a metric has one point a step, but at
+    # step 9, which the trainer's restore trained again
+    points = Counter((m["key"], m["step"]) for m in metrics)
+    assert {step for (_, step), count in points.items() if count > 1} <= {9}
+    assert len({step for key, step in points if key == "weights/read_s"}) >= 8, "the generators' reads, step by step"
 
 
 def test_placement_change_and_drain_take_effect_mid_run(fault_run) -> None:
-    result, events, channel = fault_run
+    result, events, channel, _ = fault_run
     changed = _named(events, "placement_changed")
     assert [(e["action"], e["replica"], e["host"]) for e in changed] == [("add", 2, "c")]
     assert changed[0]["plan"] == {"0": "a", "1": "b", "2": "c"}
@@ -177,7 +184,7 @@ def test_placement_change_and_drain_take_effect_mid_run(fault_run) -> None:
 
 
 def test_bad_operator_requests_fail_with_a_reason_and_the_run_goes_on(fault_run) -> None:
-    result, _, channel = fault_run
+    result, _, channel, _ = fault_run
     failures = [outcome for step, _, outcome in channel.outcomes if step == 2]
     assert len(failures) == 6 and all(isinstance(f, str) for f in failures)
     # which generators serve right after the kill at step 2 depends on when it was noticed

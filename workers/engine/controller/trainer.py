@@ -41,6 +41,7 @@ class PendingFetches:
     def __init__(self) -> None:
         self.pending: list[tuple[Replica, int, Any]] = []  # (generator replica, publication, its inbox's fetch call)
         self.abandoned: list[tuple[Replica, int]] = []  # reads of a stopped mesh's memory: they never arrive
+        self.settled: list[Fetched] = []  # reads that ended since the step's metrics last took them (`figures`)
 
     def add(self, replica: Replica, publication: int, fetch: Any) -> None:
         self.pending.append((replica, publication, fetch))
@@ -65,12 +66,12 @@ class PendingFetches:
             self.abandoned.append((replica, publication))
         self.pending.clear()
 
-    def settle(self, *, waits: Waits, recorder: Recorder, step: int, ranks_gone: Callable[[], str | None]) -> bool:
+    def settle(self, *, waits: Waits, ranks_gone: Callable[[], str | None]) -> bool:
         """Wait for every pending read, or until the supervisor has marked its replica failed (replacing it is the
-        supervisor's) or `ranks_gone` says why the ranks read from are lost, and record `weights/read_s` (the slowest
-        read) and `weights/read_bytes` (one replica's); whether every read ended (a hung one may still be reading: the
-        ranks must not write over what it reads; one that gave up, `Unread`, counts as not ended). Reads of lost ranks
-        stay pending: the relaunch abandons them."""
+        supervisor's) or `ranks_gone` says why the ranks read from are lost; whether every read ended (a hung one may
+        still be reading: the ranks must not write over what it reads; one that gave up, `Unread`, counts as not
+        ended). The reads that ended go to the step's metrics (`figures`). Reads of lost ranks stay pending: the
+        relaunch abandons them."""
         reads: list[Fetched] = []
         unended, gave_up = [], False
         for replica, publication, fetch in self.pending:
@@ -86,10 +87,17 @@ class PendingFetches:
                 reads.append(read)
         ended = not unended and not gave_up
         self.pending = unended if ranks_gone() is not None else []
-        if reads:
-            recorder.log_many({"weights/read_s": max(r.seconds for r in reads), "weights/read_bytes": reads[0].nbytes},
-                              step=step)
+        self.settled.extend(reads)
         return ended
+
+    def figures(self) -> dict[str, float]:
+        """The reads that ended since the last call, for the step's metrics: `weights/read_s` (the slowest) and
+        `weights/read_bytes` (one replica's); none when none ended. Once per step: a step settles reads more than once
+        (its own publication's, a replacement's catch-up), and a metric has one value per step."""
+        reads, self.settled = self.settled, []
+        if not reads:
+            return {}
+        return {"weights/read_s": max(r.seconds for r in reads), "weights/read_bytes": float(reads[-1].nbytes)}
 
 
 class TrainerHandle:
@@ -353,8 +361,7 @@ class TrainerHandle:
     def publish_weights(self, replicas: list[Replica], publication: int) -> None:
         """Every rank stages its part of the current weights as `publication`, then each generator replica's inbox
         reads the parts straight from the ranks (`actors/weight_outbox.py`); only the staging is waited for."""
-        every_read_ended = self.fetches.settle(waits=self.waits, recorder=self.recorder, step=self.state.step,
-                                               ranks_gone=self.gone)
+        every_read_ended = self.fetches.settle(waits=self.waits, ranks_gone=self.gone)
         staged = self.every_rank(lambda: self.actors.stage_weights.call(every_read_ended), what="a weight staging")
         sent = WeightPublication(number=publication, version=self.state.policy_version,
                                  parts=tuple(part for part in staged if part is not None),

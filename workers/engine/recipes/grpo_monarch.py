@@ -332,6 +332,7 @@ class MonarchGrpoRun:
             "mfu": mfu(n_params=self.trainer.n_params, tokens=train_tokens, seconds=step_seconds,
                        peak_flops_per_second=cfg.trainer.peak_flops_per_second * cfg.trainer.ranks),
             **fault_metrics(self.failover, self.injector, state.totals),
+            **self.trainer.fetches.figures(),  # the generators' reads of the weights that ended this step
             **({"faults/spares_ready": sum(len(g.ready_spares) for g in self.groups.values())}
                if cfg.failover.warm_spares else {}),
         }
