@@ -10,13 +10,14 @@
            current policy version (`prepare`), put it back in routing, emit `replica_replaced`.
            While it loads the role's healthy replicas serve and the run goes on: it is looked at
            again at each repair, and waited for only when no replica of its role serves. Spares
-           used up are started again in the background. A replica
-           (first, replacement or spare) whose model is not loaded within `failover.setup_timeout_s`
-           of its spawn did not start: at the run's start the run fails; a replacement that did not
-           start (or failed as it started, or as it took the weights) is one more failure of its replica;
-           a spare is dropped.
-           One that refuses the model folder (its actor's ConfigError: the folder changed since the
-           start) ends the run with that field's error, as at the start: every other would read it too.
+           used up are started again in the background. A replica (first, replacement or spare)
+           whose model is not loaded within `failover.setup_timeout_s` of its spawn did not start:
+           at the run's start the run fails; a replacement that did not start (or failed as it
+           started, or as it took the weights) is one more failure of its replica; a spare is
+           dropped. One that loaded but could not take the weights because the trainer failed is
+           kept, loaded, for the next repair. One that refuses the model folder (its actor's
+           ConfigError: the folder changed since the start) ends the run with that field's error,
+           as at the start: every other would read it too.
   recovered  emitted once the failed request has been served again (retried on a healthy
            replica) and the replacement, if one was needed, serves: `time_to_detect_s` (from
            the injected fault, when a drill caused it), `time_to_recover_s` (from detection).
