@@ -306,13 +306,11 @@ def test_the_weight_reads_a_step_settles_are_one_metric_point_each_the_slowest_r
     trainer, replicas = fleet.trainer, fleet.groups["generator"].replicas
     trainer.publish_weights(replicas, 1)
     trainer.publish_weights(replicas, 2)  # settles publication 1's two reads
-    slow = replicas[0].inbox.fetch.call_one
     replicas[0].inbox.fetch.call_one = lambda publication: Done(Fetched(publication=publication, nbytes=4, seconds=2.5))
     trainer.publish_weights([replicas[0]], 3)  # a replacement's catch-up in the same step: settles 2's reads
     trainer.publish_weights(replicas, 4)  # settles 3's (2.5 s)
     assert trainer.fetches.figures() == {"weights/read_s": 2.5, "weights/read_bytes": 4.0}
     assert trainer.fetches.figures() == {}, "taken once"
-    replicas[0].inbox.fetch.call_one = slow
     assert fleet.sink.series("weights/read_s") == [], "recorded with the step's metrics only"
 
 

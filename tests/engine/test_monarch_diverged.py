@@ -109,6 +109,21 @@ def test_one_nan_gradients_step_is_skipped_and_the_run_recovers_and_finishes(tin
     assert result.step == 5
     assert [m[UPDATE_SKIPPED] for m in result.metrics] == [0, 0, 1, 0, 0]
     assert math.isnan(result.metrics[2]["grad_norm"]) and all(math.isfinite(m["loss"]) for m in result.metrics)
+    _step_3_skipped_then_recovered_at_step_4(records, tmp_path)
+
+
+def test_one_nan_gradients_step_of_an_sft_run_is_skipped_and_the_run_recovers_and_finishes(tiny_trainable_qwen3: Path,
+                                                                                          tmp_path: Path) -> None:
+    result, records = _run_sft(tiny_trainable_qwen3, tmp_path, steps=4, drill_steps=(3,))
+    assert result.step == 4
+    assert _metric(records, UPDATE_SKIPPED) == {1: 0, 2: 0, 3: 1, 4: 0}, "rank 0 skipped rank 1's NaN update"
+    assert math.isnan(_metric(records, "grad_norm")[3]) and all(math.isfinite(loss) for loss in result.losses)
+    _step_3_skipped_then_recovered_at_step_4(records, tmp_path)
+
+
+def _step_3_skipped_then_recovered_at_step_4(records: list[dict], tmp_path: Path) -> None:
+    """One nan_gradients drill at step 3 on rank 1: the run page told, step 2's weights kept, step 4 trained, and one
+    `recovered` for the fault, at step 4, told by the step that trained again (not by the run's end)."""
     assert _skipped_messages(records) == [3]
     assert _same(_weights(tmp_path, 2), _weights(tmp_path, 3)), "step 3's update was skipped: step 2's weights"
     assert not _same(_weights(tmp_path, 3), _weights(tmp_path, 4)), "step 4 trained"
@@ -118,20 +133,3 @@ def test_one_nan_gradients_step_is_skipped_and_the_run_recovers_and_finishes(tin
         (injected["fault_id"], "nan_gradients", "trainer", 1)
     assert (recovered["step"], recovered["skipped_updates"], recovered["caused_failure"]) == (4, 1, False)
     assert "cut_short_by_run_end" not in recovered
-
-
-def test_one_nan_gradients_step_of_an_sft_run_is_skipped_and_the_run_recovers_and_finishes(tiny_trainable_qwen3: Path,
-                                                                                          tmp_path: Path) -> None:
-    result, records = _run_sft(tiny_trainable_qwen3, tmp_path, steps=4, drill_steps=(3,))
-    assert result.step == 4
-    assert _metric(records, UPDATE_SKIPPED) == {1: 0, 2: 0, 3: 1, 4: 0}, "rank 0 skipped rank 1's NaN update"
-    assert math.isnan(_metric(records, "grad_norm")[3]) and all(math.isfinite(loss) for loss in result.losses)
-    assert _skipped_messages(records) == [3]
-    assert _same(_weights(tmp_path, 2), _weights(tmp_path, 3)), "step 3's update was skipped: step 2's weights"
-    assert not _same(_weights(tmp_path, 3), _weights(tmp_path, 4)), "step 4 trained"
-    [injected] = _events(records, "fault_injected")
-    [recovered] = _events(records, "recovered")
-    assert (recovered["fault_id"], recovered["fault_kind"], recovered["role"], recovered["replica"]) == \
-        (injected["fault_id"], "nan_gradients", "trainer", 1)
-    assert (recovered["step"], recovered["skipped_updates"], recovered["caused_failure"]) == (4, 1, False)
-    assert "cut_short_by_run_end" not in recovered, "told by the step that trained again, not by the run's end"
