@@ -132,7 +132,7 @@ def test_a_weight_read_slower_than_the_straggler_deadline_that_succeeds_blames_n
     generation = _generation(fleet, pipeline)
     assert fleet.trainer.fetches.pending and fleet.state.publications == 1, "the replicas read publication 1"
     timer = PhaseTimer()
-    tokens, _ = pipeline.finish(generation, timer)
+    tokens = pipeline.finish(generation, timer).tokens
     assert fleet.events("failure_detected") == [], "no generator is blamed for the read's time"
     assert not any(replica.failed for replica in fleet.groups["generator"].replicas)
     assert fleet.failover.replacements.get("generator", 0) == 0 and fleet.state.totals.samples_dropped == 0

@@ -922,6 +922,50 @@ def test_a_checkpoint_saves_the_position_before_the_generations_in_flight():
     assert fleet.events("checkpoint_saved")[-1]["policy_version"] == 6
 
 
+def _scores_ahead(fleet: Fleet, recovery: Recovery) -> Callable[[], PendingGeneration]:
+    """Fakes that answer a generation (one completion of 3 tokens a request) and score it; a function that puts one
+    more generation in flight and scores it ahead, as the step loop does while the trainer trains."""
+    for replica in fleet.groups["generator"].replicas:
+        replica.actor.generate = FakeEndpoint(([SimpleNamespace(token_ids=[1, 2, 3])], [("generate", 0.0, 0.2)]))
+    for replica in fleet.groups["reward"].replicas:
+        replica.actor.score = FakeEndpoint("record")
+    fleet.control.buffer.put = FakeEndpoint(None)
+    fleet.trainer.actors.save = type(fleet.trainer.actors.pid)(lambda step, progress: f"ckpt/step_{step:06d}")
+
+    def scored_ahead() -> PendingGeneration:
+        _in_flight(fleet, prompts=4)
+        recovery.pipeline.score_ahead(PhaseTimer())
+        return fleet.state.pending[-1]
+    return scored_ahead
+
+
+def test_a_generation_scored_while_the_trainer_trains_stays_in_flight_until_the_next_step_buffers_it():
+    """Async mode: the controller awaits and scores the oldest generation in flight while the trainer trains, and the
+    next step only buffers it. Until then it is one in flight: a checkpoint saves the dataset's position before it."""
+    fleet, recovery = _recovery()
+    generation = _scores_ahead(fleet, recovery)()
+    [reward] = fleet.groups["reward"].replicas
+    assert list(fleet.state.pending) == [generation] and generation.scored is not None
+    assert (generation.scored.record, generation.scored.tokens) == ("record", 3)
+    assert reward.actor.score.calls and fleet.control.buffer.put.calls == [], "scored, not buffered yet"
+    recovery.pipeline.score_ahead(PhaseTimer())  # scored once
+    assert len(reward.actor.score.calls) == 1
+    recovery.checkpoint(6)
+    assert fleet.trainer.actors.save.calls[-1][1]["data"] == {"position": 48}, "a restore generates it again"
+    scored = recovery.pipeline.finish(fleet.state.pending.popleft(), PhaseTimer())
+    assert scored is generation.scored and fleet.control.buffer.put.calls == [("record",)]
+    assert len(reward.actor.score.calls) == 1 and fleet.groups["generator"].service.served == [1], "nothing asked again"
+
+
+def test_a_restore_drops_a_generation_scored_ahead_without_asking_its_replica_again():
+    fleet, recovery = _recovery()
+    _scores_ahead(fleet, recovery)()
+    recovery.restore(None)
+    service = fleet.groups["generator"].service
+    assert not fleet.state.pending and fleet.state.totals.samples_dropped == 4
+    assert fleet.control.buffer.put.calls == [] and service.served == [1] and service.in_flight == [0]
+
+
 def test_the_run_state_counts_policy_age_per_trained_batch():
     state = RunState(policy_version=5)
     assert state.trained(record_version=3) == 2

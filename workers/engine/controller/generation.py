@@ -5,7 +5,8 @@ and buffered.
   sync, async  `next_batch`: launch generations until max_policy_age + 1 batches are buffered or in flight (each
                launch first syncs the newest weights), await the oldest, score and buffer it, and take the trainer's
                batch from the replay buffer within the age bound. Launched generations keep running on the
-               generator procs while the trainer trains: that is the async overlap.
+               generator procs while the trainer trains: that is the async overlap. The controller awaits and scores
+               the oldest of them meanwhile too (`score_ahead`), so the next step only buffers it.
   pipelined    `train_pipelined`: each chunk of the step is scored, gets its reference log-probs and goes to the
                trainer as soon as its generation returns, while the generators work on later chunks; the trainer
                steps once every chunk is in.
@@ -26,7 +27,7 @@ from workers.engine.controller.control_procs import ControlProcs
 from workers.engine.controller.drill_targets import DrillTargets
 from workers.engine.controller.generators import Generated, ReplicaGenerators, TrainerGenerators
 from workers.engine.controller.requests import Router
-from workers.engine.controller.state import PendingGeneration, RunState
+from workers.engine.controller.state import PendingGeneration, RunState, ScoredGeneration
 from workers.engine.controller.trainer import TrainerHandle, TrainerLost
 from workers.engine.grpo_math import group_prompts
 from workers.engine.models.tokenizer import ChatTokenizer
@@ -100,18 +101,36 @@ class GenerationPipeline:
                                     lambda actor: actor.logprobs.call_one(record, micro, temperature, packing))
 
     # --- sync and async ---------------------------------------------------------------
-    def finish(self, pending: PendingGeneration, timer: PhaseTimer) -> tuple[int, float]:
-        """Await a launched generation, score and buffer it; (tokens, slowest replica's seconds)."""
+    def await_and_score(self, pending: PendingGeneration, timer: PhaseTimer) -> ScoredGeneration:
+        """Await every request of a launched generation (taken out of those in flight) and score its completions."""
         with timer.phase("generate_wait"):
             completions, busiest = [], 0.0
-            for number, request in enumerate(pending.calls):
+            for number in range(len(pending.calls)):
                 generated = self.receive(pending, number, timer)
                 completions.extend(generated.completions)
                 busiest = max(busiest, generated.generate_seconds)
         with timer.phase("reward"):
             record = self.score(pending.problems, pending.prompts, completions, timer)
-            self.control.call(self.control.buffer.put.call_one(record))
-        return sum(len(c.token_ids) for c in completions), busiest
+        return ScoredGeneration(record, sum(len(c.token_ids) for c in completions), busiest)
+
+    def finish(self, pending: PendingGeneration, timer: PhaseTimer) -> ScoredGeneration:
+        """Buffer a launched generation (taken out of those in flight), awaited and scored first unless
+        `score_ahead` did that."""
+        scored = pending.scored or self.await_and_score(pending, timer)
+        with timer.phase("reward"):
+            self.control.call(self.control.buffer.put.call_one(scored.record))
+        return scored
+
+    def score_ahead(self, timer: PhaseTimer) -> None:
+        """While the trainer trains: await and score the oldest generation in flight (async mode launches ahead), so
+        that the next step only buffers it. It stays in flight until then: a checkpoint saves the dataset's position
+        before it, and a restore drops it."""
+        state = self.state
+        if not state.pending or state.pending[0].scored is not None:
+            return
+        oldest = state.pending.popleft()  # `receive` puts it back when the trainer is lost meanwhile
+        oldest.scored = self.await_and_score(oldest, timer)
+        state.pending.appendleft(oldest)
 
     def next_batch(self, timer: PhaseTimer) -> Batch:
         """Generate (launching ahead), score and buffer until the replay buffer gives a batch within the age bound."""
@@ -121,9 +140,9 @@ class GenerationPipeline:
             while buffered + len(state.pending) < self.max_age + 1:  # a launch leaves the buffer as it is
                 state.pending.append(self.launch(timer))
             if buffered == 0:
-                tokens, seconds = self.finish(state.pending.popleft(), timer)
-                batch.generated_tokens += tokens
-                batch.generate_seconds += seconds
+                scored = self.finish(state.pending.popleft(), timer)
+                batch.generated_tokens += scored.tokens
+                batch.generate_seconds += scored.seconds
             batch.record, batch.buffer_stats = self.control.call(buffer.take.call_one(state.policy_version))
         return batch
 
@@ -168,7 +187,7 @@ class GenerationPipeline:
         not finished yet, stays in flight for the restore that follows."""
         while self.state.pending:
             generation = self.state.pending[0]
-            while generation.calls:
+            while generation.calls and generation.scored is None:  # a scored one's requests were all answered
                 self.generators.discard(generation.calls[0])  # a retry still out when it raised is discarded next time
                 generation.calls = generation.calls[1:]
             self.state.pending.popleft()

@@ -10,9 +10,18 @@ from typing import Any
 from workers.engine.tasks import Problem
 
 
+@dataclass(frozen=True)
+class ScoredGeneration:
+    """A generation's answers, scored: the rollout record, its generated tokens and its slowest replica's seconds."""
+
+    record: Any  # a RolloutBatchRecord
+    tokens: int
+    seconds: float
+
+
 @dataclass
 class PendingGeneration:
-    """One step's problems, sent to the generators and not yet scored."""
+    """One step's problems, sent to the generators and not yet buffered (scored already when `scored` is set)."""
 
     problems: list[Problem]
     prompts: list[list[int]]
@@ -20,6 +29,7 @@ class PendingGeneration:
     data_state: dict[str, Any]  # the dataset's position before these problems were taken
     generation: int  # index of this generation (its sampling seeds derive from it)
     spans: list[tuple[int, int]]  # the problems [first, last) each call generates
+    scored: ScoredGeneration | None = None  # scored while the trainer trained (`GenerationPipeline.score_ahead`)
 
 
 @dataclass

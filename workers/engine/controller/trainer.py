@@ -348,9 +348,13 @@ class TrainerHandle:
         self.log.recovered("trainer", noticed, at_step=self.state.step + 1, action="retried")
         return results
 
-    def train_step(self, record: Any, ref_logprobs: Any) -> list[dict[str, Any]]:
-        version = self.state.policy_version
-        return self.every_rank(lambda: self.actors.train_step.call(record, ref_logprobs, version), what="a train step")
+    def send_train_step(self, record: Any, ref_logprobs: Any) -> Any:
+        """Every rank's train step on `record`, sent (its answers are `train_step`'s)."""
+        return self.actors.train_step.call(record, ref_logprobs, self.state.policy_version)
+
+    def train_step(self, record: Any, ref_logprobs: Any, *, sent: Any = None) -> list[dict[str, Any]]:
+        """Every rank's results of a train step on `record` (`sent`: `send_train_step`'s call, made already)."""
+        return self.every_rank(lambda: self.send_train_step(record, ref_logprobs), what="a train step", sent=sent)
 
     def sft_step(self, batch: Any) -> list[dict[str, Any]]:
         return self.every_rank(lambda: self.actors.sft_step.call(batch), what="an SFT step")

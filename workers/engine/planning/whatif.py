@@ -11,10 +11,11 @@
 
 How the modes overlap (the controller's loop, controller/generation.py):
   sync       weight sync, then generation, reward, reference and the trainer's work one after another
-  async      generation of the next batch runs while the trainer trains on this one: a step is the longer of the
-             generators' work and the trainer's path (weight sync, reward, reference, training), both slowed when
-             they oversubscribe shared devices. A replica serves one request at a time, so `max_policy_age` above 1
-             adds batches in flight that absorb jitter but not a longer overlap: the steady state is the same
+  async      generation of the next batch, then its reward, runs while the trainer trains on this one: a step is
+             the longer of the generators' path (generation, reward) and the trainer's (weight sync, reference,
+             training), both slowed when they oversubscribe shared devices. A replica serves one request at a time,
+             so `max_policy_age` above 1 adds batches in flight that absorb jitter but not a longer overlap: the
+             steady state is the same
   pipelined  a step's generation in `pipeline_chunks` requests; the trainer starts on the first chunk while the
              replicas generate the others: the first chunk's generation and the last chunk's training are exposed,
              the rest overlaps
@@ -274,9 +275,10 @@ def predict(shape: ModelShape, workload: Workload, placement: Placement, *, devi
     controller_path = ph["weight_sync"] + ph["reward"] + ph["reference"] + ph["overhead"]
     if w.overlapped == "sync":
         step = ph["generate"] * stretch(gen_busy) + train * stretch(train_busy) + controller_path
-    elif w.overlapped == "async":
-        trainer_path = train * stretch(train_busy) + controller_path
-        step = costs.shared_seconds((ph["generate"], gen_busy), (trainer_path, train_busy), capacity=capacity)
+    elif w.overlapped == "async":  # the next batch is scored while the trainer trains (`score_ahead`)
+        trainer_path = train * stretch(train_busy) + controller_path - ph["reward"]
+        generator_path = ph["generate"] + ph["reward"]
+        step = costs.shared_seconds((generator_path, gen_busy), (trainer_path, train_busy), capacity=capacity)
         step = max(step, trainer_path)
     else:
         chunks = w.pipeline_chunks

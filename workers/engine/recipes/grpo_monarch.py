@@ -21,7 +21,8 @@ Each step, top to bottom (`MonarchGrpoRun.step`):
   3. buffer    the trainer's batch comes out of the replay buffer within the age bound
   4. reference (optional) reference log-probs for the KL penalty
   5. drills    fault drills due now are injected (`controller/drill_targets.py`)
-  6. train     every trainer rank takes its rows; gradients are summed across ranks
+  6. train     every trainer rank takes its rows; gradients are summed across ranks. Meanwhile the controller
+               awaits and scores the oldest generation in flight (async), so the next step only buffers it
   7. record    metrics and where the step's time went (`timeline.py`), then the step's end (`step_end.py`, in this
                order): a skipped update said (NaN or infinite gradients; trainer.max_skipped_updates in a row end the
                run as diverged), rollouts, eval, checkpoint, operator commands (drills, placement changes and
@@ -302,8 +303,11 @@ class MonarchGrpoRun:
         batch = self.pipeline.next_batch(timer)  # 1-3. generate (launching ahead), reward, buffer
         ref_logprobs = self.pipeline.reference_logprobs(batch.record, timer)  # 4. (None without a reference)
         self.drills.inject_due()  # 5. drills due now
-        with timer.phase("train"):  # 6. every rank trains on its rows
-            return batch, self.trainer.train_step(batch.record, ref_logprobs)
+        sent = self.trainer.send_train_step(batch.record, ref_logprobs)  # 6. every rank trains on its rows,
+        timer.train_sent = time.time()
+        self.pipeline.score_ahead(timer)  # while the next batch's generation is awaited and scored (async)
+        with timer.phase("train"):
+            return batch, self.trainer.train_step(batch.record, ref_logprobs, sent=sent)
 
     def metrics(self, batch: Batch, results: list[dict[str, Any]], timer: PhaseTimer, *, age: int,
                 step_seconds: float) -> dict[str, float]:
