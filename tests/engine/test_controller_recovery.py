@@ -932,9 +932,9 @@ def _scores_ahead(fleet: Fleet, recovery: Recovery) -> Callable[[], PendingGener
     fleet.control.buffer.put = FakeEndpoint(None)
     fleet.trainer.actors.save = type(fleet.trainer.actors.pid)(lambda step, progress: f"ckpt/step_{step:06d}")
 
-    def scored_ahead() -> PendingGeneration:
+    def scored_ahead(timer: PhaseTimer | None = None) -> PendingGeneration:
         _in_flight(fleet, prompts=4)
-        recovery.pipeline.score_ahead(PhaseTimer())
+        recovery.pipeline.score_ahead(timer or PhaseTimer())
         return fleet.state.pending[-1]
     return scored_ahead
 
@@ -943,8 +943,12 @@ def test_a_generation_scored_while_the_trainer_trains_stays_in_flight_until_the_
     """Async mode: the controller awaits and scores the oldest generation in flight while the trainer trains, and the
     next step only buffers it. Until then it is one in flight: a checkpoint saves the dataset's position before it."""
     fleet, recovery = _recovery()
-    generation = _scores_ahead(fleet, recovery)()
+    timer = PhaseTimer()
+    generation = _scores_ahead(fleet, recovery)(timer)
     [reward] = fleet.groups["reward"].replicas
+    assert set(timer.seconds) == {"score_ahead"}, "off the step's path: not its generate_wait or reward"
+    assert {(lane, phase) for lane, phase, _, _ in timer.spans} == {
+        ("controller", "score_ahead"), ("generator 0", "generate"), ("reward", "reward")}, "the procs keep their own"
     assert list(fleet.state.pending) == [generation] and generation.scored is not None
     assert (generation.scored.record, generation.scored.tokens) == ("record", 3)
     assert reward.actor.score.calls and fleet.control.buffer.put.calls == [], "scored, not buffered yet"

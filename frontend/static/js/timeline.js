@@ -21,7 +21,7 @@
   const CONTROLLER = "controller";  // its lane holds what the step loop waited on, not work
   const ROLE_ORDER = ["controller", "process", "trainer", "generator", "reward", "reference"];
   const PHASE_COLOURS = {
-    generate: "#1a73e8", generate_wait: "#8ab4f8", weight_load: "#00838f", reward: "#e37400",
+    generate: "#1a73e8", generate_wait: "#8ab4f8", weight_load: "#00838f", reward: "#e37400", score_ahead: "#f6bf85",
     reference: "#8430ce", old_logprobs: "#c2185b", forward_backward: "#188038", train: "#81c995",
     all_reduce: "#b3261e", optimizer: "#8d6e00", weight_sync: "#f2b600", data: "#78909c",
   };

@@ -101,15 +101,17 @@ class GenerationPipeline:
                                     lambda actor: actor.logprobs.call_one(record, micro, temperature, packing))
 
     # --- sync and async ---------------------------------------------------------------
-    def await_and_score(self, pending: PendingGeneration, timer: PhaseTimer) -> ScoredGeneration:
-        """Await every request of a launched generation (taken out of those in flight) and score its completions."""
-        with timer.phase("generate_wait"):
+    def await_and_score(self, pending: PendingGeneration, timer: PhaseTimer, *,
+                        phases: tuple[str, str] = ("generate_wait", "reward")) -> ScoredGeneration:
+        """Await every request of a launched generation (taken out of those in flight) and score its completions;
+        `phases`: the controller's phases the two waits are timed as."""
+        with timer.phase(phases[0]):
             completions, busiest = [], 0.0
             for number in range(len(pending.calls)):
                 generated = self.receive(pending, number, timer)
                 completions.extend(generated.completions)
                 busiest = max(busiest, generated.generate_seconds)
-        with timer.phase("reward"):
+        with timer.phase(phases[1]):
             record = self.score(pending.problems, pending.prompts, completions, timer)
         return ScoredGeneration(record, sum(len(c.token_ids) for c in completions), busiest)
 
@@ -124,12 +126,13 @@ class GenerationPipeline:
     def score_ahead(self, timer: PhaseTimer) -> None:
         """While the trainer trains: await and score the oldest generation in flight (async mode launches ahead), so
         that the next step only buffers it. It stays in flight until then: a checkpoint saves the dataset's position
-        before it, and a restore drops it."""
+        before it, and a restore drops it. Both waits are the controller's phase `score_ahead` (`time/score_ahead_s`):
+        off the step's path, unlike `generate_wait` and `reward`."""
         state = self.state
         if not state.pending or state.pending[0].scored is not None:
             return
         oldest = state.pending.popleft()  # `receive` puts it back when the trainer is lost meanwhile
-        oldest.scored = self.await_and_score(oldest, timer)
+        oldest.scored = self.await_and_score(oldest, timer, phases=("score_ahead", "score_ahead"))
         state.pending.appendleft(oldest)
 
     def next_batch(self, timer: PhaseTimer) -> Batch:
