@@ -35,14 +35,16 @@ LONG_LANE = "trainer " + "x" * 56  # the longest name the wire takes (64)
 
 def _payload(step: int) -> dict:
     """A GRPO step in async mode: generation launched in the step before (negative start) overlaps the trainer's
-    work; from step 8 on, generator 1 is replaced by generator 10. Shares alternate so a mean over an even number
-    of steps is round (forward_backward 30%, trainer 0 idle 55%)."""
+    work, and the controller scores the next batch while the trainer trains (score_ahead); from step 8 on, generator 1
+    is replaced by generator 10. Shares alternate so a mean over an even number of steps is round (forward_backward
+    30%, trainer 0 idle 55%)."""
     second = "generator 1" if step < 8 else "generator 10"
     lanes = ["trainer 1", "generator 0", "controller", "reference", "trainer 0", "reward", second]  # not in order
     at = {name: i for i, name in enumerate(lanes)}
     spans = [
         [at["controller"], "generate_wait", 0.0, 0.6], [at["controller"], "reward", 0.6, 0.8],
-        [at["controller"], "train", 0.8, 1.8], [at["controller"], "weight_sync", 1.8, 1.95],
+        [at["controller"], "score_ahead", 0.8, 1.5], [at["controller"], "train", 1.5, 1.8],
+        [at["controller"], "weight_sync", 1.8, 1.95],
         [at["generator 0"], "generate", -0.3, 0.6], [at[second], "generate", 0.0, 0.5],
         [at[second], "weight_load", 1.8, 1.95],
         [at["reward"], "reward", 0.6, 0.8], [at["reference"], "reference", 0.6, 0.75],
@@ -141,7 +143,7 @@ def _assert_layout(geometry: dict, *, first: int, last: int, where: str) -> None
     scale = plot["width"] / (view["to"] - view["from"])
     rows = {lane["name"]: lane["row"] for lane in geometry["lanes"]}
     drawn = [s for s in geometry["spans"]]
-    assert len(drawn) == 15 * (last - first + 1), f"{where}: {len(drawn)} spans"
+    assert len(drawn) == 16 * (last - first + 1), f"{where}: {len(drawn)} spans"
     for span in drawn:
         box, row = span["box"], rows[span["lane"]]
         assert row["top"] < box["top"] and box["bottom"] < row["bottom"], f"{where}: {span['title']} outside its row"
@@ -200,9 +202,13 @@ def test_step_timeline_draws_lanes_spans_steps_zoom_and_shares(page, server, tea
     assert "all_reduce 5%" in shares and "reference 8%" in shares, shares
     assert "trainer 0 idle 55%" in idle and "trainer 1 idle 60%" in idle and "reward idle 90%" in idle, idle
     assert [line.rsplit(" idle ", 1)[0] for line in idle] == LANES_IN_ORDER[1:], "idle lines in the rows' order"
-    assert not any(s.startswith(("generate_wait", "train ")) for s in shares), "the controller's waits are not work"
+    assert not any(s.startswith(("generate_wait", "train ", "score_ahead")) for s in shares), \
+        "the controller's waits are not work"
     waits = _flat(page.locator("#step-timeline .tl-waits li").all_inner_texts())
-    assert waits == ["train 50%", "generate_wait 30%", "reward 10%", "weight_sync 8%"], waits
+    assert waits == ["score_ahead 35%", "generate_wait 30%", "train 15%", "reward 10%", "weight_sync 8%"], waits
+    colours = {phase: panel.locator(f'rect.tl-span[data-lane="controller"][data-phase="{phase}"]').first.evaluate(
+        "e => getComputedStyle(e).fill") for phase in ("score_ahead", "generate_wait", "train")}
+    assert colours["score_ahead"] == "rgb(246, 191, 133)" and len(set(colours.values())) == 3, colours
     swatch = panel.locator('.tl-shares li[data-phase="forward_backward"] .swatch')
     assert swatch.evaluate("e => getComputedStyle(e).backgroundColor") == \
         panel.locator('rect.tl-span[data-phase="forward_backward"]').first.evaluate("e => getComputedStyle(e).fill")

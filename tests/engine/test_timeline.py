@@ -174,6 +174,9 @@ def test_every_monarch_mode_records_the_roles_lanes_a_step(monarch_mode_runs: di
             assert "controller" not in timeline["idle"]
             for _, _, start, end in timeline["spans"]:
                 assert end >= start and end <= timeline["seconds"] + 1e-3, (mode, start, end)
+        # only async has a generation in flight while the trainer trains: the controller scores it then, every step
+        scored_ahead = ["score_ahead" in phases_on(t, "controller") for t in timelines]
+        assert scored_ahead == [mode == "async"] * len(timelines), (mode, scored_ahead)
         if mode != "sync":  # generation overlaps training: the generator works in every step it is not waited on
             assert all(t["idle"]["generator 0"] < 0.95 for t in timelines), (mode, [t["idle"] for t in timelines])
         assert any("weight_load" in phases_on(t, "generator 0") for t in timelines[1:]), \
