@@ -209,6 +209,11 @@ def test_step_timeline_draws_lanes_spans_steps_zoom_and_shares(page, server, tea
     colours = {phase: panel.locator(f'rect.tl-span[data-lane="controller"][data-phase="{phase}"]').first.evaluate(
         "e => getComputedStyle(e).fill") for phase in ("score_ahead", "generate_wait", "train")}
     assert colours["score_ahead"] == "rgb(246, 191, 133)" and len(set(colours.values())) == 3, colours
+    # each entry says what its phase is when pointed at
+    assert panel.locator('.tl-waits li[data-phase="score_ahead"]').get_attribute("title") == \
+        "score_ahead: the next batch awaited and scored while the trainer trains (async): off the step's path"
+    assert panel.locator('.tl-shares:not(.tl-waits) li[data-phase="forward_backward"]').get_attribute("title") == \
+        "forward_backward: the trainer's forward and backward passes"
     swatch = panel.locator('.tl-shares li[data-phase="forward_backward"] .swatch')
     assert swatch.evaluate("e => getComputedStyle(e).backgroundColor") == \
         panel.locator('rect.tl-span[data-phase="forward_backward"]').first.evaluate("e => getComputedStyle(e).fill")

@@ -25,6 +25,23 @@
     reference: "#8430ce", old_logprobs: "#c2185b", forward_backward: "#188038", train: "#81c995",
     all_reduce: "#b3261e", optimizer: "#8d6e00", weight_sync: "#f2b600", data: "#78909c",
   };
+  // What each phase the engine records is, said when the pointer rests on its legend entry (a Map: a phase is a
+  // payload's word, and "constructor" must not find an object's own property).
+  const PHASE_HELP = new Map([
+    ["generate", "a generator producing completions"],
+    ["generate_wait", "the step loop waiting for the generations the step needs"],
+    ["weight_load", "a generator taking in new policy weights"],
+    ["reward", "completions scored: reward functions and group advantages"],
+    ["score_ahead", "the next batch awaited and scored while the trainer trains (async): off the step's path"],
+    ["reference", "the reference model's log-probs, for the KL penalty"],
+    ["old_logprobs", "the trainer's log-probs of the batch before its update"],
+    ["forward_backward", "the trainer's forward and backward passes"],
+    ["train", "the step loop waiting for the trainer's step"],
+    ["all_reduce", "gradients summed across the trainer's ranks"],
+    ["optimizer", "the optimizer's update of the weights"],
+    ["weight_sync", "the trainer staging new weights for the generators"],
+    ["data", "the step's examples read and collated"],
+  ]);
   const FALLBACK_COLOURS = ["#6d4c41", "#546e7a", "#9e9d24", "#5e35b1", "#d84315", "#00695c"];
 
   // --- reading payloads ---------------------------------------------------------------------------------------
@@ -613,6 +630,7 @@
       const shareItem = ({ phase, share }) => {
         const item = html("li");
         item.setAttribute("data-phase", phase);
+        if (PHASE_HELP.has(phase)) item.title = `${phase}: ${PHASE_HELP.get(phase)}`;
         const swatch = html("span", "swatch");
         swatch.style.backgroundColor = phaseColour(phase);
         const bar = html("span", "tl-bar");
