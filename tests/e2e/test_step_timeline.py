@@ -389,6 +389,8 @@ def _assert_hostile_drawn_as_text(page, where: str) -> None:
     assert len(hostile) == 1 and hostile[0]["lane"] == LONG_LANE and hostile[0]["step"] == 12, where
     assert hostile[0]["title"] == f"{LONG_LANE} · {HOSTILE_PHASE} · step 12 · 1.80 s"
     assert f"{HOSTILE_PHASE} 9%" in _flat(_legend(page)[0]), f"{where}: 0.9 over 10 steps, as text"
+    untitled = panel.locator(".tl-shares li").evaluate_all("items => items.filter(i => !i.title).map(i => i.dataset.phase)")
+    assert untitled == [HOSTILE_PHASE], f"{where}: a phase the page does not know gets no help text ({untitled})"
     assert any(line.startswith(LONG_LANE[:20]) for line in _flat(_legend(page)[1])), where
     long_label = next(lane for lane in geometry["lanes"] if lane["name"] == LONG_LANE)
     assert long_label["labelClipped"], f"{where}: the long name is cut with an ellipsis, within its column"

@@ -134,20 +134,28 @@ class _WaitsForWeights:
         raise RuntimeError("RDMA submit failed: tcp read chunk timed out")
 
 
-def test_a_trainer_that_dies_while_a_generator_reads_its_weights_fails_the_step_and_not_the_generator():
+@pytest.mark.parametrize("awaited_by", ["finish", "score_ahead"])
+def test_a_trainer_that_dies_while_a_generator_reads_its_weights_fails_the_step_and_not_the_generator(awaited_by: str):
     """The ranks die while the generator's inbox reads their publication (that read would wait for its timeout, and
     the requests naming it with it): the trainer's failure is noticed while waiting for the generation, not the
     generator's after failover.call_timeout_s; the trainer's relaunch tells the inbox the publication will not arrive,
-    and its restore drops the generation, whose requests then fail for want of weights without blaming the replica."""
+    and its restore drops the generation, whose requests then fail for want of weights without blaming the replica.
+    The same whether the step awaits the generation (`finish`) or the controller does while the trainer trains
+    (`score_ahead`, async)."""
     fleet, recovery = _recovery(replicas_host="b", failover="{call_timeout_s: 5, poll_seconds: 0.05}")
     replica = fleet.groups["generator"].replicas[0]
     generation, calls, told = _waiting_for_weights(fleet, recovery, _WaitsForWeights)  # the read never ends
     fleet.hosts.fail("a")  # the trainer's host: its ranks are gone
     started = time.monotonic()
     with pytest.raises(TrainerLost, match="host a of the trainer was lost"):
-        recovery.pipeline.finish(generation, PhaseTimer())
+        if awaited_by == "finish":
+            recovery.pipeline.finish(generation, PhaseTimer())
+        else:
+            fleet.state.pending.append(generation)
+            recovery.pipeline.score_ahead(PhaseTimer())
     assert time.monotonic() - started < 2, "noticed at the next poll, not at the call timeout (5 s)"
     assert list(fleet.state.pending) == [generation] and generation.calls == calls, "back in flight, for the restore"
+    assert generation.scored is None
     fleet.trainer.fetches.abandon(waits=fleet.waits)  # what the trainer's relaunch does first
     assert told == [1]
     recovery.restore(None)

@@ -276,7 +276,7 @@ def predict(shape: ModelShape, workload: Workload, placement: Placement, *, devi
     if w.overlapped == "sync":
         step = ph["generate"] * stretch(gen_busy) + train * stretch(train_busy) + controller_path
     elif w.overlapped == "async":  # the next batch is scored while the trainer trains (`score_ahead`)
-        trainer_path = train * stretch(train_busy) + controller_path - ph["reward"]
+        trainer_path = train * stretch(train_busy) + ph["weight_sync"] + ph["reference"] + ph["overhead"]
         generator_path = ph["generate"] + ph["reward"]
         step = costs.shared_seconds((generator_path, gen_busy), (trainer_path, train_busy), capacity=capacity)
         step = max(step, trainer_path)
